@@ -1,0 +1,56 @@
+"""`fivefold COMMAND ...`: one module per command in this package.
+
+Each command module defines `HELP` (one line), `add_arguments(parser)` and `run(args, extra) -> int`;
+`extra` holds the words argparse did not recognise (dotted overrides, Megatron flags) for the
+commands that set `ACCEPTS_EXTRA = True`. A `UserError` ends the command with its message and exit 2.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from fivefold.errors import UserError
+
+COMMANDS = ["validate", "layout", "train", "schedule", "plan", "estimate"]
+
+
+def _load(name: str):
+    try:
+        return importlib.import_module(f"fivefold.cli.{name}")
+    except ModuleNotFoundError as e:
+        if e.name == f"fivefold.cli.{name}":
+            return None
+        raise
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(prog="fivefold", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    modules = {}
+    for name in COMMANDS:
+        module = _load(name)
+        help_text = module.HELP if module else "(not implemented yet)"
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        if module:
+            module.add_arguments(p)
+        modules[name] = module
+    args, extra = parser.parse_known_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    module = modules[args.command]
+    if module is None:
+        print(f"fivefold {args.command}: not implemented yet", file=sys.stderr)
+        return 2
+    if extra and not getattr(module, "ACCEPTS_EXTRA", False):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    try:
+        return int(module.run(args, extra) or 0)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,268 @@
+"""The one canonical config: typed, keyword-only dataclasses, one per owner.
+
+Every dialect (RLinf YAML, SkyRL / Megatron-Bridge overrides, Megatron-LM flags, AReaL allocation
+modes, our own YAML and dotted overrides) is translated into these objects; nothing downstream reads
+a dialect. Field names follow Megatron-Core where Megatron has one, so that its users recognise them.
+Each field's docstring (the string under it) gives its unit and default.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, is_dataclass
+
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "dualpipev")
+CP_COMM_TYPES = ("p2p", "a2a", "a2a+p2p")
+DIM_NAMES = ("tp", "cp", "ep", "dp", "pp")
+
+
+@dataclass(kw_only=True)
+class ClusterConfig:
+    num_nodes: int = 1
+    """Number of nodes. Default 1."""
+    gpus_per_node: int = 8
+    """Accelerators (or CPU ranks) per node. Default 8, as RLinf assumes."""
+    world_size: int | None = None
+    """Total ranks; default num_nodes * gpus_per_node when not given."""
+
+    @property
+    def resolved_world_size(self) -> int:
+        return self.world_size if self.world_size is not None else self.num_nodes * self.gpus_per_node
+
+
+@dataclass(kw_only=True)
+class ParallelConfig:
+    tensor_model_parallel_size: int = 1
+    """TP: ranks that split each weight matrix (heads, FFN, vocab). Default 1."""
+    pipeline_model_parallel_size: int = 1
+    """PP: pipeline stages (groups of layers on different ranks). Default 1."""
+    virtual_pipeline_model_parallel_size: int | None = None
+    """VPP: model chunks per pipeline rank for the interleaved schedule. Default None (no interleaving)."""
+    context_parallel_size: int = 1
+    """CP: ranks that split the whole sequence (ring attention). Default 1."""
+    cp_comm_type: str = "p2p"
+    """CP attention communication: p2p (ring), a2a (all-to-all over heads) or a2a+p2p. Default p2p."""
+    hierarchical_context_parallel_sizes: list[int] | None = None
+    """For cp_comm_type a2a+p2p: [a2a size, p2p size], product = CP. Default None."""
+    expert_model_parallel_size: int = 1
+    """EP: ranks that split the MoE experts (folded into TP x CP x DP ranks). Default 1."""
+    expert_tensor_parallel_size: int | None = None
+    """ETP: TP inside each expert. Default None = TP (Megatron); AReaL's dialect sets 1."""
+    sequence_parallel: bool = False
+    """SP (Megatron's): shard norms/dropout/residual along the sequence in the TP group. Default False."""
+    order: str = "tp-cp-ep-dp-pp"
+    """Rank order, fastest-varying first. Default Megatron's tp-cp-ep-dp-pp."""
+    pipeline_schedule: str = "1f1b"
+    """gpipe, 1f1b, interleaved, zb-h1 or dualpipev. Default 1f1b (interleaved when VPP is set)."""
+    pipeline_schedule_csv: str | None = None
+    """Path of a hand-written schedule in the IR's CSV form; overrides pipeline_schedule. Default None."""
+    pipeline_layers_per_stage: list[int] | None = None
+    """Explicit decoder layers per pipeline stage (sums to num_layers). Default None (even split)."""
+    decoder_first_pipeline_num_layers: int | None = None
+    """Layers on the first pipeline stage (Megatron's uneven split). Default None."""
+    decoder_last_pipeline_num_layers: int | None = None
+    """Layers on the last pipeline stage (Megatron's uneven split). Default None."""
+    account_for_embedding_in_pipeline_split: bool = False
+    """Count the embedding as one layer of the first stage when splitting. Default False."""
+    account_for_loss_in_pipeline_split: bool = False
+    """Count the output layer + loss as one layer of the last stage when splitting. Default False."""
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    num_layers: int = 2
+    """Decoder layers. Default 2."""
+    hidden_size: int = 64
+    """Residual stream width h. Default 64."""
+    ffn_hidden_size: int | None = None
+    """Dense MLP width (SwiGLU inner size). Default None = 4h (rounded as Llama: 8h/3 to 64)."""
+    num_attention_heads: int = 4
+    """Query heads a. Default 4."""
+    num_query_groups: int | None = None
+    """KV heads (grouped-query attention). Default None = num_attention_heads (MHA)."""
+    kv_channels: int | None = None
+    """head_dim, independent of hidden/heads. Default None = hidden_size / num_attention_heads."""
+    vocab_size: int = 256
+    """Tokenizer vocabulary (before padding). Default 256 (the byte tokenizer)."""
+    make_vocab_size_divisible_by: int = 128
+    """Padded vocabulary is a multiple of this x TP (Megatron). Default 128."""
+    max_position_embeddings: int = 4096
+    """Longest sequence RoPE is set up for, in tokens. Default 4096."""
+    normalization: str = "RMSNorm"
+    """RMSNorm (or LayerNorm, planner only). Default RMSNorm."""
+    norm_epsilon: float = 1e-5
+    """Norm epsilon. Default 1e-5."""
+    rotary_base: float = 10000.0
+    """RoPE theta. Default 10000."""
+    tie_word_embeddings: bool = False
+    """Share the input embedding and the output layer. Default False (Megatron's untied)."""
+    init_method_std: float = 0.02
+    """Std of the normal weight initialisation. Default 0.02."""
+    # Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2, Moonlight).
+    multi_latent_attention: bool = False
+    """MLA instead of GQA. Default False."""
+    q_lora_rank: int | None = None
+    """MLA query compression rank; None = uncompressed queries. Default None."""
+    kv_lora_rank: int = 512
+    """MLA key/value compression rank. Default 512."""
+    qk_head_dim: int = 128
+    """MLA per-head q/k width without RoPE. Default 128."""
+    qk_pos_emb_head_dim: int = 64
+    """MLA per-head decoupled RoPE width. Default 64."""
+    v_head_dim: int = 128
+    """MLA per-head value width. Default 128."""
+    # Mixture of Experts.
+    num_experts: int | None = None
+    """Routed experts per MoE layer; None = dense model. Default None."""
+    moe_router_topk: int = 2
+    """Experts each token is routed to. Default 2."""
+    moe_router_score_function: str = "softmax"
+    """softmax or sigmoid router scores. Default softmax."""
+    moe_router_load_balancing_type: str = "aux_loss"
+    """aux_loss, seq_aux_loss, sinkhorn or none. Default aux_loss."""
+    moe_aux_loss_coeff: float = 0.0
+    """Load-balancing loss coefficient. Default 0."""
+    moe_z_loss_coeff: float | None = None
+    """Router z-loss coefficient; None = off. Default None."""
+    moe_expert_capacity_factor: float | None = None
+    """Tokens per expert cap as a multiple of the even share; None = dropless. Default None."""
+    moe_ffn_hidden_size: int | None = None
+    """Routed expert FFN width. Default None = ffn_hidden_size."""
+    moe_shared_expert_intermediate_size: int | None = None
+    """Total width of the shared experts; None = no shared expert. Default None."""
+    moe_first_k_dense_layers: int = 0
+    """Leading layers that keep a dense MLP (DeepSeek's first_k_dense_replace). Default 0."""
+
+    @property
+    def is_moe(self) -> bool:
+        return bool(self.num_experts)
+
+    @property
+    def head_dim(self) -> int:
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def ffn_size(self) -> int:
+        if self.ffn_hidden_size:
+            return self.ffn_hidden_size
+        return ((8 * self.hidden_size // 3) + 63) // 64 * 64
+
+    def padded_vocab_size(self, tp: int = 1) -> int:
+        multiple = self.make_vocab_size_divisible_by * tp
+        return -(-self.vocab_size // multiple) * multiple
+
+
+@dataclass(kw_only=True)
+class TrainingConfig:
+    seq_length: int = 64
+    """Tokens per sequence. Default 64."""
+    global_batch_size: int = 8
+    """Sequences per optimizer step, over all DP ranks. Default 8."""
+    micro_batch_size: int = 1
+    """Sequences per microbatch per DP rank. Default 1."""
+    train_iters: int = 10
+    """Optimizer steps. Default 10."""
+    optimizer: str = "adamw"
+    """adamw (or sgd). Default adamw."""
+    lr: float = 1e-3
+    """Peak learning rate. Default 1e-3."""
+    min_lr: float = 0.0
+    """Floor of the decay. Default 0."""
+    lr_warmup_iters: int = 0
+    """Linear warm-up steps. Default 0."""
+    lr_decay_style: str = "cosine"
+    """cosine, linear or constant after warm-up. Default cosine."""
+    weight_decay: float = 0.01
+    """AdamW decoupled weight decay. Default 0.01."""
+    adam_beta1: float = 0.9
+    """Default 0.9."""
+    adam_beta2: float = 0.95
+    """Default 0.95."""
+    adam_eps: float = 1e-8
+    """Default 1e-8."""
+    clip_grad: float = 1.0
+    """Global gradient-norm clip over all ranks and shards; 0 = off. Default 1.0."""
+    precision: str = "fp32"
+    """fp32, bf16 (or fp16 / fp8 for the planner). Default fp32."""
+    recompute_granularity: str | None = None
+    """None, selective or full activation recompute. Default None."""
+    recompute_method: str | None = None
+    """With full recompute: uniform or block. Default None."""
+    recompute_num_layers: int | None = None
+    """With full recompute: layers per chunk (uniform) or recomputed layers per stage (block)."""
+    use_distributed_optimizer: bool = False
+    """Shard optimizer state over DP (ZeRO-1). Default False."""
+    seed: int = 1234
+    """Seed for initialisation and data order. Default 1234."""
+    eval_interval: int | None = None
+    """Steps between evaluations; None = no evaluation. Default None."""
+    eval_iters: int = 2
+    """Batches per evaluation. Default 2."""
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    path: str | None = None
+    """A text file, a folder of files, a .jsonl, or a token file (.bin/.npy); None = Python's stdlib sources."""
+    format: str = "auto"
+    """auto, text, jsonl or tokens. Default auto (from the suffix)."""
+    jsonl_field: str = "text"
+    """The JSONL field holding the text. Default text."""
+    token_dtype: str = "uint16"
+    """uint16 or uint32 for pre-tokenized token files. Default uint16."""
+    tokenizer: str = "byte"
+    """byte (no download), or a local HF tokenizer directory. Default byte."""
+    packing: bool = True
+    """Pack documents into fixed-length sequences with an end-of-document token. Default True."""
+    eval_fraction: float = 0.05
+    """Held-out share of documents for evaluation. Default 0.05."""
+    max_documents: int | None = None
+    """Cap on documents read (for quick runs). Default None."""
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    save: str | None = None
+    """Folder to save into; None = OUT/checkpoints. Default None."""
+    load: str | None = None
+    """Checkpoint folder to resume from. Default None."""
+    save_interval: int | None = None
+    """Steps between saves; None = only at the end. Default None."""
+
+
+@dataclass(kw_only=True)
+class LoggingConfig:
+    log_interval: int = 1
+    """Steps between metric lines. Default 1."""
+    tensorboard: bool = True
+    """Write TensorBoard logs when the package is installed. Default True."""
+    profile: bool = False
+    """Profile the first iterations (Megatron --profile). Default False."""
+    profile_ranks: list[int] = field(default_factory=lambda: [0])
+    """Ranks to profile. Default [0]."""
+
+
+@dataclass(kw_only=True)
+class Config:
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+
+SECTIONS = {name: type(section) for name, section in vars(Config()).items()}
+"""Section name -> its dataclass."""
+
+
+def to_dict(obj) -> dict:
+    """Nested plain dict of a config (for YAML output and comparisons)."""
+    if is_dataclass(obj):
+        return {f.name: to_dict(getattr(obj, f.name)) for f in fields(obj)}
+    if isinstance(obj, list):
+        return [to_dict(v) for v in obj]
+    return obj

@@ -1,0 +1,140 @@
+"""Ranks <-> coordinates: pure arithmetic, no torch.distributed.
+
+A `Topology` lays `world_size` ranks out on named dimensions in an order string, fastest-varying
+first, as Megatron's RankGenerator does: with order "tp-cp-dp-pp", ranks 0..tp-1 form the first TP
+group and the PP coordinate changes slowest. A group over a set of dimensions is the ranks that share
+every other coordinate.
+
+A `Layout` holds the two grids of Megatron's MoE folding over the same ranks:
+  dense  : tp x cp x dp x pp          (attention, dense MLPs, embeddings)
+  expert : etp x ep x edp x pp        (routed experts), with etp*ep*edp = tp*cp*dp
+Both keep PP outermost in the default order, so their PP groups are identical.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from math import prod
+
+import numpy as np
+
+
+def parse_order(order: str) -> list[str]:
+    dims = [d.strip() for d in order.split("-") if d.strip()]
+    if len(set(dims)) != len(dims):
+        raise ValueError(f"order={order!r} names a dimension twice")
+    return dims
+
+
+class Topology:
+    """`sizes` maps dimension name -> size; `order` lists the dimensions, fastest-varying first."""
+
+    def __init__(self, sizes: dict[str, int], order: str | list[str]):
+        dims = parse_order(order) if isinstance(order, str) else list(order)
+        missing = set(sizes) - set(dims)
+        if missing:
+            raise ValueError(f"dimensions {sorted(missing)} are not in order {'-'.join(dims)}")
+        self.dims = dims
+        self.sizes = {d: int(sizes.get(d, 1)) for d in dims}
+        self.world_size = prod(self.sizes.values())
+        self.strides = {}
+        stride = 1
+        for d in dims:
+            self.strides[d] = stride
+            stride *= self.sizes[d]
+
+    def __repr__(self) -> str:
+        return "Topology(" + ", ".join(f"{d}={self.sizes[d]}" for d in self.dims) + ")"
+
+    def coords(self, rank: int) -> dict[str, int]:
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside world size {self.world_size}")
+        return {d: (rank // self.strides[d]) % self.sizes[d] for d in self.dims}
+
+    def rank(self, **coords: int) -> int:
+        return sum(coords.get(d, 0) * self.strides[d] for d in self.dims)
+
+    @cached_property
+    def _grid(self) -> np.ndarray:
+        # Axis i of the grid is dims[-1 - i]: the last axis varies fastest, like rank numbering.
+        return np.arange(self.world_size).reshape([self.sizes[d] for d in reversed(self.dims)])
+
+    def groups(self, dims: str | list[str]) -> list[list[int]]:
+        """All groups over `dims` ("tp", "dp-cp", ...): each a list of ranks in coordinate order."""
+        names = parse_order(dims) if isinstance(dims, str) else list(dims)
+        unknown = [d for d in names if d not in self.sizes]
+        if unknown:
+            raise ValueError(f"unknown dimension(s) {unknown}; this topology has {self.dims}")
+        axes = {d: len(self.dims) - 1 - i for i, d in enumerate(self.dims)}
+        inner = [axes[d] for d in reversed(self.dims) if d in names]  # keeps the first-in-order fastest
+        outer = [a for a in range(len(self.dims)) if a not in inner]
+        arr = self._grid.transpose(outer + inner).reshape(-1, prod(self.sizes[d] for d in names))
+        return arr.tolist()
+
+    def group(self, rank: int, dims: str | list[str]) -> list[int]:
+        """The group over `dims` that holds `rank`."""
+        c = self.coords(rank)
+        names = parse_order(dims) if isinstance(dims, str) else list(dims)
+        fixed = {d: v for d, v in c.items() if d not in names}
+        ranks = [self.rank(**fixed)]
+        for d in self.dims:
+            if d in names:
+                ranks = [r + i * self.strides[d] for i in range(self.sizes[d]) for r in ranks]
+        return sorted(ranks)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The dense and expert grids of one model over the same ranks (Megatron's MoE folding)."""
+
+    tp: int = 1
+    cp: int = 1
+    pp: int = 1
+    dp: int = 1
+    ep: int = 1
+    etp: int = 1
+    order: str = "tp-cp-ep-dp-pp"
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.cp * self.dp * self.pp
+
+    @property
+    def edp(self) -> int:
+        """Expert data parallel size: (tp*cp*dp) / (etp*ep)."""
+        return (self.tp * self.cp * self.dp) // (self.etp * self.ep)
+
+    @cached_property
+    def dense(self) -> Topology:
+        dims = [d for d in parse_order(self.order) if d != "ep"]
+        return Topology({"tp": self.tp, "cp": self.cp, "dp": self.dp, "pp": self.pp}, dims)
+
+    @cached_property
+    def expert(self) -> Topology:
+        # Megatron's expert generator: the same order with tp -> etp, cp -> 1, dp -> edp.
+        rename = {"tp": "etp", "dp": "edp"}
+        dims = [rename.get(d, d) for d in parse_order(self.order) if d != "cp"]
+        return Topology({"etp": self.etp, "ep": self.ep, "edp": self.edp, "pp": self.pp}, dims)
+
+    def embedding_groups(self) -> list[list[int]]:
+        """First and last PP stage of each pipeline: where tied embeddings live."""
+        return [sorted({g[0], g[-1]}) for g in self.dense.groups("pp")]
+
+    def named_groups(self) -> dict[str, list[list[int]]]:
+        """Every group a run builds, by Megatron's names."""
+        d, e = self.dense, self.expert
+        return {
+            "tp": d.groups("tp"),
+            "cp": d.groups("cp"),
+            "dp": d.groups("dp"),
+            "pp": d.groups("pp"),
+            "dp-cp": d.groups("cp-dp"),
+            "tp-cp": d.groups("tp-cp"),
+            "model-parallel": d.groups("tp-pp"),
+            "tp-cp-dp": d.groups("tp-cp-dp"),
+            "embedding": self.embedding_groups(),
+            "etp": e.groups("etp"),
+            "ep": e.groups("ep"),
+            "edp": e.groups("edp"),
+            "etp-ep": e.groups("etp-ep"),
+        }
