@@ -1,0 +1,1 @@
+"""Pipeline parallelism: schedules as data (IR, generators, verifier, simulator, renderer) and their executor."""
