@@ -64,6 +64,9 @@ class ParallelConfig:
     """Count the embedding as one layer of the first stage when splitting. Default False."""
     account_for_loss_in_pipeline_split: bool = False
     """Count the output layer + loss as one layer of the last stage when splitting. Default False."""
+    num_layers_per_virtual_pipeline_stage: int | None = None
+    """Megatron's way to ask for interleaving: layers per model chunk; VPP = num_layers / (PP x this).
+    Default None (use virtual_pipeline_model_parallel_size)."""
 
 
 @dataclass(kw_only=True)
@@ -158,8 +161,9 @@ class ModelConfig:
 class TrainingConfig:
     seq_length: int = 64
     """Tokens per sequence. Default 64."""
-    global_batch_size: int = 8
-    """Sequences per optimizer step, over all DP ranks. Default 8."""
+    global_batch_size: int | None = None
+    """Sequences per optimizer step, over all DP ranks. Default None = micro_batch_size x DP (Megatron);
+    validation writes the resolved number back."""
     micro_batch_size: int = 1
     """Sequences per microbatch per DP rank. Default 1."""
     train_iters: int = 10

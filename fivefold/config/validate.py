@@ -1,11 +1,14 @@
 """Validation: every problem of a config at once, each naming field, value, rule and a fix.
 
-(Placeholder interface; the foundation work fills in the rules.)
+The rules live in rules.py (over flat sizes), the fix search in fixes.py; this module applies a
+dialect's own adjustments to the Config, and turns broken rules into `Problem`s.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from fivefold.config.fixes import describe, search
+from fivefold.config.rules import KNOB_FIELDS, adjust, dp_of, errors, sizes_of
 from fivefold.config.schema import Config
 from fivefold.errors import UserError
 from fivefold.topology import Layout
@@ -32,9 +35,49 @@ class ConfigError(UserError):
         super().__init__("invalid config:\n" + "\n".join(f"  - {p}" for p in problems))
 
 
-def validate(config: Config, dialect: str = "fivefold") -> list[Problem]:
-    """All problems (errors and warnings); adjustments a dialect makes are applied to `config`."""
-    raise NotImplementedError
+def validate(config: Config, dialect: str = "fivefold", *, raise_errors: bool = True) -> list[Problem]:
+    """All problems of `config` read in `dialect`; adjustments the dialect makes are applied to `config`.
+
+    Raises ConfigError listing every problem (errors first, then warnings) when any is an error and
+    `raise_errors`; otherwise returns the problems (only warnings when `raise_errors`).
+    """
+    s = sizes_of(config)
+    base = dict(s)
+    warned = adjust(s, dialect)
+    broken = errors(s)
+    fixes = search(base, broken, dialect) if broken else {}
+    problems = [Problem(r.field, r.value, r.rule, describe(fixes[i]) if i in fixes else "none found")
+                for i, r in enumerate(broken)]
+    warnings = [Problem(r.field, r.value, r.rule, "applied", "warning") for r in warned]
+    if not broken:
+        warnings += _soft_warnings(s)
+        _write_back(config, s)
+    if broken and raise_errors:
+        raise ConfigError(problems + warnings)
+    return problems + warnings
+
+
+def _write_back(config: Config, s: dict) -> None:
+    for knob in ("vpp", "vpp_layers", "schedule", "sp", "gbs"):
+        section, name = KNOB_FIELDS[knob].split(".")
+        setattr(getattr(config, section), name, s[knob])
+
+
+def _soft_warnings(s: dict) -> list[Problem]:
+    """Legal but slow: TP groups that span a node boundary."""
+    tp, gpn = s["tp"], s["gpn"]
+    if tp <= 1 or s["world"] <= gpn or (gpn % tp == 0 and s["order"].startswith("tp")):
+        return []
+    layout = Layout(tp=tp, cp=s["cp"], pp=s["pp"], dp=dp_of(s), order=s["order"])
+    for group in layout.dense.groups("tp"):
+        nodes = sorted({r // gpn for r in group})
+        if len(nodes) > 1:
+            edge = next(r for r in group if r // gpn != group[0] // gpn)
+            return [Problem(KNOB_FIELDS["tp"], tp, f"TP group {group} spans nodes {nodes}: it crosses the "
+                            f"node boundary before rank {edge} ({gpn} GPUs per node); TP all-reduces "
+                            "then run over the inter-node network", f"tensor_model_parallel_size<={gpn} "
+                            f"dividing {gpn}", "warning")]
+    return []
 
 
 def layout_of(config: Config) -> Layout:

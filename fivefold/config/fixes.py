@@ -1,0 +1,152 @@
+"""A fix for a broken config: the valid sizes that change the fewest knobs.
+
+Search by number of changed knobs (1, then 2 among the knobs the broken rules name), each candidate
+run through the dialect's adjustments and every rule, so a proposed fix always validates. Among fixes
+with as few changes, prefer those that change only the knobs the broken rule names first, then the
+smallest change (|log2 new/old| summed). Only when no one- or two-knob change works does a greedy
+walk (fix the first broken rule, repeat) propose more.
+"""
+from __future__ import annotations
+
+import math
+from itertools import combinations, product
+
+from fivefold.config.rules import KNOB_FIELDS, Rule, adjust, errors
+
+WORLD_KNOBS = ("tp", "pp", "cp", "ep", "etp")
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0] if n <= 4096 else [1, 2, 4, 8, 16]
+
+
+def _near_multiples(x: int, bases: list[int], keep: int = 24) -> list[int]:
+    vals = set()
+    for b in bases:
+        if b >= 1:
+            vals.add((x // b) * b)
+            vals.add(-(-x // b) * b)
+    vals.discard(0)
+    vals.discard(x)
+    return sorted(vals, key=lambda v: (abs(math.log2(v / x)), v))[:keep]
+
+
+def candidates(knob: str, s: dict) -> list:
+    """Values worth trying for `knob` given the current sizes `s`."""
+    world, layers = s["world"], s["layers"]
+    if knob in WORLD_KNOBS:
+        return _divisors(world)
+    if knob == "vpp":
+        return [None] + [v for v in _divisors(layers) if 2 <= v <= 16]
+    if knob == "sp":
+        return [True, False]
+    if knob == "seq":
+        return _near_multiples(s["seq"], [2 ** k for k in range(1, 14)])
+    if knob == "gbs":
+        bases = sorted({d * k for d in _divisors(world) for k in {1, s["mbs"]}})
+        if s["gbs"] is None:  # Megatron's default (micro batch x DP) is one of the candidates
+            return sorted({s["mbs"] * b for b in bases})[:64]
+        return _near_multiples(s["gbs"], bases, keep=64)
+    if knob == "mbs":
+        return [d for d in _divisors(s["gbs"]) if d <= 64]
+    if knob == "rnum":
+        return [1] + _divisors(max(layers // s["pp"], 1))[1:4]
+    if knob == "hcp":
+        return [(a, s["cp"] // a) for a in _divisors(s["cp"])]
+    if knob == "cp_comm":
+        return ["p2p", "a2a", "a2a+p2p"]
+    if knob == "kv":
+        return [None] + _divisors(s["heads"])
+    if knob == "topk":
+        return list(range(1, (s["experts"] or 1) + 1))[:16]
+    if knob in ("first", "last"):
+        return [None] + list(range(0, layers + 1))[:64]
+    if knob == "split":
+        return [None]
+    if knob == "schedule":
+        return ["1f1b", "gpipe", "interleaved", "zb-h1", "dualpipev"]
+    if knob == "vpp_layers":
+        return [None] + _divisors(layers)[:8]
+    return []
+
+
+def _distance(old, new) -> float:
+    """|log2(new/old)| for sizes; 1 for a switch or a value set from unset."""
+    if isinstance(old, (int, float)) and isinstance(new, (int, float)) and not isinstance(old, bool) \
+            and not isinstance(new, bool) and old > 0 and new > 0:
+        return abs(math.log2(new / old))
+    return 1.0
+
+
+def _valid(s: dict, dialect: str) -> bool:
+    t = dict(s)
+    adjust(t, dialect)
+    return not errors(t)
+
+
+def _roundness(v) -> int:
+    """Trailing zero bits of an int (4096 is rounder than 4104), 0 otherwise."""
+    return (v & -v).bit_length() if isinstance(v, int) and not isinstance(v, bool) and v > 0 else 0
+
+
+def _scored(base: dict, changes: dict, preferred: tuple[str, ...]) -> tuple:
+    pref = 0 if all(k in preferred[:1] for k in changes) else (1 if all(k in preferred for k in changes) else 2)
+    dist = sum(_distance(base[k], v) for k, v in changes.items())
+    return (len(changes), pref, round(dist, 3), -sum(_roundness(v) for v in changes.values()))
+
+
+def search(base: dict, broken: list[Rule], dialect: str) -> dict[int, dict]:
+    """For each broken rule (by index), the smallest set of knob changes that makes `base` valid."""
+    knobs = []
+    for r in broken:
+        knobs += [k for k in r.knobs if k not in knobs]
+    pool: list[dict] = []
+    for k in knobs:
+        for v in candidates(k, base):
+            if v != base[k] and _valid({**base, k: v}, dialect):
+                pool.append({k: v})
+    if not pool:
+        for a, b in combinations(knobs, 2):
+            for va, vb in product(candidates(a, base), candidates(b, base)):
+                if va != base[a] and vb != base[b] and _valid({**base, a: va, b: vb}, dialect):
+                    pool.append({a: va, b: vb})
+    if not pool:
+        greedy = _greedy(base, dialect)
+        pool = [greedy] if greedy else []
+    out = {}
+    for i, r in enumerate(broken):
+        if pool:
+            out[i] = min(pool, key=lambda c: _scored(base, c, r.knobs))
+    return out
+
+
+def _greedy(base: dict, dialect: str, steps: int = 8) -> dict | None:
+    s, changes = dict(base), {}
+    for _ in range(steps):
+        t = dict(s)
+        adjust(t, dialect)
+        broken = errors(t)
+        if not broken:
+            return changes
+        best = None
+        for k in broken[0].knobs:
+            for v in candidates(k, s):
+                t = {**s, k: v}
+                adjust(t, dialect)
+                n = len(errors(t))
+                if v != s[k] and (best is None or n < best[0]):
+                    best = (n, k, v)
+        if best is None:
+            return None
+        s[best[1]] = best[2]
+        changes[best[1]] = best[2]
+    return None
+
+
+def describe(changes: dict) -> str:
+    """'tensor_model_parallel_size=2, global_batch_size=16' for a set of knob changes."""
+    parts = []
+    for k, v in changes.items():
+        name = KNOB_FIELDS[k].split(".", 1)[1]
+        parts.append(f"{name}={list(v) if isinstance(v, tuple) else v}")
+    return ", ".join(parts)

@@ -1,0 +1,173 @@
+"""Megatron-LM command-line flags (seed 001) -> canonical fields: one table, one parser.
+
+Each flag takes one value, no value (a switch that stores a constant), or a list of values (until
+the next `--flag`). `--flag=value` is accepted too. fivefold's own pipeline flags live in the same
+table but do not make a command line "Megatron dialect" (they do not change Megatron's SP rules).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fivefold.errors import UserError
+
+VALUE, SWITCH, LIST = "value", "switch", "list"
+
+
+@dataclass(frozen=True)
+class Flag:
+    field: str | None
+    """Dotted canonical field, or None for a flag accepted and deliberately without effect."""
+    kind: str = VALUE
+    const: object = True
+    """What a SWITCH stores."""
+    ours: bool = False
+    """fivefold's own flag (not Megatron-LM's)."""
+
+
+def _v(field: str) -> Flag:
+    return Flag(field)
+
+
+def _on(field: str, const: object = True) -> Flag:
+    return Flag(field, SWITCH, const)
+
+
+FLAGS: dict[str, Flag] = {
+    # parallel layout
+    "--tensor-model-parallel-size": _v("parallel.tensor_model_parallel_size"),
+    "--pipeline-model-parallel-size": _v("parallel.pipeline_model_parallel_size"),
+    "--virtual-pipeline-model-parallel-size": _v("parallel.virtual_pipeline_model_parallel_size"),
+    "--num-virtual-stages-per-pipeline-rank": _v("parallel.virtual_pipeline_model_parallel_size"),
+    "--num-layers-per-virtual-pipeline-stage": _v("parallel.num_layers_per_virtual_pipeline_stage"),
+    "--context-parallel-size": _v("parallel.context_parallel_size"),
+    "--cp-comm-type": _v("parallel.cp_comm_type"),
+    "--hierarchical-context-parallel-sizes": Flag("parallel.hierarchical_context_parallel_sizes", LIST),
+    "--expert-model-parallel-size": _v("parallel.expert_model_parallel_size"),
+    "--expert-tensor-parallel-size": _v("parallel.expert_tensor_parallel_size"),
+    "--sequence-parallel": _on("parallel.sequence_parallel"),
+    "--decoder-first-pipeline-num-layers": _v("parallel.decoder_first_pipeline_num_layers"),
+    "--decoder-last-pipeline-num-layers": _v("parallel.decoder_last_pipeline_num_layers"),
+    "--account-for-embedding-in-pipeline-split": _on("parallel.account_for_embedding_in_pipeline_split"),
+    "--account-for-loss-in-pipeline-split": _on("parallel.account_for_loss_in_pipeline_split"),
+    "--pipeline-schedule": Flag("parallel.pipeline_schedule", ours=True),
+    "--pipeline-schedule-csv": Flag("parallel.pipeline_schedule_csv", ours=True),
+    "--pipeline-layers-per-stage": Flag("parallel.pipeline_layers_per_stage", LIST, ours=True),
+    # model
+    "--num-layers": _v("model.num_layers"),
+    "--hidden-size": _v("model.hidden_size"),
+    "--ffn-hidden-size": _v("model.ffn_hidden_size"),
+    "--num-attention-heads": _v("model.num_attention_heads"),
+    "--group-query-attention": Flag(None, SWITCH),  # GQA is on whenever --num-query-groups is given
+    "--num-query-groups": _v("model.num_query_groups"),
+    "--kv-channels": _v("model.kv_channels"),
+    "--vocab-size": _v("model.vocab_size"),
+    "--make-vocab-size-divisible-by": _v("model.make_vocab_size_divisible_by"),
+    "--max-position-embeddings": _v("model.max_position_embeddings"),
+    "--normalization": _v("model.normalization"),
+    "--norm-epsilon": _v("model.norm_epsilon"),
+    "--rotary-base": _v("model.rotary_base"),
+    "--untie-embeddings-and-output-weights": _on("model.tie_word_embeddings", False),
+    "--init-method-std": _v("model.init_method_std"),
+    "--multi-latent-attention": _on("model.multi_latent_attention"),
+    "--q-lora-rank": _v("model.q_lora_rank"),
+    "--kv-lora-rank": _v("model.kv_lora_rank"),
+    "--qk-head-dim": _v("model.qk_head_dim"),
+    "--qk-pos-emb-head-dim": _v("model.qk_pos_emb_head_dim"),
+    "--v-head-dim": _v("model.v_head_dim"),
+    "--num-experts": _v("model.num_experts"),
+    "--moe-router-topk": _v("model.moe_router_topk"),
+    "--moe-router-score-function": _v("model.moe_router_score_function"),
+    "--moe-router-load-balancing-type": _v("model.moe_router_load_balancing_type"),
+    "--moe-aux-loss-coeff": _v("model.moe_aux_loss_coeff"),
+    "--moe-z-loss-coeff": _v("model.moe_z_loss_coeff"),
+    "--moe-expert-capacity-factor": _v("model.moe_expert_capacity_factor"),
+    "--moe-ffn-hidden-size": _v("model.moe_ffn_hidden_size"),
+    "--moe-shared-expert-intermediate-size": _v("model.moe_shared_expert_intermediate_size"),
+    # training
+    "--seq-length": _v("training.seq_length"),
+    "--global-batch-size": _v("training.global_batch_size"),
+    "--micro-batch-size": _v("training.micro_batch_size"),
+    "--train-iters": _v("training.train_iters"),
+    "--optimizer": _v("training.optimizer"),
+    "--lr": _v("training.lr"),
+    "--min-lr": _v("training.min_lr"),
+    "--lr-warmup-iters": _v("training.lr_warmup_iters"),
+    "--lr-decay-style": _v("training.lr_decay_style"),
+    "--weight-decay": _v("training.weight_decay"),
+    "--adam-beta1": _v("training.adam_beta1"),
+    "--adam-beta2": _v("training.adam_beta2"),
+    "--adam-eps": _v("training.adam_eps"),
+    "--clip-grad": _v("training.clip_grad"),
+    "--bf16": _on("training.precision", "bf16"),
+    "--fp16": _on("training.precision", "fp16"),
+    "--recompute-granularity": _v("training.recompute_granularity"),
+    "--recompute-method": _v("training.recompute_method"),
+    "--recompute-num-layers": _v("training.recompute_num_layers"),
+    "--use-distributed-optimizer": _on("training.use_distributed_optimizer"),
+    "--seed": _v("training.seed"),
+    "--eval-interval": _v("training.eval_interval"),
+    "--eval-iters": _v("training.eval_iters"),
+    # data, checkpoint, logging
+    "--data-path": _v("data.path"),
+    "--save": _v("checkpoint.save"),
+    "--load": _v("checkpoint.load"),
+    "--save-interval": _v("checkpoint.save_interval"),
+    "--log-interval": _v("logging.log_interval"),
+    "--profile": _on("logging.profile"),
+    "--profile-ranks": Flag("logging.profile_ranks", LIST),
+}
+
+
+def is_flag(word: str) -> bool:
+    return word.startswith("--")
+
+
+def parse_flags(words: list[str]) -> tuple[list[tuple[str, str, object]], bool]:
+    """Words of a Megatron-LM command line -> ([(flag, dotted field, raw value)], any Megatron flag?).
+
+    Unknown flags raise UserError with the closest known flag.
+    """
+    from fivefold.config.fields import did_you_mean
+
+    out: list[tuple[str, str, object]] = []
+    megatron = False
+    i = 0
+    while i < len(words):
+        word = words[i]
+        if not is_flag(word):
+            raise UserError(f"{word!r} follows no flag that takes a value")
+        name, eq, inline = word.partition("=")
+        flag = FLAGS.get(name)
+        if flag is None:
+            raise UserError(f"unknown flag {name}{did_you_mean(name, FLAGS)}")
+        megatron |= not flag.ours
+        i += 1
+        if flag.kind == SWITCH:
+            if eq:
+                raise UserError(f"{name} is a switch and takes no value")
+            value: object = flag.const
+        elif eq:
+            value = inline.split(",") if flag.kind == LIST else inline
+        elif flag.kind == LIST:
+            value = []
+            while i < len(words) and not is_flag(words[i]):
+                value.append(words[i])
+                i += 1
+            if not value:
+                raise UserError(f"{name} needs at least one value")
+        else:
+            if i >= len(words) or is_flag(words[i]) and not _is_number(words[i]):
+                raise UserError(f"{name} needs a value")
+            value = words[i]
+            i += 1
+        if flag.field is not None:
+            out.append((name, flag.field, value))
+    return out, megatron
+
+
+def _is_number(word: str) -> bool:
+    try:
+        float(word)
+        return True
+    except ValueError:
+        return False

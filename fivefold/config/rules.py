@@ -1,0 +1,226 @@
+"""The validation rules, over a flat dict of the sizes they read (so the fix search can try many).
+
+`sizes_of(config)` flattens a Config into short knob names; `adjust(s, dialect)` applies what a
+dialect does on its own (returns warnings); `errors(s)` lists every broken rule. Each broken rule is
+a `Rule` naming the canonical field, its value, the rule in words, and the knobs that may fix it,
+the preferred one first (the fix search in fixes.py changes the fewest knobs).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from math import prod
+
+from fivefold.config.schema import CP_COMM_TYPES, DIM_NAMES, PIPELINE_SCHEDULES, Config
+from fivefold.config.split import layers_per_stage
+from fivefold.pipeline.rules import microbatch_problem
+
+KNOB_FIELDS = {
+    "tp": "parallel.tensor_model_parallel_size", "pp": "parallel.pipeline_model_parallel_size",
+    "vpp": "parallel.virtual_pipeline_model_parallel_size", "cp": "parallel.context_parallel_size",
+    "ep": "parallel.expert_model_parallel_size", "etp": "parallel.expert_tensor_parallel_size",
+    "sp": "parallel.sequence_parallel", "hcp": "parallel.hierarchical_context_parallel_sizes",
+    "cp_comm": "parallel.cp_comm_type", "schedule": "parallel.pipeline_schedule",
+    "order": "parallel.order", "split": "parallel.pipeline_layers_per_stage",
+    "first": "parallel.decoder_first_pipeline_num_layers",
+    "last": "parallel.decoder_last_pipeline_num_layers",
+    "acc_emb": "parallel.account_for_embedding_in_pipeline_split",
+    "acc_loss": "parallel.account_for_loss_in_pipeline_split",
+    "vpp_layers": "parallel.num_layers_per_virtual_pipeline_stage",
+    "layers": "model.num_layers", "heads": "model.num_attention_heads", "kv": "model.num_query_groups",
+    "experts": "model.num_experts", "topk": "model.moe_router_topk",
+    "seq": "training.seq_length", "gbs": "training.global_batch_size", "mbs": "training.micro_batch_size",
+    "rgran": "training.recompute_granularity", "rmethod": "training.recompute_method",
+    "rnum": "training.recompute_num_layers", "world": "cluster.world_size",
+}
+
+
+@dataclass(frozen=True)
+class Rule:
+    field: str
+    value: object
+    rule: str
+    knobs: tuple[str, ...]
+    """Knobs that can fix it, preferred first."""
+    severity: str = "error"
+
+
+def sizes_of(config: Config) -> dict:
+    s = {}
+    for knob, dotted in KNOB_FIELDS.items():
+        section, name = dotted.split(".")
+        s[knob] = getattr(getattr(config, section), name)
+    c = config.cluster
+    s["world"] = c.resolved_world_size
+    s["gpn"] = c.gpus_per_node
+    for k in ("hcp", "split"):
+        s[k] = tuple(s[k]) if s[k] is not None else None
+    return s
+
+
+def dp_of(s: dict) -> int:
+    return s["world"] // (s["tp"] * s["pp"] * s["cp"])
+
+
+def etp_of(s: dict) -> int:
+    return s["etp"] if s["etp"] is not None else s["tp"]
+
+
+def adjust(s: dict, dialect: str) -> list[Rule]:
+    """Apply what the dialect's own tool does silently or with a warning; return those warnings."""
+    out: list[Rule] = []
+    if s["gbs"] is None and isinstance(s["mbs"], int) and s["tp"] * s["pp"] * s["cp"] > 0 \
+            and s["world"] % (s["tp"] * s["pp"] * s["cp"]) == 0:
+        s["gbs"] = s["mbs"] * dp_of(s)  # Megatron's default global batch
+    n = s["vpp_layers"]
+    if n and s["pp"] >= 1 and s["layers"] % (s["pp"] * n) == 0:
+        v = s["layers"] // (s["pp"] * n)
+        s["vpp"], s["vpp_layers"] = (v if v > 1 else None), None
+    if s["vpp"] and s["vpp"] > 1 and s["schedule"] == "1f1b":
+        s["schedule"] = "interleaved"
+    if dialect == "skyrl" and s["sp"] != (s["tp"] > 1):
+        out.append(Rule(KNOB_FIELDS["sp"], s["sp"], "SkyRL turns sequence parallelism on exactly when "
+                        f"TP > 1 (TP={s['tp']}); SP set to {s['tp'] > 1}", ("sp",), "warning"))
+        s["sp"] = s["tp"] > 1
+    if dialect == "megatron" and s["sp"] and s["tp"] == 1:
+        out.append(Rule(KNOB_FIELDS["sp"], True, "Megatron-LM turns sequence parallelism off when "
+                        "tensor_model_parallel_size=1; SP set to False", ("sp",), "warning"))
+        s["sp"] = False
+    if s["tp"] > 1 and s["ep"] > 1 and not s["sp"]:
+        out.append(Rule(KNOB_FIELDS["sp"], False, f"expert parallelism (EP={s['ep']}) with tensor "
+                        f"parallelism (TP={s['tp']}) needs sequence parallelism (Megatron-Core <=0.14 "
+                        "refuses, >=0.15 warns); SP turned on", ("sp",), "warning"))
+        s["sp"] = True
+    return out
+
+
+def _positive(s: dict) -> list[Rule]:
+    out = []
+    for k in ("tp", "pp", "cp", "ep", "layers", "heads", "seq", "gbs", "mbs", "world"):
+        if k == "gbs" and s[k] is None:
+            continue
+        if not isinstance(s[k], int) or s[k] < 1:
+            out.append(Rule(KNOB_FIELDS[k], s[k], "must be a whole number >= 1", (k,)))
+    for k in ("vpp", "etp", "kv", "experts", "vpp_layers", "rnum"):
+        if s[k] is not None and s[k] < 1:
+            out.append(Rule(KNOB_FIELDS[k], s[k], "must be >= 1 or unset", (k,)))
+    return out
+
+
+def _choices(s: dict) -> list[Rule]:
+    out = []
+    for k, allowed in (("schedule", PIPELINE_SCHEDULES), ("cp_comm", CP_COMM_TYPES),
+                       ("rgran", (None, "selective", "full")), ("rmethod", (None, "uniform", "block"))):
+        if s[k] not in allowed:
+            out.append(Rule(KNOB_FIELDS[k], s[k], f"must be one of {', '.join(map(str, allowed))}", (k,)))
+    dims = s["order"].split("-") if isinstance(s["order"], str) else []
+    if sorted(dims) != sorted(DIM_NAMES):
+        out.append(Rule(KNOB_FIELDS["order"], s["order"], "must order each of tp, cp, ep, dp, pp once",
+                        ("order",)))
+    return out
+
+
+def errors(s: dict) -> list[Rule]:
+    """Every broken rule of the (already adjusted) sizes."""
+    out = _positive(s) + _choices(s)
+    if out:
+        return out
+    tp, pp, cp, ep, world, seq = s["tp"], s["pp"], s["cp"], s["ep"], s["world"], s["seq"]
+    mp = tp * pp * cp
+    if world % mp:
+        out.append(Rule(KNOB_FIELDS["tp"], tp, f"TP*PP*CP = {tp}*{pp}*{cp} = {mp} must divide the "
+                        f"world size {world}", ("tp", "pp", "cp")))
+        return out
+    dp = world // mp
+    if s["sp"] and tp == 1:
+        out.append(Rule(KNOB_FIELDS["sp"], True, "sequence parallelism needs tensor_model_parallel_size > 1",
+                        ("sp", "tp")))
+    if cp > 1 and seq % (2 * cp):
+        out.append(Rule(KNOB_FIELDS["cp"], cp, f"context parallelism needs seq_length divisible by "
+                        f"2*{cp}={2 * cp}; seq_length={seq} is not", ("seq", "cp")))
+    elif s["sp"] and (seq // cp) % tp:
+        out.append(Rule(KNOB_FIELDS["sp"], True, f"sequence parallelism needs seq_length/CP = {seq}/{cp} "
+                        f"divisible by tensor_model_parallel_size={tp}", ("seq", "tp", "sp")))
+    heads, kv = s["heads"], s["kv"] or s["heads"]
+    if heads % tp:
+        out.append(Rule(KNOB_FIELDS["heads"], heads, f"attention heads must divide evenly over "
+                        f"tensor_model_parallel_size={tp}", ("tp",)))
+    if heads % kv:
+        out.append(Rule(KNOB_FIELDS["kv"], kv, f"num_attention_heads={heads} must be a multiple of the "
+                        "number of KV heads", ("kv",)))
+    elif kv % tp and tp % kv:
+        out.append(Rule(KNOB_FIELDS["kv"], kv, f"KV heads must be divisible by TP={tp} or TP "
+                        "divisible by KV heads", ("tp", "kv")))
+    if s["cp_comm"] == "a2a" and cp > 1 and heads % (cp * tp):
+        out.append(Rule(KNOB_FIELDS["cp_comm"], "a2a", f"all-to-all context parallelism needs the "
+                        f"{heads // tp if heads % tp == 0 else heads} heads per TP rank divisible by "
+                        f"CP={cp}", ("cp", "cp_comm")))
+    if s["cp_comm"] == "a2a+p2p":
+        h = s["hcp"]
+        if not h or len(h) != 2 or prod(h) != cp:
+            out.append(Rule(KNOB_FIELDS["hcp"], list(h) if h else h, f"cp_comm_type a2a+p2p needs "
+                            f"hierarchical_context_parallel_sizes [a2a, p2p] whose product is CP={cp}",
+                            ("hcp", "cp_comm")))
+    out += _pipeline(s, dp)
+    out += _moe(s, dp)
+    if s["gbs"] % (s["mbs"] * dp):
+        out.append(Rule(KNOB_FIELDS["gbs"], s["gbs"], f"global batch must be a multiple of "
+                        f"micro_batch_size*DP = {s['mbs']}*{dp} = {s['mbs'] * dp}", ("gbs", "mbs")))
+    if s["rgran"] == "full" and s["rmethod"] in ("uniform", "block") and not s["rnum"]:
+        out.append(Rule(KNOB_FIELDS["rnum"], None, f"full recompute with method {s['rmethod']} needs "
+                        "recompute_num_layers (Megatron-LM refuses without it)", ("rnum",)))
+    return out
+
+
+def stage_layers(s: dict) -> list[int]:
+    """Decoder layers per virtual stage for sizes `s`; ValueError with the rule when impossible."""
+    chunks = 2 if s["schedule"] == "dualpipev" else (s["vpp"] or 1)
+    if s["split"] is not None:
+        split = list(s["split"])
+        if any(x is not None for x in (s["first"], s["last"])) or s["acc_emb"] or s["acc_loss"]:
+            raise ValueError("an explicit pipeline_layers_per_stage excludes Megatron's uneven-split options")
+        if len(split) != s["pp"] * chunks or sum(split) != s["layers"] or min(split) < 0:
+            raise ValueError(f"pipeline_layers_per_stage={split} must have pp*vpp={s['pp'] * chunks} "
+                             f"entries >= 0 summing to num_layers={s['layers']}")
+        return split
+    return layers_per_stage(s["layers"], s["pp"], chunks, s["first"], s["last"], bool(s["acc_emb"]),
+                            bool(s["acc_loss"]))
+
+
+def _pipeline(s: dict, dp: int) -> list[Rule]:
+    out = []
+    if s["vpp_layers"]:
+        return [Rule(KNOB_FIELDS["vpp_layers"], s["vpp_layers"], f"num_layers={s['layers']} must be a "
+                     f"multiple of PP*num_layers_per_virtual_pipeline_stage", ("vpp_layers", "pp"))]
+    try:
+        stage_layers(s)
+    except ValueError as e:
+        knobs = ("split",) if s["split"] is not None else ("pp", "vpp", "first", "last")
+        out.append(Rule(KNOB_FIELDS["layers"], s["layers"], str(e), knobs))
+    if s["gbs"] % (s["mbs"] * dp) == 0:
+        broken = microbatch_problem(s["schedule"], s["pp"], s["vpp"], s["gbs"] // (s["mbs"] * dp))
+        if broken:
+            knobs = ("gbs", "vpp", "pp") if "multiple" in broken else ("vpp", "pp", "schedule")
+            out.append(Rule(KNOB_FIELDS["vpp"], s["vpp"], broken, knobs))
+    return out
+
+
+def _moe(s: dict, dp: int) -> list[Rule]:
+    ep, experts = s["ep"], s["experts"]
+    if not experts:
+        if ep > 1:
+            return [Rule(KNOB_FIELDS["ep"], ep, "expert parallelism needs a MoE model (set num_experts)",
+                         ("ep",))]
+        return []
+    out = []
+    if experts % ep:
+        out.append(Rule(KNOB_FIELDS["ep"], ep, f"num_experts={experts} must be divisible by "
+                        "expert_model_parallel_size", ("ep",)))
+    if s["topk"] > experts:
+        out.append(Rule(KNOB_FIELDS["topk"], s["topk"], f"cannot route to more than num_experts={experts}",
+                        ("topk",)))
+    etp, dense = etp_of(s), s["tp"] * s["cp"] * dp
+    if dense % (etp * ep):
+        out.append(Rule(KNOB_FIELDS["etp"], etp, f"MoE folding: ETP*EP = {etp}*{ep} = {etp * ep} must "
+                        f"divide TP*CP*DP = {s['tp']}*{s['cp']}*{dp} = {dense} (ETP defaults to TP)",
+                        ("etp", "ep")))
+    return out

@@ -1,0 +1,54 @@
+"""Loading every dialect's surface into the canonical config."""
+import pytest
+
+from fivefold.config.load import load_config
+from fivefold.config.validate import ConfigError, layout_of, validate
+from fivefold.errors import UserError
+
+
+def test_aliases_and_canonical_names_agree():
+    a = load_config(None, ["tp=2", "pp=2", "cp=2", "sp=true"], world_size=16).config
+    b = load_config(None, ["parallel.tensor_model_parallel_size=2", "parallel.pipeline_model_parallel_size=2",
+                           "parallel.context_parallel_size=2", "parallel.sequence_parallel=true"],
+                    world_size=16).config
+    assert a == b
+    assert layout_of(a).dp == 2
+
+
+def test_megatron_flags_map_to_canonical_fields():
+    words = ("--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --seq-length 128 "
+             "--global-batch-size 16 --micro-batch-size 2 --lr 3e-4 --bf16 --profile --profile-ranks 0 3 "
+             "--untie-embeddings-and-output-weights --use-distributed-optimizer").split()
+    loaded = load_config(None, words, world_size=8)
+    c = loaded.config
+    assert loaded.dialect == "megatron"
+    assert (c.parallel.tensor_model_parallel_size, c.parallel.pipeline_model_parallel_size) == (2, 2)
+    assert (c.training.seq_length, c.training.global_batch_size, c.training.micro_batch_size) == (128, 16, 2)
+    assert c.training.lr == 3e-4 and c.training.precision == "bf16"
+    assert c.logging.profile and c.logging.profile_ranks == [0, 3]
+    assert c.model.tie_word_embeddings is False and c.training.use_distributed_optimizer
+
+
+def test_megatron_ties_embeddings_unless_untied():
+    assert load_config(None, ["--num-layers", "4"]).config.model.tie_word_embeddings is True
+
+
+@pytest.mark.parametrize("words, hint", [
+    (["--tensor-model-paralel-size", "2"], "--tensor-model-parallel-size"),
+    (["parallel.tensor_model_paralel_size=2"], "parallel.tensor_model_parallel_size"),
+    (["model.hidden_sise=8"], "model.hidden_size"),
+    (["parallel.num_layers=4"], "model.num_layers"),
+])
+def test_unknown_keys_suggest_the_right_one(words, hint):
+    with pytest.raises(UserError, match="did you mean") as e:
+        load_config(None, words)
+    assert hint in str(e.value)
+
+
+def test_validate_lists_every_problem_with_a_fix():
+    loaded = load_config(None, ["tp=3", "sp=true", "--recompute-granularity", "full",
+                                "--recompute-method", "block"], world_size=8)
+    with pytest.raises(ConfigError) as e:
+        validate(loaded.config, loaded.dialect)
+    assert "tensor_model_parallel_size=3" in str(e.value)
+    assert "recompute_num_layers" in str(e.value)
