@@ -1,0 +1,85 @@
+"""`fivefold validate CONFIG [overrides] [megatron flags] [--world-size N | --nodes N --gpus-per-node G]`."""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from fivefold.config.load import load_config
+from fivefold.config.report import layout_report
+from fivefold.config.rules import sizes_of, stage_layers
+from fivefold.config.schema import Config
+from fivefold.config.validate import ConfigError, Problem, layout_of, validate
+from fivefold.errors import UserError
+
+HELP = "check a config in any dialect; print its layout (ranks, groups) or every problem with its fix"
+ACCEPTS_EXTRA = True
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", nargs="?", help="YAML (ours or RLinf's) or a .txt of flags/overrides")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--world-size", type=int, help="total ranks (default nodes x GPUs per node)")
+    g.add_argument("--nodes", type=int, help="number of nodes")
+    p.add_argument("--gpus-per-node", type=int, help="GPUs per node (default 8)")
+    p.add_argument("--all-ranks", action="store_true", help="print every rank, not the first and last")
+
+
+def split_config_arg(config: str | None, extra: list[str]) -> tuple[str | None, list[str]]:
+    """argparse puts the first override into `config` when no file is given: move it back."""
+    if config is not None and not Path(config).exists() and ("=" in config or config.startswith("-")):
+        return None, [config] + list(extra)
+    return config, list(extra)
+
+
+def describe(cfg: Config, all_ranks: bool, ranks: tuple[int, ...] | None = None) -> str:
+    """The resolved layout of a validated config (`ranks`: global GPU of each local rank)."""
+    lay = layout_of(cfg)
+    m, p = cfg.model, cfg.parallel
+    s = sizes_of(cfg)
+    lines = [layout_report(lay, ranks, all_ranks)]
+    lines.append(f"sequence_parallel={p.sequence_parallel} schedule={p.pipeline_schedule} "
+                 f"vpp={p.virtual_pipeline_model_parallel_size} layers per stage={stage_layers(s)}")
+    lines.append(f"global batch={cfg.training.global_batch_size} micro batch={cfg.training.micro_batch_size} "
+                 f"microbatches={cfg.training.global_batch_size // (cfg.training.micro_batch_size * lay.dp)}")
+    lines.append(f"vocab {m.vocab_size} padded to {m.padded_vocab_size(lay.tp)} "
+                 f"(multiple of {m.make_vocab_size_divisible_by} x TP; padded logits masked out of the loss)")
+    return "\n".join(lines)
+
+
+def _print_problems(problems: list[Problem]) -> None:
+    for w in problems:
+        print(w)
+
+
+def run(args, extra) -> int:
+    path, words = split_config_arg(args.config, extra)
+    loaded = load_config(path, words, world_size=args.world_size, nodes=args.nodes,
+                         gpus_per_node=args.gpus_per_node)
+    print(f"dialect: {loaded.dialect}")
+    _print_problems(loaded.warnings)
+    alloc = loaded.allocation
+    if alloc is None:
+        _print_problems(validate(loaded.config, loaded.dialect))
+        print(describe(loaded.config, args.all_ranks))
+        return 0
+    failed: list[str] = []
+    for comp in alloc.components:
+        print(f"== {comp.name} ({comp.role}) on GPUs {_ranges(comp.ranks)}")
+        if comp.config is None:
+            print(layout_report(comp.layout, comp.ranks, args.all_ranks))
+            continue
+        try:
+            _print_problems(validate(comp.config, loaded.dialect))
+        except ConfigError as e:
+            failed.append(f"{comp.name}:\n{e}")
+            continue
+        print(describe(comp.config, args.all_ranks, comp.ranks))
+    if failed:
+        raise UserError("\n".join(failed))
+    return 0
+
+
+def _ranges(ranks: tuple[int, ...]) -> str:
+    if list(ranks) == list(range(ranks[0], ranks[0] + len(ranks))):
+        return f"{ranks[0]}-{ranks[-1]}"
+    return ",".join(map(str, ranks))
