@@ -29,10 +29,6 @@ def test_megatron_flags_map_to_canonical_fields():
     assert c.model.tie_word_embeddings is False and c.training.use_distributed_optimizer
 
 
-def test_megatron_ties_embeddings_unless_untied():
-    assert load_config(None, ["--num-layers", "4"]).config.model.tie_word_embeddings is True
-
-
 @pytest.mark.parametrize("words, hint", [
     (["--tensor-model-paralel-size", "2"], "--tensor-model-parallel-size"),
     (["parallel.tensor_model_paralel_size=2"], "parallel.tensor_model_parallel_size"),

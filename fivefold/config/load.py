@@ -60,8 +60,6 @@ def load_config(path: str | None, words: list[str] = (), *, world_size: int | No
     if "allocation_mode" in special:
         dialects.append(AREAL)
     dialect = combine(dialects)
-    if dialect == MEGATRON and "model.tie_word_embeddings" not in explicit:
-        config.model.tie_word_embeddings = True  # Megatron-LM ties unless --untie-embeddings-...
     loaded = Loaded(config, dialect, explicit=explicit)
     if special:
         from fivefold.allocation import attach

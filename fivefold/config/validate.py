@@ -26,7 +26,8 @@ class Problem:
     """error, or warning (the config was adjusted or is legal but slow)."""
 
     def __str__(self) -> str:
-        return f"{self.severity}: {self.field}={self.value!r}: {self.rule} (fix: {self.fix})"
+        fix = "" if self.fix == "applied" else f" (fix: {self.fix})"
+        return f"{self.severity}: {self.field}={self.value!r}: {self.rule}{fix}"
 
 
 class ConfigError(UserError):
