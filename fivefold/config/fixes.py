@@ -11,9 +11,11 @@ from __future__ import annotations
 import math
 from itertools import combinations, product
 
-from fivefold.config.rules import KNOB_FIELDS, Rule, adjust, errors
+from fivefold.config.rules import KNOB_FIELDS, Rule, adjust, errors, sizes_of
+from fivefold.config.schema import Config
 
 WORLD_KNOBS = ("tp", "pp", "cp", "ep", "etp")
+_DEFAULTS = sizes_of(Config())
 
 
 def _divisors(n: int) -> list[int]:
@@ -34,6 +36,9 @@ def _near_multiples(x: int, bases: list[int], keep: int = 24) -> list[int]:
 def candidates(knob: str, s: dict) -> list:
     """Values worth trying for `knob` given the current sizes `s`."""
     world, layers = s["world"], s["layers"]
+    v = s.get(knob)
+    if isinstance(v, int) and not isinstance(v, bool) and v < 1:  # nonsense: the default, or small sizes
+        return list(dict.fromkeys([_DEFAULTS[knob], 1, 2, 4, 8]))
     if knob in WORLD_KNOBS:
         return _divisors(world)
     if knob == "vpp":
@@ -65,6 +70,12 @@ def candidates(knob: str, s: dict) -> list:
         return [None]
     if knob == "schedule":
         return ["1f1b", "gpipe", "interleaved", "zb-h1", "dualpipev"]
+    if knob == "order":
+        return ["tp-cp-ep-dp-pp", "tp-cp-ep-pp-dp"]
+    if knob == "rgran":
+        return [None, "selective", "full"]
+    if knob == "rmethod":
+        return [None, "uniform", "block"]
     if knob == "vpp_layers":
         return [None] + _divisors(layers)[:8]
     return []
@@ -148,5 +159,6 @@ def describe(changes: dict) -> str:
     parts = []
     for k, v in changes.items():
         name = KNOB_FIELDS[k].split(".", 1)[1]
-        parts.append(f"{name}={list(v) if isinstance(v, tuple) else v}")
+        text = "[" + ",".join(map(str, v)) + "]" if isinstance(v, (tuple, list)) else str(v)
+        parts.append(f"{name}={text}")
     return ", ".join(parts)

@@ -1,0 +1,75 @@
+"""A table of invalid configs: each refused with its own message, each proposed fix itself valid."""
+import pytest
+
+from fivefold.config.load import load_config
+from fivefold.config.validate import ConfigError, validate
+
+CASES = [  # (words, world size, substring of the message)
+    ("tp=3", 8, "TP*PP*CP = 3*1*1 = 3 must divide the world size 8"),
+    ("pp=3", 8, "TP*PP*CP = 1*3*1 = 3"),
+    ("cp=3", 12, "2*3=6; seq_length=64 is not"),
+    ("sp=true", 8, "sequence parallelism needs tensor_model_parallel_size > 1"),
+    ("tp=2 sp=true seq_length=63", 8, "seq_length/CP = 63/1 divisible by tensor_model_parallel_size=2"),
+    ("cp=2 seq_length=66", 8, "2*2=4; seq_length=66 is not"),
+    ("tp=8 num_attention_heads=4", 8, "attention heads must divide evenly over tensor_model_parallel_size=8"),
+    ("num_attention_heads=8 num_query_groups=3", 8, "num_attention_heads=8 must be a multiple"),
+    ("tp=4 num_attention_heads=12 num_query_groups=6", 8, "KV heads must be divisible by TP=4"),
+    ("pp=4 num_layers=6", 8, "6 layers do not split evenly into pp*vpp=4*1=4"),
+    ("pp=2 vpp=2 num_layers=6 global_batch_size=8", 8, "6 layers do not split evenly into pp*vpp=2*2=4"),
+    ("vpp=2 num_layers=4", 8, "needs pipeline_model_parallel_size > 1"),
+    ("pp=2 vpp=2 num_layers=8 global_batch_size=4", 8, "number of microbatches (1) to be a multiple"),
+    ("ep=2", 8, "expert parallelism needs a MoE model"),
+    ("ep=4 num_experts=6", 8, "num_experts=6 must be divisible by expert_model_parallel_size"),
+    ("tp=2 sp=true ep=8 num_experts=8", 8, "ETP*EP = 2*8 = 16 must divide TP*CP*DP = 2*1*4 = 8"),
+    ("recompute_granularity=full recompute_method=uniform", 8, "full recompute with method uniform"),
+    ("cp=2 cp_comm_type=a2a num_attention_heads=3", 8, "heads per TP rank divisible by CP=2"),
+    ("cp=4 cp_comm_type=a2a+p2p", 8, "hierarchical_context_parallel_sizes [a2a, p2p] whose product is CP=4"),
+    ("cp=4 cp_comm_type=a2a+p2p hierarchical_context_parallel_sizes=[2,4]", 8, "[2, 4]"),
+    ("global_batch_size=12", 8, "micro_batch_size*DP = 1*8 = 8"),
+    ("micro_batch_size=3 global_batch_size=16", 8, "micro_batch_size*DP = 3*8 = 24"),
+    ("pipeline_schedule=zigzag", 8, "pipeline_schedule='zigzag': must be one of gpipe"),
+    ("cp_comm_type=ring", 8, "cp_comm_type='ring': must be one of p2p"),
+    ("order=tp-cp-dp-pp", 8, "must order each of tp, cp, ep, dp, pp once"),
+    ("recompute_granularity=partial", 8, "recompute_granularity='partial'"),
+    ("pp=4 num_layers=8 decoder_first_pipeline_num_layers=3 decoder_last_pipeline_num_layers=2", 8,
+     "3 layers remain for the 2 middle stage(s)"),
+    ("decoder_first_pipeline_num_layers=1", 8, "need pipeline_model_parallel_size > 1"),
+    ("pp=2 num_layers=4 pipeline_layers_per_stage=[1,2]", 8, "pipeline_layers_per_stage=[1, 2] must have"),
+    ("pp=2 num_layers=3 account_for_embedding_in_pipeline_split=true account_for_loss_in_pipeline_split=true",
+     8, "(num_layers=3 + 2 for embedding/loss = 5)"),
+    ("num_experts=4 moe_router_topk=6", 8, "cannot route to more than num_experts=4"),
+    ("tp=0", 8, "tensor_model_parallel_size=0: must be a whole number >= 1"),
+    ("seq_length=0", 8, "seq_length=0: must be a whole number >= 1"),
+    ("pp=2 num_layers=6 num_layers_per_virtual_pipeline_stage=2", 8, "multiple of PP*num_layers_per_virtual"),
+    ("pp=2 num_layers=4 decoder_first_pipeline_num_layers=1 account_for_loss_in_pipeline_split=true", 8,
+     "cannot be combined"),
+    ("pp=2 num_layers=6 pipeline_schedule=dualpipev", 8, "pp*vpp=2*2=4"),
+    ("pp=2 num_layers=4 vpp=2 decoder_first_pipeline_num_layers=1 decoder_last_pipeline_num_layers=3 "
+     "global_batch_size=8", 8, "pipeline rank 0 holds 1 layers, not divisible by vpp=2"),
+]
+
+
+def _problems(words, world):
+    loaded = load_config(None, words, world_size=world)
+    with pytest.raises(ConfigError) as e:
+        validate(loaded.config, loaded.dialect)
+    return e.value
+
+
+def test_table_is_large_and_messages_distinct():
+    assert len(CASES) >= 30
+    messages = [str(_problems(w.split(), n)) for w, n, _ in CASES]
+    assert len(set(messages)) == len(messages)
+
+
+@pytest.mark.parametrize("words, world, message", CASES, ids=[c[0] for c in CASES])
+def test_refused_with_a_fix_that_validates(words, world, message):
+    err = _problems(words.split(), world)
+    assert message in str(err)
+    for problem in err.problems:
+        if problem.severity != "error":
+            continue
+        assert problem.fix != "none found", problem
+        fix_words = [w.strip() for w in problem.fix.replace(", ", "|").split("|")]
+        fixed = load_config(None, words.split() + fix_words, world_size=world)
+        validate(fixed.config, fixed.dialect)  # raises if the fix does not validate
