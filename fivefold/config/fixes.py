@@ -38,7 +38,7 @@ def candidates(knob: str, s: dict) -> list:
     world, layers = s["world"], s["layers"]
     v = s.get(knob)
     if isinstance(v, int) and not isinstance(v, bool) and v < 1:  # nonsense: the default, or small sizes
-        return list(dict.fromkeys([_DEFAULTS[knob], 1, 2, 4, 8]))
+        return [_DEFAULTS[knob] or 1]
     if knob in WORLD_KNOBS:
         return _divisors(world)
     if knob == "vpp":
@@ -82,7 +82,9 @@ def candidates(knob: str, s: dict) -> list:
 
 
 def _distance(old, new) -> float:
-    """|log2(new/old)| for sizes; 1 for a switch or a value set from unset."""
+    """|log2(new/old)| for sizes (summed over a list's entries); 1 for a switch or a value set from unset."""
+    if isinstance(old, tuple) and isinstance(new, tuple) and len(old) == len(new):
+        return sum(_distance(a, b) for a, b in zip(old, new))
     if isinstance(old, (int, float)) and isinstance(new, (int, float)) and not isinstance(old, bool) \
             and not isinstance(new, bool) and old > 0 and new > 0:
         return abs(math.log2(new / old))

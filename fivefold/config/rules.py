@@ -223,4 +223,18 @@ def _moe(s: dict, dp: int) -> list[Rule]:
         out.append(Rule(KNOB_FIELDS["etp"], etp, f"MoE folding: ETP*EP = {etp}*{ep} = {etp * ep} must "
                         f"divide TP*CP*DP = {s['tp']}*{s['cp']}*{dp} = {dense} (ETP defaults to TP)",
                         ("etp", "ep")))
+    elif s["pp"] > 1 and _pp_stride(s, {"tp": s["tp"], "cp": s["cp"], "dp": dp}) != \
+            _pp_stride(s, {"tp": etp, "ep": ep, "dp": dense // (etp * ep)}):
+        out.append(Rule(KNOB_FIELDS["order"], s["order"], "the dense and expert grids must share their "
+                        "pipeline groups: with this order they do not (put pp last)", ("order",)))
     return out
+
+
+def _pp_stride(s: dict, sizes: dict) -> int:
+    """Rank distance between pipeline stages for a grid whose dims (in `order`) have these sizes."""
+    stride = 1
+    for d in s["order"].split("-"):
+        if d == "pp":
+            return stride
+        stride *= sizes.get(d, 1)
+    return stride
