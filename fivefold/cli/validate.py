@@ -16,7 +16,11 @@ ACCEPTS_EXTRA = True
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("config", nargs="?", help="YAML (ours or RLinf's) or a .txt of flags/overrides")
+    # CONFIG and the words after it are taken from the words argparse leaves over (see split_config_arg),
+    # so that a Megatron flag's value is never mistaken for the config file.
+    p.usage = ("fivefold validate [CONFIG] [key=value ...] [--megatron-flag VALUE ...] "
+               "[--world-size N | --nodes N --gpus-per-node G]")
+    p.description = (HELP + ". CONFIG: YAML (ours or RLinf's) or a .txt of flags/overrides/allocation_mode.")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--world-size", type=int, help="total ranks (default nodes x GPUs per node)")
     g.add_argument("--nodes", type=int, help="number of nodes")
@@ -24,11 +28,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--all-ranks", action="store_true", help="print every rank, not the first and last")
 
 
-def split_config_arg(config: str | None, extra: list[str]) -> tuple[str | None, list[str]]:
-    """argparse puts the first override into `config` when no file is given: move it back."""
-    if config is not None and not Path(config).exists() and ("=" in config or config.startswith("-")):
-        return None, [config] + list(extra)
-    return config, list(extra)
+def split_config_arg(extra: list[str]) -> tuple[str | None, list[str]]:
+    """The config file is the first leftover word when it is neither a flag nor key=value."""
+    if extra and not extra[0].startswith("-") and "=" not in extra[0] and extra[0] != "torchrun":
+        return extra[0], list(extra[1:])
+    return None, list(extra)
 
 
 def describe(cfg: Config, all_ranks: bool, ranks: tuple[int, ...] | None = None) -> str:
@@ -52,7 +56,7 @@ def _print_problems(problems: list[Problem]) -> None:
 
 
 def run(args, extra) -> int:
-    path, words = split_config_arg(args.config, extra)
+    path, words = split_config_arg(extra)
     loaded = load_config(path, words, world_size=args.world_size, nodes=args.nodes,
                          gpus_per_node=args.gpus_per_node)
     print(f"dialect: {loaded.dialect}")

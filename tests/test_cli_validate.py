@@ -1,0 +1,57 @@
+"""`fivefold validate` and `fivefold layout` as a user runs them."""
+import subprocess
+import sys
+
+import pytest
+
+from fivefold.cli import main
+
+EXAMPLES = [
+    (["examples/fivefold.yaml"], "TP=2 CP=2 PP=2 DP=1"),
+    (["examples/rlinf.yaml"], "TP=2 CP=2 PP=2 DP=16"),
+    (["examples/skyrl_overrides.txt"], "SkyRL turns sequence parallelism on"),
+    (["examples/bridge_overrides.txt", "--world-size", "64"], "TP=4 CP=1 PP=4 DP=4"),
+    (["examples/megatron_flags.txt"], "experts: ETP=2 EP=4 EDP=1"),
+    (["examples/areal_allocation.txt"], "== train (training) on GPUs 4-7"),
+    (["examples/multi_model.yaml"], "== reference (model) on GPUs 0-3"),
+    (["tp=2", "pp=2", "--nodes", "2", "--gpus-per-node", "4"], "TP=2 CP=1 PP=2 DP=2"),
+    (["--tensor-model-parallel-size", "2", "--world-size", "4"], "dialect: megatron"),
+]
+
+
+@pytest.mark.parametrize("argv, expected", EXAMPLES, ids=[a[0] for a, _ in EXAMPLES])
+def test_examples_validate(argv, expected, capsys):
+    assert main(["validate", *argv]) == 0
+    assert expected in capsys.readouterr().out
+
+
+def test_invalid_config_lists_every_problem_exit_2_no_traceback():
+    r = subprocess.run([sys.executable, "-m", "fivefold", "validate", "tp=3", "sp=true", "cp=2",
+                        "seq_length=66", "--world-size", "12"], capture_output=True, text=True)
+    assert r.returncode == 2
+    assert "Traceback" not in r.stderr
+    assert "seq_length=66 is not" in r.stderr
+
+
+def test_unknown_key_exit_2_with_suggestion(capsys):
+    assert main(["validate", "parallel.tensor_model_paralel_size=2"]) == 2
+    assert "did you mean parallel.tensor_model_parallel_size" in capsys.readouterr().err
+
+
+def test_invalid_table_through_the_cli(capsys):
+    from tests.test_config_invalid import CASES
+    for words, world, message in CASES:
+        assert main(["validate", *words.split(), "--world-size", str(world)]) == 2
+        assert message in capsys.readouterr().err
+
+
+def test_layout_grid_and_allocation(capsys):
+    assert main(["layout", "--tp", "2", "--pp", "2", "--cp", "2", "--world-size", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "TP=2 CP=2 PP=2 DP=2" in out and "tp-cp-dp" in out
+    assert main(["layout", "sglang.d2t2p1+d1t4p1", "--rank", "5"]) == 0
+    out = capsys.readouterr().out
+    assert "GPU 5: train: tp=1 cp=0 dp=0 pp=0" in out
+    assert main(["layout", "examples/multi_model.yaml", "--rank", "3"]) == 0
+    assert "GPU 3: critic: tp=0 cp=0 dp=0 pp=1 | reference: tp=1 cp=0 dp=0 pp=1" in capsys.readouterr().out
+    assert main(["layout", "--tp", "2", "--ep", "4", "--etp", "3", "--world-size", "8"]) == 2
