@@ -71,7 +71,7 @@ def draw_png(schedule: Schedule, result: SimResult, path: str) -> None:
         rgb = tuple(c * (1 - 0.35 * min(chunk, 2) / 2) for c in to_rgb(COLOURS[a.kind]))
         y = n - 1 - iv.rank
         ax.barh(y, iv.end - iv.start, left=iv.start, height=0.8, color=rgb, edgecolor="black", linewidth=0.5)
-        ax.text((iv.start + iv.end) / 2, y, _label(a, schedule)[1:] if a.kind is not Kind.FB else f"{a.mb}|{a.b_mb}",
+        ax.text((iv.start + iv.end) / 2, y, f"{a.mb}|{a.b_mb}" if a.kind is Kind.FB else str(a.mb),
                 ha="center", va="center", fontsize=7, color="white")
     ax.set_yticks(range(n), [f"rank {r}" for r in reversed(range(n))])
     ax.set_xlim(0, result.makespan)
