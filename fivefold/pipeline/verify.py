@@ -37,8 +37,9 @@ def grid(schedule: Schedule, marked: set[tuple[int, int]] = frozenset()) -> str:
              for r, acts in enumerate(schedule.ranks)]
     steps = max((len(c) for c in cells), default=0)
     width = max([len(x) for row in cells for x in row] + [4])
-    head = "step   " + " ".join(f"{i:<{width}}" for i in range(steps))
+    head = "step    " + " ".join(f"{i:<{width}}" for i in range(steps))
     rows = [f"rank {r:<2}" + "".join(f" {x:<{width}}" for x in row) for r, row in enumerate(cells)]
+    head, rows = head.rstrip(), [row.rstrip() for row in rows]
     return "\n".join([head] + rows)
 
 
