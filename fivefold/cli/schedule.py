@@ -1,0 +1,61 @@
+"""`fivefold schedule`: build (or load), verify, simulate and draw a pipeline schedule."""
+from __future__ import annotations
+
+import argparse
+
+from fivefold.errors import UserError
+from fivefold.pipeline.csvio import load_csv, save_csv
+from fivefold.pipeline.generators import build_schedule
+from fivefold.pipeline.lowering import lower
+from fivefold.pipeline.render import draw_png, summary, text_timeline
+from fivefold.pipeline.rules import SCHEDULES
+from fivefold.pipeline.simulate import Costs, simulate
+from fivefold.pipeline.verify import verify
+
+HELP = "print a pipeline schedule's timeline, bubble and peak activations; draw it to PNG"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--pp", type=int, default=4, help="pipeline ranks (default 4)")
+    p.add_argument("--microbatches", type=int, default=8, help="microbatches per step (default 8)")
+    p.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="generator (default 1f1b)")
+    p.add_argument("--vpp", type=int, default=None, help="chunks per rank for --schedule interleaved")
+    p.add_argument("--costs", default="1,1,1", metavar="F,B,W",
+                   help="forward, input-backward, weight-backward cost of one rank's whole share of "
+                        "layers for one microbatch; a rank's k stages each cost 1/k (default 1,1,1)")
+    p.add_argument("--fb-cost", type=float, default=None, metavar="X",
+                   help="cost of a DualPipeV F&B action for a whole rank share (default F+B+W: no overlap)")
+    p.add_argument("--p2p", type=float, default=0.0, help="p2p latency per message (default 0)")
+    p.add_argument("--png", metavar="FILE", help="draw the timeline to FILE")
+    p.add_argument("--csv", metavar="FILE", help="write the schedule (with sends/receives) to FILE")
+    p.add_argument("--load-csv", metavar="FILE", help="read a hand-written schedule instead of generating one")
+    p.add_argument("--width", type=int, default=160, help="text timeline width in characters")
+
+
+def _costs(text: str) -> tuple[float, float, float]:
+    try:
+        f, b, w = (float(x) for x in text.split(","))
+    except ValueError:
+        raise UserError(f"--costs {text!r}: expected three numbers F,B,W such as 1,1,1") from None
+    if min(f, b, w) < 0:
+        raise UserError(f"--costs {text!r}: costs must be >= 0")
+    return f, b, w
+
+
+def run(args: argparse.Namespace, extra: list[str]) -> int:
+    if args.load_csv:
+        schedule = lower(load_csv(args.load_csv))
+    else:
+        schedule = build_schedule(args.schedule, args.pp, args.microbatches, args.vpp)
+    verify(schedule)
+    f, b, w = _costs(args.costs)
+    result = simulate(schedule, Costs.per_rank(schedule, f, b, w, args.p2p, args.fb_cost))
+    print(text_timeline(schedule, result, args.width))
+    print(summary(schedule, result))
+    if args.csv:
+        save_csv(schedule, args.csv)
+        print(f"wrote {args.csv}")
+    if args.png:
+        draw_png(schedule, result, args.png)
+        print(f"wrote {args.png}")
+    return 0

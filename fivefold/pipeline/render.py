@@ -1,0 +1,87 @@
+"""Drawing a simulated schedule: a text timeline for the terminal and a PNG (matplotlib, Agg).
+
+Text: one row per rank, time flows right at `cols_per_unit` characters per unit of cost; each
+computation is a block `[F3..]` as wide as its duration (label = kind + microbatch, lower-case for
+a rank's second and later stages), idle time is blank. PNG: ranks as rows, blocks coloured by kind
+(shaded darker for a rank's later stages), microbatch numbers on the blocks, bubble in the title.
+"""
+from __future__ import annotations
+
+from fivefold.pipeline.ir import Action, Kind, Schedule
+from fivefold.pipeline.simulate import SimResult
+
+COLOURS = {Kind.F: "#4C72B0", Kind.B: "#55A868", Kind.W: "#C44E52", Kind.BW: "#8172B2", Kind.FB: "#CCB974"}
+
+
+def _label(a: Action, schedule: Schedule) -> str:
+    """`F3`; `f3` for a later chunk of its rank; F&B as `F4|1` (forward mb | backward mb)."""
+    if a.kind is Kind.FB:
+        return f"F{a.mb}|{a.b_mb}"
+    text = f"{a.kind.value}{a.mb}"
+    first = schedule.stages_of(schedule.placement[a.stage])[0]
+    return text if a.stage == first else text.lower()
+
+
+def summary(schedule: Schedule, result: SimResult) -> str:
+    lines = [f"schedule {schedule.name}: {schedule.num_ranks} ranks, {schedule.num_stages} stages, "
+             f"{schedule.num_microbatches} microbatches, makespan {result.makespan:g}"]
+    for r in range(schedule.num_ranks):
+        lines.append(f"  rank {r}: stages {schedule.stages_of(r)}, bubble {result.bubble[r]:.1%} "
+                     f"(idle {result.idle[r]:g}), peak in flight {result.peak_in_flight[r]} "
+                     f"stage-microbatches = {result.peak_in_flight_microbatches[r]:g} microbatches")
+    return "\n".join(lines)
+
+
+def text_timeline(schedule: Schedule, result: SimResult, width: int = 160) -> str:
+    """The timeline as text, scaled so the makespan fits in about `width` characters."""
+    shortest = min((iv.end - iv.start for iv in result.timeline if iv.end > iv.start), default=1.0)
+    scale = max(4 / shortest, 1e-9)  # the shortest block gets 4 characters ...
+    if result.makespan * scale > width:  # ... unless that overflows `width`
+        scale = width / result.makespan
+    rows = []
+    for r in range(schedule.num_ranks):
+        line = [" "] * (int(round(result.makespan * scale)) + 1)
+        for iv in (iv for iv in result.timeline if iv.rank == r):
+            a, b = int(round(iv.start * scale)), int(round(iv.end * scale))
+            if b <= a:
+                continue
+            label = _label(iv.action, schedule)
+            if b - a >= len(label) + 2:
+                block = ("[" + label).ljust(b - a - 1, ".") + "]"
+            else:  # too narrow for brackets: the label alone, microbatch digits kept first
+                block = (label if len(label) <= b - a else label[1:]).ljust(b - a, ".")[: b - a]
+            line[a:b] = list(block)
+        rows.append(f"rank {r:<2} |" + "".join(line).rstrip())
+    return "\n".join(rows)
+
+
+def draw_png(schedule: Schedule, result: SimResult, path: str) -> None:
+    """Write the timeline to `path` as a PNG."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import to_rgb
+    from matplotlib.patches import Patch
+
+    n = schedule.num_ranks
+    fig, ax = plt.subplots(figsize=(max(8.0, min(24.0, len(result.timeline) / n * 0.45)), 0.6 * n + 1.6))
+    for iv in result.timeline:
+        a = iv.action
+        chunk = schedule.stages_of(schedule.placement[a.stage]).index(a.stage)
+        rgb = tuple(c * (1 - 0.35 * min(chunk, 2) / 2) for c in to_rgb(COLOURS[a.kind]))
+        y = n - 1 - iv.rank
+        ax.barh(y, iv.end - iv.start, left=iv.start, height=0.8, color=rgb, edgecolor="black", linewidth=0.5)
+        ax.text((iv.start + iv.end) / 2, y, f"{a.mb}|{a.b_mb}" if a.kind is Kind.FB else str(a.mb),
+                ha="center", va="center", fontsize=7, color="white")
+    ax.set_yticks(range(n), [f"rank {r}" for r in reversed(range(n))])
+    ax.set_xlim(0, result.makespan)
+    ax.set_xlabel("time (cost units)")
+    worst = max(result.bubble) if result.bubble else 0.0
+    ax.set_title(f"{schedule.name}: {n} ranks, {schedule.num_microbatches} microbatches - "
+                 f"bubble {worst:.1%} (worst rank), makespan {result.makespan:g}")
+    kinds = sorted({iv.action.kind for iv in result.timeline}, key=list(COLOURS).index)
+    ax.legend(handles=[Patch(color=COLOURS[k], label=k.value) for k in kinds],
+              loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=len(kinds), fontsize=8, frameon=False)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

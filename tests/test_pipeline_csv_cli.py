@@ -1,0 +1,60 @@
+"""A hand-written CSV schedule loads, lowers, verifies, simulates and renders; CSV round trip; the CLI."""
+from pathlib import Path
+
+import pytest
+
+from fivefold.cli import main
+from fivefold.errors import UserError
+from fivefold.pipeline.csvio import dumps, load_csv, loads
+from fivefold.pipeline.generators import build_schedule
+from fivefold.pipeline.lowering import lower
+from fivefold.pipeline.render import draw_png, text_timeline
+from fivefold.pipeline.simulate import Costs, simulate
+from fivefold.pipeline.verify import verify
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "hand_schedule.csv"
+
+
+def test_hand_written_csv(tmp_path):
+    """With F=B=W=1, by hand: rank 1 runs F0 1..2, B0 2..3, F1 3..4, B1 4..5, W0 5..6, F2 6..7, B2
+    7..8, W1 8..9, F3 9..10, B3 10..11, W2, W3 -> 13; rank 0 ends with B3 11..12, W3 12..13.
+    Makespan 13, busy 12 on each rank: idle 1 each."""
+    s = verify(lower(load_csv(EXAMPLE)))
+    assert s.placement == (0, 1) and s.num_microbatches == 4
+    res = simulate(s, Costs.uniform(2, 1, 1, 1))
+    assert res.makespan == 13 and res.idle == [1, 1]
+    assert "[F0]" in text_timeline(s, res).splitlines()[0]
+    draw_png(s, res, tmp_path / "hand.png")
+    assert (tmp_path / "hand.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_csv_round_trip():
+    s = build_schedule("dualpipev", 3, 7)
+    back = loads(dumps(s), name=s.name)
+    assert back == s
+
+
+def test_csv_errors_name_the_cell():
+    with pytest.raises(UserError, match=r"row 1 \(rank 1\): 'Fx' is not an action"):
+        loads("0F0,0BW0\nFx\n")
+    with pytest.raises(UserError, match="stage 0 is computed on rank 0 and on rank 1"):
+        loads("0F0,0BW0\n0F1,0BW1\n")
+
+
+def test_cli_prints_and_draws(tmp_path, capsys):
+    png, csv = tmp_path / "s.png", tmp_path / "s.csv"
+    assert main(["schedule", "--pp", "4", "--microbatches", "8", "--schedule", "1f1b",
+                 "--png", str(png), "--csv", str(csv)]) == 0
+    out = capsys.readouterr().out
+    assert "rank 0: stages [0], bubble 27.3%" in out  # (p-1)/(m+p-1) = 3/11
+    assert "peak in flight 4 stage-microbatches" in out
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    assert main(["schedule", "--load-csv", str(csv)]) == 0
+    assert "bubble 27.3%" in capsys.readouterr().out
+
+
+def test_cli_refuses_with_the_rule(capsys):
+    assert main(["schedule", "--schedule", "interleaved", "--pp", "4", "--vpp", "2",
+                 "--microbatches", "6"]) == 2
+    assert "multiple of pipeline_model_parallel_size=4" in capsys.readouterr().err
+    assert main(["schedule", "--load-csv", str(EXAMPLE), "--costs", "1,1"]) == 2
