@@ -123,6 +123,28 @@ class Plan:
             start += n
         return chunks
 
+    def layer_groups(self, rank: int) -> list[tuple[int, bool, int]]:
+        """`rank`'s layers grouped by what their cost depends on: (a representative layer index,
+        fully recomputed?, how many such layers). Dense and MoE layers differ; so do recomputed ones."""
+        from fivefold.planner.params import is_moe_layer
+        key = (rank,)
+        if key in self._groups:
+            return self._groups[key]
+        m, groups, pos = self.config.model, {}, 0
+        for chunk in self.rank_chunks[rank]:
+            for i in chunk:
+                k = (is_moe_layer(m, i), self.recomputed(rank, pos))
+                first, n = groups.get(k, (i, 0))
+                groups[k] = (first, n + 1)
+                pos += 1
+        out = [(first, k[1], n) for k, (first, n) in groups.items()]
+        self._groups[key] = out
+        return out
+
+    @cached_property
+    def _groups(self) -> dict:
+        return {}
+
     def recomputed(self, rank: int, layer_pos: int) -> bool:
         """Whether the layer at position `layer_pos` among `rank`'s layers is fully recomputed."""
         t = self.config.training

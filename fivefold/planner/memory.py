@@ -77,11 +77,10 @@ def rank_params(plan: Plan, rank: int) -> tuple[float, float]:
     """(dense, expert) parameters held by one rank of pipeline rank `rank` (padded vocabulary)."""
     m = plan.config.model
     dense = expert = 0.0
-    for chunk in plan.rank_chunks[rank]:
-        for i in chunk:
-            lp = layer_params(m, i)
-            dense += (lp.attention + lp.dense_mlp) / plan.tp + lp.norms
-            expert += lp.experts / (plan.etp * plan.ep)
+    for i, _, n in plan.layer_groups(rank):
+        lp = layer_params(m, i)
+        dense += ((lp.attention + lp.dense_mlp) / plan.tp + lp.norms) * n
+        expert += lp.experts / (plan.etp * plan.ep) * n
     emb = embedding_params(m, plan.tp) / plan.tp
     if rank == 0:
         dense += emb
@@ -106,17 +105,15 @@ def memory_per_rank(plan: Plan, assume: MemoryAssumptions = MemoryAssumptions())
         we, ge, oe = state_bytes_per_param(prec, distopt, plan.edp)
         rm.params = dense + expert
         rm.weights, rm.grads, rm.optimizer = dense * wd + expert * we, dense * gd + expert * ge, dense * od + expert * oe
-        per_mb, transient, pos = 0.0, 0.0, 0
-        for chunk in plan.rank_chunks[r]:
-            for i in chunk:
-                layer_sh = sh if plan.recomputed(r, pos) or plan.recompute != "full" else \
-                    Sharding(tp=sh.tp, sp=sh.sp, cp=sh.cp, etp=sh.etp, recompute=None)
-                for k, v in layer_activation_bytes(m, i, b, s, layer_sh, assume.traits).items():
-                    rm.detail[k] = rm.detail.get(k, 0.0) + v
-                    per_mb += v
-                if plan.recomputed(r, pos):
-                    transient = max(transient, full_recompute_transient(m, i, b, s, sh, assume.traits))
-                pos += 1
+        per_mb, transient = 0.0, 0.0
+        for i, recomputed, n in plan.layer_groups(r):
+            layer_sh = sh if recomputed or plan.recompute != "full" else \
+                Sharding(tp=sh.tp, sp=sh.sp, cp=sh.cp, etp=sh.etp, recompute=None)
+            for k, v in layer_activation_bytes(m, i, b, s, layer_sh, assume.traits).items():
+                rm.detail[k] = rm.detail.get(k, 0.0) + v * n
+                per_mb += v * n
+            if recomputed:
+                transient = max(transient, full_recompute_transient(m, i, b, s, sh, assume.traits))
         rm.inflight = prof.inflight_microbatches(r)
         rm.activations = per_mb * rm.inflight + transient
         tokens = b * s / plan.cp

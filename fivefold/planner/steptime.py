@@ -104,51 +104,20 @@ def step_time(plan: Plan, hw: Hardware, ta: TimeAssumptions = TimeAssumptions())
     cfg, m = plan.config, plan.config.model
     gpn = cfg.cluster.gpus_per_node
     links = _Links(plan, hw, gpn, ta)
-    b, s, tp, cp, ep, etp = plan.mbs, plan.seq, plan.tp, plan.cp, plan.ep, plan.etp
+    b, s, tp, cp = plan.mbs, plan.seq, plan.tp, plan.cp
     flops_rate = hw.peak_flops(plan.precision) * ta.gemm_efficiency
-    tokens = b * s / cp
-    M = tokens * m.hidden_size * 2
-    recompute = plan.recompute
+    M = b * s / cp * m.hidden_size * 2
     n_mb = plan.microbatches
     rank_times, rank_parts, rank_bytes = [], [], []
     for r in range(plan.pp):
         parts = dict.fromkeys(("compute", "tp", "cp", "ep", "pp"), 0.0)
         sent = dict.fromkeys(("tp", "cp", "ep", "pp"), 0.0)
-        pos = 0
-        for chunk in plan.rank_chunks[r]:
-            for i in chunk:
-                fwd = layer_forward_flops(m, i, s) * b * s
-                core = attention_core_flops(m, s) * b * s
-                extra = fwd if plan.recomputed(r, pos) else (core if recompute == "selective" else 0.0)
-                parts["compute"] += (3 * fwd + extra) / (tp * cp) / flops_rate
-                moe = is_moe_layer(m, i)
-                if tp > 1:
-                    halves = 1 + (0 if moe and not m.moe_shared_expert_intermediate_size else 1)
-                    byt = halves * 4 * (tp - 1) / tp * M
-                    sent["tp"] += byt
-                    parts["tp"] += links.time("tp", byt, halves * 4 * (tp - 1))
-                if moe:
-                    copies = m.moe_router_topk * tokens / tp  # token copies this rank dispatches
-                    if ep > 1:
-                        byt = 4 * copies * (ep - 1) / ep * m.hidden_size * 2
-                        sent["ep"] += byt
-                        parts["ep"] += links.time("ep", byt, 4)
-                    if etp > 1:
-                        byt = 4 * (etp - 1) * copies * m.hidden_size * 2
-                        sent["tp"] += byt
-                        parts["tp"] += links.time("etp", byt, 4 * (etp - 1))
-                if cp > 1:
-                    if plan.config.parallel.cp_comm_type == "a2a":
-                        q, o = _qo_elems(m)
-                        byt = 2 * (cp - 1) / cp * tokens * (q + _kv_elems(m) + o) * 2 / tp
-                        sent["cp"] += byt
-                        parts["cp"] += links.time("cp", byt, 8)
-                    else:
-                        byt = 3 * (cp - 1) * tokens * _kv_elems(m) * 2 / tp
-                        sent["cp"] += byt
-                        hidden = 3 * core / (tp * cp) / flops_rate  # the attention core, forward + backward
-                        parts["cp"] += max(0.0, links.time("cp", byt, 3 * (cp - 1)) - hidden)
-                pos += 1
+        for i, recomputed, n in plan.layer_groups(r):
+            lp, ls = _layer_cost(plan, links, i, recomputed, flops_rate)
+            for k in lp:
+                parts[k] += lp[k] * n
+            for k in ls:
+                sent[k] += ls[k] * n
         if r == plan.pp - 1:
             parts["compute"] += 3 * output_forward_flops(m) * b * s / (tp * cp) / flops_rate
         if plan.pp > 1:
@@ -191,6 +160,44 @@ def step_time(plan: Plan, hw: Hardware, ta: TimeAssumptions = TimeAssumptions())
                         bubble_fraction=bubble_fraction(plan.schedule, plan.pp, plan.vpp, n_mb),
                         parts=parts, comm_bytes=comm_bytes,
                         links={g: links.name(g) for g in links.cross})
+
+
+def _layer_cost(plan: Plan, links: _Links, i: int, recomputed: bool, flops_rate: float):
+    """(seconds by kind, bytes sent by kind) of decoder layer `i` for one microbatch on one rank."""
+    m, b, s, tp, cp, ep, etp = plan.config.model, plan.mbs, plan.seq, plan.tp, plan.cp, plan.ep, plan.etp
+    tokens = b * s / cp
+    M = tokens * m.hidden_size * 2
+    parts = dict.fromkeys(("compute", "tp", "cp", "ep"), 0.0)
+    sent = dict.fromkeys(("tp", "cp", "ep"), 0.0)
+    fwd = layer_forward_flops(m, i, s) * b * s
+    core = attention_core_flops(m, s) * b * s
+    extra = fwd if recomputed else (core if plan.recompute == "selective" else 0.0)
+    parts["compute"] = (3 * fwd + extra) / (tp * cp) / flops_rate
+    moe = is_moe_layer(m, i)
+    if tp > 1:  # attention half always; MLP half unless a MoE layer without shared experts
+        halves = 1 + (0 if moe and not m.moe_shared_expert_intermediate_size else 1)
+        sent["tp"] = halves * 4 * (tp - 1) / tp * M
+        parts["tp"] = links.time("tp", sent["tp"], halves * 4 * (tp - 1))
+    if moe:
+        copies = m.moe_router_topk * tokens / tp  # token copies this rank dispatches
+        if ep > 1:
+            byt = 4 * copies * (ep - 1) / ep * m.hidden_size * 2
+            sent["ep"] += byt
+            parts["ep"] += links.time("ep", byt, 4)
+        if etp > 1:
+            byt = 4 * (etp - 1) * copies * m.hidden_size * 2
+            sent["tp"] += byt
+            parts["tp"] += links.time("etp", byt, 4 * (etp - 1))
+    if cp > 1:
+        if plan.config.parallel.cp_comm_type == "a2a":
+            q, o = _qo_elems(m)
+            sent["cp"] = 2 * (cp - 1) / cp * tokens * (q + _kv_elems(m) + o) * 2 / tp
+            parts["cp"] = links.time("cp", sent["cp"], 8)
+        else:
+            sent["cp"] = 3 * (cp - 1) * tokens * _kv_elems(m) * 2 / tp
+            hidden = 3 * core / (tp * cp) / flops_rate  # the attention core, forward + backward
+            parts["cp"] = max(0.0, links.time("cp", sent["cp"], 3 * (cp - 1)) - hidden)
+    return parts, sent
 
 
 def _kv_elems(m) -> int:
