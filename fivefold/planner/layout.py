@@ -13,17 +13,31 @@ from fivefold.config.schema import Config
 from fivefold.errors import UserError
 
 
+try:
+    from fivefold.config.rules import sizes_of, stage_layers
+except ImportError:  # TEMPORARY until the foundation's split lands on main: even split only
+    sizes_of = stage_layers = None
+
+
 def virtual_stage_layers(config: Config) -> list[int]:
     """Decoder layers per virtual stage, in virtual-stage order (length pp * vpp); ValueError if none."""
-    try:
-        from fivefold.config.rules import sizes_of, stage_layers
-    except ImportError:  # TEMPORARY until the foundation's split lands on main: even split only
-        p, n = config.parallel, config.model.num_layers
-        chunks = p.pipeline_model_parallel_size * (p.virtual_pipeline_model_parallel_size or 1)
-        if n % chunks:
-            raise ValueError(f"{n} layers do not split evenly into {chunks} stages")
-        return [n // chunks] * chunks
-    return list(stage_layers(sizes_of(config)))
+    p, n = config.parallel, config.model.num_layers
+    key = (n, p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size, p.pipeline_schedule,
+           tuple(p.pipeline_layers_per_stage or ()), p.decoder_first_pipeline_num_layers,
+           p.decoder_last_pipeline_num_layers, p.account_for_embedding_in_pipeline_split,
+           p.account_for_loss_in_pipeline_split)
+    if key not in _SPLITS:
+        if stage_layers is None:
+            chunks = p.pipeline_model_parallel_size * (p.virtual_pipeline_model_parallel_size or 1)
+            if n % chunks:
+                raise ValueError(f"{n} layers do not split evenly into {chunks} stages")
+            _SPLITS[key] = [n // chunks] * chunks
+        else:
+            _SPLITS[key] = list(stage_layers(sizes_of(config)))
+    return _SPLITS[key]
+
+
+_SPLITS: dict[tuple, list[int]] = {}
 
 
 @dataclass(frozen=True)
@@ -126,20 +140,35 @@ class Plan:
     def layer_groups(self, rank: int) -> list[tuple[int, bool, int]]:
         """`rank`'s layers grouped by what their cost depends on: (a representative layer index,
         fully recomputed?, how many such layers). Dense and MoE layers differ; so do recomputed ones."""
-        from fivefold.planner.params import is_moe_layer
-        key = (rank,)
-        if key in self._groups:
-            return self._groups[key]
-        m, groups, pos = self.config.model, {}, 0
+        groups = self._groups.get(rank)
+        if groups is not None:
+            return groups
+        m = self.config.model
+        k = m.moe_first_k_dense_layers if m.is_moe else m.num_layers
+        n_rec = self._recomputed_count()
+        counts: dict[tuple[bool, bool], list[int]] = {}
+        pos = 0
         for chunk in self.rank_chunks[rank]:
-            for i in chunk:
-                k = (is_moe_layer(m, i), self.recomputed(rank, pos))
-                first, n = groups.get(k, (i, 0))
-                groups[k] = (first, n + 1)
-                pos += 1
-        out = [(first, k[1], n) for k, (first, n) in groups.items()]
-        self._groups[key] = out
+            pieces = ((chunk.start, min(chunk.stop, k)), (max(chunk.start, k), chunk.stop))  # dense, then MoE
+            for lo, hi in pieces:
+                while lo < hi:  # split at the recompute boundary (block method)
+                    rec = pos < n_rec
+                    take = min(hi - lo, (n_rec - pos) if rec else hi - lo)
+                    key = (lo >= k, rec)
+                    entry = counts.setdefault(key, [lo, 0])
+                    entry[1] += take
+                    lo, pos = lo + take, pos + take
+        out = [(first, key[1], n) for key, (first, n) in counts.items()]
+        self._groups[rank] = out
         return out
+
+    def _recomputed_count(self) -> int:
+        t = self.config.training
+        if t.recompute_granularity != "full":
+            return 0
+        if t.recompute_method == "block":
+            return (t.recompute_num_layers or 0) * self.vpp
+        return self.config.model.num_layers
 
     @cached_property
     def _groups(self) -> dict:

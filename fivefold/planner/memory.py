@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from fivefold.planner.activations import ArchTraits, Sharding, full_recompute_transient, layer_activation_bytes
 from fivefold.planner.layout import Plan
-from fivefold.planner.params import embedding_params, layer_params
+from fivefold.planner.params import embedding_params, is_moe_layer, layer_params
 from fivefold.planner.pipeline import pipeline_profile
 
 GiB = 2**30
@@ -98,6 +98,7 @@ def memory_per_rank(plan: Plan, assume: MemoryAssumptions = MemoryAssumptions())
     prof = pipeline_profile(plan.schedule, plan.pp, plan.vpp, plan.microbatches)
     B = assume.traits.bytes_per_value
     out = []
+    kinds: dict[tuple[bool, bool], tuple[dict, float]] = {}  # (MoE?, recomputed?) -> (bytes by tensor, transient)
     for r in range(plan.pp):
         rm = RankMemory(rank=r)
         dense, expert = rank_params(plan, r)
@@ -107,13 +108,17 @@ def memory_per_rank(plan: Plan, assume: MemoryAssumptions = MemoryAssumptions())
         rm.weights, rm.grads, rm.optimizer = dense * wd + expert * we, dense * gd + expert * ge, dense * od + expert * oe
         per_mb, transient = 0.0, 0.0
         for i, recomputed, n in plan.layer_groups(r):
-            layer_sh = sh if recomputed or plan.recompute != "full" else \
-                Sharding(tp=sh.tp, sp=sh.sp, cp=sh.cp, etp=sh.etp, recompute=None)
-            for k, v in layer_activation_bytes(m, i, b, s, layer_sh, assume.traits).items():
+            key = (is_moe_layer(m, i), recomputed)
+            if key not in kinds:
+                layer_sh = sh if recomputed or plan.recompute != "full" else \
+                    Sharding(tp=sh.tp, sp=sh.sp, cp=sh.cp, etp=sh.etp, recompute=None)
+                kinds[key] = (layer_activation_bytes(m, i, b, s, layer_sh, assume.traits),
+                              full_recompute_transient(m, i, b, s, sh, assume.traits) if recomputed else 0.0)
+            saved, peak = kinds[key]
+            for k, v in saved.items():
                 rm.detail[k] = rm.detail.get(k, 0.0) + v * n
                 per_mb += v * n
-            if recomputed:
-                transient = max(transient, full_recompute_transient(m, i, b, s, sh, assume.traits))
+            transient = max(transient, peak)
         rm.inflight = prof.inflight_microbatches(r)
         rm.activations = per_mb * rm.inflight + transient
         tokens = b * s / plan.cp

@@ -58,7 +58,21 @@ def is_moe_layer(m: ModelConfig, index: int) -> bool:
     return m.is_moe and index >= m.moe_first_k_dense_layers
 
 
+_CACHE: dict[int, tuple[ModelConfig, dict]] = {}
+
+
 def layer_params(m: ModelConfig, index: int) -> LayerParams:
+    """Parameters of decoder layer `index` (cached per model object and layer kind)."""
+    entry = _CACHE.get(id(m))
+    if entry is None or entry[0] is not m:
+        entry = _CACHE[id(m)] = (m, {})
+    moe = is_moe_layer(m, index)
+    if moe not in entry[1]:
+        entry[1][moe] = _layer_params(m, index)
+    return entry[1][moe]
+
+
+def _layer_params(m: ModelConfig, index: int) -> LayerParams:
     h = m.hidden_size
     attn = attention_params(m)
     if not is_moe_layer(m, index):

@@ -3,7 +3,6 @@ model, timed by the step-time model, ranked by step time. Layouts that break a r
 are kept with the reason."""
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
 
 from fivefold.config.schema import ClusterConfig, Config, ModelConfig, ParallelConfig, TrainingConfig
@@ -38,8 +37,8 @@ class Candidate:
 @dataclass
 class SearchResult:
     ranked: list[Candidate]
-    dropped: list[tuple[str, str]] = field(default_factory=list)
-    """(layout, reason) of every layout that breaks a rule or does not fit."""
+    dropped: list[tuple[Config, str]] = field(default_factory=list)
+    """(config, reason) of every layout that breaks a rule or does not fit (`describe` names it)."""
     tried: int = 0
 
 
@@ -114,13 +113,13 @@ def search(model: ModelConfig, hw: Hardware, world: int, gpus_per_node: int, seq
             for distopt in space.distributed_optimizer:
                 for recompute in space.recompute:
                     result.tried += 1
-                    cfg = copy.deepcopy(base) if False else _variant(base, mbs, recompute, distopt)
+                    cfg = _variant(base, mbs, recompute, distopt)
                     if broken:
-                        result.dropped.append((describe(cfg), "; ".join(broken)))
+                        result.dropped.append((cfg, "; ".join(broken)))
                         break
                     cand = evaluate(cfg, hw, mem, ta, check=mbs != 1 or recompute is not None)
                     if cand.problem:
-                        result.dropped.append((cand.label, cand.problem))
+                        result.dropped.append((cfg, cand.problem))
                         continue
                     result.ranked.append(cand)
                     break  # slower recompute modes than one that fits never win

@@ -10,6 +10,7 @@ memory).
 from __future__ import annotations
 
 import itertools
+from functools import lru_cache
 from dataclasses import dataclass
 
 from fivefold.config.schema import ModelConfig
@@ -38,6 +39,7 @@ def pow2_upto(n: int) -> list[int]:
     return out
 
 
+@lru_cache(maxsize=None)
 def layer_splits(num_layers: int, pp: int, vpp: int) -> list[dict]:
     """Ways to put `num_layers` on pp x vpp stages, as ParallelConfig fields: the even split when it
     exists; else the embedding and/or loss counted as layers (Megatron's account-for options), and

@@ -109,11 +109,15 @@ def step_time(plan: Plan, hw: Hardware, ta: TimeAssumptions = TimeAssumptions())
     M = b * s / cp * m.hidden_size * 2
     n_mb = plan.microbatches
     rank_times, rank_parts, rank_bytes = [], [], []
+    kinds: dict[tuple[bool, bool], tuple[dict, dict]] = {}  # (MoE?, recomputed?) -> one layer's cost
     for r in range(plan.pp):
         parts = dict.fromkeys(("compute", "tp", "cp", "ep", "pp"), 0.0)
         sent = dict.fromkeys(("tp", "cp", "ep", "pp"), 0.0)
         for i, recomputed, n in plan.layer_groups(r):
-            lp, ls = _layer_cost(plan, links, i, recomputed, flops_rate)
+            key = (is_moe_layer(m, i), recomputed)
+            if key not in kinds:
+                kinds[key] = _layer_cost(plan, links, i, recomputed, flops_rate)
+            lp, ls = kinds[key]
             for k in lp:
                 parts[k] += lp[k] * n
             for k in ls:
