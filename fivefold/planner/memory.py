@@ -99,26 +99,19 @@ def memory_per_rank(plan: Plan, assume: MemoryAssumptions = MemoryAssumptions())
     B = assume.traits.bytes_per_value
     out = []
     kinds: dict[tuple[bool, bool], tuple[dict, float]] = {}  # (MoE?, recomputed?) -> (bytes by tensor, transient)
+    shapes: dict[tuple, tuple] = {}  # ranks with the same layers (and ends) hold the same per-microbatch state
     for r in range(plan.pp):
         rm = RankMemory(rank=r)
-        dense, expert = rank_params(plan, r)
+        groups = plan.layer_groups(r)
+        shape = (tuple((is_moe_layer(m, i), rec, n) for i, rec, n in groups), r == 0, r == plan.pp - 1)
+        if shape not in shapes:
+            shapes[shape] = _rank_shape(plan, r, groups, kinds, sh, assume)
+        (dense, expert), detail, per_mb, transient = shapes[shape]
         wd, gd, od = state_bytes_per_param(prec, distopt, plan.dp * plan.cp)
         we, ge, oe = state_bytes_per_param(prec, distopt, plan.edp)
         rm.params = dense + expert
         rm.weights, rm.grads, rm.optimizer = dense * wd + expert * we, dense * gd + expert * ge, dense * od + expert * oe
-        per_mb, transient = 0.0, 0.0
-        for i, recomputed, n in plan.layer_groups(r):
-            key = (is_moe_layer(m, i), recomputed)
-            if key not in kinds:
-                layer_sh = sh if recomputed or plan.recompute != "full" else \
-                    Sharding(tp=sh.tp, sp=sh.sp, cp=sh.cp, etp=sh.etp, recompute=None)
-                kinds[key] = (layer_activation_bytes(m, i, b, s, layer_sh, assume.traits),
-                              full_recompute_transient(m, i, b, s, sh, assume.traits) if recomputed else 0.0)
-            saved, peak = kinds[key]
-            for k, v in saved.items():
-                rm.detail[k] = rm.detail.get(k, 0.0) + v * n
-                per_mb += v * n
-            transient = max(transient, peak)
+        rm.detail = dict(detail)
         rm.inflight = prof.inflight_microbatches(r)
         rm.activations = per_mb * rm.inflight + transient
         tokens = b * s / plan.cp
@@ -136,6 +129,26 @@ def memory_per_rank(plan: Plan, assume: MemoryAssumptions = MemoryAssumptions())
         rm.reserve = assume.runtime_reserve
         out.append(rm)
     return out
+
+
+def _rank_shape(plan: Plan, r: int, groups, kinds: dict, sh: Sharding, assume: MemoryAssumptions):
+    """(params (dense, expert), activation bytes by tensor, per-microbatch total, recompute transient)."""
+    m, b, s = plan.config.model, plan.mbs, plan.seq
+    detail: dict[str, float] = {}
+    per_mb, transient = 0.0, 0.0
+    for i, recomputed, n in groups:
+        key = (is_moe_layer(m, i), recomputed)
+        if key not in kinds:
+            layer_sh = sh if recomputed or plan.recompute != "full" else \
+                Sharding(tp=sh.tp, sp=sh.sp, cp=sh.cp, etp=sh.etp, recompute=None)
+            kinds[key] = (layer_activation_bytes(m, i, b, s, layer_sh, assume.traits),
+                          full_recompute_transient(m, i, b, s, sh, assume.traits) if recomputed else 0.0)
+        saved, peak = kinds[key]
+        for k, v in saved.items():
+            detail[k] = detail.get(k, 0.0) + v * n
+            per_mb += v * n
+        transient = max(transient, peak)
+    return rank_params(plan, r), detail, per_mb, transient
 
 
 def peak_memory(plan: Plan, assume: MemoryAssumptions = MemoryAssumptions()) -> RankMemory:
