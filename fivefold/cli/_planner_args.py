@@ -1,0 +1,45 @@
+"""Arguments `fivefold plan` and `fivefold estimate` share: the cluster, the GPU, calibration."""
+from __future__ import annotations
+
+import argparse
+
+from fivefold.errors import UserError
+from fivefold.planner.memory import MemoryAssumptions
+from fivefold.planner.presets.hardware import Hardware, hardware
+from fivefold.planner.steptime import TimeAssumptions
+
+GiB = 2**30
+
+
+def add_hardware_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("hardware and calibration")
+    g.add_argument("--gpu", default="h100-sxm", help="preset (h100-sxm, h100-pcie, h200, a100-40gb, a100-80gb, "
+                   "b200, mi300x) or a hardware YAML. Default h100-sxm")
+    g.add_argument("--gpus-per-node", type=int, default=None, help="GPUs per node. Default 8")
+    g.add_argument("--gpu-memory-gib", type=float, help="override HBM capacity (GiB)")
+    g.add_argument("--bf16-tflops", type=float, help="override peak dense bf16 TFLOP/s")
+    g.add_argument("--fp8-tflops", type=float, help="override peak dense fp8 TFLOP/s")
+    g.add_argument("--intra-node-gbs", type=float, help="override intra-node GB/s per GPU per direction")
+    g.add_argument("--network-gbs", type=float, help="override network GB/s per GPU per direction")
+    g.add_argument("--gemm-efficiency", type=float, default=TimeAssumptions.gemm_efficiency,
+                   help="achieved share of peak FLOP/s (calibrate from a measured step). Default 0.6")
+    g.add_argument("--comm-efficiency", type=float, default=TimeAssumptions.comm_efficiency,
+                   help="achieved share of link bandwidth. Default 0.8")
+    g.add_argument("--allocator-overhead", type=float, default=MemoryAssumptions.allocator_overhead,
+                   help="share of tensor memory lost to fragmentation. Default 0.05")
+
+
+def hardware_of(args) -> Hardware:
+    hw = hardware(args.gpu, {"memory_gib": args.gpu_memory_gib, "bf16_tflops": args.bf16_tflops,
+                             "fp8_tflops": args.fp8_tflops, "intra_node_gbs": args.intra_node_gbs,
+                             "network_gbs": args.network_gbs})
+    return hw
+
+
+def assumptions_of(args) -> tuple[MemoryAssumptions, TimeAssumptions]:
+    for name in ("gemm_efficiency", "comm_efficiency"):
+        v = getattr(args, name)
+        if not 0 < v <= 1:
+            raise UserError(f"--{name.replace('_', '-')}={v} must be in (0, 1]")
+    return (MemoryAssumptions(allocator_overhead=args.allocator_overhead),
+            TimeAssumptions(gemm_efficiency=args.gemm_efficiency, comm_efficiency=args.comm_efficiency))

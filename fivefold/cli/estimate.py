@@ -1,0 +1,40 @@
+"""`fivefold estimate`: memory per GPU and step time of one given layout (the one a user runs)."""
+from __future__ import annotations
+
+from fivefold.cli._planner_args import add_hardware_arguments, assumptions_of, hardware_of
+from fivefold.errors import NotImplementedYet, UserError
+from fivefold.planner.model_spec import resolve_model
+from fivefold.planner.report import breakdown
+from fivefold.planner.search import evaluate
+
+HELP = "memory per GPU and step time of one layout (a config, or --model with overrides / Megatron flags)"
+ACCEPTS_EXTRA = True
+
+
+def add_arguments(p) -> None:
+    p.add_argument("config", nargs="?", help="a fivefold / RLinf YAML or a .txt of flags")
+    p.add_argument("--model", help="preset name or Hugging Face config.json (replaces the config's model)")
+    p.add_argument("--gpus", type=int, help="total GPUs (default: the config's world size)")
+    add_hardware_arguments(p)
+
+
+def run(args, extra) -> int:
+    try:
+        from fivefold.config.load import load_config
+    except ImportError:  # the foundation's loader is not on main yet
+        raise NotImplementedYet("fivefold estimate (needs fivefold.config.load)") from None
+    hw = hardware_of(args)
+    gpn = args.gpus_per_node or hw.gpus_per_node
+    loaded = load_config(args.config, list(extra), world_size=args.gpus, gpus_per_node=gpn)
+    cfg = loaded.config
+    if args.model:
+        cfg.model = resolve_model(args.model).model
+    if cfg.training.precision not in ("bf16", "fp8"):
+        cfg.training.precision = "bf16"
+        print("note: precision set to bf16 for the GPU estimate")
+    mem, ta = assumptions_of(args)
+    cand = evaluate(cfg, hw, mem, ta)
+    if cand.estimate is None and not cand.problem.startswith("needs"):
+        raise UserError(f"invalid layout: {cand.problem}")
+    print(breakdown(cand, hw))
+    return 0

@@ -1,0 +1,82 @@
+"""`fivefold plan`: every valid layout of a model on a cluster, ranked by estimated step time."""
+from __future__ import annotations
+
+import collections
+import time
+
+from fivefold.cli._planner_args import add_hardware_arguments, assumptions_of, hardware_of
+from fivefold.errors import UserError
+from fivefold.planner.emit import FORMATS, emit
+from fivefold.planner.model_spec import resolve_model
+from fivefold.planner.params import count_params
+from fivefold.planner.report import explain, seed_memory_example, table
+from fivefold.planner.search import describe, search
+from fivefold.planner.space import SearchSpace
+
+HELP = "rank every valid parallel layout of a model on a cluster by estimated step time"
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--model", required=True, help="preset name, a Hugging Face config.json, or a fivefold YAML")
+    p.add_argument("--gpus", type=int, required=True, help="total GPUs")
+    p.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence. Default 4096")
+    p.add_argument("--global-batch", type=int, default=1024, help="sequences per step. Default 1024")
+    p.add_argument("--micro-batch", default="1,2,4", help="micro-batch sizes to try, comma-separated. Default 1,2,4")
+    p.add_argument("--precision", choices=("bf16", "fp8"), default="bf16", help="GEMM precision. Default bf16")
+    p.add_argument("--top", type=int, default=10, help="rows of the ranked table. Default 10")
+    p.add_argument("--explain", action="store_true", help="why the top choice, and the seeds' rules beside it")
+    p.add_argument("--emit", choices=FORMATS, help="print the top layout in this dialect")
+    p.add_argument("--plot", metavar="FILE.png", help="stacked memory bars of the top layouts")
+    add_hardware_arguments(p)
+
+
+def run(args, extra) -> int:
+    spec = resolve_model(args.model)
+    hw = hardware_of(args)
+    gpn = args.gpus_per_node or hw.gpus_per_node
+    mem, ta = assumptions_of(args)
+    if args.gpus < 1 or args.gpus % gpn and args.gpus > gpn:
+        raise UserError(f"--gpus={args.gpus} is not a whole number of {gpn}-GPU nodes")
+    try:
+        mbs = tuple(int(x) for x in args.micro_batch.split(","))
+    except ValueError:
+        raise UserError(f"--micro-batch={args.micro_batch!r}: expected comma-separated integers") from None
+    counts = count_params(spec.model)
+    t0 = time.perf_counter()
+    result = search(spec.model, hw, args.gpus, min(gpn, args.gpus), args.seq_len, args.global_batch, args.precision,
+                    SearchSpace(micro_batch_sizes=mbs), mem, ta)
+    elapsed = time.perf_counter() - t0
+    name = spec.preset or args.model
+    print(f"{name}: {counts.total / 1e9:.1f}B parameters ({counts.active / 1e9:.1f}B active) on {args.gpus} x "
+          f"{hw.name}, {gpn} per node; seq {args.seq_len}, global batch {args.global_batch}, {args.precision}")
+    print(f"{result.tried} layouts tried in {elapsed:.2f} s: {len(result.ranked)} fit, {len(result.dropped)} dropped")
+    if not result.ranked:
+        reasons = collections.Counter(r for _, r in result.dropped)
+        detail = "\n".join(f"  {n} x {r}" for r, n in reasons.most_common(5))
+        raise UserError(f"no layout of {name} fits {args.gpus} x {hw.name}:\n{detail}")
+    reasons = collections.Counter(r.split(" on pipeline")[0] if r.startswith("needs") else r for _, r in result.dropped)
+    print(table(result.ranked, args.top))
+    if result.dropped:
+        cfg, reason = min(result.dropped, key=lambda d: len(d[1]))
+        print(f"dropped, most common reasons: " + "; ".join(f"{n} x {r}" for r, n in reasons.most_common(3)
+                                                             if not r.startswith("needs"))
+              + f"; {sum(1 for _, r in result.dropped if r.startswith('needs'))} do not fit in memory")
+    best = result.ranked[0]
+    if args.explain:
+        print()
+        print(explain(best, spec.model, spec.preset, counts.total, hw, args.gpus, gpn, args.seq_len,
+                      args.global_batch, args.precision))
+        if spec.preset == "llama3-70b":
+            print()
+            print(seed_memory_example(spec.model, counts.total, hw))
+    if args.emit:
+        print()
+        print(emit(best.config, args.emit, name))
+    if args.plot:
+        from fivefold.planner.plot import plot_memory
+        plot_memory(result.ranked[:args.top], hw.memory_bytes, args.plot, f"{name} on {args.gpus} x {hw.name}")
+        print(f"wrote {args.plot}")
+    return 0
+
+
+__all__ = ["HELP", "add_arguments", "run", "describe"]

@@ -1,0 +1,113 @@
+"""Activation memory: which tensors each decoder layer saves for its backward, in bytes.
+
+Counted per microbatch of b sequences of s tokens, per rank, following Korthikanti et al. (2022),
+"Reducing Activation Recomputation in Large Transformer Models", Sec. 4. A tensor saved for the
+backward is one of three kinds:
+  - in the sequence-parallel region (norm inputs, the inputs of the first linear of each block,
+    dropout masks): split by TP only with SP, else replicated in the TP group;
+  - inside attention / MLP (Q, K, V, the attention output, MLP intermediates): split by TP;
+  - the attention scores (softmax output, dropout mask, dropout output), a*s*s per sequence, only
+    when attention is not a fused (flash) kernel: split by TP.
+Every per-token term is divided by CP (each CP rank holds s/cp tokens; Ulysses all-to-all CP trades
+heads for tokens, same count). With the GPT-3 architecture (LayerNorm, GeLU 4h MLP, dropout, 16-bit,
+stored scores) the sum is sbh(34 + 5as/h) per layer; with TP t: sbh(10 + 24/t + 5as/(ht)); with
+TP + SP: sbh(34/t + 5as/(ht)); selective recompute (of the attention core) drops the score term;
+full recompute keeps only each layer's input, 2sbh (2sbh/t with SP).
+
+Routed experts (dropless, balanced routing, Megatron's all-to-all dispatcher): a rank of an
+expert-TP group of size etp processes N_e = k*b*s*etp/(tp*cp) token copies; it saves their inputs
+(N_e*h), the gate/up outputs and the down-projection input (N_e*3*f_e/etp) and the expert outputs
+for the probability-weighted combine (N_e*h), plus the router's fp32 scores (E per token).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fivefold.config.schema import ModelConfig
+from fivefold.planner.params import is_moe_layer
+
+
+@dataclass(frozen=True)
+class ArchTraits:
+    """What the activation count needs beyond ModelConfig (defaults: our Llama-style decoder)."""
+
+    gated_mlp: bool = True
+    """SwiGLU (saves gate and up outputs, 2f, and their product, f) vs GeLU (saves f and f)."""
+    dropout: bool = False
+    """Dropout after attention/MLP and on the attention probabilities (1-byte masks)."""
+    flash_attention: bool = True
+    """Fused attention: saves its output and fp32 log-sum-exp instead of the a*s*s scores."""
+    bytes_per_value: int = 2
+    """Bytes of a saved activation (2 for bf16/fp16; fp8 GEMMs still save 16-bit tensors)."""
+
+
+GPT3_TRAITS = ArchTraits(gated_mlp=False, dropout=True, flash_attention=False, bytes_per_value=2)
+"""Korthikanti et al.'s GPT-3 setting."""
+
+
+@dataclass(frozen=True)
+class Sharding:
+    tp: int = 1
+    sp: bool = False
+    cp: int = 1
+    etp: int = 1
+    recompute: str | None = None
+    """None, 'selective' (attention core) or 'full'."""
+
+
+def _attention_elements(m: ModelConfig) -> tuple[int, int]:
+    """(Q+K+V elements, attention-output elements) per token over all heads."""
+    a = m.num_attention_heads
+    if m.multi_latent_attention:
+        dqk = m.qk_head_dim + m.qk_pos_emb_head_dim
+        return a * dqk * 2 + a * m.v_head_dim, a * m.v_head_dim
+    d = m.head_dim
+    return a * d + 2 * m.kv_heads * d, a * d
+
+
+def layer_activation_bytes(m: ModelConfig, index: int, b: int, s: int, sh: Sharding,
+                           traits: ArchTraits = ArchTraits()) -> dict[str, float]:
+    """Bytes saved for backward by decoder layer `index` for one microbatch on one rank, by tensor."""
+    B = traits.bytes_per_value
+    h, a = m.hidden_size, m.num_attention_heads
+    tokens = b * s / sh.cp  # tokens of this microbatch on this rank before any TP split
+    sp_div = sh.tp if sh.sp else 1
+    if sh.recompute == "full":
+        return {"layer input (full recompute)": tokens * h * B / sp_div}
+    out: dict[str, float] = {}
+    mask = 1.0 if traits.dropout else 0.0
+    # Attention block: norm input, QKV-linear input, (dropout mask) in the SP region.
+    out["attn norm input + qkv input"] = 2 * tokens * h * B / sp_div
+    qkv, attn_out = _attention_elements(m)
+    if m.multi_latent_attention:
+        latents = (m.q_lora_rank or 0) * 2 + (m.kv_lora_rank + m.qk_pos_emb_head_dim) + m.kv_lora_rank
+        out["MLA latents"] = tokens * latents * B / sp_div
+    out["q, k, v"] = tokens * qkv * B / sh.tp
+    out["attention output (proj input)"] = tokens * attn_out * B / sh.tp
+    if sh.recompute != "selective":
+        if traits.flash_attention:
+            out["softmax log-sum-exp (fp32)"] = tokens * a * 4 / sh.tp
+        else:  # softmax output (B), dropout mask (1 byte), dropout output (B): per head, s keys per query
+            out["attention scores"] = tokens * a * s * (B + mask * (1 + B)) / sh.tp
+    out["dropout masks"] = 2 * tokens * h * mask / sp_div
+    # MLP block: norm input and first-linear input in the SP region.
+    out["mlp norm input + mlp input"] = 2 * tokens * h * B / sp_div
+    inner = 3 if traits.gated_mlp else 2  # SwiGLU: gate, up, gate*up ; GeLU: pre-GeLU, post-GeLU
+    if is_moe_layer(m, index):
+        k, f_e = m.moe_router_topk, (m.moe_ffn_hidden_size or m.ffn_size)
+        copies = k * b * s * sh.etp / (sh.tp * sh.cp)  # token copies on this rank's experts
+        out["router scores (fp32)"] = tokens * m.num_experts * 4 / sp_div
+        out["expert inputs + outputs"] = 2 * copies * h * B
+        out["expert intermediates"] = copies * inner * f_e * B / sh.etp
+        if m.moe_shared_expert_intermediate_size:
+            out["shared-expert intermediates"] = tokens * inner * m.moe_shared_expert_intermediate_size * B / sh.tp
+    else:
+        out["mlp intermediates"] = tokens * inner * m.ffn_size * B / sh.tp
+    return out
+
+
+def full_recompute_transient(m: ModelConfig, index: int, b: int, s: int, sh: Sharding,
+                             traits: ArchTraits = ArchTraits()) -> float:
+    """With full recompute, the one layer being recomputed holds its whole activations in backward."""
+    inner = Sharding(tp=sh.tp, sp=sh.sp, cp=sh.cp, etp=sh.etp, recompute=None)
+    return sum(layer_activation_bytes(m, index, b, s, inner, traits).values())

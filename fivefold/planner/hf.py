@@ -1,0 +1,84 @@
+"""A local Hugging Face config.json -> our canonical `ModelConfig`.
+
+Reads the keys of the Llama / Mistral / Mixtral / Qwen2 / Qwen3 (dense and MoE) / OLMoE /
+DeepSeek-V2 / DeepSeek-V3 / Kimi-K2 / GLM-4.5 families. Anything our model cannot express (an MoE
+layer pattern other than "first k dense, the rest MoE") is refused with the key that says so.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from fivefold.config.schema import ModelConfig
+from fivefold.errors import UserError
+
+
+def _need(cfg: dict, key: str, path: str):
+    if key not in cfg:
+        raise UserError(f"{path}: config.json has no {key!r}; is this a decoder LM config "
+                        "(Llama, Mixtral, Qwen2/3(-MoE), DeepSeek-V2/V3)?")
+    return cfg[key]
+
+
+def model_from_hf_dict(cfg: dict, path: str = "config.json") -> ModelConfig:
+    """Translate a parsed config.json (see the module docstring for the families read)."""
+    if "text_config" in cfg and "hidden_size" not in cfg:
+        cfg = cfg["text_config"]
+    h = int(_need(cfg, "hidden_size", path))
+    heads = int(_need(cfg, "num_attention_heads", path))
+    kw: dict = dict(
+        num_layers=int(_need(cfg, "num_hidden_layers", path)), hidden_size=h, num_attention_heads=heads,
+        num_query_groups=int(cfg.get("num_key_value_heads") or heads), vocab_size=int(_need(cfg, "vocab_size", path)),
+        ffn_hidden_size=int(_need(cfg, "intermediate_size", path)),
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+        norm_epsilon=float(cfg.get("rms_norm_eps", 1e-5)), rotary_base=float(cfg.get("rope_theta", 10000.0)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        init_method_std=float(cfg.get("initializer_range", 0.02)),
+    )
+    kw["kv_channels"] = int(cfg.get("head_dim") or h // heads)
+    if "kv_lora_rank" in cfg:  # DeepSeek-V2/V3, Kimi-K2, Moonlight: multi-head latent attention
+        kw.update(multi_latent_attention=True, q_lora_rank=cfg.get("q_lora_rank"), kv_lora_rank=int(cfg["kv_lora_rank"]),
+                  qk_head_dim=int(cfg["qk_nope_head_dim"]), qk_pos_emb_head_dim=int(cfg["qk_rope_head_dim"]),
+                  v_head_dim=int(cfg["v_head_dim"]), num_query_groups=None,
+                  kv_channels=int(cfg["qk_nope_head_dim"]) + int(cfg["qk_rope_head_dim"]))
+    experts = cfg.get("num_local_experts") or cfg.get("n_routed_experts") or cfg.get("num_experts")
+    if experts:
+        moe_ffn = int(cfg.get("moe_intermediate_size") or kw["ffn_hidden_size"])
+        shared = 0
+        if cfg.get("n_shared_experts"):
+            shared = int(cfg["n_shared_experts"]) * moe_ffn
+        elif cfg.get("shared_expert_intermediate_size"):
+            shared = int(cfg["shared_expert_intermediate_size"])
+        first_dense = int(cfg.get("first_k_dense_replace") or 0)
+        step = int(cfg.get("decoder_sparse_step") or cfg.get("moe_layer_freq") or 1)
+        if step != 1 or cfg.get("mlp_only_layers"):
+            raise UserError(f"{path}: MoE layer pattern decoder_sparse_step={step}, "
+                            f"mlp_only_layers={cfg.get('mlp_only_layers')} is not supported "
+                            "(only 'first k layers dense, the rest MoE')")
+        kw.update(num_experts=int(experts), moe_router_topk=int(_need(cfg, "num_experts_per_tok", path)),
+                  moe_ffn_hidden_size=moe_ffn, moe_shared_expert_intermediate_size=shared or None,
+                  moe_first_k_dense_layers=first_dense,
+                  moe_router_score_function=str(cfg.get("scoring_func", "softmax")))
+    try:
+        return ModelConfig(**kw)
+    except (TypeError, ValueError) as e:
+        raise UserError(f"{path}: cannot read as a model config: {e}") from e
+
+
+def load_hf_config(path: str | Path) -> ModelConfig:
+    """Read a local config.json (or a folder holding one); UserError when missing or malformed."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / "config.json"
+    if not p.is_file():
+        raise UserError(f"{path}: no such config.json")
+    try:
+        cfg = json.loads(p.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"{p}: malformed JSON ({e})") from e
+    if not isinstance(cfg, dict):
+        raise UserError(f"{p}: expected a JSON object, got {type(cfg).__name__}")
+    try:
+        return model_from_hf_dict(cfg, str(p))
+    except (TypeError, ValueError, KeyError) as e:
+        raise UserError(f"{p}: cannot read as a model config: {e}") from e

@@ -1,0 +1,184 @@
+"""A canonical `Config` read as the numbers the estimates need (`Plan`), and the layer split.
+
+Layers go to virtual stages i = chunk * pp + rank (Megatron's interleaving: rank r holds chunks
+r, r + pp, r + 2pp, ...). The split is the foundation's `layers_per_stage` (Megatron's rule,
+uneven first/last stages, embedding and loss counted as layers).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+from fivefold.config.schema import Config
+from fivefold.errors import UserError
+
+
+try:
+    from fivefold.config.rules import sizes_of, stage_layers
+except ImportError:  # TEMPORARY until the foundation's split lands on main: even split only
+    sizes_of = stage_layers = None
+
+
+def virtual_stage_layers(config: Config) -> list[int]:
+    """Decoder layers per virtual stage, in virtual-stage order (length pp * vpp); ValueError if none."""
+    p, n = config.parallel, config.model.num_layers
+    key = (n, p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size, p.pipeline_schedule,
+           tuple(p.pipeline_layers_per_stage or ()), p.decoder_first_pipeline_num_layers,
+           p.decoder_last_pipeline_num_layers, p.account_for_embedding_in_pipeline_split,
+           p.account_for_loss_in_pipeline_split)
+    if key not in _SPLITS:
+        if stage_layers is None:
+            chunks = p.pipeline_model_parallel_size * (p.virtual_pipeline_model_parallel_size or 1)
+            if n % chunks:
+                raise ValueError(f"{n} layers do not split evenly into {chunks} stages")
+            _SPLITS[key] = [n // chunks] * chunks
+        else:
+            _SPLITS[key] = list(stage_layers(sizes_of(config)))
+    return _SPLITS[key]
+
+
+_SPLITS: dict[tuple, list[int]] = {}
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The resolved layout, batch and precision of one config."""
+
+    config: Config
+
+    @cached_property
+    def p(self):
+        return self.config.parallel
+
+    @property
+    def tp(self) -> int:
+        return self.p.tensor_model_parallel_size
+
+    @property
+    def sp(self) -> bool:
+        return self.p.sequence_parallel and self.tp > 1
+
+    @property
+    def cp(self) -> int:
+        return self.p.context_parallel_size
+
+    @property
+    def pp(self) -> int:
+        return self.p.pipeline_model_parallel_size
+
+    @property
+    def vpp(self) -> int:
+        return self.p.virtual_pipeline_model_parallel_size or 1
+
+    @property
+    def ep(self) -> int:
+        return self.p.expert_model_parallel_size if self.config.model.is_moe else 1
+
+    @property
+    def etp(self) -> int:
+        if not self.config.model.is_moe:
+            return 1
+        e = self.p.expert_tensor_parallel_size
+        return self.tp if e is None else e
+
+    @property
+    def world(self) -> int:
+        return self.config.cluster.resolved_world_size
+
+    @property
+    def dp(self) -> int:
+        return self.world // (self.tp * self.cp * self.pp)
+
+    @property
+    def edp(self) -> int:
+        return (self.tp * self.cp * self.dp) // (self.etp * self.ep)
+
+    @property
+    def mbs(self) -> int:
+        return self.config.training.micro_batch_size
+
+    @property
+    def seq(self) -> int:
+        return self.config.training.seq_length
+
+    @property
+    def microbatches(self) -> int:
+        t = self.config.training
+        return t.global_batch_size // (t.micro_batch_size * self.dp)
+
+    @property
+    def schedule(self) -> str:
+        if self.pp == 1:
+            return "1f1b"
+        if self.p.virtual_pipeline_model_parallel_size and self.p.pipeline_schedule == "1f1b":
+            return "interleaved"
+        return self.p.pipeline_schedule
+
+    @property
+    def recompute(self) -> str | None:
+        t = self.config.training
+        return t.recompute_granularity
+
+    @property
+    def precision(self) -> str:
+        return self.config.training.precision
+
+    @cached_property
+    def rank_chunks(self) -> list[list[range]]:
+        """Per pipeline rank, its model chunks, each a range of decoder-layer indices."""
+        counts = virtual_stage_layers(self.config)
+        if len(counts) != self.pp * self.vpp or sum(counts) != self.config.model.num_layers:
+            raise UserError(f"layer split {counts} does not give {self.config.model.num_layers} layers "
+                            f"over {self.pp} x {self.vpp} stages")
+        chunks: list[list[range]] = [[] for _ in range(self.pp)]
+        start = 0
+        for i, n in enumerate(counts):
+            chunks[i % self.pp].append(range(start, start + n))
+            start += n
+        return chunks
+
+    def layer_groups(self, rank: int) -> list[tuple[int, bool, int]]:
+        """`rank`'s layers grouped by what their cost depends on: (a representative layer index,
+        fully recomputed?, how many such layers). Dense and MoE layers differ; so do recomputed ones."""
+        groups = self._groups.get(rank)
+        if groups is not None:
+            return groups
+        m = self.config.model
+        k = m.moe_first_k_dense_layers if m.is_moe else m.num_layers
+        n_rec = self._recomputed_count()
+        counts: dict[tuple[bool, bool], list[int]] = {}
+        pos = 0
+        for chunk in self.rank_chunks[rank]:
+            pieces = ((chunk.start, min(chunk.stop, k)), (max(chunk.start, k), chunk.stop))  # dense, then MoE
+            for lo, hi in pieces:
+                while lo < hi:  # split at the recompute boundary (block method)
+                    rec = pos < n_rec
+                    take = min(hi - lo, (n_rec - pos) if rec else hi - lo)
+                    key = (lo >= k, rec)
+                    entry = counts.setdefault(key, [lo, 0])
+                    entry[1] += take
+                    lo, pos = lo + take, pos + take
+        out = [(first, key[1], n) for key, (first, n) in counts.items()]
+        self._groups[rank] = out
+        return out
+
+    def _recomputed_count(self) -> int:
+        t = self.config.training
+        if t.recompute_granularity != "full":
+            return 0
+        if t.recompute_method == "block":
+            return (t.recompute_num_layers or 0) * self.vpp
+        return self.config.model.num_layers
+
+    @cached_property
+    def _groups(self) -> dict:
+        return {}
+
+    def recomputed(self, rank: int, layer_pos: int) -> bool:
+        """Whether the layer at position `layer_pos` among `rank`'s layers is fully recomputed."""
+        t = self.config.training
+        if t.recompute_granularity != "full":
+            return False
+        if t.recompute_method == "block":
+            return layer_pos < (t.recompute_num_layers or 0) * self.vpp
+        return True

@@ -1,0 +1,156 @@
+"""Memory per GPU, by kind, for every pipeline rank; the worst rank is what must fit.
+
+Model state, per parameter held by the rank (Megatron's mixed precision: bf16 weights, fp32 main
+gradients, fp32 master weights + two Adam moments):
+    bf16 / fp8 : weights 2 + gradients 4 + optimizer 12 = 18 bytes,
+                 or 2 + 4 + 12/d with the distributed optimizer (Megatron's "6 + 12/d");
+    fp32       : 4 + 4 + 8 = 16 bytes, or 4 + 4 + 8/d.
+d is the data-parallel group the optimizer shards over: DP x CP for dense parameters, expert-DP for
+routed experts. A rank holds: its layers' attention and dense MLPs / TP, their norms and routers
+whole, routed experts / (ETP x EP), the vocab-parallel embedding on the first rank and output layer
+on the last (both when tied and PP > 1, as Megatron).
+Activations: `activations.py` per microbatch, times the microbatches the schedule keeps in flight
+on that rank (`pipeline.py`); with full recompute, plus one layer's full activations during its
+backward. Fixed terms: on the last rank, one microbatch of logits (bf16) and the fp32 softmax the
+vocab-parallel cross entropy keeps; communication buffers (PP send/recv, the SP all-gather output of
+one layer, EP dispatch/combine buffers). Then a stated allocator overhead (share of all tensor
+memory) and a runtime reserve (CUDA context + NCCL workspaces) that the allocator never sees.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from fivefold.planner.activations import ArchTraits, Sharding, full_recompute_transient, layer_activation_bytes
+from fivefold.planner.layout import Plan
+from fivefold.planner.params import embedding_params, is_moe_layer, layer_params
+from fivefold.planner.pipeline import pipeline_profile
+
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class MemoryAssumptions:
+    allocator_overhead: float = 0.05
+    """Share of tensor memory lost to the caching allocator's fragmentation. Default 5%."""
+    runtime_reserve: float = 1.0 * GiB
+    """CUDA context and NCCL workspaces, outside the allocator (bytes). Default 1 GiB."""
+    traits: ArchTraits = ArchTraits()
+
+
+@dataclass
+class RankMemory:
+    rank: int
+    """Pipeline rank."""
+    weights: float = 0.0
+    grads: float = 0.0
+    optimizer: float = 0.0
+    activations: float = 0.0
+    logits: float = 0.0
+    buffers: float = 0.0
+    overhead: float = 0.0
+    reserve: float = 0.0
+    params: float = 0.0
+    """Parameters held (dense + expert)."""
+    inflight: float = 0.0
+    """Microbatches of this rank's activations held at the peak."""
+    detail: dict[str, float] = field(default_factory=dict)
+    """Per-microbatch activation bytes by tensor kind, summed over this rank's layers."""
+
+    KINDS = ("weights", "grads", "optimizer", "activations", "logits", "buffers", "overhead", "reserve")
+
+    @property
+    def total(self) -> float:
+        return sum(getattr(self, k) for k in self.KINDS)
+
+    def as_dict(self) -> dict[str, float]:
+        return {k: getattr(self, k) for k in self.KINDS}
+
+
+def state_bytes_per_param(precision: str, distributed: bool, d: int) -> tuple[float, float, float]:
+    """(weights, gradients, optimizer) bytes per parameter; see the module docstring."""
+    if precision == "fp32":
+        return 4.0, 4.0, 8.0 / d if distributed else 8.0
+    return 2.0, 4.0, 12.0 / d if distributed else 12.0
+
+
+def rank_params(plan: Plan, rank: int) -> tuple[float, float]:
+    """(dense, expert) parameters held by one rank of pipeline rank `rank` (padded vocabulary)."""
+    m = plan.config.model
+    dense = expert = 0.0
+    for i, _, n in plan.layer_groups(rank):
+        lp = layer_params(m, i)
+        dense += ((lp.attention + lp.dense_mlp) / plan.tp + lp.norms) * n
+        expert += lp.experts / (plan.etp * plan.ep) * n
+    emb = embedding_params(m, plan.tp) / plan.tp
+    if rank == 0:
+        dense += emb
+    if rank == plan.pp - 1:
+        dense += m.hidden_size + (0 if (m.tie_word_embeddings and plan.pp == 1) else emb)
+    return dense, expert
+
+
+def memory_per_rank(plan: Plan, assume: MemoryAssumptions = MemoryAssumptions()) -> list[RankMemory]:
+    cfg, m = plan.config, plan.config.model
+    prec = plan.precision
+    distopt = cfg.training.use_distributed_optimizer
+    b, s = plan.mbs, plan.seq
+    sh = Sharding(tp=plan.tp, sp=plan.sp, cp=plan.cp, etp=plan.etp, recompute=plan.recompute)
+    prof = pipeline_profile(plan.schedule, plan.pp, plan.vpp, plan.microbatches)
+    B = assume.traits.bytes_per_value
+    out = []
+    kinds: dict[tuple[bool, bool], tuple[dict, float]] = {}  # (MoE?, recomputed?) -> (bytes by tensor, transient)
+    shapes: dict[tuple, tuple] = {}  # ranks with the same layers (and ends) hold the same per-microbatch state
+    for r in range(plan.pp):
+        rm = RankMemory(rank=r)
+        groups = plan.layer_groups(r)
+        shape = (tuple((is_moe_layer(m, i), rec, n) for i, rec, n in groups), r == 0, r == plan.pp - 1)
+        if shape not in shapes:
+            shapes[shape] = _rank_shape(plan, r, groups, kinds, sh, assume)
+        (dense, expert), detail, per_mb, transient = shapes[shape]
+        wd, gd, od = state_bytes_per_param(prec, distopt, plan.dp * plan.cp)
+        we, ge, oe = state_bytes_per_param(prec, distopt, plan.edp)
+        rm.params = dense + expert
+        rm.weights, rm.grads, rm.optimizer = dense * wd + expert * we, dense * gd + expert * ge, dense * od + expert * oe
+        rm.detail = dict(detail)
+        rm.inflight = prof.inflight_microbatches(r)
+        rm.activations = per_mb * rm.inflight + transient
+        tokens = b * s / plan.cp
+        if r == plan.pp - 1:  # bf16 logits + the fp32 softmax the vocab-parallel cross entropy keeps
+            rm.logits = tokens * m.padded_vocab_size(plan.tp) / plan.tp * (B + 4)
+        sp_div = plan.tp if plan.sp else 1
+        buffers = tokens * m.hidden_size * B * (4 / sp_div if plan.pp > 1 else 0)  # PP send/recv, fwd + bwd
+        if plan.tp > 1:
+            buffers += tokens * m.hidden_size * B  # one gathered (SP) or reduced (TP) layer input
+        if m.is_moe and plan.ep > 1:
+            buffers += 2 * m.moe_router_topk * tokens / plan.tp * plan.etp * m.hidden_size * B  # dispatch + combine
+        rm.buffers = buffers
+        tensors = rm.weights + rm.grads + rm.optimizer + rm.activations + rm.logits + rm.buffers
+        rm.overhead = assume.allocator_overhead * tensors
+        rm.reserve = assume.runtime_reserve
+        out.append(rm)
+    return out
+
+
+def _rank_shape(plan: Plan, r: int, groups, kinds: dict, sh: Sharding, assume: MemoryAssumptions):
+    """(params (dense, expert), activation bytes by tensor, per-microbatch total, recompute transient)."""
+    m, b, s = plan.config.model, plan.mbs, plan.seq
+    detail: dict[str, float] = {}
+    per_mb, transient = 0.0, 0.0
+    for i, recomputed, n in groups:
+        key = (is_moe_layer(m, i), recomputed)
+        if key not in kinds:
+            layer_sh = sh if recomputed or plan.recompute != "full" else \
+                Sharding(tp=sh.tp, sp=sh.sp, cp=sh.cp, etp=sh.etp, recompute=None)
+            kinds[key] = (layer_activation_bytes(m, i, b, s, layer_sh, assume.traits),
+                          full_recompute_transient(m, i, b, s, sh, assume.traits) if recomputed else 0.0)
+        saved, peak = kinds[key]
+        for k, v in saved.items():
+            detail[k] = detail.get(k, 0.0) + v * n
+            per_mb += v * n
+        transient = max(transient, peak)
+    return rank_params(plan, r), detail, per_mb, transient
+
+
+def peak_memory(plan: Plan, assume: MemoryAssumptions = MemoryAssumptions()) -> RankMemory:
+    """The pipeline rank with the largest total."""
+    return max(memory_per_rank(plan, assume), key=lambda r: r.total)

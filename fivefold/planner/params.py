@@ -1,0 +1,114 @@
+"""Parameter counts of a `ModelConfig`, by layer and by kind (dense vs routed-expert).
+
+The decoder is a pre-norm Transformer with SwiGLU MLPs, RMSNorm and no linear biases:
+  embedding V*h, output layer V*h (unless tied), final norm h;
+  per layer: 2 norms (2h);
+    attention, GQA:  q and o: 2*h*a*d,  k and v: 2*h*g*d          (a heads, g KV groups, d = head_dim)
+    attention, MLA:  q: h*(a*(dn+dr))                 without q compression, or
+                        h*r_q + r_q + r_q*a*(dn+dr)   with it (down, norm, up)
+                     kv: h*(r_kv+dr) + r_kv + r_kv*a*(dn+dv);  o: a*dv*h
+    dense MLP:       3*h*f                             (gate, up, down)
+    MoE MLP:         router h*E + E*3*h*f_e + 3*h*f_s   (E routed experts of width f_e, shared width f_s)
+Active per token: the same with E replaced by top-k in the routed-expert term.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fivefold.config.schema import ModelConfig
+
+
+@dataclass(frozen=True)
+class LayerParams:
+    """Parameters of one decoder layer, split by how they are sharded."""
+
+    attention: int
+    """Attention projections (split by TP)."""
+    norms: int
+    """RMSNorm weights and the router (replicated over TP)."""
+    dense_mlp: int
+    """Dense MLP or shared experts (split by TP)."""
+    experts: int
+    """All routed experts (split by ETP x EP); 0 in a dense layer."""
+    active_experts: int
+    """Routed-expert parameters one token passes through (top-k of them)."""
+
+    @property
+    def total(self) -> int:
+        return self.attention + self.norms + self.dense_mlp + self.experts
+
+    @property
+    def active(self) -> int:
+        return self.attention + self.norms + self.dense_mlp + self.active_experts
+
+
+def attention_params(m: ModelConfig) -> int:
+    h, a = m.hidden_size, m.num_attention_heads
+    if m.multi_latent_attention:
+        dn, dr, dv, r_kv = m.qk_head_dim, m.qk_pos_emb_head_dim, m.v_head_dim, m.kv_lora_rank
+        q = h * a * (dn + dr) if not m.q_lora_rank else h * m.q_lora_rank + m.q_lora_rank + m.q_lora_rank * a * (dn + dr)
+        kv = h * (r_kv + dr) + r_kv + r_kv * a * (dn + dv)
+        return q + kv + a * dv * h
+    d, g = m.head_dim, m.kv_heads
+    return 2 * h * a * d + 2 * h * g * d
+
+
+def is_moe_layer(m: ModelConfig, index: int) -> bool:
+    """Whether decoder layer `index` (0-based) has routed experts."""
+    return m.is_moe and index >= m.moe_first_k_dense_layers
+
+
+_CACHE: dict[int, tuple[ModelConfig, dict]] = {}
+
+
+def layer_params(m: ModelConfig, index: int) -> LayerParams:
+    """Parameters of decoder layer `index` (cached per model object and layer kind)."""
+    entry = _CACHE.get(id(m))
+    if entry is None or entry[0] is not m:
+        entry = _CACHE[id(m)] = (m, {})
+    moe = is_moe_layer(m, index)
+    if moe not in entry[1]:
+        entry[1][moe] = _layer_params(m, index)
+    return entry[1][moe]
+
+
+def _layer_params(m: ModelConfig, index: int) -> LayerParams:
+    h = m.hidden_size
+    attn = attention_params(m)
+    if not is_moe_layer(m, index):
+        return LayerParams(attention=attn, norms=2 * h, dense_mlp=3 * h * m.ffn_size, experts=0, active_experts=0)
+    f_e = m.moe_ffn_hidden_size or m.ffn_size
+    shared = 3 * h * (m.moe_shared_expert_intermediate_size or 0)
+    per_expert = 3 * h * f_e
+    return LayerParams(attention=attn, norms=2 * h + h * m.num_experts, dense_mlp=shared,
+                       experts=m.num_experts * per_expert, active_experts=m.moe_router_topk * per_expert)
+
+
+def embedding_params(m: ModelConfig, tp: int | None = None) -> int:
+    """Input embedding: V*h (V padded for `tp` when given, else the tokenizer's V)."""
+    v = m.vocab_size if tp is None else m.padded_vocab_size(tp)
+    return v * m.hidden_size
+
+
+def output_params(m: ModelConfig, tp: int | None = None) -> int:
+    """Final norm + output layer (0 for the output layer when tied to the embedding)."""
+    return m.hidden_size + (0 if m.tie_word_embeddings else embedding_params(m, tp))
+
+
+@dataclass(frozen=True)
+class ParamCount:
+    total: int
+    active: int
+    embedding: int
+    """Input embedding + output layer (counted in total and active)."""
+    experts: int
+    """Routed-expert parameters over all layers."""
+
+
+def count_params(m: ModelConfig) -> ParamCount:
+    """Total and per-token-active parameters (unpadded vocabulary, as authors publish them)."""
+    layers = [layer_params(m, i) for i in range(m.num_layers)]
+    emb = embedding_params(m) + output_params(m) - m.hidden_size
+    ends = embedding_params(m) + output_params(m)
+    return ParamCount(total=ends + sum(x.total for x in layers), active=ends + sum(x.active for x in layers),
+                      embedding=emb, experts=sum(x.experts for x in layers))

@@ -1,0 +1,119 @@
+"""Accelerator presets and custom hardware (flags or YAML).
+
+Figures are vendor datasheet peaks for dense math (no 2:4 sparsity). Link bandwidths are per GPU
+and per direction, in bytes/s: `intra_node_bw` is the GPU's share of the node's fabric (NVLink /
+Infinity Fabric / PCIe), `network_bw` its NIC (e.g. one 400 Gb/s InfiniBand NDR port = 50 GB/s).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+
+from fivefold.errors import UserError
+
+GiB = 2**30
+T = 1e12
+GBs = 1e9
+
+
+@dataclass(frozen=True, kw_only=True)
+class Hardware:
+    name: str
+    bf16_flops: float
+    """Peak dense bf16 FLOP/s."""
+    fp8_flops: float | None
+    """Peak dense fp8 FLOP/s; None where the GPU has no fp8 tensor cores."""
+    memory_bytes: float
+    """HBM capacity (bytes)."""
+    memory_bw: float
+    """HBM bandwidth (bytes/s)."""
+    intra_node_bw: float
+    """Per-GPU, per-direction bandwidth inside a node (bytes/s)."""
+    network_bw: float
+    """Per-GPU, per-direction network bandwidth between nodes (bytes/s)."""
+    gpus_per_node: int = 8
+    """GPUs in one intra-node domain. Default 8."""
+    source: str = ""
+
+    def peak_flops(self, precision: str) -> float:
+        if precision == "fp8":
+            if self.fp8_flops is None:
+                raise UserError(f"{self.name} has no fp8 tensor cores; use --precision bf16")
+            return self.fp8_flops
+        if precision == "fp32":
+            raise UserError("the planner models bf16 or fp8 GEMMs on GPUs; use --precision bf16|fp8")
+        return self.bf16_flops
+
+
+HARDWARE_PRESETS: dict[str, Hardware] = {h.name: h for h in [
+    Hardware(name="h100-sxm", bf16_flops=989.4 * T, fp8_flops=1978.9 * T, memory_bytes=80 * GiB,
+             memory_bw=3.35e12, intra_node_bw=450 * GBs, network_bw=50 * GBs,
+             source="NVIDIA H100 datasheet (SXM5); NVLink4 900 GB/s bidirectional; 400 Gb/s NDR per GPU"),
+    Hardware(name="h100-pcie", bf16_flops=756.5 * T, fp8_flops=1513 * T, memory_bytes=80 * GiB,
+             memory_bw=2.0e12, intra_node_bw=64 * GBs, network_bw=25 * GBs,
+             source="NVIDIA H100 datasheet (PCIe); PCIe Gen5 x16 64 GB/s per direction (NVLink bridges "
+                    "between GPU pairs not modelled); 200 Gb/s NIC per GPU"),
+    Hardware(name="h200", bf16_flops=989.4 * T, fp8_flops=1978.9 * T, memory_bytes=141e9,
+             memory_bw=4.8e12, intra_node_bw=450 * GBs, network_bw=50 * GBs,
+             source="NVIDIA H200 datasheet (SXM); NVLink4 900 GB/s bidirectional; 400 Gb/s NDR per GPU"),
+    Hardware(name="a100-40gb", bf16_flops=312 * T, fp8_flops=None, memory_bytes=40 * GiB,
+             memory_bw=1.555e12, intra_node_bw=300 * GBs, network_bw=25 * GBs,
+             source="NVIDIA A100 datasheet (SXM4 40GB); NVLink3 600 GB/s bidirectional; 200 Gb/s HDR per GPU"),
+    Hardware(name="a100-80gb", bf16_flops=312 * T, fp8_flops=None, memory_bytes=80 * GiB,
+             memory_bw=2.039e12, intra_node_bw=300 * GBs, network_bw=25 * GBs,
+             source="NVIDIA A100 datasheet (SXM4 80GB); NVLink3 600 GB/s bidirectional; 200 Gb/s HDR per GPU"),
+    Hardware(name="b200", bf16_flops=2250 * T, fp8_flops=4500 * T, memory_bytes=180e9,
+             memory_bw=8.0e12, intra_node_bw=900 * GBs, network_bw=50 * GBs,
+             source="NVIDIA DGX/HGX B200 datasheet (per GPU: 1/8 of 72 PF fp8 sparse, 1440 GB, 64 TB/s); "
+                    "NVLink5 1.8 TB/s bidirectional; 400 Gb/s per GPU"),
+    Hardware(name="mi300x", bf16_flops=1307.4 * T, fp8_flops=2614.9 * T, memory_bytes=192e9,
+             memory_bw=5.3e12, intra_node_bw=448 * GBs, network_bw=50 * GBs,
+             source="AMD Instinct MI300X datasheet; Infinity Fabric 7 x 64 GB/s per direction (full mesh, "
+                    "modelled as its aggregate); 400 Gb/s per GPU"),
+]}
+ALIASES = {"h100": "h100-sxm", "h100-sxm5": "h100-sxm", "h200-sxm": "h200", "a100": "a100-80gb",
+           "a100-80g": "a100-80gb", "a100-40g": "a100-40gb"}
+
+# Human units accepted in YAML and flags -> (field, factor).
+UNITS = {"bf16_tflops": ("bf16_flops", T), "fp8_tflops": ("fp8_flops", T), "memory_gib": ("memory_bytes", GiB),
+         "memory_gb": ("memory_bytes", 1e9), "memory_bw_tbs": ("memory_bw", 1e12),
+         "intra_node_gbs": ("intra_node_bw", GBs), "network_gbs": ("network_bw", GBs)}
+
+
+def with_overrides(base: Hardware, overrides: dict) -> Hardware:
+    """`base` with fields replaced; keys are field names or the human units in UNITS."""
+    names = {f.name for f in fields(Hardware)}
+    kw = {}
+    for key, value in overrides.items():
+        if value is None:
+            continue
+        if key in UNITS:
+            field_name, factor = UNITS[key]
+            kw[field_name] = float(value) * factor
+        elif key in names:
+            kw[key] = value
+        else:
+            raise UserError(f"unknown hardware field {key!r}; use one of {sorted(names | set(UNITS))}")
+    return replace(base, **kw)
+
+
+def hardware(spec: str, overrides: dict | None = None) -> Hardware:
+    """A preset name, or a YAML file with `base: PRESET` (optional) and fields / human units."""
+    key = spec.strip().lower()
+    key = ALIASES.get(key, key)
+    if key in HARDWARE_PRESETS:
+        return with_overrides(HARDWARE_PRESETS[key], overrides or {})
+    path = Path(spec)
+    if path.suffix in (".yaml", ".yml"):
+        import yaml
+        if not path.is_file():
+            raise UserError(f"{spec}: no such hardware YAML")
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise UserError(f"{spec}: malformed YAML ({e})") from e
+        base_name = str(data.pop("base", "h100-sxm"))
+        base = hardware(base_name)
+        data.setdefault("name", path.stem)
+        return with_overrides(with_overrides(base, data), overrides or {})
+    raise UserError(f"unknown GPU {spec!r}; known: {', '.join(HARDWARE_PRESETS)} (or a hardware YAML file)")

@@ -1,0 +1,135 @@
+"""Text output of `fivefold plan` / `fivefold estimate`: the ranked table, one layout's breakdown,
+--explain (why this layout, the seeds' rules side by side), seed 002's memory example."""
+from __future__ import annotations
+
+from fivefold.config.schema import ModelConfig
+from fivefold.planner.layout import Plan
+from fivefold.planner.memory import RankMemory, memory_per_rank
+from fivefold.planner.presets.hardware import Hardware
+from fivefold.planner.search import Candidate, evaluate, make_config
+from fivefold.planner.seeds import (GB, SEED_ACCOUNTING_EXPLAINED, SeedRule, rules_for, seed_memory_accounting,
+                                    sequence_rule)
+
+GiB = 2**30
+
+
+def table(cands: list[Candidate], top: int) -> str:
+    head = f"{'#':>3} {'layout':<62} {'step s':>8} {'MFU':>6} {'tok/s/GPU':>10} {'TFLOP/s':>8} {'bubble':>7} {'comm':>6} {'GiB':>6}"
+    lines = [head, "-" * len(head)]
+    for i, c in enumerate(cands[:top], 1):
+        e = c.estimate
+        lines.append(f"{i:>3} {c.label:<62} {e.step_time:>8.2f} {e.mfu:>6.1%} {e.tokens_per_s_per_gpu:>10.0f} "
+                     f"{e.tflops_per_gpu:>8.0f} {e.bubble_fraction:>7.1%} {e.comm_fraction:>6.1%} "
+                     f"{c.memory.total / GiB:>6.1f}")
+    return "\n".join(lines)
+
+
+def breakdown(c: Candidate, hw: Hardware) -> str:
+    """Memory by kind (worst pipeline rank) and time by kind of one layout."""
+    m, lines = c.memory, [f"layout: {c.label}"]
+    lines.append(f"memory per GPU (pipeline rank {m.rank}, {m.inflight:g} microbatches in flight), GiB:")
+    for k, v in m.as_dict().items():
+        lines.append(f"  {k:<12} {v / GiB:8.2f}")
+    lines.append(f"  {'total':<12} {m.total / GiB:8.2f} of {hw.memory_bytes / GiB:.0f} "
+                 f"(headroom {(hw.memory_bytes - m.total) / GiB:.1f})")
+    e = c.estimate
+    if e is None:
+        lines.append(f"dropped: {c.problem}")
+        return "\n".join(lines)
+    lines.append(f"step time {e.step_time:.3f} s: " + ", ".join(f"{k} {v:.3f}" for k, v in e.parts.items()))
+    lines.append(f"MFU {e.mfu:.1%}, {e.tflops_per_gpu:.0f} model TFLOP/s per GPU, {e.tokens_per_s_per_gpu:.0f} "
+                 f"tokens/s per GPU; bubble {e.bubble_fraction:.1%}, exposed communication {e.comm_fraction:.1%}")
+    lines.append("links: " + ", ".join(f"{g}={v}" for g, v in e.links.items()))
+    lines.append("bytes sent per rank per step (GB): " + ", ".join(f"{k} {v / GB:.2f}" for k, v in e.comm_bytes.items()))
+    return "\n".join(lines)
+
+
+def why(c: Candidate, model: ModelConfig, gpus_per_node: int) -> list[str]:
+    p, e = c.plan, c.estimate
+    out = []
+    if p.tp > 1:
+        out.append(f"TP={p.tp}: its {8 if p.sp else 4} collectives per layer stay on the {e.links['tp']} link "
+                   f"({gpus_per_node} GPUs per node); heads {model.num_attention_heads}/{p.tp} = "
+                   f"{model.num_attention_heads // p.tp} per rank")
+    else:
+        out.append("TP=1: no per-layer collectives; the model state fits without splitting matrices")
+    if p.pp > 1:
+        out.append(f"PP={p.pp} over the {e.links['pp']} link: only {e.comm_bytes['pp'] / GB:.2f} GB per rank per step "
+                   f"cross it; bubble {e.bubble_fraction:.1%} with {p.microbatches} microbatches"
+                   + (f" and {p.vpp} chunks per rank" if p.vpp > 1 else ""))
+    if p.cp > 1:
+        out.append(f"CP={p.cp} ({c.config.parallel.cp_comm_type}): sequence {p.seq} -> {p.seq // p.cp} tokens per rank")
+    if model.is_moe:
+        out.append(f"EP={p.ep} (ETP={p.etp}, expert-DP={p.edp}): {model.num_experts // p.ep} experts per rank; "
+                   f"all-to-all on the {e.links['ep']} link")
+    out.append(f"DP={p.dp}: gradient traffic on the {e.links['dp']} link, exposed {e.parts['dp']:.3f} s")
+    return out
+
+
+def seed_candidate(rule: SeedRule, model: ModelConfig, hw: Hardware, world: int, gpus_per_node: int, seq: int,
+                   global_batch: int, precision: str) -> tuple[Candidate | None, str]:
+    """The fastest fitting reading of a seed rule (ranges tried, recompute added if needed), or why none."""
+    best, reasons = None, []
+    for tp in rule.tp:
+        for pp in rule.pp:
+            parallel = dict(tensor_model_parallel_size=tp, sequence_parallel=tp > 1, pipeline_model_parallel_size=pp,
+                            context_parallel_size=rule.cp, expert_model_parallel_size=rule.ep)
+            for recompute in (None, "selective", "full"):
+                cfg = make_config(model, world, gpus_per_node, seq, global_batch, precision, parallel,
+                                  recompute=recompute)
+                c = evaluate(cfg, hw)
+                if c.estimate is None:
+                    reasons.append(f"TP{tp} PP{pp} rc={recompute}: {c.problem}")
+                    if not c.problem.startswith("needs"):
+                        break
+                    continue
+                if best is None or c.estimate.step_time < best.estimate.step_time:
+                    best = c
+                break
+    return best, "; ".join(reasons[-1:])
+
+
+def explain(best: Candidate, model: ModelConfig, preset: str | None, total_params: float, hw: Hardware,
+            world: int, gpus_per_node: int, seq: int, global_batch: int, precision: str) -> str:
+    lines = ["Top choice", breakdown(best, hw), "", "Why:"]
+    lines += [f"  - {w}" for w in why(best, model, gpus_per_node)]
+    text, cp, sp = sequence_rule(seq)
+    lines += ["", f"Seeds' rules of thumb beside the top choice ({best.estimate.step_time:.2f} s/step, "
+                  f"MFU {best.estimate.mfu:.1%}):"]
+    lines.append(f"  sequence-length table (002): {text} -> "
+                 f"{'consistent' if (best.plan.cp >= cp and (best.plan.sp or not sp or best.plan.tp == 1)) else 'differs'}"
+                 f" (top choice CP={best.plan.cp}, SP={best.plan.sp})")
+    for rule in rules_for(preset, total_params, world, gpus_per_node):
+        c, why_not = seed_candidate(rule, model, hw, world, gpus_per_node, seq, global_batch, precision)
+        if c is None:
+            lines.append(f"  {rule.source}: {rule.text}\n      -> not usable here: {why_not}")
+        else:
+            e = c.estimate
+            lines.append(f"  {rule.source}: {rule.text}\n      -> {c.label}: {e.step_time:.2f} s/step "
+                         f"({e.step_time / best.estimate.step_time:.2f}x the top choice), MFU {e.mfu:.1%}, "
+                         f"{c.memory.total / GiB:.1f} GiB")
+    return "\n".join(lines)
+
+
+def seed_memory_example(model: ModelConfig, total_params: float, hw: Hardware, global_batch: int = 64) -> str:
+    """Seed 002's 'LLaMA 3 70B with TP=4, PP=4, DP=4 on 64 GPUs' in its accounting and ours (GB = 1e9)."""
+    seed = seed_memory_accounting(70e9, 4, 4)
+    rows = []
+    for distopt in (False, True):
+        cfg = make_config(model, 64, 8, 4096, global_batch, "bf16",
+                          dict(tensor_model_parallel_size=4, pipeline_model_parallel_size=4, sequence_parallel=True),
+                          distributed_optimizer=distopt)
+        rows.append(max(memory_per_rank(Plan(cfg)), key=lambda r: r.total))
+    a: RankMemory = rows[0]
+    lines = ["Seed 002 memory example: Llama 3 70B, TP=4 PP=4 DP=4, 64 GPUs, seq 4096, micro-batch 1 (GB = 1e9 bytes)",
+             f"{'':<14}{'seed 002':>10}{'standard':>10}{'+distopt':>10}"]
+    for k, seed_v in (("weights", seed.weights), ("grads", seed.grads), ("optimizer", seed.optimizer),
+                      ("activations", seed.activations)):
+        lines.append(f"{k:<14}{seed_v / GB:>10.2f}{getattr(a, k) / GB:>10.2f}{getattr(rows[1], k) / GB:>10.2f}")
+    rest = lambda r: r.logits + r.buffers + r.overhead + r.reserve  # noqa: E731
+    lines.append(f"{'other':<14}{0:>10.2f}{rest(a) / GB:>10.2f}{rest(rows[1]) / GB:>10.2f}")
+    lines.append(f"{'total':<14}{seed.total / GB:>10.2f}{a.total / GB:>10.2f}{rows[1].total / GB:>10.2f}")
+    lines.append(f"(standard = Megatron mixed precision without the distributed optimizer, pipeline rank {a.rank} "
+                 f"holding {a.inflight:g} microbatches under 1F1B; {total_params / 1e9:.1f}B parameters)")
+    lines.append(SEED_ACCOUNTING_EXPLAINED)
+    return "\n".join(lines)

@@ -1,0 +1,137 @@
+"""Search: every layout in `space.py`, checked by the foundation's rules, sized by the memory
+model, timed by the step-time model, ranked by step time. Layouts that break a rule or do not fit
+are kept with the reason."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from fivefold.config.schema import ClusterConfig, Config, ModelConfig, ParallelConfig, TrainingConfig
+from fivefold.planner.layout import Plan
+from fivefold.planner.memory import MemoryAssumptions, RankMemory, peak_memory
+from fivefold.planner.presets.hardware import Hardware
+from fivefold.planner.space import SearchSpace, structures
+from fivefold.planner.steptime import StepEstimate, TimeAssumptions, step_time
+from fivefold.planner.validity import config_errors
+
+GiB = 2**30
+
+
+@dataclass
+class Candidate:
+    config: Config
+    memory: RankMemory
+    """The pipeline rank with the largest memory."""
+    estimate: StepEstimate | None = None
+    problem: str | None = None
+    """Why it is dropped (a broken rule, or how many GiB over); None when it fits."""
+
+    @property
+    def plan(self) -> Plan:
+        return Plan(self.config)
+
+    @property
+    def label(self) -> str:
+        return describe(self.config)
+
+
+@dataclass
+class SearchResult:
+    ranked: list[Candidate]
+    dropped: list[tuple[Config, str]] = field(default_factory=list)
+    """(config, reason) of every layout that breaks a rule or does not fit (`describe` names it)."""
+    tried: int = 0
+
+
+def describe(cfg: Config) -> str:
+    p, t = cfg.parallel, cfg.training
+    plan = Plan(cfg)
+    parts = [f"TP{plan.tp}" + ("+SP" if plan.sp else "")]
+    if plan.cp > 1:
+        parts.append(f"CP{plan.cp}({p.cp_comm_type})")
+    parts.append(f"PP{plan.pp}")
+    if plan.vpp > 1:
+        parts.append(f"VPP{plan.vpp}")
+    if p.decoder_first_pipeline_num_layers or p.decoder_last_pipeline_num_layers:
+        parts.append(f"split{p.decoder_first_pipeline_num_layers}/../{p.decoder_last_pipeline_num_layers}")
+    if p.account_for_embedding_in_pipeline_split or p.account_for_loss_in_pipeline_split:
+        parts.append("split+" + "emb" * p.account_for_embedding_in_pipeline_split
+                     + "loss" * p.account_for_loss_in_pipeline_split)
+    if cfg.model.is_moe:
+        parts.append(f"EP{plan.ep} ETP{plan.etp}")
+    parts.append(f"DP{plan.dp}")
+    parts.append(f"mbs{t.micro_batch_size}")
+    parts.append({None: "rc-none", "selective": "rc-sel", "full": "rc-full"}[t.recompute_granularity])
+    if t.use_distributed_optimizer:
+        parts.append("distopt")
+    return " ".join(parts)
+
+
+def make_config(model: ModelConfig, world: int, gpus_per_node: int, seq: int, global_batch: int,
+                precision: str, parallel: dict, micro_batch: int = 1, recompute: str | None = None,
+                distributed_optimizer: bool = True) -> Config:
+    nodes = max(1, world // gpus_per_node)
+    return Config(cluster=ClusterConfig(num_nodes=nodes, gpus_per_node=gpus_per_node, world_size=world),
+                  parallel=ParallelConfig(**parallel), model=model,
+                  training=TrainingConfig(seq_length=seq, global_batch_size=global_batch, micro_batch_size=micro_batch,
+                                          precision=precision, recompute_granularity=recompute,
+                                          recompute_method="uniform" if recompute == "full" else None,
+                                          recompute_num_layers=1 if recompute == "full" else None,
+                                          use_distributed_optimizer=distributed_optimizer))
+
+
+def evaluate(cfg: Config, hw: Hardware, mem: MemoryAssumptions = MemoryAssumptions(),
+             ta: TimeAssumptions = TimeAssumptions(), check: bool = True) -> Candidate:
+    """Check, size and time one config; `problem` says why it is dropped."""
+    if check:
+        broken = config_errors(cfg)
+        if broken:
+            return Candidate(cfg, RankMemory(rank=0), problem="; ".join(broken))
+    plan = Plan(cfg)
+    try:
+        worst = peak_memory(plan, mem)
+    except ValueError as e:
+        return Candidate(cfg, RankMemory(rank=0), problem=str(e))
+    if worst.total > hw.memory_bytes:
+        over = (worst.total - hw.memory_bytes) / GiB
+        return Candidate(cfg, worst, problem=f"needs {worst.total / GiB:.1f} GiB on pipeline rank {worst.rank}, "
+                                             f"{over:.1f} GiB over the {hw.memory_bytes / GiB:.0f} GiB of a {hw.name}")
+    return Candidate(cfg, worst, estimate=step_time(plan, hw, ta))
+
+
+def search(model: ModelConfig, hw: Hardware, world: int, gpus_per_node: int, seq: int, global_batch: int,
+           precision: str = "bf16", space: SearchSpace = SearchSpace(), mem: MemoryAssumptions = MemoryAssumptions(),
+           ta: TimeAssumptions = TimeAssumptions()) -> SearchResult:
+    """Every layout of `space` for `model` on `world` GPUs, fitting ones ranked fastest first."""
+    result = SearchResult(ranked=[])
+    for parallel in structures(model, world, gpus_per_node, seq, space):
+        base = make_config(model, world, gpus_per_node, seq, global_batch, precision, parallel)
+        broken = config_errors(base)
+        dp = Plan(base).dp
+        for mbs in space.micro_batch_sizes:
+            if global_batch % (mbs * dp):
+                continue
+            for distopt in space.distributed_optimizer:
+                for recompute in space.recompute:
+                    result.tried += 1
+                    cfg = _variant(base, mbs, recompute, distopt)
+                    if broken:
+                        result.dropped.append((cfg, "; ".join(broken)))
+                        break
+                    cand = evaluate(cfg, hw, mem, ta, check=mbs != 1 or recompute is not None)
+                    if cand.problem:
+                        result.dropped.append((cfg, cand.problem))
+                        continue
+                    result.ranked.append(cand)
+                    break  # slower recompute modes than one that fits never win
+    result.ranked.sort(key=lambda c: c.estimate.step_time)
+    return result
+
+
+def _variant(base: Config, mbs: int, recompute: str | None, distopt: bool) -> Config:
+    t = base.training
+    training = TrainingConfig(seq_length=t.seq_length, global_batch_size=t.global_batch_size, micro_batch_size=mbs,
+                              precision=t.precision, recompute_granularity=recompute,
+                              recompute_method="uniform" if recompute == "full" else None,
+                              recompute_num_layers=1 if recompute == "full" else None,
+                              use_distributed_optimizer=distopt)
+    return Config(cluster=base.cluster, parallel=base.parallel, model=base.model, training=training)

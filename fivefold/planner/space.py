@@ -1,0 +1,117 @@
+"""The layouts the search tries: every TP x CP x PP x DP factorisation of the GPUs, EP and ETP
+(MoE folding), VPP and schedule, the layer split, micro-batch size, recompute, distributed optimizer.
+
+Left out of the search, because under the cost model they never win (`fivefold estimate` still
+evaluates them): SP off with TP > 1 (same bytes as SP on, more memory); the distributed optimizer
+off (reduce-scatter + all-gather moves fewer bytes than the all-reduce, and holds less); TP groups
+larger than a node (every TP collective on the network); GPipe (1F1B has the same bubble, less
+memory).
+"""
+from __future__ import annotations
+
+import itertools
+from functools import lru_cache
+from dataclasses import dataclass
+
+from fivefold.config.schema import ModelConfig
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    micro_batch_sizes: tuple[int, ...] = (1, 2, 4)
+    recompute: tuple[str | None, ...] = (None, "selective", "full")
+    max_cp: int = 16
+    max_vpp: int = 4
+    schedules: tuple[str, ...] = ("1f1b", "interleaved")
+    cp_comm_types: tuple[str, ...] = ("p2p", "a2a")
+    distributed_optimizer: tuple[bool, ...] = (True,)
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def pow2_upto(n: int) -> list[int]:
+    out, x = [], 1
+    while x <= n:
+        out.append(x)
+        x *= 2
+    return out
+
+
+@lru_cache(maxsize=None)
+def layer_splits(num_layers: int, pp: int, vpp: int) -> list[dict]:
+    """Ways to put `num_layers` on pp x vpp stages, as ParallelConfig fields: the even split when it
+    exists; else the embedding and/or loss counted as layers (Megatron's account-for options), and
+    the most balanced first/last-stage counts (Megatron's decoder_first/last_pipeline_num_layers)."""
+    chunks = pp * vpp
+    if num_layers % chunks == 0:
+        return [{}]
+    out = []
+    for emb, loss in ((True, True), (False, True), (True, False)):
+        units = num_layers + emb + loss
+        if units % chunks == 0 and units // chunks >= 1:
+            out.append({"account_for_embedding_in_pipeline_split": emb, "account_for_loss_in_pipeline_split": loss})
+            break
+    if pp > 2:
+        best = None
+        for first in range(vpp, num_layers, vpp):
+            for last in range(vpp, num_layers - first, vpp):
+                rest = num_layers - first - last
+                if rest % (pp - 2) or (rest // (pp - 2)) % vpp or rest <= 0:
+                    continue
+                worst = max(first, last, rest // (pp - 2))
+                key = (worst, -min(first, last))
+                if best is None or key < best[0]:
+                    best = (key, first, last)
+        if best:
+            out.append({"decoder_first_pipeline_num_layers": best[1], "decoder_last_pipeline_num_layers": best[2]})
+    return out
+
+
+def structures(m: ModelConfig, world: int, gpus_per_node: int, seq: int, space: SearchSpace):
+    """Yield dicts of ParallelConfig fields, one per layout skeleton (no batch/recompute knobs)."""
+    heads = m.num_attention_heads
+    for tp in pow2_upto(min(gpus_per_node, heads)):
+        if world % tp or heads % tp:
+            continue
+        for cp in pow2_upto(space.max_cp):
+            if world % (tp * cp) or seq % (2 * cp):
+                continue
+            rest = world // (tp * cp)
+            for pp in divisors(rest):
+                if pp > m.num_layers:
+                    break
+                dp = rest // pp
+                for ep, etp in _expert_layouts(m, tp, cp, dp):
+                    for vpp, schedule in _pipelines(pp, m.num_layers, space):
+                        for split in layer_splits(m.num_layers, pp, vpp):
+                            for comm in (space.cp_comm_types if cp > 1 else ("p2p",)):
+                                yield dict(tensor_model_parallel_size=tp, sequence_parallel=tp > 1,
+                                           context_parallel_size=cp, cp_comm_type=comm,
+                                           pipeline_model_parallel_size=pp,
+                                           virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
+                                           pipeline_schedule=schedule, expert_model_parallel_size=ep,
+                                           expert_tensor_parallel_size=etp, **split)
+
+
+def _expert_layouts(m: ModelConfig, tp: int, cp: int, dp: int):
+    if not m.is_moe:
+        yield 1, None
+        return
+    folded = tp * cp * dp
+    for ep, etp in itertools.product(divisors(m.num_experts), sorted({1, tp})):
+        if folded % (ep * etp) == 0:
+            yield ep, etp
+
+
+def _pipelines(pp: int, num_layers: int, space: SearchSpace):
+    if pp == 1:
+        yield 1, "1f1b"
+        return
+    if "1f1b" in space.schedules:
+        yield 1, "1f1b"
+    if "interleaved" in space.schedules:
+        for v in range(2, space.max_vpp + 1):
+            if num_layers >= pp * v:
+                yield v, "interleaved"

@@ -1,0 +1,70 @@
+"""The memory model against closed forms: Korthikanti et al. (2022) for activations, Megatron's
+bytes per parameter for model state, and seed 002's example in its own accounting."""
+import pytest
+
+from fivefold.config.schema import ModelConfig
+from fivefold.planner.activations import GPT3_TRAITS, Sharding, layer_activation_bytes
+from fivefold.planner.layout import Plan
+from fivefold.planner.memory import memory_per_rank, rank_params, state_bytes_per_param
+from fivefold.planner.params import count_params
+from fivefold.planner.presets import model_preset
+from fivefold.planner.search import make_config
+from fivefold.planner.seeds import seed_memory_accounting
+
+# GPT-3 175B shape (Korthikanti et al., Table 3): h=12288, a=96, s=2048, 4h GeLU MLP, LayerNorm.
+GPT3 = ModelConfig(num_layers=96, hidden_size=12288, num_attention_heads=96, ffn_hidden_size=4 * 12288,
+                   vocab_size=51200, normalization="LayerNorm")
+S, B, H, A = 2048, 1, 12288, 96
+
+
+def per_layer(tp=1, sp=False, recompute=None):
+    return sum(layer_activation_bytes(GPT3, 0, B, S, Sharding(tp=tp, sp=sp, recompute=recompute), GPT3_TRAITS).values())
+
+
+@pytest.mark.parametrize("t", [1, 2, 8])
+def test_korthikanti_activation_formulas(t):
+    sbh, score = S * B * H, 5 * A * S / H
+    # Exact equalities (integer byte counts in float64, far below 2**53): equations (1)-(5) of the paper.
+    assert per_layer(t) == sbh * (10 + 24 / t + score / t)                   # TP, no SP
+    assert per_layer(t, sp=True) == sbh * (34 / t + score / t)                # TP + SP
+    assert per_layer(t, sp=True, recompute="selective") == sbh * 34 / t      # + selective recompute
+    assert per_layer(t, sp=True, recompute="full") == 2 * sbh / t            # full recompute: layer input
+    if t == 1:
+        assert per_layer() == sbh * (34 + score)                             # sbh(34 + 5as/h)
+
+
+def test_state_bytes_per_param():
+    assert sum(state_bytes_per_param("bf16", False, 8)) == 18
+    assert sum(state_bytes_per_param("bf16", True, 8)) == 6 + 12 / 8
+    assert sum(state_bytes_per_param("fp32", False, 8)) == 16
+
+
+def test_model_state_per_rank_sums_to_model():
+    # Dense and expert parameters held over all (TP, PP, ETP x EP) shards add up to the padded model.
+    m = model_preset("mixtral-8x7b").model
+    cfg = make_config(m, 64, 8, 4096, 64, "bf16", dict(tensor_model_parallel_size=2, sequence_parallel=True,
+                                                       pipeline_model_parallel_size=4, expert_model_parallel_size=4,
+                                                       expert_tensor_parallel_size=1))
+    plan = Plan(cfg)
+    dense = sum(rank_params(plan, r)[0] for r in range(plan.pp))
+    expert = sum(rank_params(plan, r)[1] for r in range(plan.pp))
+    c = count_params(m)
+    pad = (m.padded_vocab_size(2) - m.vocab_size) * m.hidden_size * 2
+    norms = m.num_layers * (2 * m.hidden_size + m.hidden_size * m.num_experts)  # replicated over TP
+    assert expert * plan.ep * plan.etp == pytest.approx(c.experts, rel=1e-12)
+    assert dense * plan.tp - norms * (plan.tp - 1) - m.hidden_size * (plan.tp - 1) == pytest.approx(
+        c.total - c.experts + pad, rel=1e-12)
+
+
+def test_seed_002_example_side_by_side():
+    seed = seed_memory_accounting(70e9, 4, 4)
+    assert (seed.weights, seed.grads, seed.optimizer) == (8.75e9, 8.75e9, 17.5e9)  # the seed's own numbers
+    m = model_preset("llama3-70b").model
+    cfg = make_config(m, 64, 8, 4096, 64, "bf16", dict(tensor_model_parallel_size=4, pipeline_model_parallel_size=4,
+                                                       sequence_parallel=True), distributed_optimizer=False)
+    ranks = memory_per_rank(Plan(cfg))
+    mid = ranks[1]  # a middle stage: no embedding, no output layer
+    per_rank = mid.params
+    assert mid.grads == 4 * per_rank and mid.optimizer == 12 * per_rank and mid.weights == 2 * per_rank
+    assert [r.inflight for r in ranks] == [4, 3, 2, 1]  # 1F1B: rank r holds PP - r microbatches
+    assert ranks[0].activations == pytest.approx(4 * ranks[3].activations, rel=1e-12)

@@ -1,0 +1,67 @@
+"""Search, schedule closed forms, hardware input, and the CLI's handling of bad input (exit 2)."""
+import pytest
+
+from fivefold.cli import main
+from fivefold.errors import UserError
+from fivefold.planner.pipeline import bubble_fraction, pipeline_profile
+from fivefold.planner.presets import hardware, model_preset
+from fivefold.planner.search import search
+from fivefold.planner.validity import config_errors
+
+
+@pytest.mark.parametrize("p,m,v", [(4, 8, 1), (8, 32, 1), (4, 8, 2), (8, 16, 4)])
+def test_bubble_closed_forms(p, m, v):
+    sched = "interleaved" if v > 1 else "1f1b"
+    # Narayanan et al. 2021: bubble share (p-1)/(v*m + p-1); exact up to float rounding.
+    assert bubble_fraction(sched, p, v, m) == pytest.approx((p - 1) / (v * m + p - 1), rel=1e-12)
+    held = pipeline_profile(sched, p, v, m).inflight_chunks
+    assert held[0] == (p if v == 1 else 2 * (p - 1) + (v - 1) * p + 1) and held[-1] == (1 if v == 1 else (v - 1) * p + 1)
+
+
+def test_search_deepseek_v3_1024():
+    hw = hardware("h100-sxm")
+    r = search(model_preset("deepseek-v3").model, hw, 1024, 8, 4096, 4096)
+    assert r.ranked and r.dropped
+    times = [c.estimate.step_time for c in r.ranked]
+    assert times == sorted(times)
+    for c in r.ranked[:20]:
+        assert c.memory.total <= hw.memory_bytes
+        assert config_errors(c.config) == []
+    assert any(reason.startswith("needs") and "GiB over" in reason for _, reason in r.dropped)
+
+
+def test_hardware_yaml_and_overrides(tmp_path):
+    f = tmp_path / "mygpu.yaml"
+    f.write_text("base: h100-sxm\nmemory_gib: 64\nnetwork_gbs: 25\n")
+    hw = hardware(str(f))
+    assert hw.memory_bytes == 64 * 2**30 and hw.network_bw == 25e9 and hw.bf16_flops == hardware("h100").bf16_flops
+    assert hardware("h100", {"bf16_tflops": 500}).bf16_flops == 500e12
+    with pytest.raises(UserError, match="unknown GPU"):
+        hardware("tpu-v5")
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["plan", "--model", "gpt-9", "--gpus", "8"], "unknown model preset"),
+    (["plan", "--model", "llama3-405b", "--gpus", "8"], "no layout"),
+    (["plan", "--model", "llama3-8b", "--gpus", "12"], "whole number"),
+    (["plan", "--model", "MISSING/config.json", "--gpus", "8"], "no such config.json"),
+])
+def test_plan_bad_input_exit_2(argv, message, capsys):
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_plan_malformed_config_json(tmp_path, capsys):
+    f = tmp_path / "config.json"
+    f.write_text("{\"hidden_size\": 64,")
+    assert main(["plan", "--model", str(f), "--gpus", "8"]) == 2
+    assert "malformed JSON" in capsys.readouterr().err
+
+
+def test_plan_explain_emit_plot(tmp_path, capsys):
+    png = tmp_path / "mem.png"
+    assert main(["plan", "--model", "olmoe", "--gpus", "8", "--global-batch", "64", "--top", "3", "--explain",
+                 "--emit", "skyrl", "--plot", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert "OLMoE 7B/1B: TP1 PP1 EP8" in out and "trainer.policy.megatron_config." in out
+    assert png.stat().st_size > 1000
