@@ -51,3 +51,8 @@ def all_gather(t: torch.Tensor, group, tag: str) -> torch.Tensor:
     out = [torch.empty_like(t) for _ in range(_size(group))]
     dist.all_gather(out, t, group=group)
     return torch.stack(out)
+
+
+def barrier(group) -> None:
+    if _size(group) > 1:
+        dist.barrier(group=group)

@@ -49,9 +49,14 @@ def peak_memory_bytes(device: torch.device) -> int:
 class MetricsLog:
     """Rank 0's sink: one JSON object per line in OUT/metrics.jsonl, and TensorBoard when installed."""
 
-    def __init__(self, out_dir: str | Path, tensorboard: bool, append: bool):
+    def __init__(self, out_dir: str | Path, tensorboard: bool, resume_from: int = 0):
+        """Starts a new file, or on resume keeps the rows of steps before `resume_from`."""
         self.path = Path(out_dir) / "metrics.jsonl"
-        self.file = open(self.path, "a" if append else "w")
+        kept = [r for r in read_metrics(self.path) if r["step"] < resume_from] \
+            if resume_from and self.path.is_file() else []
+        self.file = open(self.path, "w")
+        for r in kept:
+            self.file.write(json.dumps(r) + "\n")
         self.tb = None
         if tensorboard:
             try:
