@@ -26,18 +26,13 @@ def add_arguments(parser) -> None:
 
 def _load(path: str, words: list[str], world_size: int | None) -> Config:
     from fivefold.config.load import load_config
-    from fivefold.config.validate import ConfigError, validate
+    from fivefold.config.validate import validate
 
     loaded = load_config(path, words, world_size=world_size)
     for w in loaded.warnings:
-        print(f"warning: {w}", file=sys.stderr)
-    problems = validate(loaded.config, loaded.dialect)
-    errors = [p for p in problems if p.severity == "error"]
-    for p in problems:
-        if p.severity != "error":
-            print(p, file=sys.stderr)
-    if errors:
-        raise ConfigError(errors)
+        print(w, file=sys.stderr)
+    for w in validate(loaded.config, loaded.dialect):  # raises ConfigError listing every error
+        print(w, file=sys.stderr)
     return loaded.config
 
 

@@ -61,7 +61,7 @@ class GradReducer:
         self._bucket_of = {}
         for b in self.buckets:
             for p, v in zip(b.params, b.views):
-                self._bucket_of[p] = b
+                self._bucket_of[p] = (b, v)
                 p.grad = v
                 p.register_post_accumulate_grad_hook(self._on_grad_ready)
         self._sync = False
@@ -82,8 +82,8 @@ class GradReducer:
     def _on_grad_ready(self, p: nn.Parameter) -> None:
         if not self._sync:
             return
-        b = self._bucket_of[p]
-        if p.grad.data_ptr() != b.views[b.params.index(p)].data_ptr():
+        b, view = self._bucket_of[p]
+        if p.grad.data_ptr() != view.data_ptr():
             raise RuntimeError("a parameter's .grad was replaced; call GradReducer.zero_grad, not optimizer.zero_grad")
         b.pending -= 1
         if b.pending == 0:
