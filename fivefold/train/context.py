@@ -9,6 +9,11 @@ import torch
 from fivefold.topology import Layout
 
 
+def layout_text(layout: Layout) -> str:
+    """'DP=4 TP=1 PP=1 CP=1 EP=1': the sizes a user sets, DP first (the one this runtime varies)."""
+    return f"DP={layout.dp} TP={layout.tp} PP={layout.pp} CP={layout.cp} EP={layout.ep}"
+
+
 @dataclass
 class RankContext:
     rank: int

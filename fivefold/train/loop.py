@@ -21,7 +21,7 @@ from fivefold.errors import UserError
 from fivefold.parallel import _dist_adapter as comm
 from fivefold.parallel.data import GradReducer
 from fivefold.train._model_adapter import build_model
-from fivefold.train.context import RankContext
+from fivefold.train.context import RankContext, layout_text
 from fivefold.train.metrics import MetricsLog, flops_per_token, peak_memory_bytes, plot_loss_curve
 from fivefold.train.optim import build_optimizer
 from fivefold.train.schedule import lr_at
@@ -118,5 +118,5 @@ def train(config: Config, ctx: RankContext, data_dir: Path, *, progress: bool = 
     if log is not None:
         log.close()
         if result.losses or log.path.stat().st_size:
-            result.plot = plot_loss_curve(log.path, ctx.out_dir / "loss.png", title=f"{ctx.layout}")
+            result.plot = plot_loss_curve(log.path, ctx.out_dir / "loss.png", title=layout_text(ctx.layout))
     return result

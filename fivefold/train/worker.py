@@ -20,7 +20,7 @@ import torch.distributed as dist
 from fivefold.config.schema import SECTIONS, Config
 from fivefold.config.validate import layout_of
 from fivefold.errors import UserError
-from fivefold.train.context import RankContext
+from fivefold.train.context import RankContext, layout_text
 from fivefold.train.loop import TrainResult, train
 
 
@@ -53,8 +53,7 @@ def init_rank(config: Config, out_dir: Path) -> RankContext:
 
 
 def describe(ctx: RankContext, backend: str) -> str:
-    L = ctx.layout
-    return (f"DP={L.dp} TP={L.tp} PP={L.pp} CP={L.cp} EP={L.ep} (order {L.order}), "
+    return (f"{layout_text(ctx.layout)} (order {ctx.layout.order}), "
             f"{ctx.world_size} ranks, {backend} on {ctx.device.type}")
 
 
