@@ -14,14 +14,14 @@ from fivefold.train.context import RankContext
 def corpus(folder: Path, n_docs: int = 30) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     for i in range(n_docs):
-        (folder / f"doc{i:02d}.txt").write_text(f"def f{i}(x):\n    return x * {i} + {i * i}\n" * (3 + i % 5))
+        (folder / f"doc{i:02d}.txt").write_text(f"def f{i}(x):\n    return x * {i} + {i * i}\n" * (1 + i % 7))
     return folder
 
 
-def tiny_config(data: Path, *, world: int = 1, gbs: int = 8, mbs: int = 1, steps: int = 4, **training) -> Config:
+def tiny_config(data: Path, *, world: int = 1, gbs: int = 8, mbs: int = 1, steps: int = 4, seq: int = 32, **training) -> Config:
     return Config(cluster=ClusterConfig(world_size=world),
                   model=ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4),
-                  training=TrainingConfig(seq_length=32, global_batch_size=gbs, micro_batch_size=mbs,
+                  training=TrainingConfig(seq_length=seq, global_batch_size=gbs, micro_batch_size=mbs,
                                           train_iters=steps, lr=3e-3, lr_warmup_iters=1, **training),
                   data=DataConfig(path=str(data), eval_fraction=0.1))
 
