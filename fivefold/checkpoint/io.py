@@ -1,0 +1,177 @@
+"""Save and load sharded checkpoints (safetensors + JSON; nothing is pickled).
+
+Every rank that holds a distinct parameter shard writes it (under DP only the first DP replica
+writes); each rank writes its RNG state. Loading assembles each rank's shard from whichever saved
+shards overlap it, so a checkpoint can be loaded into another sharding of the same global tensors.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from fivefold.checkpoint.layout import FORMAT, ShardSpec, complete_checkpoints, resolve, step_dir, whole
+from fivefold.errors import UserError
+
+ShardOf = Callable[[str, torch.Tensor], ShardSpec]
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _save(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(path))
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def rng_state() -> dict[str, torch.Tensor]:
+    state = {"torch_cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["torch_cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def save_checkpoint(root: str | Path, step: int, *, model: nn.Module, optimizer: torch.optim.Optimizer,
+                    rank: int, writes_params: bool, barrier: Callable[[], None], extra: dict,
+                    shard_of: ShardOf = lambda name, t: whole(t.shape), keep: int = 2) -> Path:
+    """Write checkpoint `step` under `root` on every rank (collective: all ranks call it); returns its folder.
+
+    `writes_params`: this rank writes its parameter and optimizer shards (False on DP replicas > 0).
+    `extra`: JSON-able run state (data position, config) stored in metadata.json by rank 0.
+    The `keep` newest complete checkpoints are kept; older ones are deleted after the new one lands.
+    """
+    root = Path(root)
+    final, tmp = step_dir(root, step), root / f".tmp-{step_dir(root, step).name}"
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    barrier()
+    tag = f"{rank:05d}"
+    _save(rng_state(), tmp / f"rng-{tag}.safetensors")
+    if writes_params:
+        names = {p: n for n, p in model.named_parameters()}
+        params, moments, shards = {}, {}, {}
+        for p, name in names.items():
+            params[name] = p
+            spec = shard_of(name, p)
+            shards[name] = {"file": f"model-{tag}.safetensors", "offsets": list(spec.offsets),
+                            "shape": list(p.shape), "global_shape": list(spec.global_shape), "dtype": str(p.dtype)}
+            state = optimizer.state.get(p, {})
+            for m in MOMENTS:
+                if m in state:
+                    moments[f"{name}.{m}"] = state[m]
+        _save(params, tmp / f"model-{tag}.safetensors")
+        _save(moments, tmp / f"optim-{tag}.safetensors")
+        (tmp / f"shards-{tag}.json").write_text(json.dumps(shards))
+    barrier()
+    if rank == 0:
+        _commit(root, tmp, final, step, extra, keep)
+    barrier()
+    return final
+
+
+def _commit(root: Path, tmp: Path, final: Path, step: int, extra: dict, keep: int) -> None:
+    params: dict[str, dict] = {}
+    for frag in sorted(tmp.glob("shards-*.json")):
+        tag = frag.stem.split("-")[1]
+        for name, s in json.loads(frag.read_text()).items():
+            entry = params.setdefault(name, {"global_shape": s["global_shape"], "dtype": s["dtype"], "shards": []})
+            entry["shards"].append({"file": s["file"], "optim_file": f"optim-{tag}.safetensors",
+                                    "offsets": s["offsets"], "shape": s["shape"]})
+        frag.unlink()
+    meta = {"format": FORMAT, "step": step, "params": params, **extra}
+    (tmp / "metadata.json").write_text(json.dumps(meta, indent=1))
+    _fsync_dir(tmp)
+    shutil.rmtree(final, ignore_errors=True)
+    os.rename(tmp, final)
+    latest_tmp = root / ".latest.tmp"
+    latest_tmp.write_text(final.name)
+    os.replace(latest_tmp, root / "latest")
+    _fsync_dir(root)
+    for old in complete_checkpoints(root)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def read_metadata(path: str | Path) -> tuple[Path, dict]:
+    """(checkpoint folder, its metadata) for a folder or a root; UserError when there is none."""
+    found = resolve(path)
+    if found is None:
+        raise UserError(f"--load {path}: no complete checkpoint there (a folder with metadata.json, or a root "
+                        "with step_* folders)")
+    return found, json.loads((found / "metadata.json").read_text())
+
+
+def check_fits(meta: dict, model: nn.Module, shard_of: ShardOf, where: Path) -> None:
+    """UserError listing every parameter whose global shape differs, or that is missing on either side."""
+    saved = meta["params"]
+    problems = []
+    for name, p in model.named_parameters():
+        g = list(shard_of(name, p).global_shape)
+        if name not in saved:
+            problems.append(f"{name} is not in the checkpoint")
+        elif saved[name]["global_shape"] != g:
+            problems.append(f"{name} has shape {saved[name]['global_shape']} in the checkpoint, {g} in this model")
+    mine = {n for n, _ in model.named_parameters()}
+    problems += [f"{n} is in the checkpoint but not in this model" for n in saved if n not in mine]
+    if problems:
+        shown = "\n  ".join(problems[:8]) + (f"\n  ... and {len(problems) - 8} more" if len(problems) > 8 else "")
+        raise UserError(f"checkpoint {where} was saved from another model:\n  {shown}\n"
+                        "load it with the model settings it was saved with, or start without --load")
+
+
+def _assemble(folder: Path, entry: dict, key: str, file_key: str, out: torch.Tensor, spec: ShardSpec) -> bool:
+    """Fill `out` (this rank's shard at spec.offsets) from the saved shards that overlap it."""
+    filled = 0
+    for s in entry["shards"]:
+        lo = [max(a, b) for a, b in zip(spec.offsets, s["offsets"])]
+        hi = [min(a + n, b + m) for a, n, b, m in zip(spec.offsets, out.shape, s["offsets"], s["shape"])]
+        if any(h <= l for l, h in zip(lo, hi)):
+            continue
+        with safe_open(str(folder / s[file_key]), framework="pt") as f:
+            if key not in f.keys():
+                return False
+            src = f.get_slice(key)[tuple(slice(l - o, h - o) for l, h, o in zip(lo, hi, s["offsets"]))]
+        dst = out[tuple(slice(l - o, h - o) for l, h, o in zip(lo, hi, spec.offsets))]
+        dst.copy_(src)
+        filled += dst.numel()
+    return filled == out.numel()
+
+
+def load_checkpoint(path: str | Path, *, model: nn.Module, optimizer: torch.optim.Optimizer | None, rank: int,
+                    world_size: int, shard_of: ShardOf = lambda name, t: whole(t.shape)) -> dict:
+    """Load parameters, AdamW moments and (same world size) this rank's RNG; returns the metadata."""
+    folder, meta = read_metadata(path)
+    check_fits(meta, model, shard_of, folder)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            spec = shard_of(name, p)
+            if not _assemble(folder, meta["params"][name], name, "file", p.data, spec):
+                raise UserError(f"checkpoint {folder}: its shards do not cover parameter {name}")
+            if optimizer is not None and meta.get("optimizer_step"):
+                state = {m: torch.zeros_like(p) for m in MOMENTS}
+                for m in MOMENTS:
+                    if not _assemble(folder, meta["params"][name], f"{name}.{m}", "optim_file", state[m], spec):
+                        raise UserError(f"checkpoint {folder}: optimizer state {m} of {name} is missing")
+                state["step"] = torch.tensor(float(meta["optimizer_step"]))
+                optimizer.state[p] = state
+    rng = folder / f"rng-{rank:05d}.safetensors"
+    if meta.get("world_size") == world_size and rng.is_file():
+        with safe_open(str(rng), framework="pt") as f:
+            torch.set_rng_state(f.get_tensor("torch_cpu"))
+            if "torch_cuda" in f.keys() and torch.cuda.is_available():
+                torch.cuda.set_rng_state(f.get_tensor("torch_cuda"))
+    return meta

@@ -1,0 +1,60 @@
+"""On-disk layout of a checkpoint, independent of the layout that wrote it.
+
+  ROOT/latest                      name of the newest complete checkpoint (replaced atomically)
+  ROOT/step_00000010/metadata.json every parameter's global shape and dtype, and its shards:
+                                   {"file", "offsets", "shape"} (offsets = where the shard starts in
+                                   each dimension of the global tensor); step, data position, config
+  ROOT/step_00000010/model-00003.safetensors   parameter shards written by rank 3
+  ROOT/step_00000010/optim-00003.safetensors   AdamW moments, sharded like the parameters
+  ROOT/step_00000010/rng-00003.safetensors     rank 3's RNG states (uint8 tensors, never pickled)
+A folder being written is ROOT/.tmp-step_... and becomes step_... by one rename once complete, so a
+run killed during a save leaves the previous checkpoint as `latest`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+FORMAT = "fivefold-checkpoint-1"
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """Where a rank's tensor sits inside the global tensor."""
+
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+
+
+def whole(shape) -> ShardSpec:
+    """A tensor held whole (replicated, e.g. under DP)."""
+    return ShardSpec(tuple(shape), tuple(0 for _ in shape))
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return root / f"step_{step:08d}"
+
+
+def is_complete(path: Path) -> bool:
+    return (path / "metadata.json").is_file() and not path.name.startswith(".")
+
+
+def complete_checkpoints(root: Path) -> list[Path]:
+    """Complete checkpoints under `root`, oldest first."""
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.glob("step_*") if is_complete(p))
+
+
+def resolve(path: str | Path) -> Path | None:
+    """A checkpoint folder itself, or a root: the one `latest` names (else the newest complete one)."""
+    p = Path(path)
+    if is_complete(p):
+        return p
+    latest = p / "latest"
+    if latest.is_file():
+        named = p / latest.read_text().strip()
+        if is_complete(named):
+            return named
+    found = complete_checkpoints(p)
+    return found[-1] if found else None

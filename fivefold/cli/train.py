@@ -1,0 +1,84 @@
+"""`fivefold train CONFIG [overrides ...] [megatron flags ...] --out OUT [--nproc N]`.
+
+Loads and validates the config, refuses knobs the runtime does not run yet, prepares the data once
+(tokenized into OUT/data), then starts the ranks itself (`--nproc`, default the layout's world size),
+or, under torchrun (RANK / WORLD_SIZE in the environment), runs as the rank torchrun started.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+from fivefold.config.schema import Config, to_dict
+from fivefold.errors import UserError
+
+HELP = "train a model (spawns local ranks, or runs under torchrun)"
+ACCEPTS_EXTRA = True
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("config", help="YAML config (any dialect)")
+    parser.add_argument("--out", required=True, help="output folder: metrics.jsonl, loss.png, checkpoints, logs")
+    parser.add_argument("--nproc", type=int, default=None, help="local ranks to start (default: the layout's world size)")
+
+
+def _load(path: str, words: list[str], world_size: int | None) -> Config:
+    from fivefold.config.load import load_config
+    from fivefold.config.validate import validate
+
+    loaded = load_config(path, words, world_size=world_size)
+    for w in loaded.warnings:
+        print(w, file=sys.stderr)
+    for w in validate(loaded.config, loaded.dialect):  # raises ConfigError listing every error
+        print(w, file=sys.stderr)
+    return loaded.config
+
+
+def prepare(config: Config, out: Path) -> Path:
+    """Tokenize the corpus into OUT/data and fit the model's vocabulary to the tokenizer."""
+    from fivefold.data.dataset import data_meta, prepare_data
+    from fivefold.data.tokenizer import make_tokenizer
+
+    tok = make_tokenizer(config.data.tokenizer)
+    data_dir = prepare_data(config.data, tok, out / "data", config.training.seed)
+    meta = data_meta(data_dir)
+    if meta["kind"] == "tokens":
+        if meta["max_id"] >= config.model.vocab_size:
+            raise UserError(f"{config.data.path}: holds token id {meta['max_id']} >= model.vocab_size="
+                            f"{config.model.vocab_size} (set model.vocab_size={meta['max_id'] + 1} or more)")
+    elif config.model.vocab_size != tok.vocab_size:
+        print(f"note: model.vocab_size set to {tok.vocab_size} from the tokenizer", file=sys.stderr)
+        config.model.vocab_size = tok.vocab_size
+    return data_dir
+
+
+def run(args, extra: list[str]) -> int:
+    from fivefold.launch import launch
+    from fivefold.train.supported import check_supported
+
+    under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ and "FIVEFOLD_LAUNCHED" not in os.environ
+    world = int(os.environ["WORLD_SIZE"]) if under_torchrun else args.nproc
+    config = _load(args.config, extra, world)
+    check_supported(config)
+    nproc = config.cluster.resolved_world_size if world is None else world
+    config.cluster.world_size = nproc
+    out = Path(args.out)
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    if under_torchrun:
+        return _run_under_torchrun(config, out)
+    data_dir = prepare(config, out)
+    spec = out / "run.json"
+    spec.write_text(json.dumps({"config": to_dict(config), "out": str(out), "data_dir": str(data_dir)}, indent=1))
+    print(f"fivefold train: {nproc} local ranks, output in {out}", file=sys.stderr)
+    return launch(nproc, [str(spec)], out / "logs")
+
+
+def _run_under_torchrun(config: Config, out: Path) -> int:
+    """Every rank prepares the (deterministic) data into its own folder: no rank waits on another's files."""
+    from fivefold.train.worker import run_rank
+
+    rank = int(os.environ["RANK"])
+    data_dir = prepare(config, out / f"rank-{rank}")
+    return run_rank(config, out, data_dir)

@@ -1,0 +1,178 @@
+"""Token streams on disk and the datasets that cut them into training samples.
+
+`prepare_data` tokenizes the documents once (in the launcher, before ranks start), splits them into a
+train and a held-out eval part, and writes each part as one memory-mapped token stream plus the
+offsets where its documents start. Pre-tokenized token files (uint16/uint32, as Megatron and nanoGPT
+write them) are mapped directly and split by position. Ranks only map these files.
+
+Samples:
+  packed (default): sample i = stream[i*S : i*S + S + 1], S = seq_length; documents are concatenated,
+    each followed by the end-of-document token (Megatron / nanoGPT layout; the +1 is the last target).
+  unpacked: sample i = document i with its end-of-document token, cut to at most S + 1 tokens.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from fivefold.config.schema import DataConfig
+from fivefold.data.sources import read_documents, resolve_format
+from fivefold.data.tokenizer import ByteTokenizer, HFTokenizer
+from fivefold.errors import UserError
+
+TOKEN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
+
+
+@dataclass(frozen=True)
+class Split:
+    """One part (train or eval) of the corpus: a token stream and its document start offsets."""
+
+    tokens: np.ndarray
+    doc_starts: np.ndarray | None
+    """Offsets of document starts plus the stream end (len = documents + 1); None for token files."""
+
+
+def load_token_file(path: str, dtype: str) -> np.ndarray:
+    """A pre-tokenized stream: raw .bin of `dtype` (memory-mapped), or a 1-D .npy."""
+    if dtype not in TOKEN_DTYPES:
+        raise UserError(f"data.token_dtype={dtype!r}: must be uint16 or uint32")
+    if path.endswith(".npy"):
+        arr = np.load(path, mmap_mode="r")
+        if arr.ndim != 1 or arr.dtype.kind not in "ui":
+            raise UserError(f"{path}: a token .npy must be a 1-D integer array, got {arr.dtype} {arr.shape}")
+        return arr
+    size = os.path.getsize(path)
+    item = np.dtype(TOKEN_DTYPES[dtype]).itemsize
+    if size % item:
+        raise UserError(f"{path}: {size} bytes is not a whole number of {dtype} tokens; check data.token_dtype")
+    return np.memmap(path, dtype=TOKEN_DTYPES[dtype], mode="r")
+
+
+def _fingerprint(data: DataConfig, tokenizer_name: str, seed: int) -> str:
+    blob = json.dumps({"data": asdict(data), "tokenizer": tokenizer_name, "seed": seed}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def prepare_data(data: DataConfig, tokenizer: ByteTokenizer | HFTokenizer, cache_dir: str | Path,
+                 seed: int) -> Path:
+    """Tokenize and split the corpus into `cache_dir` (reused when the data config is unchanged).
+
+    The eval part: each document is held out with probability `eval_fraction` (seeded), at least one
+    document on each side when there are two or more; a single document is split by position.
+    """
+    cache = Path(cache_dir)
+    kind = resolve_format(data.path, data.format)
+    fp = _fingerprint(data, tokenizer.name, seed)
+    meta_path = cache / "meta.json"
+    if meta_path.exists() and json.loads(meta_path.read_text()).get("fingerprint") == fp:
+        return cache
+    meta = {"fingerprint": fp, "kind": kind, "vocab_size": tokenizer.vocab_size, "eod_id": tokenizer.eod_id}
+    tmp = cache.with_name(cache.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    if kind == "tokens":
+        stream = load_token_file(str(Path(data.path).resolve()), data.token_dtype)
+        meta.update(source=str(Path(data.path).resolve()), dtype=data.token_dtype, num_tokens=int(len(stream)),
+                    max_id=int(stream.max()) if len(stream) else 0)
+    else:
+        docs = [tokenizer.encode(text) for text in read_documents(data.path, data.format, data.jsonl_field,
+                                                                  data.max_documents)]
+        docs = [d for d in docs if len(d)]
+        if not docs:
+            raise UserError(f"data.path={data.path!r}: no text found")
+        dtype = np.uint16 if tokenizer.vocab_size <= 2**16 else np.uint32
+        for name, part in zip(("train", "eval"), _split_documents(docs, data.eval_fraction, seed)):
+            _write_split(tmp, name, part, tokenizer.eod_id, dtype)
+        meta.update(dtype=np.dtype(dtype).name)
+    (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+    shutil.rmtree(cache, ignore_errors=True)
+    os.replace(tmp, cache)
+    return cache
+
+
+def _split_documents(docs: list[np.ndarray], fraction: float, seed: int) -> tuple[list, list]:
+    if fraction <= 0:
+        return docs, []
+    if len(docs) == 1:
+        cut = int(len(docs[0]) * (1 - fraction))
+        return [docs[0][:cut]], [docs[0][cut:]]
+    held = np.random.default_rng(seed).random(len(docs)) < fraction
+    if held.all() or not held.any():
+        held[:] = False
+        held[-1] = True
+    return [d for d, h in zip(docs, held) if not h], [d for d, h in zip(docs, held) if h]
+
+
+def _write_split(folder: Path, name: str, docs: list[np.ndarray], eod: int, dtype) -> None:
+    lengths = np.array([len(d) + 1 for d in docs], dtype=np.int64)
+    starts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    stream = np.full(int(starts[-1]), eod, dtype=dtype)
+    for d, s in zip(docs, starts[:-1]):
+        stream[s:s + len(d)] = d
+    stream.tofile(folder / f"{name}.bin")
+    np.save(folder / f"{name}_docs.npy", starts)
+
+
+def load_splits(cache_dir: str | Path, eval_fraction: float) -> tuple[Split, Split]:
+    """(train, eval) memory-mapped from a folder written by `prepare_data`."""
+    cache = Path(cache_dir)
+    meta = json.loads((cache / "meta.json").read_text())
+    if meta["kind"] == "tokens":
+        stream = load_token_file(meta["source"], meta["dtype"])
+        cut = int(len(stream) * (1 - eval_fraction))
+        return Split(stream[:cut], None), Split(stream[cut:], None)
+    parts = []
+    for name in ("train", "eval"):
+        tokens = np.memmap(cache / f"{name}.bin", dtype=meta["dtype"], mode="r") \
+            if (cache / f"{name}.bin").stat().st_size else np.zeros(0, dtype=meta["dtype"])
+        parts.append(Split(tokens, np.load(cache / f"{name}_docs.npy")))
+    return parts[0], parts[1]
+
+
+def data_meta(cache_dir: str | Path) -> dict:
+    return json.loads((Path(cache_dir) / "meta.json").read_text())
+
+
+class PackedDataset:
+    """Fixed-length samples of S + 1 tokens cut from one stream (consecutive samples share one token)."""
+
+    def __init__(self, split: Split, seq_length: int):
+        self.tokens, self.seq_length = split.tokens, seq_length
+        self.num_samples = max(0, (len(split.tokens) - 1) // seq_length)
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        s = self.seq_length
+        return np.asarray(self.tokens[i * s: i * s + s + 1], dtype=np.int64)
+
+
+class DocumentDataset:
+    """One document per sample (with its end-of-document token), cut to at most S + 1 tokens."""
+
+    def __init__(self, split: Split, seq_length: int):
+        if split.doc_starts is None:
+            raise UserError("data.packing=false needs document boundaries; a token file is one stream "
+                            "(use data.packing=true, or give text / JSONL data)")
+        starts = split.doc_starts
+        keep = np.nonzero(np.diff(starts) >= 2)[0]  # a sample needs an input and a target
+        self.tokens, self.seq_length = split.tokens, seq_length
+        self.starts = starts[keep]
+        self.lengths = np.minimum(np.diff(starts)[keep], seq_length + 1)
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        s = int(self.starts[i])
+        return np.asarray(self.tokens[s: s + int(self.lengths[i])], dtype=np.int64)
+
+    def target_tokens(self, i: int) -> int:
+        return int(self.lengths[i]) - 1

@@ -1,0 +1,77 @@
+"""A DP rank's microbatches for each step, and the token count of the whole global batch.
+
+The loss of a step is the per-token mean over the global batch: sum of every target token's loss on
+every rank and microbatch, divided by `StepBatch.global_tokens`. Every rank computes that count from
+the global batch itself (no communication): G * S for packed samples, the sum of each sample's
+target tokens otherwise.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from fivefold.data.dataset import DocumentDataset, PackedDataset
+from fivefold.data.sampler import balanced_partition, even_share, global_batch_indices
+
+IGNORE_INDEX = -100
+"""Label of padding positions (variable-length samples): no loss, not counted."""
+
+
+@dataclass
+class Microbatch:
+    input_ids: torch.Tensor
+    """(b, s) int64 token ids."""
+    labels: torch.Tensor
+    """(b, s) int64 next-token targets, IGNORE_INDEX on padding."""
+    num_tokens: int
+    """Target tokens (labels != IGNORE_INDEX)."""
+
+
+@dataclass
+class StepBatch:
+    microbatches: list[Microbatch]
+    global_tokens: int
+    """Target tokens in the whole global batch, over all DP ranks."""
+    sample_ids: np.ndarray
+    """This rank's sample ids (for tests and debugging)."""
+
+
+def collate(samples: list[np.ndarray]) -> Microbatch:
+    """Right-pad to the longest sample; inputs are tokens[:-1], targets tokens[1:]."""
+    width = max(len(s) for s in samples) - 1
+    inputs = torch.zeros(len(samples), width, dtype=torch.int64)
+    labels = torch.full((len(samples), width), IGNORE_INDEX, dtype=torch.int64)
+    for i, s in enumerate(samples):
+        t = torch.from_numpy(np.asarray(s, dtype=np.int64))
+        inputs[i, : len(s) - 1] = t[:-1]
+        labels[i, : len(s) - 1] = t[1:]
+    return Microbatch(inputs, labels, int((labels != IGNORE_INDEX).sum()))
+
+
+class BatchLoader:
+    """Rank `dp_rank` of `dp_size`: its microbatches of global batch `step`, for any step (random access,
+    so resuming at step k needs only k)."""
+
+    def __init__(self, dataset: PackedDataset | DocumentDataset, *, global_batch_size: int,
+                 micro_batch_size: int, dp_rank: int, dp_size: int, seed: int, shuffle: bool = True):
+        if len(dataset) == 0:
+            raise ValueError("empty dataset")
+        self.dataset, self.seed, self.shuffle = dataset, seed, shuffle
+        self.global_batch_size, self.micro_batch_size = global_batch_size, micro_batch_size
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+
+    def step_batch(self, step: int) -> StepBatch:
+        ids = global_batch_indices(step, self.global_batch_size, len(self.dataset), self.seed, self.shuffle)
+        if isinstance(self.dataset, PackedDataset):
+            mine = ids[even_share(len(ids), self.dp_rank, self.dp_size)]
+            global_tokens = len(ids) * self.dataset.seq_length
+        else:
+            targets = [self.dataset.target_tokens(int(i)) for i in ids]
+            bounds = balanced_partition(targets, self.dp_size)
+            mine = ids[bounds[self.dp_rank]: bounds[self.dp_rank + 1]]
+            global_tokens = sum(targets)
+        mbs = self.micro_batch_size
+        micro = [collate([self.dataset[int(i)] for i in mine[k: k + mbs]]) for k in range(0, len(mine), mbs)]
+        return StepBatch(micro, global_tokens, mine)

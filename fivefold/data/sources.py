@@ -1,0 +1,104 @@
+"""Where documents come from: a text file, a folder of files, JSONL, or Python's standard library.
+
+A document is one text (a file, or one JSONL record). Errors name the file (and line) and the fix.
+Pre-tokenized token files (.bin / .npy) are not documents: see `fivefold.data.dataset`.
+"""
+from __future__ import annotations
+
+import json
+import sysconfig
+from collections.abc import Iterator
+from pathlib import Path
+
+from fivefold.errors import UserError
+
+TOKEN_SUFFIXES = (".bin", ".npy")
+JSONL_SUFFIXES = (".jsonl", ".json")
+FORMATS = ("auto", "text", "jsonl", "tokens")
+
+
+def stdlib_folder() -> Path:
+    """The demo's default corpus: the top-level .py files of the running Python's standard library."""
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def resolve_format(path: str | None, fmt: str) -> str:
+    """auto -> text / jsonl / tokens / folder from the path; an explicit format is kept."""
+    if fmt not in FORMATS:
+        raise UserError(f"data.format={fmt!r}: must be one of {', '.join(FORMATS)}")
+    if path is None:
+        return "stdlib"
+    p = Path(path)
+    if not p.exists():
+        raise UserError(f"data.path={path!r}: no such file or folder (give a text file, a folder, a .jsonl "
+                        "or a token file; leave data.path unset to use Python's standard-library sources)")
+    if fmt != "auto":
+        return fmt
+    if p.is_dir():
+        return "folder"
+    if p.suffix in TOKEN_SUFFIXES:
+        return "tokens"
+    return "jsonl" if p.suffix in JSONL_SUFFIXES else "text"
+
+
+def read_jsonl(path: Path, field: str) -> Iterator[str]:
+    """One document per non-empty line: `line[field]`, which must be a string."""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise UserError(f"{path}:{lineno}: malformed JSON line ({e.msg}, column {e.colno}); "
+                                "each line must be one JSON object") from None
+            if not isinstance(record, dict) or field not in record:
+                keys = sorted(record) if isinstance(record, dict) else type(record).__name__
+                raise UserError(f"{path}:{lineno}: no field {field!r} (found {keys}); "
+                                "set data.jsonl_field to the field that holds the text") from None
+            if not isinstance(record[field], str):
+                raise UserError(f"{path}:{lineno}: field {field!r} is {type(record[field]).__name__}, not a string")
+            yield record[field]
+
+
+def _files(folder: Path, suffix: str | None = None) -> list[Path]:
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and not any(s.startswith(".") for s in p.parts))
+    return [p for p in files if suffix is None or p.suffix == suffix]
+
+
+def read_documents(path: str | None, fmt: str, jsonl_field: str = "text",
+                   max_documents: int | None = None) -> Iterator[str]:
+    """Documents in a fixed order (sorted file names, file order within a file)."""
+    kind = resolve_format(path, fmt)
+    if kind == "tokens":
+        raise ValueError("token files hold no documents; use fivefold.data.dataset.load_token_file")
+    if kind == "stdlib":
+        stream = (p.read_text(encoding="utf-8", errors="replace") for p in _files_top(stdlib_folder(), ".py"))
+    elif kind == "jsonl":
+        stream = read_jsonl(Path(path), jsonl_field)
+    elif kind == "text":
+        stream = iter([Path(path).read_text(encoding="utf-8", errors="replace")])
+    else:  # a folder: .jsonl files by record, token files refused, every other file as one document
+        stream = _folder_documents(Path(path), jsonl_field)
+    for i, doc in enumerate(stream):
+        if max_documents is not None and i >= max_documents:
+            return
+        yield doc
+
+
+def _files_top(folder: Path, suffix: str) -> list[Path]:
+    return sorted(p for p in folder.glob("*" + suffix) if p.is_file())
+
+
+def _folder_documents(folder: Path, jsonl_field: str) -> Iterator[str]:
+    files = _files(folder)
+    if not files:
+        raise UserError(f"data.path={str(folder)!r}: the folder holds no files")
+    for p in files:
+        if p.suffix in TOKEN_SUFFIXES:
+            raise UserError(f"{p}: token files cannot be mixed into a folder of texts; give the token file "
+                            "itself as data.path")
+        if p.suffix in JSONL_SUFFIXES:
+            yield from read_jsonl(p, jsonl_field)
+        else:
+            yield p.read_text(encoding="utf-8", errors="replace")

@@ -1,0 +1,131 @@
+"""Start N local ranks and watch them: one failing rank ends the whole job within seconds.
+
+Each rank is `python -m fivefold.train.worker RUN_JSON` with torchrun's environment (RANK,
+WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT) and one intra-op thread
+(OMP_NUM_THREADS=1: N ranks on few cores otherwise oversubscribe them many times over). Rank 0
+writes to the terminal; rank R > 0 to OUT/logs/rank-R.log. Ranks die with the launcher (Linux
+PR_SET_PDEATHSIG), so no rank outlives it even if it is killed.
+
+When a rank exits non-zero, the others are sent SIGTERM, then SIGKILL after a grace period, and the
+launcher reports the rank that failed first (its error file, or the tail of its log).
+"""
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from fivefold.errors import UserError
+
+POLL_S = 0.05
+GRACE_S = 3.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def rank_env(rank: int, world: int, port: int) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
+               FIVEFOLD_LAUNCHED="1")
+    return env
+
+
+@dataclass
+class Failure:
+    rank: int
+    returncode: int
+
+    def describe(self) -> str:
+        if self.returncode < 0:
+            return f"rank {self.rank} was killed by {signal.Signals(-self.returncode).name}"
+        return f"rank {self.rank} exited with code {self.returncode}"
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    alive = [p for p in procs if p.poll() is None]
+    for p in alive:
+        p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + GRACE_S
+    for p in alive:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def _report(failure: Failure, log_dir: Path) -> int:
+    """Raise UserError for a rank's user error (exit 2), else print what is known and return 1."""
+    err = log_dir / f"rank-{failure.rank}.error"
+    info = json.loads(err.read_text()) if err.is_file() else {}
+    if info.get("kind") == "user":
+        raise UserError(f"{info['message']} (rank {failure.rank})")
+    print(f"error: {failure.describe()}; the job was stopped", file=sys.stderr)
+    if failure.rank != 0:
+        log = log_dir / f"rank-{failure.rank}.log"
+        if log.is_file():
+            tail = log.read_text(errors="replace").splitlines()[-25:]
+            print(f"--- last lines of {log} ---\n" + "\n".join(tail), file=sys.stderr)
+    return 1
+
+
+def launch(nproc: int, worker_args: list[str], log_dir: Path) -> int:
+    """Run `python -m fivefold.train.worker *worker_args` on ranks 0..nproc-1; 0 when all succeed."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    for old in log_dir.glob("rank-*.error"):
+        old.unlink()
+    port = free_port()
+    procs, logs = [], []
+    try:
+        for r in range(nproc):
+            out = None if r == 0 else open(log_dir / f"rank-{r}.log", "w")
+            logs.append(out)
+            procs.append(subprocess.Popen([sys.executable, "-m", "fivefold.train.worker", *worker_args],
+                                          env=rank_env(r, nproc, port), stdout=out,
+                                          stderr=subprocess.STDOUT if out else None, preexec_fn=_die_with_parent))
+        (log_dir / "ranks.json").write_text(json.dumps({"pids": [p.pid for p in procs], "launcher": os.getpid()}))
+        while True:
+            failed = [Failure(r, p.returncode) for r, p in enumerate(procs) if p.poll() not in (None, 0)]
+            if failed:
+                # Peers of a dead rank fail right after it (broken connections): prefer the rank that was
+                # killed by a signal or reported its own error, then the lowest rank.
+                first = min(failed, key=lambda f: (f.returncode >= 0, not (log_dir / f"rank-{f.rank}.error").is_file()
+                                                   or _is_peer_error(log_dir, f.rank), f.rank))
+                _stop(procs)
+                return _report(first, log_dir)
+            if all(p.poll() == 0 for p in procs):
+                return 0
+            time.sleep(POLL_S)
+    finally:
+        _stop(procs)
+        for f in logs:
+            if f:
+                f.close()
+
+
+def _is_peer_error(log_dir: Path, rank: int) -> bool:
+    """True when a rank's crash is a collective that lost its peer (the cause is another rank)."""
+    try:
+        tb = json.loads((log_dir / f"rank-{rank}.error").read_text()).get("traceback", "")
+    except (OSError, ValueError):
+        return False
+    return any(s in tb for s in ("Connection closed by peer", "Connection reset", "Broken pipe", "gloo"))

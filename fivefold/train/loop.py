@@ -1,0 +1,122 @@
+"""The training loop of one rank: build, (resume), step, evaluate, log, checkpoint, summarise.
+
+Everything a step uses is a function of (config, step): the LR is `lr_at(step)`, the data is global
+batch `step`, so a run resumed from a checkpoint at step k (parameters, AdamW moments, RNG) continues
+with exactly the losses of an uninterrupted run.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from fivefold.checkpoint import io as ckpt
+from fivefold.config.schema import Config, to_dict
+from fivefold.data.dataset import DocumentDataset, PackedDataset, load_splits
+from fivefold.data.loader import BatchLoader
+from fivefold.errors import UserError
+from fivefold.parallel import _dist_adapter as comm
+from fivefold.parallel.data import GradReducer
+from fivefold.train._model_adapter import build_model
+from fivefold.train.context import RankContext, layout_text
+from fivefold.train.metrics import MetricsLog, flops_per_token, peak_memory_bytes, plot_loss_curve
+from fivefold.train.optim import build_optimizer
+from fivefold.train.schedule import lr_at
+from fivefold.train.step import evaluate, train_step
+
+
+@dataclass
+class TrainResult:
+    losses: dict[int, float] = field(default_factory=dict)
+    """Step -> global-batch loss, for the steps this run took."""
+    eval_losses: dict[int, float] = field(default_factory=dict)
+    tokens_per_s: float = 0.0
+    peak_memory: list[int] = field(default_factory=list)
+    """Per rank, bytes (see metrics.peak_memory_bytes)."""
+    checkpoint: Path | None = None
+    plot: Path | None = None
+
+
+def _loaders(config: Config, ctx: RankContext, data_dir: Path) -> tuple[BatchLoader, BatchLoader | None]:
+    d, t = config.data, config.training
+    train_split, eval_split = load_splits(data_dir, d.eval_fraction)
+    make = PackedDataset if d.packing else DocumentDataset
+    kw = dict(global_batch_size=t.global_batch_size, micro_batch_size=t.micro_batch_size,
+              dp_rank=ctx.dp_rank, dp_size=ctx.dp_size)
+    train_ds = make(train_split, t.seq_length)
+    if len(train_ds) < ctx.dp_size:
+        raise UserError(f"data: the training split has {len(train_ds)} samples of seq_length={t.seq_length}; "
+                        f"need at least {ctx.dp_size} (give more data or a shorter training.seq_length)")
+    eval_loader = None
+    if t.eval_interval:
+        eval_ds = make(eval_split, t.seq_length)
+        if len(eval_ds) < ctx.dp_size:
+            raise UserError(f"data: the eval split has {len(eval_ds)} samples of seq_length={t.seq_length}; raise "
+                            "data.eval_fraction or unset training.eval_interval")
+        eval_loader = BatchLoader(eval_ds, seed=t.seed, shuffle=False, **kw)
+    return BatchLoader(train_ds, seed=t.seed, **kw), eval_loader
+
+
+def _save(config: Config, ctx: RankContext, root: Path, step: int, model, optimizer) -> Path:
+    return ckpt.save_checkpoint(
+        root, step, model=model, optimizer=optimizer, rank=ctx.rank, writes_params=ctx.dp_rank == 0,
+        barrier=lambda: comm.barrier(ctx.world_group),
+        extra={"optimizer_step": step, "world_size": ctx.world_size, "data": {"next_step": step,
+               "consumed_samples": step * config.training.global_batch_size}, "config": to_dict(config)})
+
+
+def train(config: Config, ctx: RankContext, data_dir: Path, *, progress: bool = True) -> TrainResult:
+    t = config.training
+    model = build_model(config.model, t.seed).to(ctx.device)
+    optimizer = build_optimizer(model, t)
+    reducer = GradReducer(model.parameters(), ctx.dp_group)
+    train_loader, eval_loader = _loaders(config, ctx, data_dir)
+    start = 0
+    if config.checkpoint.load:
+        meta = ckpt.load_checkpoint(config.checkpoint.load, model=model, optimizer=optimizer, rank=ctx.rank,
+                                    world_size=ctx.world_size)
+        start = int(meta["data"]["next_step"])
+    save_root = Path(config.checkpoint.save or ctx.out_dir / "checkpoints")
+    log = MetricsLog(ctx.out_dir, config.logging.tensorboard, resume_from=start) if ctx.is_main else None
+    fpt = flops_per_token(config.model, t.seq_length)
+    result = TrainResult()
+    bar = tqdm(total=t.train_iters, initial=start, disable=not (progress and ctx.is_main), desc="train",
+               dynamic_ncols=True)
+    times = []
+    for step in range(start, t.train_iters):
+        t0 = time.perf_counter()
+        r = train_step(model, optimizer, reducer, train_loader.step_batch(step), lr=lr_at(step, t),
+                       clip_grad=t.clip_grad, precision=t.precision, dp_group=ctx.dp_group,
+                       model_parallel_group=ctx.model_parallel_group, device=ctx.device)
+        dt = time.perf_counter() - t0
+        times.append((r.tokens, dt))
+        peak = comm.all_gather(torch.tensor(peak_memory_bytes(ctx.device), dtype=torch.float64),
+                               ctx.world_group, tag="metrics")
+        record = {"step": step, "loss": r.loss, "grad_norm": r.grad_norm, "lr": lr_at(step, t),
+                  "tokens": r.tokens, "step_time_s": dt, "tokens_per_s": r.tokens / dt,
+                  "tflops_per_rank": fpt * r.tokens / dt / ctx.world_size / 1e12,
+                  "peak_memory_mib": [round(float(b) / 2**20, 1) for b in peak]}
+        result.losses[step] = r.loss
+        if eval_loader is not None and ((step + 1) % t.eval_interval == 0 or step + 1 == t.train_iters):
+            batches = [eval_loader.step_batch(i) for i in range(t.eval_iters)]
+            record["eval_loss"] = result.eval_losses[step] = evaluate(
+                model, batches, precision=t.precision, dp_group=ctx.dp_group, device=ctx.device)
+        if log is not None:
+            log.write(record)
+        bar.set_postfix(loss=f"{r.loss:.4f}", lr=f"{record['lr']:.2e}", tok_s=f"{record['tokens_per_s']:.0f}")
+        bar.update(1)
+        interval = config.checkpoint.save_interval
+        if (interval and (step + 1) % interval == 0) or step + 1 == t.train_iters:
+            result.checkpoint = _save(config, ctx, save_root, step + 1, model, optimizer)
+        result.peak_memory = [int(b) for b in peak]
+    bar.close()
+    steady = times[1:] or times  # the first step pays for warm-up (allocations, thread pools)
+    result.tokens_per_s = sum(n for n, _ in steady) / max(1e-9, sum(dt for _, dt in steady))
+    if log is not None:
+        log.close()
+        if result.losses or log.path.stat().st_size:
+            result.plot = plot_loss_curve(log.path, ctx.out_dir / "loss.png", title=layout_text(ctx.layout))
+    return result

@@ -1,0 +1,108 @@
+"""Per-step metrics: model FLOPs, peak memory, OUT/metrics.jsonl, TensorBoard, the loss-curve PNG.
+
+Model FLOPs per token (PaLM, Chowdhery et al. 2022, appendix B; as Megatron's MFU):
+  6 N + 12 L a d s
+N = parameters in matrix multiplies (all but the input embedding; the output layer counts),
+L layers, a query heads, d head dim, s sequence length. 6N = forward 2N + backward 4N; 12 L a d s is
+the attention score and value matmuls (QK^T and AV) forward and backward, counted over the full
+s x s square as PaLM does. TFLOP/s per rank = FLOPs per token x tokens per step / step time / ranks.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from fivefold.config.schema import ModelConfig
+
+
+def matmul_params(model: ModelConfig, tp: int = 1) -> int:
+    """N: weights of the decoder's matrix multiplies plus the output layer (dense model)."""
+    h, d, a, kv = model.hidden_size, model.head_dim, model.num_attention_heads, model.kv_heads
+    attn = h * a * d + 2 * h * kv * d + a * d * h
+    mlp = 3 * h * model.ffn_size
+    return model.num_layers * (attn + mlp) + model.padded_vocab_size(tp) * h
+
+
+def flops_per_token(model: ModelConfig, seq_length: int) -> float:
+    return 6 * matmul_params(model) + 12 * model.num_layers * model.num_attention_heads * model.head_dim * seq_length
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """CUDA: peak bytes allocated by tensors. CPU: the process's peak resident memory (VmHWM), which
+    includes the Python interpreter and torch's libraries (~0.3-0.5 GB) besides tensors."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+class MetricsLog:
+    """Rank 0's sink: one JSON object per line in OUT/metrics.jsonl, and TensorBoard when installed."""
+
+    def __init__(self, out_dir: str | Path, tensorboard: bool, resume_from: int = 0):
+        """Starts a new file, or on resume keeps the rows of steps before `resume_from`."""
+        self.path = Path(out_dir) / "metrics.jsonl"
+        kept = [r for r in read_metrics(self.path) if r["step"] < resume_from] \
+            if resume_from and self.path.is_file() else []
+        self.file = open(self.path, "w")
+        for r in kept:
+            self.file.write(json.dumps(r) + "\n")
+        self.tb = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tb = SummaryWriter(str(Path(out_dir) / "tensorboard"))
+            except ImportError:  # tensorboard is optional
+                self.tb = None
+
+    def write(self, record: dict) -> None:
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        if self.tb is not None:
+            for k, v in record.items():
+                if k != "step" and isinstance(v, (int, float)):
+                    self.tb.add_scalar(k, v, record["step"])
+
+    def close(self) -> None:
+        self.file.close()
+        if self.tb is not None:
+            self.tb.close()
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def plot_loss_curve(metrics_path: str | Path, png_path: str | Path, title: str = "") -> Path:
+    """Training loss per step (and eval loss where measured) as a PNG (matplotlib, Agg backend)."""
+    os.environ.setdefault("MPLBACKEND", "Agg")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_metrics(metrics_path)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], label="train")
+    ev = [r for r in rows if "eval_loss" in r]
+    if ev:
+        ax.plot([r["step"] for r in ev], [r["eval_loss"] for r in ev], "o-", label="eval")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats / token)")
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=100)
+    plt.close(fig)
+    return Path(png_path)

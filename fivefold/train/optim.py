@@ -1,0 +1,44 @@
+"""AdamW with decoupled weight decay on matrices only, and clipping by the global gradient norm.
+
+Global norm: ||g|| = sqrt( sum over every parameter shard owned by any rank of sum(g^2) ). Each rank
+sums the squares of the shards it owns (replicated parameters counted once, by the rank that owns
+them), and the partial sums are added over the model-parallel group; DP replicas hold identical
+reduced gradients, so the DP group is not summed over. If ||g|| > max_norm, every gradient is
+scaled by max_norm / (||g|| + 1e-6), as torch.nn.utils.clip_grad_norm_ does.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from fivefold.config.schema import TrainingConfig
+from fivefold.parallel import _dist_adapter as comm
+
+
+def build_optimizer(model: nn.Module, training: TrainingConfig) -> torch.optim.Optimizer:
+    """AdamW; weight decay on parameters with >= 2 dims (not on norms' gains or biases), as Megatron."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": training.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=training.lr,
+                             betas=(training.adam_beta1, training.adam_beta2), eps=training.adam_eps,
+                             foreach=False)
+
+
+def clip_grad_norm(params: Iterable[nn.Parameter], max_norm: float, group) -> float:
+    """Scale the gradients of `params` (the shards this rank owns) to global norm <= max_norm
+    (0 = measure only); returns the norm before clipping."""
+    grads = [p.grad for p in params if p.grad is not None]
+    sq = torch.zeros((), dtype=torch.float64)
+    for g in grads:
+        sq += g.detach().double().pow(2).sum().cpu()
+    comm.all_reduce(sq, group, tag="grad-norm")
+    norm = float(sq.sqrt())
+    if max_norm > 0 and norm > max_norm:
+        scale = max_norm / (norm + 1e-6)
+        for g in grads:
+            g.mul_(scale)
+    return norm

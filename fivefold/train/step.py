@@ -1,0 +1,76 @@
+"""One optimizer step on one rank: microbatches forward/backward, gradient sync, clip, AdamW.
+
+The step's loss is the per-token mean over the global batch: each microbatch backpropagates
+sum(token losses) / N_global (N_global = target tokens of the global batch on all ranks), the DP
+reducer sums gradients over the DP group, and the reported loss is the DP-sum of the loss sums / N_global.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fivefold.data.loader import IGNORE_INDEX, Microbatch, StepBatch
+from fivefold.parallel import _dist_adapter as comm
+from fivefold.parallel.data import GradReducer
+from fivefold.train.optim import clip_grad_norm
+
+
+@dataclass
+class StepResult:
+    loss: float
+    grad_norm: float
+    tokens: int
+
+
+def autocast(precision: str, device: torch.device):
+    """bf16: matmuls in bf16 under autocast, fp32 master weights, gradients and optimizer state."""
+    if precision == "bf16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def loss_sum(model: nn.Module, mb: Microbatch, precision: str, device: torch.device) -> torch.Tensor:
+    """Sum of next-token cross-entropies over the microbatch's target tokens (fp32)."""
+    with autocast(precision, device):
+        logits = model(mb.input_ids.to(device))  # (b, s, vocab)
+    return F.cross_entropy(logits.float().flatten(0, 1), mb.labels.to(device).flatten(),
+                           ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, reducer: GradReducer, batch: StepBatch, *,
+               lr: float, clip_grad: float, precision: str, dp_group, model_parallel_group,
+               device: torch.device) -> StepResult:
+    for g in optimizer.param_groups:
+        g["lr"] = lr
+    reducer.zero_grad()
+    local = torch.zeros((), dtype=torch.float64)
+    n = len(batch.microbatches)
+    for i, mb in enumerate(batch.microbatches):
+        reducer.prepare(last=i == n - 1)
+        s = loss_sum(model, mb, precision, device)
+        (s / batch.global_tokens).backward()
+        local += s.detach().double().cpu()
+    if n == 0:
+        reducer.prepare(last=True)
+    reducer.finish()
+    norm = clip_grad_norm(model.parameters(), clip_grad, model_parallel_group)
+    optimizer.step()
+    comm.all_reduce(local, dp_group, tag="loss")
+    return StepResult(float(local) / batch.global_tokens, norm, batch.global_tokens)
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, batches: list[StepBatch], *, precision: str, dp_group,
+             device: torch.device) -> float:
+    """Per-token mean loss over the given eval batches (all DP ranks)."""
+    total = torch.zeros(2, dtype=torch.float64)
+    for batch in batches:
+        for mb in batch.microbatches:
+            total[0] += float(loss_sum(model, mb, precision, device))
+        total[1] += batch.global_tokens
+    comm.all_reduce(total[:1], dp_group, tag="loss")
+    return float(total[0] / total[1])

@@ -1,0 +1,110 @@
+"""One rank of a training job: `python -m fivefold.train.worker OUT/run.json` (started by the launcher)
+or `run_rank` in-process under torchrun. Reads the torchrun environment (RANK, WORLD_SIZE,
+LOCAL_RANK, MASTER_ADDR, MASTER_PORT).
+
+A rank that fails writes OUT/logs/rank-R.error (JSON: kind "user" with the message, or "crash" with
+the traceback) so that the launcher can report it, and exits 2 (user error) or 1.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from fivefold.config.schema import SECTIONS, Config
+from fivefold.config.validate import layout_of
+from fivefold.errors import UserError
+from fivefold.train.context import RankContext, layout_text
+from fivefold.train.loop import TrainResult, train
+
+
+def config_from_dict(d: dict) -> Config:
+    return Config(**{name: cls(**d.get(name, {})) for name, cls in SECTIONS.items()})
+
+
+def env_rank() -> tuple[int, int, int]:
+    """(rank, world size, local rank) from the torchrun environment."""
+    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0))
+
+
+def init_rank(config: Config, out_dir: Path) -> RankContext:
+    """Join the process group (NCCL on CUDA, gloo on CPU) and build this rank's groups."""
+    torch.set_num_threads(1)
+    rank, world, local_rank = env_rank()
+    if torch.cuda.is_available():
+        device, backend = torch.device("cuda", local_rank), "nccl"
+        torch.cuda.set_device(device)
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(minutes=5))
+    layout = layout_of(config)
+    if layout.world_size != world:
+        raise UserError(f"the layout needs {layout.world_size} ranks, the job has {world}")
+    # Only DP runs today (see fivefold.train.supported): the DP x CP group is the whole world.
+    return RankContext(rank=rank, world_size=world, layout=layout, dp_rank=rank, dp_size=world,
+                       dp_group=dist.group.WORLD, model_parallel_group=None, world_group=dist.group.WORLD,
+                       device=device, out_dir=out_dir)
+
+
+def describe(ctx: RankContext, backend: str) -> str:
+    return (f"{layout_text(ctx.layout)} (order {ctx.layout.order}), "
+            f"{ctx.world_size} ranks, {backend} on {ctx.device.type}")
+
+
+def summary(result: TrainResult, ctx: RankContext, first_loss: float | None) -> str:
+    lines = [f"layout: {describe(ctx, dist.get_backend())}"]
+    if result.losses:
+        last = result.losses[max(result.losses)]
+        if first_loss:
+            lines.append(f"loss: {first_loss:.4f} -> {last:.4f} ({(last - first_loss) / first_loss:+.0%}) "
+                         f"at step {max(result.losses) + 1}")
+    if result.eval_losses:
+        lines.append(f"eval loss: {result.eval_losses[max(result.eval_losses)]:.4f}")
+    lines.append(f"throughput: {result.tokens_per_s:,.0f} tokens/s")
+    mem = ", ".join(f"{b / 2**20:.0f}" for b in result.peak_memory)
+    lines.append(f"peak memory per rank (MiB, {'CUDA tensors' if ctx.device.type == 'cuda' else 'process RSS'}): {mem}")
+    lines.append(f"checkpoint: {result.checkpoint}")
+    lines.append(f"metrics: {ctx.out_dir / 'metrics.jsonl'}   loss curve: {result.plot}")
+    return "\n".join(lines)
+
+
+def run_rank(config: Config, out_dir: Path, data_dir: Path) -> int:
+    """Train as this rank; on failure write the error file. Returns the exit code."""
+    rank = int(os.environ.get("RANK", 0))
+    err = out_dir / "logs" / f"rank-{rank}.error"
+    try:
+        ctx = init_rank(config, out_dir)
+        result = train(config, ctx, data_dir)
+        if ctx.is_main:
+            from fivefold.train.metrics import read_metrics
+
+            rows = read_metrics(out_dir / "metrics.jsonl")
+            print(summary(result, ctx, rows[0]["loss"] if rows else None), flush=True)
+        dist.destroy_process_group()
+        return 0
+    except UserError as e:
+        err.parent.mkdir(parents=True, exist_ok=True)
+        err.write_text(json.dumps({"kind": "user", "message": str(e)}))
+        print(f"error (rank {rank}): {e}", file=sys.stderr, flush=True)
+        return 2
+    except BaseException:  # noqa: BLE001 - any crash is reported with its traceback
+        tb = traceback.format_exc()
+        err.parent.mkdir(parents=True, exist_ok=True)
+        err.write_text(json.dumps({"kind": "crash", "traceback": tb}))
+        print(tb, file=sys.stderr, flush=True)
+        return 1
+
+
+def main(argv: list[str]) -> int:
+    spec = json.loads(Path(argv[0]).read_text())
+    return run_rank(config_from_dict(spec["config"]), Path(spec["out"]), Path(spec["data_dir"]))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

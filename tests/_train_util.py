@@ -1,0 +1,42 @@
+"""Shared helpers for the training tests: a tiny config, one-process runs, launched runs."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from fivefold.config.schema import ClusterConfig, Config, DataConfig, ModelConfig, TrainingConfig, to_dict
+from fivefold.topology import Layout
+from fivefold.train.context import RankContext
+
+
+def corpus(folder: Path, n_docs: int = 30) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    for i in range(n_docs):
+        (folder / f"doc{i:02d}.txt").write_text(f"def f{i}(x):\n    return x * {i} + {i * i}\n" * (1 + i % 7))
+    return folder
+
+
+def tiny_config(data: Path, *, world: int = 1, gbs: int = 8, mbs: int = 1, steps: int = 4, seq: int = 32, **training) -> Config:
+    return Config(cluster=ClusterConfig(world_size=world),
+                  model=ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4),
+                  training=TrainingConfig(seq_length=seq, global_batch_size=gbs, micro_batch_size=mbs,
+                                          train_iters=steps, lr=3e-3, lr_warmup_iters=1, **training),
+                  data=DataConfig(path=str(data), eval_fraction=0.1))
+
+
+def one_process_context(out: Path) -> RankContext:
+    return RankContext(rank=0, world_size=1, layout=Layout(), dp_rank=0, dp_size=1, dp_group=None,
+                       model_parallel_group=None, world_group=None, device=torch.device("cpu"), out_dir=out)
+
+
+def write_spec(config: Config, out: Path, data_dir: Path) -> Path:
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    spec = out / "run.json"
+    spec.write_text(json.dumps({"config": to_dict(config), "out": str(out), "data_dir": str(data_dir)}))
+    return spec
+
+
+def losses(out: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]

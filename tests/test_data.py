@@ -1,0 +1,128 @@
+"""Data pipeline: tokenizers, sources and their errors, packing, layout-independent sampling."""
+from __future__ import annotations
+
+import itertools
+import json
+
+import numpy as np
+import pytest
+
+from fivefold.config.schema import DataConfig
+from fivefold.data.dataset import DocumentDataset, PackedDataset, load_splits, prepare_data
+from fivefold.data.loader import IGNORE_INDEX, BatchLoader
+from fivefold.data.sampler import balanced_partition, global_batch_indices
+from fivefold.data.sources import read_documents
+from fivefold.data.tokenizer import ByteTokenizer, HFTokenizer
+from fivefold.errors import UserError
+
+
+def test_byte_tokenizer_roundtrip_and_reserved_eod():
+    tok = ByteTokenizer()
+    ids = tok.encode("héllo\x00!")
+    assert tok.eod_id not in ids  # NUL is reserved for end of document
+    assert tok.decode(ids) == "héllo!"
+
+
+def test_hf_tokenizer_from_local_folder(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<eos>": 0, "<unk>": 1, "hello": 2, "world": 3}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<eos>", unk_token="<unk>").save_pretrained(tmp_path)
+    tok = HFTokenizer(str(tmp_path))
+    assert (tok.vocab_size, tok.eod_id) == (4, 0)
+    assert tok.encode("hello world bye").tolist() == [2, 3, 1]
+
+
+def test_missing_path_and_malformed_jsonl_are_user_errors(tmp_path):
+    with pytest.raises(UserError, match="no such file"):
+        list(read_documents(str(tmp_path / "nope.txt"), "auto"))
+    bad = tmp_path / "d.jsonl"
+    bad.write_text('{"text": "ok"}\n\n{"text": oops}\n')
+    with pytest.raises(UserError, match=r"d\.jsonl:3: malformed JSON"):
+        list(read_documents(str(bad), "auto"))
+    bad.write_text('{"body": "x"}\n')
+    with pytest.raises(UserError, match=r"d\.jsonl:1: no field 'text'.*jsonl_field"):
+        list(read_documents(str(bad), "auto"))
+    assert list(read_documents(str(bad), "auto", jsonl_field="body")) == ["x"]
+
+
+def _corpus(tmp_path, n_docs=12):
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    for i in range(n_docs):
+        (folder / f"{i:02d}.txt").write_text(f"document {i} " * (i + 1))
+    return folder
+
+
+def test_packing_concatenates_documents_with_eod(tmp_path):
+    folder = _corpus(tmp_path)
+    cache = prepare_data(DataConfig(path=str(folder), eval_fraction=0.25), ByteTokenizer(), tmp_path / "c", seed=3)
+    train, held = load_splits(cache, 0.25)
+    assert len(held.doc_starts) > 1 and len(train.doc_starts) > 1
+    docs = [ByteTokenizer().decode(train.tokens[a:b - 1]) for a, b in zip(train.doc_starts[:-1], train.doc_starts[1:])]
+    assert all(d.startswith("document ") for d in docs)
+    assert all(train.tokens[b - 1] == 0 for b in train.doc_starts[1:])  # each document ends with EOD
+    ds = PackedDataset(train, seq_length=16)
+    assert len(ds) == (len(train.tokens) - 1) // 16
+    assert np.array_equal(ds[1], train.tokens[16:33])  # sample i = stream[i*S : i*S+S+1]
+
+
+def test_global_batches_do_not_depend_on_dp_size(tmp_path):
+    cache = prepare_data(DataConfig(path=str(_corpus(tmp_path))), ByteTokenizer(), tmp_path / "c", seed=0)
+    ds = PackedDataset(load_splits(cache, 0.05)[0], seq_length=8)
+    for step in (0, 1, 7):  # step 7 runs past the first epoch
+        reference = None
+        for dp in (1, 2, 4):
+            shares = [BatchLoader(ds, global_batch_size=8, micro_batch_size=1, dp_rank=r, dp_size=dp, seed=5)
+                      .step_batch(step) for r in range(dp)]
+            ids = np.concatenate([s.sample_ids for s in shares])
+            reference = ids if reference is None else reference
+            assert np.array_equal(ids, reference)
+            assert all(s.global_tokens == 64 for s in shares)
+    assert len(set(global_batch_indices(0, len(ds), len(ds), seed=5).tolist())) == len(ds)  # an epoch is a permutation
+
+
+def _brute_force_max(w, k):
+    best = None
+    for cuts in itertools.combinations(range(1, len(w)), k - 1):
+        b = [0, *cuts, len(w)]
+        worst = max(sum(w[b[i]:b[i + 1]]) for i in range(k))
+        best = worst if best is None else min(best, worst)
+    return best
+
+
+def test_balanced_partition_is_optimal_against_brute_force():
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        n = int(rng.integers(1, 9))
+        k = int(rng.integers(1, n + 1))
+        w = rng.integers(1, 50, size=n).tolist()
+        b = balanced_partition(w, k)
+        assert b[0] == 0 and b[-1] == n and all(x < y for x, y in zip(b, b[1:])) and len(b) == k + 1
+        assert max(sum(w[b[i]:b[i + 1]]) for i in range(k)) == _brute_force_max(w, k)
+
+
+def test_unpacked_samples_split_by_tokens_across_ranks(tmp_path):
+    cfg = DataConfig(path=str(_corpus(tmp_path, 20)), packing=False, eval_fraction=0.0)
+    cache = prepare_data(cfg, ByteTokenizer(), tmp_path / "c", seed=0)
+    ds = DocumentDataset(load_splits(cache, 0.0)[0], seq_length=64)
+    shares = [BatchLoader(ds, global_batch_size=8, micro_batch_size=2, dp_rank=r, dp_size=2, seed=1).step_batch(0)
+              for r in range(2)]
+    per_rank = [sum(m.num_tokens for m in s.microbatches) for s in shares]
+    assert sum(per_rank) == shares[0].global_tokens == shares[1].global_tokens
+    mb = shares[0].microbatches[0]
+    assert ((mb.labels == IGNORE_INDEX) == (mb.labels < 0)).all() and mb.num_tokens == int((mb.labels >= 0).sum())
+
+
+def test_token_file_is_memory_mapped_and_split_by_position(tmp_path):
+    path = tmp_path / "tokens.bin"
+    np.arange(1000, dtype=np.uint16).tofile(path)
+    cache = prepare_data(DataConfig(path=str(path), eval_fraction=0.1), ByteTokenizer(), tmp_path / "c", seed=0)
+    assert json.loads((cache / "meta.json").read_text())["max_id"] == 999
+    train, held = load_splits(cache, 0.1)
+    assert isinstance(train.tokens, np.memmap) and len(train.tokens) == 900 and held.tokens[0] == 900
+    with pytest.raises(UserError, match="packing=false"):
+        DocumentDataset(train, 8)

@@ -1,0 +1,63 @@
+"""`fivefold train` through the CLI: user mistakes end with a clear message, exit 2, no traceback."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _train(tmp_path, config_text: str, *words: str, nproc: int = 1) -> subprocess.CompletedProcess:
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(config_text)
+    return subprocess.run([sys.executable, "-m", "fivefold", "train", str(cfg), *words, "--out", str(tmp_path / "out"),
+                           "--nproc", str(nproc)], cwd=REPO, capture_output=True, text=True, timeout=120)
+
+
+TINY = """
+model: {num_layers: 1, hidden_size: 32, num_attention_heads: 2}
+training: {seq_length: 16, global_batch_size: 2, micro_batch_size: 1, train_iters: 2}
+"""
+
+
+def _refused(r: subprocess.CompletedProcess, *needles: str) -> None:
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr
+    for n in needles:
+        assert n in r.stderr, r.stderr
+
+
+def test_missing_data_path(tmp_path):
+    _refused(_train(tmp_path, TINY, f"data.path={tmp_path}/nope.txt"), "no such file", "nope.txt")
+
+
+def test_malformed_jsonl_line(tmp_path):
+    bad = tmp_path / "d.jsonl"
+    bad.write_text('{"text": "fine"}\n{"text": "broken"\n')
+    _refused(_train(tmp_path, TINY, f"data.path={bad}"), "d.jsonl:2: malformed JSON")
+
+
+def test_unknown_override_key(tmp_path):
+    r = _train(tmp_path, TINY, "training.learning_rat=0.1")
+    _refused(r, "learning_rat")
+
+
+@pytest.mark.parametrize("words,needle", [
+    (["--tensor-model-parallel-size", "2"], "tensor parallelism (TP > 1)"),
+    (["training.use_distributed_optimizer=true"], "distributed optimizer"),
+])
+def test_not_implemented_knob(tmp_path, words, needle):
+    _refused(_train(tmp_path, TINY, *words, nproc=2), needle, "not implemented yet")
+
+
+def test_checkpoint_of_another_model_shape(tmp_path):
+    text = tmp_path / "t.txt"
+    text.write_text("hello world, " * 400)
+    ok = _train(tmp_path, TINY, f"data.path={text}")
+    assert ok.returncode == 0, ok.stderr
+    r = _train(tmp_path, TINY, f"data.path={text}", "model.hidden_size=64",
+               f"checkpoint.load={tmp_path}/out/checkpoints")
+    _refused(r, "saved from another model", "in the checkpoint")

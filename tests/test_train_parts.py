@@ -1,0 +1,58 @@
+"""Pure parts of training: LR schedule, the supported-knobs refusal, FLOPs formula, clipping, bf16."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from _train_util import corpus, one_process_context, tiny_config
+from fivefold.cli.train import prepare
+from fivefold.config.schema import Config, ModelConfig, TrainingConfig
+from fivefold.errors import NotImplementedYet
+from fivefold.train.loop import train
+from fivefold.train.metrics import flops_per_token, matmul_params
+from fivefold.train.optim import clip_grad_norm
+from fivefold.train.schedule import lr_at
+from fivefold.train.supported import check_supported, unsupported
+
+
+def test_warmup_then_cosine_to_min_lr():
+    t = TrainingConfig(lr=1.0, min_lr=0.1, lr_warmup_iters=4, train_iters=14)
+    assert [lr_at(s, t) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert lr_at(9, t) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
+    assert lr_at(14, t) == pytest.approx(0.1)
+    t.lr_decay_style = "constant"
+    assert lr_at(13, t) == 1.0
+
+
+def test_unsupported_knobs_are_refused_together():
+    cfg = Config()
+    check_supported(cfg)  # the defaults run
+    cfg.parallel.tensor_model_parallel_size = 2
+    cfg.training.recompute_granularity = "full"
+    assert len(unsupported(cfg)) == 2
+    with pytest.raises(NotImplementedYet, match=r"tensor parallelism.*activation recompute.*not implemented yet"):
+        check_supported(cfg)
+
+
+def test_flops_formula_by_hand():
+    m = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128, vocab_size=256)
+    per_layer = 4 * 64 * 64 + 3 * 64 * 128  # q, k, v, o + SwiGLU gate, up, down
+    assert matmul_params(m) == 2 * per_layer + 256 * 64
+    assert flops_per_token(m, 32) == 6 * matmul_params(m) + 12 * 2 * 4 * 16 * 32
+
+
+def test_clip_by_global_norm():
+    p = [torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(4))]
+    p[0].grad, p[1].grad = torch.tensor([3.0, 0, 0]), torch.tensor([0, 4.0, 0, 0])
+    assert clip_grad_norm(p, 1.0, None) == pytest.approx(5.0)
+    assert float(torch.cat([q.grad for q in p]).norm()) == pytest.approx(1.0, rel=1e-5)
+
+
+def test_bf16_trains(tmp_path):
+    cfg = tiny_config(corpus(tmp_path / "c"), steps=6, precision="bf16")
+    out = tmp_path / "o"
+    out.mkdir()
+    losses = list(train(cfg, one_process_context(out), prepare(cfg, out), progress=False).losses.values())
+    assert losses[-1] < 0.9 * losses[0]
