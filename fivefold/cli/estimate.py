@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 from fivefold.cli._planner_args import add_hardware_arguments, assumptions_of, hardware_of
-from fivefold.errors import NotImplementedYet, UserError
+from fivefold.config.load import load_config
+from fivefold.errors import UserError
 from fivefold.planner.model_spec import resolve_model
 from fivefold.planner.report import breakdown
 from fivefold.planner.search import evaluate
@@ -19,10 +20,6 @@ def add_arguments(p) -> None:
 
 
 def run(args, extra) -> int:
-    try:
-        from fivefold.config.load import load_config
-    except ImportError:  # the foundation's loader is not on main yet
-        raise NotImplementedYet("fivefold estimate (needs fivefold.config.load)") from None
     hw = hardware_of(args)
     gpn = args.gpus_per_node or hw.gpus_per_node
     loaded = load_config(args.config, list(extra), world_size=args.gpus, gpus_per_node=gpn)
