@@ -85,6 +85,15 @@ def test_bad_checkpoint_directories_are_user_errors(saved, tmp_path):
     with pytest.raises(UserError, match=f"lists {shard.name}, which is missing"):
         load_hf(lost_shard)
 
+    misfiled = _copy(sharded, tmp_path / "misfiled")
+    index = json.loads((misfiled / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    wrong = next(f for f in shards if f != index["weight_map"]["model.norm.weight"])
+    index["weight_map"]["model.norm.weight"] = wrong
+    (misfiled / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(UserError, match=f"{wrong}: has no tensor 'model.norm.weight', which the index puts there"):
+        load_hf(misfiled)
+
     other = _copy(single, tmp_path / "other_shape")
     conf = json.loads((other / "config.json").read_text())
     conf["intermediate_size"] = 128

@@ -146,7 +146,10 @@ def _read(by_file: dict[Path, list[str]], shapes: dict, cfg: ModelConfig) -> dic
             raise UserError(f"{file.parent / INDEX}: lists {file.name}, which is missing")
         try:
             with safe_open(str(file), framework="pt") as f:
+                present = set(f.keys())
                 for name in names:
+                    if hf_name(name, cfg) not in present:
+                        raise UserError(f"{file}: has no tensor {hf_name(name, cfg)!r}, which the index puts there")
                     t = f.get_tensor(hf_name(name, cfg)).float()
                     if tuple(t.shape) != shapes[name]:
                         raise UserError(f"{file}: {hf_name(name, cfg)} has shape {list(t.shape)}, "
