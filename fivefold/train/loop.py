@@ -18,9 +18,9 @@ from fivefold.config.schema import Config, to_dict
 from fivefold.data.dataset import DocumentDataset, PackedDataset, load_splits
 from fivefold.data.loader import BatchLoader
 from fivefold.errors import UserError
+from fivefold.model import Decoder
 from fivefold.parallel import _dist_adapter as comm
 from fivefold.parallel.data import GradReducer
-from fivefold.train._model_adapter import build_model
 from fivefold.train.context import RankContext, layout_text
 from fivefold.train.metrics import MetricsLog, flops_per_token, peak_memory_bytes, plot_loss_curve
 from fivefold.train.optim import build_optimizer
@@ -70,7 +70,7 @@ def _save(config: Config, ctx: RankContext, root: Path, step: int, model, optimi
 
 def train(config: Config, ctx: RankContext, data_dir: Path, *, progress: bool = True) -> TrainResult:
     t = config.training
-    model = build_model(config.model, t.seed).to(ctx.device)
+    model = Decoder(config.model, seed=t.seed).to(ctx.device)
     optimizer = build_optimizer(model, t)
     reducer = GradReducer(model.parameters(), ctx.dp_group)
     train_loader, eval_loader = _loaders(config, ctx, data_dir)

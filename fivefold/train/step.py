@@ -10,7 +10,6 @@ import contextlib
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from fivefold.data.loader import IGNORE_INDEX, Microbatch, StepBatch
@@ -34,11 +33,10 @@ def autocast(precision: str, device: torch.device):
 
 
 def loss_sum(model: nn.Module, mb: Microbatch, precision: str, device: torch.device) -> torch.Tensor:
-    """Sum of next-token cross-entropies over the microbatch's target tokens (fp32)."""
+    """Sum of next-token cross-entropies over the microbatch's target tokens (fp32): Decoder.loss."""
     with autocast(precision, device):
-        logits = model(mb.input_ids.to(device))  # (b, s, vocab)
-    return F.cross_entropy(logits.float().flatten(0, 1), mb.labels.to(device).flatten(),
-                           ignore_index=IGNORE_INDEX, reduction="sum")
+        total, _ = model.loss(mb.input_ids.to(device), mb.labels.to(device), ignore_index=IGNORE_INDEX)
+    return total
 
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, reducer: GradReducer, batch: StepBatch, *,
