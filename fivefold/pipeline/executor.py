@@ -25,6 +25,7 @@ under no_grad: outputs are dropped as soon as they are sent or consumed.
 from __future__ import annotations
 
 import time
+from contextlib import AbstractContextManager as ContextManager, nullcontext
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -65,7 +66,7 @@ class PipelineExecutor:
                  peer_rank: Callable[[int], int], send_recv: Callable, hidden_size: int,
                  activation_shape: Callable[[torch.Size], tuple[int, ...]] | None = None,
                  dtype: torch.dtype = torch.float32, device: torch.device = torch.device("cpu"),
-                 deallocate: bool = True):
+                 deallocate: bool = True, forward_context: Callable[[], ContextManager] = nullcontext):
         if sorted(stages) != schedule.stages_of(pp_rank):
             raise ValueError(f"pipeline rank {pp_rank} holds stages {schedule.stages_of(pp_rank)} in "
                              f"schedule {schedule.name}, got modules for {sorted(stages)}")
@@ -73,6 +74,8 @@ class PipelineExecutor:
         self.peer_rank, self.send_recv = peer_rank, send_recv
         self.activation_shape = activation_shape or (lambda ids: (*ids, hidden_size))
         self.dtype, self.device, self.deallocate = dtype, device, deallocate
+        self.forward_context = forward_context
+        """Entered around each stage forward (e.g. bf16 autocast); the backward runs outside it."""
         self.last = schedule.num_stages - 1
         # On NCCL a batch of p2p ops completes as one group: a receive would then wait for the
         # sends batched with it, which the schedule's semantics (sends never block) do not allow.
@@ -207,12 +210,18 @@ class PipelineExecutor:
         else:
             x = st.inputs[key]
         st.inputs[key] = x
+        with self.forward_context():
+            if s < self.last:
+                y = module(x)  # (b, s, h)
+            elif st.mode == "logprobs":
+                st.result.logprobs[mb] = module.logprobs(x, st.labels[mb].to(self.device))  # (b, s)
+            else:
+                loss_sum, count = module.loss(x, st.labels[mb].to(self.device))
         if s < self.last:
-            st.outputs[key] = module(x)  # (b, s, h)
-        elif st.mode == "logprobs":
-            st.result.logprobs[mb] = module.logprobs(x, st.labels[mb].to(self.device))  # (b, s)
-        else:
-            loss_sum, count = module.loss(x, st.labels[mb].to(self.device))
+            if y.dtype != self.dtype:
+                raise RuntimeError(f"stage {s} returned {y.dtype}; the pipeline sends {self.dtype} activations")
+            st.outputs[key] = y
+        elif st.mode != "logprobs":
             st.result.loss_sums[mb] = loss_sum.detach().float()
             st.result.token_counts[mb] = torch.as_tensor(count).detach()
             if st.mode == "train":
@@ -258,5 +267,9 @@ class _StepState:
 
 
 def _completed(work) -> bool:
+    """Whether a send's Work is done, without blocking (a torch Work, or comm's wrapper of them)."""
     is_completed = getattr(work, "is_completed", None)
-    return bool(is_completed()) if is_completed is not None else False
+    if is_completed is not None:
+        return bool(is_completed())
+    inner = getattr(work, "_works", None)  # fivefold.runtime Work has no is_completed() (yet)
+    return inner is not None and all(w.is_completed() for w in inner)
