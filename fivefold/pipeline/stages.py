@@ -102,7 +102,7 @@ def build_pipeline(config: Config, mesh, num_microbatches: int, *, device: torch
             if pp.rank == first_rank:
                 stages[last].head.weight = stages[0].embedding.weight
         elif (first_rank, last_rank) == (0, pp.size - 1):
-            group = mesh.embedding
+            group = mesh.embedding if pp.rank in (first_rank, last_rank) else None  # only they are in it
             tied = [stages[0].embedding.weight] if 0 in stages else []
             tied += [stages[last].head.weight] if last in stages else []
         else:
