@@ -2,7 +2,7 @@
 
 Every op is the identity (and uncounted) over a one-rank group. Gathers and scatters along a dim other
 than 0 move that dim to the front, make the tensor contiguous, run the flat op, and move it back
-(gloo's all_gather_into_tensor / reduce_scatter_tensor work on dim 0 only).
+(torch's all_gather_single / reduce_scatter_single work on dim 0 only).
 """
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ def _single(group: Group) -> bool:
 
 def all_reduce_(t: torch.Tensor, group: Group, tag: str, op: str = "sum") -> torch.Tensor:
     """t <- op over the group of t (in place). Counted: t's bytes."""
-    if not _single(group):
+    if not _alone(group):
         traffic.record("all_reduce", tag, group.name, t.nbytes)
         dist.all_reduce(t, op=_OPS[op], group=group.pg)
     return t
@@ -53,7 +53,7 @@ def all_reduce_(t: torch.Tensor, group: Group, tag: str, op: str = "sum") -> tor
 
 def all_reduce_async(t: torch.Tensor, group: Group, tag: str, op: str = "sum") -> Work:
     """Launch t <- op over the group of t (in place); the result is there after `Work.wait()`."""
-    if _single(group):
+    if _alone(group):
         return Work([], "all_reduce", tag)
     traffic.record("all_reduce", tag, group.name, t.nbytes)
     return Work([dist.all_reduce(t, op=_OPS[op], group=group.pg, async_op=True)], "all_reduce", tag)
@@ -62,13 +62,13 @@ def all_reduce_async(t: torch.Tensor, group: Group, tag: str, op: str = "sum") -
 def all_gather(t: torch.Tensor, dim: int, group: Group, tag: str, async_op: bool = False):
     """cat over group ranks r of t_r along `dim`. Counted: the gathered output's bytes.
     Returns the tensor, or (tensor, Work) with `async_op` (the tensor is valid after wait)."""
-    if _single(group):
+    if _alone(group):
         return (t, Work([], "all_gather", tag)) if async_op else t
     dim = dim % t.dim()
     front = t.movedim(dim, 0).contiguous()  # (s_d, ...rest)
     flat = front.new_empty((group.size * front.shape[0], *front.shape[1:]))  # (n*s_d, ...rest)
     traffic.record("all_gather", tag, group.name, flat.nbytes)
-    work = dist.all_gather_into_tensor(flat, front, group=group.pg, async_op=async_op)
+    work = dist.all_gather_single(flat, front, group=group.pg, async_op=async_op)
     if not async_op:
         return flat.movedim(0, dim).contiguous()
     shape = list(t.shape)
@@ -80,7 +80,7 @@ def all_gather(t: torch.Tensor, dim: int, group: Group, tag: str, async_op: bool
 def reduce_scatter(t: torch.Tensor, dim: int, group: Group, tag: str, async_op: bool = False):
     """Chunk r (along `dim`, t.shape[dim] / n each) of the sum over ranks, on group rank r.
     Counted: the unscattered input's bytes. Returns the tensor, or (tensor, Work) with `async_op`."""
-    if _single(group):
+    if _alone(group):
         return (t, Work([], "reduce_scatter", tag)) if async_op else t
     dim = dim % t.dim()
     if t.shape[dim] % group.size:
@@ -88,7 +88,7 @@ def reduce_scatter(t: torch.Tensor, dim: int, group: Group, tag: str, async_op: 
     front = t.movedim(dim, 0).contiguous()  # (n*c, ...rest)
     chunk = front.new_empty((front.shape[0] // group.size, *front.shape[1:]))  # (c, ...rest)
     traffic.record("reduce_scatter", tag, group.name, front.nbytes)
-    work = dist.reduce_scatter_tensor(chunk, front, group=group.pg, async_op=async_op)
+    work = dist.reduce_scatter_single(chunk, front, group=group.pg, async_op=async_op)
     if not async_op:
         return chunk.movedim(0, dim).contiguous()
     shape = list(t.shape)
@@ -104,7 +104,7 @@ def all_to_all_single(t: torch.Tensor, group: Group, tag: str, in_splits: list[i
     Counted: the input's bytes."""
     if (in_splits is None) != (out_splits is None):
         raise ValueError("all_to_all_single: give both in_splits and out_splits, or neither")
-    if _single(group):
+    if _alone(group):
         return t
     t = t.contiguous()
     rows = t.shape[0] if out_splits is None else sum(out_splits)
@@ -116,7 +116,7 @@ def all_to_all_single(t: torch.Tensor, group: Group, tag: str, in_splits: list[i
 
 def broadcast_(t: torch.Tensor, src_global_rank: int, group: Group, tag: str) -> torch.Tensor:
     """t <- t of global rank `src_global_rank` (in place). Counted: t's bytes."""
-    if not _single(group):
+    if not _alone(group):
         traffic.record("broadcast", tag, group.name, t.nbytes)
         dist.broadcast(t, src=src_global_rank, group=group.pg)
     return t
@@ -142,5 +142,5 @@ def send_recv(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Ten
 
 def barrier(group: Group) -> None:
     """Wait for every rank of the group (not counted: no payload)."""
-    if not _single(group):
+    if not _alone(group):
         dist.barrier(group=group.pg)
