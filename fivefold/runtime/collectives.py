@@ -39,7 +39,7 @@ class Work:
         return True
 
 
-def _single(group: Group) -> bool:
+def _alone(group: Group) -> bool:
     return group.pg is None
 
 
