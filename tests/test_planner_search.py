@@ -65,3 +65,12 @@ def test_plan_explain_emit_plot(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "OLMoE 7B/1B: TP1 PP1 EP8" in out and "trainer.policy.megatron_config." in out
     assert png.stat().st_size > 1000
+
+
+def test_estimate_cli_takes_megatron_flags_and_a_preset(capsys):
+    # --tensor-model-parallel-size's value must not be mistaken for a config file.
+    assert main(["estimate", "--model", "llama3-8b", "--gpus", "16", "--tensor-model-parallel-size", "4",
+                 "--use-distributed-optimizer", "--global-batch-size", "64", "--seq-length", "4096"]) == 0
+    out = capsys.readouterr().out
+    assert "layout: TP4 PP1 DP4" in out and "total" in out
+    assert main(["estimate", "--model", "llama3-8b", "--gpus", "16", "--tensor-model-parallel-size", "3"]) == 2

@@ -57,10 +57,10 @@ def run(args, extra) -> int:
     reasons = collections.Counter(r.split(" on pipeline")[0] if r.startswith("needs") else r for _, r in result.dropped)
     print(table(result.ranked, args.top))
     if result.dropped:
-        cfg, reason = min(result.dropped, key=lambda d: len(d[1]))
-        print(f"dropped, most common reasons: " + "; ".join(f"{n} x {r}" for r, n in reasons.most_common(3)
-                                                             if not r.startswith("needs"))
-              + f"; {sum(1 for _, r in result.dropped if r.startswith('needs'))} do not fit in memory")
+        too_big = sum(1 for _, r in result.dropped if r.startswith("needs"))
+        parts = [f"{n} x {r}" for r, n in reasons.most_common(4) if not r.startswith("needs")][:3]
+        parts += [f"{too_big} do not fit in memory"] if too_big else []
+        print("dropped, most common reasons: " + "; ".join(parts))
     best = result.ranked[0]
     if args.explain:
         print()

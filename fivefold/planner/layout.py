@@ -11,12 +11,7 @@ from functools import cached_property
 
 from fivefold.config.schema import Config
 from fivefold.errors import UserError
-
-
-try:
-    from fivefold.config.rules import sizes_of, stage_layers
-except ImportError:  # TEMPORARY until the foundation's split lands on main: even split only
-    sizes_of = stage_layers = None
+from fivefold.config.rules import sizes_of, stage_layers
 
 
 def virtual_stage_layers(config: Config) -> list[int]:
@@ -27,13 +22,7 @@ def virtual_stage_layers(config: Config) -> list[int]:
            p.decoder_last_pipeline_num_layers, p.account_for_embedding_in_pipeline_split,
            p.account_for_loss_in_pipeline_split)
     if key not in _SPLITS:
-        if stage_layers is None:
-            chunks = p.pipeline_model_parallel_size * (p.virtual_pipeline_model_parallel_size or 1)
-            if n % chunks:
-                raise ValueError(f"{n} layers do not split evenly into {chunks} stages")
-            _SPLITS[key] = [n // chunks] * chunks
-        else:
-            _SPLITS[key] = list(stage_layers(sizes_of(config)))
+        _SPLITS[key] = list(stage_layers(sizes_of(config)))
     return _SPLITS[key]
 
 
