@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fivefold.testing.harness import RankFailed, WorkersTimeout
+from fivefold.testing.harness import GRACE_S, RankFailed, WorkersTimeout
 
 
 def _sum_case(rank, world, i):
@@ -60,3 +60,21 @@ def test_timeout_kills_and_restarts(workers):
     out = pool.run(_sum_case, 1)
     assert [o[2] for o in out] == [3.0, 3.0]
     assert not set(first) & {o[3] for o in out}  # fresh processes
+
+
+def _fail_before_collective(rank, world):
+    if rank == 0:
+        raise RuntimeError("rank zero gives up")
+    dist.all_reduce(torch.ones(1))  # rank 1 waits here for rank 0, forever
+    return rank
+
+
+def test_failure_while_others_wait_in_a_collective(workers):
+    pool = workers(2)
+    pool.grace = 0.5
+    try:
+        with pytest.raises(RankFailed, match="rank 0 failed in _fail_before_collective"):
+            pool.run(_fail_before_collective)
+    finally:
+        pool.grace = GRACE_S
+    assert [o[2] for o in pool.run(_sum_case, 0)] == [1.0, 1.0]  # restarted after the kill

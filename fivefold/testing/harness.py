@@ -66,8 +66,8 @@ def _worker(rank: int, world: int, port: int, conn) -> None:
 class Workers:
     """N spawned gloo ranks, started once, reused across test cases."""
 
-    def __init__(self, world_size: int, *, timeout: float = 120):
-        self.world_size, self.timeout = world_size, timeout
+    def __init__(self, world_size: int, *, timeout: float = 120, grace: float = GRACE_S):
+        self.world_size, self.timeout, self.grace = world_size, timeout, grace
         self._procs: list = []
         self._conns: list = []
 
@@ -89,7 +89,7 @@ class Workers:
             raise RankFailed(failures, "startup")
 
     def _collect(self, deadline: float, what: str) -> dict[int, tuple[str, object]]:
-        """Each rank's reply; on a failure the others get GRACE_S more; past the deadline: kill, raise."""
+        """Each rank's reply; on a failure the others get `grace` seconds more; past the deadline: kill, raise."""
         replies: dict[int, tuple[str, object]] = {}
         while len(replies) < self.world_size:
             now = time.monotonic()
@@ -110,7 +110,7 @@ class Workers:
                     code = self._procs[r].exitcode
                     replies[r] = ("error", f"the worker process died (exit code {code})")
                 if replies[r][0] == "error":
-                    deadline = min(deadline, time.monotonic() + GRACE_S)
+                    deadline = min(deadline, time.monotonic() + self.grace)
             if len(replies) < self.world_size:
                 time.sleep(0.002)
         return replies
