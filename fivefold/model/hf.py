@@ -16,7 +16,6 @@ Name map (ours <- HF):
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 from collections import defaultdict
 from collections.abc import Iterable
@@ -61,13 +60,12 @@ def config_from_hf(path: str | Path) -> ModelConfig:
     for key, (value, wanted) in checks.items():
         if value != wanted:
             raise UserError(f"{where}: {key}={value!r} is not supported (our decoder needs {wanted!r})")
-    # transformers >= 5 writes rope_parameters {"rope_type", "rope_theta"}; older files rope_theta/rope_scaling.
+    # transformers >= 5 writes rope_parameters {"rope_type", "rope_theta"} (theta read by planner.hf);
+    # older files rope_theta / rope_scaling.
     rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ("default", None):
         raise UserError(f"{where}: RoPE scaling rope_type={rope_type!r} is not supported (only plain RoPE)")
-    if "rope_theta" in rope:
-        cfg = dataclasses.replace(cfg, rotary_base=float(rope["rope_theta"]))
     return cfg
 
 

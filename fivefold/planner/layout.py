@@ -11,6 +11,7 @@ from functools import cached_property
 
 from fivefold.config.schema import Config
 from fivefold.errors import UserError
+from fivefold.pipeline.ir import standard_placement, v_placement
 from fivefold.config.rules import sizes_of, stage_layers
 
 
@@ -57,6 +58,9 @@ class Plan:
 
     @property
     def vpp(self) -> int:
+        """Model chunks per pipeline rank: VPP for interleaving, 2 for DualPipeV's V, else 1."""
+        if self.schedule == "dualpipev":
+            return 2
         return self.p.virtual_pipeline_model_parallel_size or 1
 
     @property
@@ -119,10 +123,11 @@ class Plan:
         if len(counts) != self.pp * self.vpp or sum(counts) != self.config.model.num_layers:
             raise UserError(f"layer split {counts} does not give {self.config.model.num_layers} layers "
                             f"over {self.pp} x {self.vpp} stages")
+        placement = v_placement(self.pp) if self.schedule == "dualpipev" else standard_placement(self.pp, self.vpp)
         chunks: list[list[range]] = [[] for _ in range(self.pp)]
         start = 0
         for i, n in enumerate(counts):
-            chunks[i % self.pp].append(range(start, start + n))
+            chunks[placement[i]].append(range(start, start + n))
             start += n
         return chunks
 
