@@ -20,6 +20,8 @@ from fivefold.config.schema import Config, ModelConfig, ParallelConfig, Training
 from fivefold.data.loader import Microbatch, StepBatch
 from fivefold.model.decoder import Decoder
 from fivefold.parallel.data import GradReducer
+from fivefold.runtime.mesh import Mesh
+from fivefold.topology import Layout
 from fivefold.train.optim import build_optimizer
 from fivefold.train.step import train_step
 
@@ -51,11 +53,13 @@ def _reference(tie: bool):
         config = _config(tie=tie)
         model = Decoder(config.model, seed=config.training.seed)
         opt = build_optimizer(model, config.training)
-        reducer = GradReducer(model.parameters(), None)
+        mesh = Mesh.build(Layout())  # one rank, no process group
+        reducer = GradReducer(model.parameters(), mesh.dp_cp)
         losses, grads = [], {}
         for step in range(STEPS):
             r = train_step(model, opt, reducer, _batch(step, 0, 1, 1), lr=3e-3, clip_grad=1.0, precision="fp32",
-                           dp_group=None, model_parallel_group=None, device=torch.device("cpu"))
+                           dp_group=mesh.dp_cp, model_parallel_group=mesh.group("model-parallel"),
+                           device=torch.device("cpu"))
             losses.append(r.loss)
             if step == 0:
                 grads = {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -65,16 +69,14 @@ def _reference(tie: bool):
 
 def _train(rank: int, world: int, config: Config, dp: int):
     from fivefold.pipeline.stages import build_pipeline
-    from fivefold.runtime.mesh import Mesh
-    from fivefold.topology import Layout
     from fivefold.train.pipeline_step import pipeline_train_step
 
     mesh = Mesh.build(Layout(pp=config.parallel.pipeline_model_parallel_size, dp=dp))
     mbs = config.training.micro_batch_size
     pipe = build_pipeline(config, mesh, GBS // (mbs * dp), device=torch.device("cpu"))
     params = pipe.parameters()
-    opt = build_optimizer(torch.nn.ParameterList(params), config.training)
-    reducer = GradReducer(params, mesh.dp_cp.pg)
+    opt = build_optimizer(pipe.module, config.training)
+    reducer = GradReducer(params, mesh.dp_cp)
     losses, grads = [], {}
     for step in range(STEPS):
         r, run = pipeline_train_step(pipe, opt, reducer, _batch(step, mesh.coords["dp"], dp, mbs), lr=3e-3,
@@ -132,8 +134,6 @@ def test_hand_written_csv_schedule(workers):
 
 def _forward_only(rank: int, world: int, config: Config):
     from fivefold.pipeline.stages import build_pipeline
-    from fivefold.runtime.mesh import Mesh
-    from fivefold.topology import Layout
     from fivefold.train.pipeline_step import pipeline_evaluate, pipeline_logprobs
 
     mesh = Mesh.build(Layout(pp=config.parallel.pipeline_model_parallel_size))

@@ -47,6 +47,26 @@ def schedule_for(config: Config, num_microbatches: int) -> Schedule:
     return schedule
 
 
+class StageStack(nn.Module):
+    """This rank's stages as one module whose parameters carry the one-process model's names
+    (`layers.5.mlp...`, `embedding.weight`), so checkpoints and optimizers see the global names."""
+
+    def __init__(self, stages: dict[int, Decoder]):
+        super().__init__()
+        self.stages = nn.ModuleDict({str(s): m for s, m in sorted(stages.items())})
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        seen = set()
+        for stage in self.stages.values():
+            for name, p in stage.named_parameters(prefix=prefix, recurse=recurse):
+                if id(p) not in seen or not remove_duplicate:
+                    seen.add(id(p))
+                    yield name, p
+
+    def forward(self, *args):
+        raise TypeError("a pipeline rank's stages run through its PipelineExecutor, not forward()")
+
+
 @dataclass
 class PipelineModel:
     """This rank's stages and how to run them."""
@@ -59,15 +79,13 @@ class PipelineModel:
     embedding_group: object | None
     """The mesh's embedding Group when `tied` copies live on two ranks, else None."""
 
+    @property
+    def module(self) -> StageStack:
+        return StageStack(self.stages)
+
     def parameters(self) -> list[nn.Parameter]:
         """Every parameter of this rank's stages, once (a shared tied weight appears once)."""
-        seen, out = set(), []
-        for s in sorted(self.stages):
-            for p in self.stages[s].parameters():
-                if id(p) not in seen:
-                    seen.add(id(p))
-                    out.append(p)
-        return out
+        return [p for _, p in StageStack(self.stages).named_parameters()]
 
     def norm_parameters(self) -> list[nn.Parameter]:
         """The parameters whose gradients this rank counts in the global norm (tied copy excluded)."""

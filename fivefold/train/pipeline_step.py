@@ -9,16 +9,28 @@ is on the last stage's rank: its sum is added over the pipeline group, then over
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
+from fivefold.config.schema import Config
 from fivefold.data.loader import StepBatch
 from fivefold.errors import UserError
 from fivefold.parallel.data import GradReducer
 from fivefold.pipeline.executor import RunResult
-from fivefold.pipeline.stages import PipelineModel
+from fivefold.pipeline.render import draw_png, text_timeline
+from fivefold.pipeline.simulate import simulate
+from fivefold.pipeline.trace import measured_result, stage_costs
+from fivefold.pipeline.stages import PipelineModel, build_pipeline  # noqa: F401 (the loop builds through here)
 from fivefold.runtime import comm
 from fivefold.train.optim import clip_grad_norm
 from fivefold.train.step import StepResult, autocast
+
+
+def microbatches_per_step(config: Config, dp_size: int) -> int:
+    """Microbatches each DP rank runs per step: global_batch_size / (micro_batch_size x DP)."""
+    t = config.training
+    return t.global_batch_size // (t.micro_batch_size * dp_size)
 
 
 def _inputs(pipe: PipelineModel, batch: StepBatch) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -45,7 +57,7 @@ def pipeline_train_step(pipe: PipelineModel, optimizer: torch.optim.Optimizer, r
     run = pipe.executor.run(ids, labels, loss_scale=1.0 / batch.global_tokens, trace=trace)
     reducer.finish()
     pipe.sync_tied_grads()
-    norm = clip_grad_norm(pipe.norm_parameters(), clip_grad, mesh.group("model-parallel").pg)
+    norm = clip_grad_norm(pipe.norm_parameters(), clip_grad, mesh.group("model-parallel"))
     optimizer.step()
     local = torch.zeros((), dtype=torch.float64)
     for s in run.loss_sums.values():
@@ -98,3 +110,20 @@ def gather_times(pipe: PipelineModel, run: RunResult, mesh) -> list[list[tuple[f
     return [[(float(a), float(b)) for a, b in every[r, : len(pipe.schedule.ranks[r])]]
             for r in range(pipe.schedule.num_ranks)]
 
+
+
+def trace_report(pipe: PipelineModel, run: RunResult, mesh, png: Path | None) -> str:
+    """The measured timeline of a traced step (all ranks call it; rank 0's text is the one to print):
+    text timeline, measured bubble per rank next to the simulator's on the measured per-stage costs,
+    and the PNG drawn like `fivefold schedule --png`."""
+    schedule = pipe.schedule
+    measured = measured_result(schedule, gather_times(pipe, run, mesh))
+    predicted = simulate(schedule, stage_costs(schedule, measured))
+    lines = [text_timeline(schedule, measured), f"measured schedule {schedule.name} (ms): makespan "
+             f"{measured.makespan:.1f} (simulator on the measured per-stage costs: {predicted.makespan:.1f})"]
+    for r in range(schedule.num_ranks):
+        lines.append(f"  rank {r}: bubble {measured.bubble[r]:.1%} measured, {predicted.bubble[r]:.1%} simulated")
+    if png is not None and mesh.rank == 0:
+        draw_png(schedule, measured, str(png))
+        lines.append(f"wrote {png}")
+    return "\n".join(lines)
