@@ -12,7 +12,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from fivefold.config.schema import ModelConfig
+from fivefold.model.recompute import maybe_checkpoint
 from fivefold.model.rope import apply_rope
+
+
+def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d) + causal) v with GQA: q (b, a, s, d), k and v (b, g, s, d) -> (b, a, s, d)."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
 
 
 class Attention(nn.Module):
@@ -26,6 +32,8 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(h, self.kv_heads * self.d, bias=False)
         self.v_proj = nn.Linear(h, self.kv_heads * self.d, bias=False)
         self.o_proj = nn.Linear(self.heads * self.d, h, bias=False)
+        self.recompute_core = False
+        """Selective recompute: keep q, k, v and recompute the core attention in backward."""
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
@@ -33,6 +41,5 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(b, s, -1, self.d).transpose(1, 2)  # (b, g, s, d)
         v = self.v_proj(x).view(b, s, -1, self.d).transpose(1, 2)  # (b, g, s, d)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                           enable_gqa=q.shape[1] != k.shape[1])  # (b, a, s, d)
+        o = maybe_checkpoint(core_attention, self.recompute_core, q, k, v)  # (b, a, s, d)
         return self.o_proj(o.transpose(1, 2).reshape(b, s, -1))  # (b, s, a*d) -> (b, s, h)

@@ -19,6 +19,7 @@ from fivefold.errors import NotImplementedYet, UserError
 from fivefold.model.block import DecoderLayer
 from fivefold.model.init import init_parameters_
 from fivefold.model.norm import RMSNorm
+from fivefold.model.recompute import Recompute, maybe_checkpoint
 from fivefold.model.rope import rope_tables
 
 
@@ -67,6 +68,14 @@ class Decoder(nn.Module):
             else:
                 aliases["head.weight"] = "embedding.weight"
         init_parameters_(self, seed=seed, std=cfg.init_method_std, vocab_size=cfg.vocab_size, aliases=aliases)
+        self.recompute = Recompute()
+
+    def set_recompute(self, recompute: Recompute) -> None:
+        """Activation recompute from now on (fivefold.model.recompute: full spans of layers, or the
+        core attention of every layer); Recompute() turns it off."""
+        self.recompute = recompute
+        for layer in self.layers.values():
+            layer.attn.recompute_core = recompute.core_attention
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: ids (b, s) with an embedding, else hidden (b, s, h). Returns logits (b, s, V_padded)
@@ -74,8 +83,13 @@ class Decoder(nn.Module):
         hidden = self.embedding(x) if self.has_embedding else x  # (b, s, h)
         positions = torch.arange(hidden.shape[1], device=hidden.device)
         cos, sin = rope_tables(positions, self.cfg.head_dim, self.cfg.rotary_base)  # (s, d)
-        for layer in self.layers.values():
-            hidden = layer(hidden, cos, sin)  # (b, s, h)
+        layers = list(self.layers.values())
+        for start, end, recompute in self.recompute.spans(len(layers)):
+            def span(x, chunk=layers[start:end]):
+                for layer in chunk:
+                    x = layer(x, cos, sin)  # (b, s, h)
+                return x
+            hidden = maybe_checkpoint(span, recompute, hidden)  # (b, s, h)
         if not self.has_head:
             return hidden
         return self.head(self.final_norm(hidden))  # (b, s, V_padded)

@@ -11,6 +11,15 @@ microbatches happens in place and a bucket is reduced with one collective. Bucke
 reverse parameter order, the order backward produces gradients. On the last microbatch, a hook on
 each parameter counts the bucket's gradients down; when a bucket is complete its all-reduce is
 launched asynchronously, while backward continues with earlier layers. `finish()` waits for them.
+
+With `shard=True` (Megatron's distributed optimizer, ZeRO-1) each bucket is padded to a multiple of
+the group size n and reduce-scattered instead: rank r receives chunk r (a contiguous 1/n of the
+bucket) of the summed gradient in `bucket.grad_shard`, and only that chunk is ever read (the full
+`param.grad` views keep this rank's local sums). The parameters are moved into a flat buffer with
+the same layout (`bucket.param_buffer`; `param.data` is a view into it), so that the optimizer can
+step chunk r in place and one all-gather per bucket puts every rank's updated chunk back
+(fivefold.parallel.distributed_optimizer). Call bytes per step: reduce-scatter = all-gather =
+4 x (parameters rounded up to a multiple of n per bucket).
 """
 from __future__ import annotations
 
@@ -27,15 +36,30 @@ DEFAULT_BUCKET_BYTES = 25 * 2**20
 
 
 class _Bucket:
-    def __init__(self, params: list[nn.Parameter], index: int):
+    def __init__(self, params: list[nn.Parameter], index: int, pad_to: int = 1):
         self.params, self.index = params, index
-        self.buffer = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
-        self.views, offset = [], 0
+        self.numel = sum(p.numel() for p in params)
+        padded = -(-self.numel // pad_to) * pad_to  # zeros past numel: the reduce-scatter needs n equal chunks
+        self.buffer = torch.zeros(padded, dtype=params[0].dtype, device=params[0].device)
+        self.offsets, self.views, offset = [], [], 0
         for p in params:
+            self.offsets.append(offset)
             self.views.append(self.buffer[offset: offset + p.numel()].view_as(p))
             offset += p.numel()
         self.pending = len(params)
         self.work = None
+        self.param_buffer: torch.Tensor | None = None
+        """shard mode: the parameters, flat, laid out like `buffer` (each param.data is a view)."""
+        self.grad_shard: torch.Tensor | None = None
+        """shard mode, after finish(): this rank's chunk of the summed gradient (buffer.numel() / n)."""
+
+    def share_params(self) -> None:
+        """Move the parameters into one flat buffer laid out like the gradients (param.data -> a view)."""
+        self.param_buffer = torch.zeros_like(self.buffer)
+        for p, offset in zip(self.params, self.offsets):
+            flat = self.param_buffer[offset: offset + p.numel()]
+            flat.copy_(p.data.reshape(-1))
+            p.data = flat.view_as(p)
 
 
 class GradReducer:
@@ -43,29 +67,38 @@ class GradReducer:
 
     Per step:  reducer.zero_grad();  for each microbatch m: reducer.prepare(last=(m is last)); backward;
     then reducer.finish() before reading gradients (clipping, optimizer step).
+    `shard=True`: reduce-scatter (see the module docstring); each bucket's `grad_shard` after finish().
     """
 
     def __init__(self, params: Iterable[nn.Parameter], group: Group, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 tag: str = "dp-grad"):
-        self.group, self.tag = group, tag
+                 tag: str = "dp-grad", shard: bool = False):
+        self.group, self.tag, self.shard = group, tag, shard
+        pad_to = group.size if shard else 1
         self.params = [p for p in params if p.requires_grad]
         self.buckets: list[_Bucket] = []
         current: list[nn.Parameter] = []
         for p in reversed(self.params):
             if current and (p.dtype != current[0].dtype or
                             sum(q.numel() for q in current) * p.element_size() + p.nbytes > bucket_bytes):
-                self.buckets.append(_Bucket(current, len(self.buckets)))
+                self.buckets.append(_Bucket(current, len(self.buckets), pad_to))
                 current = []
             current.append(p)
         if current:
-            self.buckets.append(_Bucket(current, len(self.buckets)))
+            self.buckets.append(_Bucket(current, len(self.buckets), pad_to))
         self._bucket_of = {}
         for b in self.buckets:
             for p, v in zip(b.params, b.views):
                 self._bucket_of[p] = (b, v)
                 p.grad = v
                 p.register_post_accumulate_grad_hook(self._on_grad_ready)
+            if shard:
+                b.share_params()
         self._sync = False
+
+    def shard_range(self, b: _Bucket) -> tuple[int, int]:
+        """[lo, hi) of bucket b's buffer that this rank owns in shard mode: chunk r of n."""
+        chunk = b.buffer.numel() // self.group.size
+        return self.group.rank * chunk, (self.group.rank + 1) * chunk
 
     def zero_grad(self) -> None:
         """Zero every buffer and (re)point each `param.grad` at its view."""
@@ -91,7 +124,10 @@ class GradReducer:
             self._launch(b)
 
     def _launch(self, b: _Bucket) -> None:
-        b.work = comm.all_reduce_async(b.buffer, self.group, tag=self.tag)
+        if self.shard:
+            b.grad_shard, b.work = comm.reduce_scatter(b.buffer, 0, self.group, self.tag, async_op=True)
+        else:
+            b.work = comm.all_reduce_async(b.buffer, self.group, tag=self.tag)
 
     def finish(self) -> None:
         """Launch the buckets whose parameters got no gradient (unused in this step), then wait for all."""

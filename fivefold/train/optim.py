@@ -8,7 +8,7 @@ scaled by max_norm / (||g|| + 1e-6), as torch.nn.utils.clip_grad_norm_ does.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch import nn
@@ -22,6 +22,12 @@ def build_optimizer(model: nn.Module, training: TrainingConfig) -> torch.optim.O
     """AdamW; weight decay on parameters with >= 2 dims (not on norms' gains or biases), as Megatron."""
     decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
+    return build_adamw(decay, no_decay, training)
+
+
+def build_adamw(decay: list[torch.Tensor], no_decay: list[torch.Tensor], training: TrainingConfig) -> torch.optim.Optimizer:
+    """AdamW over two groups: `decay` with training.weight_decay, `no_decay` without (foreach=False:
+    the update is elementwise, so a tensor stepped in pieces gets the same numbers as stepped whole)."""
     groups = [{"params": decay, "weight_decay": training.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW([g for g in groups if g["params"]], lr=training.lr,
@@ -29,17 +35,29 @@ def build_optimizer(model: nn.Module, training: TrainingConfig) -> torch.optim.O
                              foreach=False)
 
 
-def clip_grad_norm(params: Iterable[nn.Parameter], max_norm: float, group: Group) -> float:
+def clip_grad_norm(params: Iterable[nn.Parameter], max_norm: float, group: Group | Sequence[Group]) -> float:
     """Scale the gradients of `params` (the shards this rank owns) to global norm <= max_norm
-    (0 = measure only); returns the norm before clipping."""
+    (0 = measure only); returns the norm before clipping. The squares are summed over each group in
+    `group` in turn (the distributed optimizer adds its DP x CP group: there the shards are DP chunks)."""
     grads = [p.grad for p in params if p.grad is not None]
+    norm = global_norm(grads, group)
+    clip_(grads, max_norm, norm)
+    return norm
+
+
+def global_norm(grads: Iterable[torch.Tensor], group: Group | Sequence[Group]) -> float:
+    """sqrt(sum over `grads` and over the ranks of each group of sum(g^2)), summed in fp64."""
     sq = torch.zeros((), dtype=torch.float64)
     for g in grads:
         sq += g.detach().double().pow(2).sum().cpu()
-    comm.all_reduce_(sq, group, tag="grad-norm")
-    norm = float(sq.sqrt())
+    for gr in ([group] if isinstance(group, Group) else group):
+        comm.all_reduce_(sq, gr, tag="grad-norm")
+    return float(sq.sqrt())
+
+
+def clip_(grads: Iterable[torch.Tensor], max_norm: float, norm: float) -> None:
+    """g <- g * max_norm / (norm + 1e-6) when norm > max_norm > 0 (torch.nn.utils.clip_grad_norm_'s rule)."""
     if max_norm > 0 and norm > max_norm:
         scale = max_norm / (norm + 1e-6)
         for g in grads:
             g.mul_(scale)
-    return norm

@@ -1,0 +1,123 @@
+"""Megatron's distributed optimizer (ZeRO-1): optimizer state sharded over the DP x CP group.
+
+Layout (GradReducer(shard=True)): each gradient bucket of the flat buffer, padded to a multiple of n
+(the DP x CP size), is cut into n contiguous chunks; rank r owns chunk r of every bucket. One step:
+  1. backward: each bucket's gradients are reduce-scattered as soon as they are complete (tag
+     dp-grad), so rank r holds g_r = chunk r of sum_q g_q  (1/n of the gradient);
+  2. global norm ||g|| = sqrt(sum over ranks of sum(g_r^2)): the chunks partition every parameter,
+     so the squares are added over the DP x CP group and then over the model-parallel group, which
+     gives exactly the norm of the non-sharded step; clip g_r;
+  3. AdamW steps chunk r only: the parameters' chunk (fp32, in place in the flat parameter buffer)
+     and its moments exp_avg, exp_avg_sq: 1/n of the non-sharded optimizer state per rank;
+  4. all-gather of each bucket's updated chunks (tag dp-param) back into the flat parameter buffer.
+Call bytes per step: 4 x P' for the reduce-scatter and 4 x P' for the all-gather (P' = parameters,
+each bucket rounded up to a multiple of n), against 4 x P for the all-reduce without ZeRO.
+
+A parameter that straddles a chunk boundary is split into pieces, each a leaf tensor aliasing its
+range of the parameter buffer, put in the weight-decay group of its parameter (Megatron's
+per-parameter ranges of a shard). AdamW with foreach=False is elementwise, so a piece gets the same
+numbers as its parameter stepped whole. Parameters are fp32 (bf16 runs autocast over fp32
+weights), so the parameter chunk is itself the fp32 master copy: no second copy is kept (Megatron
+does the same for fp32 parameters).
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from fivefold.config.schema import TrainingConfig
+from fivefold.parallel.data import GradReducer
+from fivefold.runtime import comm
+from fivefold.runtime.mesh import Group
+from fivefold.train.optim import build_adamw, clip_, global_norm
+
+
+@dataclass(frozen=True)
+class Piece:
+    """The part of one parameter that this rank's chunk of a bucket covers."""
+
+    name: str
+    """The parameter's name in model.named_parameters()."""
+    param: nn.Parameter
+    """The whole (local) parameter."""
+    flat: tuple[int, int]
+    """[lo, hi) in param.view(-1)."""
+    tensor: nn.Parameter
+    """A leaf aliasing param.view(-1)[lo:hi] (in the flat parameter buffer): what AdamW steps."""
+    bucket: int
+    grad_range: tuple[int, int]
+    """[lo, hi) of this piece in the bucket's reduced chunk (bucket.grad_shard)."""
+
+
+class DistributedOptimizer:
+    """AdamW over this rank's chunks of the parameters; `param_groups` and `state` as torch.optim's.
+
+    Per step, after reducer.finish():  norm = opt.clip_grad_norm(max_norm, groups);  opt.step()."""
+
+    def __init__(self, model: nn.Module, reducer: GradReducer, training: TrainingConfig, *, tag: str = "dp-param"):
+        if not reducer.shard:
+            raise ValueError("DistributedOptimizer needs GradReducer(shard=True): gradients reduce-scattered")
+        self.reducer, self.group, self.tag = reducer, reducer.group, tag
+        names = {}
+        for name, p in model.named_parameters():
+            names.setdefault(id(p), name)
+        self.pieces: list[Piece] = []
+        for i, b in enumerate(reducer.buckets):
+            lo, hi = reducer.shard_range(b)
+            for p, offset in zip(b.params, b.offsets):
+                start, end = max(lo, offset), min(hi, offset + p.numel())
+                if start < end:
+                    leaf = nn.Parameter(b.param_buffer[start:end])  # shares the buffer's storage
+                    self.pieces.append(Piece(names[id(p)], p, (start - offset, end - offset), leaf, i,
+                                             (start - lo, end - lo)))
+        self.optimizer = build_adamw([pc.tensor for pc in self.pieces if pc.param.ndim >= 2],
+                                     [pc.tensor for pc in self.pieces if pc.param.ndim < 2], training)
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.optimizer.param_groups
+
+    @property
+    def state(self):
+        """AdamW's state, keyed by each piece's `tensor`."""
+        return self.optimizer.state
+
+    def _attach_grads(self) -> None:
+        for pc in self.pieces:
+            shard = self.reducer.buckets[pc.bucket].grad_shard
+            if shard is None:
+                raise RuntimeError("DistributedOptimizer: call reducer.finish() before reading the gradients")
+            pc.tensor.grad = shard[pc.grad_range[0]: pc.grad_range[1]]
+
+    def clip_grad_norm(self, max_norm: float, model_parallel: Group | None = None,
+                       counted: Iterable[nn.Parameter] | None = None) -> float:
+        """Global gradient norm over every rank's chunks (DP x CP, then `model_parallel`), and clip.
+        `counted`: the parameters this rank counts in the norm (default all; e.g. a pipeline's tied
+        head copy or a TP replica is left out); every piece is scaled."""
+        self._attach_grads()
+        ids = None if counted is None else {id(p) for p in counted}
+        grads = [pc.tensor.grad for pc in self.pieces if ids is None or id(pc.param) in ids]
+        groups = [self.group] + ([model_parallel] if model_parallel is not None else [])
+        norm = global_norm(grads, groups)
+        clip_([pc.tensor.grad for pc in self.pieces], max_norm, norm)
+        return norm
+
+    def step(self) -> None:
+        """AdamW on this rank's chunks, then every bucket's chunks all-gathered into the parameters."""
+        self._attach_grads()  # this step's chunks (clip_grad_norm scaled them in place)
+        self.optimizer.step()
+        launched = []
+        for b in self.reducer.buckets:
+            lo, hi = self.reducer.shard_range(b)
+            launched.append((b, *comm.all_gather(b.param_buffer[lo:hi], 0, self.group, self.tag, async_op=True)))
+        for b, gathered, work in launched:  # gathered: (buffer numel,) = every rank's chunk, in rank order
+            work.wait()
+            if gathered.data_ptr() != b.param_buffer.data_ptr():
+                b.param_buffer.copy_(gathered)
+
+    def state_bytes(self) -> int:
+        """Bytes of the AdamW moments this rank holds (exp_avg + exp_avg_sq)."""
+        return sum(v.nbytes for s in self.optimizer.state.values() for k, v in s.items() if k != "step")
