@@ -267,9 +267,5 @@ class _StepState:
 
 
 def _completed(work) -> bool:
-    """Whether a send's Work is done, without blocking (a torch Work, or comm's wrapper of them)."""
-    is_completed = getattr(work, "is_completed", None)
-    if is_completed is not None:
-        return bool(is_completed())
-    inner = getattr(work, "_works", None)  # fivefold.runtime Work has no is_completed() (yet)
-    return inner is not None and all(w.is_completed() for w in inner)
+    """Whether a send's Work (a torch Work, or comm's wrapper of them) is done, without blocking."""
+    return bool(work.is_completed())
