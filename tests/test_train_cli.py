@@ -47,7 +47,7 @@ def test_unknown_override_key(tmp_path):
 
 @pytest.mark.parametrize("words,needle", [
     (["--tensor-model-parallel-size", "2"], "tensor parallelism (TP > 1)"),
-    (["training.use_distributed_optimizer=true"], "distributed optimizer"),
+    (["--context-parallel-size", "2"], "context parallelism (CP > 1)"),
 ])
 def test_not_implemented_knob(tmp_path, words, needle):
     _refused(_train(tmp_path, TINY, *words, nproc=2), needle, "not implemented yet")

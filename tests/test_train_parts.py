@@ -31,10 +31,10 @@ def test_warmup_then_cosine_to_min_lr():
 def test_unsupported_knobs_are_refused_together():
     cfg = Config()
     check_supported(cfg)  # the defaults run
-    cfg.parallel.tensor_model_parallel_size = 2
-    cfg.training.recompute_granularity = "full"
+    cfg.parallel.context_parallel_size = 2
+    cfg.model.multi_latent_attention = True
     assert len(unsupported(cfg)) == 2
-    with pytest.raises(NotImplementedYet, match=r"tensor parallelism.*activation recompute.*not implemented yet"):
+    with pytest.raises(NotImplementedYet, match=r"context parallelism.*multi-latent attention.*not implemented yet"):
         check_supported(cfg)
 
 

@@ -18,10 +18,11 @@ from safetensors.torch import save_file
 from torch import nn
 
 from fivefold.checkpoint.layout import FORMAT, ShardSpec, complete_checkpoints, resolve, step_dir, whole
+from fivefold.checkpoint.optim_state import (OptimShard, load_optim, merge_optim_listings, save_optim,
+                                             whole_shards)
 from fivefold.errors import UserError
 
 ShardOf = Callable[[str, torch.Tensor], ShardSpec]
-MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 def _fsync_dir(path: Path) -> None:
@@ -47,10 +48,13 @@ def rng_state() -> dict[str, torch.Tensor]:
 
 def save_checkpoint(root: str | Path, step: int, *, model: nn.Module, optimizer: torch.optim.Optimizer,
                     rank: int, writes_params: bool, barrier: Callable[[], None], extra: dict,
-                    shard_of: ShardOf = lambda name, t: whole(t.shape), keep: int = 2) -> Path:
+                    shard_of: ShardOf = lambda name, t: whole(t.shape), keep: int = 2,
+                    optim_shards: list[OptimShard] | None = None, writes_optim: bool | None = None) -> Path:
     """Write checkpoint `step` under `root` on every rank (collective: all ranks call it); returns its folder.
 
-    `writes_params`: this rank writes its parameter and optimizer shards (False on DP replicas > 0).
+    `writes_params`: this rank writes its parameter shards (False on DP replicas > 0).
+    `optim_shards`: the ranges the optimizer keeps state for (default: every parameter whole);
+    `writes_optim`: this rank writes them (default `writes_params`; every rank under ZeRO-1).
     `extra`: JSON-able run state (data position, config) stored in metadata.json by rank 0.
     The `keep` newest complete checkpoints are kept; older ones are deleted after the new one lands.
     """
@@ -64,19 +68,17 @@ def save_checkpoint(root: str | Path, step: int, *, model: nn.Module, optimizer:
     _save(rng_state(), tmp / f"rng-{tag}.safetensors")
     if writes_params:
         names = {p: n for n, p in model.named_parameters()}
-        params, moments, shards = {}, {}, {}
+        params, shards = {}, {}
         for p, name in names.items():
             params[name] = p
             spec = shard_of(name, p)
             shards[name] = {"file": f"model-{tag}.safetensors", "offsets": list(spec.offsets),
                             "shape": list(p.shape), "global_shape": list(spec.global_shape), "dtype": str(p.dtype)}
-            state = optimizer.state.get(p, {})
-            for m in MOMENTS:
-                if m in state:
-                    moments[f"{name}.{m}"] = state[m]
         _save(params, tmp / f"model-{tag}.safetensors")
-        _save(moments, tmp / f"optim-{tag}.safetensors")
         (tmp / f"shards-{tag}.json").write_text(json.dumps(shards))
+    if writes_params if writes_optim is None else writes_optim:
+        save_optim(tmp, tag, model, optimizer, whole_shards(model) if optim_shards is None else optim_shards,
+                   shard_of, _save)
     barrier()
     if rank == 0:
         _commit(root, tmp, final, step, extra, keep)
@@ -90,9 +92,9 @@ def _commit(root: Path, tmp: Path, final: Path, step: int, extra: dict, keep: in
         tag = frag.stem.split("-")[1]
         for name, s in json.loads(frag.read_text()).items():
             entry = params.setdefault(name, {"global_shape": s["global_shape"], "dtype": s["dtype"], "shards": []})
-            entry["shards"].append({"file": s["file"], "optim_file": f"optim-{tag}.safetensors",
-                                    "offsets": s["offsets"], "shape": s["shape"]})
+            entry["shards"].append({"file": s["file"], "offsets": s["offsets"], "shape": s["shape"]})
         frag.unlink()
+    merge_optim_listings(tmp, params)
     meta = {"format": FORMAT, "step": step, "params": params, **extra}
     (tmp / "metadata.json").write_text(json.dumps(meta, indent=1))
     _fsync_dir(tmp)
@@ -152,8 +154,10 @@ def _assemble(folder: Path, entry: dict, key: str, file_key: str, out: torch.Ten
 
 
 def load_checkpoint(path: str | Path, *, model: nn.Module, optimizer: torch.optim.Optimizer | None, rank: int,
-                    world_size: int, shard_of: ShardOf = lambda name, t: whole(t.shape)) -> dict:
-    """Load parameters, AdamW moments and (same world size) this rank's RNG; returns the metadata."""
+                    world_size: int, shard_of: ShardOf = lambda name, t: whole(t.shape),
+                    optim_shards: list[OptimShard] | None = None) -> dict:
+    """Load parameters, AdamW moments (for `optim_shards`, default every parameter whole; any saved
+    sharding) and (same world size) this rank's RNG; returns the metadata."""
     folder, meta = read_metadata(path)
     check_fits(meta, model, shard_of, folder)
     with torch.no_grad():
@@ -161,13 +165,9 @@ def load_checkpoint(path: str | Path, *, model: nn.Module, optimizer: torch.opti
             spec = shard_of(name, p)
             if not _assemble(folder, meta["params"][name], name, "file", p.data, spec):
                 raise UserError(f"checkpoint {folder}: its shards do not cover parameter {name}")
-            if optimizer is not None and meta.get("optimizer_step"):
-                state = {m: torch.zeros_like(p) for m in MOMENTS}
-                for m in MOMENTS:
-                    if not _assemble(folder, meta["params"][name], f"{name}.{m}", "optim_file", state[m], spec):
-                        raise UserError(f"checkpoint {folder}: optimizer state {m} of {name} is missing")
-                state["step"] = torch.tensor(float(meta["optimizer_step"]))
-                optimizer.state[p] = state
+        if optimizer is not None and meta.get("optimizer_step"):
+            load_optim(folder, meta, model, optimizer, whole_shards(model) if optim_shards is None else optim_shards,
+                       shard_of)
     rng = folder / f"rng-{rank:05d}.safetensors"
     if meta.get("world_size") == world_size and rng.is_file():
         with safe_open(str(rng), framework="pt") as f:

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from fivefold.checkpoint.optim_state import OptimShard
 from fivefold.config.schema import TrainingConfig
 from fivefold.parallel.data import GradReducer
 from fivefold.runtime import comm
@@ -118,6 +119,6 @@ class DistributedOptimizer:
             if gathered.data_ptr() != b.param_buffer.data_ptr():
                 b.param_buffer.copy_(gathered)
 
-    def state_bytes(self) -> int:
-        """Bytes of the AdamW moments this rank holds (exp_avg + exp_avg_sq)."""
-        return sum(v.nbytes for s in self.optimizer.state.values() for k, v in s.items() if k != "step")
+    def optim_shards(self) -> list[OptimShard]:
+        """What this rank's state covers, for checkpoints: each piece's range of its parameter."""
+        return [OptimShard(pc.name, pc.tensor, pc.flat) for pc in self.pieces]

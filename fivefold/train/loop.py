@@ -20,10 +20,13 @@ from fivefold.data.loader import BatchLoader
 from fivefold.errors import UserError
 from fivefold.model import Decoder
 from fivefold.runtime import comm
+from fivefold.model.recompute import Recompute
 from fivefold.parallel.data import GradReducer
+from fivefold.parallel.distributed_optimizer import DistributedOptimizer
 from fivefold.train.context import RankContext, layout_text
 from fivefold.train.metrics import MetricsLog, flops_per_token, peak_memory_bytes, plot_loss_curve
-from fivefold.train.optim import build_optimizer
+from fivefold.train.optim import build_optimizer, state_bytes
+from fivefold.train.profile import StepProfiler, profile_steps
 from fivefold.train.schedule import lr_at
 from fivefold.train.pipeline_step import (build_pipeline, microbatches_per_step, pipeline_evaluate,
                                           pipeline_train_step, trace_report)
@@ -39,6 +42,8 @@ class TrainResult:
     peak_memory: list[int] = field(default_factory=list)
     """Per rank, bytes (see metrics.peak_memory_bytes)."""
     checkpoint: Path | None = None
+    optimizer_state_bytes: int = 0
+    """This rank's AdamW moments (1/DP of them with the distributed optimizer)."""
     plot: Path | None = None
 
 
@@ -62,12 +67,38 @@ def _loaders(config: Config, ctx: RankContext, data_dir: Path) -> tuple[BatchLoa
     return BatchLoader(train_ds, seed=t.seed, **kw), eval_loader
 
 
+def _optim_shards(optimizer) -> list | None:
+    """The ranges the optimizer keeps state for: ZeRO-1 chunks, or (None) every parameter whole."""
+    return optimizer.optim_shards() if isinstance(optimizer, DistributedOptimizer) else None
+
+
 def _save(config: Config, ctx: RankContext, root: Path, step: int, model, optimizer) -> Path:
     return ckpt.save_checkpoint(
         root, step, model=model, optimizer=optimizer, rank=ctx.rank, writes_params=ctx.dp_rank == 0,
+        optim_shards=_optim_shards(optimizer),
+        writes_optim=isinstance(optimizer, DistributedOptimizer) or ctx.dp_rank == 0,
         barrier=lambda: comm.barrier(ctx.world_group),
         extra={"optimizer_step": step, "world_size": ctx.world_size, "data": {"next_step": step,
                "consumed_samples": step * config.training.global_batch_size}, "config": to_dict(config)})
+
+
+def _step(config: Config, ctx: RankContext, step: int, pipe, model, optimizer, reducer, train_loader):
+    """Train step `step`: forward/backward per microbatch, or through the pipeline schedule (PP > 1)."""
+    t = config.training
+    if pipe is None:
+        return train_step(model, optimizer, reducer, train_loader.step_batch(step), lr=lr_at(step, t),
+                          clip_grad=t.clip_grad, precision=t.precision, dp_group=ctx.dp_group,
+                          model_parallel_group=ctx.model_parallel_group, device=ctx.device)
+    trace = config.logging.trace_schedule and step + 1 == t.train_iters
+    r, run = pipeline_train_step(pipe, optimizer, reducer, train_loader.step_batch(step), lr=lr_at(step, t),
+                                 clip_grad=t.clip_grad, precision=t.precision, mesh=ctx.mesh,
+                                 device=ctx.device, trace=trace)
+    if trace:
+        report = trace_report(pipe, run, ctx.mesh, ctx.out_dir / "schedule_trace.png")
+        if ctx.is_main:
+            (ctx.out_dir / "schedule_trace.txt").write_text(report + "\n")
+            tqdm.write(report)
+    return r
 
 
 def train(config: Config, ctx: RankContext, data_dir: Path, *, progress: bool = True) -> TrainResult:
@@ -78,13 +109,16 @@ def train(config: Config, ctx: RankContext, data_dir: Path, *, progress: bool = 
         model = pipe.module
     else:
         model = Decoder(config.model, seed=t.seed).to(ctx.device)
-    optimizer = build_optimizer(model, t)
-    reducer = GradReducer(model.parameters(), ctx.dp_group)
+    recompute = Recompute.from_training(t)
+    for module in (pipe.stages.values() if pipe is not None else [model]):
+        module.set_recompute(recompute)
+    reducer = GradReducer(model.parameters(), ctx.dp_group, shard=t.use_distributed_optimizer)
+    optimizer = DistributedOptimizer(model, reducer, t) if t.use_distributed_optimizer else build_optimizer(model, t)
     train_loader, eval_loader = _loaders(config, ctx, data_dir)
     start = 0
     if config.checkpoint.load:
         meta = ckpt.load_checkpoint(config.checkpoint.load, model=model, optimizer=optimizer, rank=ctx.rank,
-                                    world_size=ctx.world_size)
+                                    world_size=ctx.world_size, optim_shards=_optim_shards(optimizer))
         start = int(meta["data"]["next_step"])
     save_root = Path(config.checkpoint.save or ctx.out_dir / "checkpoints")
     log = MetricsLog(ctx.out_dir, config.logging.tensorboard, resume_from=start) if ctx.is_main else None
@@ -93,22 +127,12 @@ def train(config: Config, ctx: RankContext, data_dir: Path, *, progress: bool = 
     bar = tqdm(total=t.train_iters, initial=start, disable=not (progress and ctx.is_main), desc="train",
                dynamic_ncols=True)
     times = []
+    profiler = StepProfiler(config.logging.profile and ctx.rank in config.logging.profile_ranks,
+                            profile_steps(start, t.train_iters), ctx.out_dir, ctx.rank, ctx.device)
     for step in range(start, t.train_iters):
         t0 = time.perf_counter()
-        if pipe is not None:
-            trace = config.logging.trace_schedule and step + 1 == t.train_iters
-            r, run = pipeline_train_step(pipe, optimizer, reducer, train_loader.step_batch(step), lr=lr_at(step, t),
-                                         clip_grad=t.clip_grad, precision=t.precision, mesh=ctx.mesh,
-                                         device=ctx.device, trace=trace)
-            if trace:
-                report = trace_report(pipe, run, ctx.mesh, ctx.out_dir / "schedule_trace.png")
-                if ctx.is_main:
-                    (ctx.out_dir / "schedule_trace.txt").write_text(report + "\n")
-                    tqdm.write(report)
-        else:
-            r = train_step(model, optimizer, reducer, train_loader.step_batch(step), lr=lr_at(step, t),
-                           clip_grad=t.clip_grad, precision=t.precision, dp_group=ctx.dp_group,
-                           model_parallel_group=ctx.model_parallel_group, device=ctx.device)
+        with profiler.step(step):
+            r = _step(config, ctx, step, pipe, model, optimizer, reducer, train_loader)
         dt = time.perf_counter() - t0
         times.append((r.tokens, dt))
         peak = comm.all_gather(torch.tensor([peak_memory_bytes(ctx.device)], dtype=torch.float64), 0,
@@ -132,6 +156,7 @@ def train(config: Config, ctx: RankContext, data_dir: Path, *, progress: bool = 
             result.checkpoint = _save(config, ctx, save_root, step + 1, model, optimizer)
         result.peak_memory = [int(b) for b in peak]
     bar.close()
+    result.optimizer_state_bytes = state_bytes(optimizer)
     steady = times[1:] or times  # the first step pays for warm-up (allocations, thread pools)
     result.tokens_per_s = sum(n for n, _ in steady) / max(1e-9, sum(dt for _, dt in steady))
     if log is not None:

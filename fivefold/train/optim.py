@@ -61,3 +61,8 @@ def clip_(grads: Iterable[torch.Tensor], max_norm: float, norm: float) -> None:
         scale = max_norm / (norm + 1e-6)
         for g in grads:
             g.mul_(scale)
+
+
+def state_bytes(optimizer) -> int:
+    """Bytes of the AdamW moments (exp_avg + exp_avg_sq) this rank holds."""
+    return sum(v.nbytes for s in optimizer.state.values() for k, v in s.items() if k != "step")

@@ -23,8 +23,7 @@ from fivefold.pipeline.simulate import simulate
 from fivefold.pipeline.trace import measured_result, stage_costs
 from fivefold.pipeline.stages import PipelineModel, build_pipeline  # noqa: F401 (the loop builds through here)
 from fivefold.runtime import comm
-from fivefold.train.optim import clip_grad_norm
-from fivefold.train.step import StepResult, autocast
+from fivefold.train.step import StepResult, autocast, clip_and_step
 
 
 def microbatches_per_step(config: Config, dp_size: int) -> int:
@@ -55,10 +54,10 @@ def pipeline_train_step(pipe: PipelineModel, optimizer: torch.optim.Optimizer, r
     if trace:
         comm.barrier(mesh.pp)  # a common start, so the ranks' timings line up
     run = pipe.executor.run(ids, labels, loss_scale=1.0 / batch.global_tokens, trace=trace)
+    pipe.sync_tied_grads()  # before the DP reduction (the two sums commute): with ZeRO-1 it reduce-scatters
     reducer.finish()
-    pipe.sync_tied_grads()
-    norm = clip_grad_norm(pipe.norm_parameters(), clip_grad, mesh.group("model-parallel"))
-    optimizer.step()
+    norm = clip_and_step(optimizer, pipe.parameters(), clip_grad, mesh.group("model-parallel"),
+                         counted=pipe.norm_parameters())
     local = torch.zeros((), dtype=torch.float64)
     for s in run.loss_sums.values():
         local += s.double().cpu()

@@ -7,6 +7,7 @@ reducer sums gradients over the DP group, and the reported loss is the DP-sum of
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -16,7 +17,8 @@ from fivefold.data.loader import IGNORE_INDEX, Microbatch, StepBatch
 from fivefold.runtime import comm
 from fivefold.runtime.mesh import Group
 from fivefold.parallel.data import GradReducer
-from fivefold.train.optim import clip_grad_norm
+from fivefold.parallel.distributed_optimizer import DistributedOptimizer
+from fivefold.train.optim import clip_, global_norm
 
 
 @dataclass
@@ -40,6 +42,22 @@ def loss_sum(model: nn.Module, mb: Microbatch, precision: str, device: torch.dev
     return total
 
 
+def clip_and_step(optimizer: torch.optim.Optimizer | DistributedOptimizer, params: Iterable[nn.Parameter],
+                  clip_grad: float, model_parallel_group: Group, counted: Iterable[nn.Parameter] | None = None) -> float:
+    """Global gradient norm (over the gradients of `counted`, default `params`, on every rank of the
+    model-parallel group), clip every gradient of `params` by it, step; returns the norm. The
+    distributed optimizer does both on its DP chunks (adding the DP x CP group) and all-gathers."""
+    params = list(params)
+    counted = params if counted is None else list(counted)
+    if isinstance(optimizer, DistributedOptimizer):
+        norm = optimizer.clip_grad_norm(clip_grad, model_parallel_group, counted=counted)
+    else:
+        norm = global_norm([p.grad for p in counted if p.grad is not None], model_parallel_group)
+        clip_([p.grad for p in params if p.grad is not None], clip_grad, norm)
+    optimizer.step()
+    return norm
+
+
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, reducer: GradReducer, batch: StepBatch, *,
                lr: float, clip_grad: float, precision: str, dp_group: Group, model_parallel_group: Group,
                device: torch.device) -> StepResult:
@@ -56,8 +74,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, reducer: Grad
     if n == 0:
         reducer.prepare(last=True)
     reducer.finish()
-    norm = clip_grad_norm(model.parameters(), clip_grad, model_parallel_group)
-    optimizer.step()
+    norm = clip_and_step(optimizer, model.parameters(), clip_grad, model_parallel_group)
     comm.all_reduce_(local, dp_group, tag="loss")
     return StepResult(float(local) / batch.global_tokens, norm, batch.global_tokens)
 

@@ -38,9 +38,6 @@ RUNTIME_KNOBS: list[Knob] = [
     Knob("model.normalization", _is("RMSNorm"), "normalizations other than RMSNorm"),
     Knob("training.precision", _is("fp32", "bf16"), "precisions other than fp32 and bf16"),
     Knob("training.optimizer", _is("adamw"), "optimizers other than adamw"),
-    Knob("training.recompute_granularity", _is(None), "activation recompute"),
-    Knob("training.use_distributed_optimizer", _is(False), "the distributed optimizer (ZeRO-1)"),
-    Knob("logging.profile", _is(False), "profiling"),
 ]
 
 
