@@ -21,7 +21,7 @@ that re-gather first, computes dL/dX = dL/dY A meanwhile, then launches dL/dX's 
 (all-reduce without SP) and computes dL/dA while it is in flight (Megatron's async grad all-reduce).
 
 Parameters carry attributes other code reads (Megatron's `tensor_model_parallel`):
-  tp_split_dim   0 or 1: the parameter is this rank's slice of the full one along that dim.
+  tp_shard       ShardSpec: the parameter is this rank's slice of the one-process parameter.
   tp_sum_grad    True: replicated, but each rank's gradient covers only its sequence shard (norms
                  under SP): the gradients are summed over TP after backward (`reduce_tp_grads`).
   tp_kv_slot     (slot, slots): a replicated KV-head weight (TP > KV heads); gradients are summed
@@ -30,6 +30,7 @@ Parameters carry attributes other code reads (Megatron's `tensor_model_parallel`
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -116,64 +117,75 @@ def row_parallel(x: torch.Tensor, weight: torch.Tensor, group: Group, mode: TPMo
     return comm.reduce_from(partial, group, "tp")
 
 
+@dataclass(frozen=True)
+class ShardSpec:
+    """A TP parameter is `full.narrow(dim, start, length)` of the one-process parameter `full`
+    (shape `full_shape`): every TP shard of the decoder is one contiguous range along one dim."""
+
+    full_shape: tuple[int, ...]
+    dim: int
+    start: int
+    length: int
+
+    def of(self, full: torch.Tensor) -> torch.Tensor:
+        if tuple(full.shape) != self.full_shape:
+            raise ValueError(f"full tensor of shape {tuple(full.shape)}, expected {self.full_shape}")
+        return full.narrow(self.dim, self.start, self.length).clone()
+
+
+def even(size: int, group: Group) -> range:
+    """This rank's range of `size` split evenly over the group."""
+    if size % group.size:
+        raise ValueError(f"size {size} does not divide over TP={group.size}")
+    n = size // group.size
+    return range(group.rank * n, (group.rank + 1) * n)
+
+
+def _param(full_shape: tuple[int, ...], dim: int, part: range, dtype, device) -> nn.Parameter:
+    shape = list(full_shape)
+    shape[dim] = len(part)
+    p = nn.Parameter(torch.empty(shape, dtype=dtype, device=device))
+    p.tp_shard = ShardSpec(tuple(full_shape), dim, part.start, len(part))
+    return p
+
+
 class ColumnParallelLinear(nn.Module):
-    """Y = X A^T + b with A (out, in) and b split by output rows over `group`; Y stays split
-    (b, s, out/tp). `partitions` names a fused weight's parts (e.g. [gate, up]): each part is split
-    on its own, so rank r holds [gate_r; up_r] and the two halves of its output stay aligned."""
+    """Y = X A^T with A (out, in) split by output rows over `group`: this rank holds rows `rows`
+    (default its even share; attention passes its heads' rows) and returns Y split (b, s, out/tp).
+    Several column layers reading the same input share one communication via `column_linears`."""
 
     def __init__(self, in_features: int, out_features: int, *, group: Group, mode: TPMode = TPMode.ALL_REDUCE,
-                 bias: bool = False, partitions: Sequence[int] | None = None, dtype=None, device=None):
+                 rows: range | None = None, dtype=None, device=None):
         super().__init__()
-        parts = list(partitions or [out_features])
-        if sum(parts) != out_features or any(p % group.size for p in parts):
-            raise ValueError(f"output parts {parts} must sum to {out_features} and each divide over TP={group.size}")
-        self.group, self.mode, self.partitions = group, mode, parts
-        self.weight = nn.Parameter(torch.empty(out_features // group.size, in_features, dtype=dtype, device=device))
-        self.weight.tp_split_dim = 0
-        self.bias = None
-        if bias:
-            self.bias = nn.Parameter(torch.zeros(out_features // group.size, dtype=dtype, device=device))
-            self.bias.tp_split_dim = 0
+        self.group, self.mode = group, mode
+        self.weight = _param((out_features, in_features), 0, rows or even(out_features, group), dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         (y,) = column_parallel(x, [self.weight], self.group, self.mode)  # (b, s, out/tp)
-        return y if self.bias is None else y + self.bias
-
-    @torch.no_grad()
-    def load_full(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        """Copy this rank's shard of the full (out, in) weight (and bias)."""
-        self.weight.copy_(shard(weight, 0, self.group.rank, self.group.size, self.partitions))
-        if bias is not None:
-            self.bias.copy_(shard(bias, 0, self.group.rank, self.group.size, self.partitions))
+        return y
 
 
 class RowParallelLinear(nn.Module):
-    """Y = X B^T + b with B (out, in) split by input columns over `group`: X arrives split
-    (b, s, in/tp), Y leaves whole (ALL_REDUCE) or sequence-sharded (SEQUENCE_PARALLEL). The bias is
-    replicated and added after the reduction (under SP its gradient is summed over TP)."""
+    """Y = X B^T with B (out, in) split by input columns over `group`: X arrives split
+    (b, s, in/tp), Y leaves whole (ALL_REDUCE) or sequence-sharded (SEQUENCE_PARALLEL)."""
 
     def __init__(self, in_features: int, out_features: int, *, group: Group, mode: TPMode = TPMode.ALL_REDUCE,
-                 bias: bool = False, dtype=None, device=None):
+                 dtype=None, device=None):
         super().__init__()
-        if in_features % group.size:
-            raise ValueError(f"in_features={in_features} must divide over TP={group.size}")
         self.group, self.mode = group, mode
-        self.weight = nn.Parameter(torch.empty(out_features, in_features // group.size, dtype=dtype, device=device))
-        self.weight.tp_split_dim = 1
-        self.bias = None
-        if bias:
-            self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device))
-            self.bias.tp_sum_grad = mode is TPMode.SEQUENCE_PARALLEL
+        self.weight = _param((out_features, in_features), 1, even(in_features, group), dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = row_parallel(x, self.weight, self.group, self.mode)
-        return y if self.bias is None else y + self.bias
+        return row_parallel(x, self.weight, self.group, self.mode)
 
-    @torch.no_grad()
-    def load_full(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        self.weight.copy_(shard(weight, 1, self.group.rank, self.group.size))
-        if bias is not None:
-            self.bias.copy_(bias)
+
+def column_linears(x: torch.Tensor, linears: Sequence[nn.Module]) -> list[torch.Tensor]:
+    """Apply several linears to the same x: plain `nn.Linear`s one by one, ColumnParallelLinears
+    through one fused call (one gather forward, one all-reduce / reduce-scatter of dL/dX backward)."""
+    if all(isinstance(m, ColumnParallelLinear) for m in linears):
+        first = linears[0]
+        return list(column_parallel(x, [m.weight for m in linears], first.group, first.mode))
+    return [m(x) for m in linears]
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -186,13 +198,10 @@ class VocabParallelEmbedding(nn.Module):
     def __init__(self, num_embeddings: int, embedding_dim: int, *, group: Group, mode: TPMode = TPMode.ALL_REDUCE,
                  dtype=None, device=None):
         super().__init__()
-        if num_embeddings % group.size:
-            raise ValueError(f"padded vocabulary {num_embeddings} must divide over TP={group.size}")
         self.group, self.mode = group, mode
-        self.rows = num_embeddings // group.size
-        self.start = group.rank * self.rows
-        self.weight = nn.Parameter(torch.empty(self.rows, embedding_dim, dtype=dtype, device=device))
-        self.weight.tp_split_dim = 0
+        rows = even(num_embeddings, group)
+        self.start, self.rows = rows.start, len(rows)
+        self.weight = _param((num_embeddings, embedding_dim), 0, rows, dtype, device)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         local = ids - self.start
@@ -203,26 +212,12 @@ class VocabParallelEmbedding(nn.Module):
             return comm.reduce_scatter(partial, SEQ_DIM, self.group, "sp")  # (b, s/tp, h)
         return comm.reduce_from(partial, self.group, "tp")
 
-    @torch.no_grad()
-    def load_full(self, weight: torch.Tensor) -> None:
-        self.weight.copy_(shard(weight, 0, self.group.rank, self.group.size))
 
-
-def shard(full: torch.Tensor, dim: int, rank: int, size: int, partitions: Sequence[int] | None = None) -> torch.Tensor:
-    """Rank `rank`'s slice of `full` along `dim` split `size` ways; with `partitions` (sizes of the
-    fused parts along dim), each part is split on its own and the rank's slices concatenated."""
-    parts = full.split(list(partitions), dim) if partitions else (full,)
-    pieces = []
-    for p in parts:
-        if p.shape[dim] % size:
-            raise ValueError(f"size {p.shape[dim]} along dim {dim} does not divide over {size} ranks")
-        pieces.append(p.chunk(size, dim)[rank])
-    return torch.cat(pieces, dim) if len(pieces) > 1 else pieces[0].clone()
-
-
-def shard_heads(full: torch.Tensor, heads: range, head_dim: int) -> torch.Tensor:
-    """Rows of a (n_heads * head_dim, in) projection for the given heads (contiguous range)."""
-    return full[heads.start * head_dim: heads.stop * head_dim].clone()
+def shard(full: torch.Tensor, dim: int, rank: int, size: int) -> torch.Tensor:
+    """Rank `rank`'s even slice of `full` along `dim` split `size` ways."""
+    if full.shape[dim] % size:
+        raise ValueError(f"size {full.shape[dim]} along dim {dim} does not divide over {size} ranks")
+    return full.chunk(size, dim)[rank].clone()
 
 
 def mark_kv_replica(param: nn.Parameter, split: HeadSplit, kv_heads: int) -> None:
@@ -234,6 +229,19 @@ def mark_kv_replica(param: nn.Parameter, split: HeadSplit, kv_heads: int) -> Non
 def mark_sequence_sharded(param: nn.Parameter) -> None:
     """`param` is replicated but sees only this rank's sequence shard (norm gains under SP)."""
     param.tp_sum_grad = True
+
+
+TP_ATTRIBUTES = ("tp_shard", "tp_sum_grad", "tp_kv_slot", "tp_kv_replicas")
+
+
+def to_empty_keeping_tp(module: nn.Module, device: str | torch.device) -> None:
+    """`module.to_empty(device=...)` for a module built on the meta device: to_empty swaps each
+    Parameter's payload and drops Python attributes, so the TP ones are put back by name."""
+    kept = {n: {a: getattr(p, a) for a in TP_ATTRIBUTES if hasattr(p, a)} for n, p in module.named_parameters()}
+    module.to_empty(device=device)
+    for n, p in module.named_parameters():
+        for a, v in kept[n].items():
+            setattr(p, a, v)
 
 
 @torch.no_grad()
@@ -263,8 +271,6 @@ def owns_grad(param: nn.Parameter, tp_rank: int) -> bool:
     """Whether this TP rank counts `param` in the global gradient norm: split parameters on every
     rank (each a distinct slice), a KV replica on the first rank of its replicas, any other
     replicated parameter on TP rank 0 only."""
-    if hasattr(param, "tp_split_dim"):
-        return True
     if hasattr(param, "tp_kv_slot"):
         return tp_rank % param.tp_kv_replicas == 0
-    return tp_rank == 0
+    return hasattr(param, "tp_shard") or tp_rank == 0
