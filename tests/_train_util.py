@@ -4,10 +4,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch
-
 from fivefold.config.schema import ClusterConfig, Config, DataConfig, ModelConfig, TrainingConfig, to_dict
-from fivefold.topology import Layout
 from fivefold.train.context import RankContext
 
 
@@ -27,8 +24,7 @@ def tiny_config(data: Path, *, world: int = 1, gbs: int = 8, mbs: int = 1, steps
 
 
 def one_process_context(out: Path) -> RankContext:
-    return RankContext(rank=0, world_size=1, layout=Layout(), dp_rank=0, dp_size=1, dp_group=None,
-                       model_parallel_group=None, world_group=None, device=torch.device("cpu"), out_dir=out)
+    return RankContext.single(out)
 
 
 def write_spec(config: Config, out: Path, data_dir: Path) -> Path:

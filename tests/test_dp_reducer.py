@@ -2,15 +2,16 @@
 all-reduces launched during backward (from the communication event log)."""
 from __future__ import annotations
 
-import multiprocessing as mp
-import os
 import time
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from fivefold.parallel import _dist_adapter as comm
 from fivefold.parallel.data import GradReducer
+from fivefold.runtime import traffic
+from fivefold.runtime.mesh import Mesh
+from fivefold.topology import Layout
 
 
 def _model(seed=0):
@@ -20,7 +21,7 @@ def _model(seed=0):
 
 def test_grads_accumulate_in_bucket_buffers():
     model = _model()
-    reducer = GradReducer(model.parameters(), None, bucket_bytes=3 * 16 * 17 * 4)
+    reducer = GradReducer(model.parameters(), Mesh.build(Layout()).dp_cp, bucket_bytes=3 * 16 * 17 * 4)
     assert len(reducer.buckets) == 2
     assert reducer.buckets[0].params[0] is model[5].bias  # filled in reverse: backward order
     xs = [torch.randn(4, 16) for _ in range(3)]
@@ -42,45 +43,33 @@ def test_grads_accumulate_in_bucket_buffers():
                    for b in buffers.values())
 
 
-def _overlap_rank(rank: int, port: int, queue) -> None:
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+def _overlap_rank(rank: int, world: int):
+    mesh = Mesh.build(Layout(dp=world))
     model = _model()
-    reducer = GradReducer(model.parameters(), dist.group.WORLD, bucket_bytes=16 * 17 * 4)  # one layer per bucket
+    reducer = GradReducer(model.parameters(), mesh.dp_cp, bucket_bytes=16 * 17 * 4)  # one layer per bucket
     first_param_ready = []
     model[0].weight.register_post_accumulate_grad_hook(lambda p: first_param_ready.append(time.perf_counter()))
-    comm.EVENTS.clear()
+    traffic.reset()
     reducer.zero_grad()
     reducer.prepare(last=True)
     x = torch.randn(64, 16, generator=torch.Generator().manual_seed(rank))
     model(x).square().sum().backward()
     backward_end = time.perf_counter()
     reducer.finish()
-    starts = [t for op, tag, phase, t in comm.EVENTS if tag == "dp-grad" and phase == "start"]
+    starts = [e.time for e in traffic.events if e.tag == "dp-grad" and e.phase == "start"]
     local = _model()
     local(x).square().sum().backward()
     summed = local[3].weight.grad.clone()
     dist.all_reduce(summed)
-    queue.put((rank, len(starts), starts[0] < first_param_ready[0] <= backward_end,
-               torch.allclose(model[3].weight.grad, summed, rtol=1e-5, atol=1e-6)))
-    dist.destroy_process_group()
+    n_params = sum(p.numel() for p in model.parameters())
+    return (len(starts), starts[0] < first_param_ready[0] <= backward_end,
+            torch.allclose(model[3].weight.grad, summed, rtol=1e-5, atol=1e-6),
+            traffic.bytes(kind="all_reduce", tag="dp-grad", group="dp-cp") == 4 * n_params)
 
 
-def test_first_bucket_is_reduced_before_backward_ends():
-    from fivefold.launch import free_port
-
-    ctx = mp.get_context("spawn")
-    queue, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=_overlap_rank, args=(r, port, queue)) for r in range(2)]
-    os.environ["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS", "1")
-    for p in procs:
-        p.start()
-    results = sorted(queue.get(timeout=60) for _ in procs)
-    for p in procs:
-        p.join(timeout=30)
-    for rank, n_buckets, overlapped, correct in results:
+def test_first_bucket_is_reduced_before_backward_ends(workers):
+    for rank, (n_buckets, overlapped, correct, counted) in enumerate(workers(2).run(_overlap_rank)):
         assert n_buckets == 6  # one bucket per layer (weight + bias), each launched once
         assert overlapped, f"rank {rank}: the first bucket's all-reduce started after backward finished"
         assert correct, f"rank {rank}: reduced gradient != sum over ranks"
+        assert counted, f"rank {rank}: the bucket all-reduces did not count every gradient byte once"

@@ -3,7 +3,7 @@ import pytest
 
 from fivefold.cli import main
 from fivefold.errors import UserError
-from fivefold.planner.pipeline import bubble_fraction, pipeline_profile
+from fivefold.planner.pipeline import bubble_fraction, bubble_stage_times, pipeline_profile, pipeline_time
 from fivefold.planner.presets import hardware, model_preset
 from fivefold.planner.search import search
 from fivefold.planner.validity import config_errors
@@ -16,6 +16,26 @@ def test_bubble_closed_forms(p, m, v):
     assert bubble_fraction(sched, p, v, m) == pytest.approx((p - 1) / (v * m + p - 1), rel=1e-12)
     held = pipeline_profile(sched, p, v, m).inflight_chunks
     assert held[0] == (p if v == 1 else 2 * (p - 1) + (v - 1) * p + 1) and held[-1] == (1 if v == 1 else (v - 1) * p + 1)
+
+
+@pytest.mark.parametrize("name,p,v", [("gpipe", 4, None), ("1f1b", 8, None), ("interleaved", 4, 2),
+                                      ("interleaved", 4, 4), ("zb-h1", 4, None), ("dualpipev", 4, None)])
+def test_planner_extends_the_simulator_exactly(name, p, v):
+    """The planner simulates 2p microbatches and extends linearly: equal to simulating all m."""
+    from fivefold.pipeline.generators import build_schedule
+    from fivefold.pipeline.simulate import Costs, simulate
+    for m in (2 * p, 3 * p, 8 * p):
+        s = build_schedule(name, p, m, v)
+        full = simulate(s, Costs.per_rank(s, 1 / 3, 1 / 3, 1 / 3))
+        # Float sums of thirds over ~100 actions: equal to 1e-9 of a stage time.
+        assert pipeline_time(name, [1.0] * p, v, m) == pytest.approx(full.makespan, abs=1e-9)
+        assert pipeline_profile(name, p, v, m).inflight_chunks == tuple(full.peak_in_flight)
+
+
+def test_zero_bubble_closed_form():
+    # ZB-H1 (Qi et al. 2023): bubble time (p-1)(F+B-W) with F = B = W = 1/3 of a stage's microbatch time.
+    for p, m in ((4, 8), (8, 32)):
+        assert bubble_stage_times("zb-h1", p, None, m) == pytest.approx((p - 1) / 3, abs=1e-9)
 
 
 def test_search_deepseek_v3_1024():
@@ -65,3 +85,12 @@ def test_plan_explain_emit_plot(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "OLMoE 7B/1B: TP1 PP1 EP8" in out and "trainer.policy.megatron_config." in out
     assert png.stat().st_size > 1000
+
+
+def test_estimate_cli_takes_megatron_flags_and_a_preset(capsys):
+    # --tensor-model-parallel-size's value must not be mistaken for a config file.
+    assert main(["estimate", "--model", "llama3-8b", "--gpus", "16", "--tensor-model-parallel-size", "4",
+                 "--use-distributed-optimizer", "--global-batch-size", "64", "--seq-length", "4096"]) == 0
+    out = capsys.readouterr().out
+    assert "layout: TP4 PP1 DP4" in out and "total" in out
+    assert main(["estimate", "--model", "llama3-8b", "--gpus", "16", "--tensor-model-parallel-size", "3"]) == 2

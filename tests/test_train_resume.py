@@ -25,5 +25,5 @@ def test_resume_reproduces_uninterrupted_losses_exactly(tmp_path):
     assert resolve(full_out / "checkpoints").name == "step_00000006"  # the two newest are kept: 4 and 6
     meta = json.loads((full_out / "checkpoints" / "step_00000006" / "metadata.json").read_text())
     assert meta["data"] == {"next_step": 6, "consumed_samples": 48}
-    assert meta["params"]["embed.weight"]["global_shape"] == [256, 32]
+    assert meta["params"]["embedding.weight"]["global_shape"] == [256, 32]
     assert (full_out / "loss.png").stat().st_size > 0

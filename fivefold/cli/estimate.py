@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 from fivefold.cli._planner_args import add_hardware_arguments, assumptions_of, hardware_of
-from fivefold.errors import NotImplementedYet, UserError
+from fivefold.cli.validate import split_config_arg
+from fivefold.config.load import load_config
+from fivefold.errors import UserError
 from fivefold.planner.model_spec import resolve_model
 from fivefold.planner.report import breakdown
 from fivefold.planner.search import evaluate
@@ -12,20 +14,18 @@ ACCEPTS_EXTRA = True
 
 
 def add_arguments(p) -> None:
-    p.add_argument("config", nargs="?", help="a fivefold / RLinf YAML or a .txt of flags")
+    # CONFIG is the first leftover word (see validate.split_config_arg): a flag's value is never taken for it.
+    p.usage = "fivefold estimate [CONFIG] [key=value ...] [--megatron-flag VALUE ...] [--model M] [--gpus N]"
     p.add_argument("--model", help="preset name or Hugging Face config.json (replaces the config's model)")
     p.add_argument("--gpus", type=int, help="total GPUs (default: the config's world size)")
     add_hardware_arguments(p)
 
 
 def run(args, extra) -> int:
-    try:
-        from fivefold.config.load import load_config
-    except ImportError:  # the foundation's loader is not on main yet
-        raise NotImplementedYet("fivefold estimate (needs fivefold.config.load)") from None
     hw = hardware_of(args)
     gpn = args.gpus_per_node or hw.gpus_per_node
-    loaded = load_config(args.config, list(extra), world_size=args.gpus, gpus_per_node=gpn)
+    path, words = split_config_arg(extra)
+    loaded = load_config(path, words, world_size=args.gpus, gpus_per_node=gpn)
     cfg = loaded.config
     if args.model:
         cfg.model = resolve_model(args.model).model

@@ -11,6 +11,7 @@ from fivefold.planner.model_spec import resolve_model
 from fivefold.planner.params import count_params
 from fivefold.planner.report import explain, seed_memory_example, table
 from fivefold.planner.search import describe, search
+from fivefold.planner.pipeline import SCHEDULES
 from fivefold.planner.space import SearchSpace
 
 HELP = "rank every valid parallel layout of a model on a cluster by estimated step time"
@@ -22,6 +23,9 @@ def add_arguments(p) -> None:
     p.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence. Default 4096")
     p.add_argument("--global-batch", type=int, default=1024, help="sequences per step. Default 1024")
     p.add_argument("--micro-batch", default="1,2,4", help="micro-batch sizes to try, comma-separated. Default 1,2,4")
+    p.add_argument("--schedules", default="1f1b,interleaved",
+                   help="pipeline schedules to try, comma-separated, from gpipe,1f1b,interleaved,zb-h1,dualpipev. "
+                        "Default 1f1b,interleaved")
     p.add_argument("--precision", choices=("bf16", "fp8"), default="bf16", help="GEMM precision. Default bf16")
     p.add_argument("--top", type=int, default=10, help="rows of the ranked table. Default 10")
     p.add_argument("--explain", action="store_true", help="why the top choice, and the seeds' rules beside it")
@@ -41,10 +45,14 @@ def run(args, extra) -> int:
         mbs = tuple(int(x) for x in args.micro_batch.split(","))
     except ValueError:
         raise UserError(f"--micro-batch={args.micro_batch!r}: expected comma-separated integers") from None
+    schedules = tuple(x.strip() for x in args.schedules.split(","))
+    unknown = [x for x in schedules if x not in SCHEDULES]
+    if unknown:
+        raise UserError(f"--schedules: unknown {', '.join(unknown)}; choose from {','.join(SCHEDULES)}")
     counts = count_params(spec.model)
     t0 = time.perf_counter()
     result = search(spec.model, hw, args.gpus, min(gpn, args.gpus), args.seq_len, args.global_batch, args.precision,
-                    SearchSpace(micro_batch_sizes=mbs), mem, ta)
+                    SearchSpace(micro_batch_sizes=mbs, schedules=schedules), mem, ta)
     elapsed = time.perf_counter() - t0
     name = spec.preset or args.model
     print(f"{name}: {counts.total / 1e9:.1f}B parameters ({counts.active / 1e9:.1f}B active) on {args.gpus} x "
@@ -57,10 +65,10 @@ def run(args, extra) -> int:
     reasons = collections.Counter(r.split(" on pipeline")[0] if r.startswith("needs") else r for _, r in result.dropped)
     print(table(result.ranked, args.top))
     if result.dropped:
-        cfg, reason = min(result.dropped, key=lambda d: len(d[1]))
-        print(f"dropped, most common reasons: " + "; ".join(f"{n} x {r}" for r, n in reasons.most_common(3)
-                                                             if not r.startswith("needs"))
-              + f"; {sum(1 for _, r in result.dropped if r.startswith('needs'))} do not fit in memory")
+        too_big = sum(1 for _, r in result.dropped if r.startswith("needs"))
+        parts = [f"{n} x {r}" for r, n in reasons.most_common(4) if not r.startswith("needs")][:3]
+        parts += [f"{too_big} do not fit in memory"] if too_big else []
+        print("dropped, most common reasons: " + "; ".join(parts))
     best = result.ranked[0]
     if args.explain:
         print()

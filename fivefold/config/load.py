@@ -132,7 +132,8 @@ def _apply_words(config: Config, words: list[str], explicit: set, dialects: list
 
 
 def _strip_launcher(config: Config, words: list[str], explicit: set) -> list[str]:
-    """Drop `torchrun [launcher flags] script.py`, keeping --nproc_per_node and --nnodes."""
+    """Drop `torchrun [launcher flags] script.py` (or `-m module subcommand`), keeping --nproc_per_node
+    and --nnodes."""
     if not words or Path(words[0]).name not in ("torchrun", "torch.distributed.run"):
         return words
     i = 1
@@ -146,6 +147,10 @@ def _strip_launcher(config: Config, words: list[str], explicit: set) -> list[str
         if name in launcher:
             set_value(config, launcher[name], value, explicit)
         i += 1
+        if name == "-m":  # `-m fivefold train`: the module's own subcommand words are not config
+            while i < len(words) and not words[i].startswith("-") and "=" not in words[i]:
+                i += 1
+            return words[i:]
     if i < len(words) and words[i].endswith(".py"):
         i += 1
     return words[i:]

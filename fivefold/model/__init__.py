@@ -1,1 +1,4 @@
-"""fivefold.model"""
+"""fivefold.model: the Llama-style dense decoder and its Hugging Face import."""
+from fivefold.model.decoder import Decoder
+
+__all__ = ["Decoder"]

@@ -19,7 +19,8 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from fivefold.parallel import _dist_adapter as comm
+from fivefold.runtime import comm
+from fivefold.runtime.mesh import Group
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20
 """Bucket capacity in bytes of gradient (PyTorch DDP's default 25 MiB)."""
@@ -44,7 +45,7 @@ class GradReducer:
     then reducer.finish() before reading gradients (clipping, optimizer step).
     """
 
-    def __init__(self, params: Iterable[nn.Parameter], group, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    def __init__(self, params: Iterable[nn.Parameter], group: Group, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                  tag: str = "dp-grad"):
         self.group, self.tag = group, tag
         self.params = [p for p in params if p.requires_grad]

@@ -72,12 +72,13 @@ def emit(cfg: Config, fmt: str, model_ref: str | None = None) -> str:
         launcher = f"torchrun --nproc_per_node={c.gpus_per_node} --nnodes={c.num_nodes} -m fivefold train"
         return launcher + " \\\n  " + " \\\n  ".join(_pairs(megatron_words(cfg)))
     if fmt == "rlinf":
-        model = dict(_items(cfg.parallel, _PARALLEL)) | dict(_items(cfg.training, _TRAINING))
+        model = (dict(_items(cfg.parallel, _PARALLEL)) | dict(_items(cfg.training, _TRAINING))
+                 | dict(_model_items(cfg.model)))
         data = {"cluster": {"num_nodes": c.num_nodes, "num_gpus_per_node": c.gpus_per_node},
                 "actor": {"model": model}}
         return yaml.safe_dump(data, sort_keys=False)
     if fmt == "skyrl":
-        pairs = _items(cfg.parallel, _PARALLEL) + _items(cfg.training, _TRAINING)
+        pairs = _items(cfg.parallel, _PARALLEL) + _items(cfg.training, _TRAINING) + _model_items(cfg.model)
         return "\n".join(f"trainer.policy.megatron_config.{n}={_scalar(v)}" for n, v in pairs)
     raise ValueError(f"unknown format {fmt!r}; use one of {FORMATS}")
 

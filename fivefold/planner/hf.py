@@ -31,7 +31,7 @@ def model_from_hf_dict(cfg: dict, path: str = "config.json") -> ModelConfig:
         num_query_groups=int(cfg.get("num_key_value_heads") or heads), vocab_size=int(_need(cfg, "vocab_size", path)),
         ffn_hidden_size=int(_need(cfg, "intermediate_size", path)),
         max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
-        norm_epsilon=float(cfg.get("rms_norm_eps", 1e-5)), rotary_base=float(cfg.get("rope_theta", 10000.0)),
+        norm_epsilon=float(cfg.get("rms_norm_eps", 1e-5)), rotary_base=float(cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         init_method_std=float(cfg.get("initializer_range", 0.02)),
     )

@@ -11,12 +11,8 @@ from functools import cached_property
 
 from fivefold.config.schema import Config
 from fivefold.errors import UserError
-
-
-try:
-    from fivefold.config.rules import sizes_of, stage_layers
-except ImportError:  # TEMPORARY until the foundation's split lands on main: even split only
-    sizes_of = stage_layers = None
+from fivefold.pipeline.ir import standard_placement, v_placement
+from fivefold.config.rules import sizes_of, stage_layers
 
 
 def virtual_stage_layers(config: Config) -> list[int]:
@@ -27,13 +23,7 @@ def virtual_stage_layers(config: Config) -> list[int]:
            p.decoder_last_pipeline_num_layers, p.account_for_embedding_in_pipeline_split,
            p.account_for_loss_in_pipeline_split)
     if key not in _SPLITS:
-        if stage_layers is None:
-            chunks = p.pipeline_model_parallel_size * (p.virtual_pipeline_model_parallel_size or 1)
-            if n % chunks:
-                raise ValueError(f"{n} layers do not split evenly into {chunks} stages")
-            _SPLITS[key] = [n // chunks] * chunks
-        else:
-            _SPLITS[key] = list(stage_layers(sizes_of(config)))
+        _SPLITS[key] = list(stage_layers(sizes_of(config)))
     return _SPLITS[key]
 
 
@@ -68,6 +58,9 @@ class Plan:
 
     @property
     def vpp(self) -> int:
+        """Model chunks per pipeline rank: VPP for interleaving, 2 for DualPipeV's V, else 1."""
+        if self.schedule == "dualpipev":
+            return 2
         return self.p.virtual_pipeline_model_parallel_size or 1
 
     @property
@@ -130,10 +123,11 @@ class Plan:
         if len(counts) != self.pp * self.vpp or sum(counts) != self.config.model.num_layers:
             raise UserError(f"layer split {counts} does not give {self.config.model.num_layers} layers "
                             f"over {self.pp} x {self.vpp} stages")
+        placement = v_placement(self.pp) if self.schedule == "dualpipev" else standard_placement(self.pp, self.vpp)
         chunks: list[list[range]] = [[] for _ in range(self.pp)]
         start = 0
         for i, n in enumerate(counts):
-            chunks[i % self.pp].append(range(start, start + n))
+            chunks[placement[i]].append(range(start, start + n))
             start += n
         return chunks
 

@@ -1,20 +1,31 @@
-"""What the planner needs from a pipeline schedule: peak in-flight activations per rank and the
-pipeline's step time from per-stage microbatch times.
+"""What the planner needs from a pipeline schedule, read from the schedule simulator itself
+(`fivefold.pipeline.simulate`, the one the `schedule` command and the executor's tests use).
 
-Closed forms (Narayanan et al. 2021, Megatron-LM's schedules), for m microbatches, p stages,
-v model chunks per rank:
-  GPipe        : every rank holds all m microbatches' activations; time (m - 1) * max_r t_r + sum_r t_r.
-  1F1B         : rank r holds min(p - r, m) microbatches; same time as GPipe.
-  interleaved  : rank r holds (p - r - 1) * 2 + (v - 1) * p + 1 chunk-microbatches (Megatron's
-                 warm-up + 1), capped at m * v; time m * max_r t_r + (sum_r t_r - max_r t_r) / v.
-With equal stage times t these give (m + p - 1) t and m t + (p - 1) t / v: bubble fractions
-(p - 1) / (m + p - 1) and (p - 1) / (v m + p - 1).
+The simulator runs the schedule with equal stages (F = B = W = 1/3 of a rank's time per microbatch,
+split equally over its model chunks). Beyond `SIMULATED` microbatches per rank the
+schedules are in their steady state, where each further microbatch adds one stage time, so the
+planner simulates min(m, cap) microbatches and extends linearly (exact, see the tests). The idle
+time it finds, in units of a stage time, is the bubble B_u: (p - 1) for GPipe and 1F1B, (p - 1)/v
+for interleaved, (p - 1)(F + B - W) for ZB-H1, ...
+
+With unequal rank times t_r the step time is taken as m * max(t) + B_u * (sum(t) - max(t)) / (p - 1):
+for GPipe, 1F1B and interleaved this is Narayanan et al.'s closed form (m - 1) max + sum, and
+m max + (sum - max) / v; for ZB-H1 and DualPipeV it scales their equal-stage bubble the same way.
+Peak in-flight activations are the simulator's; a schedule that held every microbatch it was given
+(GPipe) holds all m.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+from fivefold.pipeline.generators import build_schedule
+from fivefold.pipeline.simulate import Costs, simulate
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "dualpipev")
+SIMULATED = 2
+"""Microbatches per pipeline rank simulated before the steady state is extended linearly (2p is past
+every schedule's warm-up: the tests compare with 8p)."""
 
 
 @dataclass(frozen=True)
@@ -22,32 +33,47 @@ class PipelineProfile:
     inflight_chunks: tuple[int, ...]
     """Per pipeline rank: peak number of (microbatch, model chunk) forward activations held."""
     vpp: int
-    """Model chunks per rank (1 without interleaving)."""
+    """Model chunks per rank (1 without interleaving; 2 for DualPipeV's V)."""
 
     def inflight_microbatches(self, rank: int) -> float:
         """Peak held activations of `rank` in units of its whole stage's per-microbatch activations."""
         return self.inflight_chunks[rank] / self.vpp
 
 
+def _simulated_count(schedule: str, pp: int, vpp: int | None, m: int) -> int:
+    return min(m, SIMULATED * pp)
+
+
+@lru_cache(maxsize=1024)
+def _simulate(schedule: str, pp: int, vpp: int | None, m: int):
+    """(makespan in stage times, peak in-flight chunks per rank, chunks per rank), equal stages."""
+    s = build_schedule(schedule, pp, m, vpp if schedule == "interleaved" else None)
+    r = simulate(s, Costs.per_rank(s, 1 / 3, 1 / 3, 1 / 3))
+    return r.makespan, tuple(r.peak_in_flight), tuple(r.stages_per_rank)
+
+
 def pipeline_profile(schedule: str, pp: int, vpp: int | None, m: int) -> PipelineProfile:
-    v = vpp or 1
-    if schedule == "gpipe":
-        held = [m] * pp
-    elif schedule == "1f1b":
-        held = [min(pp - r, m) for r in range(pp)]
-    elif schedule == "interleaved":
-        held = [min((pp - r - 1) * 2 + (v - 1) * pp + 1, m * v) for r in range(pp)]
-    else:
+    if schedule not in SCHEDULES:
         raise ValueError(f"the planner has no model of schedule {schedule!r}; use one of {SCHEDULES}")
-    return PipelineProfile(inflight_chunks=tuple(held), vpp=v if schedule == "interleaved" else 1)
+    m0 = _simulated_count(schedule, pp, vpp, m)
+    _, held, chunks = _simulate(schedule, pp, vpp, m0)
+    held = tuple(m * c if h == m0 * c else h for h, c in zip(held, chunks))
+    return PipelineProfile(inflight_chunks=held, vpp=chunks[0])
+
+
+def bubble_stage_times(schedule: str, pp: int, vpp: int | None, m: int) -> float:
+    """B_u: the idle time of m microbatches with equal stages, in units of one rank's microbatch time."""
+    m0 = _simulated_count(schedule, pp, vpp, m)
+    makespan, _, _ = _simulate(schedule, pp, vpp, m0)
+    return makespan - m0
 
 
 def pipeline_time(schedule: str, stage_times: list[float], vpp: int | None, m: int) -> float:
     """Step time of the pipeline part, from each rank's time for one microbatch (forward + backward)."""
-    worst, total = max(stage_times), sum(stage_times)
-    if schedule == "interleaved":
-        return m * worst + (total - worst) / (vpp or 1)
-    return (m - 1) * worst + total
+    pp, worst = len(stage_times), max(stage_times)
+    if pp == 1:
+        return m * worst
+    return m * worst + bubble_stage_times(schedule, pp, vpp, m) * (sum(stage_times) - worst) / (pp - 1)
 
 
 def bubble_fraction(schedule: str, pp: int, vpp: int | None, m: int) -> float:

@@ -49,8 +49,10 @@ def describe(cfg: Config) -> str:
     if plan.cp > 1:
         parts.append(f"CP{plan.cp}({p.cp_comm_type})")
     parts.append(f"PP{plan.pp}")
-    if plan.vpp > 1:
+    if plan.schedule == "interleaved":
         parts.append(f"VPP{plan.vpp}")
+    elif plan.schedule != "1f1b":
+        parts.append(plan.schedule)
     if p.decoder_first_pipeline_num_layers or p.decoder_last_pipeline_num_layers:
         parts.append(f"split{p.decoder_first_pipeline_num_layers}/../{p.decoder_last_pipeline_num_layers}")
     if p.account_for_embedding_in_pipeline_split or p.account_for_loss_in_pipeline_split:

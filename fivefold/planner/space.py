@@ -23,6 +23,7 @@ class SearchSpace:
     max_cp: int = 16
     max_vpp: int = 4
     schedules: tuple[str, ...] = ("1f1b", "interleaved")
+    """Pipeline schedules tried (any of gpipe, 1f1b, interleaved, zb-h1, dualpipev)."""
     cp_comm_types: tuple[str, ...] = ("p2p", "a2a")
     distributed_optimizer: tuple[bool, ...] = (True,)
 
@@ -115,3 +116,7 @@ def _pipelines(pp: int, num_layers: int, space: SearchSpace):
         for v in range(2, space.max_vpp + 1):
             if num_layers >= pp * v:
                 yield v, "interleaved"
+    if "zb-h1" in space.schedules:
+        yield 1, "zb-h1"
+    if "dualpipev" in space.schedules and num_layers >= 2 * pp:
+        yield 1, "dualpipev"

@@ -3,17 +3,12 @@ from __future__ import annotations
 
 from fivefold.config.schema import Config
 
-try:
-    from fivefold.config.rules import KNOB_FIELDS, adjust, errors, sizes_of
-except ImportError:  # TEMPORARY: the foundation's rules are not on main yet
-    sizes_of = None
+from fivefold.config.rules import KNOB_FIELDS, adjust, errors, sizes_of
 
 
 def config_errors(config: Config, dialect: str = "fivefold") -> list[str]:
     """The broken rules of `config` (empty when valid), after the dialect's own adjustments, which
     are applied to `config` (e.g. SP turned on for EP with TP). Fast: no fix search."""
-    if sizes_of is None:
-        return []
     s = sizes_of(config)
     adjust(s, dialect)
     broken = errors(s)

@@ -18,9 +18,9 @@ from fivefold.config.schema import Config, to_dict
 from fivefold.data.dataset import DocumentDataset, PackedDataset, load_splits
 from fivefold.data.loader import BatchLoader
 from fivefold.errors import UserError
-from fivefold.parallel import _dist_adapter as comm
+from fivefold.model import Decoder
+from fivefold.runtime import comm
 from fivefold.parallel.data import GradReducer
-from fivefold.train._model_adapter import build_model
 from fivefold.train.context import RankContext, layout_text
 from fivefold.train.metrics import MetricsLog, flops_per_token, peak_memory_bytes, plot_loss_curve
 from fivefold.train.optim import build_optimizer
@@ -70,7 +70,7 @@ def _save(config: Config, ctx: RankContext, root: Path, step: int, model, optimi
 
 def train(config: Config, ctx: RankContext, data_dir: Path, *, progress: bool = True) -> TrainResult:
     t = config.training
-    model = build_model(config.model, t.seed).to(ctx.device)
+    model = Decoder(config.model, seed=t.seed).to(ctx.device)
     optimizer = build_optimizer(model, t)
     reducer = GradReducer(model.parameters(), ctx.dp_group)
     train_loader, eval_loader = _loaders(config, ctx, data_dir)
@@ -93,8 +93,8 @@ def train(config: Config, ctx: RankContext, data_dir: Path, *, progress: bool = 
                        model_parallel_group=ctx.model_parallel_group, device=ctx.device)
         dt = time.perf_counter() - t0
         times.append((r.tokens, dt))
-        peak = comm.all_gather(torch.tensor(peak_memory_bytes(ctx.device), dtype=torch.float64),
-                               ctx.world_group, tag="metrics")
+        peak = comm.all_gather(torch.tensor([peak_memory_bytes(ctx.device)], dtype=torch.float64), 0,
+                               ctx.world_group, tag="metrics")  # (world,)
         record = {"step": step, "loss": r.loss, "grad_norm": r.grad_norm, "lr": lr_at(step, t),
                   "tokens": r.tokens, "step_time_s": dt, "tokens_per_s": r.tokens / dt,
                   "tflops_per_rank": fpt * r.tokens / dt / ctx.world_size / 1e12,

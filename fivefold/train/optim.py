@@ -14,7 +14,8 @@ import torch
 from torch import nn
 
 from fivefold.config.schema import TrainingConfig
-from fivefold.parallel import _dist_adapter as comm
+from fivefold.runtime import comm
+from fivefold.runtime.mesh import Group
 
 
 def build_optimizer(model: nn.Module, training: TrainingConfig) -> torch.optim.Optimizer:
@@ -28,14 +29,14 @@ def build_optimizer(model: nn.Module, training: TrainingConfig) -> torch.optim.O
                              foreach=False)
 
 
-def clip_grad_norm(params: Iterable[nn.Parameter], max_norm: float, group) -> float:
+def clip_grad_norm(params: Iterable[nn.Parameter], max_norm: float, group: Group) -> float:
     """Scale the gradients of `params` (the shards this rank owns) to global norm <= max_norm
     (0 = measure only); returns the norm before clipping."""
     grads = [p.grad for p in params if p.grad is not None]
     sq = torch.zeros((), dtype=torch.float64)
     for g in grads:
         sq += g.detach().double().pow(2).sum().cpu()
-    comm.all_reduce(sq, group, tag="grad-norm")
+    comm.all_reduce_(sq, group, tag="grad-norm")
     norm = float(sq.sqrt())
     if max_norm > 0 and norm > max_norm:
         scale = max_norm / (norm + 1e-6)

@@ -10,11 +10,11 @@ import contextlib
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from fivefold.data.loader import IGNORE_INDEX, Microbatch, StepBatch
-from fivefold.parallel import _dist_adapter as comm
+from fivefold.runtime import comm
+from fivefold.runtime.mesh import Group
 from fivefold.parallel.data import GradReducer
 from fivefold.train.optim import clip_grad_norm
 
@@ -34,15 +34,14 @@ def autocast(precision: str, device: torch.device):
 
 
 def loss_sum(model: nn.Module, mb: Microbatch, precision: str, device: torch.device) -> torch.Tensor:
-    """Sum of next-token cross-entropies over the microbatch's target tokens (fp32)."""
+    """Sum of next-token cross-entropies over the microbatch's target tokens (fp32): Decoder.loss."""
     with autocast(precision, device):
-        logits = model(mb.input_ids.to(device))  # (b, s, vocab)
-    return F.cross_entropy(logits.float().flatten(0, 1), mb.labels.to(device).flatten(),
-                           ignore_index=IGNORE_INDEX, reduction="sum")
+        total, _ = model.loss(mb.input_ids.to(device), mb.labels.to(device), ignore_index=IGNORE_INDEX)
+    return total
 
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, reducer: GradReducer, batch: StepBatch, *,
-               lr: float, clip_grad: float, precision: str, dp_group, model_parallel_group,
+               lr: float, clip_grad: float, precision: str, dp_group: Group, model_parallel_group: Group,
                device: torch.device) -> StepResult:
     for g in optimizer.param_groups:
         g["lr"] = lr
@@ -59,12 +58,12 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, reducer: Grad
     reducer.finish()
     norm = clip_grad_norm(model.parameters(), clip_grad, model_parallel_group)
     optimizer.step()
-    comm.all_reduce(local, dp_group, tag="loss")
+    comm.all_reduce_(local, dp_group, tag="loss")
     return StepResult(float(local) / batch.global_tokens, norm, batch.global_tokens)
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, batches: list[StepBatch], *, precision: str, dp_group,
+def evaluate(model: nn.Module, batches: list[StepBatch], *, precision: str, dp_group: Group,
              device: torch.device) -> float:
     """Per-token mean loss over the given eval batches (all DP ranks)."""
     total = torch.zeros(2, dtype=torch.float64)
@@ -72,5 +71,5 @@ def evaluate(model: nn.Module, batches: list[StepBatch], *, precision: str, dp_g
         for mb in batch.microbatches:
             total[0] += float(loss_sum(model, mb, precision, device))
         total[1] += batch.global_tokens
-    comm.all_reduce(total[:1], dp_group, tag="loss")
+    comm.all_reduce_(total[:1], dp_group, tag="loss")
     return float(total[0] / total[1])

@@ -14,12 +14,12 @@ import traceback
 from datetime import timedelta
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
 from fivefold.config.schema import SECTIONS, Config
 from fivefold.config.validate import layout_of
 from fivefold.errors import UserError
+from fivefold.runtime.mesh import Mesh, init_distributed
 from fivefold.train.context import RankContext, layout_text
 from fivefold.train.loop import TrainResult, train
 
@@ -28,28 +28,13 @@ def config_from_dict(d: dict) -> Config:
     return Config(**{name: cls(**d.get(name, {})) for name, cls in SECTIONS.items()})
 
 
-def env_rank() -> tuple[int, int, int]:
-    """(rank, world size, local rank) from the torchrun environment."""
-    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0))
-
-
 def init_rank(config: Config, out_dir: Path) -> RankContext:
-    """Join the process group (NCCL on CUDA, gloo on CPU) and build this rank's groups."""
-    torch.set_num_threads(1)
-    rank, world, local_rank = env_rank()
-    if torch.cuda.is_available():
-        device, backend = torch.device("cuda", local_rank), "nccl"
-        torch.cuda.set_device(device)
-    else:
-        device, backend = torch.device("cpu"), "gloo"
-    dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(minutes=5))
+    """Join the process group (NCCL on CUDA, gloo on CPU) and build this rank's mesh."""
+    rank, world, device = init_distributed(timeout=timedelta(minutes=5))
     layout = layout_of(config)
     if layout.world_size != world:
         raise UserError(f"the layout needs {layout.world_size} ranks, the job has {world}")
-    # Only DP runs today (see fivefold.train.supported): the DP x CP group is the whole world.
-    return RankContext(rank=rank, world_size=world, layout=layout, dp_rank=rank, dp_size=world,
-                       dp_group=dist.group.WORLD, model_parallel_group=None, world_group=dist.group.WORLD,
-                       device=device, out_dir=out_dir)
+    return RankContext(Mesh.build(layout, device=device), out_dir)
 
 
 def describe(ctx: RankContext, backend: str) -> str:

@@ -1,0 +1,102 @@
+"""The Llama-style decoder: embedding -> pre-norm layers (GQA attention + SwiGLU) -> norm -> output.
+
+A Decoder may hold any subset of the model (a pipeline stage): `layers` are global layer indices
+(parameter names keep them: `layers.5.attn.q_proj.weight`), `embedding`/`head` say whether the
+stage owns the input embedding and the final norm + output layer. With tie_word_embeddings the
+output layer reuses embedding.weight; on a stage that has the head but not the embedding it holds
+its own copy, initialised to the same value (keeping the copies in sync is the pipeline's job).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fivefold.config.schema import ModelConfig
+from fivefold.errors import NotImplementedYet, UserError
+from fivefold.model.block import DecoderLayer
+from fivefold.model.init import init_parameters_
+from fivefold.model.norm import RMSNorm
+from fivefold.model.rope import rope_tables
+
+
+def _check_supported(cfg: ModelConfig, mesh) -> None:
+    if cfg.is_moe:
+        raise NotImplementedYet("fivefold.model: MoE layers (num_experts)")
+    if cfg.multi_latent_attention:
+        raise NotImplementedYet("fivefold.model: multi_latent_attention")
+    if cfg.normalization != "RMSNorm":
+        raise NotImplementedYet(f"fivefold.model: normalization={cfg.normalization!r} (only RMSNorm)")
+    if cfg.num_attention_heads % cfg.kv_heads:
+        raise UserError(f"num_attention_heads={cfg.num_attention_heads} must be a multiple of "
+                        f"num_query_groups={cfg.kv_heads}")
+    if mesh is not None:
+        for dim in ("tp", "cp"):
+            size = getattr(mesh, dim).size
+            if size > 1:
+                raise NotImplementedYet(f"fivefold.model: Decoder with {dim} size {size}")
+
+
+class Decoder(nn.Module):
+    """ids (b, s) -> logits (b, s, V_padded); see the module docstring for pipeline stages."""
+
+    def __init__(self, cfg: ModelConfig, *, mesh=None, layers: Sequence[int] | None = None,
+                 embedding: bool = True, head: bool = True, seed: int = 0):
+        super().__init__()
+        _check_supported(cfg, mesh)
+        ids = list(range(cfg.num_layers)) if layers is None else [int(i) for i in layers]
+        if any(not 0 <= i < cfg.num_layers for i in ids) or ids != sorted(set(ids)):
+            raise UserError(f"Decoder layers={ids}: need increasing indices in 0..{cfg.num_layers - 1}")
+        self.cfg, self.seed, self.layer_ids = cfg, seed, ids
+        self.has_embedding, self.has_head = embedding, head
+        self.vocab_size = cfg.vocab_size
+        self.padded_vocab_size = cfg.padded_vocab_size(1)
+        h, vp = cfg.hidden_size, self.padded_vocab_size
+        with torch.device("meta"):  # no throw-away default init; values come from init_parameters_
+            self.embedding = nn.Embedding(vp, h) if embedding else None
+            self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg) for i in ids})
+            self.final_norm = RMSNorm(h, cfg.norm_epsilon) if head else None
+            self.head = nn.Linear(h, vp, bias=False) if head else None
+        self.to_empty(device="cpu")
+        aliases = {}
+        if head and cfg.tie_word_embeddings:
+            if embedding:
+                self.head.weight = self.embedding.weight
+            else:
+                aliases["head.weight"] = "embedding.weight"
+        init_parameters_(self, seed=seed, std=cfg.init_method_std, vocab_size=cfg.vocab_size, aliases=aliases)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: ids (b, s) with an embedding, else hidden (b, s, h). Returns logits (b, s, V_padded)
+        with a head (padded columns are 0: their rows are zero), else hidden (b, s, h)."""
+        hidden = self.embedding(x) if self.has_embedding else x  # (b, s, h)
+        positions = torch.arange(hidden.shape[1], device=hidden.device)
+        cos, sin = rope_tables(positions, self.cfg.head_dim, self.cfg.rotary_base)  # (s, d)
+        for layer in self.layers.values():
+            hidden = layer(hidden, cos, sin)  # (b, s, h)
+        if not self.has_head:
+            return hidden
+        return self.head(self.final_norm(hidden))  # (b, s, V_padded)
+
+    def _vocab_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """fp32 logits over the real vocabulary (b, s, V). Dropping the padded columns is the same as
+        masking them to -inf: exp(-inf) = 0 adds nothing to the softmax and they get no gradient."""
+        if not self.has_head:
+            raise UserError("Decoder.loss/logprobs need the output layer (head=True)")
+        return self.forward(x)[..., : self.vocab_size].float()
+
+    def loss(self, x: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sum over target tokens of -log p(label) in fp32, number of target tokens): tokens whose
+        label is ignore_index count in neither. The caller divides by the global token count."""
+        logits = self._vocab_logits(x)  # (b, s, V)
+        total = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=ignore_index, reduction="sum")
+        return total, (labels != ignore_index).sum()
+
+    def logprobs(self, x: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+        """Per-token log p(label) (b, s) in fp32; 0 where label == ignore_index."""
+        logp = torch.log_softmax(self._vocab_logits(x), dim=-1)  # (b, s, V)
+        keep = labels != ignore_index
+        picked = logp.gather(-1, torch.where(keep, labels, 0).unsqueeze(-1)).squeeze(-1)  # (b, s)
+        return picked * keep

@@ -1,0 +1,173 @@
+"""Import a local Hugging Face Llama checkpoint directory (config.json + safetensors) — no network.
+
+    config_from_hf(dir)            config.json -> ModelConfig (refuses what our model cannot express)
+    state_dict_from_hf(dir, cfg)   safetensors (single file or sharded index) -> our parameter names
+    load_hf(dir, **kw)             -> Decoder(cfg, **kw) holding the checkpoint's weights
+
+Only safetensors are read: pickled `pytorch_model.bin` files can run code when loaded.
+Name map (ours <- HF):
+    embedding.weight               <- model.embed_tokens.weight
+    layers.i.attn_norm.weight      <- model.layers.i.input_layernorm.weight
+    layers.i.attn.{q,k,v,o}_proj   <- model.layers.i.self_attn.{q,k,v,o}_proj
+    layers.i.mlp_norm.weight       <- model.layers.i.post_attention_layernorm.weight
+    layers.i.mlp.{gate,up,down}_proj <- model.layers.i.mlp.{gate,up,down}_proj
+    final_norm.weight              <- model.norm.weight
+    head.weight                    <- lm_head.weight (model.embed_tokens.weight when tied)
+"""
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+
+from fivefold.config.schema import ModelConfig
+from fivefold.errors import UserError
+from fivefold.model.block import DecoderLayer
+from fivefold.model.decoder import Decoder
+from fivefold.model.init import VOCAB_PARAMS
+from fivefold.planner.hf import load_hf_config
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+_LAYER_RENAMES = (("attn_norm.", "input_layernorm."), ("attn.", "self_attn."),
+                  ("mlp_norm.", "post_attention_layernorm."), ("mlp.", "mlp."))
+
+
+def _dir(path: str | Path) -> Path:
+    p = Path(path)
+    if not p.is_dir():
+        raise UserError(f"{path}: not a directory (expected a Hugging Face checkpoint folder with "
+                        f"config.json and {SINGLE} or {INDEX})")
+    return p
+
+
+def config_from_hf(path: str | Path) -> ModelConfig:
+    """A Llama-family config.json -> ModelConfig; UserError naming the key our model cannot express."""
+    d = _dir(path)
+    cfg = load_hf_config(d)  # the key translation, shared with the planner
+    raw = json.loads((d / "config.json").read_text())
+    where = d / "config.json"
+    kind = raw.get("model_type")
+    if kind not in ("llama", "mistral"):
+        raise UserError(f"{where}: model_type={kind!r}; only Llama-style models (llama, mistral) are imported")
+    checks = {"hidden_act": (raw.get("hidden_act", "silu"), "silu"),
+              "attention_bias": (bool(raw.get("attention_bias", False)), False),
+              "mlp_bias": (bool(raw.get("mlp_bias", False)), False),
+              "sliding_window": (raw.get("sliding_window"), None)}
+    for key, (value, wanted) in checks.items():
+        if value != wanted:
+            raise UserError(f"{where}: {key}={value!r} is not supported (our decoder needs {wanted!r})")
+    # transformers >= 5 writes rope_parameters {"rope_type", "rope_theta"} (theta read by planner.hf);
+    # older files rope_theta / rope_scaling.
+    rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", None):
+        raise UserError(f"{where}: RoPE scaling rope_type={rope_type!r} is not supported (only plain RoPE)")
+    return cfg
+
+
+def hf_name(name: str, cfg: ModelConfig) -> str:
+    """Our parameter name -> the HF Llama tensor name (see the module docstring)."""
+    if name == "embedding.weight" or (name == "head.weight" and cfg.tie_word_embeddings):
+        return "model.embed_tokens.weight"
+    if name == "head.weight":
+        return "lm_head.weight"
+    if name == "final_norm.weight":
+        return "model.norm.weight"
+    _, index, rest = name.split(".", 2)  # layers.<i>.<rest>
+    for ours, theirs in _LAYER_RENAMES:
+        if rest.startswith(ours):
+            return f"model.layers.{index}.{theirs}{rest[len(ours):]}"
+    raise KeyError(name)
+
+
+def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Our full parameter names -> the shape HF stores (vocabulary unpadded)."""
+    with torch.device("meta"):
+        layer = DecoderLayer(cfg)
+    h, v = cfg.hidden_size, cfg.vocab_size
+    shapes = {"embedding.weight": (v, h)}
+    for i in range(cfg.num_layers):
+        shapes.update({f"layers.{i}.{n}": tuple(p.shape) for n, p in layer.named_parameters()})
+    shapes.update({"final_norm.weight": (h,), "head.weight": (v, h)})
+    return shapes
+
+
+def _weight_files(d: Path) -> dict[str, Path]:
+    """HF tensor name -> the safetensors file holding it."""
+    from safetensors import safe_open
+
+    if (d / INDEX).is_file():
+        try:
+            weight_map = json.loads((d / INDEX).read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise UserError(f"{d / INDEX}: not a safetensors index (need a 'weight_map' object): {e}") from e
+        return {name: d / file for name, file in weight_map.items()}
+    if (d / SINGLE).is_file():
+        try:
+            with safe_open(str(d / SINGLE), framework="pt") as f:
+                return {name: d / SINGLE for name in f.keys()}
+        except Exception as e:  # safetensors raises its own error types for a damaged header
+            raise UserError(f"{d / SINGLE}: not a readable safetensors file ({e})") from e
+    pickled = [p.name for p in d.glob("*.bin")] + [p.name for p in d.glob("*.pt")]
+    hint = (f"; found {', '.join(sorted(pickled))}, which are pickles (they can run code when loaded) — "
+            "re-save with save_pretrained(..., safe_serialization=True)") if pickled else ""
+    raise UserError(f"{d}: no {SINGLE} or {INDEX}{hint}")
+
+
+def state_dict_from_hf(path: str | Path, cfg: ModelConfig, names: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
+    """Our name -> fp32 tensor for `names` (default: the whole model), vocabulary matrices zero-padded
+    to cfg.padded_vocab_size(). Reads only the tensors asked for, file by file."""
+    d = _dir(path)
+    shapes = _expected_shapes(cfg)
+    wanted = list(shapes) if names is None else list(names)
+    files = _weight_files(d)
+    by_file: dict[Path, list[str]] = defaultdict(list)
+    for name in wanted:
+        theirs = hf_name(name, cfg)
+        if theirs not in files:
+            raise UserError(f"{d}: no tensor {theirs!r} in the checkpoint (needed for our {name}); "
+                            "do config.json and the weights belong together?")
+        by_file[files[theirs]].append(name)
+    return _read(by_file, shapes, cfg)
+
+
+def _read(by_file: dict[Path, list[str]], shapes: dict, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    from safetensors import safe_open
+
+    out: dict[str, torch.Tensor] = {}
+    for file, names in by_file.items():
+        if not file.is_file():
+            raise UserError(f"{file.parent / INDEX}: lists {file.name}, which is missing")
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                present = set(f.keys())
+                for name in names:
+                    if hf_name(name, cfg) not in present:
+                        raise UserError(f"{file}: has no tensor {hf_name(name, cfg)!r}, which the index puts there")
+                    t = f.get_tensor(hf_name(name, cfg)).float()
+                    if tuple(t.shape) != shapes[name]:
+                        raise UserError(f"{file}: {hf_name(name, cfg)} has shape {list(t.shape)}, "
+                                        f"config.json implies {list(shapes[name])}")
+                    if name in VOCAB_PARAMS:
+                        pad = cfg.padded_vocab_size() - t.shape[0]
+                        t = torch.cat([t, t.new_zeros(pad, t.shape[1])])  # padded rows are zero
+                    out[name] = t
+        except UserError:
+            raise
+        except Exception as e:  # a damaged file: safetensors' own error types
+            raise UserError(f"{file}: not a readable safetensors file ({e})") from e
+    return out
+
+
+def load_hf(path: str | Path, **kw) -> Decoder:
+    """Decoder(config_from_hf(path), **kw) with the checkpoint's weights (only the tensors the given
+    layers / embedding / head need are read)."""
+    cfg = config_from_hf(path)
+    model = Decoder(cfg, **kw)
+    state = state_dict_from_hf(path, cfg, names=model.state_dict().keys())
+    model.load_state_dict(state)
+    return model

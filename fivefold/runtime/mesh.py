@@ -1,0 +1,142 @@
+"""Process groups of one model's layout, built from a pure `fivefold.topology.Layout`.
+
+A `Mesh` is this process's view of a layout: for every group name of `Layout.named_groups()` (plus
+"world") the one group this rank belongs to. It is an object passed to whoever communicates; there is
+no module-level "current group". Several meshes (an RL actor and its reference model, say) coexist:
+ProcessGroups are cached per process by their rank tuple, so meshes over the same ranks share them.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+from fivefold.topology import Layout
+
+
+def init_distributed(timeout: timedelta = timedelta(minutes=5)) -> tuple[int, int, torch.device]:
+    """Join the job described by the torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK,
+    MASTER_ADDR, MASTER_PORT): NCCL on CUDA, else gloo with one intra-op thread per rank (several
+    ranks share the CPU cores; default threading oversubscribes them ~20x).
+    Returns (rank, world_size, device)."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if torch.cuda.is_available():
+        device, backend = torch.device("cuda", local_rank), "nccl"
+        torch.cuda.set_device(device)
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+        torch.set_num_threads(1)
+    if not dist.is_initialized():
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
+    return rank, world, device
+
+
+@dataclass(frozen=True)
+class Group:
+    """A named group of global ranks; `ranks[i]` is the global rank of group rank i.
+
+    `pg` is None when the group has one rank: every collective over it is then the identity."""
+
+    name: str
+    ranks: tuple[int, ...]
+    pg: ProcessGroup | None
+    me: int = field(default=0, compare=False)
+    """This process's global rank (a member of `ranks`)."""
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def rank(self) -> int:
+        """This process's index in `ranks`."""
+        return self.ranks.index(self.me)
+
+    def global_rank(self, i: int) -> int:
+        return self.ranks[i]
+
+    def __repr__(self) -> str:
+        return f"Group({self.name!r}, ranks={self.ranks})"
+
+
+_PG_CACHE: dict[tuple[int, ...], ProcessGroup] = {}
+_PG_CACHE_WORLD: list[object] = [None]  # the default group the cache was built under
+
+
+def _process_group(ranks: tuple[int, ...]) -> ProcessGroup:
+    """The cached ProcessGroup over `ranks`, created (collectively) on first use.
+    A cache keyed by rank tuple, not a current group: it is dropped when the default group changes."""
+    if _PG_CACHE_WORLD[0] is not dist.group.WORLD:
+        _PG_CACHE.clear()
+        _PG_CACHE_WORLD[0] = dist.group.WORLD
+    if ranks not in _PG_CACHE:
+        if ranks == tuple(range(dist.get_world_size())):
+            _PG_CACHE[ranks] = dist.group.WORLD
+        else:
+            _PG_CACHE[ranks] = dist.new_group(list(ranks))
+    return _PG_CACHE[ranks]
+
+
+class Mesh:
+    """One model's layout on this process: a Layout plus this rank's group of every name."""
+
+    def __init__(self, layout: Layout, rank: int, device: torch.device, groups: dict[str, Group]):
+        self.layout, self.rank, self.device = layout, rank, device
+        self._groups = groups
+
+    @classmethod
+    def build(cls, layout: Layout, *, device: torch.device | None = None) -> Mesh:
+        """Collective: every rank of the world calls it with the same layout, in the same order.
+        Every rank creates every multi-rank group of every name, in the same order (torch requires
+        all ranks to take part in each `new_group`), and keeps the ones it belongs to.
+
+        Without an initialised process group a one-rank layout still builds (all groups size 1)."""
+        if dist.is_initialized():
+            rank, world = dist.get_rank(), dist.get_world_size()
+        else:
+            rank, world = 0, 1
+        if layout.world_size != world:
+            raise ValueError(f"layout {layout} needs {layout.world_size} ranks, the world has {world}")
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+                else torch.device("cpu")
+        named = dict(layout.named_groups())
+        named["world"] = [list(range(world))]
+        groups: dict[str, Group] = {}
+        for name, lists in named.items():
+            for ranks in lists:
+                key = tuple(ranks)
+                pg = _process_group(key) if len(key) > 1 else None
+                if rank in key:
+                    groups[name] = Group(name, key, pg, me=rank)
+        return cls(layout, rank, device, groups)
+
+    def group(self, name: str) -> Group:
+        try:
+            return self._groups[name]
+        except KeyError:
+            raise KeyError(f"no group {name!r}; the mesh has {sorted(self._groups)}") from None
+
+    @property
+    def coords(self) -> dict[str, int]:
+        """This rank's {"tp", "cp", "dp", "pp"} coordinates in the dense grid."""
+        return self.layout.dense.coords(self.rank)
+
+    tp = property(lambda self: self.group("tp"))
+    cp = property(lambda self: self.group("cp"))
+    dp = property(lambda self: self.group("dp"))
+    pp = property(lambda self: self.group("pp"))
+    ep = property(lambda self: self.group("ep"))
+    etp = property(lambda self: self.group("etp"))
+    edp = property(lambda self: self.group("edp"))
+    dp_cp = property(lambda self: self.group("dp-cp"))
+    embedding = property(lambda self: self.group("embedding"))
+    world = property(lambda self: self.group("world"))
+
+    def __repr__(self) -> str:
+        return f"Mesh({self.layout}, rank={self.rank})"

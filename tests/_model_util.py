@@ -1,0 +1,33 @@
+"""Helpers for the model tests: our config -> an HF LlamaConfig, and weights copied between them."""
+from __future__ import annotations
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from fivefold.config.schema import ModelConfig
+from fivefold.model import Decoder
+from fivefold.model.hf import hf_name
+
+
+def hf_config(cfg: ModelConfig) -> LlamaConfig:
+    return LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.ffn_size,
+                       num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_attention_heads,
+                       num_key_value_heads=cfg.kv_heads, head_dim=cfg.head_dim, rms_norm_eps=cfg.norm_epsilon,
+                       rope_theta=cfg.rotary_base, tie_word_embeddings=cfg.tie_word_embeddings,
+                       max_position_embeddings=cfg.max_position_embeddings, attn_implementation="eager")
+
+
+@torch.no_grad()
+def hf_copy_of(ours: Decoder) -> LlamaForCausalLM:
+    """An HF LlamaForCausalLM holding exactly our weights (vocabulary rows unpadded)."""
+    cfg = ours.cfg
+    theirs = LlamaForCausalLM(hf_config(cfg)).float().eval()
+    params = dict(theirs.named_parameters(remove_duplicate=False))
+    copied = set()
+    for name, p in ours.state_dict().items():
+        target = params[hf_name(name, cfg)]
+        target.copy_(p[: cfg.vocab_size] if target.shape != p.shape else p)
+        copied.add(hf_name(name, cfg))
+    missing = set(params) - copied - ({"lm_head.weight"} if cfg.tie_word_embeddings else set())
+    assert not missing, missing
+    return theirs

@@ -1,0 +1,77 @@
+"""Our Decoder against HF transformers' LlamaForCausalLM with the same weights, in fp32 on CPU."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fivefold.config.schema import ModelConfig
+from fivefold.model import Decoder
+from fivefold.model.hf import hf_name
+from tests._model_util import hf_copy_of
+
+CONFIGS = {
+    "mha-untied": ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=300),
+    "gqa-tied": ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                            vocab_size=256, tie_word_embeddings=True),
+    "gqa-headdim24": ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=8, num_query_groups=2,
+                                 kv_channels=24, ffn_hidden_size=96, vocab_size=270, rotary_base=5000.0,
+                                 norm_epsilon=1e-6),
+    "mqa-tied-headdim32": ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=1,
+                                      kv_channels=32, vocab_size=290, tie_word_embeddings=True),
+}
+
+# Tolerances: both sides are fp32 and do the same math, but with different kernels (SDPA with
+# enable_gqa vs HF's eager matmul-softmax with repeat_kv) and summation orders, so results differ
+# by a few fp32 ulps per op. Over 2 layers that stays below ~1e-6 (measured: logits max 4.8e-7 abs,
+# gradients max 6e-8 abs, 7.5e-7 of their max); 1e-5 absolute / 1e-4 relative leaves room for other BLAS builds and still
+# catches any real error (a wrong RoPE half, GQA grouping or norm eps moves logits by >1e-3).
+ATOL, RTOL = 1e-5, 1e-4
+
+
+def _batch(cfg: ModelConfig, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, cfg.vocab_size, (2, 24), generator=g)
+    labels = torch.cat([ids[:, 1:], torch.full((2, 1), -100)], dim=1)  # next token; last has none
+    return ids, labels
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_logits_loss_and_every_gradient_match_hf(name):
+    cfg = CONFIGS[name]
+    ours = Decoder(cfg, seed=7)
+    theirs = hf_copy_of(ours)
+    ids, labels = _batch(cfg)
+
+    out = theirs(input_ids=ids, labels=ids)  # HF shifts labels itself and returns the token mean
+    total, count = ours.loss(ids, labels)
+    assert count.item() == 2 * 23
+    torch.testing.assert_close(ours(ids)[..., : cfg.vocab_size], out.logits, atol=ATOL, rtol=RTOL)
+    # Loss is a mean of 46 cross-entropies ~ln(V) ~ 5.6: same fp32 noise as the logits.
+    torch.testing.assert_close(total / count, out.loss, atol=ATOL, rtol=RTOL)
+
+    (total / count).backward()
+    out.loss.backward()
+    hf_params = dict(theirs.named_parameters())
+    for our_name, p in ours.named_parameters():
+        g_ref = hf_params[hf_name(our_name, cfg)].grad
+        g = p.grad[: cfg.vocab_size] if p.shape != g_ref.shape else p.grad
+        # Gradients are ~1e-3..1e-1; absolute 1e-6 is ~1e3 ulps of the smallest, relative 1e-4 as above.
+        torch.testing.assert_close(g, g_ref, atol=1e-6, rtol=RTOL, msg=lambda m: f"{our_name}: {m}")
+        if p.shape[0] != g_ref.shape[0]:  # padded vocabulary rows: masked out, so exactly no gradient
+            assert torch.equal(p.grad[cfg.vocab_size:], torch.zeros_like(p.grad[cfg.vocab_size:]))
+
+
+def test_logprobs_match_hf_log_softmax():
+    cfg = CONFIGS["mha-untied"]
+    ours = Decoder(cfg, seed=1)
+    ids, labels = _batch(cfg, seed=3)
+    with torch.no_grad():
+        ref = F.log_softmax(hf_copy_of(ours)(input_ids=ids).logits, -1)[:, :-1].gather(-1, labels[:, :-1, None])[..., 0]
+        got = ours.logprobs(ids, labels)
+    torch.testing.assert_close(got[:, :-1], ref, atol=ATOL, rtol=RTOL)  # same fp32 noise as the logits
+    assert torch.equal(got[:, -1], torch.zeros(2))  # ignored label -> exactly 0
+    # Padded vocab columns carry no probability: log-probs over the real vocabulary sum to 1.
+    with torch.no_grad():
+        total, count = ours.loss(ids, labels)
+    torch.testing.assert_close(-got.sum(), total, atol=1e-4, rtol=1e-5)  # sum of 46 terms ~5.6 each
