@@ -79,6 +79,8 @@ class _ColumnParallel(torch.autograd.Function):
     def backward(ctx, *grad_ys):
         x, *weights = ctx.saved_tensors
         group, sp = ctx.group, ctx.sp
+        dtype = grad_ys[0].dtype  # under autocast the forward ran in bf16: backward matmuls too
+        weights = [w.to(dtype) for w in weights]
         gathered = comm.all_gather(x, SEQ_DIM, group, "sp", async_op=True) if sp else None
         grad_x = None
         work = None
@@ -95,7 +97,7 @@ class _ColumnParallel(torch.autograd.Function):
             else:
                 work = comm.all_reduce_async(grad_x, group, "tp")
         _mark("tp-weight-grad", "start")
-        x2 = x_full.reshape(-1, x_full.shape[-1])  # (b*s, h)
+        x2 = x_full.reshape(-1, x_full.shape[-1]).to(dtype)  # (b*s, h)
         grad_ws = [g.reshape(-1, g.shape[-1]).t() @ x2 for g in grad_ys]  # each (out_j/tp, h)
         _mark("tp-weight-grad", "end")
         if work is not None:
@@ -126,6 +128,11 @@ class ShardSpec:
     dim: int
     start: int
     length: int
+
+    @property
+    def offsets(self) -> tuple[int, ...]:
+        """Where the shard starts in the full tensor, per dim (the checkpoint's view of it)."""
+        return tuple(self.start if d == self.dim else 0 for d in range(len(self.full_shape)))
 
     def of(self, full: torch.Tensor) -> torch.Tensor:
         if tuple(full.shape) != self.full_shape:

@@ -28,8 +28,6 @@ def _is(*ok):
 
 
 RUNTIME_KNOBS: list[Knob] = [
-    Knob("parallel.tensor_model_parallel_size", _is(1), "tensor parallelism (TP > 1)"),
-    Knob("parallel.sequence_parallel", _is(False), "sequence parallelism"),
     Knob("parallel.pipeline_model_parallel_size", _is(1), "pipeline parallelism (PP > 1)"),
     Knob("parallel.virtual_pipeline_model_parallel_size", _is(None, 1), "virtual pipeline stages (VPP)"),
     Knob("parallel.pipeline_schedule_csv", _is(None), "hand-written pipeline schedules"),
@@ -62,4 +60,4 @@ def check_supported(config: Config) -> None:
     problems = unsupported(config)
     if problems:
         raise NotImplementedYet("training with " + "; ".join(problems) +
-                                " — this runtime trains data parallelism (DP) only so far")
+                                " — this runtime trains data, tensor and sequence parallelism (DP, TP, SP) so far")
