@@ -8,7 +8,7 @@ import torch
 
 from fivefold.config.schema import ModelConfig
 from fivefold.model.decoder import Decoder
-from fivefold.parallel.tensor import reduce_tp_grads
+from fivefold.parallel.tensor import reduce_tp_grads, shard_state_dict
 from fivefold.runtime import comm, traffic
 from fivefold.runtime.mesh import Mesh
 from fivefold.topology import Layout
@@ -81,6 +81,9 @@ def test_layout_reproduces_one_process(workers, reference, world, tp, sp):
 def _init(rank, world, sp):
     mesh = Mesh.build(Layout(tp=world))
     model = Decoder(CFG, mesh=mesh, seed=7, sequence_parallel=sp)
+    loaded = Decoder(CFG, mesh=mesh, seed=8, sequence_parallel=sp)  # other values, then the seed-7 weights
+    loaded.load_state_dict(shard_state_dict(loaded, Decoder(CFG, seed=7).state_dict()))
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), loaded.parameters()))  # how HF weights load
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 

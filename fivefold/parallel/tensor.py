@@ -220,6 +220,19 @@ class VocabParallelEmbedding(nn.Module):
         return comm.reduce_from(partial, self.group, "tp")
 
 
+def shard_state_dict(model: nn.Module, full_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A one-process state dict cut to `model`'s TP shards (entries of parameters without `tp_shard`
+    pass through). Vocabulary matrices shorter than the TP-padded vocabulary get zero rows first."""
+    specs = {n: getattr(p, "tp_shard", None) for n, p in model.named_parameters()}
+    out = {}
+    for name, full in full_state.items():
+        spec = specs.get(name)
+        if spec is not None and full.shape[0] < spec.full_shape[0] and tuple(full.shape[1:]) == spec.full_shape[1:]:
+            full = torch.cat([full, full.new_zeros(spec.full_shape[0] - full.shape[0], *full.shape[1:])])
+        out[name] = spec.of(full) if spec is not None else full
+    return out
+
+
 def shard(full: torch.Tensor, dim: int, rank: int, size: int) -> torch.Tensor:
     """Rank `rank`'s even slice of `full` along `dim` split `size` ways."""
     if full.shape[dim] % size:
