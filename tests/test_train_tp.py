@@ -57,3 +57,29 @@ def test_megatron_flags_turn_on_tp_and_sp(tmp_path):
     run = json.loads((tmp_path / "out" / "run.json").read_text())
     assert run["config"]["parallel"]["tensor_model_parallel_size"] == 2
     assert run["config"]["parallel"]["sequence_parallel"] is True
+
+
+def _loaded(path, words, world=None):
+    from fivefold.config.load import load_config
+    from fivefold.config.validate import layout_of, validate
+    from fivefold.train.supported import check_supported
+
+    loaded = load_config(path, words, world_size=world)
+    validate(loaded.config, loaded.dialect)  # applies each dialect's own SP rule
+    check_supported(loaded.config)  # TP and SP run: not refused
+    return loaded.config, layout_of(loaded.config)
+
+
+def test_every_dialect_reaches_tp_and_sp(tmp_path):
+    config, layout = _loaded(str(REPO / "examples" / "tp_sp.yaml"), [])
+    assert (layout.tp, layout.dp, config.parallel.sequence_parallel) == (2, 2, True)
+    # SkyRL turns SP on whenever TP > 1, without being asked
+    config, layout = _loaded(None, ["trainer.policy.megatron_config.tensor_model_parallel_size=2"], world=4)
+    assert (layout.tp, config.parallel.sequence_parallel) == (2, True)
+    rlinf = tmp_path / "r.yaml"
+    rlinf.write_text("actor:\n  model:\n    tensor_model_parallel_size: 2\n    sequence_parallel: true\n"
+                     "cluster: {num_nodes: 1, gpus_per_node: 2}\n")
+    config, layout = _loaded(str(rlinf), [])
+    assert (layout.tp, config.parallel.sequence_parallel) == (2, True)
+    config, layout = _loaded(None, ["--tensor-model-parallel-size", "2", "--sequence-parallel"], world=2)
+    assert (layout.tp, config.parallel.sequence_parallel) == (2, True)
