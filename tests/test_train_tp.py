@@ -30,6 +30,7 @@ def test_tp2_dp2_sp_matches_one_process(tmp_path):
     train(ref_cfg, one_process_context(ref_out), data_dir, progress=False)
     cfg = tiny_config(data, world=4, mbs=1, clip_grad=0.5)  # DP=2 x 4 microbatches of 1 vs 4 x 2
     cfg.parallel.tensor_model_parallel_size, cfg.parallel.sequence_parallel = 2, True
+    cfg.checkpoint.save_interval = 2
     out = tmp_path / "tp2dp2"
     assert launch(4, [str(write_spec(cfg, out, data_dir))], out / "logs") == 0
     ref, got = _metrics(ref_out), _metrics(out)
@@ -40,7 +41,14 @@ def test_tp2_dp2_sp_matches_one_process(tmp_path):
     # The norm counts every TP shard once and replicated norms once (not TP times): a double count
     # would be off by >1e-3 here.
     assert [r["grad_norm"] for r in got] == pytest.approx([r["grad_norm"] for r in ref], rel=1e-5)
-    assert (out / "checkpoints").is_dir()
+    # The TP shards saved at step 2 resume in one process (another layout) on the same trajectory.
+    resumed_cfg = tiny_config(data, mbs=2, clip_grad=0.5)
+    resumed_cfg.checkpoint.load = str(out / "checkpoints" / "step_00000002")
+    resumed_out = tmp_path / "resumed"
+    resumed_out.mkdir()
+    resumed = train(resumed_cfg, one_process_context(resumed_out), data_dir, progress=False).losses
+    assert sorted(resumed) == [2, 3]
+    assert [resumed[2], resumed[3]] == pytest.approx([got[2]["loss"], got[3]["loss"]], rel=1e-6)
 
 
 def test_megatron_flags_turn_on_tp_and_sp(tmp_path):
