@@ -35,12 +35,12 @@ def test_tp2_dp2_sp_matches_one_process(tmp_path):
     assert launch(4, [str(write_spec(cfg, out, data_dir))], out / "logs") == 0
     ref, got = _metrics(ref_out), _metrics(out)
     assert len(got) == len(ref) == 4
+    # The norm counts every TP shard once and replicated norm gains once, not TP times (counting
+    # them on both TP ranks moves it by 1.3e-4..1.4e-3 relative here: measured).
+    assert [r["grad_norm"] for r in got] == pytest.approx([r["grad_norm"] for r in ref], rel=1e-5)
     # fp32; TP/SP and DP reorder sums (row-parallel partial products, vocab-parallel softmax,
     # gradient all-reduces): ~1e-7 relative per op; 4 AdamW steps stay within 1e-6 (measured ~1e-7).
     assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in ref], rel=1e-6)
-    # The norm counts every TP shard once and replicated norms once (not TP times): a double count
-    # would be off by >1e-3 here.
-    assert [r["grad_norm"] for r in got] == pytest.approx([r["grad_norm"] for r in ref], rel=1e-5)
     # The TP shards saved at step 2 resume in one process (another layout) on the same trajectory.
     resumed_cfg = tiny_config(data, mbs=2, clip_grad=0.5)
     resumed_cfg.checkpoint.load = str(out / "checkpoints" / "step_00000002")
