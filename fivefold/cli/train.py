@@ -22,6 +22,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("config", help="YAML config (any dialect)")
     parser.add_argument("--out", required=True, help="output folder: metrics.jsonl, loss.png, checkpoints, logs")
     parser.add_argument("--nproc", type=int, default=None, help="local ranks to start (default: the layout's world size)")
+    parser.add_argument("--trace-schedule", action="store_true",
+                        help="with PP > 1: time the pipeline actions of the last step, draw OUT/schedule_trace.png")
 
 
 def _load(path: str, words: list[str], world_size: int | None) -> Config:
@@ -61,6 +63,8 @@ def run(args, extra: list[str]) -> int:
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ and "FIVEFOLD_LAUNCHED" not in os.environ
     world = int(os.environ["WORLD_SIZE"]) if under_torchrun else args.nproc
     config = _load(args.config, extra, world)
+    if args.trace_schedule:
+        config.logging.trace_schedule = True
     check_supported(config)
     nproc = config.cluster.resolved_world_size if world is None else world
     config.cluster.world_size = nproc

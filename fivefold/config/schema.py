@@ -246,6 +246,9 @@ class LoggingConfig:
     """Profile the first iterations (Megatron --profile). Default False."""
     profile_ranks: list[int] = field(default_factory=lambda: [0])
     """Ranks to profile. Default [0]."""
+    trace_schedule: bool = False
+    """With PP > 1: time every pipeline action of the last step and draw it (OUT/schedule_trace.png)
+    as `fivefold schedule` draws a simulated one. Default False."""
 
 
 @dataclass(kw_only=True)

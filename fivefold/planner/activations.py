@@ -14,6 +14,16 @@ stored scores) the sum is sbh(34 + 5as/h) per layer; with TP t: sbh(10 + 24/t + 
 TP + SP: sbh(34/t + 5as/(ht)); selective recompute (of the attention core) drops the score term;
 full recompute keeps only each layer's input, 2sbh (2sbh/t with SP).
 
+Implementation traits (`ArchTraits`) say how many tensors the code that runs actually keeps where
+Megatron's fused kernels keep fewer. Our eager CPU/GPU runtime (`EAGER_TRAITS`), checked against
+torch's MemTracker on CPU (benchmarks/planner_vs_measured.py):
+  - RMSNorm as separate ops saves its input x and the normalised x/rms(x) (for the gain's gradient),
+    and the next linear saves the norm's output: 3 tensors of h per norm, not Megatron's 2;
+  - SwiGLU as silu(g) * u saves g (for silu's backward), silu(g) and u (for the product's) and the
+    product (down_proj's input): 4f, not the fused kernel's 3f;
+  - the CPU flash kernel's output is already laid out (b, s, a, d), so o_proj's input is a view of
+    the attention output: counted once, as here.
+
 Routed experts (dropless, balanced routing, Megatron's all-to-all dispatcher): a rank of an
 expert-TP group of size etp processes N_e = k*b*s*etp/(tp*cp) token copies; it saves their inputs
 (N_e*h), the gate/up outputs and the down-projection input (N_e*3*f_e/etp) and the expert outputs
@@ -21,7 +31,7 @@ for the probability-weighted combine (N_e*h), plus the router's fp32 scores (E p
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from fivefold.config.schema import ModelConfig
 from fivefold.planner.params import is_moe_layer
@@ -37,12 +47,41 @@ class ArchTraits:
     """Dropout after attention/MLP and on the attention probabilities (1-byte masks)."""
     flash_attention: bool = True
     """Fused attention: saves its output and fp32 log-sum-exp instead of the a*s*s scores."""
-    bytes_per_value: int = 2
-    """Bytes of a saved activation (2 for bf16/fp16; fp8 GEMMs still save 16-bit tensors)."""
+    bytes_per_value: int | None = None
+    """Bytes of a saved activation; None = from the run's precision (`for_precision`): 4 for fp32,
+    2 for bf16/fp16 and fp8 (fp8 GEMMs still save 16-bit tensors)."""
+    norm_tensors: int = 2
+    """h-wide tensors saved per pre-norm (its input + the next linear's input); 3 unfused (see above)."""
+    mlp_inner_tensors: int | None = None
+    """f-wide tensors the MLP saves; None = 3 gated (gate, up, gate*up), 2 GeLU (pre, post)."""
+    loss_bytes_per_logit: float | None = None
+    """Bytes per (token, vocab entry) the output layer and loss hold at their peak; None = 2-byte-
+    activation logits + the fp32 softmax a vocab-parallel cross entropy keeps (B + 4). Eager fp32
+    F.cross_entropy: the saved log-softmax, its incoming gradient and the logits' gradient, 3 x 4 = 12
+    (the logits themselves are freed once log_softmax has run)."""
+    optimizer_scratch_bytes: float = 0.0
+    """Bytes per element of the rank's largest parameter that clipping + the optimizer step allocate
+    (fused/multi-tensor kernels: ~0). Eager: the fp64 copy and square in the norm, 16."""
+
+    def value_bytes(self) -> int:
+        return self.bytes_per_value or 2
+
+    def for_precision(self, precision: str) -> ArchTraits:
+        """These traits with bytes_per_value fixed by the run's precision where it was left None."""
+        if self.bytes_per_value is not None:
+            return self
+        return replace(self, bytes_per_value=4 if precision == "fp32" else 2)
+
+    def loss_bytes(self) -> float:
+        return self.loss_bytes_per_logit if self.loss_bytes_per_logit is not None else self.value_bytes() + 4
 
 
 GPT3_TRAITS = ArchTraits(gated_mlp=False, dropout=True, flash_attention=False, bytes_per_value=2)
 """Korthikanti et al.'s GPT-3 setting."""
+
+EAGER_TRAITS = ArchTraits(norm_tensors=3, mlp_inner_tensors=4, loss_bytes_per_logit=12.0, optimizer_scratch_bytes=16.0)
+"""fivefold's own eager runtime in fp32 (unfused RMSNorm and SwiGLU, F.cross_entropy, per-tensor
+AdamW, fp64 gradient norm), as measured on CPU."""
 
 
 @dataclass(frozen=True)
@@ -68,7 +107,7 @@ def _attention_elements(m: ModelConfig) -> tuple[int, int]:
 def layer_activation_bytes(m: ModelConfig, index: int, b: int, s: int, sh: Sharding,
                            traits: ArchTraits = ArchTraits()) -> dict[str, float]:
     """Bytes saved for backward by decoder layer `index` for one microbatch on one rank, by tensor."""
-    B = traits.bytes_per_value
+    B = traits.value_bytes()
     h, a = m.hidden_size, m.num_attention_heads
     tokens = b * s / sh.cp  # tokens of this microbatch on this rank before any TP split
     sp_div = sh.tp if sh.sp else 1
@@ -77,7 +116,7 @@ def layer_activation_bytes(m: ModelConfig, index: int, b: int, s: int, sh: Shard
     out: dict[str, float] = {}
     mask = 1.0 if traits.dropout else 0.0
     # Attention block: norm input, QKV-linear input, (dropout mask) in the SP region.
-    out["attn norm input + qkv input"] = 2 * tokens * h * B / sp_div
+    out["attn norm input + qkv input"] = traits.norm_tensors * tokens * h * B / sp_div
     qkv, attn_out = _attention_elements(m)
     if m.multi_latent_attention:
         latents = (m.q_lora_rank or 0) * 2 + (m.kv_lora_rank + m.qk_pos_emb_head_dim) + m.kv_lora_rank
@@ -91,8 +130,8 @@ def layer_activation_bytes(m: ModelConfig, index: int, b: int, s: int, sh: Shard
             out["attention scores"] = tokens * a * s * (B + mask * (1 + B)) / sh.tp
     out["dropout masks"] = 2 * tokens * h * mask / sp_div
     # MLP block: norm input and first-linear input in the SP region.
-    out["mlp norm input + mlp input"] = 2 * tokens * h * B / sp_div
-    inner = 3 if traits.gated_mlp else 2  # SwiGLU: gate, up, gate*up ; GeLU: pre-GeLU, post-GeLU
+    out["mlp norm input + mlp input"] = traits.norm_tensors * tokens * h * B / sp_div
+    inner = traits.mlp_inner_tensors or (3 if traits.gated_mlp else 2)  # SwiGLU: gate, up, gate*up ; GeLU: pre, post
     if is_moe_layer(m, index):
         k, f_e = m.moe_router_topk, (m.moe_ffn_hidden_size or m.ffn_size)
         copies = k * b * s * sh.etp / (sh.tp * sh.cp)  # token copies on this rank's experts

@@ -11,16 +11,21 @@ whole, routed experts / (ETP x EP), the vocab-parallel embedding on the first ra
 on the last (both when tied and PP > 1, as Megatron).
 Activations: `activations.py` per microbatch, times the microbatches the schedule keeps in flight
 on that rank (`pipeline.py`); with full recompute, plus one layer's full activations during its
-backward. Fixed terms: on the last rank, one microbatch of logits (bf16) and the fp32 softmax the
-vocab-parallel cross entropy keeps; communication buffers (PP send/recv, the SP all-gather output of
-one layer, EP dispatch/combine buffers). Then a stated allocator overhead (share of all tensor
+backward. Fixed terms: on the last rank, the final norm's saved tensors and one microbatch of logits
+(bf16) and the fp32 softmax the vocab-parallel cross entropy keeps (`ArchTraits.loss_bytes_per_logit`: eager fp32 keeps 12 bytes per
+logit); communication buffers (PP send/recv, the SP all-gather output of
+one layer, EP dispatch/combine buffers). Optimizer scratch: clipping and the optimizer step run after backward has freed the activations,
+so their temporaries (`ArchTraits.optimizer_scratch_bytes` per element of the rank's largest
+parameter) raise the peak only by what they exceed activations + logits + buffers by; that excess
+is the "scratch" kind (0 for fused optimizers, and whenever activations dominate).
+Then a stated allocator overhead (share of all tensor
 memory) and a runtime reserve (CUDA context + NCCL workspaces) that the allocator never sees.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from fivefold.planner.activations import ArchTraits, Sharding, full_recompute_transient, layer_activation_bytes
+from fivefold.planner.activations import EAGER_TRAITS, ArchTraits, Sharding, full_recompute_transient, layer_activation_bytes
 from fivefold.planner.layout import Plan
 from fivefold.planner.params import embedding_params, is_moe_layer, layer_params
 from fivefold.planner.pipeline import pipeline_profile
@@ -37,6 +42,11 @@ class MemoryAssumptions:
     traits: ArchTraits = ArchTraits()
 
 
+CPU_EAGER = MemoryAssumptions(allocator_overhead=0.0, runtime_reserve=0.0, traits=EAGER_TRAITS)
+"""Our runtime on CPU in fp32: tensor bytes only (the CPU allocator does not cache blocks, and there
+is no device context), the eager implementation's saved tensors (`EAGER_TRAITS`)."""
+
+
 @dataclass
 class RankMemory:
     rank: int
@@ -47,6 +57,8 @@ class RankMemory:
     activations: float = 0.0
     logits: float = 0.0
     buffers: float = 0.0
+    scratch: float = 0.0
+    """What the clip + optimizer-step temporaries add beyond the forward/backward peak."""
     overhead: float = 0.0
     reserve: float = 0.0
     params: float = 0.0
@@ -56,7 +68,7 @@ class RankMemory:
     detail: dict[str, float] = field(default_factory=dict)
     """Per-microbatch activation bytes by tensor kind, summed over this rank's layers."""
 
-    KINDS = ("weights", "grads", "optimizer", "activations", "logits", "buffers", "overhead", "reserve")
+    KINDS = ("weights", "grads", "optimizer", "activations", "logits", "buffers", "scratch", "overhead", "reserve")
 
     @property
     def total(self) -> float:
@@ -89,6 +101,19 @@ def rank_params(plan: Plan, rank: int) -> tuple[float, float]:
     return dense, expert
 
 
+def largest_param(plan: Plan, rank: int) -> float:
+    """Elements of the largest single parameter tensor on pipeline rank `rank`: an embedding /
+    output-layer shard where it holds one, else the widest linear shard of its layers."""
+    m = plan.config.model
+    h = m.hidden_size
+    largest = max(m.ffn_size * h / plan.tp, m.num_attention_heads * m.head_dim * h / plan.tp)
+    if m.is_moe:
+        largest = max(largest, (m.moe_ffn_hidden_size or m.ffn_size) * h / plan.etp)
+    if rank in (0, plan.pp - 1):
+        largest = max(largest, embedding_params(m, plan.tp) / plan.tp)
+    return largest
+
+
 def memory_per_rank(plan: Plan, assume: MemoryAssumptions = MemoryAssumptions()) -> list[RankMemory]:
     cfg, m = plan.config, plan.config.model
     prec = plan.precision
@@ -96,7 +121,10 @@ def memory_per_rank(plan: Plan, assume: MemoryAssumptions = MemoryAssumptions())
     b, s = plan.mbs, plan.seq
     sh = Sharding(tp=plan.tp, sp=plan.sp, cp=plan.cp, etp=plan.etp, recompute=plan.recompute)
     prof = pipeline_profile(plan.schedule, plan.pp, plan.vpp, plan.microbatches)
-    B = assume.traits.bytes_per_value
+    traits = assume.traits.for_precision(prec)
+    assume = MemoryAssumptions(allocator_overhead=assume.allocator_overhead, runtime_reserve=assume.runtime_reserve,
+                               traits=traits)
+    B = traits.value_bytes()
     out = []
     kinds: dict[tuple[bool, bool], tuple[dict, float]] = {}  # (MoE?, recomputed?) -> (bytes by tensor, transient)
     shapes: dict[tuple, tuple] = {}  # ranks with the same layers (and ends) hold the same per-microbatch state
@@ -115,8 +143,10 @@ def memory_per_rank(plan: Plan, assume: MemoryAssumptions = MemoryAssumptions())
         rm.inflight = prof.inflight_microbatches(r)
         rm.activations = per_mb * rm.inflight + transient
         tokens = b * s / plan.cp
-        if r == plan.pp - 1:  # bf16 logits + the fp32 softmax the vocab-parallel cross entropy keeps
-            rm.logits = tokens * m.padded_vocab_size(plan.tp) / plan.tp * (B + 4)
+        if r == plan.pp - 1:  # the logits and the loss's fp32 softmax (see ArchTraits.loss_bytes_per_logit)
+            rm.logits = tokens * m.padded_vocab_size(plan.tp) / plan.tp * traits.loss_bytes()
+            # the final norm's saved tensors (its input, the output layer's input; + x/rms(x) unfused)
+            rm.logits += traits.norm_tensors * tokens * m.hidden_size * B / (plan.tp if plan.sp else 1)
         sp_div = plan.tp if plan.sp else 1
         buffers = tokens * m.hidden_size * B * (4 / sp_div if plan.pp > 1 else 0)  # PP send/recv, fwd + bwd
         if plan.tp > 1:
@@ -124,7 +154,9 @@ def memory_per_rank(plan: Plan, assume: MemoryAssumptions = MemoryAssumptions())
         if m.is_moe and plan.ep > 1:
             buffers += 2 * m.moe_router_topk * tokens / plan.tp * plan.etp * m.hidden_size * B  # dispatch + combine
         rm.buffers = buffers
-        tensors = rm.weights + rm.grads + rm.optimizer + rm.activations + rm.logits + rm.buffers
+        scratch = traits.optimizer_scratch_bytes * largest_param(plan, r)
+        rm.scratch = max(0.0, scratch - (rm.activations + rm.logits + rm.buffers))
+        tensors = rm.weights + rm.grads + rm.optimizer + rm.activations + rm.logits + rm.buffers + rm.scratch
         rm.overhead = assume.allocator_overhead * tensors
         rm.reserve = assume.runtime_reserve
         out.append(rm)

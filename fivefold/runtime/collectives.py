@@ -38,6 +38,10 @@ class Work:
             self._done = True
         return True
 
+    def is_completed(self) -> bool:
+        """Whether every underlying op has finished, without blocking (and without the finishing step)."""
+        return self._done or all(w.is_completed() for w in self._works)
+
 
 def _alone(group: Group) -> bool:
     return group.pg is None

@@ -27,6 +27,8 @@ from fivefold.train.context import RankContext, layout_text
 from fivefold.train.metrics import MetricsLog, flops_per_token, peak_memory_bytes, plot_loss_curve
 from fivefold.train.optim import build_optimizer
 from fivefold.train.schedule import lr_at
+from fivefold.train.pipeline_step import (build_pipeline, microbatches_per_step, pipeline_evaluate,
+                                          pipeline_train_step, trace_report)
 from fivefold.train.step import evaluate, train_step
 
 
@@ -78,8 +80,13 @@ def _save(config: Config, ctx: RankContext, root: Path, step: int, model, optimi
 
 def train(config: Config, ctx: RankContext, data_dir: Path, *, progress: bool = True) -> TrainResult:
     t = config.training
-    model = Decoder(config.model, mesh=ctx.mesh, seed=t.seed,
-                    sequence_parallel=config.parallel.sequence_parallel).to(ctx.device)
+    pipe = None
+    if ctx.layout.pp > 1:  # the stages this rank holds; steps run through the pipeline schedule
+        pipe = build_pipeline(config, ctx.mesh, microbatches_per_step(config, ctx.dp_size), device=ctx.device)
+        model = pipe.module
+    else:
+        model = Decoder(config.model, mesh=ctx.mesh, seed=t.seed,
+                        sequence_parallel=config.parallel.sequence_parallel).to(ctx.device)
     optimizer = build_optimizer(model, t)
     reducer = GradReducer(model.parameters(), ctx.dp_group)
     train_loader, eval_loader = _loaders(config, ctx, data_dir)
@@ -97,9 +104,21 @@ def train(config: Config, ctx: RankContext, data_dir: Path, *, progress: bool = 
     times = []
     for step in range(start, t.train_iters):
         t0 = time.perf_counter()
-        r = train_step(model, optimizer, reducer, train_loader.step_batch(step), lr=lr_at(step, t),
-                       clip_grad=t.clip_grad, precision=t.precision, dp_group=ctx.dp_group,
-                       model_parallel_group=ctx.model_parallel_group, tp_group=ctx.mesh.tp, device=ctx.device)
+        if pipe is not None:
+            trace = config.logging.trace_schedule and step + 1 == t.train_iters
+            r, run = pipeline_train_step(pipe, optimizer, reducer, train_loader.step_batch(step), lr=lr_at(step, t),
+                                         clip_grad=t.clip_grad, precision=t.precision, mesh=ctx.mesh,
+                                         device=ctx.device, trace=trace)
+            if trace:
+                report = trace_report(pipe, run, ctx.mesh, ctx.out_dir / "schedule_trace.png")
+                if ctx.is_main:
+                    (ctx.out_dir / "schedule_trace.txt").write_text(report + "\n")
+                    tqdm.write(report)
+        else:
+            r = train_step(model, optimizer, reducer, train_loader.step_batch(step), lr=lr_at(step, t),
+                           clip_grad=t.clip_grad, precision=t.precision, dp_group=ctx.dp_group,
+                           model_parallel_group=ctx.model_parallel_group, tp_group=ctx.mesh.tp,
+                           device=ctx.device)
         dt = time.perf_counter() - t0
         times.append((r.tokens, dt))
         peak = comm.all_gather(torch.tensor([peak_memory_bytes(ctx.device)], dtype=torch.float64), 0,
@@ -112,7 +131,8 @@ def train(config: Config, ctx: RankContext, data_dir: Path, *, progress: bool = 
         if eval_loader is not None and ((step + 1) % t.eval_interval == 0 or step + 1 == t.train_iters):
             batches = [eval_loader.step_batch(i) for i in range(t.eval_iters)]
             record["eval_loss"] = result.eval_losses[step] = evaluate(
-                model, batches, precision=t.precision, dp_group=ctx.dp_group, device=ctx.device)
+                model, batches, precision=t.precision, dp_group=ctx.dp_group, device=ctx.device) if pipe is None \
+                else pipeline_evaluate(pipe, batches, precision=t.precision, mesh=ctx.mesh, device=ctx.device)
         if log is not None:
             log.write(record)
         bar.set_postfix(loss=f"{r.loss:.4f}", lr=f"{record['lr']:.2e}", tok_s=f"{record['tokens_per_s']:.0f}")

@@ -28,9 +28,8 @@ def _is(*ok):
 
 
 RUNTIME_KNOBS: list[Knob] = [
-    Knob("parallel.pipeline_model_parallel_size", _is(1), "pipeline parallelism (PP > 1)"),
-    Knob("parallel.virtual_pipeline_model_parallel_size", _is(None, 1), "virtual pipeline stages (VPP)"),
-    Knob("parallel.pipeline_schedule_csv", _is(None), "hand-written pipeline schedules"),
+    Knob("parallel.tensor_model_parallel_size", _is(1), "tensor parallelism (TP > 1)"),
+    Knob("parallel.sequence_parallel", _is(False), "sequence parallelism"),
     Knob("parallel.context_parallel_size", _is(1), "context parallelism (CP > 1)"),
     Knob("parallel.expert_model_parallel_size", _is(1), "expert parallelism (EP > 1)"),
     Knob("parallel.expert_tensor_parallel_size", _is(None, 1), "expert tensor parallelism (ETP > 1)"),
@@ -60,4 +59,4 @@ def check_supported(config: Config) -> None:
     problems = unsupported(config)
     if problems:
         raise NotImplementedYet("training with " + "; ".join(problems) +
-                                " — this runtime trains data, tensor and sequence parallelism (DP, TP, SP) so far")
+                                " — this runtime trains data and pipeline parallelism (DP, PP) so far")

@@ -1,0 +1,146 @@
+"""The planner's per-rank estimates against one measured training step on CPU (gloo, fp32).
+
+    python benchmarks/planner_vs_measured.py            # every layout below, a table
+    python benchmarks/planner_vs_measured.py --only 0 3 # some of them
+
+For each layout of a ~10M-parameter Llama-style model (hidden 256, 8 layers, vocab 8192, seq 256),
+one step is run on the harness (`fivefold.testing.measure.measure_step`: warm-up step, then the
+measured one) and compared with `fivefold.planner.versus.compare_rank`: model-communication call
+bytes per tag (goal: within 1%) and peak tensor memory (goal: within 10%), with the memory broken
+down into weights / grads / optimizer / transient (activations + logits and loss temporaries).
+Prints one row per pipeline stage (DP replicas measure the same; the row shows the rank whose
+memory ratio is furthest from 1). Exit code 1 when a layout misses either goal.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from fivefold.config.schema import ClusterConfig, Config, ModelConfig, ParallelConfig, TrainingConfig  # noqa: E402
+from fivefold.planner.versus import RankComparison, compare_rank  # noqa: E402
+
+MiB = 2**20
+BYTES_TOL = 0.01
+MEMORY_TOL = 0.10
+
+BASE_MODEL = ModelConfig(num_layers=8, hidden_size=256, num_attention_heads=4, vocab_size=8192)
+"""10.6M parameters untied (8 x 0.80M in layers + 2 x 2.1M embedding/output), 8.5M tied."""
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    world: int
+    mbs: int
+    gbs: int
+    model: dict = field(default_factory=dict)
+    """ModelConfig overrides."""
+    parallel: dict = field(default_factory=dict)
+    """ParallelConfig overrides."""
+    seq: int = 256
+
+    def config(self) -> Config:
+        return Config(cluster=ClusterConfig(num_nodes=1, gpus_per_node=self.world, world_size=self.world),
+                      parallel=ParallelConfig(**self.parallel), model=replace(BASE_MODEL, **self.model),
+                      training=TrainingConfig(seq_length=self.seq, global_batch_size=self.gbs,
+                                              micro_batch_size=self.mbs, precision="fp32"))
+
+
+CASES = [
+    Case("DP1 mbs2", 1, 2, 2),
+    Case("DP2 mbs2", 2, 2, 4),
+    Case("DP2 mbs1 GA4", 2, 1, 8),
+    Case("DP2 mbs2 GA2 tied", 2, 2, 8, model={"tie_word_embeddings": True}),
+    Case("DP2 mbs4", 2, 4, 8),
+    Case("DP2 mbs1 seq512", 2, 1, 2, seq=512),
+    Case("DP3 mbs2", 3, 2, 6),
+    Case("DP4 mbs1", 4, 1, 4),
+    Case("DP4 mbs2 GA2 tied", 4, 2, 16, model={"tie_word_embeddings": True}),
+    Case("DP4 mbs1 GA2 GQA2", 4, 1, 8, model={"num_query_groups": 2}),
+    Case("DP2 mbs2 12L vocab4096", 2, 2, 4, model={"num_layers": 12, "vocab_size": 4096}),
+    Case("DP4 mbs1 h384 6L", 4, 1, 4, model={"hidden_size": 384, "num_attention_heads": 6, "num_layers": 6}),
+]
+
+
+def run_case(pools: dict, case: Case) -> list[RankComparison]:
+    from fivefold.testing.harness import Workers
+    from fivefold.testing.measure import measure_step
+
+    if case.world not in pools:
+        pools[case.world] = Workers(case.world, timeout=900)
+    cfg = case.config()
+    out = []
+    for m in pools[case.world].run(measure_step, cfg):
+        out.append(compare_rank(cfg, m.rank, m.coords["pp"], m.bytes_by_tag, m.peak_by_kind, m.peak_bytes))
+    return out
+
+
+def representatives(rows: list[RankComparison]) -> list[RankComparison]:
+    """Per pipeline stage, the rank whose memory ratio is furthest from 1."""
+    best: dict[int, RankComparison] = {}
+    for r in rows:
+        cur = best.get(r.pp_rank)
+        if cur is None or abs(r.memory_ratio - 1) > abs(cur.memory_ratio - 1):
+            best[r.pp_rank] = r
+    return [best[k] for k in sorted(best)]
+
+
+def format_rows(name: str, rows: list[RankComparison]) -> list[str]:
+    lines = []
+    for r in representatives(rows):
+        tags = r.tags or ["-"]
+        comm = "; ".join(f"{t} {r.est_bytes.get(t, 0) / MiB:.3f}/{r.meas_bytes.get(t, 0) / MiB:.3f} "
+                         f"({r.bytes_ratio(t):.4f})" for t in tags if t != "-") or "none/none"
+        e, m = r.est_kinds(), r.measured_by_planner_kind()
+        parts = " ".join(f"{e[k] / MiB:.1f}/{m[k] / MiB:.1f}" for k in ("weights", "grads", "optimizer", "transient"))
+        lines.append(f"| {name} | {r.rank} | {comm} | {r.est_peak / MiB:.1f} | {r.meas_peak / MiB:.1f} | "
+                     f"{r.memory_ratio:.3f} | {parts} |")
+    return lines
+
+
+HEADER = ("| layout | rank | comm MiB per tag, est/meas (ratio) | est peak MiB | meas peak MiB | ratio | "
+          "weights grads optimizer transient, est/meas MiB |\n|---|---|---|---|---|---|---|")
+
+
+def misses(rows: list[RankComparison]) -> list[str]:
+    out = []
+    for r in rows:
+        for t in r.tags:
+            if abs(r.bytes_ratio(t) - 1) > BYTES_TOL:
+                out.append(f"rank {r.rank} {t}: bytes ratio {r.bytes_ratio(t):.4f}")
+        if abs(r.memory_ratio - 1) > MEMORY_TOL:
+            out.append(f"rank {r.rank}: memory ratio {r.memory_ratio:.3f}")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", type=int, nargs="*", help="indices into CASES")
+    args = ap.parse_args(argv)
+    cases = [CASES[i] for i in args.only] if args.only else CASES
+    pools: dict = {}
+    print(HEADER)
+    failed = []
+    t0 = time.perf_counter()
+    try:
+        for case in cases:
+            rows = run_case(pools, case)
+            print("\n".join(format_rows(case.name, rows)), flush=True)
+            failed += [f"{case.name}: {m}" for m in misses(rows)]
+    finally:
+        for p in pools.values():
+            p.close()
+    print(f"\n{len(cases)} layouts in {time.perf_counter() - t0:.0f} s; goals: bytes within {BYTES_TOL:.0%}, "
+          f"peak memory within {MEMORY_TOL:.0%}")
+    for f in failed:
+        print("MISS", f)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,177 @@
+"""A stage's backward in two halves, for zero-bubble schedules: B (input gradient) then W (weights).
+
+For a stage y = f(x; theta) and an incoming dL/dy, the full backward computes dL/dx and dL/dtheta in
+one pass. B computes only dL/dx, keeping the graph, and records, at each graph node where a
+weight's branch joins the input path (the "joins": e.g. the MmBackward of `x @ w.T`, whose inputs
+are the activation, on the input path, and w), the gradient that arrived at that node. W then
+starts from those joins with the recorded gradients and walks only the weights' branches:
+
+    dL/dtheta = sum over joins j of (d out_j / d theta)^T  g_j,   g_j = dL/d out_j recorded during B
+
+so nothing on the input path is computed twice. Weights joined by a common node (a weight used at
+two places, or two weights sharing a node) form one group and get one `autograd.grad` call; in a
+group with several joins, a pre-hook pins each join's gradient to its recorded value, so gradient
+that reaches one join through another is not counted twice. Weights whose branch never meets the
+input path (all of them on the first stage, whose input is token ids) are computed by W with a
+plain backward from the output. The idea is torch.distributed.pipelining's stage_backward_input /
+stage_backward_weight; this is a smaller rewrite of it.
+
+Outputs are passed as GradientEdges, not tensors, so an output whose storage was freed after its
+send (Megatron's deallocate trick) still backpropagates: autograd checks the incoming gradient
+against the node's recorded shape, not the tensor's current one.
+"""
+from __future__ import annotations
+
+from collections import defaultdict, deque
+from dataclasses import dataclass, field
+
+import torch
+from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
+
+
+def _node(t: torch.Tensor) -> Node:
+    """The node gradients of `t` flow into: its grad_fn, or its AccumulateGrad for a leaf."""
+    return get_gradient_edge(t).node
+
+
+def _parents(root: Node) -> dict[Node, list[Node]]:
+    """For each node reachable from `root`, the nodes that pass gradient into it."""
+    parents: dict[Node, list[Node]] = defaultdict(list)
+    seen, queue = {root}, deque([root])
+    while queue:
+        n = queue.popleft()
+        for child, _ in n.next_functions:
+            if child is None:
+                continue
+            parents[child].append(n)
+            if child not in seen:
+                seen.add(child)
+                queue.append(child)
+    return parents
+
+
+def _upward(start: Node, parents: dict[Node, list[Node]], stop: set[Node]) -> tuple[set[Node], set[Node]]:
+    """Nodes above `start` (towards the output) not in `stop`, and the `stop` nodes met on the way."""
+    seen, met, queue = {start}, set(), deque([start])
+    while queue:
+        for p in parents.get(queue.popleft(), ()):
+            if p in stop:
+                met.add(p)
+            elif p not in seen:
+                seen.add(p)
+                queue.append(p)
+    return seen, met
+
+
+@dataclass(eq=False)
+class _Group:
+    params: list[torch.nn.Parameter]
+    joins: list[Node]
+    grads: list[tuple | None] = field(default_factory=list)
+
+
+@dataclass
+class WeightPlan:
+    """What B leaves for W: joined groups with their recorded gradients, and the unjoined weights."""
+
+    groups: list[_Group]
+    unjoined: list[torch.nn.Parameter]
+    output: GradientEdge | None
+    grad_output: torch.Tensor | None
+
+
+def _edge(output: torch.Tensor) -> GradientEdge:
+    return get_gradient_edge(output)
+
+
+def _accumulate(params: list[torch.nn.Parameter], grads) -> None:
+    for p, g in zip(params, grads):
+        if g is None:
+            continue
+        if p.grad is None:
+            p.grad = g
+        else:
+            p.grad.add_(g)
+
+
+def backward_full(output: torch.Tensor, grad_output: torch.Tensor | None, stage_input: torch.Tensor | None,
+                  params: list[torch.nn.Parameter]) -> torch.Tensor | None:
+    """BW: accumulate dL/dtheta into each param's .grad and return dL/d(stage_input) (None without one)."""
+    with_input = stage_input is not None and stage_input.requires_grad
+    inputs = ([stage_input] if with_input else []) + [p for p in params if p.requires_grad]
+    if grad_output is None:
+        grad_output = torch.ones((), dtype=output.dtype, device=output.device)
+    grads = torch.autograd.grad([_edge(output)], inputs, [grad_output], allow_unused=True)
+    _accumulate([p for p in params if p.requires_grad], grads[1:] if with_input else grads)
+    return grads[0] if with_input else None
+
+
+def backward_input(output: torch.Tensor, grad_output: torch.Tensor | None, stage_input: torch.Tensor | None,
+                   params: list[torch.nn.Parameter]) -> tuple[torch.Tensor | None, WeightPlan]:
+    """B: dL/d(stage_input), keeping the graph; the returned plan lets `backward_weight` finish."""
+    params = [p for p in params if p.requires_grad]
+    if grad_output is None:
+        grad_output = torch.ones((), dtype=output.dtype, device=output.device)
+    out_edge = _edge(output)
+    if stage_input is None or not stage_input.requires_grad:
+        return None, WeightPlan([], params, out_edge, grad_output)
+    parents = _parents(out_edge.node)
+    input_path, _ = _upward(_node(stage_input), parents, set())
+    groups: list[_Group] = []
+    group_of: dict[Node, _Group] = {}
+    unjoined = []
+    for p in params:
+        _, joins = _upward(_node(p), parents, input_path)
+        if not joins:
+            unjoined.append(p)
+            continue
+        found = {id(group_of[j]): group_of[j] for j in joins if j in group_of}
+        g = _Group([p], sorted(joins, key=id))
+        for other in found.values():  # merge every group sharing a join with this weight
+            g.params += other.params
+            g.joins += [j for j in other.joins if j not in g.joins]
+            groups.remove(other)
+        groups.append(g)
+        for j in g.joins:
+            group_of[j] = g
+    handles = []
+    for g in groups:
+        g.grads = [None] * len(g.joins)
+        for i, j in enumerate(g.joins):
+            def record(grad_outputs, g=g, i=i):
+                g.grads[i] = grad_outputs
+            handles.append(j.register_prehook(record))
+    try:
+        (dx,) = torch.autograd.grad([out_edge], [stage_input], [grad_output], retain_graph=True)
+    finally:
+        for h in handles:
+            h.remove()
+    plan = WeightPlan(groups, unjoined, out_edge if unjoined else None, grad_output if unjoined else None)
+    return dx, plan
+
+
+def backward_weight(plan: WeightPlan) -> None:
+    """W: accumulate dL/dtheta into each param's .grad from what B recorded; frees the graph."""
+    for g in plan.groups:
+        edges, grads = [], []
+        for j, recorded in zip(g.joins, g.grads):
+            for k, gr in enumerate(recorded or ()):
+                if gr is not None:
+                    edges.append(GradientEdge(j, k))
+                    grads.append(gr)
+        if not edges:
+            continue
+        handles = [j.register_prehook(lambda _, r=r: r) for j, r in zip(g.joins, g.grads)] \
+            if len(g.joins) > 1 else []
+        try:
+            dw = torch.autograd.grad(edges, [get_gradient_edge(p) for p in g.params], grads,
+                                     retain_graph=plan.output is not None, allow_unused=True)
+        finally:
+            for h in handles:
+                h.remove()
+        _accumulate(g.params, dw)
+    if plan.unjoined:
+        dw = torch.autograd.grad([plan.output], [get_gradient_edge(p) for p in plan.unjoined],
+                                 [plan.grad_output], allow_unused=True)
+        _accumulate(plan.unjoined, dw)
+    plan.groups, plan.unjoined, plan.output, plan.grad_output = [], [], None, None

@@ -1,0 +1,132 @@
+"""A pipeline rank's part of the model: its stages as Decoders, the schedule, and the executor.
+
+Stage s is `Decoder(cfg, layers=<its layers>, embedding=(s == 0), head=(s == S-1))`; Decoder's
+per-name initialisation makes every stage start from exactly the one-process model's weights.
+
+Tied input/output embeddings (model.tie_word_embeddings): the embedding lives on stage 0 and the
+output layer on stage S-1. When both stages are on one rank (DualPipeV's V puts them on rank 0) the
+head simply reuses the embedding's Parameter. Otherwise each of the two ranks holds a copy,
+initialised equal; after every backward the two gradients are summed over the layout's "embedding"
+group (first and last pipeline rank), so both copies take the same optimizer step and stay equal,
+as in Megatron. The gradient norm counts the copy on the last stage's rank zero times.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from fivefold.config.schema import Config
+from fivefold.errors import UserError
+from fivefold.model.decoder import Decoder
+from fivefold.pipeline.csvio import load_csv
+from fivefold.pipeline.executor import PipelineExecutor
+from fivefold.pipeline.generators import build_schedule
+from fivefold.pipeline.ir import Schedule
+from fivefold.pipeline.layers import stage_layers
+from fivefold.pipeline.lowering import lower
+from fivefold.pipeline.verify import verify
+from fivefold.runtime import comm
+
+
+def schedule_for(config: Config, num_microbatches: int) -> Schedule:
+    """The verified schedule the config asks for (a CSV file, or a generator) for this many microbatches."""
+    p = config.parallel
+    pp = p.pipeline_model_parallel_size
+    if p.pipeline_schedule_csv:
+        schedule = lower(load_csv(p.pipeline_schedule_csv))
+        if schedule.num_ranks != pp or schedule.num_microbatches != num_microbatches:
+            raise UserError(f"parallel.pipeline_schedule_csv={p.pipeline_schedule_csv}: has {schedule.num_ranks} "
+                            f"rows (ranks) and {schedule.num_microbatches} microbatches; this run needs "
+                            f"pipeline_model_parallel_size={pp} rows and global_batch_size / (micro_batch_size "
+                            f"x DP) = {num_microbatches} microbatches")
+    else:
+        schedule = build_schedule(p.pipeline_schedule, pp, num_microbatches, p.virtual_pipeline_model_parallel_size)
+    verify(schedule)
+    return schedule
+
+
+class StageStack(nn.Module):
+    """This rank's stages as one module whose parameters carry the one-process model's names
+    (`layers.5.mlp...`, `embedding.weight`), so checkpoints and optimizers see the global names."""
+
+    def __init__(self, stages: dict[int, Decoder]):
+        super().__init__()
+        self.stages = nn.ModuleDict({str(s): m for s, m in sorted(stages.items())})
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        seen = set()
+        for stage in self.stages.values():
+            for name, p in stage.named_parameters(prefix=prefix, recurse=recurse):
+                if id(p) not in seen or not remove_duplicate:
+                    seen.add(id(p))
+                    yield name, p
+
+    def forward(self, *args):
+        raise TypeError("a pipeline rank's stages run through its PipelineExecutor, not forward()")
+
+
+@dataclass
+class PipelineModel:
+    """This rank's stages and how to run them."""
+
+    schedule: Schedule
+    stages: dict[int, Decoder]
+    executor: PipelineExecutor
+    tied: list[nn.Parameter]
+    """Tied embedding copies on this rank whose gradients are summed over the embedding group."""
+    embedding_group: object | None
+    """The mesh's embedding Group when `tied` copies live on two ranks, else None."""
+
+    @property
+    def module(self) -> StageStack:
+        return StageStack(self.stages)
+
+    def parameters(self) -> list[nn.Parameter]:
+        """Every parameter of this rank's stages, once (a shared tied weight appears once)."""
+        return [p for _, p in StageStack(self.stages).named_parameters()]
+
+    def norm_parameters(self) -> list[nn.Parameter]:
+        """The parameters whose gradients this rank counts in the global norm (tied copy excluded)."""
+        last = self.schedule.num_stages - 1
+        skip = {id(self.stages[last].head.weight)} if self.embedding_group is not None and last in self.stages else set()
+        return [p for p in self.parameters() if id(p) not in skip]
+
+    def sync_tied_grads(self) -> None:
+        """Sum the tied embedding's gradient over its two copies (first and last pipeline rank)."""
+        if self.embedding_group is None or not self.tied:
+            return
+        for p in self.tied:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            comm.all_reduce_(p.grad, self.embedding_group, tag="embedding-grad")
+
+
+def build_pipeline(config: Config, mesh, num_microbatches: int, *, device: torch.device,
+                   seed: int | None = None) -> PipelineModel:
+    """Schedule, stage modules and executor for this rank of `mesh` (its pipeline rank = mesh.pp.rank)."""
+    cfg, pp = config.model, mesh.pp
+    schedule = schedule_for(config, num_microbatches)
+    layers = stage_layers(cfg.num_layers, schedule, config.parallel)
+    last = schedule.num_stages - 1
+    seed = config.training.seed if seed is None else seed
+    stages = {s: Decoder(cfg, mesh=mesh, layers=layers[s], embedding=s == 0, head=s == last, seed=seed).to(device)
+              for s in schedule.stages_of(pp.rank)}
+    tied, group = [], None
+    if cfg.tie_word_embeddings and schedule.num_stages > 1:
+        first_rank, last_rank = schedule.placement[0], schedule.placement[last]
+        if first_rank == last_rank:
+            if pp.rank == first_rank:
+                stages[last].head.weight = stages[0].embedding.weight
+        elif (first_rank, last_rank) == (0, pp.size - 1):
+            group = mesh.embedding if pp.rank in (first_rank, last_rank) else None  # only they are in it
+            tied = [stages[0].embedding.weight] if 0 in stages else []
+            tied += [stages[last].head.weight] if last in stages else []
+        else:
+            raise UserError(f"tied embeddings need the first stage on pipeline rank 0 and the last on rank "
+                            f"{pp.size - 1} (or both on one rank); schedule {schedule.name} puts them on "
+                            f"{first_rank} and {last_rank}")
+    executor = PipelineExecutor(schedule, stages, pp.rank, peer_rank=pp.global_rank, send_recv=comm.send_recv,
+                                hidden_size=cfg.hidden_size, device=device)
+    return PipelineModel(schedule, stages, executor, tied, group)

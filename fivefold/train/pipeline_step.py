@@ -1,0 +1,129 @@
+"""One optimizer step with pipeline parallelism (PP > 1): the schedule runs the microbatches.
+
+The same loss and gradient as fivefold.train.step.train_step: every microbatch backpropagates
+sum(token losses) / N_global, through the stages the schedule runs (fivefold.pipeline.executor).
+After the schedule: gradients are summed over DP (GradReducer; here after the whole schedule, since
+a rank's last backward may be any stage's W), the tied embedding's two copies are summed over the
+embedding group, the norm is taken over the model-parallel group (TP x PP) and AdamW steps. The loss
+is on the last stage's rank: its sum is added over the pipeline group, then over DP.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from fivefold.config.schema import Config
+from fivefold.data.loader import StepBatch
+from fivefold.errors import UserError
+from fivefold.parallel.data import GradReducer
+from fivefold.pipeline.executor import RunResult
+from fivefold.pipeline.render import draw_png, text_timeline
+from fivefold.pipeline.simulate import simulate
+from fivefold.pipeline.trace import measured_result, stage_costs
+from fivefold.pipeline.stages import PipelineModel, build_pipeline  # noqa: F401 (the loop builds through here)
+from fivefold.runtime import comm
+from fivefold.train.optim import clip_grad_norm
+from fivefold.train.step import StepResult, autocast
+
+
+def microbatches_per_step(config: Config, dp_size: int) -> int:
+    """Microbatches each DP rank runs per step: global_batch_size / (micro_batch_size x DP)."""
+    t = config.training
+    return t.global_batch_size // (t.micro_batch_size * dp_size)
+
+
+def _inputs(pipe: PipelineModel, batch: StepBatch) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    n = len(batch.microbatches)
+    if n != pipe.schedule.num_microbatches:
+        raise UserError(f"schedule {pipe.schedule.name} runs {pipe.schedule.num_microbatches} microbatches per "
+                        f"step; this DP rank got {n} (pipeline parallelism needs every DP rank to get "
+                        "global_batch_size / DP samples: keep data.packing on)")
+    return [mb.input_ids for mb in batch.microbatches], [mb.labels for mb in batch.microbatches]
+
+
+def pipeline_train_step(pipe: PipelineModel, optimizer: torch.optim.Optimizer, reducer: GradReducer,
+                        batch: StepBatch, *, lr: float, clip_grad: float, precision: str, mesh,
+                        device: torch.device, trace: bool = False) -> tuple[StepResult, RunResult]:
+    """One step; returns the step's result and the executor's (its action log and, with `trace`, timings)."""
+    for g in optimizer.param_groups:
+        g["lr"] = lr
+    ids, labels = _inputs(pipe, batch)
+    reducer.zero_grad()
+    reducer.prepare(last=False)  # no reduction during the schedule: finish() reduces every bucket
+    pipe.executor.forward_context = lambda: autocast(precision, device)
+    if trace:
+        comm.barrier(mesh.pp)  # a common start, so the ranks' timings line up
+    run = pipe.executor.run(ids, labels, loss_scale=1.0 / batch.global_tokens, trace=trace)
+    reducer.finish()
+    pipe.sync_tied_grads()
+    norm = clip_grad_norm(pipe.norm_parameters(), clip_grad, mesh.group("model-parallel"))
+    optimizer.step()
+    local = torch.zeros((), dtype=torch.float64)
+    for s in run.loss_sums.values():
+        local += s.double().cpu()
+    comm.all_reduce_(local, mesh.pp, tag="loss")
+    comm.all_reduce_(local, mesh.dp_cp, tag="loss")
+    return StepResult(float(local) / batch.global_tokens, norm, batch.global_tokens), run
+
+
+@torch.no_grad()
+def pipeline_evaluate(pipe: PipelineModel, batches: list[StepBatch], *, precision: str, mesh,
+                      device: torch.device) -> float:
+    """Per-token mean loss over the eval batches, through the forward-only schedule (all ranks)."""
+    total = torch.zeros(2, dtype=torch.float64)
+    pipe.executor.forward_context = lambda: autocast(precision, device)
+    for batch in batches:
+        ids, labels = _inputs(pipe, batch)
+        run = pipe.executor.run(ids, labels, mode="loss")
+        total[0] += sum(float(s) for s in run.loss_sums.values())
+        total[1] += batch.global_tokens
+    loss = total[:1].clone()
+    comm.all_reduce_(loss, mesh.pp, tag="loss")
+    comm.all_reduce_(loss, mesh.dp_cp, tag="loss")
+    return float(loss / total[1])
+
+
+def pipeline_logprobs(pipe: PipelineModel, input_ids: list[torch.Tensor], labels: list[torch.Tensor], *,
+                      mesh) -> list[torch.Tensor]:
+    """Per-token log p(label) (b, s) of each microbatch, on every rank of the pipeline (broadcast from the
+    last stage's rank over the pipeline group): what an RL step needs for its reference/old policy."""
+    run = pipe.executor.run(input_ids, labels, mode="logprobs")
+    src = mesh.pp.global_rank(pipe.schedule.placement[-1])
+    out = []
+    for mb, ids in enumerate(input_ids):
+        t = run.logprobs.get(mb)
+        if t is None:
+            t = torch.empty(ids.shape, dtype=torch.float32, device=pipe.executor.device)
+        out.append(comm.broadcast_(t.contiguous(), src, mesh.pp, tag="logprobs"))
+    return out
+
+
+def gather_times(pipe: PipelineModel, run: RunResult, mesh) -> list[list[tuple[float, float]]]:
+    """Every pipeline rank's (start, end) per action, relative to its own first action (all ranks)."""
+    longest = max(len(a) for a in pipe.schedule.ranks)
+    mine = torch.zeros(longest, 2, dtype=torch.float64)
+    if run.times:
+        t0 = run.times[0][0]
+        mine[: len(run.times)] = torch.tensor([[a - t0, b - t0] for a, b in run.times], dtype=torch.float64)
+    every = comm.all_gather(mine.unsqueeze(0), 0, mesh.pp, tag="trace")  # (pp, longest, 2)
+    return [[(float(a), float(b)) for a, b in every[r, : len(pipe.schedule.ranks[r])]]
+            for r in range(pipe.schedule.num_ranks)]
+
+
+
+def trace_report(pipe: PipelineModel, run: RunResult, mesh, png: Path | None) -> str:
+    """The measured timeline of a traced step (all ranks call it; rank 0's text is the one to print):
+    text timeline, measured bubble per rank next to the simulator's on the measured per-stage costs,
+    and the PNG drawn like `fivefold schedule --png`."""
+    schedule = pipe.schedule
+    measured = measured_result(schedule, gather_times(pipe, run, mesh))
+    predicted = simulate(schedule, stage_costs(schedule, measured))
+    lines = [text_timeline(schedule, measured), f"measured schedule {schedule.name} (ms): makespan "
+             f"{measured.makespan:.1f} (simulator on the measured per-stage costs: {predicted.makespan:.1f})"]
+    for r in range(schedule.num_ranks):
+        lines.append(f"  rank {r}: bubble {measured.bubble[r]:.1%} measured, {predicted.bubble[r]:.1%} simulated")
+    if png is not None and mesh.rank == 0:
+        draw_png(schedule, measured, str(png))
+        lines.append(f"wrote {png}")
+    return "\n".join(lines)

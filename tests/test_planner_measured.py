@@ -1,0 +1,42 @@
+"""The planner's per-rank estimates against one measured training step (CPU, gloo, fp32): layouts
+from benchmarks/planner_vs_measured.py (which runs all of them and prints the table).
+
+Tolerances are the planner issue's goals, not fitted: model-communication call bytes within 1%
+(they are a closed form of the parameter count and shapes; the DP gradient all-reduce is in fact
+exact, asserted as such), peak tensor memory within 10% (the planner leaves out kilobyte-sized
+tensors: RoPE tables, token ids, AdamW's step counters; the benchmark shows ~0.1%).
+"""
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.planner_vs_measured import CASES, MEMORY_TOL, run_case
+
+CHOSEN = ["DP2 mbs2", "DP2 mbs2 GA2 tied"]
+"""Untied with one microbatch, tied with gradient accumulation: 2 ranks, ~10 s each."""
+
+
+@pytest.fixture(scope="module")
+def pools():
+    """Worker pools by world size, shared by this module's layouts."""
+    pools: dict = {}
+    yield pools
+    for p in pools.values():
+        p.close()
+
+
+@pytest.mark.parametrize("name", CHOSEN)
+def test_estimates_match_one_measured_step(pools, name):
+    case = next(c for c in CASES if c.name == name)
+    rows = run_case(pools, case)
+    assert len(rows) == case.world
+    for r in rows:
+        assert "dp-grad" in r.meas_bytes, "the DP gradient all-reduce was not counted"
+        for tag in r.tags:
+            # one all-reduce of every fp32 gradient, counted by its tensor: exact, not just within 1%
+            assert r.est_bytes.get(tag, 0) == r.meas_bytes.get(tag, 0), (tag, r.est_bytes, r.meas_bytes)
+        assert abs(r.memory_ratio - 1) <= MEMORY_TOL, (r.rank, r.est_memory.as_dict(), r.meas_kinds)
+        # model state is exact (parameters, fp32 grads, AdamW's two moments + per-tensor step counters)
+        est, meas = r.est_kinds(), r.measured_by_planner_kind()
+        assert est["weights"] == meas["weights"] and est["grads"] == meas["grads"]
+        assert 0 <= meas["optimizer"] - est["optimizer"] <= 4 * 200  # step counters: 4 bytes per tensor
