@@ -46,7 +46,7 @@ def test_unknown_override_key(tmp_path):
 
 
 @pytest.mark.parametrize("words,needle", [
-    (["--tensor-model-parallel-size", "2"], "tensor parallelism (TP > 1)"),
+    (["training.recompute_granularity=full"], "activation recompute"),
     (["training.use_distributed_optimizer=true"], "distributed optimizer"),
 ])
 def test_not_implemented_knob(tmp_path, words, needle):

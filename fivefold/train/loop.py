@@ -14,11 +14,13 @@ import torch
 from tqdm import tqdm
 
 from fivefold.checkpoint import io as ckpt
+from fivefold.checkpoint.layout import ShardSpec as CheckpointShard
+from fivefold.checkpoint.layout import whole
 from fivefold.config.schema import Config, to_dict
 from fivefold.data.dataset import DocumentDataset, PackedDataset, load_splits
 from fivefold.data.loader import BatchLoader
 from fivefold.errors import UserError
-from fivefold.model import Decoder
+from fivefold.model import build_decoder
 from fivefold.runtime import comm
 from fivefold.parallel.data import GradReducer
 from fivefold.train.context import RankContext, layout_text
@@ -62,9 +64,15 @@ def _loaders(config: Config, ctx: RankContext, data_dir: Path) -> tuple[BatchLoa
     return BatchLoader(train_ds, seed=t.seed, **kw), eval_loader
 
 
+def shard_of(name: str, p: torch.nn.Parameter) -> CheckpointShard:
+    """Where a parameter sits in the one-process tensor: TP shards at their offset, the rest whole."""
+    spec = getattr(p, "tp_shard", None)
+    return CheckpointShard(spec.full_shape, spec.offsets) if spec is not None else whole(p.shape)
+
+
 def _save(config: Config, ctx: RankContext, root: Path, step: int, model, optimizer) -> Path:
     return ckpt.save_checkpoint(
-        root, step, model=model, optimizer=optimizer, rank=ctx.rank, writes_params=ctx.dp_rank == 0,
+        root, step, model=model, optimizer=optimizer, rank=ctx.rank, writes_params=ctx.dp_rank == 0, shard_of=shard_of,
         barrier=lambda: comm.barrier(ctx.world_group),
         extra={"optimizer_step": step, "world_size": ctx.world_size, "data": {"next_step": step,
                "consumed_samples": step * config.training.global_batch_size}, "config": to_dict(config)})
@@ -77,13 +85,13 @@ def train(config: Config, ctx: RankContext, data_dir: Path, *, progress: bool = 
         pipe = build_pipeline(config, ctx.mesh, microbatches_per_step(config, ctx.dp_size), device=ctx.device)
         model = pipe.module
     else:
-        model = Decoder(config.model, seed=t.seed).to(ctx.device)
+        model = build_decoder(config, ctx.mesh).to(ctx.device)
     optimizer = build_optimizer(model, t)
     reducer = GradReducer(model.parameters(), ctx.dp_group)
     train_loader, eval_loader = _loaders(config, ctx, data_dir)
     start = 0
     if config.checkpoint.load:
-        meta = ckpt.load_checkpoint(config.checkpoint.load, model=model, optimizer=optimizer, rank=ctx.rank,
+        meta = ckpt.load_checkpoint(config.checkpoint.load, model=model, optimizer=optimizer, rank=ctx.rank, shard_of=shard_of,
                                     world_size=ctx.world_size)
         start = int(meta["data"]["next_step"])
     save_root = Path(config.checkpoint.save or ctx.out_dir / "checkpoints")
@@ -108,7 +116,7 @@ def train(config: Config, ctx: RankContext, data_dir: Path, *, progress: bool = 
         else:
             r = train_step(model, optimizer, reducer, train_loader.step_batch(step), lr=lr_at(step, t),
                            clip_grad=t.clip_grad, precision=t.precision, dp_group=ctx.dp_group,
-                           model_parallel_group=ctx.model_parallel_group, device=ctx.device)
+                           model_parallel_group=ctx.model_parallel_group, tp_group=ctx.mesh.tp, device=ctx.device)
         dt = time.perf_counter() - t0
         times.append((r.tokens, dt))
         peak = comm.all_gather(torch.tensor([peak_memory_bytes(ctx.device)], dtype=torch.float64), 0,

@@ -16,6 +16,7 @@ from fivefold.data.loader import IGNORE_INDEX, Microbatch, StepBatch
 from fivefold.runtime import comm
 from fivefold.runtime.mesh import Group
 from fivefold.parallel.data import GradReducer
+from fivefold.parallel.tensor import owns_grad, reduce_tp_grads
 from fivefold.train.optim import clip_grad_norm
 
 
@@ -42,7 +43,9 @@ def loss_sum(model: nn.Module, mb: Microbatch, precision: str, device: torch.dev
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, reducer: GradReducer, batch: StepBatch, *,
                lr: float, clip_grad: float, precision: str, dp_group: Group, model_parallel_group: Group,
-               device: torch.device) -> StepResult:
+               device: torch.device, tp_group: Group | None = None) -> StepResult:
+    """`tp_group`: completes the gradients of TP-replicated parameters (SP norms, KV replicas) and
+    counts each replicated parameter once in the gradient norm (summed over `model_parallel_group`)."""
     for g in optimizer.param_groups:
         g["lr"] = lr
     reducer.zero_grad()
@@ -56,7 +59,11 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, reducer: Grad
     if n == 0:
         reducer.prepare(last=True)
     reducer.finish()
-    norm = clip_grad_norm(model.parameters(), clip_grad, model_parallel_group)
+    params = list(model.parameters())
+    if tp_group is not None:
+        reduce_tp_grads(params, tp_group)
+    tp_rank = tp_group.rank if tp_group is not None else 0
+    norm = clip_grad_norm([p for p in params if owns_grad(p, tp_rank)], clip_grad, model_parallel_group)
     optimizer.step()
     comm.all_reduce_(local, dp_group, tag="loss")
     return StepResult(float(local) / batch.global_tokens, norm, batch.global_tokens)
