@@ -132,3 +132,10 @@ class Decoder(nn.Module):
         keep = labels != ignore_index
         picked = logp.gather(-1, torch.where(keep, labels, 0).unsqueeze(-1)).squeeze(-1)  # (b, s)
         return picked * keep
+
+
+def build_decoder(config, mesh) -> Decoder:
+    """The whole (non-pipelined) model a training run of `config` builds on this rank of `mesh`:
+    the one place that maps the run's config onto Decoder's arguments."""
+    return Decoder(config.model, mesh=mesh, seed=config.training.seed,
+                   sequence_parallel=config.parallel.sequence_parallel)

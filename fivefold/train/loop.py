@@ -20,7 +20,7 @@ from fivefold.config.schema import Config, to_dict
 from fivefold.data.dataset import DocumentDataset, PackedDataset, load_splits
 from fivefold.data.loader import BatchLoader
 from fivefold.errors import UserError
-from fivefold.model import Decoder
+from fivefold.model import build_decoder
 from fivefold.runtime import comm
 from fivefold.parallel.data import GradReducer
 from fivefold.train.context import RankContext, layout_text
@@ -85,8 +85,7 @@ def train(config: Config, ctx: RankContext, data_dir: Path, *, progress: bool = 
         pipe = build_pipeline(config, ctx.mesh, microbatches_per_step(config, ctx.dp_size), device=ctx.device)
         model = pipe.module
     else:
-        model = Decoder(config.model, mesh=ctx.mesh, seed=t.seed,
-                        sequence_parallel=config.parallel.sequence_parallel).to(ctx.device)
+        model = build_decoder(config, ctx.mesh).to(ctx.device)
     optimizer = build_optimizer(model, t)
     reducer = GradReducer(model.parameters(), ctx.dp_group)
     train_loader, eval_loader = _loaders(config, ctx, data_dir)
@@ -117,8 +116,7 @@ def train(config: Config, ctx: RankContext, data_dir: Path, *, progress: bool = 
         else:
             r = train_step(model, optimizer, reducer, train_loader.step_batch(step), lr=lr_at(step, t),
                            clip_grad=t.clip_grad, precision=t.precision, dp_group=ctx.dp_group,
-                           model_parallel_group=ctx.model_parallel_group, tp_group=ctx.mesh.tp,
-                           device=ctx.device)
+                           model_parallel_group=ctx.model_parallel_group, tp_group=ctx.mesh.tp, device=ctx.device)
         dt = time.perf_counter() - t0
         times.append((r.tokens, dt))
         peak = comm.all_gather(torch.tensor([peak_memory_bytes(ctx.device)], dtype=torch.float64), 0,
