@@ -64,6 +64,8 @@ CASES = [
     Case("DP4 mbs1 GA2 GQA2", 4, 1, 8, model={"num_query_groups": 2}),
     Case("DP2 mbs2 12L vocab4096", 2, 2, 4, model={"num_layers": 12, "vocab_size": 4096}),
     Case("DP4 mbs1 h384 6L", 4, 1, 4, model={"hidden_size": 384, "num_attention_heads": 6, "num_layers": 6}),
+    Case("TP2 mbs2", 2, 2, 2, parallel={"tensor_model_parallel_size": 2}),
+    Case("TP2 SP mbs2", 2, 2, 2, parallel={"tensor_model_parallel_size": 2, "sequence_parallel": True}),
 ]
 
 

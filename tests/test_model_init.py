@@ -63,6 +63,6 @@ def test_bad_requests_are_refused():
             self.size = size
 
     class _Mesh:
-        tp, cp = _G(2), _G(1)
-    with pytest.raises(NotImplementedYet, match="tp size 2"):
+        tp, cp = _G(1), _G(2)
+    with pytest.raises(NotImplementedYet, match="cp size 2"):
         Decoder(CFG, mesh=_Mesh())

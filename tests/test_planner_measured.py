@@ -12,8 +12,9 @@ import pytest
 
 from benchmarks.planner_vs_measured import CASES, MEMORY_TOL, run_case
 
-CHOSEN = ["DP2 mbs2", "DP2 mbs2 GA2 tied"]
-"""Untied with one microbatch, tied with gradient accumulation: 2 ranks, ~10 s each."""
+CHOSEN = ["DP2 mbs2", "DP2 mbs2 GA2 tied", "TP2 SP mbs2"]
+"""Untied with one microbatch, tied with gradient accumulation, and TP with sequence parallelism
+(all-gathers / reduce-scatters, SP-norm gradient all-reduce, vocab-parallel loss): 2 ranks, ~10 s each."""
 
 
 @pytest.fixture(scope="module")
@@ -31,9 +32,11 @@ def test_estimates_match_one_measured_step(pools, name):
     rows = run_case(pools, case)
     assert len(rows) == case.world
     for r in rows:
-        assert "dp-grad" in r.meas_bytes, "the DP gradient all-reduce was not counted"
+        model_tag = "sp" if "SP" in name else "dp-grad"
+        assert model_tag in r.meas_bytes, f"no {model_tag} communication was counted"
         for tag in r.tags:
-            # one all-reduce of every fp32 gradient, counted by its tensor: exact, not just within 1%
+            # closed forms of the shapes (gradient all-reduce of every fp32 gradient; per layer 2
+            # all-gathers + 2 reduce-scatters of b*s*h each way under SP): exact, not just within 1%
             assert r.est_bytes.get(tag, 0) == r.meas_bytes.get(tag, 0), (tag, r.est_bytes, r.meas_bytes)
         assert abs(r.memory_ratio - 1) <= MEMORY_TOL, (r.rank, r.est_memory.as_dict(), r.meas_kinds)
         # model state is exact (parameters, fp32 grads, AdamW's two moments + per-tensor step counters)

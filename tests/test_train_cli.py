@@ -46,7 +46,6 @@ def test_unknown_override_key(tmp_path):
 
 
 @pytest.mark.parametrize("words,needle", [
-    (["--tensor-model-parallel-size", "2"], "tensor parallelism (TP > 1)"),
     (["--context-parallel-size", "2"], "context parallelism (CP > 1)"),
 ])
 def test_not_implemented_knob(tmp_path, words, needle):

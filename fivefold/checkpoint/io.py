@@ -92,6 +92,8 @@ def _commit(root: Path, tmp: Path, final: Path, step: int, extra: dict, keep: in
         tag = frag.stem.split("-")[1]
         for name, s in json.loads(frag.read_text()).items():
             entry = params.setdefault(name, {"global_shape": s["global_shape"], "dtype": s["dtype"], "shards": []})
+            if any(x["offsets"] == s["offsets"] and x["shape"] == s["shape"] for x in entry["shards"]):
+                continue  # a replica (a TP-replicated norm gain is written by every TP rank): listed once
             entry["shards"].append({"file": s["file"], "offsets": s["offsets"], "shape": s["shape"]})
         frag.unlink()
     merge_optim_listings(tmp, params)

@@ -14,6 +14,9 @@ from torch import nn
 from fivefold.config.schema import ModelConfig
 from fivefold.model.recompute import maybe_checkpoint
 from fivefold.model.rope import apply_rope
+from fivefold.parallel.heads import split_heads
+from fivefold.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, TPMode, column_linears,
+                                      mark_kv_replica)
 
 
 def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -22,24 +25,39 @@ def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    """q/k/v_proj are column-parallel candidates (split by heads), o_proj row-parallel."""
+    """q/k/v_proj column-parallel (split by heads), o_proj row-parallel when `tp` has > 1 rank:
+    this rank then holds the query heads and KV heads of `split_heads` (KV heads replicated when
+    TP > KV heads) and computes attention for its heads only; x is (b, s/tp, h) under SP."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp=None, mode: TPMode = TPMode.ALL_REDUCE):
         super().__init__()
         h, self.d = cfg.hidden_size, cfg.head_dim
         self.heads, self.kv_heads = cfg.num_attention_heads, cfg.kv_heads
-        self.q_proj = nn.Linear(h, self.heads * self.d, bias=False)
-        self.k_proj = nn.Linear(h, self.kv_heads * self.d, bias=False)
-        self.v_proj = nn.Linear(h, self.kv_heads * self.d, bias=False)
-        self.o_proj = nn.Linear(self.heads * self.d, h, bias=False)
+        a, g, d = self.heads, self.kv_heads, self.d
         self.recompute_core = False
         """Selective recompute: keep q, k, v and recompute the core attention in backward."""
+        if tp is None:
+            self.q_proj = nn.Linear(h, a * d, bias=False)
+            self.k_proj = nn.Linear(h, g * d, bias=False)
+            self.v_proj = nn.Linear(h, g * d, bias=False)
+            self.o_proj = nn.Linear(a * d, h, bias=False)
+            return
+        split = split_heads(a, g, tp.size, tp.rank)
+        kv_rows = range(split.kv_heads.start * d, split.kv_heads.stop * d)
+        self.q_proj = ColumnParallelLinear(h, a * d, group=tp, mode=mode)
+        self.k_proj = ColumnParallelLinear(h, g * d, group=tp, mode=mode, rows=kv_rows)
+        self.v_proj = ColumnParallelLinear(h, g * d, group=tp, mode=mode, rows=kv_rows)
+        self.o_proj = RowParallelLinear(a * d, h, group=tp, mode=mode)
+        if split.kv_replicas > 1:
+            for p in (self.k_proj.weight, self.v_proj.weight):
+                mark_kv_replica(p, split, g)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        b, s, _ = x.shape
-        q = self.q_proj(x).view(b, s, -1, self.d).transpose(1, 2)  # (b, a, s, d)
-        k = self.k_proj(x).view(b, s, -1, self.d).transpose(1, 2)  # (b, g, s, d)
-        v = self.v_proj(x).view(b, s, -1, self.d).transpose(1, 2)  # (b, g, s, d)
+        q, k, v = column_linears(x, [self.q_proj, self.k_proj, self.v_proj])  # (b, s, (a|g)/tp * d)
+        b, s = q.shape[:2]
+        q = q.view(b, s, -1, self.d).transpose(1, 2)  # (b, a/tp, s, d)
+        k = k.view(b, s, -1, self.d).transpose(1, 2)  # (b, g/tp, s, d)
+        v = v.view(b, s, -1, self.d).transpose(1, 2)  # (b, g/tp, s, d)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        o = maybe_checkpoint(core_attention, self.recompute_core, q, k, v)  # (b, a, s, d)
-        return self.o_proj(o.transpose(1, 2).reshape(b, s, -1))  # (b, s, a*d) -> (b, s, h)
+        o = maybe_checkpoint(core_attention, self.recompute_core, q, k, v)  # (b, a/tp, s, d)
+        return self.o_proj(o.transpose(1, 2).reshape(b, s, -1))  # (b, s, a/tp*d) -> (b, s, h) or (b, s/tp, h)

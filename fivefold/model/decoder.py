@@ -21,6 +21,9 @@ from fivefold.model.init import init_parameters_
 from fivefold.model.norm import RMSNorm
 from fivefold.model.recompute import Recompute, maybe_checkpoint
 from fivefold.model.rope import rope_tables
+from fivefold.parallel.cross_entropy import vocab_parallel_cross_entropy
+from fivefold.parallel.tensor import (ColumnParallelLinear, TPMode, VocabParallelEmbedding, mark_sequence_sharded,
+                                      to_empty_keeping_tp)
 
 
 def _check_supported(cfg: ModelConfig, mesh) -> None:
@@ -34,7 +37,7 @@ def _check_supported(cfg: ModelConfig, mesh) -> None:
         raise UserError(f"num_attention_heads={cfg.num_attention_heads} must be a multiple of "
                         f"num_query_groups={cfg.kv_heads}")
     if mesh is not None:
-        for dim in ("tp", "cp"):
+        for dim in ("cp",):
             size = getattr(mesh, dim).size
             if size > 1:
                 raise NotImplementedYet(f"fivefold.model: Decoder with {dim} size {size}")
@@ -44,23 +47,36 @@ class Decoder(nn.Module):
     """ids (b, s) -> logits (b, s, V_padded); see the module docstring for pipeline stages."""
 
     def __init__(self, cfg: ModelConfig, *, mesh=None, layers: Sequence[int] | None = None,
-                 embedding: bool = True, head: bool = True, seed: int = 0):
+                 embedding: bool = True, head: bool = True, seed: int = 0, sequence_parallel: bool = False):
+        """With `mesh.tp` of > 1 rank the layers are tensor-parallel (fivefold.parallel.tensor), the
+        vocabulary is padded to a multiple of 128 x TP and split over TP, and `sequence_parallel`
+        keeps the residual stream as (b, s/tp, h). Every TP parameter is the slice of the
+        one-process parameter of the same name (`tp_shard`), so all layouts start equal."""
         super().__init__()
         _check_supported(cfg, mesh)
+        tp = mesh.tp if mesh is not None and mesh.tp.size > 1 else None
+        mode = TPMode.of(sequence_parallel and tp is not None)
+        self.tp, self.mode = tp, mode
         ids = list(range(cfg.num_layers)) if layers is None else [int(i) for i in layers]
         if any(not 0 <= i < cfg.num_layers for i in ids) or ids != sorted(set(ids)):
             raise UserError(f"Decoder layers={ids}: need increasing indices in 0..{cfg.num_layers - 1}")
         self.cfg, self.seed, self.layer_ids = cfg, seed, ids
         self.has_embedding, self.has_head = embedding, head
         self.vocab_size = cfg.vocab_size
-        self.padded_vocab_size = cfg.padded_vocab_size(1)
+        self.padded_vocab_size = cfg.padded_vocab_size(tp.size if tp else 1)
         h, vp = cfg.hidden_size, self.padded_vocab_size
         with torch.device("meta"):  # no throw-away default init; values come from init_parameters_
-            self.embedding = nn.Embedding(vp, h) if embedding else None
-            self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg) for i in ids})
+            if tp is None:
+                self.embedding = nn.Embedding(vp, h) if embedding else None
+                self.head = nn.Linear(h, vp, bias=False) if head else None
+            else:
+                self.embedding = VocabParallelEmbedding(vp, h, group=tp, mode=mode) if embedding else None
+                self.head = ColumnParallelLinear(h, vp, group=tp, mode=mode) if head else None
+            self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, tp, mode) for i in ids})
             self.final_norm = RMSNorm(h, cfg.norm_epsilon) if head else None
-            self.head = nn.Linear(h, vp, bias=False) if head else None
-        self.to_empty(device="cpu")
+        if head and mode is TPMode.SEQUENCE_PARALLEL:
+            mark_sequence_sharded(self.final_norm.weight)
+        to_empty_keeping_tp(self, "cpu")
         aliases = {}
         if head and cfg.tie_word_embeddings:
             if embedding:
@@ -79,9 +95,13 @@ class Decoder(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: ids (b, s) with an embedding, else hidden (b, s, h). Returns logits (b, s, V_padded)
-        with a head (padded columns are 0: their rows are zero), else hidden (b, s, h)."""
-        hidden = self.embedding(x) if self.has_embedding else x  # (b, s, h)
-        positions = torch.arange(hidden.shape[1], device=hidden.device)
+        with a head (padded columns are 0: their rows are zero), else hidden (b, s, h).
+        Tensor-parallel: logits are this rank's vocabulary slice (b, s, V_padded/tp); under sequence
+        parallelism hidden states in and out are this rank's (b, s/tp, h)."""
+        sp = self.mode is TPMode.SEQUENCE_PARALLEL
+        s = x.shape[1] * (self.tp.size if sp and not self.has_embedding else 1)
+        hidden = self.embedding(x) if self.has_embedding else x  # (b, s, h) or (b, s/tp, h)
+        positions = torch.arange(s, device=hidden.device)
         cos, sin = rope_tables(positions, self.cfg.head_dim, self.cfg.rotary_base)  # (s, d)
         layers = list(self.layers.values())
         for start, end, recompute in self.recompute.spans(len(layers)):
@@ -94,6 +114,12 @@ class Decoder(nn.Module):
             return hidden
         return self.head(self.final_norm(hidden))  # (b, s, V_padded)
 
+    def _head_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """This TP rank's (b, s, V_padded/tp) logits; the full vocabulary is never gathered."""
+        if not self.has_head:
+            raise UserError("Decoder.loss/logprobs need the output layer (head=True)")
+        return self.forward(x)
+
     def _vocab_logits(self, x: torch.Tensor) -> torch.Tensor:
         """fp32 logits over the real vocabulary (b, s, V). Dropping the padded columns is the same as
         masking them to -inf: exp(-inf) = 0 adds nothing to the softmax and they get no gradient."""
@@ -104,13 +130,26 @@ class Decoder(nn.Module):
     def loss(self, x: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> tuple[torch.Tensor, torch.Tensor]:
         """(sum over target tokens of -log p(label) in fp32, number of target tokens): tokens whose
         label is ignore_index count in neither. The caller divides by the global token count."""
+        if self.tp is not None:
+            losses, _ = vocab_parallel_cross_entropy(self._head_logits(x), labels, self.tp, self.vocab_size, ignore_index)
+            return losses.sum(), (labels != ignore_index).sum()
         logits = self._vocab_logits(x)  # (b, s, V)
         total = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=ignore_index, reduction="sum")
         return total, (labels != ignore_index).sum()
 
     def logprobs(self, x: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
         """Per-token log p(label) (b, s) in fp32; 0 where label == ignore_index."""
+        if self.tp is not None:
+            _, logp = vocab_parallel_cross_entropy(self._head_logits(x), labels, self.tp, self.vocab_size, ignore_index)
+            return logp
         logp = torch.log_softmax(self._vocab_logits(x), dim=-1)  # (b, s, V)
         keep = labels != ignore_index
         picked = logp.gather(-1, torch.where(keep, labels, 0).unsqueeze(-1)).squeeze(-1)  # (b, s)
         return picked * keep
+
+
+def build_decoder(config, mesh) -> Decoder:
+    """The whole (non-pipelined) model a training run of `config` builds on this rank of `mesh`:
+    the one place that maps the run's config onto Decoder's arguments."""
+    return Decoder(config.model, mesh=mesh, seed=config.training.seed,
+                   sequence_parallel=config.parallel.sequence_parallel)

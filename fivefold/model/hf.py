@@ -28,6 +28,7 @@ from fivefold.errors import UserError
 from fivefold.model.block import DecoderLayer
 from fivefold.model.decoder import Decoder
 from fivefold.model.init import VOCAB_PARAMS
+from fivefold.parallel.tensor import shard_state_dict
 from fivefold.planner.hf import load_hf_config
 
 INDEX = "model.safetensors.index.json"
@@ -169,5 +170,5 @@ def load_hf(path: str | Path, **kw) -> Decoder:
     cfg = config_from_hf(path)
     model = Decoder(cfg, **kw)
     state = state_dict_from_hf(path, cfg, names=model.state_dict().keys())
-    model.load_state_dict(state)
+    model.load_state_dict(shard_state_dict(model, state))  # tensor-parallel: this rank's slices
     return model

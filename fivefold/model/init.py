@@ -42,4 +42,6 @@ def init_parameters_(model: nn.Module, *, seed: int, std: float, vocab_size: int
     aliases = aliases or {}
     for name, p in model.named_parameters():
         key = aliases.get(name, name)
-        p.copy_(initial_value(key, tuple(p.shape), seed=seed, std=std, vocab_size=vocab_size))
+        spec = getattr(p, "tp_shard", None)  # a tensor-parallel shard: cut from the full value
+        full = initial_value(key, spec.full_shape if spec else tuple(p.shape), seed=seed, std=std, vocab_size=vocab_size)
+        p.copy_(spec.of(full) if spec else full)

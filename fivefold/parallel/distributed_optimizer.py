@@ -32,8 +32,8 @@ from fivefold.checkpoint.optim_state import OptimShard
 from fivefold.config.schema import TrainingConfig
 from fivefold.parallel.data import GradReducer
 from fivefold.runtime import comm
-from fivefold.runtime.mesh import Group
-from fivefold.train.optim import build_adamw, clip_, global_norm
+from fivefold.parallel.tensor import TP_ATTRIBUTES
+from fivefold.train.optim import build_adamw
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,8 @@ class Piece:
 class DistributedOptimizer:
     """AdamW over this rank's chunks of the parameters; `param_groups` and `state` as torch.optim's.
 
-    Per step, after reducer.finish():  norm = opt.clip_grad_norm(max_norm, groups);  opt.step()."""
+    Per step, after reducer.finish(): clip the gradients of `main_params()` by the global norm
+    (fivefold.train.step.clip_and_step adds this optimizer's `group`), then `step()`."""
 
     def __init__(self, model: nn.Module, reducer: GradReducer, training: TrainingConfig, *, tag: str = "dp-param"):
         if not reducer.shard:
@@ -72,6 +73,9 @@ class DistributedOptimizer:
                 start, end = max(lo, offset), min(hi, offset + p.numel())
                 if start < end:
                     leaf = nn.Parameter(b.param_buffer[start:end])  # shares the buffer's storage
+                    for attr in TP_ATTRIBUTES:
+                        if hasattr(p, attr):
+                            setattr(leaf, attr, getattr(p, attr))
                     self.pieces.append(Piece(names[id(p)], p, (start - offset, end - offset), leaf, i,
                                              (start - lo, end - lo)))
         self.optimizer = build_adamw([pc.tensor for pc in self.pieces if pc.param.ndim >= 2],
@@ -93,18 +97,14 @@ class DistributedOptimizer:
                 raise RuntimeError("DistributedOptimizer: call reducer.finish() before reading the gradients")
             pc.tensor.grad = shard[pc.grad_range[0]: pc.grad_range[1]]
 
-    def clip_grad_norm(self, max_norm: float, model_parallel: Group | None = None,
-                       counted: Iterable[nn.Parameter] | None = None) -> float:
-        """Global gradient norm over every rank's chunks (DP x CP, then `model_parallel`), and clip.
-        `counted`: the parameters this rank counts in the norm (default all; e.g. a pipeline's tied
-        head copy or a TP replica is left out); every piece is scaled."""
+    def main_params(self, of: Iterable[nn.Parameter] | None = None) -> list[nn.Parameter]:
+        """This rank's pieces of the parameters `of` (default all), each holding its reduced gradient
+        chunk as .grad (call after reducer.finish()): what clipping reads and step() updates. A piece
+        carries its parameter's TP attributes, so TP gradient completion and norm ownership apply to
+        it as to the parameter (every TP rank's buffer has the same layout, so the same ranges)."""
         self._attach_grads()
-        ids = None if counted is None else {id(p) for p in counted}
-        grads = [pc.tensor.grad for pc in self.pieces if ids is None or id(pc.param) in ids]
-        groups = [self.group] + ([model_parallel] if model_parallel is not None else [])
-        norm = global_norm(grads, groups)
-        clip_([pc.tensor.grad for pc in self.pieces], max_norm, norm)
-        return norm
+        ids = None if of is None else {id(p) for p in of}
+        return [pc.tensor for pc in self.pieces if ids is None or id(pc.param) in ids]
 
     def step(self) -> None:
         """AdamW on this rank's chunks, then every bucket's chunks all-gathered into the parameters."""

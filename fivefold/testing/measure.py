@@ -29,7 +29,7 @@ import torch
 from fivefold.config.schema import Config
 from fivefold.config.validate import layout_of
 from fivefold.data.loader import Microbatch, StepBatch
-from fivefold.model import Decoder
+from fivefold.model import build_decoder
 from fivefold.parallel.data import GradReducer
 from fivefold.planner.versus import BOOKKEEPING_TAGS
 from fivefold.runtime import traffic
@@ -91,7 +91,7 @@ def measure_step(rank: int, world: int, config: Config) -> RankMeasurement:
 
     t = config.training
     mesh = Mesh.build(layout_of(config))
-    model = Decoder(config.model, seed=t.seed)
+    model = build_decoder(config, mesh)
     optimizer = build_optimizer(model, t)
     reducer = _Reducer(model.parameters(), mesh.dp_cp)
     device = torch.device("cpu")
@@ -99,7 +99,7 @@ def measure_step(rank: int, world: int, config: Config) -> RankMeasurement:
     def step(i: int):
         return train_step(model, optimizer, reducer, synthetic_batch(config, i, mesh.dp.rank, mesh.dp.size),
                           lr=t.lr, clip_grad=t.clip_grad, precision=t.precision, dp_group=mesh.dp_cp,
-                          model_parallel_group=mesh.group("model-parallel"), device=device)
+                          model_parallel_group=mesh.group("model-parallel"), tp_group=mesh.tp, device=device)
 
     step(0)
     traffic.reset()

@@ -14,11 +14,13 @@ import torch
 from tqdm import tqdm
 
 from fivefold.checkpoint import io as ckpt
+from fivefold.checkpoint.layout import ShardSpec as CheckpointShard
+from fivefold.checkpoint.layout import whole
 from fivefold.config.schema import Config, to_dict
 from fivefold.data.dataset import DocumentDataset, PackedDataset, load_splits
 from fivefold.data.loader import BatchLoader
 from fivefold.errors import UserError
-from fivefold.model import Decoder
+from fivefold.model import build_decoder
 from fivefold.runtime import comm
 from fivefold.model.recompute import Recompute
 from fivefold.parallel.data import GradReducer
@@ -67,6 +69,12 @@ def _loaders(config: Config, ctx: RankContext, data_dir: Path) -> tuple[BatchLoa
     return BatchLoader(train_ds, seed=t.seed, **kw), eval_loader
 
 
+def shard_of(name: str, p: torch.nn.Parameter) -> CheckpointShard:
+    """Where a parameter sits in the one-process tensor: TP shards at their offset, the rest whole."""
+    spec = getattr(p, "tp_shard", None)
+    return CheckpointShard(spec.full_shape, spec.offsets) if spec is not None else whole(p.shape)
+
+
 def _optim_shards(optimizer) -> list | None:
     """The ranges the optimizer keeps state for: ZeRO-1 chunks, or (None) every parameter whole."""
     return optimizer.optim_shards() if isinstance(optimizer, DistributedOptimizer) else None
@@ -74,7 +82,7 @@ def _optim_shards(optimizer) -> list | None:
 
 def _save(config: Config, ctx: RankContext, root: Path, step: int, model, optimizer) -> Path:
     return ckpt.save_checkpoint(
-        root, step, model=model, optimizer=optimizer, rank=ctx.rank, writes_params=ctx.dp_rank == 0,
+        root, step, model=model, optimizer=optimizer, rank=ctx.rank, writes_params=ctx.dp_rank == 0, shard_of=shard_of,
         optim_shards=_optim_shards(optimizer),
         writes_optim=isinstance(optimizer, DistributedOptimizer) or ctx.dp_rank == 0,
         barrier=lambda: comm.barrier(ctx.world_group),
@@ -88,7 +96,7 @@ def _step(config: Config, ctx: RankContext, step: int, pipe, model, optimizer, r
     if pipe is None:
         return train_step(model, optimizer, reducer, train_loader.step_batch(step), lr=lr_at(step, t),
                           clip_grad=t.clip_grad, precision=t.precision, dp_group=ctx.dp_group,
-                          model_parallel_group=ctx.model_parallel_group, device=ctx.device)
+                          model_parallel_group=ctx.model_parallel_group, tp_group=ctx.mesh.tp, device=ctx.device)
     trace = config.logging.trace_schedule and step + 1 == t.train_iters
     r, run = pipeline_train_step(pipe, optimizer, reducer, train_loader.step_batch(step), lr=lr_at(step, t),
                                  clip_grad=t.clip_grad, precision=t.precision, mesh=ctx.mesh,
@@ -108,7 +116,7 @@ def train(config: Config, ctx: RankContext, data_dir: Path, *, progress: bool = 
         pipe = build_pipeline(config, ctx.mesh, microbatches_per_step(config, ctx.dp_size), device=ctx.device)
         model = pipe.module
     else:
-        model = Decoder(config.model, seed=t.seed).to(ctx.device)
+        model = build_decoder(config, ctx.mesh).to(ctx.device)
     recompute = Recompute.from_training(t)
     for module in (pipe.stages.values() if pipe is not None else [model]):
         module.set_recompute(recompute)
@@ -118,7 +126,7 @@ def train(config: Config, ctx: RankContext, data_dir: Path, *, progress: bool = 
     start = 0
     if config.checkpoint.load:
         meta = ckpt.load_checkpoint(config.checkpoint.load, model=model, optimizer=optimizer, rank=ctx.rank,
-                                    world_size=ctx.world_size, optim_shards=_optim_shards(optimizer))
+                                    shard_of=shard_of, world_size=ctx.world_size, optim_shards=_optim_shards(optimizer))
         start = int(meta["data"]["next_step"])
     save_root = Path(config.checkpoint.save or ctx.out_dir / "checkpoints")
     log = MetricsLog(ctx.out_dir, config.logging.tensorboard, resume_from=start) if ctx.is_main else None

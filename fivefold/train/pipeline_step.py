@@ -23,7 +23,7 @@ from fivefold.pipeline.simulate import simulate
 from fivefold.pipeline.trace import measured_result, stage_costs
 from fivefold.pipeline.stages import PipelineModel, build_pipeline  # noqa: F401 (the loop builds through here)
 from fivefold.runtime import comm
-from fivefold.train.step import StepResult, autocast, clip_and_step
+from fivefold.train.step import StepResult, autocast, clip_and_step, main_params
 
 
 def microbatches_per_step(config: Config, dp_size: int) -> int:
@@ -56,8 +56,8 @@ def pipeline_train_step(pipe: PipelineModel, optimizer: torch.optim.Optimizer, r
     run = pipe.executor.run(ids, labels, loss_scale=1.0 / batch.global_tokens, trace=trace)
     pipe.sync_tied_grads()  # before the DP reduction (the two sums commute): with ZeRO-1 it reduce-scatters
     reducer.finish()
-    norm = clip_and_step(optimizer, pipe.parameters(), clip_grad, mesh.group("model-parallel"),
-                         counted=pipe.norm_parameters())
+    norm = clip_and_step(optimizer, main_params(optimizer, pipe.parameters()),
+                         main_params(optimizer, pipe.norm_parameters()), clip_grad, mesh.group("model-parallel"))
     local = torch.zeros((), dtype=torch.float64)
     for s in run.loss_sums.values():
         local += s.double().cpu()

@@ -18,6 +18,7 @@ from fivefold.runtime import comm
 from fivefold.runtime.mesh import Group
 from fivefold.parallel.data import GradReducer
 from fivefold.parallel.distributed_optimizer import DistributedOptimizer
+from fivefold.parallel.tensor import owns_grad, reduce_tp_grads
 from fivefold.train.optim import clip_, global_norm
 
 
@@ -42,25 +43,32 @@ def loss_sum(model: nn.Module, mb: Microbatch, precision: str, device: torch.dev
     return total
 
 
-def clip_and_step(optimizer: torch.optim.Optimizer | DistributedOptimizer, params: Iterable[nn.Parameter],
-                  clip_grad: float, model_parallel_group: Group, counted: Iterable[nn.Parameter] | None = None) -> float:
-    """Global gradient norm (over the gradients of `counted`, default `params`, on every rank of the
-    model-parallel group), clip every gradient of `params` by it, step; returns the norm. The
-    distributed optimizer does both on its DP chunks (adding the DP x CP group) and all-gathers."""
-    params = list(params)
-    counted = params if counted is None else list(counted)
+def main_params(optimizer: torch.optim.Optimizer | DistributedOptimizer, params: Iterable[nn.Parameter]) -> list:
+    """The tensors the optimizer steps for `params`, holding their reduced gradients: the parameters
+    themselves, or with the distributed optimizer this rank's DP chunks of them (Megatron's main params)."""
     if isinstance(optimizer, DistributedOptimizer):
-        norm = optimizer.clip_grad_norm(clip_grad, model_parallel_group, counted=counted)
-    else:
-        norm = global_norm([p.grad for p in counted if p.grad is not None], model_parallel_group)
-        clip_([p.grad for p in params if p.grad is not None], clip_grad, norm)
+        return optimizer.main_params(params)
+    return list(params)
+
+
+def clip_and_step(optimizer: torch.optim.Optimizer | DistributedOptimizer, params: list, counted: list,
+                  clip_grad: float, model_parallel_group: Group) -> float:
+    """||g|| = sqrt(sum of g^2 over `counted` (main params this rank counts: each element of the
+    model once over the model-parallel group), added over that group and, with the distributed
+    optimizer, over the DP x CP group its chunks partition); every gradient of `params` is clipped
+    by it; then the optimizer steps. Returns ||g|| before clipping."""
+    groups = ([optimizer.group] if isinstance(optimizer, DistributedOptimizer) else []) + [model_parallel_group]
+    norm = global_norm([p.grad for p in counted if p.grad is not None], groups)
+    clip_([p.grad for p in params if p.grad is not None], clip_grad, norm)
     optimizer.step()
     return norm
 
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, reducer: GradReducer, batch: StepBatch, *,
                lr: float, clip_grad: float, precision: str, dp_group: Group, model_parallel_group: Group,
-               device: torch.device) -> StepResult:
+               device: torch.device, tp_group: Group | None = None) -> StepResult:
+    """`tp_group`: completes the gradients of TP-replicated parameters (SP norms, KV replicas) and
+    counts each replicated parameter once in the gradient norm (summed over `model_parallel_group`)."""
     for g in optimizer.param_groups:
         g["lr"] = lr
     reducer.zero_grad()
@@ -74,7 +82,12 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, reducer: Grad
     if n == 0:
         reducer.prepare(last=True)
     reducer.finish()
-    norm = clip_and_step(optimizer, model.parameters(), clip_grad, model_parallel_group)
+    params = main_params(optimizer, model.parameters())
+    if tp_group is not None:
+        reduce_tp_grads(params, tp_group)
+    tp_rank = tp_group.rank if tp_group is not None else 0
+    norm = clip_and_step(optimizer, params, [p for p in params if owns_grad(p, tp_rank)], clip_grad,
+                         model_parallel_group)
     comm.all_reduce_(local, dp_group, tag="loss")
     return StepResult(float(local) / batch.global_tokens, norm, batch.global_tokens)
 

@@ -28,8 +28,6 @@ def _is(*ok):
 
 
 RUNTIME_KNOBS: list[Knob] = [
-    Knob("parallel.tensor_model_parallel_size", _is(1), "tensor parallelism (TP > 1)"),
-    Knob("parallel.sequence_parallel", _is(False), "sequence parallelism"),
     Knob("parallel.context_parallel_size", _is(1), "context parallelism (CP > 1)"),
     Knob("parallel.expert_model_parallel_size", _is(1), "expert parallelism (EP > 1)"),
     Knob("parallel.expert_tensor_parallel_size", _is(None, 1), "expert tensor parallelism (ETP > 1)"),
@@ -47,8 +45,13 @@ def _get(config: Config, dotted: str):
 
 
 def unsupported(config: Config) -> list[str]:
-    """One line per knob set to a value the runtime does not run."""
-    return [f"{k.field}={_get(config, k.field)!r} ({k.what})" for k in RUNTIME_KNOBS if not k.runs(_get(config, k.field))]
+    """One line per knob set to a value the runtime does not run, and per combination it does not run."""
+    out = [f"{k.field}={_get(config, k.field)!r} ({k.what})" for k in RUNTIME_KNOBS if not k.runs(_get(config, k.field))]
+    p = config.parallel
+    if p.pipeline_model_parallel_size > 1 and p.tensor_model_parallel_size > 1:
+        out.append(f"parallel.pipeline_model_parallel_size={p.pipeline_model_parallel_size} together with "
+                   f"parallel.tensor_model_parallel_size={p.tensor_model_parallel_size} (PP x TP)")
+    return out
 
 
 def check_supported(config: Config) -> None:
@@ -56,4 +59,5 @@ def check_supported(config: Config) -> None:
     problems = unsupported(config)
     if problems:
         raise NotImplementedYet("training with " + "; ".join(problems) +
-                                " — this runtime trains data and pipeline parallelism (DP, PP) so far")
+                                " — this runtime trains data, tensor, sequence and pipeline parallelism "
+                                "(DP, TP, SP, PP; PP with TP not yet) so far")

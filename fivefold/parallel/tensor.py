@@ -1,0 +1,296 @@
+"""Tensor parallelism (Megatron-LM, Shoeybi et al. 2019) with its sequence-parallel mode
+(Korthikanti et al. 2022), over an explicitly passed TP `Group`.
+
+Column-parallel  Y = X A^T, A (out, in) split by output rows: rank r holds A_r and computes
+  Y_r = X A_r^T (its slice of the output features). Forward needs the whole X on every rank:
+    TPMode.ALL_REDUCE:        X is replicated; f = identity forward, all-reduce of dL/dX backward.
+    TPMode.SEQUENCE_PARALLEL: X arrives as the rank's s/tp shard; all-gather along the sequence
+                              forward, reduce-scatter of dL/dX backward.
+Row-parallel     Y = X B^T, B (out, in) split by input columns: rank r holds B_r and X_r (the output
+  of a column-parallel layer) and computes the partial sum P_r = X_r B_r^T; Y = sum_r P_r:
+    TPMode.ALL_REDUCE:        g = all-reduce forward, identity backward.
+    TPMode.SEQUENCE_PARALLEL: reduce-scatter along the sequence forward (Y leaves as the s/tp
+                              shard), all-gather of dL/dY backward.
+A transformer block is norm -> column (qkv / gate+up) -> local math -> row (out / down) -> residual,
+so each block holds its activations outside the linears either replicated (ALL_REDUCE) or
+sequence-sharded (SEQUENCE_PARALLEL), with no communication between row and the next column.
+
+Sequence parallel saves memory only if the gathered input is not kept for backward: the column
+layer saves its s/tp shard and re-gathers it in backward for dL/dA = dL/dY^T X. Backward launches
+that re-gather first, computes dL/dX = dL/dY A meanwhile, then launches dL/dX's reduce-scatter
+(all-reduce without SP) and computes dL/dA while it is in flight (Megatron's async grad all-reduce).
+
+Parameters carry attributes other code reads (Megatron's `tensor_model_parallel`):
+  tp_shard       ShardSpec: the parameter is this rank's slice of the one-process parameter.
+  tp_sum_grad    True: replicated, but each rank's gradient covers only its sequence shard (norms
+                 under SP): the gradients are summed over TP after backward (`reduce_tp_grads`).
+  tp_kv_slot     (slot, slots): a replicated KV-head weight (TP > KV heads); gradients are summed
+                 over the ranks holding the same slot.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from collections.abc import Iterable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fivefold.parallel.heads import HeadSplit
+from fivefold.runtime import comm, traffic
+from fivefold.runtime.mesh import Group
+
+SEQ_DIM = 1
+"""Activations are (b, s, h): the sequence is dim 1."""
+
+
+class TPMode(enum.Enum):
+    """How activations outside the TP linears are held on the ranks of a TP group."""
+
+    ALL_REDUCE = "all-reduce"
+    """Replicated (b, s, h) on every TP rank; the linears all-reduce."""
+    SEQUENCE_PARALLEL = "sequence-parallel"
+    """Sharded (b, s/tp, h) along the sequence; the linears all-gather and reduce-scatter."""
+
+    @classmethod
+    def of(cls, sequence_parallel: bool) -> "TPMode":
+        return cls.SEQUENCE_PARALLEL if sequence_parallel else cls.ALL_REDUCE
+
+
+def _mark(tag: str, phase: str) -> None:
+    """A compute span in comm's event log, so tests can see what overlapped a collective."""
+    traffic.event("compute", tag, phase)
+
+
+class _ColumnParallel(torch.autograd.Function):
+    """Y_j = X A_j^T for one input X and the weights A_j of this rank (q, k, v or gate, up): one
+    communication for all of them. Under SP, X is (b, s/tp, h) and only that shard is saved."""
+
+    @staticmethod
+    def forward(ctx, x, group: Group, mode: TPMode, *weights):
+        sp = mode is TPMode.SEQUENCE_PARALLEL and group.size > 1
+        x_full = comm.all_gather(x, SEQ_DIM, group, "sp") if sp else x  # (b, s, h)
+        ctx.save_for_backward(x, *weights)
+        ctx.group, ctx.sp = group, sp
+        return tuple(F.linear(x_full, w) for w in weights)  # each (b, s, out_j/tp)
+
+    @staticmethod
+    def backward(ctx, *grad_ys):
+        x, *weights = ctx.saved_tensors
+        group, sp = ctx.group, ctx.sp
+        dtype = grad_ys[0].dtype  # under autocast the forward ran in bf16: backward matmuls too
+        weights = [w.to(dtype) for w in weights]
+        gathered = comm.all_gather(x, SEQ_DIM, group, "sp", async_op=True) if sp else None
+        grad_x = None
+        work = None
+        if ctx.needs_input_grad[0]:
+            grad_x = sum(g @ w for g, w in zip(grad_ys, weights))  # (b, s, h), partial over TP
+        if sp:
+            x_full, gather_work = gathered
+            gather_work.wait()
+        else:
+            x_full = x
+        if grad_x is not None and group.size > 1:
+            if sp:
+                grad_x, work = comm.reduce_scatter(grad_x, SEQ_DIM, group, "sp", async_op=True)  # (b, s/tp, h)
+            else:
+                work = comm.all_reduce_async(grad_x, group, "tp")
+        _mark("tp-weight-grad", "start")
+        x2 = x_full.reshape(-1, x_full.shape[-1]).to(dtype)  # (b*s, h)
+        grad_ws = [g.reshape(-1, g.shape[-1]).t() @ x2 for g in grad_ys]  # each (out_j/tp, h)
+        _mark("tp-weight-grad", "end")
+        if work is not None:
+            work.wait()
+        return (grad_x, None, None, *grad_ws)
+
+
+def column_parallel(x: torch.Tensor, weights: Sequence[torch.Tensor], group: Group,
+                    mode: TPMode) -> tuple[torch.Tensor, ...]:
+    """(b, s or s/tp, in) -> one (b, s, out_j/tp) per weight; see the module docstring."""
+    return _ColumnParallel.apply(x, group, mode, *weights)
+
+
+def row_parallel(x: torch.Tensor, weight: torch.Tensor, group: Group, mode: TPMode) -> torch.Tensor:
+    """(b, s, in/tp) -> (b, s, out) [ALL_REDUCE] or (b, s/tp, out) [SEQUENCE_PARALLEL]."""
+    partial = F.linear(x, weight)  # (b, s, out), this rank's term of the sum over TP
+    if mode is TPMode.SEQUENCE_PARALLEL:
+        return comm.reduce_scatter(partial, SEQ_DIM, group, "sp")  # (b, s/tp, out)
+    return comm.reduce_from(partial, group, "tp")
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """A TP parameter is `full.narrow(dim, start, length)` of the one-process parameter `full`
+    (shape `full_shape`): every TP shard of the decoder is one contiguous range along one dim."""
+
+    full_shape: tuple[int, ...]
+    dim: int
+    start: int
+    length: int
+
+    @property
+    def offsets(self) -> tuple[int, ...]:
+        """Where the shard starts in the full tensor, per dim (the checkpoint's view of it)."""
+        return tuple(self.start if d == self.dim else 0 for d in range(len(self.full_shape)))
+
+    def of(self, full: torch.Tensor) -> torch.Tensor:
+        if tuple(full.shape) != self.full_shape:
+            raise ValueError(f"full tensor of shape {tuple(full.shape)}, expected {self.full_shape}")
+        return full.narrow(self.dim, self.start, self.length).clone()
+
+
+def even(size: int, group: Group) -> range:
+    """This rank's range of `size` split evenly over the group."""
+    if size % group.size:
+        raise ValueError(f"size {size} does not divide over TP={group.size}")
+    n = size // group.size
+    return range(group.rank * n, (group.rank + 1) * n)
+
+
+def _param(full_shape: tuple[int, ...], dim: int, part: range, dtype, device) -> nn.Parameter:
+    shape = list(full_shape)
+    shape[dim] = len(part)
+    p = nn.Parameter(torch.empty(shape, dtype=dtype, device=device))
+    p.tp_shard = ShardSpec(tuple(full_shape), dim, part.start, len(part))
+    return p
+
+
+class ColumnParallelLinear(nn.Module):
+    """Y = X A^T with A (out, in) split by output rows over `group`: this rank holds rows `rows`
+    (default its even share; attention passes its heads' rows) and returns Y split (b, s, out/tp).
+    Several column layers reading the same input share one communication via `column_linears`."""
+
+    def __init__(self, in_features: int, out_features: int, *, group: Group, mode: TPMode = TPMode.ALL_REDUCE,
+                 rows: range | None = None, dtype=None, device=None):
+        super().__init__()
+        self.group, self.mode = group, mode
+        self.weight = _param((out_features, in_features), 0, rows or even(out_features, group), dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        (y,) = column_parallel(x, [self.weight], self.group, self.mode)  # (b, s, out/tp)
+        return y
+
+
+class RowParallelLinear(nn.Module):
+    """Y = X B^T with B (out, in) split by input columns over `group`: X arrives split
+    (b, s, in/tp), Y leaves whole (ALL_REDUCE) or sequence-sharded (SEQUENCE_PARALLEL)."""
+
+    def __init__(self, in_features: int, out_features: int, *, group: Group, mode: TPMode = TPMode.ALL_REDUCE,
+                 dtype=None, device=None):
+        super().__init__()
+        self.group, self.mode = group, mode
+        self.weight = _param((out_features, in_features), 1, even(in_features, group), dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return row_parallel(x, self.weight, self.group, self.mode)
+
+
+def column_linears(x: torch.Tensor, linears: Sequence[nn.Module]) -> list[torch.Tensor]:
+    """Apply several linears to the same x: plain `nn.Linear`s one by one, ColumnParallelLinears
+    through one fused call (one gather forward, one all-reduce / reduce-scatter of dL/dX backward)."""
+    if all(isinstance(m, ColumnParallelLinear) for m in linears):
+        first = linears[0]
+        return list(column_parallel(x, [m.weight for m in linears], first.group, first.mode))
+    return [m(x) for m in linears]
+
+
+class VocabParallelEmbedding(nn.Module):
+    """E[ids] with the (V_padded, h) table split by rows: rank r holds rows [r V/tp, (r+1) V/tp).
+    Each rank looks up the ids in its range (zeros elsewhere) and the partial rows are summed:
+    all-reduce (ALL_REDUCE) or reduce-scatter along the sequence (SEQUENCE_PARALLEL, output
+    (b, s/tp, h)). V_padded = vocab rounded up to a multiple of 128 x TP; padded rows are never
+    looked up (ids < vocab) and the output layer's padded logits are masked in the loss."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, group: Group, mode: TPMode = TPMode.ALL_REDUCE,
+                 dtype=None, device=None):
+        super().__init__()
+        self.group, self.mode = group, mode
+        rows = even(num_embeddings, group)
+        self.start, self.rows = rows.start, len(rows)
+        self.weight = _param((num_embeddings, embedding_dim), 0, rows, dtype, device)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.rows)
+        partial = F.embedding(local.masked_fill(outside, 0), self.weight)  # (b, s, h)
+        partial = partial.masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.mode is TPMode.SEQUENCE_PARALLEL:
+            return comm.reduce_scatter(partial, SEQ_DIM, self.group, "sp")  # (b, s/tp, h)
+        return comm.reduce_from(partial, self.group, "tp")
+
+
+def shard_state_dict(model: nn.Module, full_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A one-process state dict cut to `model`'s TP shards (entries of parameters without `tp_shard`
+    pass through). Vocabulary matrices shorter than the TP-padded vocabulary get zero rows first."""
+    specs = {n: getattr(p, "tp_shard", None) for n, p in model.named_parameters()}
+    out = {}
+    for name, full in full_state.items():
+        spec = specs.get(name)
+        if spec is not None and full.shape[0] < spec.full_shape[0] and tuple(full.shape[1:]) == spec.full_shape[1:]:
+            full = torch.cat([full, full.new_zeros(spec.full_shape[0] - full.shape[0], *full.shape[1:])])
+        out[name] = spec.of(full) if spec is not None else full
+    return out
+
+
+def shard(full: torch.Tensor, dim: int, rank: int, size: int) -> torch.Tensor:
+    """Rank `rank`'s even slice of `full` along `dim` split `size` ways."""
+    if full.shape[dim] % size:
+        raise ValueError(f"size {full.shape[dim]} along dim {dim} does not divide over {size} ranks")
+    return full.chunk(size, dim)[rank].clone()
+
+
+def mark_kv_replica(param: nn.Parameter, split: HeadSplit, kv_heads: int) -> None:
+    """`param` is a whole KV head held by `split.kv_replicas` TP ranks (TP > KV heads)."""
+    param.tp_kv_slot = (split.kv_heads.start, kv_heads)
+    param.tp_kv_replicas = split.kv_replicas
+
+
+def mark_sequence_sharded(param: nn.Parameter) -> None:
+    """`param` is replicated but sees only this rank's sequence shard (norm gains under SP)."""
+    param.tp_sum_grad = True
+
+
+TP_ATTRIBUTES = ("tp_shard", "tp_sum_grad", "tp_kv_slot", "tp_kv_replicas")
+
+
+def to_empty_keeping_tp(module: nn.Module, device: str | torch.device) -> None:
+    """`module.to_empty(device=...)` for a module built on the meta device: to_empty swaps each
+    Parameter's payload and drops Python attributes, so the TP ones are put back by name."""
+    kept = {n: {a: getattr(p, a) for a in TP_ATTRIBUTES if hasattr(p, a)} for n, p in module.named_parameters()}
+    module.to_empty(device=device)
+    for n, p in module.named_parameters():
+        for a, v in kept[n].items():
+            setattr(p, a, v)
+
+
+@torch.no_grad()
+def reduce_tp_grads(params: Iterable[nn.Parameter], group: Group) -> None:
+    """Complete the gradients of replicated parameters after backward (sums commute with the DP
+    sum, so before or after it). Sequence-sharded ones (`tp_sum_grad`): one flat all-reduce over TP.
+    KV replicas (`tp_kv_slot`): each rank writes its gradient into its slot of a zero buffer of all
+    slots; the all-reduce over TP then sums, per slot, exactly the replicas of that KV head."""
+    if group.size == 1:
+        return
+    summed = [p for p in params if p.grad is not None and getattr(p, "tp_sum_grad", False)]
+    kv = [p for p in params if p.grad is not None and hasattr(p, "tp_kv_slot")]
+    if summed:
+        flat = torch.cat([p.grad.reshape(-1) for p in summed])
+        comm.all_reduce_(flat, group, "tp-grad")
+        for p, g in zip(summed, flat.split([p.numel() for p in summed])):
+            p.grad.copy_(g.view_as(p.grad))
+    for p in kv:
+        slot, slots = p.tp_kv_slot
+        buf = p.grad.new_zeros(slots, *p.grad.shape)
+        buf[slot] = p.grad
+        comm.all_reduce_(buf, group, "tp-grad")
+        p.grad.copy_(buf[slot])
+
+
+def owns_grad(param: nn.Parameter, tp_rank: int) -> bool:
+    """Whether this TP rank counts `param` in the global gradient norm: split parameters on every
+    rank (each a distinct slice), a KV replica on the first rank of its replicas, any other
+    replicated parameter on TP rank 0 only."""
+    if hasattr(param, "tp_kv_slot"):
+        return tp_rank % param.tp_kv_replicas == 0
+    return hasattr(param, "tp_shard") or tp_rank == 0

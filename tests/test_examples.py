@@ -1,0 +1,24 @@
+"""Every training example in examples/ validates and asks only for what the runtime builds."""
+import pytest
+
+from fivefold.config.load import load_config
+from fivefold.config.validate import validate
+from fivefold.train.supported import check_supported, unsupported
+
+
+@pytest.mark.parametrize("name", ["demo.yaml", "tp_sp.yaml", "pp.yaml"])
+def test_training_example_runs_here(name):
+    loaded = load_config(f"examples/{name}")
+    validate(loaded.config, loaded.dialect)
+    check_supported(loaded.config)
+
+
+def test_the_main_job_is_multi_dimensional():
+    # The README's main job: tensor x data parallel with sequence parallelism.
+    p = load_config("examples/demo.yaml").config.parallel
+    assert p.tensor_model_parallel_size == 2 and p.sequence_parallel
+
+
+def test_pp_with_tp_is_refused_until_built():
+    loaded = load_config("examples/pp.yaml", ["--tensor-model-parallel-size", "2"], world_size=8)
+    assert any("PP x TP" in line for line in unsupported(loaded.config))
