@@ -3,6 +3,8 @@ optimizer state, and checkpoints that move between DP sizes and between ZeRO and
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -232,3 +234,49 @@ def test_zero_tp_checkpoint_resumes_at_dp2_zero(runs, composite, workers):
     uninterrupted = composite["tp2dp2"][0]["losses"]
     # Tolerance: as above (another layout after the resume).
     assert [got[s] for s in (2, 3)] == pytest.approx([uninterrupted[s] for s in (2, 3)], rel=1e-6, abs=0)
+
+
+# --- Megatron's flags through the CLI --------------------------------------------------------------
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = """
+model: {num_layers: 2, hidden_size: 32, num_attention_heads: 2}
+training: {seq_length: 16, global_batch_size: 4, micro_batch_size: 1, train_iters: 4}
+"""
+
+
+def _cli(tmp_path: Path, *words: str, nproc: int) -> subprocess.CompletedProcess:
+    text = tmp_path / "t.txt"
+    text.write_text("hello world, " * 400)
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(TINY)
+    return subprocess.run([sys.executable, "-m", "fivefold", "train", str(cfg), f"data.path={text}", *words,
+                           "--out", str(tmp_path / "out"), "--nproc", str(nproc)],
+                          cwd=REPO, capture_output=True, text=True, timeout=240)
+
+
+def test_megatron_flags_zero_recompute_profile(tmp_path):
+    r = _cli(tmp_path, "--use-distributed-optimizer", "--recompute-granularity", "full", "--recompute-method", "block",
+             "--recompute-num-layers", "1", "--profile", "--profile-ranks", "0", "--bf16", nproc=2)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = tmp_path / "out"
+    t = json.loads((out / "run.json").read_text())["config"]["training"]
+    assert (t["use_distributed_optimizer"], t["recompute_granularity"], t["recompute_method"],
+            t["recompute_num_layers"], t["precision"]) == (True, "full", "block", 1, "bf16")
+    rows = _metric(out, "loss")
+    assert len(rows) == 4 and rows[-1] < rows[0]
+    trace = json.loads((out / "profile" / "rank-0.pt.trace.json").read_text())
+    steps = {e["name"] for e in trace["traceEvents"] if e.get("name", "").startswith("train_step")}
+    assert steps == {"train_step 2", "train_step 3"}  # a 4-step run profiles its last two steps
+    assert not (out / "profile" / "rank-1.pt.trace.json").exists()  # --profile-ranks 0
+    meta = json.loads((out / "checkpoints" / "step_00000004" / "metadata.json").read_text())
+    files = {s["file"] for s in meta["params"]["embedding.weight"]["optim_shards"]}
+    assert files <= {"optim-00000.safetensors", "optim-00001.safetensors"}  # each rank saved its chunk
+    assert {f for s in meta["params"].values() for f in (x["file"] for x in s["optim_shards"])} == \
+        {"optim-00000.safetensors", "optim-00001.safetensors"}
+
+
+def test_full_recompute_without_method_is_refused_as_megatron_does(tmp_path):
+    r = _cli(tmp_path, "--recompute-granularity", "full", nproc=1)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "needs recompute_method uniform or block" in r.stderr
