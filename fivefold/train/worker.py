@@ -37,13 +37,16 @@ def init_rank(config: Config, out_dir: Path) -> RankContext:
     return RankContext(Mesh.build(layout, device=device), out_dir)
 
 
-def describe(ctx: RankContext, backend: str) -> str:
-    return (f"{layout_text(ctx.layout)} (order {ctx.layout.order}), "
+def describe(ctx: RankContext, backend: str, config: Config) -> str:
+    p = config.parallel
+    extras = (["SP"] if p.sequence_parallel and ctx.layout.tp > 1 else []) + \
+        ([f"schedule {p.pipeline_schedule_csv or p.pipeline_schedule}"] if ctx.layout.pp > 1 else [])
+    return (f"{layout_text(ctx.layout)}{''.join(', ' + e for e in extras)} (order {ctx.layout.order}), "
             f"{ctx.world_size} ranks, {backend} on {ctx.device.type}")
 
 
-def summary(result: TrainResult, ctx: RankContext, first_loss: float | None) -> str:
-    lines = [f"layout: {describe(ctx, dist.get_backend())}"]
+def summary(result: TrainResult, ctx: RankContext, config: Config, first_loss: float | None) -> str:
+    lines = [f"layout: {describe(ctx, dist.get_backend(), config)}"]
     if result.losses:
         last = result.losses[max(result.losses)]
         if first_loss:
@@ -70,7 +73,7 @@ def run_rank(config: Config, out_dir: Path, data_dir: Path) -> int:
             from fivefold.train.metrics import read_metrics
 
             rows = read_metrics(out_dir / "metrics.jsonl")
-            print(summary(result, ctx, rows[0]["loss"] if rows else None), flush=True)
+            print(summary(result, ctx, config, rows[0]["loss"] if rows else None), flush=True)
         dist.destroy_process_group()
         return 0
     except UserError as e:
