@@ -108,7 +108,7 @@ class DistributedOptimizer:
 
     def step(self) -> None:
         """AdamW on this rank's chunks, then every bucket's chunks all-gathered into the parameters."""
-        self._attach_grads()  # this step's chunks (clip_grad_norm scaled them in place)
+        self._attach_grads()  # this step's chunks (clip_and_step scaled them in place)
         self.optimizer.step()
         launched = []
         for b in self.reducer.buckets:

@@ -3,8 +3,9 @@
 Global norm: ||g|| = sqrt( sum over every parameter shard owned by any rank of sum(g^2) ). Each rank
 sums the squares of the shards it owns (replicated parameters counted once, by the rank that owns
 them), and the partial sums are added over the model-parallel group; DP replicas hold identical
-reduced gradients, so the DP group is not summed over. If ||g|| > max_norm, every gradient is
-scaled by max_norm / (||g|| + 1e-6), as torch.nn.utils.clip_grad_norm_ does.
+reduced gradients, so the DP group is not summed over (with the distributed optimizer each DP rank
+holds one chunk of them, and it is). If ||g|| > max_norm, every gradient is scaled by
+max_norm / (||g|| + 1e-6), as torch.nn.utils.clip_grad_norm_ does.
 """
 from __future__ import annotations
 
