@@ -198,13 +198,18 @@ def test_checkpoint_resumes_across_dp_and_zero(runs, workers, world, zero, sourc
 
 @pytest.fixture(scope="module")
 def composite(runs, workers):
-    """ZeRO-1 with TP=2 x DP=2 (SP, KV head replicated) and with PP=2 x DP=2 (tied embedding on two
-    ranks): each TP / PP rank shards its own flat buffer over its DP group."""
+    """ZeRO-1 with TP=2 x DP=2 (SP, KV head replicated; selective recompute, which reruns no TP
+    collective) and with PP=2 x DP=2 (tied embedding on two ranks; zero-bubble ZB-H1, whose split
+    backward-input / backward-weight runs through full recompute): each TP / PP rank shards its own
+    flat buffer over its DP group."""
     out = {}
-    for name, tp, pp in (("tp2dp2", 2, 1), ("pp2dp2", 1, 2)):
-        cfg = _config(runs["data"], dp=4, zero=True)
+    for name, tp, pp, recompute in (("tp2dp2", 2, 1, dict(recompute_granularity="selective")),
+                                    ("pp2dp2", 1, 2, dict(recompute_granularity="full", recompute_method="uniform",
+                                                          recompute_num_layers=1))):
+        cfg = _config(runs["data"], dp=4, zero=True, **recompute)
         cfg.parallel.tensor_model_parallel_size, cfg.parallel.sequence_parallel = tp, tp > 1
         cfg.parallel.pipeline_model_parallel_size = pp
+        cfg.parallel.pipeline_schedule = "zb-h1" if pp > 1 else cfg.parallel.pipeline_schedule
         cfg.checkpoint.save_interval = 2
         out[name] = workers(4).run(_train_rank, to_dict(cfg), str(runs["root"] / name), str(runs["data_dir"]))
     return out
