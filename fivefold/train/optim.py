@@ -8,7 +8,7 @@ scaled by max_norm / (||g|| + 1e-6), as torch.nn.utils.clip_grad_norm_ does.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -29,17 +29,20 @@ def build_optimizer(model: nn.Module, training: TrainingConfig) -> torch.optim.O
                              foreach=False)
 
 
-def clip_grad_norm(params: Iterable[nn.Parameter], max_norm: float, group: Group) -> float:
-    """Scale the gradients of `params` (the shards this rank owns) to global norm <= max_norm
-    (0 = measure only); returns the norm before clipping."""
-    grads = [p.grad for p in params if p.grad is not None]
+def clip_grad_norm(params: Iterable[nn.Parameter], max_norm: float, group: Group, *,
+                   counted: Callable[[nn.Parameter], bool] | None = None) -> float:
+    """Scale the gradients of `params` to global norm <= max_norm (0 = measure only); returns the
+    norm before clipping. `counted(p)` says whether this rank counts p in the norm (default: every
+    p; a replicated parameter is counted by one rank only, but scaled on all of them)."""
+    params = [p for p in params if p.grad is not None]
     sq = torch.zeros((), dtype=torch.float64)
-    for g in grads:
-        sq += g.detach().double().pow(2).sum().cpu()
+    for p in params:
+        if counted is None or counted(p):
+            sq += p.grad.detach().double().pow(2).sum().cpu()
     comm.all_reduce_(sq, group, tag="grad-norm")
     norm = float(sq.sqrt())
     if max_norm > 0 and norm > max_norm:
         scale = max_norm / (norm + 1e-6)
-        for g in grads:
-            g.mul_(scale)
+        for p in params:
+            p.grad.mul_(scale)
     return norm

@@ -4,7 +4,9 @@ The same loss and gradient as fivefold.train.step.train_step: every microbatch b
 sum(token losses) / N_global, through the stages the schedule runs (fivefold.pipeline.executor).
 After the schedule: gradients are summed over DP (GradReducer; here after the whole schedule, since
 a rank's last backward may be any stage's W), the tied embedding's two copies are summed over the
-embedding group, the norm is taken over the model-parallel group (TP x PP) and AdamW steps. The loss
+embedding group, TP-replicated gradients are completed and the norm is taken over the
+model-parallel group (TP x PP), each parameter counted once (train.step.finish_grads, shared with
+the one-process step), and AdamW steps. The loss
 is on the last stage's rank: its sum is added over the pipeline group, then over DP.
 """
 from __future__ import annotations
@@ -23,8 +25,7 @@ from fivefold.pipeline.simulate import simulate
 from fivefold.pipeline.trace import measured_result, stage_costs
 from fivefold.pipeline.stages import PipelineModel, build_pipeline  # noqa: F401 (the loop builds through here)
 from fivefold.runtime import comm
-from fivefold.train.optim import clip_grad_norm
-from fivefold.train.step import StepResult, autocast
+from fivefold.train.step import StepResult, autocast, finish_grads
 
 
 def microbatches_per_step(config: Config, dp_size: int) -> int:
@@ -57,7 +58,8 @@ def pipeline_train_step(pipe: PipelineModel, optimizer: torch.optim.Optimizer, r
     run = pipe.executor.run(ids, labels, loss_scale=1.0 / batch.global_tokens, trace=trace)
     reducer.finish()
     pipe.sync_tied_grads()
-    norm = clip_grad_norm(pipe.norm_parameters(), clip_grad, mesh.group("model-parallel"))
+    norm = finish_grads(pipe.parameters(), clip_grad, mesh.group("model-parallel"), mesh.tp,
+                        not_counted=pipe.uncounted_parameters())
     optimizer.step()
     local = torch.zeros((), dtype=torch.float64)
     for s in run.loss_sums.values():

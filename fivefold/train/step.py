@@ -7,6 +7,7 @@ reducer sums gradients over the DP group, and the reported loss is the DP-sum of
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +42,21 @@ def loss_sum(model: nn.Module, mb: Microbatch, precision: str, device: torch.dev
     return total
 
 
+def finish_grads(params: list[nn.Parameter], clip_grad: float, model_parallel_group: Group,
+                 tp_group: Group | None, *, not_counted: Iterable[nn.Parameter] = ()) -> float:
+    """After the DP reduction: complete the gradients of TP-replicated parameters (SP norm gains, KV
+    replicas: `reduce_tp_grads`), then clip all of `params` by the global norm summed over
+    `model_parallel_group` (TP x PP), each parameter counted once: split ones on every TP rank,
+    replicated ones on their owning TP rank (`owns_grad`), none of `not_counted` (a second copy of a
+    tied weight, counted where its first copy lives). Returns the norm before clipping."""
+    if tp_group is not None:
+        reduce_tp_grads(params, tp_group)
+    tp_rank = tp_group.rank if tp_group is not None else 0
+    skip = {id(p) for p in not_counted}
+    return clip_grad_norm(params, clip_grad, model_parallel_group,
+                          counted=lambda p: id(p) not in skip and owns_grad(p, tp_rank))
+
+
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, reducer: GradReducer, batch: StepBatch, *,
                lr: float, clip_grad: float, precision: str, dp_group: Group, model_parallel_group: Group,
                device: torch.device, tp_group: Group | None = None) -> StepResult:
@@ -59,11 +75,7 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, reducer: Grad
     if n == 0:
         reducer.prepare(last=True)
     reducer.finish()
-    params = list(model.parameters())
-    if tp_group is not None:
-        reduce_tp_grads(params, tp_group)
-    tp_rank = tp_group.rank if tp_group is not None else 0
-    norm = clip_grad_norm([p for p in params if owns_grad(p, tp_rank)], clip_grad, model_parallel_group)
+    norm = finish_grads(list(model.parameters()), clip_grad, model_parallel_group, tp_group)
     optimizer.step()
     comm.all_reduce_(local, dp_group, tag="loss")
     return StepResult(float(local) / batch.global_tokens, norm, batch.global_tokens)
