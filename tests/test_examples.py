@@ -19,6 +19,10 @@ def test_the_main_job_is_multi_dimensional():
     assert p.tensor_model_parallel_size == 2 and p.sequence_parallel
 
 
-def test_pp_with_tp_is_refused_until_built():
-    loaded = load_config("examples/pp.yaml", ["--tensor-model-parallel-size", "2"], world_size=8)
-    assert any("PP x TP" in line for line in unsupported(loaded.config))
+def test_pp_with_tp_runs_and_cp_is_refused():
+    loaded = load_config("examples/pp.yaml", ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+                         world_size=8)
+    validate(loaded.config, loaded.dialect)
+    check_supported(loaded.config)  # PP x TP x SP runs
+    loaded = load_config("examples/pp.yaml", ["--context-parallel-size", "2"], world_size=8)
+    assert [line for line in unsupported(loaded.config) if "context parallelism" in line]

@@ -1,4 +1,5 @@
-"""The executor against the one-process model: every schedule, PP=2 and 4, DP, uneven split, CSV, ties.
+"""The executor against the one-process model: every schedule, PP=2 and 4, DP, TP (+SP), uneven split,
+CSV, ties.
 
 Reference: the same Decoder (same per-name init) in one process, trained by fivefold.train.step's
 train_step on the same global batches (8 sequences of 64 tokens, constant LR, AdamW, clipping).
@@ -9,13 +10,18 @@ Tolerances (fp32): a pipeline computes the same operations per microbatch as the
 what changes is how gradients are summed (per-microbatch autograd.grad results added into .grad in
 schedule order, DP all-reduce) and the loss sum's order. Those are reorderings of fp32 sums of
 ~8 terms: relative error ~1e-7 per step, amplified by AdamW's division by sqrt(v) in later steps.
-Losses: rtol 1e-5; gradients: atol 1e-6 against gradient entries of size ~1e-2 (after clipping).
+Losses and gradient norms: rtol 1e-5; gradients: atol 1e-6 against gradient entries of size ~1e-2.
+With TP, each rank's gradient is compared with its slice (`tp_shard`) of the one-process gradient;
+TP adds reorderings of the same kind (row-parallel partial sums, vocab-parallel softmax, SP norm-gain
+sums over TP), so the tolerances stay.
 """
 from pathlib import Path
 
 import pytest
 import torch
 
+from fivefold.checkpoint import io as ckpt
+from fivefold.checkpoint.layout import step_dir
 from fivefold.config.schema import Config, ModelConfig, ParallelConfig, TrainingConfig
 from fivefold.data.loader import Microbatch, StepBatch
 from fivefold.model.decoder import Decoder
@@ -46,6 +52,7 @@ def _batch(step: int, dp_rank: int, dp: int, mbs: int) -> StepBatch:
 
 
 _REFERENCE: dict[bool, tuple] = {}
+"""tie -> (losses, step-0 gradients, gradient norms) of the one-process run."""
 
 
 def _reference(tie: bool):
@@ -55,50 +62,65 @@ def _reference(tie: bool):
         opt = build_optimizer(model, config.training)
         mesh = Mesh.build(Layout())  # one rank, no process group
         reducer = GradReducer(model.parameters(), mesh.dp_cp)
-        losses, grads = [], {}
+        losses, grads, norms = [], {}, []
         for step in range(STEPS):
             r = train_step(model, opt, reducer, _batch(step, 0, 1, 1), lr=3e-3, clip_grad=1.0, precision="fp32",
                            dp_group=mesh.dp_cp, model_parallel_group=mesh.group("model-parallel"),
                            device=torch.device("cpu"))
             losses.append(r.loss)
+            norms.append(r.grad_norm)
             if step == 0:
                 grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-        _REFERENCE[tie] = (losses, grads)
+        _REFERENCE[tie] = (losses, grads, norms)
     return _REFERENCE[tie]
 
 
-def _train(rank: int, world: int, config: Config, dp: int):
+def _train(rank: int, world: int, config: Config, dp: int, save: Path | None = None):
+    """3 pipeline steps: (losses, {name: (step-0 grad, tp_shard or None)}, grad norms, {name: final
+    value}); with `save`, a checkpoint of the final parameters is written there (every rank its
+    shards, placed by loop.shard_of)."""
+    from fivefold.checkpoint import io as ckpt
     from fivefold.pipeline.stages import build_pipeline
+    from fivefold.runtime import comm
+    from fivefold.train.loop import shard_of
     from fivefold.train.pipeline_step import pipeline_train_step
 
-    mesh = Mesh.build(Layout(pp=config.parallel.pipeline_model_parallel_size, dp=dp))
+    p = config.parallel
+    mesh = Mesh.build(Layout(pp=p.pipeline_model_parallel_size, tp=p.tensor_model_parallel_size, dp=dp))
     mbs = config.training.micro_batch_size
     pipe = build_pipeline(config, mesh, GBS // (mbs * dp), device=torch.device("cpu"))
     params = pipe.parameters()
     opt = build_optimizer(pipe.module, config.training)
     reducer = GradReducer(params, mesh.dp_cp)
-    losses, grads = [], {}
+    losses, grads, norms = [], {}, []
     for step in range(STEPS):
         r, run = pipeline_train_step(pipe, opt, reducer, _batch(step, mesh.coords["dp"], dp, mbs), lr=3e-3,
                                      clip_grad=1.0, precision="fp32", mesh=mesh, device=torch.device("cpu"))
         assert run.log == list(pipe.schedule.ranks[mesh.pp.rank])  # executed order = the IR's
         losses.append(r.loss)
+        norms.append(r.grad_norm)
         if step == 0:
             for s, stage in pipe.stages.items():
-                grads.update({n: p.grad.clone() for n, p in stage.named_parameters()})
-    return losses, grads
+                grads.update({n: (q.grad.clone(), getattr(q, "tp_shard", None)) for n, q in stage.named_parameters()})
+    if save is not None:
+        ckpt.save_checkpoint(save, STEPS, model=pipe.module, optimizer=opt, rank=rank, writes_params=mesh.dp.rank == 0,
+                             barrier=lambda: comm.barrier(mesh.group("world")), extra={}, shard_of=shard_of)
+    return losses, grads, norms, {n: q.detach().clone() for n, q in pipe.module.named_parameters()}
 
 
 def _check(results, tie: bool = False):
-    ref_losses, ref_grads = _reference(tie)
+    ref_losses, ref_grads, ref_norms = _reference(tie)
     seen = set()
-    for losses, grads in results:
-        # fp32 sums reordered (see module docstring): rtol 1e-5 on the loss trajectory
+    for losses, grads, norms, _ in results:
+        # fp32 sums reordered (see module docstring): rtol 1e-5 on the loss trajectory and the norms
+        # (the norm counts every TP shard and PP stage once, replicated and tied copies once)
         assert losses == pytest.approx(ref_losses, rel=1e-5)
-        for name, g in grads.items():
+        assert norms == pytest.approx(ref_norms, rel=1e-5)
+        for name, (g, spec) in grads.items():
             if tie and name == "head.weight":  # the last stage's copy of the tied embedding
                 name = "embedding.weight"
-            torch.testing.assert_close(g, ref_grads[name], atol=1e-6, rtol=0)  # reordered fp32 sums
+            ref = ref_grads[name] if spec is None else spec.of(ref_grads[name])  # this TP rank's slice
+            torch.testing.assert_close(g, ref, atol=1e-6, rtol=0)  # reordered fp32 sums
             seen.add(name)
     assert seen == set(ref_grads)  # every parameter is held by some rank and checked
 
@@ -130,6 +152,32 @@ def test_uneven_split(workers):
 def test_hand_written_csv_schedule(workers):
     config = _config(pp=2, mbs=2, pipeline_schedule_csv=str(EXAMPLES / "hand_schedule.csv"))
     _check(workers(2).run(_train, config, 1))
+
+
+def test_pp2_tp2_sp_1f1b_tied(workers):
+    # SP: (b, s/tp, h) stage boundaries, norm gains' gradients summed over TP; tied embedding: the
+    # vocabulary shards of the first and last stage summed over the embedding group per TP rank.
+    config = _config(pp=2, tie=True, pipeline_schedule="1f1b", tensor_model_parallel_size=2, sequence_parallel=True)
+    _check(workers(4).run(_train, config, 1), tie=True)
+
+
+def test_pp2_tp2_zb_h1_checkpoint_loads_in_one_process(workers, tmp_path):
+    # Without SP; zero-bubble B/W split through the TP layers' communicating backward.
+    config = _config(pp=2, pipeline_schedule="zb-h1", tensor_model_parallel_size=2)
+    results = workers(4).run(_train, config, 1, tmp_path)
+    _check(results)
+    # The (PP stage x TP shard) checkpoint assembles into the one-process model, each shard at its
+    # offset: every rank's final parameter is bit-exactly its slice of the loaded one.
+    model = Decoder(config.model, seed=config.training.seed)
+    ckpt.load_checkpoint(step_dir(tmp_path, STEPS), model=model, optimizer=None, rank=0, world_size=1)
+    loaded = dict(model.named_parameters())
+    seen = set()
+    for (_, grads, _, final) in results:
+        for name, value in final.items():
+            spec = grads[name][1]
+            assert torch.equal(value, loaded[name].detach() if spec is None else spec.of(loaded[name].detach()))
+            seen.add(name)
+    assert seen == set(loaded)
 
 
 def _forward_only(rank: int, world: int, config: Config):

@@ -33,10 +33,12 @@ def test_unsupported_knobs_are_refused_together():
     check_supported(cfg)  # the defaults run
     cfg.parallel.tensor_model_parallel_size, cfg.parallel.sequence_parallel = 2, True  # TP and SP run
     check_supported(cfg)
-    cfg.parallel.pipeline_model_parallel_size = 2  # PP runs, but not together with TP yet
+    cfg.parallel.pipeline_model_parallel_size = 2  # PP runs, and together with TP and SP
+    check_supported(cfg)
+    cfg.parallel.context_parallel_size = 2
     cfg.model.multi_latent_attention = True
     assert len(unsupported(cfg)) == 2
-    with pytest.raises(NotImplementedYet, match=r"multi-latent attention.*\(PP x TP\).*not implemented yet"):
+    with pytest.raises(NotImplementedYet, match=r"\(CP > 1\).*multi-latent attention.*not implemented yet"):
         check_supported(cfg)
 
 

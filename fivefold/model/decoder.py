@@ -114,6 +114,12 @@ class Decoder(nn.Module):
             return hidden
         return self.head(self.final_norm(hidden))  # (b, s, V_padded)
 
+    def hidden_shape(self, ids_shape: Sequence[int]) -> tuple[int, int, int]:
+        """Shape of the hidden states between layers (a pipeline stage boundary) for token ids of
+        `ids_shape` (b, s): (b, s/tp, h) under sequence parallelism, else (b, s, h)."""
+        b, s = ids_shape
+        return (b, s // self.tp.size if self.mode is TPMode.SEQUENCE_PARALLEL else s, self.cfg.hidden_size)
+
     def _head_logits(self, x: torch.Tensor) -> torch.Tensor:
         """This TP rank's (b, s, V_padded/tp) logits; the full vocabulary is never gathered."""
         if not self.has_head:
@@ -148,8 +154,11 @@ class Decoder(nn.Module):
         return picked * keep
 
 
-def build_decoder(config, mesh) -> Decoder:
-    """The whole (non-pipelined) model a training run of `config` builds on this rank of `mesh`:
-    the one place that maps the run's config onto Decoder's arguments."""
-    return Decoder(config.model, mesh=mesh, seed=config.training.seed,
+def build_decoder(config, mesh, *, layers: Sequence[int] | None = None, embedding: bool = True,
+                  head: bool = True, seed: int | None = None) -> Decoder:
+    """The model (or, with `layers`/`embedding`/`head`, the pipeline stage) a training run of
+    `config` builds on this rank of `mesh`: the one place that maps the run's config onto Decoder's
+    arguments (TP from the mesh, sequence parallelism, the seed)."""
+    return Decoder(config.model, mesh=mesh, layers=layers, embedding=embedding, head=head,
+                   seed=config.training.seed if seed is None else seed,
                    sequence_parallel=config.parallel.sequence_parallel)

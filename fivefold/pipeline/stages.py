@@ -1,14 +1,18 @@
 """A pipeline rank's part of the model: its stages as Decoders, the schedule, and the executor.
 
-Stage s is `Decoder(cfg, layers=<its layers>, embedding=(s == 0), head=(s == S-1))`; Decoder's
-per-name initialisation makes every stage start from exactly the one-process model's weights.
+Stage s is `build_decoder(config, mesh, layers=<its layers>, embedding=(s == 0), head=(s == S-1))`:
+the same mapping of the config (TP from the mesh, sequence parallelism) as the whole model, and
+Decoder's per-name initialisation makes every stage (and every TP shard of it) start from exactly
+the one-process model's weights. Stage boundaries carry (b, s/tp, h) under sequence parallelism.
 
 Tied input/output embeddings (model.tie_word_embeddings): the embedding lives on stage 0 and the
 output layer on stage S-1. When both stages are on one rank (DualPipeV's V puts them on rank 0) the
 head simply reuses the embedding's Parameter. Otherwise each of the two ranks holds a copy,
 initialised equal; after every backward the two gradients are summed over the layout's "embedding"
 group (first and last pipeline rank), so both copies take the same optimizer step and stay equal,
-as in Megatron. The gradient norm counts the copy on the last stage's rank zero times.
+as in Megatron. With TP each copy is a vocabulary shard, and the embedding group pairs the first and
+last pipeline ranks of the same TP rank, so the shards summed are the same rows. The gradient norm
+counts the copy on the last stage's rank zero times.
 """
 from __future__ import annotations
 
@@ -19,7 +23,7 @@ from torch import nn
 
 from fivefold.config.schema import Config
 from fivefold.errors import UserError
-from fivefold.model.decoder import Decoder
+from fivefold.model.decoder import Decoder, build_decoder
 from fivefold.pipeline.csvio import load_csv
 from fivefold.pipeline.executor import PipelineExecutor
 from fivefold.pipeline.generators import build_schedule
@@ -87,11 +91,12 @@ class PipelineModel:
         """Every parameter of this rank's stages, once (a shared tied weight appears once)."""
         return [p for _, p in StageStack(self.stages).named_parameters()]
 
-    def norm_parameters(self) -> list[nn.Parameter]:
-        """The parameters whose gradients this rank counts in the global norm (tied copy excluded)."""
+    def uncounted_parameters(self) -> list[nn.Parameter]:
+        """Parameters this rank leaves out of the global gradient norm: the last stage's copy of a
+        tied embedding held on another rank (its gradient equals the first stage's after
+        `sync_tied_grads`, which counts it)."""
         last = self.schedule.num_stages - 1
-        skip = {id(self.stages[last].head.weight)} if self.embedding_group is not None and last in self.stages else set()
-        return [p for p in self.parameters() if id(p) not in skip]
+        return [self.stages[last].head.weight] if self.embedding_group is not None and last in self.stages else []
 
     def sync_tied_grads(self) -> None:
         """Sum the tied embedding's gradient over its two copies (first and last pipeline rank)."""
@@ -111,7 +116,7 @@ def build_pipeline(config: Config, mesh, num_microbatches: int, *, device: torch
     layers = stage_layers(cfg.num_layers, schedule, config.parallel)
     last = schedule.num_stages - 1
     seed = config.training.seed if seed is None else seed
-    stages = {s: Decoder(cfg, mesh=mesh, layers=layers[s], embedding=s == 0, head=s == last, seed=seed).to(device)
+    stages = {s: build_decoder(config, mesh, layers=layers[s], embedding=s == 0, head=s == last, seed=seed).to(device)
               for s in schedule.stages_of(pp.rank)}
     tied, group = [], None
     if cfg.tie_word_embeddings and schedule.num_stages > 1:
@@ -127,6 +132,7 @@ def build_pipeline(config: Config, mesh, num_microbatches: int, *, device: torch
             raise UserError(f"tied embeddings need the first stage on pipeline rank 0 and the last on rank "
                             f"{pp.size - 1} (or both on one rank); schedule {schedule.name} puts them on "
                             f"{first_rank} and {last_rank}")
+    boundary = next(iter(stages.values())).hidden_shape  # (b, s/tp, h) under SP, else (b, s, h)
     executor = PipelineExecutor(schedule, stages, pp.rank, peer_rank=pp.global_rank, send_recv=comm.send_recv,
-                                hidden_size=cfg.hidden_size, device=device)
+                                hidden_size=cfg.hidden_size, activation_shape=boundary, device=device)
     return PipelineModel(schedule, stages, executor, tied, group)

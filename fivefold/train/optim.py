@@ -9,7 +9,7 @@ max_norm / (||g|| + 1e-6), as torch.nn.utils.clip_grad_norm_ does.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 from torch import nn
@@ -36,32 +36,26 @@ def build_adamw(decay: list[torch.Tensor], no_decay: list[torch.Tensor], trainin
                              foreach=False)
 
 
-def clip_grad_norm(params: Iterable[nn.Parameter], max_norm: float, group: Group | Sequence[Group]) -> float:
-    """Scale the gradients of `params` (the shards this rank owns) to global norm <= max_norm
-    (0 = measure only); returns the norm before clipping. The squares are summed over each group in
-    `group` in turn (the distributed optimizer adds its DP x CP group: there the shards are DP chunks)."""
-    grads = [p.grad for p in params if p.grad is not None]
-    norm = global_norm(grads, group)
-    clip_(grads, max_norm, norm)
-    return norm
-
-
-def global_norm(grads: Iterable[torch.Tensor], group: Group | Sequence[Group]) -> float:
-    """sqrt(sum over `grads` and over the ranks of each group of sum(g^2)), summed in fp64."""
+def clip_grad_norm(params: Iterable[nn.Parameter], max_norm: float, group: Group | Sequence[Group], *,
+                   counted: Callable[[nn.Parameter], bool] | None = None) -> float:
+    """Scale the gradients of `params` to global norm <= max_norm (0 = measure only); returns the
+    norm before clipping. `counted(p)` says whether this rank counts p in the norm (default: every
+    p; a replicated parameter is counted by one rank only, but scaled on all of them). The squares
+    are added over each group of `group` in turn (the distributed optimizer adds its DP x CP group,
+    whose ranks hold disjoint chunks)."""
+    params = [p for p in params if p.grad is not None]
     sq = torch.zeros((), dtype=torch.float64)
-    for g in grads:
-        sq += g.detach().double().pow(2).sum().cpu()
-    for gr in ([group] if isinstance(group, Group) else group):
-        comm.all_reduce_(sq, gr, tag="grad-norm")
-    return float(sq.sqrt())
-
-
-def clip_(grads: Iterable[torch.Tensor], max_norm: float, norm: float) -> None:
-    """g <- g * max_norm / (norm + 1e-6) when norm > max_norm > 0 (torch.nn.utils.clip_grad_norm_'s rule)."""
+    for p in params:
+        if counted is None or counted(p):
+            sq += p.grad.detach().double().pow(2).sum().cpu()
+    for g in [group] if isinstance(group, Group) else group:
+        comm.all_reduce_(sq, g, tag="grad-norm")
+    norm = float(sq.sqrt())
     if max_norm > 0 and norm > max_norm:
         scale = max_norm / (norm + 1e-6)
-        for g in grads:
-            g.mul_(scale)
+        for p in params:
+            p.grad.mul_(scale)
+    return norm
 
 
 def state_bytes(optimizer) -> int:

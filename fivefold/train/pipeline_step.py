@@ -4,7 +4,9 @@ The same loss and gradient as fivefold.train.step.train_step: every microbatch b
 sum(token losses) / N_global, through the stages the schedule runs (fivefold.pipeline.executor).
 After the schedule: gradients are summed over DP (GradReducer; here after the whole schedule, since
 a rank's last backward may be any stage's W), the tied embedding's two copies are summed over the
-embedding group, the norm is taken over the model-parallel group (TP x PP) and AdamW steps. The loss
+embedding group, TP-replicated gradients are completed and the norm is taken over the
+model-parallel group (TP x PP), each parameter counted once (train.step.finish_grads, shared with
+the one-process step), and AdamW steps. The loss
 is on the last stage's rank: its sum is added over the pipeline group, then over DP.
 """
 from __future__ import annotations
@@ -23,7 +25,7 @@ from fivefold.pipeline.simulate import simulate
 from fivefold.pipeline.trace import measured_result, stage_costs
 from fivefold.pipeline.stages import PipelineModel, build_pipeline  # noqa: F401 (the loop builds through here)
 from fivefold.runtime import comm
-from fivefold.train.step import StepResult, autocast, clip_and_step, main_params
+from fivefold.train.step import StepResult, autocast, finish_grads
 
 
 def microbatches_per_step(config: Config, dp_size: int) -> int:
@@ -54,10 +56,11 @@ def pipeline_train_step(pipe: PipelineModel, optimizer: torch.optim.Optimizer, r
     if trace:
         comm.barrier(mesh.pp)  # a common start, so the ranks' timings line up
     run = pipe.executor.run(ids, labels, loss_scale=1.0 / batch.global_tokens, trace=trace)
-    pipe.sync_tied_grads()  # before the DP reduction (the two sums commute): with ZeRO-1 it reduce-scatters
+    pipe.sync_tied_grads()  # before the DP reduction (the sums commute): with ZeRO-1 it reduce-scatters
     reducer.finish()
-    norm = clip_and_step(optimizer, main_params(optimizer, pipe.parameters()),
-                         main_params(optimizer, pipe.norm_parameters()), clip_grad, mesh.group("model-parallel"))
+    norm = finish_grads(pipe.parameters(), clip_grad, mesh.group("model-parallel"), mesh.tp,
+                        not_counted=pipe.uncounted_parameters(), optimizer=optimizer)
+    optimizer.step()
     local = torch.zeros((), dtype=torch.float64)
     for s in run.loss_sums.values():
         local += s.double().cpu()

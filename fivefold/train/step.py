@@ -19,7 +19,7 @@ from fivefold.runtime.mesh import Group
 from fivefold.parallel.data import GradReducer
 from fivefold.parallel.distributed_optimizer import DistributedOptimizer
 from fivefold.parallel.tensor import owns_grad, reduce_tp_grads
-from fivefold.train.optim import clip_, global_norm
+from fivefold.train.optim import clip_grad_norm
 
 
 @dataclass
@@ -43,25 +43,27 @@ def loss_sum(model: nn.Module, mb: Microbatch, precision: str, device: torch.dev
     return total
 
 
-def main_params(optimizer: torch.optim.Optimizer | DistributedOptimizer, params: Iterable[nn.Parameter]) -> list:
-    """The tensors the optimizer steps for `params`, holding their reduced gradients: the parameters
-    themselves, or with the distributed optimizer this rank's DP chunks of them (Megatron's main params)."""
+def finish_grads(params: list[nn.Parameter], clip_grad: float, model_parallel_group: Group,
+                 tp_group: Group | None, *, not_counted: Iterable[nn.Parameter] = (),
+                 optimizer: torch.optim.Optimizer | DistributedOptimizer | None = None) -> float:
+    """After the DP reduction: complete the gradients of TP-replicated parameters (SP norm gains, KV
+    replicas: `reduce_tp_grads`), then clip all of `params` by the global norm summed over
+    `model_parallel_group` (TP x PP), each parameter counted once: split ones on every TP rank,
+    replicated ones on their owning TP rank (`owns_grad`), none of `not_counted` (a second copy of a
+    tied weight, counted where its first copy lives). Returns the norm before clipping.
+    With the distributed optimizer all of this runs on its DP chunks of `params` (Megatron's main
+    params, which carry their parameter's TP attributes), and the squares are also added over its
+    DP x CP group, whose ranks hold disjoint chunks."""
+    groups = [model_parallel_group]
     if isinstance(optimizer, DistributedOptimizer):
-        return optimizer.main_params(params)
-    return list(params)
-
-
-def clip_and_step(optimizer: torch.optim.Optimizer | DistributedOptimizer, params: list, counted: list,
-                  clip_grad: float, model_parallel_group: Group) -> float:
-    """||g|| = sqrt(sum of g^2 over `counted` (main params this rank counts: each element of the
-    model once over the model-parallel group), added over that group and, with the distributed
-    optimizer, over the DP x CP group its chunks partition); every gradient of `params` is clipped
-    by it; then the optimizer steps. Returns ||g|| before clipping."""
-    groups = ([optimizer.group] if isinstance(optimizer, DistributedOptimizer) else []) + [model_parallel_group]
-    norm = global_norm([p.grad for p in counted if p.grad is not None], groups)
-    clip_([p.grad for p in params if p.grad is not None], clip_grad, norm)
-    optimizer.step()
-    return norm
+        not_counted = optimizer.main_params(not_counted)
+        params = optimizer.main_params(params)
+        groups = [optimizer.group, model_parallel_group]
+    if tp_group is not None:
+        reduce_tp_grads(params, tp_group)
+    tp_rank = tp_group.rank if tp_group is not None else 0
+    skip = {id(p) for p in not_counted}
+    return clip_grad_norm(params, clip_grad, groups, counted=lambda p: id(p) not in skip and owns_grad(p, tp_rank))
 
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, reducer: GradReducer, batch: StepBatch, *,
@@ -82,12 +84,8 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, reducer: Grad
     if n == 0:
         reducer.prepare(last=True)
     reducer.finish()
-    params = main_params(optimizer, model.parameters())
-    if tp_group is not None:
-        reduce_tp_grads(params, tp_group)
-    tp_rank = tp_group.rank if tp_group is not None else 0
-    norm = clip_and_step(optimizer, params, [p for p in params if owns_grad(p, tp_rank)], clip_grad,
-                         model_parallel_group)
+    norm = finish_grads(list(model.parameters()), clip_grad, model_parallel_group, tp_group, optimizer=optimizer)
+    optimizer.step()
     comm.all_reduce_(local, dp_group, tag="loss")
     return StepResult(float(local) / batch.global_tokens, norm, batch.global_tokens)
 
