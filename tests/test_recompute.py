@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from fivefold.config.schema import ModelConfig, TrainingConfig
-from fivefold.errors import UserError
+from fivefold.config.schema import Config
+from fivefold.config.validate import ConfigError, validate
 from fivefold.model import Decoder
 from fivefold.model import attention, block
 from fivefold.model.recompute import Recompute
@@ -72,12 +73,13 @@ def test_no_recompute_under_no_grad(monkeypatch):
 
 @pytest.mark.parametrize("fields,needle", [
     (dict(recompute_granularity="full"), "needs recompute_method uniform or block"),
-    (dict(recompute_granularity="full", recompute_method="uniform"), "needs recompute_num_layers >= 1"),
+    (dict(recompute_granularity="full", recompute_method="uniform"), "needs recompute_num_layers"),
     (dict(recompute_granularity="selective", recompute_method="block", recompute_num_layers=1), "full recompute only"),
 ])
 def test_megatron_refusals(fields, needle):
-    with pytest.raises(UserError, match=needle):
-        Recompute.from_training(TrainingConfig(**fields))
+    # Refused by validation (one set of rules), before any rank starts.
+    with pytest.raises(ConfigError, match=needle):
+        validate(Config(training=TrainingConfig(**fields)), "megatron")
 
 
 def test_from_training():

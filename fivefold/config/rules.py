@@ -165,6 +165,12 @@ def errors(s: dict) -> list[Rule]:
     if s["gbs"] % (s["mbs"] * dp):
         out.append(Rule(KNOB_FIELDS["gbs"], s["gbs"], f"global batch must be a multiple of "
                         f"micro_batch_size*DP = {s['mbs']}*{dp} = {s['mbs'] * dp}", ("gbs", "mbs")))
+    if s["rgran"] == "full" and s["rmethod"] not in ("uniform", "block"):
+        out.append(Rule(KNOB_FIELDS["rmethod"], s["rmethod"], "full recompute needs recompute_method uniform "
+                        "or block (Megatron-LM refuses without one)", ("rmethod",)))
+    if s["rgran"] == "selective" and s["rmethod"] is not None:
+        out.append(Rule(KNOB_FIELDS["rmethod"], s["rmethod"], "recompute_method applies to full recompute "
+                        "only (Megatron-LM refuses it with selective)", ("rmethod", "rgran")))
     if s["rgran"] == "full" and s["rmethod"] in ("uniform", "block") and not s["rnum"]:
         out.append(Rule(KNOB_FIELDS["rnum"], None, f"full recompute with method {s['rmethod']} needs "
                         "recompute_num_layers (Megatron-LM refuses without it)", ("rnum",)))

@@ -23,7 +23,6 @@ from dataclasses import dataclass
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from fivefold.errors import UserError
 
 
 @dataclass(frozen=True)
@@ -37,20 +36,9 @@ class Recompute:
 
     @classmethod
     def from_training(cls, training) -> Recompute:
-        """From TrainingConfig's recompute_* fields; UserError where Megatron-LM refuses them."""
+        """From a validated TrainingConfig's recompute_* fields (the combinations Megatron-LM refuses
+        are refused by fivefold.config.rules before any rank starts)."""
         g, m, k = training.recompute_granularity, training.recompute_method, training.recompute_num_layers
-        if g not in (None, "selective", "full"):
-            raise UserError(f"training.recompute_granularity={g!r}: use selective or full")
-        if g == "full":
-            if m not in ("uniform", "block"):
-                raise UserError(f"training.recompute_granularity=full needs recompute_method uniform or block, "
-                                f"not {m!r} (Megatron-LM refuses without it)")
-            if k is None or k < (1 if m == "uniform" else 0):
-                raise UserError(f"training.recompute_method={m} needs recompute_num_layers >= "
-                                f"{1 if m == 'uniform' else 0}, not {k!r}")
-        if g == "selective" and m is not None:
-            raise UserError(f"training.recompute_method={m!r} applies to full recompute only; unset it for "
-                            "selective (Megatron-LM refuses the pair)")
         return cls(g, m if g == "full" else None, k if g == "full" else None)
 
     @property
