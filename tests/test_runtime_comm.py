@@ -190,4 +190,14 @@ def test_group_of_one_is_identity_without_processes():
     assert comm.gather(x, 1, mesh.tp, "t") is x and comm.copy_to(x, mesh.dp, "t") is x
     assert comm.all_reduce_(x.detach(), mesh.world, "t") is not None
     comm.all_reduce_async(x.detach(), mesh.dp_cp, "t").wait()
-    assert traffic.table() == [] and traffic.events == []
+    assert traffic.table() == [] and list(traffic.events) == []
+
+
+def test_event_log_is_bounded():
+    """Training never resets the log: it keeps the latest MAX_EVENTS, so memory does not grow per step."""
+    traffic.reset()
+    for i in range(traffic.MAX_EVENTS + 3):
+        traffic.event("all_reduce", f"t{i}", "start")
+    assert len(traffic.events) == traffic.MAX_EVENTS
+    assert traffic.events[0].tag == "t3" and traffic.events[-1].tag == f"t{traffic.MAX_EVENTS + 2}"
+    traffic.reset()

@@ -8,12 +8,13 @@ so model communication can be told from bookkeeping. Calls over a one-rank group
 
 `events` logs (kind, tag, phase, time) for asynchronous ops ("start" at launch, "end" when
 `Work.wait()` returns) and for the communication inside differentiable ops' backward, so tests can
-assert that a collective overlapped a computation.
+assert that a collective overlapped a computation. Training never resets the log, so it keeps only
+the latest `MAX_EVENTS` (a deque): memory stays bounded over a long run.
 """
 from __future__ import annotations
 
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from contextlib import contextmanager
 from typing import NamedTuple
 
@@ -29,7 +30,9 @@ class Event(NamedTuple):
 
 _calls: dict[tuple[str, str, str], int] = defaultdict(int)
 _bytes: dict[tuple[str, str, str], int] = defaultdict(int)
-events: list[Event] = []
+MAX_EVENTS = 100_000
+"""Events kept; older ones are dropped (several per layer and microbatch are logged every step)."""
+events: deque[Event] = deque(maxlen=MAX_EVENTS)
 
 
 def record(kind: str, tag: str, group: str, nbytes: int) -> None:
