@@ -75,6 +75,8 @@ def all_gather(t: torch.Tensor, dim: int, group: Group, tag: str, async_op: bool
     work = dist.all_gather_single(flat, front, group=group.pg, async_op=async_op)
     if not async_op:
         return flat.movedim(0, dim).contiguous()
+    if dim == 0:  # flat is the result already (ZeRO's parameter gather): no second buffer, no copy
+        return flat, Work([work], "all_gather", tag)
     shape = list(t.shape)
     shape[dim] *= group.size
     out = t.new_empty(shape)
@@ -95,6 +97,8 @@ def reduce_scatter(t: torch.Tensor, dim: int, group: Group, tag: str, async_op: 
     work = dist.reduce_scatter_single(chunk, front, group=group.pg, async_op=async_op)
     if not async_op:
         return chunk.movedim(0, dim).contiguous()
+    if dim == 0:  # chunk is the result already (gradient buckets): no second buffer, no copy
+        return chunk, Work([work], "reduce_scatter", tag)
     shape = list(t.shape)
     shape[dim] //= group.size
     out = t.new_empty(shape)
