@@ -10,9 +10,15 @@ import torch.nn.functional as F
 from fivefold.parallel.cross_entropy import vocab_parallel_cross_entropy
 from fivefold.parallel.heads import split_heads
 from fivefold.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, TPMode, VocabParallelEmbedding,
-                                      mark_kv_replica, reduce_tp_grads, shard)
+                                      mark_kv_replica, reduce_tp_grads)
 from fivefold.runtime.mesh import Group, Mesh
 from fivefold.topology import Layout
+
+
+def shard(full: torch.Tensor, dim: int, rank: int, size: int) -> torch.Tensor:
+    """Rank `rank`'s even slice of `full` along `dim` split `size` ways (the reference cut)."""
+    assert full.shape[dim] % size == 0, (full.shape, dim, size)
+    return full.chunk(size, dim)[rank].clone()
 
 
 def test_heads_split_when_kv_heads_reach_tp():

@@ -233,13 +233,6 @@ def shard_state_dict(model: nn.Module, full_state: dict[str, torch.Tensor]) -> d
     return out
 
 
-def shard(full: torch.Tensor, dim: int, rank: int, size: int) -> torch.Tensor:
-    """Rank `rank`'s even slice of `full` along `dim` split `size` ways."""
-    if full.shape[dim] % size:
-        raise ValueError(f"size {full.shape[dim]} along dim {dim} does not divide over {size} ranks")
-    return full.chunk(size, dim)[rank].clone()
-
-
 def mark_kv_replica(param: nn.Parameter, split: HeadSplit, kv_heads: int) -> None:
     """`param` is a whole KV head held by `split.kv_replicas` TP ranks (TP > KV heads)."""
     param.tp_kv_slot = (split.kv_heads.start, kv_heads)
