@@ -50,7 +50,7 @@ class CopyTo(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         with traffic.span("all_reduce", ctx.tag):
-            grad = raw.all_reduce_(grad.contiguous().clone(), ctx.group, ctx.tag)
+            grad = raw.all_reduce_(grad.clone(memory_format=torch.contiguous_format), ctx.group, ctx.tag)
         return grad, None, None
 
 
@@ -60,7 +60,7 @@ class ReduceFrom(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group, tag):
-        return raw.all_reduce_(x.contiguous().clone(), group, tag)
+        return raw.all_reduce_(x.clone(memory_format=torch.contiguous_format), group, tag)
 
     @staticmethod
     def backward(ctx, grad):
