@@ -33,9 +33,10 @@ output for mb 3 to rank 1; `1RECV_F3<0` = receive stage 1's input for mb 3 from 
 from __future__ import annotations
 
 import re
+from collections import Counter
 from dataclasses import dataclass
 from enum import Enum
-from typing import Iterator
+from typing import Callable, Iterator
 
 
 class Kind(str, Enum):
@@ -157,6 +158,35 @@ class Schedule:
 
     def with_ranks(self, ranks: list[list[Action]]) -> "Schedule":
         return Schedule(self.name, tuple(tuple(a) for a in ranks), self.placement, self.num_microbatches)
+
+
+def run_in_order(schedule: Schedule, take: Callable[[int, Action], None] = lambda r, a: None) -> list[int]:
+    """The untimed run of the execution semantics above, shared by the verifier and the simulator.
+
+    Ranks take their actions in order, round-robin: a SEND is posted and never blocks; a RECV is
+    taken only once a matching SEND has been posted (each SEND satisfies one RECV). `take(rank,
+    action)` is called on each action as it is taken, so a RECV's SEND always came first. Returns
+    where each rank stopped: len(its actions) when it finished, else the index of its blocked RECV.
+    """
+    pos = [0] * schedule.num_ranks
+    posted: Counter = Counter()  # (src, dst, message) -> SENDs posted and not yet received
+    progress = True
+    while progress:
+        progress = False
+        for r, acts in enumerate(schedule.ranks):
+            while pos[r] < len(acts):
+                a = acts[pos[r]]
+                if a.kind in (Kind.RECV_F, Kind.RECV_B):
+                    key = (a.peer, r, a.message())
+                    if not posted[key]:
+                        break  # its SEND is not posted yet: try the other ranks
+                    posted[key] -= 1
+                elif a.kind in (Kind.SEND_F, Kind.SEND_B):
+                    posted[(r, a.peer, a.message())] += 1
+                take(r, a)
+                pos[r] += 1
+                progress = True
+    return pos
 
 
 def standard_placement(pp: int, chunks_per_rank: int = 1) -> tuple[int, ...]:
