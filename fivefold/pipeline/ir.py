@@ -33,7 +33,6 @@ output for mb 3 to rank 1; `1RECV_F3<0` = receive stage 1's input for mb 3 from 
 from __future__ import annotations
 
 import re
-from collections import Counter
 from dataclasses import dataclass
 from enum import Enum
 from typing import Callable, Iterator
@@ -160,30 +159,37 @@ class Schedule:
         return Schedule(self.name, tuple(tuple(a) for a in ranks), self.placement, self.num_microbatches)
 
 
-def run_in_order(schedule: Schedule, take: Callable[[int, Action], None] = lambda r, a: None) -> list[int]:
+def run_in_order(schedule: Schedule, take: Callable[[int, Action, object], object] | None = None) -> list[int]:
     """The untimed run of the execution semantics above, shared by the verifier and the simulator.
 
     Ranks take their actions in order, round-robin: a SEND is posted and never blocks; a RECV is
-    taken only once a matching SEND has been posted (each SEND satisfies one RECV). `take(rank,
-    action)` is called on each action as it is taken, so a RECV's SEND always came first. Returns
-    where each rank stopped: len(its actions) when it finished, else the index of its blocked RECV.
+    taken only once a matching SEND has been posted (each SEND satisfies one RECV, in posting order).
+    `take(rank, action, carried)` is called on each action as it is taken; what it returns for a SEND
+    is carried by the message and handed to the RECV that takes it (`carried`; None otherwise): the
+    simulator sends the time the message lands. Returns where each rank stopped: len(its actions)
+    when it finished, else the index of its blocked RECV.
     """
     pos = [0] * schedule.num_ranks
-    posted: Counter = Counter()  # (src, dst, message) -> SENDs posted and not yet received
+    posted: dict[tuple, list] = {}  # (src, dst, message) -> what the SENDs not yet received carry
     progress = True
     while progress:
         progress = False
         for r, acts in enumerate(schedule.ranks):
             while pos[r] < len(acts):
                 a = acts[pos[r]]
-                if a.kind in (Kind.RECV_F, Kind.RECV_B):
-                    key = (a.peer, r, a.message())
-                    if not posted[key]:
+                carried = None
+                if a.kind is Kind.RECV_F or a.kind is Kind.RECV_B:
+                    queue = posted.get((a.peer, r, a.message()))
+                    if not queue:
                         break  # its SEND is not posted yet: try the other ranks
-                    posted[key] -= 1
-                elif a.kind in (Kind.SEND_F, Kind.SEND_B):
-                    posted[(r, a.peer, a.message())] += 1
-                take(r, a)
+                    carried = queue.pop(0)
+                    if take is not None:
+                        take(r, a, carried)
+                elif a.kind is Kind.SEND_F or a.kind is Kind.SEND_B:
+                    out = take(r, a, None) if take is not None else None
+                    posted.setdefault((r, a.peer, a.message()), []).append(out)
+                elif take is not None:
+                    take(r, a, None)
                 pos[r] += 1
                 progress = True
     return pos

@@ -102,14 +102,14 @@ def simulate(schedule: Schedule, costs: Costs) -> SimResult:
     clock, busy = [0.0] * n, [0.0] * n
     live: list[set[tuple[int, int]]] = [set() for _ in range(n)]
     peak = [0] * n
-    arrival: dict[tuple[int, int, tuple], list[float]] = {}  # (src, dst, message) -> times it can be received
     timeline: list[Interval] = []
 
-    def take(r: int, a: Action) -> None:
+    def take(r: int, a: Action, landed: float | None) -> float | None:
+        """A SEND returns the time its message can be received; a RECV gets that time (`landed`)."""
         if a.kind in (Kind.RECV_F, Kind.RECV_B):
-            clock[r] = max(clock[r], arrival[(a.peer, r, a.message())].pop(0))
+            clock[r] = max(clock[r], landed)
         elif a.kind in (Kind.SEND_F, Kind.SEND_B):
-            arrival.setdefault((r, a.peer, a.message()), []).append(clock[r] + costs.p2p_latency)
+            return clock[r] + costs.p2p_latency
         else:
             cost = costs.of(a)
             for p in a.pieces():
@@ -122,6 +122,7 @@ def simulate(schedule: Schedule, costs: Costs) -> SimResult:
             for p in a.pieces():
                 if p.kind in (Kind.W, Kind.BW):
                     live[r].discard((p.stage, p.mb))
+        return None
 
     pos = run_in_order(schedule, take)
     stuck = [r for r in range(n) if pos[r] < len(schedule.ranks[r])]
