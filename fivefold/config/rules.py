@@ -10,9 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from math import prod
 
-from fivefold.config.schema import CP_COMM_TYPES, DIM_NAMES, PIPELINE_SCHEDULES, Config
+from fivefold.config.schema import CP_COMM_TYPES, DIM_NAMES, Config
 from fivefold.config.split import layers_per_stage
-from fivefold.pipeline.rules import microbatch_problem
+from fivefold.pipeline.rules import SCHEDULES, microbatch_problem
 
 KNOB_FIELDS = {
     "tp": "parallel.tensor_model_parallel_size", "pp": "parallel.pipeline_model_parallel_size",
@@ -108,7 +108,7 @@ def _positive(s: dict) -> list[Rule]:
 
 def _choices(s: dict) -> list[Rule]:
     out = []
-    for k, allowed in (("schedule", PIPELINE_SCHEDULES), ("cp_comm", CP_COMM_TYPES),
+    for k, allowed in (("schedule", SCHEDULES), ("cp_comm", CP_COMM_TYPES),
                        ("rgran", (None, "selective", "full")), ("rmethod", (None, "uniform", "block"))):
         if s[k] not in allowed:
             out.append(Rule(KNOB_FIELDS[k], s[k], f"must be one of {', '.join(map(str, allowed))}", (k,)))

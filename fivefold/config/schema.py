@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, is_dataclass
 
-PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "dualpipev")
 CP_COMM_TYPES = ("p2p", "a2a", "a2a+p2p")
 DIM_NAMES = ("tp", "cp", "ep", "dp", "pp")
 

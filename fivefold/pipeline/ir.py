@@ -35,7 +35,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from enum import Enum
-from typing import Iterator
+from typing import Callable, Iterator
 
 
 class Kind(str, Enum):
@@ -157,6 +157,42 @@ class Schedule:
 
     def with_ranks(self, ranks: list[list[Action]]) -> "Schedule":
         return Schedule(self.name, tuple(tuple(a) for a in ranks), self.placement, self.num_microbatches)
+
+
+def run_in_order(schedule: Schedule, take: Callable[[int, Action, object], object] | None = None) -> list[int]:
+    """The untimed run of the execution semantics above, shared by the verifier and the simulator.
+
+    Ranks take their actions in order, round-robin: a SEND is posted and never blocks; a RECV is
+    taken only once a matching SEND has been posted (each SEND satisfies one RECV, in posting order).
+    `take(rank, action, carried)` is called on each action as it is taken; what it returns for a SEND
+    is carried by the message and handed to the RECV that takes it (`carried`; None otherwise): the
+    simulator sends the time the message lands. Returns where each rank stopped: len(its actions)
+    when it finished, else the index of its blocked RECV.
+    """
+    pos = [0] * schedule.num_ranks
+    posted: dict[tuple, list] = {}  # (src, dst, message) -> what the SENDs not yet received carry
+    progress = True
+    while progress:
+        progress = False
+        for r, acts in enumerate(schedule.ranks):
+            while pos[r] < len(acts):
+                a = acts[pos[r]]
+                carried = None
+                if a.kind is Kind.RECV_F or a.kind is Kind.RECV_B:
+                    queue = posted.get((a.peer, r, a.message()))
+                    if not queue:
+                        break  # its SEND is not posted yet: try the other ranks
+                    carried = queue.pop(0)
+                    if take is not None:
+                        take(r, a, carried)
+                elif a.kind is Kind.SEND_F or a.kind is Kind.SEND_B:
+                    out = take(r, a, None) if take is not None else None
+                    posted.setdefault((r, a.peer, a.message()), []).append(out)
+                elif take is not None:
+                    take(r, a, None)
+                pos[r] += 1
+                progress = True
+    return pos
 
 
 def standard_placement(pp: int, chunks_per_rank: int = 1) -> tuple[int, ...]:

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from fivefold.pipeline.ir import Action, Kind, Schedule
+from fivefold.pipeline.ir import Action, Kind, Schedule, run_in_order
 
 
 @dataclass(frozen=True)
@@ -99,38 +99,32 @@ class SimResult:
 def simulate(schedule: Schedule, costs: Costs) -> SimResult:
     """Run a lowered, verified schedule against `costs`; raises ValueError if it cannot finish."""
     n = schedule.num_ranks
-    pos, clock, busy = [0] * n, [0.0] * n, [0.0] * n
+    clock, busy = [0.0] * n, [0.0] * n
     live: list[set[tuple[int, int]]] = [set() for _ in range(n)]
     peak = [0] * n
-    arrival: dict[tuple[int, int, tuple], float] = {}  # (src, dst, message) -> time it can be received
     timeline: list[Interval] = []
-    progress = True
-    while progress:
-        progress = False
-        for r, acts in enumerate(schedule.ranks):
-            while pos[r] < len(acts):
-                a = acts[pos[r]]
-                if a.kind in (Kind.RECV_F, Kind.RECV_B):
-                    key = (a.peer, r, a.message())
-                    if key not in arrival:
-                        break  # event not yet posted: try the other ranks
-                    clock[r] = max(clock[r], arrival.pop(key))
-                elif a.kind in (Kind.SEND_F, Kind.SEND_B):
-                    arrival[(r, a.peer, a.message())] = clock[r] + costs.p2p_latency
-                else:
-                    cost = costs.of(a)
-                    for p in a.pieces():
-                        if p.kind is Kind.F:
-                            live[r].add((p.stage, p.mb))
-                    peak[r] = max(peak[r], len(live[r]))
-                    timeline.append(Interval(r, clock[r], clock[r] + cost, a))
-                    clock[r] += cost
-                    busy[r] += cost
-                    for p in a.pieces():
-                        if p.kind in (Kind.W, Kind.BW):
-                            live[r].discard((p.stage, p.mb))
-                pos[r] += 1
-                progress = True
+
+    def take(r: int, a: Action, landed: float | None) -> float | None:
+        """A SEND returns the time its message can be received; a RECV gets that time (`landed`)."""
+        if a.kind in (Kind.RECV_F, Kind.RECV_B):
+            clock[r] = max(clock[r], landed)
+        elif a.kind in (Kind.SEND_F, Kind.SEND_B):
+            return clock[r] + costs.p2p_latency
+        else:
+            cost = costs.of(a)
+            for p in a.pieces():
+                if p.kind is Kind.F:
+                    live[r].add((p.stage, p.mb))
+            peak[r] = max(peak[r], len(live[r]))
+            timeline.append(Interval(r, clock[r], clock[r] + cost, a))
+            clock[r] += cost
+            busy[r] += cost
+            for p in a.pieces():
+                if p.kind in (Kind.W, Kind.BW):
+                    live[r].discard((p.stage, p.mb))
+        return None
+
+    pos = run_in_order(schedule, take)
     stuck = [r for r in range(n) if pos[r] < len(schedule.ranks[r])]
     if stuck:
         raise ValueError(f"schedule cannot finish: ranks {stuck} wait forever (run the verifier)")

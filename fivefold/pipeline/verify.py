@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 
 from fivefold.errors import UserError
-from fivefold.pipeline.ir import Action, Kind, Schedule
+from fivefold.pipeline.ir import Action, Kind, Schedule, run_in_order
 
 
 class ScheduleError(UserError):
@@ -155,20 +155,7 @@ def _matching(s: Schedule) -> list[tuple[int, int, str]]:
 
 
 def _deadlock(s: Schedule) -> list[tuple[int, int, str]]:
-    pos = [0] * s.num_ranks
-    posted: set[tuple[int, int, tuple]] = set()  # (src, dst, message)
-    progress = True
-    while progress:
-        progress = False
-        for r, acts in enumerate(s.ranks):
-            while pos[r] < len(acts):
-                a = acts[pos[r]]
-                if a.kind in (Kind.RECV_F, Kind.RECV_B) and (a.peer, r, a.message()) not in posted:
-                    break
-                if a.kind in (Kind.SEND_F, Kind.SEND_B):
-                    posted.add((r, a.peer, a.message()))
-                pos[r] += 1
-                progress = True
+    pos = run_in_order(s)
     blocked = [r for r in range(s.num_ranks) if pos[r] < len(s.ranks[r])]
     if not blocked:
         return []

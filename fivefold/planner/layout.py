@@ -167,12 +167,3 @@ class Plan:
     @cached_property
     def _groups(self) -> dict:
         return {}
-
-    def recomputed(self, rank: int, layer_pos: int) -> bool:
-        """Whether the layer at position `layer_pos` among `rank`'s layers is fully recomputed."""
-        t = self.config.training
-        if t.recompute_granularity != "full":
-            return False
-        if t.recompute_method == "block":
-            return layer_pos < (t.recompute_num_layers or 0) * self.vpp
-        return True

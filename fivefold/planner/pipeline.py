@@ -20,9 +20,9 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from fivefold.pipeline.generators import build_schedule
+from fivefold.pipeline.rules import SCHEDULES
 from fivefold.pipeline.simulate import Costs, simulate
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "dualpipev")
 SIMULATED = 2
 """Microbatches per pipeline rank simulated before the steady state is extended linearly (2p is past
 every schedule's warm-up: the tests compare with 8p)."""
@@ -40,10 +40,6 @@ class PipelineProfile:
         return self.inflight_chunks[rank] / self.vpp
 
 
-def _simulated_count(schedule: str, pp: int, vpp: int | None, m: int) -> int:
-    return min(m, SIMULATED * pp)
-
-
 @lru_cache(maxsize=1024)
 def _simulate(schedule: str, pp: int, vpp: int | None, m: int):
     """(makespan in stage times, peak in-flight chunks per rank, chunks per rank), equal stages."""
@@ -55,7 +51,7 @@ def _simulate(schedule: str, pp: int, vpp: int | None, m: int):
 def pipeline_profile(schedule: str, pp: int, vpp: int | None, m: int) -> PipelineProfile:
     if schedule not in SCHEDULES:
         raise ValueError(f"the planner has no model of schedule {schedule!r}; use one of {SCHEDULES}")
-    m0 = _simulated_count(schedule, pp, vpp, m)
+    m0 = min(m, SIMULATED * pp)
     _, held, chunks = _simulate(schedule, pp, vpp, m0)
     held = tuple(m * c if h == m0 * c else h for h, c in zip(held, chunks))
     return PipelineProfile(inflight_chunks=held, vpp=chunks[0])
@@ -63,7 +59,7 @@ def pipeline_profile(schedule: str, pp: int, vpp: int | None, m: int) -> Pipelin
 
 def bubble_stage_times(schedule: str, pp: int, vpp: int | None, m: int) -> float:
     """B_u: the idle time of m microbatches with equal stages, in units of one rank's microbatch time."""
-    m0 = _simulated_count(schedule, pp, vpp, m)
+    m0 = min(m, SIMULATED * pp)
     makespan, _, _ = _simulate(schedule, pp, vpp, m0)
     return makespan - m0
 
