@@ -23,18 +23,20 @@ config's (b = micro_batch_size, s = seq_length) whatever the tokenizer.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 from fivefold.config.schema import Config
 from fivefold.config.validate import layout_of
 from fivefold.data.loader import Microbatch, StepBatch
-from fivefold.model import build_decoder
+from fivefold.errors import NotImplementedYet
 from fivefold.parallel.data import GradReducer
 from fivefold.planner.versus import BOOKKEEPING_TAGS
 from fivefold.runtime import traffic
 from fivefold.runtime.mesh import Mesh
-from fivefold.train.optim import build_optimizer
+from fivefold.train.context import RankContext
+from fivefold.train.loop import build
 from fivefold.train.step import train_step
 
 
@@ -86,25 +88,26 @@ class _Reducer(GradReducer):
 
 
 def measure_step(rank: int, world: int, config: Config) -> RankMeasurement:
-    """Harness case: build the config's model on this rank, take a warm-up step, then measure one."""
+    """Harness case: build the config's model on this rank as `train` does (fivefold.train.loop.build),
+    take a warm-up step, then measure one. PP = 1 only (a pipeline schedule runs stages, not `train_step`)."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
     t = config.training
-    mesh = Mesh.build(layout_of(config))
-    model = build_decoder(config, mesh)
-    optimizer = build_optimizer(model, t)
-    reducer = _Reducer(model.parameters(), mesh.dp_cp)
-    device = torch.device("cpu")
+    ctx = RankContext(Mesh.build(layout_of(config)), Path("."))  # out_dir: nothing is written
+    if ctx.layout.pp > 1:
+        raise NotImplementedYet("measure_step: pipeline parallelism (PP > 1) is not measured")
+    parts = build(config, ctx, reducer_cls=_Reducer)
+    model, optimizer, reducer, mesh, device = parts.model, parts.optimizer, parts.reducer, ctx.mesh, ctx.device
 
     def step(i: int):
-        return train_step(model, optimizer, reducer, synthetic_batch(config, i, mesh.dp.rank, mesh.dp.size),
-                          lr=t.lr, clip_grad=t.clip_grad, precision=t.precision, dp_group=mesh.dp_cp,
-                          model_parallel_group=mesh.group("model-parallel"), tp_group=mesh.tp, device=device)
+        return train_step(model, optimizer, reducer, synthetic_batch(config, i, ctx.dp_rank, ctx.dp_size),
+                          lr=t.lr, clip_grad=t.clip_grad, precision=t.precision, dp_group=ctx.dp_group,
+                          model_parallel_group=ctx.model_parallel_group, tp_group=mesh.tp, device=device)
 
     step(0)
     traffic.reset()
     tracker = MemTracker()
-    tracker.track_external(model, optimizer)
+    tracker.track_external(model, getattr(optimizer, "optimizer", optimizer))  # ZeRO-1: the AdamW it wraps
     reducer.tracker = tracker
     with tracker:
         result = step(1)

@@ -30,8 +30,8 @@ from fivefold.train.metrics import MetricsLog, flops_per_token, peak_memory_byte
 from fivefold.train.optim import build_optimizer, state_bytes
 from fivefold.train.profile import StepProfiler, profile_steps
 from fivefold.train.schedule import lr_at
-from fivefold.train.pipeline_step import (build_pipeline, microbatches_per_step, pipeline_evaluate,
-                                          pipeline_train_step, trace_report)
+from fivefold.train.pipeline_step import (PipelineModel, build_pipeline, microbatches_per_step,
+                                          pipeline_evaluate, pipeline_train_step, trace_report)
 from fivefold.train.step import evaluate, train_step
 
 
@@ -109,7 +109,20 @@ def _step(config: Config, ctx: RankContext, step: int, pipe, model, optimizer, r
     return r
 
 
-def train(config: Config, ctx: RankContext, data_dir: Path, *, progress: bool = True) -> TrainResult:
+@dataclass
+class Parts:
+    """What a rank trains: its model (with PP, the stages it holds, `pipe.module`), the DP gradient
+    reducer and the optimizer (ZeRO-1's DistributedOptimizer or AdamW)."""
+
+    model: torch.nn.Module
+    pipe: PipelineModel | None
+    reducer: GradReducer
+    optimizer: torch.optim.Optimizer | DistributedOptimizer
+
+
+def build(config: Config, ctx: RankContext, *, reducer_cls: type[GradReducer] = GradReducer) -> Parts:
+    """This rank's model, recompute setting, reducer and optimizer for `config` (the training loop's,
+    and fivefold.testing.measure's, so that a measured step is the step `train` runs)."""
     t = config.training
     pipe = None
     if ctx.layout.pp > 1:  # the stages this rank holds; steps run through the pipeline schedule
@@ -120,8 +133,15 @@ def train(config: Config, ctx: RankContext, data_dir: Path, *, progress: bool = 
     recompute = Recompute.from_training(t)
     for module in (pipe.stages.values() if pipe is not None else [model]):
         module.set_recompute(recompute)
-    reducer = GradReducer(model.parameters(), ctx.dp_group, shard=t.use_distributed_optimizer)
+    reducer = reducer_cls(model.parameters(), ctx.dp_group, shard=t.use_distributed_optimizer)
     optimizer = DistributedOptimizer(model, reducer, t) if t.use_distributed_optimizer else build_optimizer(model, t)
+    return Parts(model, pipe, reducer, optimizer)
+
+
+def train(config: Config, ctx: RankContext, data_dir: Path, *, progress: bool = True) -> TrainResult:
+    t = config.training
+    parts = build(config, ctx)
+    model, pipe, reducer, optimizer = parts.model, parts.pipe, parts.reducer, parts.optimizer
     train_loader, eval_loader = _loaders(config, ctx, data_dir)
     start = 0
     if config.checkpoint.load:
