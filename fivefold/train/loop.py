@@ -163,26 +163,31 @@ def train(config: Config, ctx: RankContext, data_dir: Path, *, progress: bool = 
             r = _step(config, ctx, step, pipe, model, optimizer, reducer, train_loader)
         dt = time.perf_counter() - t0
         times.append((r.tokens, dt))
-        peak = comm.all_gather(torch.tensor([peak_memory_bytes(ctx.device)], dtype=torch.float64), 0,
-                               ctx.world_group, tag="metrics")  # (world,)
+        result.losses[step] = r.loss
+        last = step + 1 == t.train_iters
+        evaluates = eval_loader is not None and ((step + 1) % t.eval_interval == 0 or last)
         record = {"step": step, "loss": r.loss, "grad_norm": r.grad_norm, "lr": lr_at(step, t),
                   "tokens": r.tokens, "step_time_s": dt, "tokens_per_s": r.tokens / dt,
-                  "tflops_per_rank": fpt * r.tokens / dt / ctx.world_size / 1e12,
-                  "peak_memory_mib": [round(float(b) / 2**20, 1) for b in peak]}
-        result.losses[step] = r.loss
-        if eval_loader is not None and ((step + 1) % t.eval_interval == 0 or step + 1 == t.train_iters):
+                  "tflops_per_rank": fpt * r.tokens / dt / ctx.world_size / 1e12}
+        every = config.logging.log_interval  # read like save_interval: unset/0 = the last and eval steps only
+        logs = bool(every and (step + 1) % every == 0) or last or evaluates
+        if logs:  # a collective over every rank: once per metrics line, not every step
+            peak = comm.all_gather(torch.tensor([peak_memory_bytes(ctx.device)], dtype=torch.float64), 0,
+                                   ctx.world_group, tag="metrics")  # (world,)
+            record["peak_memory_mib"] = [round(float(b) / 2**20, 1) for b in peak]
+            result.peak_memory = [int(b) for b in peak]
+        if evaluates:
             batches = [eval_loader.step_batch(i) for i in range(t.eval_iters)]
             record["eval_loss"] = result.eval_losses[step] = evaluate(
                 model, batches, precision=t.precision, dp_group=ctx.dp_group, device=ctx.device) if pipe is None \
                 else pipeline_evaluate(pipe, batches, precision=t.precision, mesh=ctx.mesh, device=ctx.device)
-        if log is not None:
+        if log is not None and logs:
             log.write(record)
         bar.set_postfix(loss=f"{r.loss:.4f}", lr=f"{record['lr']:.2e}", tok_s=f"{record['tokens_per_s']:.0f}")
         bar.update(1)
         interval = config.checkpoint.save_interval
-        if (interval and (step + 1) % interval == 0) or step + 1 == t.train_iters:
+        if (interval and (step + 1) % interval == 0) or last:
             result.checkpoint = _save(config, ctx, save_root, step + 1, model, optimizer)
-        result.peak_memory = [int(b) for b in peak]
     bar.close()
     result.optimizer_state_bytes = state_bytes(optimizer)
     steady = times[1:] or times  # the first step pays for warm-up (allocations, thread pools)
