@@ -25,11 +25,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from fivefold.config.schema import Config
 from fivefold.config.validate import layout_of
-from fivefold.data.loader import Microbatch, StepBatch
+from fivefold.data.loader import StepBatch, collate
+from fivefold.data.sampler import even_share
 from fivefold.errors import NotImplementedYet
 from fivefold.parallel.data import GradReducer
 from fivefold.planner.versus import BOOKKEEPING_TAGS
@@ -66,12 +68,10 @@ def synthetic_batch(config: Config, step: int, dp_rank: int, dp_size: int) -> St
     t = config.training
     gen = torch.Generator().manual_seed(t.seed * 1000 + step)
     tokens = torch.randint(0, config.model.vocab_size, (t.global_batch_size, t.seq_length + 1), generator=gen)
-    per_rank = t.global_batch_size // dp_size
-    mine = tokens[dp_rank * per_rank: (dp_rank + 1) * per_rank]
-    micro = [Microbatch(mine[k: k + t.micro_batch_size, :-1].contiguous(), mine[k: k + t.micro_batch_size, 1:].contiguous(),
-                        t.micro_batch_size * t.seq_length)
-             for k in range(0, per_rank, t.micro_batch_size)]
-    return StepBatch(micro, t.global_batch_size * t.seq_length, torch.arange(dp_rank * per_rank, (dp_rank + 1) * per_rank).numpy())
+    share = even_share(t.global_batch_size, dp_rank, dp_size)  # as BatchLoader splits packed samples
+    mine = tokens[share]
+    micro = [collate(list(mine[k: k + t.micro_batch_size])) for k in range(0, len(mine), t.micro_batch_size)]
+    return StepBatch(micro, t.global_batch_size * t.seq_length, np.arange(share.start, share.stop))
 
 
 class _Reducer(GradReducer):
