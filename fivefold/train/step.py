@@ -87,19 +87,19 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, reducer: Grad
     counts each replicated parameter once in the gradient norm (summed over `model_parallel_group`)."""
     set_lr(optimizer, lr)
     reducer.zero_grad()
-    local = torch.zeros((), dtype=torch.float64)
+    local = torch.zeros((), dtype=torch.float64, device=device)  # on the device: no host sync per microbatch
     n = len(batch.microbatches)
     for i, mb in enumerate(batch.microbatches):
         reducer.prepare(last=i == n - 1)
         s = loss_sum(model, mb, precision, device)
         (s / batch.global_tokens).backward()
-        local += s.detach().double().cpu()
+        local += s.detach().double()
     if n == 0:
         reducer.prepare(last=True)
     reducer.finish()
     norm = finish_grads(list(model.parameters()), clip_grad, model_parallel_group, tp_group, optimizer=optimizer)
     optimizer.step()
-    return StepResult(global_mean(local, batch.global_tokens, dp_group), norm, batch.global_tokens)
+    return StepResult(global_mean(local.cpu(), batch.global_tokens, dp_group), norm, batch.global_tokens)
 
 
 @torch.no_grad()
