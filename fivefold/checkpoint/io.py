@@ -18,10 +18,8 @@ from safetensors.torch import save_file
 from torch import nn
 
 from fivefold.checkpoint.layout import FORMAT, ShardSpec, complete_checkpoints, overlap, resolve, step_dir, whole
-from fivefold.checkpoint.optim_state import OptimShard, load_optim, merge_listings, save_optim, whole_shards
+from fivefold.checkpoint.optim_state import OptimShard, ShardOf, load_optim, merge_listings, save_optim, whole_shards
 from fivefold.errors import UserError
-
-ShardOf = Callable[[str, torch.Tensor], ShardSpec]
 
 
 def _fsync_dir(path: Path) -> None:
