@@ -89,6 +89,6 @@ def test_load_into_another_sharding(tmp_path):
     meta["params"] = {k: v for k, v in meta["params"].items() if k.startswith("0.")}
     io.check_fits(meta, shard, shard_of, folder)
     with torch.no_grad():
-        assert io._assemble(folder, meta["params"]["0.weight"], "0.weight", "file", half.weight.data,
+        assert io._assemble(folder, meta["params"]["0.weight"], "0.weight", half.weight.data,
                             shard_of("0.weight", half.weight))
     assert torch.equal(half.weight, model[0].weight[4:])

@@ -113,6 +113,15 @@ def test_unpacked_samples_split_by_tokens_across_ranks(tmp_path):
               for r in range(2)]
     per_rank = [sum(m.num_tokens for m in s.microbatches) for s in shares]
     assert sum(per_rank) == shares[0].global_tokens == shares[1].global_tokens
+    # The shares are the global batch in order, cut where the larger share is smallest (brute force).
+    # seq_length=256, seed=3: documents of 22..228 targets, where 4 + 4 samples would give 687, not 635.
+    ds = DocumentDataset(load_splits(cache, 0.0)[0], seq_length=256)
+    ids = global_batch_indices(0, 8, len(ds), seed=3)
+    shares = [BatchLoader(ds, global_batch_size=8, micro_batch_size=2, dp_rank=r, dp_size=2, seed=3).step_batch(0)
+              for r in range(2)]
+    assert np.concatenate([s.sample_ids for s in shares]).tolist() == ids.tolist()
+    assert max(sum(m.num_tokens for m in s.microbatches) for s in shares) == \
+        _brute_force_max([ds.target_tokens(int(i)) for i in ids], 2) == 635
     mb = shares[0].microbatches[0]
     assert ((mb.labels == IGNORE_INDEX) == (mb.labels < 0)).all() and mb.num_tokens == int((mb.labels >= 0).sum())
 

@@ -1,6 +1,7 @@
 """Pure parts of training: LR schedule, the supported-knobs refusal, FLOPs formula, clipping, bf16."""
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -62,3 +63,19 @@ def test_bf16_trains(tmp_path):
     out.mkdir()
     losses = list(train(cfg, one_process_context(out), prepare(cfg, out), progress=False).losses.values())
     assert losses[-1] < 0.9 * losses[0]
+
+
+def test_log_interval_writes_every_nth_step_the_last_and_eval_steps(tmp_path):
+    """logging.log_interval (Megatron --log-interval): a metrics line (and the all-rank peak-memory
+    gather it carries) every N steps, plus the last step and every evaluation step."""
+    cfg = tiny_config(corpus(tmp_path / "c"), steps=7, eval_interval=5)
+    cfg.logging.log_interval = 3
+    out = tmp_path / "o"
+    out.mkdir()
+    result = train(cfg, one_process_context(out), prepare(cfg, out), progress=False)
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [2, 4, 5, 6]  # steps 3 and 6 (1-based), eval at 5, last at 7
+    assert [r["step"] for r in rows if "eval_loss" in r] == [4, 6]
+    assert all(len(r["peak_memory_mib"]) == 1 for r in rows)
+    assert sorted(result.losses) == list(range(7))  # every step is still trained and returned
+    assert len(result.peak_memory) == 1 and result.peak_memory[0] > 0

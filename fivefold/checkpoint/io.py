@@ -17,12 +17,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from fivefold.checkpoint.layout import FORMAT, ShardSpec, complete_checkpoints, resolve, step_dir, whole
-from fivefold.checkpoint.optim_state import (OptimShard, load_optim, merge_optim_listings, save_optim,
-                                             whole_shards)
+from fivefold.checkpoint.layout import FORMAT, ShardSpec, complete_checkpoints, overlap, resolve, step_dir, whole
+from fivefold.checkpoint.optim_state import OptimShard, ShardOf, load_optim, merge_listings, save_optim, whole_shards
 from fivefold.errors import UserError
-
-ShardOf = Callable[[str, torch.Tensor], ShardSpec]
 
 
 def _fsync_dir(path: Path) -> None:
@@ -67,9 +64,8 @@ def save_checkpoint(root: str | Path, step: int, *, model: nn.Module, optimizer:
     tag = f"{rank:05d}"
     _save(rng_state(), tmp / f"rng-{tag}.safetensors")
     if writes_params:
-        names = {p: n for n, p in model.named_parameters()}
         params, shards = {}, {}
-        for p, name in names.items():
+        for name, p in model.named_parameters():
             params[name] = p
             spec = shard_of(name, p)
             shards[name] = {"file": f"model-{tag}.safetensors", "offsets": list(spec.offsets),
@@ -88,15 +84,8 @@ def save_checkpoint(root: str | Path, step: int, *, model: nn.Module, optimizer:
 
 def _commit(root: Path, tmp: Path, final: Path, step: int, extra: dict, keep: int) -> None:
     params: dict[str, dict] = {}
-    for frag in sorted(tmp.glob("shards-*.json")):
-        tag = frag.stem.split("-")[1]
-        for name, s in json.loads(frag.read_text()).items():
-            entry = params.setdefault(name, {"global_shape": s["global_shape"], "dtype": s["dtype"], "shards": []})
-            if any(x["offsets"] == s["offsets"] and x["shape"] == s["shape"] for x in entry["shards"]):
-                continue  # a replica (a TP-replicated norm gain is written by every TP rank): listed once
-            entry["shards"].append({"file": s["file"], "offsets": s["offsets"], "shape": s["shape"]})
-        frag.unlink()
-    merge_optim_listings(tmp, params)
+    merge_listings(tmp, "shards", params, "shards")
+    merge_listings(tmp, "optimshards", params, "optim_shards")
     meta = {"format": FORMAT, "step": step, "params": params, **extra}
     (tmp / "metadata.json").write_text(json.dumps(meta, indent=1))
     _fsync_dir(tmp)
@@ -137,19 +126,18 @@ def check_fits(meta: dict, model: nn.Module, shard_of: ShardOf, where: Path) -> 
                         "load it with the model settings it was saved with, or start without --load")
 
 
-def _assemble(folder: Path, entry: dict, key: str, file_key: str, out: torch.Tensor, spec: ShardSpec) -> bool:
+def _assemble(folder: Path, entry: dict, key: str, out: torch.Tensor, spec: ShardSpec) -> bool:
     """Fill `out` (this rank's shard at spec.offsets) from the saved shards that overlap it."""
     filled = 0
     for s in entry["shards"]:
-        lo = [max(a, b) for a, b in zip(spec.offsets, s["offsets"])]
-        hi = [min(a + n, b + m) for a, n, b, m in zip(spec.offsets, out.shape, s["offsets"], s["shape"])]
-        if any(h <= l for l, h in zip(lo, hi)):
+        where = overlap(spec.offsets, out.shape, s["offsets"], s["shape"])
+        if where is None:
             continue
-        with safe_open(str(folder / s[file_key]), framework="pt") as f:
+        with safe_open(str(folder / s["file"]), framework="pt") as f:
             if key not in f.keys():
                 return False
-            src = f.get_slice(key)[tuple(slice(l - o, h - o) for l, h, o in zip(lo, hi, s["offsets"]))]
-        dst = out[tuple(slice(l - o, h - o) for l, h, o in zip(lo, hi, spec.offsets))]
+            src = f.get_slice(key)[where[0]]
+        dst = out[where[1]]
         dst.copy_(src)
         filled += dst.numel()
     return filled == out.numel()
@@ -165,7 +153,7 @@ def load_checkpoint(path: str | Path, *, model: nn.Module, optimizer: torch.opti
     with torch.no_grad():
         for name, p in model.named_parameters():
             spec = shard_of(name, p)
-            if not _assemble(folder, meta["params"][name], name, "file", p.data, spec):
+            if not _assemble(folder, meta["params"][name], name, p.data, spec):
                 raise UserError(f"checkpoint {folder}: its shards do not cover parameter {name}")
         if optimizer is not None and meta.get("optimizer_step"):
             load_optim(folder, meta, model, optimizer, whole_shards(model) if optim_shards is None else optim_shards,

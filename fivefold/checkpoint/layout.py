@@ -31,6 +31,17 @@ def whole(shape) -> ShardSpec:
     return ShardSpec(tuple(shape), tuple(0 for _ in shape))
 
 
+def overlap(offsets, shape, saved_offsets, saved_shape) -> tuple[tuple[slice, ...], tuple[slice, ...]] | None:
+    """Where a saved shard (at `saved_offsets`, `saved_shape` in the global tensor) meets a target
+    shard (at `offsets`, `shape`): (slices into the saved shard, slices into the target), or None."""
+    lo = [max(a, b) for a, b in zip(offsets, saved_offsets)]
+    hi = [min(a + n, b + m) for a, n, b, m in zip(offsets, shape, saved_offsets, saved_shape)]
+    if any(h <= l for l, h in zip(lo, hi)):
+        return None
+    return (tuple(slice(l - o, h - o) for l, h, o in zip(lo, hi, saved_offsets)),
+            tuple(slice(l - o, h - o) for l, h, o in zip(lo, hi, offsets)))
+
+
 def step_dir(root: Path, step: int) -> Path:
     return root / f"step_{step:08d}"
 

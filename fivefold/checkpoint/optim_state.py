@@ -26,7 +26,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from fivefold.checkpoint.layout import ShardSpec
+from fivefold.checkpoint.layout import ShardSpec, overlap
 from fivefold.errors import UserError
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -67,16 +67,17 @@ def save_optim(folder: Path, tag: str, model: nn.Module, optimizer, shards: list
     (folder / f"optimshards-{tag}.json").write_text(json.dumps(listing))
 
 
-def merge_optim_listings(folder: Path, params: dict[str, dict]) -> None:
-    """Fold every rank's optimshards-*.json into the metadata's parameter entries (replicas once)."""
-    for frag in sorted(folder.glob("optimshards-*.json")):
+def merge_listings(folder: Path, prefix: str, params: dict[str, dict], key: str) -> None:
+    """Fold every rank's `prefix`-*.json fragment into the metadata's parameter entries, under `key`
+    ("shards" for parameters, "optim_shards" for moments). A range listed by several ranks (a
+    TP-replicated parameter is written by every TP rank) is listed once: same offsets, shape, flat."""
+    for frag in sorted(folder.glob(f"{prefix}-*.json")):
         for name, s in json.loads(frag.read_text()).items():
             entry = params.setdefault(name, {"global_shape": s["global_shape"], "dtype": s["dtype"], "shards": []})
-            listed = entry.setdefault("optim_shards", [])
-            item = {k: s[k] for k in ("file", "offsets", "shape", "flat")}
-            if not any(x["offsets"] == item["offsets"] and x["shape"] == item["shape"] and x["flat"] == item["flat"]
-                       for x in listed):
-                listed.append(item)  # a TP-replicated parameter's state is written by every TP rank
+            listed = entry.setdefault(key, [])
+            item = {k: s[k] for k in ("file", "offsets", "shape", "flat") if k in s}
+            if not any({**x, "file": None} == {**item, "file": None} for x in listed):
+                listed.append(item)
         frag.unlink()
 
 
@@ -95,9 +96,8 @@ def _assemble_range(folder: Path, entry: dict, key: str, spec: ShardSpec, shape:
     out = torch.zeros(shape)
     have = torch.zeros(shape, dtype=torch.bool)
     for s in _saved_ranges(entry):
-        lo = [max(a, b) for a, b in zip(spec.offsets, s["offsets"])]
-        hi = [min(a + n, b + m) for a, n, b, m in zip(spec.offsets, shape, s["offsets"], s["shape"])]
-        if any(h <= l for l, h in zip(lo, hi)):
+        where = overlap(spec.offsets, shape, s["offsets"], s["shape"])
+        if where is None:
             continue
         with safe_open(str(folder / s["file"]), framework="pt") as f:
             if key not in f.keys():
@@ -106,8 +106,7 @@ def _assemble_range(folder: Path, entry: dict, key: str, spec: ShardSpec, shape:
         box, mask = torch.zeros(s["shape"]), torch.zeros(s["shape"], dtype=torch.bool)
         box.view(-1)[s["flat"][0]: s["flat"][1]] = values
         mask.view(-1)[s["flat"][0]: s["flat"][1]] = True
-        src = tuple(slice(l - o, h - o) for l, h, o in zip(lo, hi, s["offsets"]))
-        dst = tuple(slice(l - o, h - o) for l, h, o in zip(lo, hi, spec.offsets))
+        src, dst = where
         out[dst] = torch.where(mask[src], box[src], out[dst])
         have[dst] |= mask[src]
     if not bool(have.view(-1)[flat[0]: flat[1]].all()):

@@ -23,18 +23,22 @@ config's (b = micro_batch_size, s = seq_length) whatever the tokenizer.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
+import numpy as np
 import torch
 
 from fivefold.config.schema import Config
 from fivefold.config.validate import layout_of
-from fivefold.data.loader import Microbatch, StepBatch
-from fivefold.model import build_decoder
+from fivefold.data.loader import StepBatch, collate
+from fivefold.data.sampler import even_share
+from fivefold.errors import NotImplementedYet
 from fivefold.parallel.data import GradReducer
 from fivefold.planner.versus import BOOKKEEPING_TAGS
 from fivefold.runtime import traffic
 from fivefold.runtime.mesh import Mesh
-from fivefold.train.optim import build_optimizer
+from fivefold.train.context import RankContext
+from fivefold.train.loop import build
 from fivefold.train.step import train_step
 
 
@@ -64,12 +68,10 @@ def synthetic_batch(config: Config, step: int, dp_rank: int, dp_size: int) -> St
     t = config.training
     gen = torch.Generator().manual_seed(t.seed * 1000 + step)
     tokens = torch.randint(0, config.model.vocab_size, (t.global_batch_size, t.seq_length + 1), generator=gen)
-    per_rank = t.global_batch_size // dp_size
-    mine = tokens[dp_rank * per_rank: (dp_rank + 1) * per_rank]
-    micro = [Microbatch(mine[k: k + t.micro_batch_size, :-1].contiguous(), mine[k: k + t.micro_batch_size, 1:].contiguous(),
-                        t.micro_batch_size * t.seq_length)
-             for k in range(0, per_rank, t.micro_batch_size)]
-    return StepBatch(micro, t.global_batch_size * t.seq_length, torch.arange(dp_rank * per_rank, (dp_rank + 1) * per_rank).numpy())
+    share = even_share(t.global_batch_size, dp_rank, dp_size)  # as BatchLoader splits packed samples
+    mine = tokens[share]
+    micro = [collate(list(mine[k: k + t.micro_batch_size])) for k in range(0, len(mine), t.micro_batch_size)]
+    return StepBatch(micro, t.global_batch_size * t.seq_length, np.arange(share.start, share.stop))
 
 
 class _Reducer(GradReducer):
@@ -86,25 +88,26 @@ class _Reducer(GradReducer):
 
 
 def measure_step(rank: int, world: int, config: Config) -> RankMeasurement:
-    """Harness case: build the config's model on this rank, take a warm-up step, then measure one."""
+    """Harness case: build the config's model on this rank as `train` does (fivefold.train.loop.build),
+    take a warm-up step, then measure one. PP = 1 only (a pipeline schedule runs stages, not `train_step`)."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
     t = config.training
-    mesh = Mesh.build(layout_of(config))
-    model = build_decoder(config, mesh)
-    optimizer = build_optimizer(model, t)
-    reducer = _Reducer(model.parameters(), mesh.dp_cp)
-    device = torch.device("cpu")
+    ctx = RankContext(Mesh.build(layout_of(config)), Path("."))  # out_dir: nothing is written
+    if ctx.layout.pp > 1:
+        raise NotImplementedYet("measure_step: pipeline parallelism (PP > 1) is not measured")
+    parts = build(config, ctx, reducer_cls=_Reducer)
+    model, optimizer, reducer, mesh, device = parts.model, parts.optimizer, parts.reducer, ctx.mesh, ctx.device
 
     def step(i: int):
-        return train_step(model, optimizer, reducer, synthetic_batch(config, i, mesh.dp.rank, mesh.dp.size),
-                          lr=t.lr, clip_grad=t.clip_grad, precision=t.precision, dp_group=mesh.dp_cp,
-                          model_parallel_group=mesh.group("model-parallel"), tp_group=mesh.tp, device=device)
+        return train_step(model, optimizer, reducer, synthetic_batch(config, i, ctx.dp_rank, ctx.dp_size),
+                          lr=t.lr, clip_grad=t.clip_grad, precision=t.precision, dp_group=ctx.dp_group,
+                          model_parallel_group=ctx.model_parallel_group, tp_group=mesh.tp, device=device)
 
     step(0)
     traffic.reset()
     tracker = MemTracker()
-    tracker.track_external(model, optimizer)
+    tracker.track_external(model, getattr(optimizer, "optimizer", optimizer))  # ZeRO-1: the AdamW it wraps
     reducer.tracker = tracker
     with tracker:
         result = step(1)

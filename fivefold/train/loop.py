@@ -30,8 +30,8 @@ from fivefold.train.metrics import MetricsLog, flops_per_token, peak_memory_byte
 from fivefold.train.optim import build_optimizer, state_bytes
 from fivefold.train.profile import StepProfiler, profile_steps
 from fivefold.train.schedule import lr_at
-from fivefold.train.pipeline_step import (build_pipeline, microbatches_per_step, pipeline_evaluate,
-                                          pipeline_train_step, trace_report)
+from fivefold.train.pipeline_step import (PipelineModel, build_pipeline, microbatches_per_step,
+                                          pipeline_evaluate, pipeline_train_step, trace_report)
 from fivefold.train.step import evaluate, train_step
 
 
@@ -109,7 +109,20 @@ def _step(config: Config, ctx: RankContext, step: int, pipe, model, optimizer, r
     return r
 
 
-def train(config: Config, ctx: RankContext, data_dir: Path, *, progress: bool = True) -> TrainResult:
+@dataclass
+class Parts:
+    """What a rank trains: its model (with PP, the stages it holds, `pipe.module`), the DP gradient
+    reducer and the optimizer (ZeRO-1's DistributedOptimizer or AdamW)."""
+
+    model: torch.nn.Module
+    pipe: PipelineModel | None
+    reducer: GradReducer
+    optimizer: torch.optim.Optimizer | DistributedOptimizer
+
+
+def build(config: Config, ctx: RankContext, *, reducer_cls: type[GradReducer] = GradReducer) -> Parts:
+    """This rank's model, recompute setting, reducer and optimizer for `config` (the training loop's,
+    and fivefold.testing.measure's, so that a measured step is the step `train` runs)."""
     t = config.training
     pipe = None
     if ctx.layout.pp > 1:  # the stages this rank holds; steps run through the pipeline schedule
@@ -120,8 +133,15 @@ def train(config: Config, ctx: RankContext, data_dir: Path, *, progress: bool = 
     recompute = Recompute.from_training(t)
     for module in (pipe.stages.values() if pipe is not None else [model]):
         module.set_recompute(recompute)
-    reducer = GradReducer(model.parameters(), ctx.dp_group, shard=t.use_distributed_optimizer)
+    reducer = reducer_cls(model.parameters(), ctx.dp_group, shard=t.use_distributed_optimizer)
     optimizer = DistributedOptimizer(model, reducer, t) if t.use_distributed_optimizer else build_optimizer(model, t)
+    return Parts(model, pipe, reducer, optimizer)
+
+
+def train(config: Config, ctx: RankContext, data_dir: Path, *, progress: bool = True) -> TrainResult:
+    t = config.training
+    parts = build(config, ctx)
+    model, pipe, reducer, optimizer = parts.model, parts.pipe, parts.reducer, parts.optimizer
     train_loader, eval_loader = _loaders(config, ctx, data_dir)
     start = 0
     if config.checkpoint.load:
@@ -143,26 +163,31 @@ def train(config: Config, ctx: RankContext, data_dir: Path, *, progress: bool = 
             r = _step(config, ctx, step, pipe, model, optimizer, reducer, train_loader)
         dt = time.perf_counter() - t0
         times.append((r.tokens, dt))
-        peak = comm.all_gather(torch.tensor([peak_memory_bytes(ctx.device)], dtype=torch.float64), 0,
-                               ctx.world_group, tag="metrics")  # (world,)
+        result.losses[step] = r.loss
+        last = step + 1 == t.train_iters
+        evaluates = eval_loader is not None and ((step + 1) % t.eval_interval == 0 or last)
         record = {"step": step, "loss": r.loss, "grad_norm": r.grad_norm, "lr": lr_at(step, t),
                   "tokens": r.tokens, "step_time_s": dt, "tokens_per_s": r.tokens / dt,
-                  "tflops_per_rank": fpt * r.tokens / dt / ctx.world_size / 1e12,
-                  "peak_memory_mib": [round(float(b) / 2**20, 1) for b in peak]}
-        result.losses[step] = r.loss
-        if eval_loader is not None and ((step + 1) % t.eval_interval == 0 or step + 1 == t.train_iters):
+                  "tflops_per_rank": fpt * r.tokens / dt / ctx.world_size / 1e12}
+        every = config.logging.log_interval  # read like save_interval: unset/0 = the last and eval steps only
+        logs = bool(every and (step + 1) % every == 0) or last or evaluates
+        if logs:  # a collective over every rank: once per metrics line, not every step
+            peak = comm.all_gather(torch.tensor([peak_memory_bytes(ctx.device)], dtype=torch.float64), 0,
+                                   ctx.world_group, tag="metrics")  # (world,)
+            record["peak_memory_mib"] = [round(float(b) / 2**20, 1) for b in peak]
+            result.peak_memory = [int(b) for b in peak]
+        if evaluates:
             batches = [eval_loader.step_batch(i) for i in range(t.eval_iters)]
             record["eval_loss"] = result.eval_losses[step] = evaluate(
                 model, batches, precision=t.precision, dp_group=ctx.dp_group, device=ctx.device) if pipe is None \
                 else pipeline_evaluate(pipe, batches, precision=t.precision, mesh=ctx.mesh, device=ctx.device)
-        if log is not None:
+        if log is not None and logs:
             log.write(record)
         bar.set_postfix(loss=f"{r.loss:.4f}", lr=f"{record['lr']:.2e}", tok_s=f"{record['tokens_per_s']:.0f}")
         bar.update(1)
         interval = config.checkpoint.save_interval
-        if (interval and (step + 1) % interval == 0) or step + 1 == t.train_iters:
+        if (interval and (step + 1) % interval == 0) or last:
             result.checkpoint = _save(config, ctx, save_root, step + 1, model, optimizer)
-        result.peak_memory = [int(b) for b in peak]
     bar.close()
     result.optimizer_state_bytes = state_bytes(optimizer)
     steady = times[1:] or times  # the first step pays for warm-up (allocations, thread pools)

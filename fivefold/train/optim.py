@@ -44,10 +44,13 @@ def clip_grad_norm(params: Iterable[nn.Parameter], max_norm: float, group: Group
     are added over each group of `group` in turn (the distributed optimizer adds its DP x CP group,
     whose ranks hold disjoint chunks)."""
     params = [p for p in params if p.grad is not None]
-    sq = torch.zeros((), dtype=torch.float64)
+    # Added up where the gradients live, in parameter order, and copied to the host once (a copy per
+    # parameter would wait for the device once per parameter).
+    sq = torch.zeros((), dtype=torch.float64, device=params[0].grad.device if params else "cpu")
     for p in params:
         if counted is None or counted(p):
-            sq += p.grad.detach().double().pow(2).sum().cpu()
+            sq += p.grad.detach().double().pow(2).sum()
+    sq = sq.cpu()
     for g in [group] if isinstance(group, Group) else group:
         comm.all_reduce_(sq, g, tag="grad-norm")
     norm = float(sq.sqrt())

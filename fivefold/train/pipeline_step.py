@@ -25,7 +25,7 @@ from fivefold.pipeline.simulate import simulate
 from fivefold.pipeline.trace import measured_result, stage_costs
 from fivefold.pipeline.stages import PipelineModel, build_pipeline  # noqa: F401 (the loop builds through here)
 from fivefold.runtime import comm
-from fivefold.train.step import StepResult, autocast, finish_grads
+from fivefold.train.step import StepResult, autocast, finish_grads, global_mean, set_lr
 
 
 def microbatches_per_step(config: Config, dp_size: int) -> int:
@@ -47,8 +47,7 @@ def pipeline_train_step(pipe: PipelineModel, optimizer: torch.optim.Optimizer, r
                         batch: StepBatch, *, lr: float, clip_grad: float, precision: str, mesh,
                         device: torch.device, trace: bool = False) -> tuple[StepResult, RunResult]:
     """One step; returns the step's result and the executor's (its action log and, with `trace`, timings)."""
-    for g in optimizer.param_groups:
-        g["lr"] = lr
+    set_lr(optimizer, lr)
     ids, labels = _inputs(pipe, batch)
     reducer.zero_grad()
     reducer.prepare(last=False)  # no reduction during the schedule: finish() reduces every bucket
@@ -64,26 +63,20 @@ def pipeline_train_step(pipe: PipelineModel, optimizer: torch.optim.Optimizer, r
     local = torch.zeros((), dtype=torch.float64)
     for s in run.loss_sums.values():
         local += s.double().cpu()
-    comm.all_reduce_(local, mesh.pp, tag="loss")
-    comm.all_reduce_(local, mesh.dp_cp, tag="loss")
-    return StepResult(float(local) / batch.global_tokens, norm, batch.global_tokens), run
+    return StepResult(global_mean(local, batch.global_tokens, mesh.pp, mesh.dp_cp), norm, batch.global_tokens), run
 
 
 @torch.no_grad()
 def pipeline_evaluate(pipe: PipelineModel, batches: list[StepBatch], *, precision: str, mesh,
                       device: torch.device) -> float:
     """Per-token mean loss over the eval batches, through the forward-only schedule (all ranks)."""
-    total = torch.zeros(2, dtype=torch.float64)
+    local = torch.zeros((), dtype=torch.float64)
     pipe.executor.forward_context = lambda: autocast(precision, device)
     for batch in batches:
         ids, labels = _inputs(pipe, batch)
         run = pipe.executor.run(ids, labels, mode="loss")
-        total[0] += sum(float(s) for s in run.loss_sums.values())
-        total[1] += batch.global_tokens
-    loss = total[:1].clone()
-    comm.all_reduce_(loss, mesh.pp, tag="loss")
-    comm.all_reduce_(loss, mesh.dp_cp, tag="loss")
-    return float(loss / total[1])
+        local += sum(float(s) for s in run.loss_sums.values())
+    return global_mean(local, sum(b.global_tokens for b in batches), mesh.pp, mesh.dp_cp)
 
 
 def pipeline_logprobs(pipe: PipelineModel, input_ids: list[torch.Tensor], labels: list[torch.Tensor], *,

@@ -43,6 +43,20 @@ def loss_sum(model: nn.Module, mb: Microbatch, precision: str, device: torch.dev
     return total
 
 
+def set_lr(optimizer: torch.optim.Optimizer | DistributedOptimizer, lr: float) -> None:
+    for g in optimizer.param_groups:
+        g["lr"] = lr
+
+
+def global_mean(local_sum: torch.Tensor, tokens: int, *groups: Group) -> float:
+    """Per-token mean loss: this rank's float64 loss sum, added over each of `groups` in turn
+    (DP x CP; with PP first the pipeline group, where only the last stage's rank holds a sum), over
+    `tokens`, the target tokens of those batches on all ranks."""
+    for group in groups:
+        comm.all_reduce_(local_sum, group, tag="loss")
+    return float(local_sum / tokens)
+
+
 def finish_grads(params: list[nn.Parameter], clip_grad: float, model_parallel_group: Group,
                  tp_group: Group | None, *, not_counted: Iterable[nn.Parameter] = (),
                  optimizer: torch.optim.Optimizer | DistributedOptimizer | None = None) -> float:
@@ -71,33 +85,29 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, reducer: Grad
                device: torch.device, tp_group: Group | None = None) -> StepResult:
     """`tp_group`: completes the gradients of TP-replicated parameters (SP norms, KV replicas) and
     counts each replicated parameter once in the gradient norm (summed over `model_parallel_group`)."""
-    for g in optimizer.param_groups:
-        g["lr"] = lr
+    set_lr(optimizer, lr)
     reducer.zero_grad()
-    local = torch.zeros((), dtype=torch.float64)
+    local = torch.zeros((), dtype=torch.float64, device=device)  # on the device: no host sync per microbatch
     n = len(batch.microbatches)
     for i, mb in enumerate(batch.microbatches):
         reducer.prepare(last=i == n - 1)
         s = loss_sum(model, mb, precision, device)
         (s / batch.global_tokens).backward()
-        local += s.detach().double().cpu()
+        local += s.detach().double()
     if n == 0:
         reducer.prepare(last=True)
     reducer.finish()
     norm = finish_grads(list(model.parameters()), clip_grad, model_parallel_group, tp_group, optimizer=optimizer)
     optimizer.step()
-    comm.all_reduce_(local, dp_group, tag="loss")
-    return StepResult(float(local) / batch.global_tokens, norm, batch.global_tokens)
+    return StepResult(global_mean(local.cpu(), batch.global_tokens, dp_group), norm, batch.global_tokens)
 
 
 @torch.no_grad()
 def evaluate(model: nn.Module, batches: list[StepBatch], *, precision: str, dp_group: Group,
              device: torch.device) -> float:
     """Per-token mean loss over the given eval batches (all DP ranks)."""
-    total = torch.zeros(2, dtype=torch.float64)
+    local = torch.zeros((), dtype=torch.float64)
     for batch in batches:
         for mb in batch.microbatches:
-            total[0] += float(loss_sum(model, mb, precision, device))
-        total[1] += batch.global_tokens
-    comm.all_reduce_(total[:1], dp_group, tag="loss")
-    return float(total[0] / total[1])
+            local += float(loss_sum(model, mb, precision, device))
+    return global_mean(local, sum(b.global_tokens for b in batches), dp_group)
