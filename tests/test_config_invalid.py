@@ -73,3 +73,9 @@ def test_refused_with_a_fix_that_validates(words, world, message):
         fix_words = [w.strip() for w in problem.fix.replace(", ", "|").split("|")]
         fixed = load_config(None, words.split() + fix_words, world_size=world)
         validate(fixed.config, fixed.dialect)  # raises if the fix does not validate
+
+
+def test_log_interval_must_be_positive():
+    loaded = load_config("examples/demo.yaml", ["logging.log_interval=0"])
+    with pytest.raises(ConfigError, match=r"logging.log_interval=0: must be a whole number >= 1.*log_interval=1"):
+        validate(loaded.config, loaded.dialect)

@@ -1,4 +1,5 @@
-"""Every training example in examples/ validates and asks only for what the runtime builds."""
+"""Every training example in examples/ validates and asks only for what the runtime builds
+(tests/test_pipeline_train_cli.py and test_train_tp.py run them through the CLI)."""
 import pytest
 
 from fivefold.config.load import load_config
@@ -7,7 +8,7 @@ from fivefold.train.supported import check_supported, unsupported
 
 
 @pytest.mark.parametrize("name", ["demo.yaml", "tp_sp.yaml", "pp.yaml"])
-def test_training_example_runs_here(name):
+def test_training_example_validates_and_is_supported(name):
     loaded = load_config(f"examples/{name}")
     validate(loaded.config, loaded.dialect)
     check_supported(loaded.config)

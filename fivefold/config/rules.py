@@ -31,6 +31,7 @@ KNOB_FIELDS = {
     "seq": "training.seq_length", "gbs": "training.global_batch_size", "mbs": "training.micro_batch_size",
     "rgran": "training.recompute_granularity", "rmethod": "training.recompute_method",
     "rnum": "training.recompute_num_layers", "world": "cluster.world_size",
+    "log": "logging.log_interval",
 }
 
 
@@ -95,7 +96,7 @@ def adjust(s: dict, dialect: str) -> list[Rule]:
 
 def _positive(s: dict) -> list[Rule]:
     out = []
-    for k in ("tp", "pp", "cp", "ep", "layers", "heads", "seq", "gbs", "mbs", "world"):
+    for k in ("tp", "pp", "cp", "ep", "layers", "heads", "seq", "gbs", "mbs", "world", "log"):
         if k == "gbs" and s[k] is None:
             continue
         if not isinstance(s[k], int) or s[k] < 1:

@@ -20,13 +20,15 @@ from fivefold.topology import Layout
 
 def init_distributed(timeout: timedelta = timedelta(minutes=5)) -> tuple[int, int, torch.device]:
     """Join the job described by the torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK,
-    MASTER_ADDR, MASTER_PORT): NCCL on CUDA, else gloo with one intra-op thread per rank (several
+    MASTER_ADDR, MASTER_PORT): NCCL on CUDA (with gloo for CPU tensors), else gloo with one intra-op thread per rank (several
     ranks share the CPU cores; default threading oversubscribes them ~20x).
     Returns (rank, world_size, device)."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if torch.cuda.is_available():
-        device, backend = torch.device("cuda", local_rank), "nccl"
+        # NCCL for tensors on the GPU; gloo beside it for the small CPU bookkeeping tensors (loss
+        # sums, grad-norm squares, peak memory), which NCCL cannot reduce.
+        device, backend = torch.device("cuda", local_rank), "cuda:nccl,cpu:gloo"
         torch.cuda.set_device(device)
     else:
         device, backend = torch.device("cpu"), "gloo"
