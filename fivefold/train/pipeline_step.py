@@ -25,7 +25,7 @@ from fivefold.pipeline.simulate import simulate
 from fivefold.pipeline.trace import measured_result, stage_costs
 from fivefold.pipeline.stages import PipelineModel, build_pipeline  # noqa: F401 (the loop builds through here)
 from fivefold.runtime import comm
-from fivefold.train.step import StepResult, autocast, finish_grads, global_mean, set_lr
+from fivefold.train.step import StepResult, autocast, cp_tokens, finish_grads, global_mean, set_lr
 
 
 def microbatches_per_step(config: Config, dp_size: int) -> int:
@@ -40,7 +40,9 @@ def _inputs(pipe: PipelineModel, batch: StepBatch) -> tuple[list[torch.Tensor], 
         raise UserError(f"schedule {pipe.schedule.name} runs {pipe.schedule.num_microbatches} microbatches per "
                         f"step; this DP rank got {n} (pipeline parallelism needs every DP rank to get "
                         "global_batch_size / DP samples: keep data.packing on)")
-    return [mb.input_ids for mb in batch.microbatches], [mb.labels for mb in batch.microbatches]
+    first = next(iter(pipe.stages.values()))  # every stage splits the sequence alike (CP, SP)
+    split = [cp_tokens(first, mb.input_ids, mb.labels) for mb in batch.microbatches]  # (b, s/cp) each
+    return [ids for ids, _ in split], [labels for _, labels in split]
 
 
 def pipeline_train_step(pipe: PipelineModel, optimizer: torch.optim.Optimizer, reducer: GradReducer,
