@@ -14,7 +14,7 @@ the K/V of rank j = (r - i) mod n and attends:
 Each block gives a partial output O_i and log-sum-exp L_i = log sum_k exp(s_qk) of its rows; they
 merge exactly as online softmax:  L = logaddexp(L, L_i),  O = O exp(L_old - L) + O_i exp(L_i - L).
 The next K/V is posted (send to r+1, receive from r-1, tag "cp") before the current block is
-computed, so communication overlaps compute.
+computed, so communication overlaps compute (each block is a "compute" span in traffic.events).
 
 Backward (RingAttention.backward), from the saved q, k, v, merged O and L only: with
 D = rowsum(dO * O), each block recomputes P = exp(q k^T * scale - L) and gives
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from fivefold.runtime import comm
+from fivefold.runtime import comm, traffic
 from fivefold.runtime.mesh import Group
 
 
@@ -108,7 +108,8 @@ class RingAttention(torch.autograd.Function):
         for i in range(n):
             nxt = _exchange(kv, ring, tag) if i < n - 1 else None  # next block in flight during this one
             rows, cols, causal = _block(i, r, n, c)
-            o_i, l_i = block_forward(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], scale, causal)
+            with traffic.span("compute", tag):
+                o_i, l_i = block_forward(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], scale, causal)
             new = torch.logaddexp(lse[:, :, rows], l_i)
             out[:, :, rows] = out[:, :, rows] * torch.exp(lse[:, :, rows] - new).unsqueeze(-1) \
                 + o_i * torch.exp(l_i - new).unsqueeze(-1)
@@ -133,8 +134,9 @@ class RingAttention(torch.autograd.Function):
         for i in range(n):
             nxt = _exchange(kv, ring, tag) if i < n - 1 else None
             rows, cols, causal = _block(i, r, n, c)
-            dq_i, dk_i, dv_i = block_backward(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], do[:, :, rows],
-                                              lse[:, :, rows], delta[:, :, rows], scale, causal)
+            with traffic.span("compute", tag):
+                dq_i, dk_i, dv_i = block_backward(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols],
+                                                  do[:, :, rows], lse[:, :, rows], delta[:, :, rows], scale, causal)
             dq[:, :, rows] += dq_i
             dkv = [torch.zeros_like(kv[0], dtype=torch.float32), torch.zeros_like(kv[1], dtype=torch.float32)]
             dkv[0][:, :, cols] += dk_i
