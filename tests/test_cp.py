@@ -27,8 +27,8 @@ def _qkv(a, g, d, dv):
 
 
 def _attention_case(rank, world):
-    """Every layout x head shape: this rank's output and q/k/v gradients (its chunks), and the
-    cp-tagged call bytes and event log of the first shape's forward + backward."""
+    """Every layout x head shape: this rank's output and q/k/v gradients (its chunks), and the call
+    bytes and event logs of its forward and of its backward."""
     results = {}
     for name, sizes in ATTN_LAYOUTS:
         cp = context_parallel_of(Mesh.build(Layout(**sizes)))
@@ -37,11 +37,11 @@ def _attention_case(rank, world):
             q, k, v = (t.requires_grad_(True) for t in (q, k, v))
             traffic.reset()
             o = cp.attention(q, k, v)
-            fwd = traffic.table()
+            fwd, fwd_events = traffic.table(), list(traffic.events)
             traffic.reset()
             o.backward(do)
             results[name, shape] = (cp.rank, o.detach(), q.grad, k.grad, v.grad, fwd, traffic.table(),
-                                    list(traffic.events))
+                                    fwd_events, list(traffic.events))
     return results
 
 
@@ -85,3 +85,59 @@ def test_split_and_positions_cover_the_sequence_once():
     Two.rank = 0
     _, labels0 = split_tokens(ids, ids + 1, Two(), multiple=2)  # chunks 0 and 3: ends in the padding
     assert labels0[1].tolist() == list(range(22, 28)) + [40, 41, 42, -100, -100, -100]
+
+
+def _sizes(name):
+    """(A, P): all-to-all size and ring size of a layout."""
+    sizes = dict(ATTN_LAYOUTS)[name]
+    a2a = sizes.get("cp_a2a", 1)
+    return a2a, sizes["cp"] // a2a
+
+
+def _by_kind(table):
+    out = {}
+    for kind, tag, _, calls, nbytes in table:
+        assert tag == "cp", tag
+        c, n = out.get(kind, (0, 0))
+        out[kind] = (c + calls, n + nbytes)
+    return out
+
+
+@pytest.mark.parametrize("name", [n for n, _ in ATTN_LAYOUTS])
+def test_cp_call_bytes_match_the_formulas(attention_runs, name):
+    """/work/notes/cp_bytes.md, per rank: ring (P > 1) forward (P-1) b G (s/n) (d+dv) e sent, backward
+    (P-1) b G (s/n) (d+dv) (e+4); a2a (A > 1) b (s/n) e (a d + G d + G dv + a dv) each way."""
+    A, P = _sizes(name)
+    n, e = A * P, 4  # fp32 inputs
+    for a, g, d, dv in HEADS:
+        G = g if g % A == 0 else a
+        ring_f = (P - 1) * B * G * (S // n) * (d + dv) * e
+        ring_b = (P - 1) * B * G * (S // n) * (d + dv) * (e + 4)
+        a2a = B * (S // n) * e * (a * d + G * d + G * dv + a * dv) if A > 1 else 0
+        want_f, want_b = {}, {}
+        if P > 1:
+            want_f.update(send=(2 * (P - 1), ring_f), recv=(2 * (P - 1), ring_f))
+            want_b.update(send=(4 * (P - 1), ring_b), recv=(4 * (P - 1), ring_b))
+        if A > 1:
+            want_f["all_to_all"] = want_b["all_to_all"] = (4, a2a)
+        for res in attention_runs:  # exact: byte counts are integers
+            fwd, bwd = res[name, (a, g, d, dv)][5:7]
+            assert _by_kind(fwd) == want_f, (a, g, d, dv)
+            assert _by_kind(bwd) == want_b, (a, g, d, dv)
+
+
+@pytest.mark.parametrize("name", [n for n, _ in ATTN_LAYOUTS if _sizes(n)[1] > 1])
+def test_ring_posts_the_next_block_before_computing_this_one(attention_runs, name):
+    """Forward and backward: every block but the last is computed while the next K/V receive is in
+    flight (its "recv" started before the block's compute span and ended after it)."""
+    P = _sizes(name)[1]
+    for res in attention_runs:
+        for events in res[name, HEADS[0]][7:9]:
+            spans = [i for i, ev in enumerate(events) if ev.kind == "compute" and ev.phase == "start"]
+            assert len(spans) == P
+            for i in spans[:-1]:
+                end = next(j for j in range(i, len(events)) if events[j].kind == "compute" and events[j].phase == "end")
+                started = [j for j in range(i) if events[j].kind == "recv" and events[j].phase == "start"]
+                assert started, events
+                ended = [j for j in range(started[-1], len(events)) if events[j].kind == "recv" and events[j].phase == "end"]
+                assert ended and ended[0] > end, events
