@@ -85,6 +85,9 @@ class Decoder(nn.Module):
         for module in self.modules():
             if hasattr(module, "context_parallel"):
                 module.context_parallel = self.cp
+        for m in (self.embedding, self.head):
+            if m is not None:
+                m.weight.vocab_rows = cfg.vocab_size  # rows past it are padding: checkpoints may pad otherwise
         self.recompute = Recompute()
 
     def set_recompute(self, recompute: Recompute) -> None:
