@@ -36,10 +36,11 @@ def test_unsupported_knobs_are_refused_together():
     check_supported(cfg)
     cfg.parallel.pipeline_model_parallel_size = 2  # PP runs, and together with TP and SP
     check_supported(cfg)
-    cfg.parallel.context_parallel_size = 2
-    cfg.model.multi_latent_attention = True
+    cfg.parallel.context_parallel_size = 2  # CP runs, with all of them
+    check_supported(cfg)
+    cfg.model.normalization, cfg.training.optimizer = "LayerNorm", "sgd"
     assert len(unsupported(cfg)) == 2
-    with pytest.raises(NotImplementedYet, match=r"\(CP > 1\).*multi-latent attention.*not implemented yet"):
+    with pytest.raises(NotImplementedYet, match=r"normalizations other than RMSNorm.*adamw.*not implemented yet"):
         check_supported(cfg)
 
 
