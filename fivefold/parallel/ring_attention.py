@@ -101,6 +101,11 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, ring: Group, tag: str, scale: float):
+        with torch.autocast(q.device.type, enabled=False):  # the block math is fp32 whatever the caller's autocast
+            return RingAttention._forward(ctx, q, k, v, ring, tag, scale)
+
+    @staticmethod
+    def _forward(ctx, q, k, v, ring: Group, tag: str, scale: float):
         n, r, c = ring.size, ring.rank, q.shape[2] // 2
         out = q.new_zeros((*q.shape[:3], v.shape[-1]), dtype=torch.float32)  # (b, a, s_loc, dv)
         lse = q.new_full(q.shape[:3], float("-inf"), dtype=torch.float32)  # (b, a, s_loc)
@@ -123,6 +128,11 @@ class RingAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do):
+        with torch.autocast(do.device.type, enabled=False):
+            return RingAttention._backward(ctx, do)
+
+    @staticmethod
+    def _backward(ctx, do):
         q, k, v, out, lse = ctx.saved_tensors
         ring, tag, scale = ctx.ring, ctx.tag, ctx.scale
         n, r, c = ring.size, ring.rank, q.shape[2] // 2
