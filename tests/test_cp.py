@@ -176,7 +176,8 @@ def _config(data: Path, world: int = 1, parallel: dict | None = None, **training
                  model=ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
                                    vocab_size=256),
                  training=TrainingConfig(seq_length=64, global_batch_size=8, micro_batch_size=2, train_iters=STEPS,
-                                         lr=3e-3, lr_warmup_iters=1, clip_grad=1.0, **training),
+                                         lr=3e-3, lr_warmup_iters=1, clip_grad=1.0, eval_interval=STEPS, eval_iters=1,
+                                         **training),
                  data=DataConfig(path=str(data), eval_fraction=0.1))
     for k, v in (parallel or {}).items():
         setattr(cfg.parallel, k, v)
@@ -193,7 +194,7 @@ def _train_all(rank, world, configs: dict, root: str, data_dir: str) -> dict:
         run_dir.mkdir(parents=True, exist_ok=True)
         traffic.reset()
         result = train(cfg, RankContext(Mesh.build(layout_of(cfg)), run_dir), Path(data_dir), progress=False)
-        out[name] = {"losses": result.losses, "cp_bytes": traffic.bytes(tag="cp")}
+        out[name] = {"losses": result.losses, "eval": result.eval_losses, "cp_bytes": traffic.bytes(tag="cp")}
     return out
 
 
@@ -222,15 +223,15 @@ def train_runs(tmp_path_factory, workers):
     return {"root": root, "data": data, "data_dir": data_dir, "ref": ref, "runs": runs}
 
 
-def _cp_bytes_per_layer(parallel: dict, b: int = 2, s: int = 64, e: int = 4) -> int:
-    """cp_bytes.md for the tiny model: send + recv + all_to_all bytes, forward + backward, of one layer
-    and microbatch on one rank (4 heads, 2 KV heads, d = dv = 16, fp32)."""
+def _cp_bytes_per_layer(parallel: dict, b: int = 2, s: int = 64, e: int = 4, forward_only: bool = False) -> int:
+    """cp_bytes.md for the tiny model: send + recv + all_to_all bytes, forward + backward (or forward
+    only), of one layer and microbatch on one rank (4 heads, 2 KV heads, d = dv = 16, fp32)."""
     n, t = parallel["context_parallel_size"], parallel.get("tensor_model_parallel_size", 1)
     A = {"p2p": 1, "a2a": n}.get(parallel.get("cp_comm_type", "p2p")) or parallel["hierarchical_context_parallel_sizes"][0]
     P, a, g, d = n // A, 4 // t, max(2 // t, 1), 16
     G = g if g % A == 0 else a
-    ring = 2 * (P - 1) * b * G * (s // n) * 2 * d * (e + e + 4)  # send + recv; forward e, backward e + 4
-    a2a = 2 * b * (s // n) * e * (a * d + 2 * G * d + a * d) if A > 1 else 0  # forward + backward
+    ring = 2 * (P - 1) * b * G * (s // n) * 2 * d * (e + (0 if forward_only else e + 4))  # send + recv
+    a2a = (1 if forward_only else 2) * b * (s // n) * e * (a * d + 2 * G * d + a * d) if A > 1 else 0
     return ring + a2a
 
 
@@ -240,11 +241,15 @@ def test_cp_layout_reproduces_one_process_run(train_runs, name):
     for rank, r in enumerate(train_runs["runs"]):
         got = r[name]
         assert list(got["losses"]) == list(range(STEPS))
+        # Evaluation (forward only, the last step's weights): same split and sums, same tolerance.
+        assert got["eval"] == pytest.approx(ref.eval_losses, rel=1e-6, abs=0)
         parallel = TRAIN_LAYOUTS[name][0]
         pp = parallel.get("pipeline_model_parallel_size", 1)
         dp = 4 // (parallel["context_parallel_size"] * parallel.get("tensor_model_parallel_size", 1) * pp)
         layer_microbatches = STEPS * (8 // (2 * dp)) * (2 // pp)  # steps x microbatches x layers on this rank
-        assert got["cp_bytes"] == layer_microbatches * _cp_bytes_per_layer(parallel)  # exact (integers)
+        evals = (8 // (2 * dp)) * (2 // pp)  # one eval batch: forward only
+        fwd_only = _cp_bytes_per_layer(parallel, forward_only=True)
+        assert got["cp_bytes"] == layer_microbatches * _cp_bytes_per_layer(parallel) + evals * fwd_only  # exact
         # Tolerance: fp32. The ring merges block softmaxes by log-sum-exp (and a2a re-orders heads),
         # CP x DP gradients are summed over 2-4 ranks in another order, TP/SP as in test_tp_model:
         # ~1e-7 relative per op; 4 AdamW steps stay within 1e-6. A CP chunk attending to the wrong
