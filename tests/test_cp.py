@@ -159,13 +159,12 @@ def test_ring_posts_the_next_block_before_computing_this_one(attention_runs, nam
 STEPS = 4
 TRAIN_LAYOUTS = {
     # name: (parallel settings, training settings)
-    "cp2-p2p-dp2": (dict(context_parallel_size=2), {}),
     "cp4-p2p": (dict(context_parallel_size=4), {}),
     "cp2-a2a-dp2": (dict(context_parallel_size=2, cp_comm_type="a2a"), {}),
     "cp4-a2a+p2p": (dict(context_parallel_size=4, cp_comm_type="a2a+p2p", hierarchical_context_parallel_sizes=[2, 2]),
                     {}),
     "cp2-tp2-sp": (dict(context_parallel_size=2, tensor_model_parallel_size=2, sequence_parallel=True), {}),
-    "cp2-dp2-zero": (dict(context_parallel_size=2), dict(use_distributed_optimizer=True)),
+    "cp2-p2p-dp2-zero": (dict(context_parallel_size=2), dict(use_distributed_optimizer=True)),
     "pp2-cp2-1f1b": (dict(context_parallel_size=2, pipeline_model_parallel_size=2, pipeline_schedule="1f1b"), {}),
 }
 
@@ -274,9 +273,9 @@ def test_cp2_checkpoint_resumes_at_cp1(train_runs, tmp_path):
     """The CP2 x DP2 ZeRO run saved at step 2 (parameters unsharded by CP, AdamW chunks over DP x CP)
     resumes in one process on the same trajectory."""
     cfg = _config(train_runs["data"])
-    cfg.checkpoint.load = str(train_runs["root"] / "cp2-dp2-zero" / "checkpoints" / "step_00000002")
+    cfg.checkpoint.load = str(train_runs["root"] / "cp2-p2p-dp2-zero" / "checkpoints" / "step_00000002")
     resumed = train(cfg, one_process_context(tmp_path), train_runs["data_dir"], progress=False).losses
     assert sorted(resumed) == [2, 3]
-    want = train_runs["runs"][0]["cp2-dp2-zero"]["losses"]
+    want = train_runs["runs"][0]["cp2-p2p-dp2-zero"]["losses"]
     # Tolerance: as test_cp_layout_reproduces_one_process_run (another layout after the resume).
     assert [resumed[2], resumed[3]] == pytest.approx([want[2], want[3]], rel=1e-6, abs=0)
