@@ -15,6 +15,7 @@ from _train_util import corpus, one_process_context
 from fivefold.cli.train import prepare
 from fivefold.config.schema import ClusterConfig, Config, DataConfig, ModelConfig, TrainingConfig, to_dict
 from fivefold.config.validate import layout_of
+from fivefold.errors import UserError
 from fivefold.train.context import RankContext
 from fivefold.train.loop import train
 from fivefold.train.worker import config_from_dict
@@ -42,7 +43,7 @@ def _attention_case(rank, world):
     bytes and event logs of its forward and of its backward."""
     results = {}
     for name, sizes in ATTN_LAYOUTS:
-        cp = context_parallel_of(Mesh.build(Layout(**sizes)))
+        cp = context_parallel_of(Mesh.build(Layout(**sizes)), heads_per_rank=4)
         for shape in HEADS:
             q, k, v, do = (split_sequence(t, 2, cp.size, cp.rank) for t in _qkv(*shape))
             q, k, v = (t.requires_grad_(True) for t in (q, k, v))
@@ -53,6 +54,10 @@ def _attention_case(rank, world):
             o.backward(do)
             results[name, shape] = (cp.rank, o.detach(), q.grad, k.grad, v.grad, fwd, traffic.table(),
                                     fwd_events, list(traffic.events))
+    try:  # 6 heads per TP rank cannot be split over an all-to-all of 4
+        context_parallel_of(Mesh.build(Layout(cp=4, cp_a2a=4)), heads_per_rank=6)
+    except UserError as e:
+        results["refused"] = str(e)
     return results
 
 
@@ -77,6 +82,11 @@ def test_cp_attention_equals_sdpa(attention_runs, name):
             for got, want in ((o, ref), (dq, q.grad), (dk, k.grad), (dv, v.grad)):
                 torch.testing.assert_close(got, split_sequence(want.detach(), 2, n, r), rtol=1e-5, atol=1e-5,
                                            msg=lambda m: f"{name} {shape} rank {r}: {m}")
+
+
+def test_a2a_needs_heads_divisible_by_its_size(attention_runs):
+    for res in attention_runs:
+        assert "6 attention heads per TP rank divisible by 4" in res["refused"]
 
 
 def test_split_and_positions_cover_the_sequence_once():

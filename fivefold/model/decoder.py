@@ -80,7 +80,7 @@ class Decoder(nn.Module):
             else:
                 aliases["head.weight"] = "embedding.weight"
         init_parameters_(self, seed=seed, std=cfg.init_method_std, vocab_size=cfg.vocab_size, aliases=aliases)
-        self.cp = context_parallel_of(mesh)
+        self.cp = context_parallel_of(mesh, cfg.num_attention_heads // (tp.size if tp else 1))
         """Context parallelism: ids are this CP rank's s/cp tokens (parallel.context.split_tokens)."""
         for module in self.modules():
             if hasattr(module, "context_parallel"):

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from fivefold.data.loader import IGNORE_INDEX
+from fivefold.errors import UserError
 from fivefold.parallel.ring_attention import ring_attention
 from fivefold.runtime import comm
 from fivefold.runtime.mesh import Group
@@ -125,8 +126,14 @@ class ContextParallel:
         return o  # (b, a, s/cp, dv)
 
 
-def context_parallel_of(mesh) -> ContextParallel | None:
-    """The mesh's CP attention groups ("cp-a2a", "cp-ring"), or None without CP."""
+def context_parallel_of(mesh, heads_per_rank: int) -> ContextParallel | None:
+    """The mesh's CP attention groups ("cp-a2a", "cp-ring"), or None without CP. `heads_per_rank`:
+    the query heads of this TP rank, which the all-to-all splits over the a2a group."""
     if mesh is None or mesh.cp.size == 1:
         return None
-    return ContextParallel(mesh.group("cp-a2a"), mesh.group("cp-ring"))
+    cp = ContextParallel(mesh.group("cp-a2a"), mesh.group("cp-ring"))
+    if heads_per_rank % cp.a2a.size:
+        raise UserError(f"all-to-all context parallelism over {cp.a2a.size} ranks needs the {heads_per_rank} "
+                        f"attention heads per TP rank divisible by {cp.a2a.size} (lower the a2a size of "
+                        "hierarchical_context_parallel_sizes, or use cp_comm_type p2p)")
+    return cp
