@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
-from dataclasses import replace
+from dataclasses import fields, replace
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -86,8 +86,9 @@ def _deepseek(raw: dict, cfg: ModelConfig, where: Path) -> ModelConfig:
     """A DeepSeek-V3-style config checked for what our MLA decoder computes as HF does; with every
     layer dense (first_k_dense_replace >= num_hidden_layers) the unused expert keys are dropped."""
     if cfg.is_moe and cfg.moe_first_k_dense_layers >= cfg.num_layers:
-        cfg = replace(cfg, num_experts=None, moe_ffn_hidden_size=None, moe_shared_expert_intermediate_size=None,
-                      moe_first_k_dense_layers=0)
+        dense = ModelConfig()
+        cfg = replace(cfg, **{f.name: getattr(dense, f.name) for f in fields(cfg)
+                              if f.name == "num_experts" or f.name.startswith("moe_")})
     if cfg.is_moe:
         raise UserError(f"{where}: n_routed_experts={raw.get('n_routed_experts')} with first_k_dense_replace="
                         f"{raw.get('first_k_dense_replace')} < num_hidden_layers={raw.get('num_hidden_layers')}: "
@@ -109,8 +110,8 @@ def hf_name(name: str, cfg: ModelConfig) -> str:
         return "model.embed_tokens.weight"
     if name == "head.weight":
         return "lm_head.weight"
-    if name == "final_norm.weight":
-        return "model.norm.weight"
+    if name.startswith("final_norm."):  # weight (and bias with LayerNorm)
+        return "model.norm." + name.removeprefix("final_norm.")
     _, index, rest = name.split(".", 2)  # layers.<i>.<rest>
     for ours, theirs in _LAYER_RENAMES:
         if rest.startswith(ours):
