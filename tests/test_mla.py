@@ -100,12 +100,29 @@ def _run(config: Config, mesh: Mesh, recompute: bool):
     return losses, norms, grads
 
 
+def _layer_traffic(mesh: Mesh, sp: bool, b: int) -> tuple[dict, dict]:
+    """One MLA layer forward and backward: {(kind, tag): bytes} of each."""
+    from fivefold.runtime import traffic
+
+    layer = Decoder(MODELS["mla-q48"], mesh=mesh, layers=[0], embedding=False, head=False, sequence_parallel=sp)
+    x = torch.randn(b, SEQ, MLA["hidden_size"], generator=torch.Generator().manual_seed(0))
+    x = (x.chunk(mesh.tp.size, 1)[mesh.tp.rank] if sp else x).requires_grad_(True)
+    traffic.reset()
+    y = layer(x)
+    fwd = {(k, t): n for k, t, _, _, n in traffic.table()}
+    traffic.reset()
+    y.backward(torch.ones_like(y))
+    return fwd, {(k, t): n for k, t, _, _, n in traffic.table()}
+
+
 def _layouts(rank: int, world: int, layouts):
+    """Every layout in turn on the same ranks, then one MLA layer's traffic at TP2 (+SP)."""
     out = []
     for model, tp, pp, dp, sp, recompute in layouts:
         mesh = Mesh.build(Layout(tp=tp, pp=pp, dp=dp))
         out.append(_run(_config(model, tp, pp, sp), mesh, recompute))
-    return out
+    mesh = Mesh.build(Layout(tp=2, dp=world // 2))
+    return out, [_layer_traffic(mesh, sp, 2) for sp in (False, True)]
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +132,9 @@ def references():
 
 
 def test_every_layout_reproduces_one_process(workers, references):
-    results = workers(4).run(_layouts, LAYOUTS)  # one call: the 4 ranks build every layout in turn
+    out = workers(4).run(_layouts, LAYOUTS)  # one call: the 4 ranks build every layout in turn
+    results = [layouts for layouts, _ in out]
+    _check_layer_traffic([traffic for _, traffic in out])
     for i, (model, tp, pp, dp, sp, recompute) in enumerate(LAYOUTS):
         ref_losses, ref_norms, ref_grads = references[model]
         seen = set()
@@ -131,6 +150,25 @@ def test_every_layout_reproduces_one_process(workers, references):
                 torch.testing.assert_close(g, want, atol=1e-6, rtol=0, msg=lambda m: f"{where} {name}: {m}")
                 seen.add(name)
         assert seen == set(ref_grads), where  # every parameter is held by some rank and checked
+
+
+def _check_layer_traffic(per_rank) -> None:
+    """The collectives of one MLA layer at TP=2 equal the analytic count (call bytes, fp32): the
+    latents and k_pe enter the head-split layers through one collective each, never x itself."""
+    b, s, h = 2, SEQ, MLA["hidden_size"]
+    r_q, r, dr = 48, MLA["kv_lora_rank"], MLA["qk_pos_emb_head_dim"]
+    bs = b * s * 4  # bytes of one fp32 feature over the (b, s) tokens
+    for (plain_fwd, plain_bwd), (sp_fwd, sp_bwd) in per_rank:
+        # forward: g after o_proj and after down_proj; backward: f before q_b_proj (r_q), kv_b_proj (r),
+        # k_pe (dr) and the fused gate/up (h)
+        assert plain_fwd == {("all_reduce", "tp"): 2 * h * bs}
+        assert plain_bwd == {("all_reduce", "tp"): (r_q + r + dr + h) * bs}
+        # SP forward: all-gather of the q latent, the kv latent, k_pe and the MLP input; reduce-scatter
+        # after o_proj and down_proj. Backward: their duals, plus the re-gather of the column layers'
+        # saved s/tp inputs (q latent, kv latent, MLP input) for dL/dW.
+        assert sp_fwd == {("all_gather", "sp"): (r_q + r + dr + h) * bs, ("reduce_scatter", "sp"): 2 * h * bs}
+        assert sp_bwd == {("all_gather", "sp"): (2 * h + r_q + r + h) * bs,
+                          ("reduce_scatter", "sp"): (r_q + r + dr + h) * bs}
 
 
 @pytest.mark.parametrize("model", ["mla-q48", "mla-q-none"])
