@@ -81,7 +81,7 @@ class MLAttention(nn.Module):
         self.kv_b_proj = _column(r, a, dn + dv, tp, mode)
         self.o_proj = nn.Linear(a * dv, h, bias=False) if tp is None else RowParallelLinear(a * dv, h, group=tp, mode=mode)
         if tp is not None and mode is TPMode.SEQUENCE_PARALLEL:
-            for name, p in self.named_parameters():
+            for p in self.parameters():
                 if not hasattr(p, "tp_shard"):  # replicated, fed this rank's s/tp tokens
                     mark_sequence_sharded(p)
 
