@@ -176,3 +176,23 @@ def test_parameter_count_equals_the_planners(model):
     cfg = MODELS[model]
     built = sum(p.numel() for p in Decoder(cfg).parameters())  # vocab 256: no padding at TP=1
     assert built == count_params(cfg).total
+
+
+def test_example_and_megatron_flags_reach_mla_and_layernorm():
+    from fivefold.config.load import load_config
+    from fivefold.config.validate import validate
+    from fivefold.train.supported import check_supported
+
+    loaded = load_config("examples/mla.yaml")
+    validate(loaded.config, loaded.dialect)
+    check_supported(loaded.config)  # MLA with TP x SP x DP runs
+    flags = ["--multi-latent-attention", "--q-lora-rank", "48", "--kv-lora-rank", "32", "--qk-head-dim", "16",
+             "--qk-pos-emb-head-dim", "8", "--v-head-dim", "16", "--normalization", "LayerNorm",
+             "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+             "--tensor-model-parallel-size", "2", "--sequence-parallel"]
+    loaded = load_config(None, flags, world_size=4)
+    validate(loaded.config, loaded.dialect)
+    check_supported(loaded.config)
+    m = loaded.config.model
+    assert (m.multi_latent_attention, m.q_lora_rank, m.kv_lora_rank, m.qk_head_dim, m.qk_pos_emb_head_dim,
+            m.v_head_dim, m.normalization) == (True, 48, 32, 16, 8, 16, "LayerNorm")
