@@ -13,7 +13,8 @@ sums, the vocab-parallel softmax, the gradients of the replicated down-projectio
 over TP (MLA's W_qa / W_kva under SP), microbatch and DP gradient sums. Each is ~1e-7 relative;
 AdamW's 1/sqrt(v) keeps the differences from growing over 3 steps. Losses and norms: rtol 1e-5;
 gradients: atol 1e-6 against entries of ~1e-4..1e-1 (as tests/test_pipeline_executor.py).
-Measured: see the report in docs/mla.md.
+Measured on every layout: losses <= 9e-8 relative, norms <= 4e-7 relative, gradients <= 7e-9 absolute.
+Leaving the SP down-projections' gradients unsummed over TP moves them by 8.5e-3 and the norm by 4.5e-3.
 """
 from __future__ import annotations
 
