@@ -18,6 +18,7 @@ from torch import nn
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, LlamaForCausalLM
 
 from fivefold.config.schema import ModelConfig
+from fivefold.errors import UserError
 from fivefold.model import Decoder
 from fivefold.model.hf import config_from_hf, hf_name, load_hf
 from tests._model_util import hf_config
@@ -124,12 +125,17 @@ def test_deepseek_checkpoint_loads_and_matches_hf(tmp_path):
         torch.testing.assert_close(ours(ids)[..., : cfg.vocab_size], theirs(input_ids=ids).logits, atol=ATOL, rtol=RTOL)
 
 
-def test_deepseek_moe_checkpoint_is_refused_naming_the_key(tmp_path):
+@pytest.mark.parametrize("change,message", [
+    (dict(first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2), "first_k_dense_replace=1 < num_hidden_layers=2"),
+    (dict(rope_parameters={"rope_type": "yarn", "factor": 40.0, "rope_theta": 10000.0}), "rope_type='yarn'"),
+    (dict(rope_interleave=False), "rope_interleave=false"),
+    (dict(rms_norm_eps=1e-5), "rms_norm_eps=1e-05"),
+])
+def test_deepseek_config_we_cannot_compute_is_refused_naming_the_key(tmp_path, change, message):
     import json
 
-    cfg = CONFIGS["mla-q-lora48"]
-    hf = deepseek_config(cfg).to_dict()
-    hf.update(first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2)
+    hf = deepseek_config(CONFIGS["mla-q-lora48"]).to_dict()
+    hf.update(change)
     (tmp_path / "config.json").write_text(json.dumps(hf))
-    with pytest.raises(Exception, match="first_k_dense_replace=1 < num_hidden_layers=2"):
+    with pytest.raises(UserError, match=message):
         config_from_hf(tmp_path)
