@@ -128,8 +128,14 @@ def _layouts(rank: int, world: int, layouts):
 
 @pytest.fixture(scope="module")
 def references():
-    """model -> the one-process run (a one-rank mesh, no process group)."""
-    return {m: _run(_config(m), Mesh.build(Layout()), False) for m in MODELS}
+    """model -> the one-process run (a one-rank mesh, no process group), on one intra-op thread like
+    a worker rank: on the shared 2-core machine two threads ran these tiny matmuls 5-20x slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return {m: _run(_config(m), Mesh.build(Layout()), False) for m in MODELS}
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_every_layout_reproduces_one_process(workers, references):
