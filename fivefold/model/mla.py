@@ -22,7 +22,9 @@ collective. So the down-projections run on what the block receives: the whole se
 (their gradients are then already complete on every rank), this rank's s/tp tokens under SP (each
 rank's weight gradient covers its tokens only: the gradients are summed over TP like the SP norm
 gains', `mark_sequence_sharded`). Gathering the latents (r_q + r + dr wide) instead of x (h wide)
-is also what makes MLA's SP traffic smaller than GQA's.
+is also what keeps MLA's SP traffic small when queries are compressed (DeepSeek-V3: 1536 + 512 + 64
+features per token instead of h = 7168); with uncompressed queries x itself is gathered for q_proj
+and the kv latent besides (h + r + dr).
 """
 from __future__ import annotations
 
@@ -67,7 +69,7 @@ class MLAttention(nn.Module):
         if tp is not None and a % tp.size:
             raise UserError(f"num_attention_heads={a} must divide evenly over tensor_model_parallel_size={tp.size} "
                             "(MLA splits its heads over TP)")
-        self.tp, self.mode = tp, mode
+        self.tp, self.mode, self.q_lora_rank = tp, mode, r_q
         self.recompute_core = False
         """Selective recompute: keep q, k, v and recompute the core attention in backward."""
         if r_q is None:
@@ -96,7 +98,7 @@ class MLAttention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x (b, s, h) [or (b, s/tp, h)]; cos/sin (s, dr) -> (b, s, h) [or (b, s/tp, h)]."""
         dn, dr, dv = self.dn, self.dr, self.dv
-        if hasattr(self, "q_proj"):
+        if self.q_lora_rank is None:
             q = self.q_proj(x)  # (b, s, a/tp*(dn+dr))
         else:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))  # (b, s(/tp), r_q) -> (b, s, a/tp*(dn+dr))
