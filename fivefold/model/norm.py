@@ -10,10 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fivefold.config.schema import ModelConfig
+from fivefold.config.schema import NORMALIZATIONS, ModelConfig
 from fivefold.errors import UserError
-
-NORMALIZATIONS = ("RMSNorm", "LayerNorm")
 
 
 class RMSNorm(nn.Module):
