@@ -38,9 +38,11 @@ def test_unsupported_knobs_are_refused_together():
     check_supported(cfg)
     cfg.parallel.context_parallel_size = 2  # CP runs, with all of them
     check_supported(cfg)
-    cfg.model.normalization, cfg.training.optimizer = "LayerNorm", "sgd"
+    cfg.model.multi_latent_attention, cfg.model.normalization = True, "LayerNorm"  # MLA and LayerNorm run
+    check_supported(cfg.__class__(model=cfg.model))
+    cfg.training.precision, cfg.training.optimizer = "fp16", "sgd"
     assert len(unsupported(cfg)) == 2
-    with pytest.raises(NotImplementedYet, match=r"normalizations other than RMSNorm.*adamw.*not implemented yet"):
+    with pytest.raises(NotImplementedYet, match=r"other than fp32 and bf16.*adamw.*not implemented yet"):
         check_supported(cfg)
 
 
