@@ -324,10 +324,15 @@ def _mla_case(rank, world):
     return out
 
 
+@pytest.fixture(scope="module")
+def mla_runs(workers):
+    return workers(4).run(_mla_case)
+
+
 @pytest.mark.parametrize("name", list(MLA_LAYOUTS))
-def test_mla_under_cp_equals_one_process(workers, name):
+def test_mla_under_cp_equals_one_process(mla_runs, name):
     ref_total, ref_grads = _mla_loss_and_grads(Decoder(MLA_CFG, seed=0))
-    for rank, res in enumerate(workers(4).run(_mla_case)):
+    for rank, res in enumerate(mla_runs):
         total, grads = res[name]
         # fp32: the CP split adds the token losses and each parameter's per-token gradient terms in
         # two to four partial sums instead of one, and the ring merges block softmaxes: ~1e-7
