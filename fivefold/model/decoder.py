@@ -98,6 +98,8 @@ class Decoder(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: ids (b, s) with an embedding, else hidden (b, s, h). Returns logits (b, s, V_padded)
         with a head (padded columns are 0: their rows are zero), else hidden (b, s, h).
+        Context-parallel: s is this CP rank's s/cp tokens (parallel.context.split_tokens: chunks r and
+        2cp-1-r), whose RoPE positions the Decoder derives from its CP rank.
         Tensor-parallel: logits are this rank's vocabulary slice (b, s, V_padded/tp); under sequence
         parallelism hidden states in and out are this rank's (b, s/tp, h)."""
         sp = self.mode is TPMode.SEQUENCE_PARALLEL
