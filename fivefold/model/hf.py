@@ -1,4 +1,4 @@
-"""Import a local Hugging Face Llama checkpoint directory (config.json + safetensors) — no network.
+"""Import a local Hugging Face Llama / Mistral / Mixtral checkpoint directory (config.json + safetensors) — no network.
 
     config_from_hf(dir)            config.json -> ModelConfig (refuses what our model cannot express)
     state_dict_from_hf(dir, cfg)   safetensors (single file or sharded index) -> our parameter names
@@ -13,10 +13,14 @@ Name map (ours <- HF):
     layers.i.mlp.{gate,up,down}_proj <- model.layers.i.mlp.{gate,up,down}_proj
     final_norm.weight              <- model.norm.weight
     head.weight                    <- lm_head.weight (model.embed_tokens.weight when tied)
+Mixtral's MoE layers, as its checkpoints store them (transformers fuses the experts in memory only):
+    layers.i.mlp.router.weight                 <- model.layers.i.block_sparse_moe.gate.weight
+    layers.i.mlp.experts.e.{gate,up,down}_proj <- model.layers.i.block_sparse_moe.experts.e.{w1,w3,w2}
 """
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from collections import defaultdict
 from collections.abc import Iterable
 from pathlib import Path
@@ -24,7 +28,7 @@ from pathlib import Path
 import torch
 
 from fivefold.config.schema import ModelConfig
-from fivefold.errors import UserError
+from fivefold.errors import NotImplementedYet, UserError
 from fivefold.model.block import DecoderLayer
 from fivefold.model.decoder import Decoder
 from fivefold.model.init import VOCAB_PARAMS
@@ -33,6 +37,8 @@ from fivefold.planner.hf import load_hf_config
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
+_MIXTRAL_PROJ = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+_QK_NORM_MOE = {"qwen3_moe": "self_attn.q_norm / k_norm", "olmoe": "self_attn.q_norm / k_norm"}
 _LAYER_RENAMES = (("attn_norm.", "input_layernorm."), ("attn.", "self_attn."),
                   ("mlp_norm.", "post_attention_layernorm."), ("mlp.", "mlp."))
 
@@ -52,8 +58,11 @@ def config_from_hf(path: str | Path) -> ModelConfig:
     raw = json.loads((d / "config.json").read_text())
     where = d / "config.json"
     kind = raw.get("model_type")
-    if kind not in ("llama", "mistral"):
-        raise UserError(f"{where}: model_type={kind!r}; only Llama-style models (llama, mistral) are imported")
+    if kind in _QK_NORM_MOE:
+        raise NotImplementedYet(f"{where}: model_type={kind!r} has per-head q/k RMSNorm ({_QK_NORM_MOE[kind]}), "
+                                "which our attention does not build yet; Mixtral-style MoE (mixtral) is imported")
+    if kind not in ("llama", "mistral", "mixtral"):
+        raise UserError(f"{where}: model_type={kind!r}; only Llama-style models (llama, mistral, mixtral) are imported")
     checks = {"hidden_act": (raw.get("hidden_act", "silu"), "silu"),
               "attention_bias": (bool(raw.get("attention_bias", False)), False),
               "mlp_bias": (bool(raw.get("mlp_bias", False)), False),
@@ -67,7 +76,19 @@ def config_from_hf(path: str | Path) -> ModelConfig:
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ("default", None):
         raise UserError(f"{where}: RoPE scaling rope_type={rope_type!r} is not supported (only plain RoPE)")
+    if kind == "mixtral":  # softmax over all experts, top-k renormalised (no norm_topk_prob switch)
+        cfg = replace(cfg, moe_router_score_function="softmax", moe_router_pre_softmax=False)
     return cfg
+
+
+def _moe_name(rest: str, index: str) -> str | None:
+    """Mixtral names of our MoE parameters (`rest` after `layers.<i>.`), None for other parameters."""
+    if rest == "mlp.router.weight":
+        return f"model.layers.{index}.block_sparse_moe.gate.weight"
+    parts = rest.split(".")  # mlp.experts.<e>.<proj>.weight
+    if parts[:2] == ["mlp", "experts"] and len(parts) == 5:
+        return f"model.layers.{index}.block_sparse_moe.experts.{parts[2]}.{_MIXTRAL_PROJ[parts[3]]}.weight"
+    return None
 
 
 def hf_name(name: str, cfg: ModelConfig) -> str:
@@ -79,6 +100,9 @@ def hf_name(name: str, cfg: ModelConfig) -> str:
     if name == "final_norm.weight":
         return "model.norm.weight"
     _, index, rest = name.split(".", 2)  # layers.<i>.<rest>
+    moe = _moe_name(rest, index)
+    if moe is not None:
+        return moe
     for ours, theirs in _LAYER_RENAMES:
         if rest.startswith(ours):
             return f"model.layers.{index}.{theirs}{rest[len(ours):]}"
@@ -87,11 +111,11 @@ def hf_name(name: str, cfg: ModelConfig) -> str:
 
 def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Our full parameter names -> the shape HF stores (vocabulary unpadded)."""
-    with torch.device("meta"):
-        layer = DecoderLayer(cfg)
     h, v = cfg.hidden_size, cfg.vocab_size
     shapes = {"embedding.weight": (v, h)}
     for i in range(cfg.num_layers):
+        with torch.device("meta"):
+            layer = DecoderLayer(cfg, layer=i)  # dense or MoE (first_k_dense)
         shapes.update({f"layers.{i}.{n}": tuple(p.shape) for n, p in layer.named_parameters()})
     shapes.update({"final_norm.weight": (h,), "head.weight": (v, h)})
     return shapes
