@@ -29,9 +29,9 @@ def _is(*ok):
 
 RUNTIME_KNOBS: list[Knob] = [
     Knob("parallel.context_parallel_size", _is(1), "context parallelism (CP > 1)"),
-    Knob("parallel.expert_model_parallel_size", _is(1), "expert parallelism (EP > 1)"),
-    Knob("parallel.expert_tensor_parallel_size", _is(None, 1), "expert tensor parallelism (ETP > 1)"),
-    Knob("model.num_experts", _is(None, 0), "Mixture-of-Experts layers"),
+    Knob("model.moe_expert_capacity_factor", _is(None), "MoE token dropping (expert capacity factor; MoE is dropless)"),
+    Knob("model.moe_router_load_balancing_type", _is("aux_loss", "seq_aux_loss", "none"),
+         "sinkhorn load balancing (aux_loss, seq_aux_loss and none run)"),
     Knob("model.multi_latent_attention", _is(False), "multi-latent attention (MLA)"),
     Knob("model.normalization", _is("RMSNorm"), "normalizations other than RMSNorm"),
     Knob("training.precision", _is("fp32", "bf16"), "precisions other than fp32 and bf16"),
@@ -54,5 +54,5 @@ def check_supported(config: Config) -> None:
     problems = unsupported(config)
     if problems:
         raise NotImplementedYet("training with " + "; ".join(problems) +
-                                " — this runtime trains data, tensor, sequence and pipeline parallelism "
-                                "(DP, TP, SP, PP, in any combination) so far")
+                                " — this runtime trains data, tensor, sequence, pipeline and expert parallelism "
+                                "(DP, TP, SP, PP, EP, ETP, in any combination) so far")
