@@ -32,7 +32,13 @@ from fivefold.train.optim import clip_grad_norm
 
 
 class GradReducers:
-    """The dense GradReducer (DP x CP, tag dp-grad) and the experts' (EDP, tag edp-grad), driven as one."""
+    """The dense GradReducer (DP x CP, tag dp-grad) and the experts' (EDP, tag edp-grad), driven as one.
+
+    The dense buckets are reduced during the last backward as they complete; the expert buckets
+    only in finish(), after the dense ones. Which expert gradients are complete when depends on the
+    routing (an expert that got no token has none), so launching them from backward hooks would
+    issue collectives in a different order on different ranks — and EDP may be the very process
+    group of DP x CP (TP2 x DP2 with EP2 = TP: EDP = DP), where the order must match."""
 
     def __init__(self, dense: GradReducer, expert: GradReducer):
         self.dense, self.expert = dense, expert
@@ -44,7 +50,7 @@ class GradReducers:
 
     def prepare(self, last: bool) -> None:
         self.dense.prepare(last)
-        self.expert.prepare(last)
+        self.expert.prepare(False)  # launched in finish(), in bucket order
 
     def finish(self) -> None:
         self.dense.finish()
