@@ -33,6 +33,8 @@ LAYOUTS = {
     "ep2-edp2": (4, dict(expert_model_parallel_size=2), False),
     "tp2sp-ep2-etp1": (4, dict(tensor_model_parallel_size=2, sequence_parallel=True, expert_model_parallel_size=2,
                                expert_tensor_parallel_size=1), False),
+    "tp2sp-ep2-etp2": (4, dict(tensor_model_parallel_size=2, sequence_parallel=True, expert_model_parallel_size=2),
+                       False),  # ETP defaults to TP: ETP2 x EP2 x EDP1
     "tp2sp-etp2": (2, dict(tensor_model_parallel_size=2, sequence_parallel=True, expert_tensor_parallel_size=2), False),
     "ep2-edp2-zero": (4, dict(expert_model_parallel_size=2), True),
     "pp2-ep2": (4, dict(pipeline_model_parallel_size=2, expert_model_parallel_size=2), False),
