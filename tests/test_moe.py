@@ -223,3 +223,59 @@ def test_all_to_all_bytes_equal_the_formula(workers, layout):
             ag = sum(8 * x["E_loc"] * lay.etp + 2 * lay.etp * x["Rmax"] * hb for x in moe_layers)
             rs = sum(2 * lay.etp * x["Rmax"] * hb for x in moe_layers)
             assert (r["got"]["all_gather"], r["got"]["reduce_scatter"]) == (ag, rs)
+
+
+# --- the router's losses by hand, the examples, what is refused ----------------------------------------
+
+def test_router_losses_by_hand():
+    """aux_loss, seq_aux_loss and z_loss of a 2-sequence x 3-token micro-batch, written out."""
+    from fivefold.model.router import load_balancing_loss, route, z_loss
+
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0], [0.0, 3.0, 1.0, 0.5], [1.0, 0.0, 2.5, 0.0],
+                           [0.2, 0.1, 0.0, 1.5], [2.0, 0.0, 1.0, 0.0], [0.0, 0.1, 0.2, 3.0]])
+    cfg = ModelConfig(num_experts=4, moe_router_topk=2, moe_aux_loss_coeff=0.1)
+    experts, weights, scores = route(logits, cfg)
+    p = torch.softmax(logits, -1)
+    assert experts.tolist() == [[0, 1], [1, 2], [2, 0], [3, 0], [0, 2], [3, 2]]
+    top = p.gather(1, experts)
+    torch.testing.assert_close(weights, top / top.sum(-1, keepdim=True))  # renormalised (Mixtral)
+    hits = torch.zeros(6, 4).scatter_(1, experts, 1.0)
+    f, pm = hits.sum(0) / (2 * 6), p.mean(0)  # fraction of the k*T assignments, mean probability
+    want = 0.1 * 4 * (f * pm).sum()
+    torch.testing.assert_close(load_balancing_loss(scores, experts, cfg, None, batch=2), want, rtol=1e-6, atol=0)
+    seq = ModelConfig(num_experts=4, moe_router_topk=2, moe_aux_loss_coeff=0.1, moe_router_load_balancing_type="seq_aux_loss")
+    per_seq = [0.1 * 4 * ((hits[i:i + 3].sum(0) / 6) * p[i:i + 3].mean(0)).sum() for i in (0, 3)]
+    torch.testing.assert_close(load_balancing_loss(scores, experts, seq, None, batch=2), sum(per_seq) / 2, rtol=1e-6, atol=0)
+    torch.testing.assert_close(z_loss(logits, 1e-3, None), 1e-3 * torch.logsumexp(logits, -1).square().mean(), rtol=1e-6, atol=0)
+    pre = ModelConfig(num_experts=4, moe_router_topk=2, moe_router_pre_softmax=True)
+    torch.testing.assert_close(route(logits, pre)[1], top)  # not renormalised (OLMoE, Qwen norm_topk_prob=False)
+
+
+@pytest.mark.parametrize("path,tp,ep,etp", [("examples/moe.yaml", 2, 2, 1), ("examples/megatron_flags_moe.txt", 2, 4, 2)])
+def test_moe_examples_validate_and_are_supported(path, tp, ep, etp):
+    from fivefold.config.load import load_config
+    from fivefold.config.validate import validate
+    from fivefold.train.supported import check_supported
+
+    loaded = load_config(path, [])
+    validate(loaded.config, loaded.dialect)  # the Megatron dialect turns SP on for TP x EP
+    check_supported(loaded.config)
+    lay = layout_of(loaded.config)
+    assert (lay.tp, lay.ep, lay.etp, loaded.config.parallel.sequence_parallel) == (tp, ep, etp, True)
+
+
+def test_unbuilt_moe_settings_are_refused(tmp_path):
+    from fivefold.errors import NotImplementedYet
+    from fivefold.model.hf import config_from_hf
+    from fivefold.train.supported import check_supported
+
+    cfg = _config(tmp_path)
+    cfg.model.moe_expert_capacity_factor = 1.25
+    cfg.model.moe_router_load_balancing_type = "sinkhorn"
+    with pytest.raises(NotImplementedYet, match=r"capacity factor.*sinkhorn.*not implemented yet"):
+        check_supported(cfg)
+    (tmp_path / "config.json").write_text(json.dumps(dict(
+        model_type="qwen3_moe", hidden_size=64, num_attention_heads=4, num_hidden_layers=2, vocab_size=256,
+        intermediate_size=128, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)))
+    with pytest.raises(NotImplementedYet, match="q_norm"):
+        config_from_hf(tmp_path)
