@@ -67,6 +67,8 @@ class MoE(nn.Module):
         self.cfg, self.tp, self.mode, self.groups = cfg, _real(tp), mode, groups
         self.aux_loss_scale = 1.0
         """Gradient of the aux loss per micro-batch (Decoder sets micro_batch / global_batch)."""
+        self.last_aux_loss: torch.Tensor | None = None
+        """This rank's aux + z loss term of the last forward (detached), for the training log."""
         h, f = cfg.hidden_size, cfg.moe_ffn_hidden_size or cfg.ffn_size
         self.router = Router(cfg)
         if self.tp is not None:  # replicated over TP, but each rank routes only its own tokens
@@ -87,6 +89,7 @@ class MoE(nn.Module):
         y = moe_forward(tokens, routing.experts, routing.weights, list(self.experts.values()),
                         self.cfg.num_experts, self.groups.ep, self.groups.etp)  # (n, h)
         if routing.loss is not None:
+            self.last_aux_loss = routing.loss.detach()
             y = AttachAuxLoss.apply(y, routing.loss, self.aux_loss_scale)
         y = y.view(b, s_r, h)
         if split:
@@ -102,6 +105,15 @@ def build_mlp(cfg: ModelConfig, layer: int, tp: Group | None, mode: TPMode, grou
     if is_moe_layer(cfg, layer):
         return MoE(cfg, tp, mode, groups or MoEGroups())
     return SwiGLU(cfg.hidden_size, cfg.ffn_size, tp, mode)
+
+
+def aux_loss_term(model: nn.Module) -> torch.Tensor | None:
+    """This rank's share of the step's aux loss from the last forward: the sum over its MoE layers
+    of (aux + z loss term) x aux_loss_scale. Added over every rank (TP / CP shards, DP micro-batches,
+    PP stages) it is the mean over the step's micro-batches of the aux loss summed over layers."""
+    terms = [m.last_aux_loss * m.aux_loss_scale for m in model.modules()
+             if isinstance(m, MoE) and m.last_aux_loss is not None]
+    return torch.stack(terms).sum().double() if terms else None
 
 
 def set_aux_loss_scale(model: nn.Module, scale: float) -> None:

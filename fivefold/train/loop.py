@@ -178,6 +178,8 @@ def train(config: Config, ctx: RankContext, data_dir: Path, *, progress: bool = 
         record = {"step": step, "loss": r.loss, "grad_norm": r.grad_norm, "lr": lr_at(step, t),
                   "tokens": r.tokens, "step_time_s": dt, "tokens_per_s": r.tokens / dt,
                   "tflops_per_rank": fpt * r.tokens / dt / ctx.world_size / 1e12}
+        if r.aux_loss is not None:
+            record["moe_aux_loss"] = r.aux_loss
         every = config.logging.log_interval  # read like save_interval: unset/0 = the last and eval steps only
         logs = bool(every and (step + 1) % every == 0) or last or evaluates
         if logs:  # a collective over every rank: once per metrics line, not every step

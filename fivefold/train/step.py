@@ -20,6 +20,7 @@ from fivefold.parallel.data import GradReducer
 from fivefold.parallel.distributed_optimizer import DistributedOptimizer
 from fivefold.parallel.expert_grads import finish_moe_grads
 from fivefold.parallel.experts import is_expert
+from fivefold.model.moe import aux_loss_term
 from fivefold.parallel.tensor import owns_grad, reduce_tp_grads
 from fivefold.train.optim import clip_grad_norm
 
@@ -29,6 +30,8 @@ class StepResult:
     loss: float
     grad_norm: float
     tokens: int
+    aux_loss: float | None = None
+    """MoE: the step's load-balancing + z loss (mean over micro-batches, summed over layers); not in `loss`."""
 
 
 def autocast(precision: str, device: torch.device):
@@ -98,10 +101,15 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, reducer: Grad
     set_lr(optimizer, lr)
     reducer.zero_grad()
     local = torch.zeros((), dtype=torch.float64, device=device)  # on the device: no host sync per microbatch
+    moe = getattr(getattr(model, "cfg", None), "is_moe", False)
+    aux = torch.zeros((), dtype=torch.float64, device=device) if moe else None
     n = len(batch.microbatches)
     for i, mb in enumerate(batch.microbatches):
         reducer.prepare(last=i == n - 1)
         s = loss_sum(model, mb, precision, device)
+        term = aux_loss_term(model) if aux is not None else None  # read before backward (recompute reruns forward)
+        if term is not None:
+            aux += term
         (s / batch.global_tokens).backward()
         local += s.detach().double()
     if n == 0:
@@ -110,7 +118,8 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, reducer: Grad
     norm = finish_grads(list(model.parameters()), clip_grad, model_parallel_group, tp_group, optimizer=optimizer,
                         expert_groups=expert_groups)
     optimizer.step()
-    return StepResult(global_mean(local.cpu(), batch.global_tokens, dp_group), norm, batch.global_tokens)
+    aux_loss = global_mean(aux.cpu(), 1, dp_group, model_parallel_group) if aux is not None else None  # every rank
+    return StepResult(global_mean(local.cpu(), batch.global_tokens, dp_group), norm, batch.global_tokens, aux_loss)
 
 
 @torch.no_grad()
