@@ -1,6 +1,8 @@
-"""MoE training is layout invariant: EP, EP x EDP, TP+SP x EP, ETP, ZeRO-1 and PP x EP give the
-losses, gradient norms and final weights of the one-process run on the same micro-batches; EP
-checkpoints load at EP1; the all-to-all bytes equal the formula of docs/moe.md from the routing."""
+"""MoE training is layout invariant: EP2, EP4, EP2 x EDP2, TP2+SP x EP2 (ETP1 and ETP2), TP2+SP with
+ETP2, TP2 without SP (ETP2), EP2 x EDP2 with ZeRO-1 and PP2 x EP2 give the losses, gradient norms,
+logged aux losses and final weights of the one-process run on the same micro-batches (aux and z
+losses on, shared experts, a dense first layer); EP checkpoints load at EP1; the EP / ETP bytes
+equal the formula of docs/moe.md from the actual routing."""
 from __future__ import annotations
 
 import contextlib
@@ -36,6 +38,7 @@ LAYOUTS = {
     "tp2sp-ep2-etp2": (4, dict(tensor_model_parallel_size=2, sequence_parallel=True, expert_model_parallel_size=2),
                        False),  # ETP defaults to TP: ETP2 x EP2 x EDP1
     "tp2sp-etp2": (2, dict(tensor_model_parallel_size=2, sequence_parallel=True, expert_tensor_parallel_size=2), False),
+    "tp2-etp2-nosp": (2, dict(tensor_model_parallel_size=2), False),  # the MoE layer splits the sequence itself
     "ep2-edp2-zero": (4, dict(expert_model_parallel_size=2), True),
     "pp2-ep2": (4, dict(pipeline_model_parallel_size=2, expert_model_parallel_size=2), False),
 }
