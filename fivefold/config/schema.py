@@ -133,6 +133,10 @@ class ModelConfig:
     """Total width of the shared experts; None = no shared expert. Default None."""
     moe_first_k_dense_layers: int = 0
     """Leading layers that keep a dense MLP (DeepSeek's first_k_dense_replace). Default 0."""
+    moe_router_pre_softmax: bool = False
+    """Top-k routing weights as the scores are (softmax over all experts, then top-k; Megatron
+    --moe-router-pre-softmax, HF norm_topk_prob=False); False renormalises the top-k weights to sum
+    1 (Mixtral, Megatron's default). Default False."""
 
     @property
     def is_moe(self) -> bool:

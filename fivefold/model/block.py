@@ -1,7 +1,8 @@
 """One pre-norm decoder layer: x = x + attn(norm(x)); x = x + mlp(norm(x)).
 
 attn is grouped-query attention (attention.py) or multi-head latent attention (mla.py) as
-cfg.multi_latent_attention says; norm is RMSNorm or LayerNorm as cfg.normalization says (norm.py).
+cfg.multi_latent_attention says; norm is RMSNorm or LayerNorm as cfg.normalization says (norm.py);
+mlp is the dense SwiGLU or, in a MoE model past its first moe_first_k_dense_layers, MoE (moe.py).
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from torch import nn
 from fivefold.config.schema import ModelConfig
 from fivefold.model.attention import Attention
 from fivefold.model.mla import MLAttention
-from fivefold.model.mlp import SwiGLU
+from fivefold.model.moe import MoEGroups, build_mlp
 from fivefold.model.norm import make_norm
 from fivefold.parallel.tensor import TPMode, mark_sequence_sharded
 
@@ -25,12 +26,13 @@ class DecoderLayer(nn.Module):
     """`tp` (a Group of > 1 rank, or None) and `mode` make attention and MLP tensor-parallel; under
     SEQUENCE_PARALLEL x and the norms hold (b, s/tp, h) and the norms' gradients are summed over TP."""
 
-    def __init__(self, cfg: ModelConfig, tp=None, mode: TPMode = TPMode.ALL_REDUCE):
+    def __init__(self, cfg: ModelConfig, tp=None, mode: TPMode = TPMode.ALL_REDUCE, *, layer: int = 0,
+                 moe: MoEGroups | None = None):
         super().__init__()
         self.attn_norm = make_norm(cfg, cfg.hidden_size)
         self.attn = MLAttention(cfg, tp, mode) if cfg.multi_latent_attention else Attention(cfg, tp, mode)
         self.mlp_norm = make_norm(cfg, cfg.hidden_size)
-        self.mlp = SwiGLU(cfg.hidden_size, cfg.ffn_size, tp, mode)
+        self.mlp = build_mlp(cfg, layer, tp, mode, moe)  # dense SwiGLU, or MoE (layer >= first_k_dense)
         if tp is not None and mode is TPMode.SEQUENCE_PARALLEL:
             for p in (*self.attn_norm.parameters(), *self.mlp_norm.parameters()):
                 mark_sequence_sharded(p)

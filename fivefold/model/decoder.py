@@ -19,18 +19,20 @@ from fivefold.config.schema import ModelConfig
 from fivefold.errors import NotImplementedYet, UserError
 from fivefold.model.block import DecoderLayer, rotary_dim
 from fivefold.model.init import init_parameters_
+from fivefold.model.moe import MoEGroups, check_moe_supported, set_aux_loss_scale
 from fivefold.model.norm import make_norm
 from fivefold.model.recompute import Recompute, maybe_checkpoint
 from fivefold.model.rope import rope_tables
 from fivefold.parallel.context import context_parallel_of, local_positions
 from fivefold.parallel.cross_entropy import vocab_parallel_cross_entropy
+from fivefold.parallel.experts import mark_experts
 from fivefold.parallel.tensor import (ColumnParallelLinear, TPMode, VocabParallelEmbedding, mark_sequence_sharded,
                                       to_empty_keeping_tp)
 
 
 def _check_supported(cfg: ModelConfig, mesh) -> None:
     if cfg.is_moe:
-        raise NotImplementedYet("fivefold.model: MoE layers (num_experts)")
+        check_moe_supported(cfg)
     if not cfg.multi_latent_attention and cfg.num_attention_heads % cfg.kv_heads:
         raise UserError(f"num_attention_heads={cfg.num_attention_heads} must be a multiple of "
                         f"num_query_groups={cfg.kv_heads}")
@@ -65,12 +67,14 @@ class Decoder(nn.Module):
             else:
                 self.embedding = VocabParallelEmbedding(vp, h, group=tp, mode=mode) if embedding else None
                 self.head = ColumnParallelLinear(h, vp, group=tp, mode=mode) if head else None
-            self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, tp, mode) for i in ids})
+            moe = MoEGroups.of(mesh) if cfg.is_moe else None
+            self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, tp, mode, layer=i, moe=moe) for i in ids})
             self.final_norm = make_norm(cfg, h) if head else None
         if head and mode is TPMode.SEQUENCE_PARALLEL:
             for p in self.final_norm.parameters():
                 mark_sequence_sharded(p)
         to_empty_keeping_tp(self, "cpu")
+        mark_experts(self)
         aliases = {}
         if head and cfg.tie_word_embeddings:
             if embedding:
@@ -171,6 +175,10 @@ def build_decoder(config, mesh, *, layers: Sequence[int] | None = None, embeddin
     """The model (or, with `layers`/`embedding`/`head`, the pipeline stage) a training run of
     `config` builds on this rank of `mesh`: the one place that maps the run's config onto Decoder's
     arguments (TP from the mesh, sequence parallelism, the seed)."""
-    return Decoder(config.model, mesh=mesh, layers=layers, embedding=embedding, head=head,
-                   seed=config.training.seed if seed is None else seed,
-                   sequence_parallel=config.parallel.sequence_parallel)
+    model = Decoder(config.model, mesh=mesh, layers=layers, embedding=embedding, head=head,
+                    seed=config.training.seed if seed is None else seed,
+                    sequence_parallel=config.parallel.sequence_parallel)
+    t = config.training
+    if config.model.is_moe and t.global_batch_size:  # the aux loss is a mean over the step's micro-batches
+        set_aux_loss_scale(model, t.micro_batch_size / t.global_batch_size)
+    return model

@@ -1,4 +1,5 @@
-"""Import a local Hugging Face Llama or DeepSeek-V3 checkpoint directory (config.json + safetensors) — no network.
+"""Import a local Hugging Face Llama / Mistral / Mixtral or DeepSeek-V3 checkpoint directory (config.json +
+safetensors) — no network.
 
     config_from_hf(dir)            config.json -> ModelConfig (refuses what our model cannot express)
     state_dict_from_hf(dir, cfg)   safetensors (single file or sharded index) -> our parameter names
@@ -13,6 +14,9 @@ Name map (ours <- HF):
     layers.i.mlp.{gate,up,down}_proj <- model.layers.i.mlp.{gate,up,down}_proj
     final_norm.weight              <- model.norm.weight
     head.weight                    <- lm_head.weight (model.embed_tokens.weight when tied)
+Mixtral's MoE layers, as its checkpoints store them (transformers fuses the experts in memory only):
+    layers.i.mlp.router.weight                 <- model.layers.i.block_sparse_moe.gate.weight
+    layers.i.mlp.experts.e.{gate,up,down}_proj <- model.layers.i.block_sparse_moe.experts.e.{w1,w3,w2}
 DeepSeek-V3 (model_type deepseek_v3, also Moonlight; kimi_k2) keeps HF's attention names, so its
 MLA weights map the same way: layers.i.attn.{q_proj | q_a_proj, q_a_layernorm, q_b_proj},
 layers.i.attn.{kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj} <- model.layers.i.self_attn.*
@@ -29,7 +33,7 @@ from pathlib import Path
 import torch
 
 from fivefold.config.schema import ModelConfig
-from fivefold.errors import UserError
+from fivefold.errors import NotImplementedYet, UserError
 from fivefold.model.block import DecoderLayer
 from fivefold.model.decoder import Decoder
 from fivefold.model.init import VOCAB_PARAMS
@@ -38,6 +42,8 @@ from fivefold.planner.hf import load_hf_config
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
+_MIXTRAL_PROJ = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+_QK_NORM_MOE = {"qwen3_moe": "self_attn.q_norm / k_norm", "olmoe": "self_attn.q_norm / k_norm"}
 _LAYER_RENAMES = (("attn_norm.", "input_layernorm."), ("attn.", "self_attn."),
                   ("mlp_norm.", "post_attention_layernorm."), ("mlp.", "mlp."))
 
@@ -57,8 +63,11 @@ def config_from_hf(path: str | Path) -> ModelConfig:
     raw = json.loads((d / "config.json").read_text())
     where = d / "config.json"
     kind = raw.get("model_type")
-    if kind not in ("llama", "mistral", *DEEPSEEK):
-        raise UserError(f"{where}: model_type={kind!r}; only Llama-style models (llama, mistral) and "
+    if kind in _QK_NORM_MOE:
+        raise NotImplementedYet(f"{where}: model_type={kind!r} has per-head q/k RMSNorm ({_QK_NORM_MOE[kind]}), "
+                                "which our attention does not build yet; Mixtral-style MoE (mixtral) is imported")
+    if kind not in ("llama", "mistral", "mixtral", *DEEPSEEK):
+        raise UserError(f"{where}: model_type={kind!r}; only Llama-style models (llama, mistral, mixtral) and "
                         f"DeepSeek-V3-style MLA models ({', '.join(DEEPSEEK)}) are imported")
     if kind in DEEPSEEK:
         cfg = _deepseek(raw, cfg, where)
@@ -75,7 +84,19 @@ def config_from_hf(path: str | Path) -> ModelConfig:
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ("default", None):
         raise UserError(f"{where}: RoPE scaling rope_type={rope_type!r} is not supported (only plain RoPE)")
+    if kind == "mixtral":  # softmax over all experts, top-k renormalised (no norm_topk_prob switch)
+        cfg = replace(cfg, moe_router_score_function="softmax", moe_router_pre_softmax=False)
     return cfg
+
+
+def _moe_name(rest: str, index: str) -> str | None:
+    """Mixtral names of our MoE parameters (`rest` after `layers.<i>.`), None for other parameters."""
+    if rest == "mlp.router.weight":
+        return f"model.layers.{index}.block_sparse_moe.gate.weight"
+    parts = rest.split(".")  # mlp.experts.<e>.<proj>.weight
+    if parts[:2] == ["mlp", "experts"] and len(parts) == 5:
+        return f"model.layers.{index}.block_sparse_moe.experts.{parts[2]}.{_MIXTRAL_PROJ[parts[3]]}.weight"
+    return None
 
 
 DEEPSEEK = ("deepseek_v3", "kimi_k2")
@@ -113,6 +134,9 @@ def hf_name(name: str, cfg: ModelConfig) -> str:
     if name.startswith("final_norm."):  # weight (and bias with LayerNorm)
         return "model.norm." + name.removeprefix("final_norm.")
     _, index, rest = name.split(".", 2)  # layers.<i>.<rest>
+    moe = _moe_name(rest, index)
+    if moe is not None:
+        return moe
     for ours, theirs in _LAYER_RENAMES:
         if rest.startswith(ours):
             return f"model.layers.{index}.{theirs}{rest[len(ours):]}"
@@ -121,11 +145,11 @@ def hf_name(name: str, cfg: ModelConfig) -> str:
 
 def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Our full parameter names -> the shape HF stores (vocabulary unpadded)."""
-    with torch.device("meta"):
-        layer = DecoderLayer(cfg)
     h, v = cfg.hidden_size, cfg.vocab_size
     shapes = {"embedding.weight": (v, h)}
     for i in range(cfg.num_layers):
+        with torch.device("meta"):
+            layer = DecoderLayer(cfg, layer=i)  # dense or MoE (first_k_dense)
         shapes.update({f"layers.{i}.{n}": tuple(p.shape) for n, p in layer.named_parameters()})
     shapes.update({"final_norm.weight": (h,), "head.weight": (v, h)})
     return shapes

@@ -25,6 +25,7 @@ from fivefold.runtime import comm
 from fivefold.model.recompute import Recompute
 from fivefold.parallel.data import GradReducer
 from fivefold.parallel.distributed_optimizer import DistributedOptimizer
+from fivefold.parallel.expert_grads import ExpertDistributedOptimizer, GradReducers, build_reducers, is_zero
 from fivefold.train.context import RankContext, layout_text
 from fivefold.train.metrics import MetricsLog, flops_per_token, peak_memory_bytes, plot_loss_curve
 from fivefold.train.optim import build_optimizer, state_bytes
@@ -77,15 +78,16 @@ def shard_of(name: str, p: torch.nn.Parameter) -> CheckpointShard:
 
 def _optim_shards(optimizer) -> list | None:
     """The ranges the optimizer keeps state for: ZeRO-1 chunks, or (None) every parameter whole."""
-    return optimizer.optim_shards() if isinstance(optimizer, DistributedOptimizer) else None
+    return optimizer.optim_shards() if is_zero(optimizer) else None
 
 
 def _save(config: Config, ctx: RankContext, root: Path, step: int, model, optimizer) -> Path:
-    first = ctx.dp_group.rank == 0  # one writer per model shard: parameters are replicated over DP x CP
+    # DP x CP replica 0 writes the dense parameters, EDP replica 0 the experts it holds; a rank that
+    # is one but not the other writes copies equal to the owner's, which the checkpoint lists once.
+    writes = ctx.dp_group.rank == 0 or (config.model.is_moe and ctx.mesh.edp.rank == 0)
     return ckpt.save_checkpoint(
-        root, step, model=model, optimizer=optimizer, rank=ctx.rank, writes_params=first, shard_of=shard_of,
-        optim_shards=_optim_shards(optimizer),
-        writes_optim=isinstance(optimizer, DistributedOptimizer) or first,
+        root, step, model=model, optimizer=optimizer, rank=ctx.rank, writes_params=writes, shard_of=shard_of,
+        optim_shards=_optim_shards(optimizer), writes_optim=is_zero(optimizer) or writes,
         barrier=lambda: comm.barrier(ctx.world_group),
         extra={"optimizer_step": step, "world_size": ctx.world_size, "data": {"next_step": step,
                "consumed_samples": step * config.training.global_batch_size}, "config": to_dict(config)})
@@ -97,7 +99,8 @@ def _step(config: Config, ctx: RankContext, step: int, pipe, model, optimizer, r
     if pipe is None:
         return train_step(model, optimizer, reducer, train_loader.step_batch(step), lr=lr_at(step, t),
                           clip_grad=t.clip_grad, precision=t.precision, dp_group=ctx.dp_group,
-                          model_parallel_group=ctx.model_parallel_group, tp_group=ctx.mesh.tp, device=ctx.device)
+                          model_parallel_group=ctx.model_parallel_group, tp_group=ctx.mesh.tp, device=ctx.device,
+                          expert_groups=(ctx.mesh.group("etp-ep"), ctx.mesh.pp))
     trace = config.logging.trace_schedule and step + 1 == t.train_iters
     r, run = pipeline_train_step(pipe, optimizer, reducer, train_loader.step_batch(step), lr=lr_at(step, t),
                                  clip_grad=t.clip_grad, precision=t.precision, mesh=ctx.mesh,
@@ -117,8 +120,8 @@ class Parts:
 
     model: torch.nn.Module
     pipe: PipelineModel | None
-    reducer: GradReducer
-    optimizer: torch.optim.Optimizer | DistributedOptimizer
+    reducer: GradReducer | GradReducers
+    optimizer: torch.optim.Optimizer | DistributedOptimizer | ExpertDistributedOptimizer
 
 
 def build(config: Config, ctx: RankContext, *, reducer_cls: type[GradReducer] = GradReducer) -> Parts:
@@ -134,8 +137,13 @@ def build(config: Config, ctx: RankContext, *, reducer_cls: type[GradReducer] = 
     recompute = Recompute.from_training(t)
     for module in (pipe.stages.values() if pipe is not None else [model]):
         module.set_recompute(recompute)
-    reducer = reducer_cls(model.parameters(), ctx.dp_group, shard=t.use_distributed_optimizer)
-    optimizer = DistributedOptimizer(model, reducer, t) if t.use_distributed_optimizer else build_optimizer(model, t)
+    reducer = build_reducers(model, ctx.mesh, shard=t.use_distributed_optimizer, reducer_cls=reducer_cls)
+    if not t.use_distributed_optimizer:
+        optimizer = build_optimizer(model, t)
+    elif isinstance(reducer, GradReducers):  # MoE: expert chunks over EDP, the rest over DP x CP
+        optimizer = ExpertDistributedOptimizer(model, reducer, t)
+    else:
+        optimizer = DistributedOptimizer(model, reducer, t)
     return Parts(model, pipe, reducer, optimizer)
 
 
@@ -170,6 +178,8 @@ def train(config: Config, ctx: RankContext, data_dir: Path, *, progress: bool = 
         record = {"step": step, "loss": r.loss, "grad_norm": r.grad_norm, "lr": lr_at(step, t),
                   "tokens": r.tokens, "step_time_s": dt, "tokens_per_s": r.tokens / dt,
                   "tflops_per_rank": fpt * r.tokens / dt / ctx.world_size / 1e12}
+        if r.aux_loss is not None:
+            record["moe_aux_loss"] = r.aux_loss
         every = config.logging.log_interval  # read like save_interval: unset/0 = the last and eval steps only
         logs = bool(every and (step + 1) % every == 0) or last or evaluates
         if logs:  # a collective over every rank: once per metrics line, not every step

@@ -65,7 +65,8 @@ def pipeline_train_step(pipe: PipelineModel, optimizer: torch.optim.Optimizer, r
     pipe.sync_tied_grads()  # before the DP reduction (the sums commute): with ZeRO-1 it reduce-scatters
     reducer.finish()
     norm = finish_grads(pipe.parameters(), clip_grad, mesh.group("model-parallel"), mesh.tp,
-                        not_counted=pipe.uncounted_parameters(), optimizer=optimizer)
+                        not_counted=pipe.uncounted_parameters(), optimizer=optimizer,
+                        expert_groups=(mesh.group("etp-ep"), mesh.pp))
     optimizer.step()
     local = torch.zeros((), dtype=torch.float64)
     for s in run.loss_sums.values():

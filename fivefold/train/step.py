@@ -19,6 +19,9 @@ from fivefold.runtime.mesh import Group
 from fivefold.parallel.context import split_tokens
 from fivefold.parallel.data import GradReducer
 from fivefold.parallel.distributed_optimizer import DistributedOptimizer
+from fivefold.parallel.expert_grads import finish_moe_grads
+from fivefold.parallel.experts import is_expert
+from fivefold.model.moe import aux_loss_term
 from fivefold.parallel.tensor import owns_grad, reduce_tp_grads
 from fivefold.train.optim import clip_grad_norm
 
@@ -28,6 +31,8 @@ class StepResult:
     loss: float
     grad_norm: float
     tokens: int
+    aux_loss: float | None = None
+    """MoE: the step's load-balancing + z loss (mean over micro-batches, summed over layers); not in `loss`."""
 
 
 def autocast(precision: str, device: torch.device):
@@ -69,7 +74,8 @@ def global_mean(local_sum: torch.Tensor, tokens: int, *groups: Group) -> float:
 
 def finish_grads(params: list[nn.Parameter], clip_grad: float, model_parallel_group: Group,
                  tp_group: Group | None, *, not_counted: Iterable[nn.Parameter] = (),
-                 optimizer: torch.optim.Optimizer | DistributedOptimizer | None = None) -> float:
+                 optimizer: torch.optim.Optimizer | DistributedOptimizer | None = None,
+                 expert_groups: tuple[Group, Group] | None = None) -> float:
     """After the DP reduction: complete the gradients of TP-replicated parameters (SP norm gains, KV
     replicas: `reduce_tp_grads`), then clip all of `params` by the global norm summed over
     `model_parallel_group` (TP x PP), each parameter counted once: split ones on every TP rank,
@@ -77,7 +83,12 @@ def finish_grads(params: list[nn.Parameter], clip_grad: float, model_parallel_gr
     tied weight, counted where its first copy lives). Returns the norm before clipping.
     With the distributed optimizer all of this runs on its DP chunks of `params` (Megatron's main
     params, which carry their parameter's TP attributes), and the squares are also added over its
-    DP x CP group, whose ranks hold disjoint chunks."""
+    DP x CP group, whose ranks hold disjoint chunks.
+    A MoE model's routed experts (`expert_groups` = (ETP x EP group, PP group)) are counted over
+    their own groups: fivefold.parallel.expert_grads.finish_moe_grads."""
+    if expert_groups is not None and any(is_expert(p) for p in params):
+        return finish_moe_grads(params, clip_grad, tp=tp_group, expert_mp=expert_groups[0], pp=expert_groups[1],
+                                not_counted=not_counted, optimizer=optimizer)
     groups = [model_parallel_group]
     if isinstance(optimizer, DistributedOptimizer):
         not_counted = optimizer.main_params(not_counted)
@@ -92,24 +103,33 @@ def finish_grads(params: list[nn.Parameter], clip_grad: float, model_parallel_gr
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, reducer: GradReducer, batch: StepBatch, *,
                lr: float, clip_grad: float, precision: str, dp_group: Group, model_parallel_group: Group,
-               device: torch.device, tp_group: Group | None = None) -> StepResult:
+               device: torch.device, tp_group: Group | None = None,
+               expert_groups: tuple[Group, Group] | None = None) -> StepResult:
     """`tp_group`: completes the gradients of TP-replicated parameters (SP norms, KV replicas) and
-    counts each replicated parameter once in the gradient norm (summed over `model_parallel_group`)."""
+    counts each replicated parameter once in the gradient norm (summed over `model_parallel_group`).
+    `expert_groups`: (ETP x EP, PP) groups, for a MoE model's routed experts (see finish_grads)."""
     set_lr(optimizer, lr)
     reducer.zero_grad()
     local = torch.zeros((), dtype=torch.float64, device=device)  # on the device: no host sync per microbatch
+    moe = getattr(getattr(model, "cfg", None), "is_moe", False)
+    aux = torch.zeros((), dtype=torch.float64, device=device) if moe else None
     n = len(batch.microbatches)
     for i, mb in enumerate(batch.microbatches):
         reducer.prepare(last=i == n - 1)
         s = loss_sum(model, mb, precision, device)
+        term = aux_loss_term(model) if aux is not None else None  # read before backward (recompute reruns forward)
+        if term is not None:
+            aux += term
         (s / batch.global_tokens).backward()
         local += s.detach().double()
     if n == 0:
         reducer.prepare(last=True)
     reducer.finish()
-    norm = finish_grads(list(model.parameters()), clip_grad, model_parallel_group, tp_group, optimizer=optimizer)
+    norm = finish_grads(list(model.parameters()), clip_grad, model_parallel_group, tp_group, optimizer=optimizer,
+                        expert_groups=expert_groups)
     optimizer.step()
-    return StepResult(global_mean(local.cpu(), batch.global_tokens, dp_group), norm, batch.global_tokens)
+    aux_loss = global_mean(aux.cpu(), 1, dp_group, model_parallel_group) if aux is not None else None  # every rank
+    return StepResult(global_mean(local.cpu(), batch.global_tokens, dp_group), norm, batch.global_tokens, aux_loss)
 
 
 @torch.no_grad()

@@ -28,9 +28,9 @@ def _is(*ok):
 
 
 RUNTIME_KNOBS: list[Knob] = [
-    Knob("parallel.expert_model_parallel_size", _is(1), "expert parallelism (EP > 1)"),
-    Knob("parallel.expert_tensor_parallel_size", _is(None, 1), "expert tensor parallelism (ETP > 1)"),
-    Knob("model.num_experts", _is(None, 0), "Mixture-of-Experts layers"),
+    Knob("model.moe_expert_capacity_factor", _is(None), "MoE token dropping (expert capacity factor; MoE is dropless)"),
+    Knob("model.moe_router_load_balancing_type", _is("aux_loss", "seq_aux_loss", "none"),
+         "sinkhorn load balancing (aux_loss, seq_aux_loss and none run)"),
     Knob("training.precision", _is("fp32", "bf16"), "precisions other than fp32 and bf16"),
     Knob("training.optimizer", _is("adamw"), "optimizers other than adamw"),
 ]
@@ -51,5 +51,5 @@ def check_supported(config: Config) -> None:
     problems = unsupported(config)
     if problems:
         raise NotImplementedYet("training with " + "; ".join(problems) +
-                                " — this runtime trains data, tensor, sequence, context and pipeline "
-                                "parallelism (DP, TP, SP, CP, PP, in any combination) so far")
+                                " — this runtime trains every parallel dimension (DP, TP, SP, CP, PP, EP, ETP, in any "
+                                "combination), but not these knobs")

@@ -1,0 +1,134 @@
+"""The Mixture-of-Experts MLP (Mixtral / Megatron-Core MoELayer):
+
+    y_t = sum_{e in topk(t)} w_te * SwiGLU_e(x_t)   [routed experts, width moe_ffn_hidden_size]
+        + SwiGLU_shared(x_t)                         [shared experts, always on, if configured]
+
+Routing and the auxiliary losses: fivefold.model.router. Token dispatch to experts on other EP
+ranks, and ETP: fivefold.parallel.experts. The layer works on this rank's tokens: under sequence
+parallelism (and context parallelism) the input already is the rank's (b, s/tp, h) shard; with TP
+but no SP (EP must then be 1) the replicated input is split along the sequence here and the output
+all-gathered, so that every TP rank routes a different s/tp of the tokens, as under SP.
+
+Parameter names keep the expert's global index (`layers.3.mlp.experts.5.gate_proj.weight`), so an
+EP rank holds exactly the one-process experts it owns and checkpoints move between EP sizes.
+The aux loss reaches the gradient through router.AttachAuxLoss on the layer's output.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from fivefold.config.schema import ModelConfig
+from fivefold.errors import NotImplementedYet, UserError
+from fivefold.model.mlp import SwiGLU
+from fivefold.model.router import AttachAuxLoss, Router
+from fivefold.parallel.experts import local_experts, moe_forward
+from fivefold.parallel.tensor import TPMode, mark_sequence_sharded
+from fivefold.runtime import comm
+from fivefold.runtime.mesh import Group
+
+SEQ_DIM = 1
+
+
+def _real(group: Group | None) -> Group | None:
+    return group if group is not None and group.size > 1 else None
+
+
+@dataclass(frozen=True)
+class MoEGroups:
+    """The groups a MoE layer talks over (None or one rank: that dimension is off)."""
+
+    ep: Group | None = None
+    """Expert parallel: experts split over it, tokens all-to-all."""
+    etp: Group | None = None
+    """Expert tensor parallel: each expert's linears split over it."""
+    tokens: Group | None = None
+    """TP x CP: the ranks holding the shards of one micro-batch (aux-loss token counts are summed)."""
+
+    @classmethod
+    def of(cls, mesh) -> "MoEGroups":
+        if mesh is None:
+            return cls()
+        return cls(_real(mesh.ep), _real(mesh.etp), _real(mesh.group("tp-cp")))
+
+
+def is_moe_layer(cfg: ModelConfig, layer: int) -> bool:
+    return cfg.is_moe and layer >= cfg.moe_first_k_dense_layers
+
+
+class MoE(nn.Module):
+    """Router, this EP rank's routed experts (ModuleDict keyed by global index), optional shared experts."""
+
+    def __init__(self, cfg: ModelConfig, tp: Group | None = None, mode: TPMode = TPMode.ALL_REDUCE,
+                 groups: MoEGroups = MoEGroups()):
+        super().__init__()
+        self.cfg, self.tp, self.mode, self.groups = cfg, _real(tp), mode, groups
+        self.aux_loss_scale = 1.0
+        """Gradient of the aux loss per micro-batch (Decoder sets micro_batch / global_batch)."""
+        self.last_aux_loss: torch.Tensor | None = None
+        """This rank's aux + z loss term of the last forward (detached), for the training log."""
+        h, f = cfg.hidden_size, cfg.moe_ffn_hidden_size or cfg.ffn_size
+        self.router = Router(cfg)
+        if self.tp is not None:  # replicated over TP, but each rank routes only its own tokens
+            mark_sequence_sharded(self.router.weight)
+        etp = groups.etp
+        self.experts = nn.ModuleDict({
+            str(e): SwiGLU(h, f, etp, TPMode.SEQUENCE_PARALLEL) for e in local_experts(cfg.num_experts, groups.ep)})
+        shared = cfg.moe_shared_expert_intermediate_size
+        self.shared_experts = SwiGLU(h, shared, tp, mode) if shared else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x (b, s', h) -> (b, s', h), s' as the rest of the layer holds it (s, s/tp under SP, s/cp)."""
+        split = self.tp is not None and self.mode is TPMode.ALL_REDUCE
+        x_own = comm.split(x, SEQ_DIM, self.tp, "tp") if split else x  # (b, s_r, h): this rank's tokens
+        b, s_r, h = x_own.shape
+        tokens = x_own.reshape(b * s_r, h)  # (n, h)
+        routing = self.router(tokens, b, self.groups.tokens)
+        y = moe_forward(tokens, routing.experts, routing.weights, list(self.experts.values()),
+                        self.cfg.num_experts, self.groups.ep, self.groups.etp)  # (n, h)
+        if routing.loss is not None:
+            self.last_aux_loss = routing.loss.detach()
+            y = AttachAuxLoss.apply(y, routing.loss, self.aux_loss_scale)
+        y = y.view(b, s_r, h)
+        if split:
+            y = comm.gather_split(y, SEQ_DIM, self.tp, "tp")  # (b, s, h)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(x)
+        return y
+
+
+def build_mlp(cfg: ModelConfig, layer: int, tp: Group | None, mode: TPMode, groups: MoEGroups | None) -> nn.Module:
+    """The MLP of decoder layer `layer`: MoE, or the dense SwiGLU for dense models and the first
+    moe_first_k_dense_layers layers of a MoE model."""
+    if is_moe_layer(cfg, layer):
+        return MoE(cfg, tp, mode, groups or MoEGroups())
+    return SwiGLU(cfg.hidden_size, cfg.ffn_size, tp, mode)
+
+
+def aux_loss_term(model: nn.Module) -> torch.Tensor | None:
+    """This rank's share of the step's aux loss from the last forward: the sum over its MoE layers
+    of (aux + z loss term) x aux_loss_scale. Added over every rank (TP / CP shards, DP micro-batches,
+    PP stages) it is the mean over the step's micro-batches of the aux loss summed over layers."""
+    terms = [m.last_aux_loss * m.aux_loss_scale for m in model.modules()
+             if isinstance(m, MoE) and m.last_aux_loss is not None]
+    return torch.stack(terms).sum().double() if terms else None
+
+
+def set_aux_loss_scale(model: nn.Module, scale: float) -> None:
+    """The gradient each micro-batch's aux loss gets (see router.AttachAuxLoss)."""
+    for m in model.modules():
+        if isinstance(m, MoE):
+            m.aux_loss_scale = scale
+
+
+def check_moe_supported(cfg: ModelConfig) -> None:
+    """Refuse the MoE settings this runtime does not build (NotImplementedYet: exit 2)."""
+    if cfg.moe_expert_capacity_factor is not None:
+        raise NotImplementedYet("fivefold.model: moe_expert_capacity_factor (token dropping); MoE here is dropless")
+    if cfg.moe_router_load_balancing_type not in ("aux_loss", "seq_aux_loss", "none"):
+        raise NotImplementedYet(f"fivefold.model: moe_router_load_balancing_type="
+                                f"{cfg.moe_router_load_balancing_type!r} (aux_loss, seq_aux_loss and none run)")
+    if cfg.moe_router_score_function not in ("softmax", "sigmoid"):
+        raise UserError(f"moe_router_score_function={cfg.moe_router_score_function!r}: softmax or sigmoid")

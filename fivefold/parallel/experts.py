@@ -1,0 +1,135 @@
+"""Expert parallelism (EP) and expert tensor parallelism (ETP): routed tokens to their experts and back.
+
+EP (GShard / Megatron's all-to-all token dispatcher) over the `ep` group of n ranks: rank r holds
+the E/n experts [r E/n, (r+1) E/n). For this rank's tokens x (t, h) and their top-k experts:
+  permute : the t*k (token, expert) assignments sorted by expert -> rows (t k, h); rows for rank j's
+            experts are contiguous, in expert order;
+  counts  : all-to-all of the per-expert counts (E,) int64, so each rank learns how many rows it
+            receives from each rank for each of its experts;
+  dispatch: all-to-all of the rows, uneven splits -> (R, h), from rank 0's rows to rank n-1's;
+  experts : the received rows grouped by local expert, each through its expert's SwiGLU;
+  combine : the reverse all-to-all -> (t k, h) in permuted order, un-permuted, and
+            y_t = sum_k w_tk expert_k(x_t)  with the router weights w.
+Both all-to-alls are autograd functions whose backward is the all-to-all with the splits swapped.
+
+ETP over the `etp` group of m ranks: every expert's gate/up are split by output rows and down by
+input columns (Megatron's column / row parallel linears, the same ShardSpec slices as TP, so they
+initialise and checkpoint like TP shards). The m ranks hold different tokens (each its own sequence
+shard), so the rows are all-gathered over ETP (padded to the largest row count of the group),
+every rank applies its f/m slice of each expert to all of them, and the partial outputs
+P_r = silu(X G_r^T) * (X U_r^T) D_r^T, Y = sum_r P_r, are reduce-scattered back to their ranks:
+the SP form of a column -> row parallel pair, with the rows of all ranks as the "sequence".
+Bytes: see /work/notes/ep_bytes.md (docs/moe.md).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fivefold.runtime import comm, traffic
+from fivefold.runtime.collectives import all_to_all_single
+from fivefold.runtime.mesh import Group
+
+EXPERT_ATTRIBUTE = "is_expert"
+"""Set on routed-expert parameters: reduced over EDP, normed over ETP x EP x PP (Megatron's allreduce=False)."""
+
+
+def is_expert(p: nn.Parameter) -> bool:
+    return getattr(p, EXPERT_ATTRIBUTE, False)
+
+
+def mark_experts(module: nn.Module) -> None:
+    """Mark every parameter under a `.experts.` module as a routed-expert parameter."""
+    for name, p in module.named_parameters():
+        if ".experts." in f".{name}":
+            setattr(p, EXPERT_ATTRIBUTE, True)
+
+
+def local_experts(num_experts: int, ep: Group | None) -> range:
+    """The global indices of the experts this EP rank holds."""
+    n = ep.size if ep is not None else 1
+    per = num_experts // n
+    r = ep.rank if ep is not None else 0
+    return range(r * per, (r + 1) * per)
+
+
+class _AllToAllV(torch.autograd.Function):
+    """Rows in_splits[j] of x go to rank j, out_splits[j] arrive from rank j; backward: the same
+    all-to-all of the gradient with the splits swapped (its dual)."""
+
+    @staticmethod
+    def forward(ctx, x, group: Group, tag: str, in_splits: list[int], out_splits: list[int]):
+        ctx.group, ctx.tag, ctx.splits = group, tag, (in_splits, out_splits)
+        return all_to_all_single(x, group, tag, in_splits, out_splits)
+
+    @staticmethod
+    def backward(ctx, grad):
+        in_splits, out_splits = ctx.splits
+        with traffic.span("all_to_all", ctx.tag):
+            return all_to_all_single(grad, ctx.group, ctx.tag, out_splits, in_splits), None, None, None, None
+
+
+def all_to_all_v(x: torch.Tensor, group: Group, tag: str, in_splits: list[int], out_splits: list[int]) -> torch.Tensor:
+    return _AllToAllV.apply(x, group, tag, in_splits, out_splits)
+
+
+def _inverse(perm: torch.Tensor) -> torch.Tensor:
+    inv = torch.empty_like(perm)
+    inv[perm] = torch.arange(perm.numel(), device=perm.device)
+    return inv
+
+
+def swiglu_rows(expert: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """down(silu(gate x) * up x) with the expert's own (possibly ETP-sliced) weights; x (m, h)."""
+    return F.linear(F.silu(F.linear(x, expert.gate_proj.weight)) * F.linear(x, expert.up_proj.weight),
+                    expert.down_proj.weight)  # (m, h), a partial sum over ETP ranks when sliced
+
+
+def _run_local(x: torch.Tensor, counts: list[int], experts: list[nn.Module]) -> torch.Tensor:
+    """x (R, h) grouped by local expert (counts[e] rows each) -> each group through its expert."""
+    outs = [swiglu_rows(e, rows) for e, rows in zip(experts, x.split(counts)) if rows.shape[0]]
+    return torch.cat(outs) if outs else x[:0] * 0  # (R, h); empty stays in the graph
+
+
+def run_experts(x: torch.Tensor, counts: torch.Tensor, experts: list[nn.Module], etp: Group | None) -> torch.Tensor:
+    """x (R, h) grouped by local expert (`counts` (E_loc,) int64) -> expert outputs (R, h)."""
+    if etp is None or etp.size == 1:
+        return _run_local(x, counts.tolist(), experts)
+    every = comm.all_gather(counts.unsqueeze(0), 0, etp, "etp")  # (m, E_loc): rows per rank, per expert
+    totals = every.sum(1)  # (m,)
+    pad = int(totals.max())
+    x_pad = torch.cat([x, x.new_zeros(pad - x.shape[0], x.shape[1])])  # (Rmax, h)
+    gathered = comm.gather(x_pad, 0, etp, "etp")  # (m Rmax, h): rank r's rows at [r Rmax, r Rmax + R_r)
+    starts = torch.cumsum(every, 1) - every  # (m, E_loc): where expert e's rows start in rank r's block
+    order = [torch.arange(r * pad + int(starts[r, e]), r * pad + int(starts[r, e] + every[r, e]))
+             for e in range(every.shape[1]) for r in range(every.shape[0])]
+    perm = torch.cat(order).to(x.device)  # the gathered rows, grouped by expert
+    y = _run_local(gathered[perm], every.sum(0).tolist(), experts)  # (sum R_r, h) partial over ETP
+    partial = y.new_zeros(gathered.shape).index_copy(0, perm, y)  # (m Rmax, h); padding rows stay 0
+    return comm.reduce_scatter(partial, 0, etp, "etp")[: x.shape[0]]  # (R, h): this rank's rows, summed
+
+
+def moe_forward(x: torch.Tensor, experts_idx: torch.Tensor, weights: torch.Tensor, experts: list[nn.Module],
+                num_experts: int, ep: Group | None, etp: Group | None) -> torch.Tensor:
+    """y_t = sum_j weights[t, j] * expert_{experts_idx[t, j]}(x_t) for this rank's tokens x (t, h),
+    `experts` the local ones (local_experts(num_experts, ep)); see the module docstring."""
+    t, k = experts_idx.shape
+    flat = experts_idx.reshape(-1)  # (t k,)
+    order = torch.argsort(flat, stable=True)  # assignments grouped by expert, tokens in order
+    rows = x[order // k]  # (t k, h)
+    counts = torch.bincount(flat, minlength=num_experts)  # (E,)
+    n = ep.size if ep is not None else 1
+    if n > 1:
+        received = all_to_all_single(counts, ep, "ep").view(n, -1)  # (n, E_loc): from rank j, per local expert
+        in_splits = counts.view(n, -1).sum(1).tolist()
+        out_splits = received.sum(1).tolist()
+        rows = all_to_all_v(rows, ep, "ep", in_splits, out_splits)  # (R, h), by source rank then expert
+        local_of_row = torch.arange(received.shape[1], device=x.device).repeat(n).repeat_interleave(received.reshape(-1))
+        by_expert = torch.argsort(local_of_row, stable=True)
+        y = run_experts(rows[by_expert], received.sum(0), experts, etp)[_inverse(by_expert)]  # (R, h)
+        y = all_to_all_v(y, ep, "ep", out_splits, in_splits)  # (t k, h), permuted order
+    else:
+        y = run_experts(rows, counts, experts, etp)  # (t k, h)
+    y = y[_inverse(order)].view(t, k, -1)  # (t, k, h): assignment (token, j)
+    return (y * weights.to(y.dtype).unsqueeze(-1)).sum(1)  # (t, h)
