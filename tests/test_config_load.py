@@ -18,7 +18,8 @@ def test_aliases_and_canonical_names_agree():
 def test_megatron_flags_map_to_canonical_fields():
     words = ("--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --seq-length 128 "
              "--global-batch-size 16 --micro-batch-size 2 --lr 3e-4 --bf16 --profile --profile-ranks 0 3 "
-             "--untie-embeddings-and-output-weights --use-distributed-optimizer").split()
+             "--untie-embeddings-and-output-weights --use-distributed-optimizer "
+             "--num-experts 4 --moe-router-topk 2 --moe-router-pre-softmax").split()
     loaded = load_config(None, words, world_size=8)
     c = loaded.config
     assert loaded.dialect == "megatron"
@@ -27,6 +28,7 @@ def test_megatron_flags_map_to_canonical_fields():
     assert c.training.lr == 3e-4 and c.training.precision == "bf16"
     assert c.logging.profile and c.logging.profile_ranks == [0, 3]
     assert c.model.tie_word_embeddings is False and c.training.use_distributed_optimizer
+    assert (c.model.num_experts, c.model.moe_router_topk, c.model.moe_router_pre_softmax) == (4, 2, True)
 
 
 @pytest.mark.parametrize("words, hint", [

@@ -77,6 +77,7 @@ FLAGS: dict[str, Flag] = {
     "--num-experts": _v("model.num_experts"),
     "--moe-router-topk": _v("model.moe_router_topk"),
     "--moe-router-score-function": _v("model.moe_router_score_function"),
+    "--moe-router-pre-softmax": _on("model.moe_router_pre_softmax"),
     "--moe-router-load-balancing-type": _v("model.moe_router_load_balancing_type"),
     "--moe-aux-loss-coeff": _v("model.moe_aux_loss_coeff"),
     "--moe-z-loss-coeff": _v("model.moe_z_loss_coeff"),
