@@ -117,13 +117,18 @@ class Plan:
         return self.config.training.precision
 
     @cached_property
+    def placement(self) -> tuple[int, ...]:
+        """Pipeline rank of each virtual stage (the schedule generators' placement)."""
+        return v_placement(self.pp) if self.schedule == "dualpipev" else standard_placement(self.pp, self.vpp)
+
+    @cached_property
     def rank_chunks(self) -> list[list[range]]:
         """Per pipeline rank, its model chunks, each a range of decoder-layer indices."""
         counts = virtual_stage_layers(self.config)
         if len(counts) != self.pp * self.vpp or sum(counts) != self.config.model.num_layers:
             raise UserError(f"layer split {counts} does not give {self.config.model.num_layers} layers "
                             f"over {self.pp} x {self.vpp} stages")
-        placement = v_placement(self.pp) if self.schedule == "dualpipev" else standard_placement(self.pp, self.vpp)
+        placement = self.placement
         chunks: list[list[range]] = [[] for _ in range(self.pp)]
         start = 0
         for i, n in enumerate(counts):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from fivefold.config.schema import ModelConfig
+from fivefold.planner.collectives import layer_collectives
 from fivefold.planner.layout import Plan
 from fivefold.planner.memory import RankMemory, memory_per_rank
 from fivefold.planner.presets.hardware import Hardware
@@ -48,7 +49,8 @@ def why(c: Candidate, model: ModelConfig, gpus_per_node: int) -> list[str]:
     p, e = c.plan, c.estimate
     out = []
     if p.tp > 1:
-        out.append(f"TP={p.tp}: its {8 if p.sp else 4} collectives per layer stay on the {e.links['tp']} link "
+        calls = sum(c.group == "tp" for c in layer_collectives(p, model.num_layers - 1))
+        out.append(f"TP={p.tp}: its {calls} collectives per layer stay on the {e.links['tp']} link "
                    f"({gpus_per_node} GPUs per node); heads {model.num_attention_heads}/{p.tp} = "
                    f"{model.num_attention_heads // p.tp} per rank")
     else:

@@ -1,0 +1,231 @@
+"""Every collective and p2p call one rank makes in a training step, as data: the one source that
+both the measured call bytes (`callbytes.py`) and the step time (`steptime.py`) read.
+
+Each entry is what OUR runtime issues (the measured checks compare it with the traffic counter, tag
+by tag): its kind, the traffic tag, the group (the link it crosses), its call bytes (the full tensor
+the call produces or consumes, the runtime's convention: all-reduce the tensor, all-gather the
+gathered output, reduce-scatter the unscattered input, all-to-all the input, send / recv the tensor,
+each counted on its own rank), its phase and what it can hide behind. What leaves a rank over its
+link (`wire_bytes`): ring all-reduce 2(n-1)/n x call bytes, all-gather / reduce-scatter /
+all-to-all (n-1)/n, send 1, recv 0 (it arrives over the other direction of the link).
+
+Per microbatch (b sequences, s tokens, M = b s/cp h x activation bytes: 4 fp32, 2 otherwise):
+  decoder layer, TP without SP (tag tp): the two column-parallel groups (q/k/v, gate/up) all-reduce
+    dL/dX backward, the two row-parallel linears (o, down) all-reduce Y forward: 4 M.
+  decoder layer, TP + SP (tag sp): a column-parallel group all-gathers X forward, all-gathers it
+    again backward (only the s/tp shard is saved) and reduce-scatters dL/dX: 3 M; a row-parallel
+    linear reduce-scatters Y forward and all-gathers dL/dY backward: 2 M; 10 M per layer.
+  A MoE layer has the attention half of that, the MLP half only for shared experts, and the
+    expert-parallel terms of `moe_collectives`. CP adds `cp_collectives`.
+  first stage: the vocab-parallel embedding all-reduces its output (M; SP: reduce-scatter forward,
+    all-gather backward, 2 M). Last stage: the column-parallel output layer (M; SP: 3 M) and the
+    vocab-parallel cross entropy (tag tp-loss): an fp32 max and a (sum exp, target logit) pair per
+    token, 3 x 4 b s/cp bytes, all-reduces.
+  pipeline (tag pp): each virtual stage whose next stage is on another rank sends its output and
+    receives its output's gradient; each whose previous stage is on another rank receives its input
+    and sends the input's gradient: boundary tensor (b, s/cp, h), (b, s/(cp tp), h) under SP, in the
+    pipeline's dtype (fp32 for fp32 runs; Megatron's bf16 otherwise).
+Per step:
+  tp-grad   under SP, one flat fp32 all-reduce of the norm gains' gradients (2 per layer, + the
+            final norm on the last stage): each TP rank saw only its sequence shard.
+  embedding-grad  tied embeddings with PP: the first and last stage all-reduce the embedding's fp32
+            gradient (V/tp h) over the two of them (none when one rank holds both, as DualPipeV).
+  dp-grad   every local fp32 gradient, all-reduced over DP x CP in buckets (expert gradients over
+            expert-DP); with the distributed optimizer reduce-scattered instead, and the updated
+            parameters all-gathered (tag dp-param, weight bytes: fp32 in fp32 runs, bf16 otherwise).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fivefold.planner.layout import Plan
+from fivefold.planner.memory import rank_params, state_bytes_per_param
+from fivefold.planner.params import is_moe_layer
+
+GRAD_BYTES = 4
+"""Gradients are fp32 (main grads) under every precision."""
+
+WIRE = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
+        "reduce_scatter": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n,
+        "send": lambda n: 1.0, "recv": lambda n: 0.0}
+"""Share of the call bytes a rank sends over its link, by kind, for a group of n ranks (ring algorithms)."""
+
+STEPS = {"all_reduce": lambda n: 2 * (n - 1), "all_gather": lambda n: n - 1, "reduce_scatter": lambda n: n - 1,
+         "all_to_all": lambda n: n - 1, "send": lambda n: 1, "recv": lambda n: 0}
+"""Latency-bound steps of one call (ring algorithms; a p2p transfer is one)."""
+
+
+@dataclass(frozen=True)
+class Collective:
+    kind: str
+    """all_reduce | all_gather | reduce_scatter | all_to_all | send | recv (runtime.traffic.KINDS)."""
+    tag: str
+    """The runtime's traffic tag."""
+    group: str
+    """The group, i.e. the link: tp, etp, cp, ep, pp, embedding, dp (DP x CP), edp."""
+    call_bytes: float
+    phase: str
+    """forward | backward | step."""
+    hides_behind: str | None = None
+    """None: on the critical path. 'attention': the CP ring, overlapped with the attention core;
+    'backward' / 'forward': DP traffic overlapped with the backward / next forward."""
+
+    def wire_bytes(self, n: int) -> float:
+        return self.call_bytes * WIRE[self.kind](n)
+
+    def steps(self, n: int) -> int:
+        return STEPS[self.kind](n)
+
+
+def act_bytes(plan: Plan) -> int:
+    """Bytes of one activation value: 4 in fp32, 2 under 16-bit (and fp8: its GEMMs keep bf16 tensors)."""
+    return 4 if plan.precision == "fp32" else 2
+
+
+def group_sizes(plan: Plan) -> dict[str, int]:
+    return {"tp": plan.tp, "etp": plan.etp, "cp": plan.cp, "ep": plan.ep, "pp": plan.pp, "embedding": 2,
+            "dp": plan.dp * plan.cp, "edp": plan.edp}
+
+
+def _tokens(plan: Plan) -> float:
+    return plan.mbs * plan.seq / plan.cp
+
+
+def _tp_half(plan: Plan, M: float, tag: str | None = None) -> list[Collective]:
+    """One column-parallel group followed by one row-parallel linear (attention or MLP half)."""
+    if plan.tp == 1:
+        return []
+    if not plan.sp:
+        t = tag or "tp"
+        return [Collective("all_reduce", t, "tp", M, "backward"), Collective("all_reduce", t, "tp", M, "forward")]
+    t = tag or "sp"
+    return [Collective("all_gather", t, "tp", M, "forward"), Collective("all_gather", t, "tp", M, "backward"),
+            Collective("reduce_scatter", t, "tp", M, "backward"),
+            Collective("reduce_scatter", t, "tp", M, "forward"), Collective("all_gather", t, "tp", M, "backward")]
+
+
+def layer_collectives(plan: Plan, index: int) -> list[Collective]:
+    """Decoder layer `index`'s calls for one microbatch on one rank."""
+    m = plan.config.model
+    M = _tokens(plan) * m.hidden_size * act_bytes(plan)
+    out = _tp_half(plan, M)  # attention
+    moe = is_moe_layer(m, index)
+    if not moe or m.moe_shared_expert_intermediate_size:
+        out += _tp_half(plan, M)  # dense MLP, or the shared experts of a MoE layer
+    if moe:
+        out += moe_collectives(plan)
+    if plan.cp > 1:
+        out += cp_collectives(plan)
+    return out
+
+
+def moe_collectives(plan: Plan) -> list[Collective]:
+    """Routed experts (Megatron's all-to-all dispatcher, dropless, balanced routing): each rank routes
+    its k b s/(cp tp) token copies; dispatch and combine are all-to-alls over EP forward and again
+    backward; with ETP the dispatched tokens are all-gathered and the expert outputs reduce-scattered
+    over ETP (and their duals backward)."""
+    m = plan.config.model
+    copy_bytes = m.moe_router_topk * _tokens(plan) / plan.tp * m.hidden_size * act_bytes(plan)
+    out = []
+    if plan.ep > 1:
+        out += [Collective("all_to_all", "ep", "ep", copy_bytes, phase) for phase in ("forward",) * 2 + ("backward",) * 2]
+    if plan.etp > 1:
+        g = copy_bytes * plan.etp
+        out += [Collective("all_gather", "etp", "etp", g, "forward"), Collective("reduce_scatter", "etp", "etp", g, "forward"),
+                Collective("all_gather", "etp", "etp", g, "backward"), Collective("reduce_scatter", "etp", "etp", g, "backward")]
+    return out
+
+
+def kv_elems(m) -> int:
+    """K and V elements per token that CP exchanges (all heads; MLA: the up-projected K and V)."""
+    if m.multi_latent_attention:
+        return m.num_attention_heads * (m.qk_head_dim + m.qk_pos_emb_head_dim + m.v_head_dim)
+    return 2 * m.kv_heads * m.head_dim
+
+
+def qo_elems(m) -> tuple[int, int]:
+    a = m.num_attention_heads
+    if m.multi_latent_attention:
+        return a * (m.qk_head_dim + m.qk_pos_emb_head_dim), a * m.v_head_dim
+    return a * m.head_dim, a * m.head_dim
+
+
+def cp_collectives(plan: Plan) -> list[Collective]:
+    """Context parallelism per layer: p2p ring (cp - 1 K/V blocks passed forward; K/V and dK/dV
+    passed backward; overlapped with the attention core) or all-to-all (Q, K, V, O re-sharded from
+    sequence to heads and back, forward and backward; not overlapped)."""
+    m, cp = plan.config.model, plan.cp
+    B, tokens = act_bytes(plan), _tokens(plan)
+    kv = tokens * kv_elems(m) * B / plan.tp
+    if plan.config.parallel.cp_comm_type == "a2a":
+        q, o = qo_elems(m)
+        qkvo = tokens * (q + kv_elems(m) + o) * B / plan.tp
+        return [Collective("all_to_all", "cp", "cp", qkvo, "forward"), Collective("all_to_all", "cp", "cp", qkvo, "backward")]
+    out = []
+    for phase, blocks in (("forward", 1), ("backward", 2)):
+        for kind in ("send", "recv"):
+            out.append(Collective(kind, "cp", "cp", (cp - 1) * blocks * kv, phase, "attention"))
+    return out
+
+
+def stage_collectives(plan: Plan, pp_rank: int) -> list[Collective]:
+    """Per microbatch, outside the decoder layers: embedding, output layer and loss, pipeline p2p."""
+    m = plan.config.model
+    M = _tokens(plan) * m.hidden_size * act_bytes(plan)
+    first, last = pp_rank == 0, pp_rank == plan.pp - 1
+    out = []
+    if plan.tp > 1:
+        if first:
+            out += ([Collective("reduce_scatter", "sp", "tp", M, "forward"), Collective("all_gather", "sp", "tp", M, "backward")]
+                    if plan.sp else [Collective("all_reduce", "tp", "tp", M, "forward")])
+        if last:
+            out += _tp_half(plan, M)[:3 if plan.sp else 1]  # the output layer: a column-parallel group
+            out += [Collective("all_reduce", "tp-loss", "tp", 4 * _tokens(plan), "forward"),
+                    Collective("all_reduce", "tp-loss", "tp", 2 * 4 * _tokens(plan), "forward")]
+    boundary = M / (plan.tp if plan.sp else 1)  # (b, s/cp, h), (b, s/(cp tp), h) under SP
+    placement = plan.placement
+    for s, r in enumerate(placement):
+        if r != pp_rank:
+            continue
+        if s + 1 < len(placement) and placement[s + 1] != r:
+            out += [Collective("send", "pp", "pp", boundary, "forward"), Collective("recv", "pp", "pp", boundary, "backward")]
+        if s > 0 and placement[s - 1] != r:
+            out += [Collective("recv", "pp", "pp", boundary, "forward"), Collective("send", "pp", "pp", boundary, "backward")]
+    return out
+
+
+def step_collectives(plan: Plan, pp_rank: int) -> list[Collective]:
+    """Once per step: SP norm gradients, the tied embedding's gradient, DP gradients (and parameters)."""
+    m = plan.config.model
+    out = []
+    first, last = pp_rank == 0, pp_rank == plan.pp - 1
+    if plan.sp:
+        layers = sum(n for _, _, n in plan.layer_groups(pp_rank))
+        out.append(Collective("all_reduce", "tp-grad", "tp", GRAD_BYTES * m.hidden_size * (2 * layers + last), "step"))
+    if (m.tie_word_embeddings and plan.pp > 1 and (first or last)
+            and plan.placement[0] != plan.placement[-1]):
+        emb = m.padded_vocab_size(plan.tp) * m.hidden_size / plan.tp
+        out.append(Collective("all_reduce", "embedding-grad", "embedding", GRAD_BYTES * emb, "step"))
+    dense, expert = rank_params(plan, pp_rank)
+    weight = state_bytes_per_param(plan.precision, False, 1)[0]
+    distopt = plan.config.training.use_distributed_optimizer
+    for count, group, d in ((dense, "dp", plan.dp * plan.cp), (expert, "edp", plan.edp)):
+        if not count or d == 1:
+            continue
+        if distopt:
+            out += [Collective("reduce_scatter", "dp-grad", group, GRAD_BYTES * count, "step", "backward"),
+                    Collective("all_gather", "dp-param", group, weight * count, "step", "forward")]
+        else:
+            out.append(Collective("all_reduce", "dp-grad", group, GRAD_BYTES * count, "step", "backward"))
+    return out
+
+
+def rank_collectives(plan: Plan, pp_rank: int) -> list[tuple[Collective, float]]:
+    """Every call of one rank of pipeline rank `pp_rank` in one step, with how many times it is made."""
+    n_mb = plan.microbatches
+    out: list[tuple[Collective, float]] = []
+    for i, _, n in plan.layer_groups(pp_rank):
+        out += [(c, n * n_mb) for c in layer_collectives(plan, i)]
+    out += [(c, n_mb) for c in stage_collectives(plan, pp_rank)]
+    out += [(c, 1) for c in step_collectives(plan, pp_rank)]
+    return out
