@@ -66,6 +66,16 @@ CASES = [
     Case("DP4 mbs1 h384 6L", 4, 1, 4, model={"hidden_size": 384, "num_attention_heads": 6, "num_layers": 6}),
     Case("TP2 mbs2", 2, 2, 2, parallel={"tensor_model_parallel_size": 2}),
     Case("TP2 SP mbs2", 2, 2, 2, parallel={"tensor_model_parallel_size": 2, "sequence_parallel": True}),
+    Case("PP2 1F1B mbs1 GA4", 2, 1, 4, parallel={"pipeline_model_parallel_size": 2}),
+    Case("PP4 1F1B mbs1 GA8 tied", 4, 1, 8, model={"tie_word_embeddings": True},
+         parallel={"pipeline_model_parallel_size": 4}),
+    Case("PP2 VPP2 mbs1 GA4", 2, 1, 4, parallel={"pipeline_model_parallel_size": 2,
+                                                  "virtual_pipeline_model_parallel_size": 2}),
+    Case("PP2 x DP2 mbs1 GA2", 4, 1, 4, parallel={"pipeline_model_parallel_size": 2}),
+    Case("PP2 x TP2 SP mbs1 GA4", 4, 1, 4, parallel={"pipeline_model_parallel_size": 2,
+                                                      "tensor_model_parallel_size": 2, "sequence_parallel": True}),
+    Case("PP2 ZB-H1 mbs1 GA4 tied", 2, 1, 4, model={"tie_word_embeddings": True},
+         parallel={"pipeline_model_parallel_size": 2, "pipeline_schedule": "zb-h1"}),
 ]
 
 
