@@ -26,13 +26,15 @@ Per microbatch (b sequences, s tokens, M = b s/cp h x activation bytes: 4 fp32, 
     and sends the input's gradient: boundary tensor (b, s/cp, h), (b, s/(cp tp), h) under SP, in the
     pipeline's dtype (fp32 for fp32 runs; Megatron's bf16 otherwise).
 Per step:
-  tp-grad   under SP, one flat fp32 all-reduce of the norm gains' gradients (2 per layer, + the
-            final norm on the last stage): each TP rank saw only its sequence shard.
+  tp-grad   one flat fp32 all-reduce over TP of the gradients of replicated parameters that each TP
+            rank computed from its sequence shard only: the norm gains under SP (2 per layer, + the
+            final norm on the last stage) and MoE routers (E h per MoE layer).
   embedding-grad  tied embeddings with PP: the first and last stage all-reduce the embedding's fp32
             gradient (V/tp h) over the two of them (none when one rank holds both, as DualPipeV).
-  dp-grad   every local fp32 gradient, all-reduced over DP x CP in buckets (expert gradients over
-            expert-DP); with the distributed optimizer reduce-scattered instead, and the updated
-            parameters all-gathered (tag dp-param, weight bytes: fp32 in fp32 runs, bf16 otherwise).
+  dp-grad   every local fp32 gradient, all-reduced over DP x CP in buckets (routed-expert gradients
+            over expert-DP, tag edp-grad); with the distributed optimizer reduce-scattered instead, and
+            the updated parameters all-gathered (tags dp-param / edp-param, weight bytes: fp32 in fp32
+            runs, bf16 otherwise). Buckets padded to a multiple of the group are not modelled (< 0.1%).
 """
 from __future__ import annotations
 
@@ -84,6 +86,7 @@ def act_bytes(plan: Plan) -> int:
 
 def group_sizes(plan: Plan) -> dict[str, int]:
     return {"tp": plan.tp, "etp": plan.etp, "cp": plan.cp, "ep": plan.ep, "pp": plan.pp, "embedding": 2,
+            "tp-cp": plan.tp * plan.cp,
             "dp": plan.dp * plan.cp, "edp": plan.edp}
 
 
@@ -104,8 +107,8 @@ def _tp_half(plan: Plan, M: float, tag: str | None = None) -> list[Collective]:
             Collective("reduce_scatter", t, "tp", M, "forward"), Collective("all_gather", t, "tp", M, "backward")]
 
 
-def layer_collectives(plan: Plan, index: int) -> list[Collective]:
-    """Decoder layer `index`'s calls for one microbatch on one rank."""
+def layer_collectives(plan: Plan, index: int, recomputed: bool = False) -> list[Collective]:
+    """Decoder layer `index`'s calls for one microbatch on one rank (`recomputed`: fully recomputed)."""
     m = plan.config.model
     M = _tokens(plan) * m.hidden_size * act_bytes(plan)
     out = _tp_half(plan, M)  # attention
@@ -115,56 +118,85 @@ def layer_collectives(plan: Plan, index: int) -> list[Collective]:
     if moe:
         out += moe_collectives(plan)
     if plan.cp > 1:
-        out += cp_collectives(plan)
+        out += cp_collectives(plan, recomputed or plan.recompute == "selective")
     return out
 
 
 def moe_collectives(plan: Plan) -> list[Collective]:
-    """Routed experts (Megatron's all-to-all dispatcher, dropless, balanced routing): each rank routes
-    its k b s/(cp tp) token copies; dispatch and combine are all-to-alls over EP forward and again
-    backward; with ETP the dispatched tokens are all-gathered and the expert outputs reduce-scattered
-    over ETP (and their duals backward)."""
+    """Routed experts (fivefold/parallel/experts.py: Megatron's all-to-all dispatcher, dropless),
+    per MoE layer and microbatch, with balanced routing. A rank routes n = b s/(tp cp) tokens (with TP
+    the layer always works on its sequence shard; without SP it splits its replicated input and
+    all-gathers its output, and the dual of the split all-gathers backward: tag tp, M each way):
+      EP (tag ep): the per-expert counts (int64, E) exchanged by all-to-all; dispatch of the n k
+        routed rows and combine of the R rows received (balanced: R = n k), both again backward.
+      ETP (tag etp): the row counts all-gathered (int64, E/ep per rank), the R rows all-gathered and
+        the partial expert outputs reduce-scattered over ETP (etp R h each), duals backward.
+      aux loss (tag moe-aux) with TP x CP > 1: the per-expert token counts (float64, E) all-reduced
+        over TP x CP (seq_aux_loss: b x E)."""
     m = plan.config.model
-    copy_bytes = m.moe_router_topk * _tokens(plan) / plan.tp * m.hidden_size * act_bytes(plan)
+    B, E = act_bytes(plan), m.num_experts
+    n = _tokens(plan) / plan.tp
+    rows = n * m.moe_router_topk * m.hidden_size * B  # n k routed rows; balanced R = n k
     out = []
+    if plan.tp > 1 and not plan.sp:
+        M = _tokens(plan) * m.hidden_size * B
+        out += [Collective("all_gather", "tp", "tp", M, "forward"), Collective("all_gather", "tp", "tp", M, "backward")]
     if plan.ep > 1:
-        out += [Collective("all_to_all", "ep", "ep", copy_bytes, phase) for phase in ("forward",) * 2 + ("backward",) * 2]
+        out += [Collective("all_to_all", "ep", "ep", 8 * E, "forward")]
+        out += [Collective("all_to_all", "ep", "ep", rows, phase) for phase in ("forward",) * 2 + ("backward",) * 2]
     if plan.etp > 1:
-        g = copy_bytes * plan.etp
-        out += [Collective("all_gather", "etp", "etp", g, "forward"), Collective("reduce_scatter", "etp", "etp", g, "forward"),
-                Collective("all_gather", "etp", "etp", g, "backward"), Collective("reduce_scatter", "etp", "etp", g, "backward")]
+        g = plan.etp * rows
+        out += [Collective("all_gather", "etp", "etp", 8 * E / plan.ep * plan.etp, "forward"),
+                Collective("all_gather", "etp", "etp", g, "forward"), Collective("reduce_scatter", "etp", "etp", g, "forward"),
+                Collective("reduce_scatter", "etp", "etp", g, "backward"), Collective("all_gather", "etp", "etp", g, "backward")]
+    if plan.tp * plan.cp > 1 and m.moe_router_load_balancing_type in ("aux_loss", "seq_aux_loss") \
+            and (m.moe_aux_loss_coeff or m.moe_z_loss_coeff):
+        per = plan.mbs * E if m.moe_router_load_balancing_type == "seq_aux_loss" else E
+        out.append(Collective("all_reduce", "moe-aux", "tp-cp", 8 * per, "forward"))
     return out
 
 
-def kv_elems(m) -> int:
-    """K and V elements per token that CP exchanges (all heads; MLA: the up-projected K and V)."""
-    if m.multi_latent_attention:
-        return m.num_attention_heads * (m.qk_head_dim + m.qk_pos_emb_head_dim + m.v_head_dim)
-    return 2 * m.kv_heads * m.head_dim
+def cp_split(plan: Plan) -> tuple[int, int]:
+    """(A, P): the all-to-all and ring sizes of context parallelism (A x P = CP)."""
+    p, cp = plan.config.parallel, plan.cp
+    if p.cp_comm_type == "a2a":
+        return cp, 1
+    if p.cp_comm_type == "a2a+p2p":
+        a, r = p.hierarchical_context_parallel_sizes
+        return a, r
+    return 1, cp
 
 
-def qo_elems(m) -> tuple[int, int]:
-    a = m.num_attention_heads
-    if m.multi_latent_attention:
-        return a * (m.qk_head_dim + m.qk_pos_emb_head_dim), a * m.v_head_dim
-    return a * m.head_dim, a * m.head_dim
-
-
-def cp_collectives(plan: Plan) -> list[Collective]:
-    """Context parallelism per layer: p2p ring (cp - 1 K/V blocks passed forward; K/V and dK/dV
-    passed backward; overlapped with the attention core) or all-to-all (Q, K, V, O re-sharded from
-    sequence to heads and back, forward and backward; not overlapped)."""
-    m, cp = plan.config.model, plan.cp
-    B, tokens = act_bytes(plan), _tokens(plan)
-    kv = tokens * kv_elems(m) * B / plan.tp
-    if plan.config.parallel.cp_comm_type == "a2a":
-        q, o = qo_elems(m)
-        qkvo = tokens * (q + kv_elems(m) + o) * B / plan.tp
-        return [Collective("all_to_all", "cp", "cp", qkvo, "forward"), Collective("all_to_all", "cp", "cp", qkvo, "backward")]
+def cp_collectives(plan: Plan, forward_again: bool = False) -> list[Collective]:
+    """Context parallelism per layer and microbatch (fivefold/parallel/{context,ring_attention}.py).
+    Per TP rank: a_l = heads/tp query heads, g_l = KV groups/tp (1 when replicated), G = the KV heads
+    exchanged (g_l, or a_l where the all-to-all must first copy KV heads to their query heads), head
+    dims d (q/k) and dv, e activation bytes, n = b s/cp tokens; CP = A (all-to-all) x P (ring).
+      all-to-all (A > 1): q, k, v in and o back, forward and again backward: n e (a_l d + G d + G dv + a_l dv).
+      ring (P > 1): (P-1) K/V blocks sent and received forward, n G (d + dv) e each; backward the K/V
+        again plus the fp32 dK/dV partials: n G (d + dv) (e + 4) per hop; overlapped with the attention core.
+    With recompute of the attention core (selective) or of the layer (full), the forward's calls run
+    again in backward."""
+    m = plan.config.model
+    e, tp, n = act_bytes(plan), plan.tp, _tokens(plan)
+    A, P = cp_split(plan)
+    a_l = m.num_attention_heads // tp
+    g_l = max(1, m.kv_heads // tp)
+    G = g_l if g_l % A == 0 else a_l
+    d, dv = (m.qk_head_dim + m.qk_pos_emb_head_dim, m.v_head_dim) if m.multi_latent_attention else (m.head_dim, m.head_dim)
     out = []
-    for phase, blocks in (("forward", 1), ("backward", 2)):
+    if A > 1:
+        qkvo = n * e * (a_l * d + G * d + G * dv + a_l * dv)
+        out += [Collective("all_to_all", "cp", "cp", qkvo, "forward"), Collective("all_to_all", "cp", "cp", qkvo, "backward")]
+        if forward_again:
+            out.append(Collective("all_to_all", "cp", "cp", qkvo, "backward"))
+    if P > 1:
+        kv = (P - 1) * n * G * (d + dv)
         for kind in ("send", "recv"):
-            out.append(Collective(kind, "cp", "cp", (cp - 1) * blocks * kv, phase, "attention"))
+            out.append(Collective(kind, "cp", "cp", kv * e, "forward", "attention"))
+            out.append(Collective(kind, "cp", "cp", kv * (e + 4), "backward", "attention"))
+            if forward_again:
+                out.append(Collective(kind, "cp", "cp", kv * e, "backward", "attention"))
     return out
 
 
@@ -199,9 +231,12 @@ def step_collectives(plan: Plan, pp_rank: int) -> list[Collective]:
     m = plan.config.model
     out = []
     first, last = pp_rank == 0, pp_rank == plan.pp - 1
-    if plan.sp:
-        layers = sum(n for _, _, n in plan.layer_groups(pp_rank))
-        out.append(Collective("all_reduce", "tp-grad", "tp", GRAD_BYTES * m.hidden_size * (2 * layers + last), "step"))
+    if plan.tp > 1:  # sequence-sharded replicated parameters: SP norms, MoE routers
+        groups = plan.layer_groups(pp_rank)
+        norms = m.hidden_size * (2 * sum(n for _, _, n in groups) + last) if plan.sp else 0
+        routers = (m.num_experts or 0) * m.hidden_size * sum(n for i, _, n in groups if is_moe_layer(m, i))
+        if norms + routers:
+            out.append(Collective("all_reduce", "tp-grad", "tp", GRAD_BYTES * (norms + routers), "step"))
     if (m.tie_word_embeddings and plan.pp > 1 and (first or last)
             and plan.placement[0] != plan.placement[-1]):
         emb = m.padded_vocab_size(plan.tp) * m.hidden_size / plan.tp
@@ -213,10 +248,10 @@ def step_collectives(plan: Plan, pp_rank: int) -> list[Collective]:
         if not count or d == 1:
             continue
         if distopt:
-            out += [Collective("reduce_scatter", "dp-grad", group, GRAD_BYTES * count, "step", "backward"),
-                    Collective("all_gather", "dp-param", group, weight * count, "step", "forward")]
+            out += [Collective("reduce_scatter", f"{group}-grad", group, GRAD_BYTES * count, "step", "backward"),
+                    Collective("all_gather", f"{group}-param", group, weight * count, "step", "forward")]
         else:
-            out.append(Collective("all_reduce", "dp-grad", group, GRAD_BYTES * count, "step", "backward"))
+            out.append(Collective("all_reduce", f"{group}-grad", group, GRAD_BYTES * count, "step", "backward"))
     return out
 
 
@@ -224,8 +259,8 @@ def rank_collectives(plan: Plan, pp_rank: int) -> list[tuple[Collective, float]]
     """Every call of one rank of pipeline rank `pp_rank` in one step, with how many times it is made."""
     n_mb = plan.microbatches
     out: list[tuple[Collective, float]] = []
-    for i, _, n in plan.layer_groups(pp_rank):
-        out += [(c, n * n_mb) for c in layer_collectives(plan, i)]
+    for i, recomputed, n in plan.layer_groups(pp_rank):
+        out += [(c, n * n_mb) for c in layer_collectives(plan, i, recomputed)]
     out += [(c, n_mb) for c in stage_collectives(plan, pp_rank)]
     out += [(c, 1) for c in step_collectives(plan, pp_rank)]
     return out

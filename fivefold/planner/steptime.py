@@ -86,6 +86,7 @@ class _Links:
                       "ep": _spans_nodes(e.group, "ep", w, gpn), "etp": _spans_nodes(e.group, "etp", w, gpn),
                       "edp": _spans_nodes(e.group, "edp", w, gpn)}
         self.cross["embedding"] = self.cross["pp"]  # the first and last pipeline ranks
+        self.cross["tp-cp"] = _spans_nodes(d.group, "tp-cp", w, gpn)
         self.hw, self.ta = hw, ta
 
     def name(self, g: str) -> str:
@@ -97,7 +98,7 @@ class _Links:
         return bytes_sent / (bw * self.ta.comm_efficiency) + steps * lat
 
 
-PART = {"tp": "tp", "etp": "tp", "cp": "cp", "ep": "ep", "pp": "pp", "embedding": "pp", "dp": "dp", "edp": "dp"}
+PART = {"tp": "tp", "etp": "tp", "tp-cp": "tp", "cp": "cp", "ep": "ep", "pp": "pp", "embedding": "pp", "dp": "dp", "edp": "dp"}
 """Which part of the step time (and of `comm_bytes`) a group's traffic is reported under."""
 
 
@@ -193,5 +194,5 @@ def _layer_cost(plan: Plan, links: _Links, sizes: dict[str, int], i: int, recomp
     extra = fwd if recomputed else (core if plan.recompute == "selective" else 0.0)
     parts["compute"] = (3 * fwd + extra) / (tp * cp) / flops_rate
     hidden = 3 * core / (tp * cp) / flops_rate  # the attention core, forward + backward
-    _add_calls(layer_collectives(plan, i), links, sizes, parts, sent, hidden)
+    _add_calls(layer_collectives(plan, i, recomputed), links, sizes, parts, sent, hidden)
     return parts, sent
