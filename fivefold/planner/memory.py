@@ -25,7 +25,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from fivefold.planner.activations import EAGER_TRAITS, ArchTraits, Sharding, full_recompute_transient, layer_activation_bytes
+from fivefold.planner.activations import (EAGER_TRAITS, ArchTraits, Sharding, backward_transient, full_recompute_transient,
+                                          layer_activation_bytes, weight_grad_join_bytes)
 from fivefold.planner.layout import Plan
 from fivefold.planner.params import embedding_params, is_moe_layer, layer_params
 from fivefold.planner.pipeline import pipeline_profile
@@ -134,7 +135,7 @@ def memory_per_rank(plan: Plan, assume: MemoryAssumptions = MemoryAssumptions())
         shape = (tuple((is_moe_layer(m, i), rec, n) for i, rec, n in groups), r == 0, r == plan.pp - 1)
         if shape not in shapes:
             shapes[shape] = _rank_shape(plan, r, groups, kinds, sh, assume)
-        (dense, expert), detail, per_mb, transient = shapes[shape]
+        (dense, expert), detail, per_mb, transient, joins, bwd = shapes[shape]
         wd, gd, od = state_bytes_per_param(prec, distopt, plan.dp * plan.cp)
         we, ge, oe = state_bytes_per_param(prec, distopt, plan.edp)
         rm.params = dense + expert
@@ -147,6 +148,14 @@ def memory_per_rank(plan: Plan, assume: MemoryAssumptions = MemoryAssumptions())
             rm.logits = tokens * m.padded_vocab_size(plan.tp) / plan.tp * traits.loss_bytes()
             # the final norm's saved tensors (its input, the output layer's input; + x/rms(x) unfused)
             rm.logits += traits.norm_tensors * tokens * m.hidden_size * B / (plan.tp if plan.sp else 1)
+        # the peak is at a forward (the last rank's logits) or in a layer's backward, each with the
+        # zero-bubble schedules' B-done-W-pending gradients (+ on the last rank the logits' gradient,
+        # the output layer's join, and the loss's saved fp32 log-softmax, kept with the graph until W)
+        if r == plan.pp - 1:
+            joins += tokens * m.padded_vocab_size(plan.tp) / plan.tp * (B + 4)
+        at_forward = prof.pending_weight_microbatches(r, at_forward=True) * joins + rm.logits
+        in_backward = prof.pending_weight_microbatches(r) * joins + bwd
+        rm.activations += max(at_forward, in_backward) - rm.logits
         sp_div = plan.tp if plan.sp else 1
         buffers = tokens * m.hidden_size * B * (4 / sp_div if plan.pp > 1 else 0)  # PP send/recv, fwd + bwd
         if plan.tp > 1:
@@ -167,7 +176,7 @@ def _rank_shape(plan: Plan, r: int, groups, kinds: dict, sh: Sharding, assume: M
     """(params (dense, expert), activation bytes by tensor, per-microbatch total, recompute transient)."""
     m, b, s = plan.config.model, plan.mbs, plan.seq
     detail: dict[str, float] = {}
-    per_mb, transient = 0.0, 0.0
+    per_mb, transient, joins, bwd = 0.0, 0.0, 0.0, 0.0
     for i, recomputed, n in groups:
         key = (is_moe_layer(m, i), recomputed)
         if key not in kinds:
@@ -180,7 +189,9 @@ def _rank_shape(plan: Plan, r: int, groups, kinds: dict, sh: Sharding, assume: M
             detail[k] = detail.get(k, 0.0) + v * n
             per_mb += v * n
         transient = max(transient, peak)
-    return rank_params(plan, r), detail, per_mb, transient
+        joins += weight_grad_join_bytes(m, i, b, s, sh, assume.traits) * n
+        bwd = max(bwd, backward_transient(m, i, b, s, sh, assume.traits))
+    return rank_params(plan, r), detail, per_mb, transient, joins, bwd
 
 
 def peak_memory(plan: Plan, assume: MemoryAssumptions = MemoryAssumptions()) -> RankMemory:
