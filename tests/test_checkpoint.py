@@ -92,3 +92,48 @@ def test_load_into_another_sharding(tmp_path):
         assert io._assemble(folder, meta["params"]["0.weight"], "0.weight", half.weight.data,
                             shard_of("0.weight", half.weight))
     assert torch.equal(half.weight, model[0].weight[4:])
+
+
+@pytest.mark.parametrize("saved_pad,loaded_pad", [(512, 128), (128, 512)])
+def test_vocabulary_padded_otherwise_loads(tmp_path, saved_pad, loaded_pad):
+    """Megatron pads the vocabulary to make_vocab_size_divisible_by x TP, so a TP4 checkpoint holds
+    512 embedding rows where a TP1 run of the same 256-token model has 256. The real rows (weights and
+    AdamW moments) move across; padding rows are zero on both sides. Padding 512 vs 128 in one process
+    stands for TP4 vs TP1."""
+    from fivefold.config.schema import ModelConfig
+    from fivefold.model import Decoder
+
+    def model(pad, seed):
+        cfg = ModelConfig(num_layers=1, hidden_size=32, num_attention_heads=2, vocab_size=256,
+                          make_vocab_size_divisible_by=pad)
+        m = Decoder(cfg, seed=seed)
+        opt = torch.optim.AdamW(m.parameters(), lr=0.1, foreach=False)
+        ids = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(seed))
+        m.loss(ids, ids)[0].backward()
+        opt.step()
+        return m, opt
+
+    saved, saved_opt = model(saved_pad, seed=0)
+    _save(tmp_path, 1, saved, saved_opt)
+    loaded, loaded_opt = model(loaded_pad, seed=1)
+    assert loaded.embedding.weight.shape[0] != saved.embedding.weight.shape[0]
+    io.load_checkpoint(tmp_path, model=loaded, optimizer=loaded_opt, rank=0, world_size=1)
+    for (name, a), (_, b) in zip(saved.named_parameters(), loaded.named_parameters()):
+        rows = min(a.shape[0], b.shape[0])
+        assert torch.equal(a[:rows], b[:rows]), name
+        assert not b[rows:].any(), name  # padding beyond the checkpoint's rows: zero
+        for m in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(saved_opt.state[a][m][:rows], loaded_opt.state[b][m][:rows]), (name, m)
+    ids = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(5))
+    assert torch.equal(saved.loss(ids, ids)[0], loaded.loss(ids, ids)[0])
+
+
+def test_other_vocabulary_is_still_another_model(tmp_path):
+    from fivefold.config.schema import ModelConfig
+    from fivefold.model import Decoder
+    small = Decoder(ModelConfig(num_layers=1, hidden_size=32, num_attention_heads=2, vocab_size=200))
+    _save(tmp_path, 1, small, torch.optim.AdamW(small.parameters()))
+    big = Decoder(ModelConfig(num_layers=1, hidden_size=32, num_attention_heads=2, vocab_size=300,
+                              make_vocab_size_divisible_by=256))  # 256 saved rows, 512 here
+    with pytest.raises(UserError, match="another model"):  # real rows 256..299 are not in the checkpoint
+        io.load_checkpoint(tmp_path, model=big, optimizer=None, rank=0, world_size=1)

@@ -17,7 +17,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from fivefold.checkpoint.layout import FORMAT, ShardSpec, complete_checkpoints, overlap, resolve, step_dir, whole
+from fivefold.checkpoint.layout import (FORMAT, ShardSpec, complete_checkpoints, inside, overlap, resolve, step_dir,
+                                        whole)
 from fivefold.checkpoint.optim_state import OptimShard, ShardOf, load_optim, merge_listings, save_optim, whole_shards
 from fivefold.errors import UserError
 
@@ -108,15 +109,24 @@ def read_metadata(path: str | Path) -> tuple[Path, dict]:
     return found, json.loads((found / "metadata.json").read_text())
 
 
+def _fits(saved: list[int], mine: list[int], p: torch.Tensor) -> bool:
+    """Equal global shapes, or the same vocabulary padded to another multiple (Megatron pads to
+    make_vocab_size_divisible_by x TP, so TP4 and TP2 differ): rows at or past the parameter's
+    `vocab_rows` are padding, zero on both sides."""
+    real = getattr(p, "vocab_rows", None)
+    return saved == mine or (real is not None and saved[1:] == mine[1:] and min(saved[0], mine[0]) >= real)
+
+
 def check_fits(meta: dict, model: nn.Module, shard_of: ShardOf, where: Path) -> None:
-    """UserError listing every parameter whose global shape differs, or that is missing on either side."""
+    """UserError listing every parameter whose global shape differs (beyond vocabulary padding), or
+    that is missing on either side."""
     saved = meta["params"]
     problems = []
     for name, p in model.named_parameters():
         g = list(shard_of(name, p).global_shape)
         if name not in saved:
             problems.append(f"{name} is not in the checkpoint")
-        elif saved[name]["global_shape"] != g:
+        elif not _fits(saved[name]["global_shape"], g, p):
             problems.append(f"{name} has shape {saved[name]['global_shape']} in the checkpoint, {g} in this model")
     mine = {n for n, _ in model.named_parameters()}
     problems += [f"{n} is in the checkpoint but not in this model" for n in saved if n not in mine]
@@ -127,7 +137,11 @@ def check_fits(meta: dict, model: nn.Module, shard_of: ShardOf, where: Path) -> 
 
 
 def _assemble(folder: Path, entry: dict, key: str, out: torch.Tensor, spec: ShardSpec) -> bool:
-    """Fill `out` (this rank's shard at spec.offsets) from the saved shards that overlap it."""
+    """Fill `out` (this rank's shard at spec.offsets) from the saved shards that overlap it; the rows
+    past the saved global shape (vocabulary padding the checkpoint did not have) are zeroed."""
+    needed = out[inside(spec.offsets, out.shape, entry["global_shape"])].numel()
+    if needed < out.numel():
+        out.zero_()
     filled = 0
     for s in entry["shards"]:
         where = overlap(spec.offsets, out.shape, s["offsets"], s["shape"])
@@ -140,7 +154,7 @@ def _assemble(folder: Path, entry: dict, key: str, out: torch.Tensor, spec: Shar
         dst = out[where[1]]
         dst.copy_(src)
         filled += dst.numel()
-    return filled == out.numel()
+    return filled == needed
 
 
 def load_checkpoint(path: str | Path, *, model: nn.Module, optimizer: torch.optim.Optimizer | None, rank: int,

@@ -42,6 +42,12 @@ def overlap(offsets, shape, saved_offsets, saved_shape) -> tuple[tuple[slice, ..
             tuple(slice(l - o, h - o) for l, h, o in zip(lo, hi, offsets)))
 
 
+def inside(offsets, shape, global_shape) -> tuple[slice, ...]:
+    """The part of a target shard (at `offsets`, `shape`) that lies inside a global tensor of
+    `global_shape` (a checkpoint's, whose vocabulary rows may be padded less than the target's)."""
+    return tuple(slice(0, max(0, min(n, g - o))) for o, n, g in zip(offsets, shape, global_shape))
+
+
 def step_dir(root: Path, step: int) -> Path:
     return root / f"step_{step:08d}"
 

@@ -26,7 +26,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from fivefold.checkpoint.layout import ShardSpec, overlap
+from fivefold.checkpoint.layout import ShardSpec, inside, overlap
 from fivefold.errors import UserError
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -92,7 +92,8 @@ def _assemble_range(folder: Path, entry: dict, key: str, spec: ShardSpec, shape:
                     flat: tuple[int, int]) -> torch.Tensor | None:
     """[lo, hi) of the flattened target shard (at spec.offsets, `shape`) of moment `key`, or None
     when the saved ranges do not cover it. Each saved range is placed in its own shard's box; the
-    part of that box inside the target box is copied where the saved range has values."""
+    part of that box inside the target box is copied where the saved range has values. Target
+    elements past the saved global shape (vocabulary padding) are padding: zero, not required."""
     out = torch.zeros(shape)
     have = torch.zeros(shape, dtype=torch.bool)
     for s in _saved_ranges(entry):
@@ -109,7 +110,9 @@ def _assemble_range(folder: Path, entry: dict, key: str, spec: ShardSpec, shape:
         src, dst = where
         out[dst] = torch.where(mask[src], box[src], out[dst])
         have[dst] |= mask[src]
-    if not bool(have.view(-1)[flat[0]: flat[1]].all()):
+    required = torch.zeros(shape, dtype=torch.bool)
+    required[inside(spec.offsets, shape, entry["global_shape"])] = True
+    if not bool(have.view(-1)[flat[0]: flat[1]][required.view(-1)[flat[0]: flat[1]]].all()):
         return None
     return out.view(-1)[flat[0]: flat[1]].clone()
 

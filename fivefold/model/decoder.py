@@ -84,6 +84,9 @@ class Decoder(nn.Module):
             else:
                 aliases["head.weight"] = "embedding.weight"
         init_parameters_(self, seed=seed, std=cfg.init_method_std, vocab_size=cfg.vocab_size, aliases=aliases)
+        for m in (self.embedding, self.head):
+            if m is not None:
+                m.weight.vocab_rows = cfg.vocab_size  # rows past it are padding: checkpoints may pad otherwise
         self.recompute = Recompute()
 
     def set_recompute(self, recompute: Recompute) -> None:
