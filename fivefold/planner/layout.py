@@ -15,19 +15,27 @@ from fivefold.pipeline.ir import standard_placement, v_placement
 from fivefold.config.rules import sizes_of, stage_layers
 
 
+def split_key(config: Config) -> tuple:
+    """What the layer split depends on."""
+    p, n = config.parallel, config.model.num_layers
+    return (n, p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size, p.pipeline_schedule,
+            tuple(p.pipeline_layers_per_stage or ()), p.decoder_first_pipeline_num_layers,
+            p.decoder_last_pipeline_num_layers, p.account_for_embedding_in_pipeline_split,
+            p.account_for_loss_in_pipeline_split)
+
+
 def virtual_stage_layers(config: Config) -> list[int]:
     """Decoder layers per virtual stage, in virtual-stage order (length pp * vpp); ValueError if none."""
-    p, n = config.parallel, config.model.num_layers
-    key = (n, p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size, p.pipeline_schedule,
-           tuple(p.pipeline_layers_per_stage or ()), p.decoder_first_pipeline_num_layers,
-           p.decoder_last_pipeline_num_layers, p.account_for_embedding_in_pipeline_split,
-           p.account_for_loss_in_pipeline_split)
+    key = split_key(config)
     if key not in _SPLITS:
         _SPLITS[key] = list(stage_layers(sizes_of(config)))
     return _SPLITS[key]
 
 
 _SPLITS: dict[tuple, list[int]] = {}
+_GROUPS: dict[tuple, tuple] = {}
+"""Plan.layer_key -> (the model, {rank: layer groups}): the search evaluates one split under many
+micro-batch / optimizer variants, so the grouping is computed once per split, not once per Plan."""
 
 
 @dataclass(frozen=True)
@@ -136,6 +144,18 @@ class Plan:
             start += n
         return chunks
 
+    @cached_property
+    def layer_key(self) -> tuple:
+        """What `layer_groups` depends on (the model by identity)."""
+        return id(self.config.model), split_key(self.config), self.schedule, self._recomputed_count()
+
+    @cached_property
+    def _groups(self) -> dict:
+        entry = _GROUPS.get(self.layer_key)
+        if entry is None or entry[0] is not self.config.model:
+            entry = _GROUPS[self.layer_key] = (self.config.model, {})
+        return entry[1]
+
     def layer_groups(self, rank: int) -> list[tuple[int, bool, int]]:
         """`rank`'s layers grouped by what their cost depends on: (a representative layer index,
         fully recomputed?, how many such layers). Dense and MoE layers differ; so do recomputed ones."""
@@ -168,7 +188,3 @@ class Plan:
         if t.recompute_method == "block":
             return (t.recompute_num_layers or 0) * self.vpp
         return self.config.model.num_layers
-
-    @cached_property
-    def _groups(self) -> dict:
-        return {}

@@ -86,8 +86,20 @@ def state_bytes_per_param(precision: str, distributed: bool, d: int) -> tuple[fl
     return 2.0, 4.0, 12.0 / d if distributed else 12.0
 
 
+_PARAMS: dict[tuple, tuple[float, float]] = {}
+"""rank_params by (Plan.layer_key, rank, tp, etp, ep): the model is kept alive by layout._GROUPS."""
+
+
 def rank_params(plan: Plan, rank: int) -> tuple[float, float]:
     """(dense, expert) parameters held by one rank of pipeline rank `rank` (padded vocabulary)."""
+    key = (plan.layer_key, rank, plan.tp, plan.etp, plan.ep)
+    got = _PARAMS.get(key)
+    if got is None:
+        got = _PARAMS[key] = _rank_params(plan, rank)
+    return got
+
+
+def _rank_params(plan: Plan, rank: int) -> tuple[float, float]:
     m = plan.config.model
     dense = expert = 0.0
     for i, _, n in plan.layer_groups(rank):
