@@ -48,66 +48,66 @@ class Plan:
     def p(self):
         return self.config.parallel
 
-    @property
+    @cached_property
     def tp(self) -> int:
         return self.p.tensor_model_parallel_size
 
-    @property
+    @cached_property
     def sp(self) -> bool:
         return self.p.sequence_parallel and self.tp > 1
 
-    @property
+    @cached_property
     def cp(self) -> int:
         return self.p.context_parallel_size
 
-    @property
+    @cached_property
     def pp(self) -> int:
         return self.p.pipeline_model_parallel_size
 
-    @property
+    @cached_property
     def vpp(self) -> int:
         """Model chunks per pipeline rank: VPP for interleaving, 2 for DualPipeV's V, else 1."""
         if self.schedule == "dualpipev":
             return 2
         return self.p.virtual_pipeline_model_parallel_size or 1
 
-    @property
+    @cached_property
     def ep(self) -> int:
         return self.p.expert_model_parallel_size if self.config.model.is_moe else 1
 
-    @property
+    @cached_property
     def etp(self) -> int:
         if not self.config.model.is_moe:
             return 1
         e = self.p.expert_tensor_parallel_size
         return self.tp if e is None else e
 
-    @property
+    @cached_property
     def world(self) -> int:
         return self.config.cluster.resolved_world_size
 
-    @property
+    @cached_property
     def dp(self) -> int:
         return self.world // (self.tp * self.cp * self.pp)
 
-    @property
+    @cached_property
     def edp(self) -> int:
         return (self.tp * self.cp * self.dp) // (self.etp * self.ep)
 
-    @property
+    @cached_property
     def mbs(self) -> int:
         return self.config.training.micro_batch_size
 
-    @property
+    @cached_property
     def seq(self) -> int:
         return self.config.training.seq_length
 
-    @property
+    @cached_property
     def microbatches(self) -> int:
         t = self.config.training
         return t.global_batch_size // (t.micro_batch_size * self.dp)
 
-    @property
+    @cached_property
     def schedule(self) -> str:
         if self.pp == 1:
             return "1f1b"
@@ -115,12 +115,12 @@ class Plan:
             return "interleaved"
         return self.p.pipeline_schedule
 
-    @property
+    @cached_property
     def recompute(self) -> str | None:
         t = self.config.training
         return t.recompute_granularity
 
-    @property
+    @cached_property
     def precision(self) -> str:
         return self.config.training.precision
 

@@ -76,18 +76,26 @@ def _spans_nodes(groups_of, dims: str, world: int, gpn: int) -> bool:
     return False
 
 
+_CROSS: dict[tuple, dict[str, bool]] = {}
+"""Layout sizes, order and GPUs per node -> which groups cross nodes (the search asks once per layout)."""
+
+
 class _Links:
     def __init__(self, plan: Plan, hw: Hardware, gpn: int, ta: TimeAssumptions):
+        key = (plan.tp, plan.cp, plan.pp, plan.dp, plan.ep, plan.etp, plan.config.parallel.order, gpn)
+        self.hw, self.ta = hw, ta
+        if key in _CROSS:
+            self.cross = _CROSS[key]
+            return
         lay = Layout(tp=plan.tp, cp=plan.cp, pp=plan.pp, dp=plan.dp, ep=plan.ep, etp=plan.etp,
                      order=plan.config.parallel.order)
         d, e, w = lay.dense, lay.expert, plan.world
-        self.cross = {"tp": _spans_nodes(d.group, "tp", w, gpn), "cp": _spans_nodes(d.group, "cp", w, gpn),
+        self.cross = _CROSS[key] = {"tp": _spans_nodes(d.group, "tp", w, gpn), "cp": _spans_nodes(d.group, "cp", w, gpn),
                       "pp": _spans_nodes(d.group, "pp", w, gpn), "dp": _spans_nodes(d.group, "cp-dp", w, gpn),
                       "ep": _spans_nodes(e.group, "ep", w, gpn), "etp": _spans_nodes(e.group, "etp", w, gpn),
                       "edp": _spans_nodes(e.group, "edp", w, gpn)}
         self.cross["embedding"] = self.cross["pp"]  # the first and last pipeline ranks
         self.cross["tp-cp"] = _spans_nodes(d.group, "tp-cp", w, gpn)
-        self.hw, self.ta = hw, ta
 
     def name(self, g: str) -> str:
         return "network" if self.cross[g] else "intra-node"
@@ -111,7 +119,15 @@ def step_time(plan: Plan, hw: Hardware, ta: TimeAssumptions = TimeAssumptions())
     n_mb = plan.microbatches
     rank_times, rank_parts, rank_bytes = [], [], []
     kinds: dict[tuple[bool, bool], tuple[dict, dict]] = {}  # (MoE?, recomputed?) -> one layer's cost
+    shapes: dict[tuple, tuple[dict, dict]] = {}  # ranks with the same layers and ends cost the same
     for r in range(plan.pp):
+        shape = (tuple(plan.layer_groups(r)), r == 0, r == plan.pp - 1)
+        if shape in shapes:
+            parts, sent = shapes[shape]
+            rank_times.append(sum(parts.values()))
+            rank_parts.append(parts)
+            rank_bytes.append(sent)
+            continue
         parts = dict.fromkeys(("compute", "tp", "cp", "ep", "pp"), 0.0)
         sent = dict.fromkeys(("tp", "cp", "ep", "pp"), 0.0)
         for i, recomputed, n in plan.layer_groups(r):
@@ -126,6 +142,7 @@ def step_time(plan: Plan, hw: Hardware, ta: TimeAssumptions = TimeAssumptions())
         if r == plan.pp - 1:
             parts["compute"] += 3 * output_forward_flops(m) * b * s / (tp * cp) / flops_rate
         _add_calls(stage_collectives(plan, r), links, sizes, parts, sent)
+        shapes[shape] = parts, sent
         rank_times.append(sum(parts.values()))
         rank_parts.append(parts)
         rank_bytes.append(sent)
@@ -133,7 +150,12 @@ def step_time(plan: Plan, hw: Hardware, ta: TimeAssumptions = TimeAssumptions())
     worst = max(range(plan.pp), key=lambda r: rank_times[r])
     distopt = cfg.training.use_distributed_optimizer
     step_parts, step_bytes, opt_time = {}, {}, -1.0  # of the rank whose once-per-step work is longest
+    seen = set()
     for r in range(plan.pp):
+        shape = (tuple(plan.layer_groups(r)), r == 0, r == plan.pp - 1)
+        if shape in seen:
+            continue
+        seen.add(shape)
         comp = rank_parts[r]["compute"]
         exposed: dict[str, float] = {}
         sent: dict[str, float] = {}
@@ -184,8 +206,24 @@ def _add_calls(calls: list[Collective], links: _Links, sizes: dict[str, int], pa
         parts["cp"] += max(0.0, overlapped - hidden)
 
 
+_LAYER_COSTS: dict[tuple, tuple] = {}
+"""What one layer's cost depends on -> (the model, its cost): layouts that differ only in PP, DP or
+the layer split share their layers' costs (the model is kept alive beside its id)."""
+
+
 def _layer_cost(plan: Plan, links: _Links, sizes: dict[str, int], i: int, recomputed: bool, flops_rate: float):
     """(seconds by kind, wire bytes sent by kind) of decoder layer `i` for one microbatch on one rank."""
+    m, p = plan.config.model, plan.config.parallel
+    key = (id(m), is_moe_layer(m, i), recomputed, plan.recompute, plan.mbs, plan.seq, plan.precision, plan.tp, plan.sp,
+           plan.cp, p.cp_comm_type, tuple(p.hierarchical_context_parallel_sizes or ()), plan.ep, plan.etp,
+           tuple(sorted(links.cross.items())), id(links.hw), links.ta, flops_rate)
+    got = _LAYER_COSTS.get(key)
+    if got is None or got[0] is not m or got[1] is not links.hw:
+        got = _LAYER_COSTS[key] = (m, links.hw, _layer_cost_of(plan, links, sizes, i, recomputed, flops_rate))
+    return got[2]
+
+
+def _layer_cost_of(plan: Plan, links: _Links, sizes: dict[str, int], i: int, recomputed: bool, flops_rate: float):
     m, b, s, tp, cp = plan.config.model, plan.mbs, plan.seq, plan.tp, plan.cp
     parts = dict.fromkeys(("compute", "tp", "cp", "ep"), 0.0)
     sent = dict.fromkeys(("tp", "cp", "ep"), 0.0)
