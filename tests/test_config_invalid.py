@@ -29,6 +29,7 @@ CASES = [  # (words, world size, substring of the message)
     ("micro_batch_size=3 global_batch_size=16", 8, "micro_batch_size*DP = 3*8 = 24"),
     ("pipeline_schedule=zigzag", 8, "pipeline_schedule='zigzag': must be one of gpipe"),
     ("cp_comm_type=ring", 8, "cp_comm_type='ring': must be one of p2p"),
+    ("normalization=ScaleNorm", 8, "normalization='ScaleNorm': must be one of RMSNorm, LayerNorm"),
     ("order=tp-cp-dp-pp", 8, "must order each of tp, cp, ep, dp, pp once"),
     ("recompute_granularity=partial", 8, "recompute_granularity='partial'"),
     ("pp=4 num_layers=8 decoder_first_pipeline_num_layers=3 decoder_last_pipeline_num_layers=2", 8,
@@ -79,3 +80,12 @@ def test_log_interval_must_be_positive():
     loaded = load_config("examples/demo.yaml", ["logging.log_interval=0"])
     with pytest.raises(ConfigError, match=r"logging.log_interval=0: must be a whole number >= 1.*log_interval=1"):
         validate(loaded.config, loaded.dialect)
+
+
+def test_mla_has_no_kv_head_rule():
+    """MLA's keys and values come from one latent shared by all heads: num_query_groups means nothing,
+    so the GQA rule (KV heads vs TP) is not applied; the heads-over-TP rule still is."""
+    words = "tp=4 num_attention_heads=12 num_query_groups=6".split()
+    assert "KV heads must be divisible by TP=4" in str(_problems(words, 8))
+    loaded = load_config(None, words + ["multi_latent_attention=true"], world_size=8)
+    validate(loaded.config, loaded.dialect)

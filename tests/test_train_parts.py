@@ -37,9 +37,11 @@ def test_unsupported_knobs_are_refused_together():
     cfg.parallel.pipeline_model_parallel_size = 2  # PP runs, and together with TP and SP
     check_supported(cfg)
     cfg.parallel.context_parallel_size = 2
-    cfg.model.multi_latent_attention = True
+    cfg.model.multi_latent_attention, cfg.model.normalization = True, "LayerNorm"  # MLA and LayerNorm run
+    check_supported(cfg.__class__(model=cfg.model))
+    cfg.training.precision = "fp16"
     assert len(unsupported(cfg)) == 2
-    with pytest.raises(NotImplementedYet, match=r"\(CP > 1\).*multi-latent attention.*not implemented yet"):
+    with pytest.raises(NotImplementedYet, match=r"\(CP > 1\).*other than fp32 and bf16.*not implemented yet"):
         check_supported(cfg)
 
 

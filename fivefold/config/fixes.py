@@ -12,7 +12,7 @@ import math
 from itertools import combinations, product
 
 from fivefold.config.rules import KNOB_FIELDS, Rule, adjust, errors, sizes_of
-from fivefold.config.schema import Config
+from fivefold.config.schema import NORMALIZATIONS, Config
 
 WORLD_KNOBS = ("tp", "pp", "cp", "ep", "etp")
 _DEFAULTS = sizes_of(Config())
@@ -60,6 +60,8 @@ def candidates(knob: str, s: dict) -> list:
         return [(a, s["cp"] // a) for a in _divisors(s["cp"])]
     if knob == "cp_comm":
         return ["p2p", "a2a", "a2a+p2p"]
+    if knob == "norm":
+        return list(NORMALIZATIONS)
     if knob == "kv":
         return [None] + _divisors(s["heads"])
     if knob == "topk":

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from math import prod
 
-from fivefold.config.schema import CP_COMM_TYPES, DIM_NAMES, Config
+from fivefold.config.schema import CP_COMM_TYPES, DIM_NAMES, NORMALIZATIONS, Config
 from fivefold.config.split import layers_per_stage
 from fivefold.pipeline.rules import SCHEDULES, microbatch_problem
 
@@ -27,6 +27,7 @@ KNOB_FIELDS = {
     "acc_loss": "parallel.account_for_loss_in_pipeline_split",
     "vpp_layers": "parallel.num_layers_per_virtual_pipeline_stage",
     "layers": "model.num_layers", "heads": "model.num_attention_heads", "kv": "model.num_query_groups",
+    "mla": "model.multi_latent_attention", "norm": "model.normalization",
     "experts": "model.num_experts", "topk": "model.moe_router_topk",
     "seq": "training.seq_length", "gbs": "training.global_batch_size", "mbs": "training.micro_batch_size",
     "rgran": "training.recompute_granularity", "rmethod": "training.recompute_method",
@@ -109,7 +110,7 @@ def _positive(s: dict) -> list[Rule]:
 
 def _choices(s: dict) -> list[Rule]:
     out = []
-    for k, allowed in (("schedule", SCHEDULES), ("cp_comm", CP_COMM_TYPES),
+    for k, allowed in (("schedule", SCHEDULES), ("cp_comm", CP_COMM_TYPES), ("norm", NORMALIZATIONS),
                        ("rgran", (None, "selective", "full")), ("rmethod", (None, "uniform", "block"))):
         if s[k] not in allowed:
             out.append(Rule(KNOB_FIELDS[k], s[k], f"must be one of {', '.join(map(str, allowed))}", (k,)))
@@ -145,7 +146,9 @@ def errors(s: dict) -> list[Rule]:
     if heads % tp:
         out.append(Rule(KNOB_FIELDS["heads"], heads, f"attention heads must divide evenly over "
                         f"tensor_model_parallel_size={tp}", ("tp",)))
-    if heads % kv:
+    if s["mla"]:
+        pass  # MLA has no KV heads: every head gets its keys and values from the shared latent
+    elif heads % kv:
         out.append(Rule(KNOB_FIELDS["kv"], kv, f"num_attention_heads={heads} must be a multiple of the "
                         "number of KV heads", ("kv",)))
     elif kv % tp and tp % kv:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields, is_dataclass
 
 CP_COMM_TYPES = ("p2p", "a2a", "a2a+p2p")
+NORMALIZATIONS = ("RMSNorm", "LayerNorm")
 DIM_NAMES = ("tp", "cp", "ep", "dp", "pp")
 
 
@@ -89,7 +90,7 @@ class ModelConfig:
     max_position_embeddings: int = 4096
     """Longest sequence RoPE is set up for, in tokens. Default 4096."""
     normalization: str = "RMSNorm"
-    """RMSNorm (or LayerNorm, planner only). Default RMSNorm."""
+    """RMSNorm or LayerNorm (Megatron's --normalization). Default RMSNorm."""
     norm_epsilon: float = 1e-5
     """Norm epsilon. Default 1e-5."""
     rotary_base: float = 10000.0

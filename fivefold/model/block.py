@@ -1,4 +1,8 @@
-"""One pre-norm decoder layer: x = x + attn(norm(x)); x = x + mlp(norm(x))."""
+"""One pre-norm decoder layer: x = x + attn(norm(x)); x = x + mlp(norm(x)).
+
+attn is grouped-query attention (attention.py) or multi-head latent attention (mla.py) as
+cfg.multi_latent_attention says; norm is RMSNorm or LayerNorm as cfg.normalization says (norm.py).
+"""
 from __future__ import annotations
 
 import torch
@@ -6,24 +10,30 @@ from torch import nn
 
 from fivefold.config.schema import ModelConfig
 from fivefold.model.attention import Attention
+from fivefold.model.mla import MLAttention
 from fivefold.model.mlp import SwiGLU
-from fivefold.model.norm import RMSNorm
+from fivefold.model.norm import make_norm
 from fivefold.parallel.tensor import TPMode, mark_sequence_sharded
+
+
+def rotary_dim(cfg: ModelConfig) -> int:
+    """Width of the RoPE tables: the head dim, or MLA's decoupled rope part qk_pos_emb_head_dim."""
+    return cfg.qk_pos_emb_head_dim if cfg.multi_latent_attention else cfg.head_dim
 
 
 class DecoderLayer(nn.Module):
     """`tp` (a Group of > 1 rank, or None) and `mode` make attention and MLP tensor-parallel; under
-    SEQUENCE_PARALLEL x and the norms hold (b, s/tp, h) and the norm gains' gradients are summed over TP."""
+    SEQUENCE_PARALLEL x and the norms hold (b, s/tp, h) and the norms' gradients are summed over TP."""
 
     def __init__(self, cfg: ModelConfig, tp=None, mode: TPMode = TPMode.ALL_REDUCE):
         super().__init__()
-        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.norm_epsilon)
-        self.attn = Attention(cfg, tp, mode)
-        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.norm_epsilon)
+        self.attn_norm = make_norm(cfg, cfg.hidden_size)
+        self.attn = MLAttention(cfg, tp, mode) if cfg.multi_latent_attention else Attention(cfg, tp, mode)
+        self.mlp_norm = make_norm(cfg, cfg.hidden_size)
         self.mlp = SwiGLU(cfg.hidden_size, cfg.ffn_size, tp, mode)
         if tp is not None and mode is TPMode.SEQUENCE_PARALLEL:
-            mark_sequence_sharded(self.attn_norm.weight)
-            mark_sequence_sharded(self.mlp_norm.weight)
+            for p in (*self.attn_norm.parameters(), *self.mlp_norm.parameters()):
+                mark_sequence_sharded(p)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), cos, sin)  # (b, s, h)

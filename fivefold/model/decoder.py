@@ -1,4 +1,5 @@
-"""The Llama-style decoder: embedding -> pre-norm layers (GQA attention + SwiGLU) -> norm -> output.
+"""The Llama-style decoder: embedding -> pre-norm layers (GQA or MLA attention + SwiGLU; RMSNorm or
+LayerNorm) -> norm -> output.
 
 A Decoder may hold any subset of the model (a pipeline stage): `layers` are global layer indices
 (parameter names keep them: `layers.5.attn.q_proj.weight`), `embedding`/`head` say whether the
@@ -16,9 +17,9 @@ from torch import nn
 
 from fivefold.config.schema import ModelConfig
 from fivefold.errors import NotImplementedYet, UserError
-from fivefold.model.block import DecoderLayer
+from fivefold.model.block import DecoderLayer, rotary_dim
 from fivefold.model.init import init_parameters_
-from fivefold.model.norm import RMSNorm
+from fivefold.model.norm import make_norm
 from fivefold.model.recompute import Recompute, maybe_checkpoint
 from fivefold.model.rope import rope_tables
 from fivefold.parallel.cross_entropy import vocab_parallel_cross_entropy
@@ -29,11 +30,7 @@ from fivefold.parallel.tensor import (ColumnParallelLinear, TPMode, VocabParalle
 def _check_supported(cfg: ModelConfig, mesh) -> None:
     if cfg.is_moe:
         raise NotImplementedYet("fivefold.model: MoE layers (num_experts)")
-    if cfg.multi_latent_attention:
-        raise NotImplementedYet("fivefold.model: multi_latent_attention")
-    if cfg.normalization != "RMSNorm":
-        raise NotImplementedYet(f"fivefold.model: normalization={cfg.normalization!r} (only RMSNorm)")
-    if cfg.num_attention_heads % cfg.kv_heads:
+    if not cfg.multi_latent_attention and cfg.num_attention_heads % cfg.kv_heads:
         raise UserError(f"num_attention_heads={cfg.num_attention_heads} must be a multiple of "
                         f"num_query_groups={cfg.kv_heads}")
     if mesh is not None:
@@ -73,9 +70,10 @@ class Decoder(nn.Module):
                 self.embedding = VocabParallelEmbedding(vp, h, group=tp, mode=mode) if embedding else None
                 self.head = ColumnParallelLinear(h, vp, group=tp, mode=mode) if head else None
             self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, tp, mode) for i in ids})
-            self.final_norm = RMSNorm(h, cfg.norm_epsilon) if head else None
+            self.final_norm = make_norm(cfg, h) if head else None
         if head and mode is TPMode.SEQUENCE_PARALLEL:
-            mark_sequence_sharded(self.final_norm.weight)
+            for p in self.final_norm.parameters():
+                mark_sequence_sharded(p)
         to_empty_keeping_tp(self, "cpu")
         aliases = {}
         if head and cfg.tie_word_embeddings:
@@ -105,7 +103,7 @@ class Decoder(nn.Module):
         s = x.shape[1] * (self.tp.size if sp and not self.has_embedding else 1)
         hidden = self.embedding(x) if self.has_embedding else x  # (b, s, h) or (b, s/tp, h)
         positions = torch.arange(s, device=hidden.device)
-        cos, sin = rope_tables(positions, self.cfg.head_dim, self.cfg.rotary_base)  # (s, d)
+        cos, sin = rope_tables(positions, rotary_dim(self.cfg), self.cfg.rotary_base)  # (s, d)
         layers = list(self.layers.values())
         for start, end, recompute in self.recompute.spans(len(layers)):
             def span(x, chunk=layers[start:end]):

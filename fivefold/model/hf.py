@@ -1,4 +1,4 @@
-"""Import a local Hugging Face Llama checkpoint directory (config.json + safetensors) — no network.
+"""Import a local Hugging Face Llama or DeepSeek-V3 checkpoint directory (config.json + safetensors) — no network.
 
     config_from_hf(dir)            config.json -> ModelConfig (refuses what our model cannot express)
     state_dict_from_hf(dir, cfg)   safetensors (single file or sharded index) -> our parameter names
@@ -13,11 +13,16 @@ Name map (ours <- HF):
     layers.i.mlp.{gate,up,down}_proj <- model.layers.i.mlp.{gate,up,down}_proj
     final_norm.weight              <- model.norm.weight
     head.weight                    <- lm_head.weight (model.embed_tokens.weight when tied)
+DeepSeek-V3 (model_type deepseek_v3, also Moonlight; kimi_k2) keeps HF's attention names, so its
+MLA weights map the same way: layers.i.attn.{q_proj | q_a_proj, q_a_layernorm, q_b_proj},
+layers.i.attn.{kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj} <- model.layers.i.self_attn.*
+Only dense DeepSeek layers load (first_k_dense_replace = num_hidden_layers); MoE layers are refused.
 """
 from __future__ import annotations
 
 import json
 from collections import defaultdict
+from dataclasses import fields, replace
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -52,8 +57,11 @@ def config_from_hf(path: str | Path) -> ModelConfig:
     raw = json.loads((d / "config.json").read_text())
     where = d / "config.json"
     kind = raw.get("model_type")
-    if kind not in ("llama", "mistral"):
-        raise UserError(f"{where}: model_type={kind!r}; only Llama-style models (llama, mistral) are imported")
+    if kind not in ("llama", "mistral", *DEEPSEEK):
+        raise UserError(f"{where}: model_type={kind!r}; only Llama-style models (llama, mistral) and "
+                        f"DeepSeek-V3-style MLA models ({', '.join(DEEPSEEK)}) are imported")
+    if kind in DEEPSEEK:
+        cfg = _deepseek(raw, cfg, where)
     checks = {"hidden_act": (raw.get("hidden_act", "silu"), "silu"),
               "attention_bias": (bool(raw.get("attention_bias", False)), False),
               "mlp_bias": (bool(raw.get("mlp_bias", False)), False),
@@ -70,14 +78,40 @@ def config_from_hf(path: str | Path) -> ModelConfig:
     return cfg
 
 
+DEEPSEEK = ("deepseek_v3", "kimi_k2")
+"""model_types with DeepseekV3's MLA layout."""
+
+
+def _deepseek(raw: dict, cfg: ModelConfig, where: Path) -> ModelConfig:
+    """A DeepSeek-V3-style config checked for what our MLA decoder computes as HF does; with every
+    layer dense (first_k_dense_replace >= num_hidden_layers) the unused expert keys are dropped."""
+    if cfg.is_moe and cfg.moe_first_k_dense_layers >= cfg.num_layers:
+        dense = ModelConfig()
+        cfg = replace(cfg, **{f.name: getattr(dense, f.name) for f in fields(cfg)
+                              if f.name == "num_experts" or f.name.startswith("moe_")})
+    if cfg.is_moe:
+        raise UserError(f"{where}: n_routed_experts={raw.get('n_routed_experts')} with first_k_dense_replace="
+                        f"{raw.get('first_k_dense_replace')} < num_hidden_layers={raw.get('num_hidden_layers')}: "
+                        "layers from first_k_dense_replace on are MoE, which this importer does not load yet "
+                        "(only all-dense checkpoints: first_k_dense_replace = num_hidden_layers)")
+    if not raw.get("rope_interleave", True):
+        raise UserError(f"{where}: rope_interleave=false is not supported (our MLA rotates DeepSeek's "
+                        "interleaved pairs, HF's default rope_interleave=true)")
+    if float(raw.get("rms_norm_eps", 1e-6)) != 1e-6:
+        raise UserError(f"{where}: rms_norm_eps={raw['rms_norm_eps']} with MLA: HF's q_a_layernorm / kv_a_layernorm "
+                        "always use 1e-6 and ours use rms_norm_eps for every norm, so only rms_norm_eps=1e-6 "
+                        "(every DeepSeek-V3, Moonlight and Kimi-K2 checkpoint) imports exactly")
+    return cfg
+
+
 def hf_name(name: str, cfg: ModelConfig) -> str:
     """Our parameter name -> the HF Llama tensor name (see the module docstring)."""
     if name == "embedding.weight" or (name == "head.weight" and cfg.tie_word_embeddings):
         return "model.embed_tokens.weight"
     if name == "head.weight":
         return "lm_head.weight"
-    if name == "final_norm.weight":
-        return "model.norm.weight"
+    if name.startswith("final_norm."):  # weight (and bias with LayerNorm)
+        return "model.norm." + name.removeprefix("final_norm.")
     _, index, rest = name.split(".", 2)  # layers.<i>.<rest>
     for ours, theirs in _LAYER_RENAMES:
         if rest.startswith(ours):

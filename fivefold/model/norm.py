@@ -1,8 +1,17 @@
-"""RMSNorm: y = w * x / sqrt(mean(x^2) + eps), computed in fp32 (as HF Llama), returned in x's dtype."""
+"""The two normalizations Megatron-Core offers (`--normalization RMSNorm | LayerNorm`), both over the
+last dimension, computed in fp32 and returned in x's dtype:
+    RMSNorm:   y = w * x / sqrt(mean(x^2) + eps)                       (HF Llama / DeepSeek)
+    LayerNorm: y = w * (x - mean(x)) / sqrt(var(x) + eps) + b          (biased variance, as torch)
+`make_norm(cfg, size)` picks the one `cfg.normalization` names for every norm of the decoder.
+"""
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+from fivefold.config.schema import NORMALIZATIONS, ModelConfig
+from fivefold.errors import UserError
 
 
 class RMSNorm(nn.Module):
@@ -17,3 +26,28 @@ class RMSNorm(nn.Module):
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
+
+
+class LayerNorm(nn.Module):
+    """Layer norm over the last dimension with a learned gain w (ones) and bias b (zeros); the whole
+    affine map runs in fp32 (as Megatron's fused and TE LayerNorm do) and the result is cast back."""
+
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(size))
+        self.bias = nn.Parameter(torch.zeros(size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.layer_norm(x.float(), (x.shape[-1],), self.weight.float(), self.bias.float(), self.eps)
+        return y.to(x.dtype)
+
+
+def make_norm(cfg: ModelConfig, size: int) -> RMSNorm | LayerNorm:
+    """The norm `cfg.normalization` names, of width `size`, with epsilon cfg.norm_epsilon."""
+    if cfg.normalization == "RMSNorm":
+        return RMSNorm(size, cfg.norm_epsilon)
+    if cfg.normalization == "LayerNorm":
+        return LayerNorm(size, cfg.norm_epsilon)
+    raise UserError(f"model.normalization={cfg.normalization!r} is not one of {', '.join(NORMALIZATIONS)} "
+                    "(Megatron's --normalization; try RMSNorm)")

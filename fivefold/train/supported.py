@@ -32,8 +32,6 @@ RUNTIME_KNOBS: list[Knob] = [
     Knob("parallel.expert_model_parallel_size", _is(1), "expert parallelism (EP > 1)"),
     Knob("parallel.expert_tensor_parallel_size", _is(None, 1), "expert tensor parallelism (ETP > 1)"),
     Knob("model.num_experts", _is(None, 0), "Mixture-of-Experts layers"),
-    Knob("model.multi_latent_attention", _is(False), "multi-latent attention (MLA)"),
-    Knob("model.normalization", _is("RMSNorm"), "normalizations other than RMSNorm"),
     Knob("training.precision", _is("fp32", "bf16"), "precisions other than fp32 and bf16"),
     Knob("training.optimizer", _is("adamw"), "optimizers other than adamw"),
 ]
