@@ -75,6 +75,9 @@ CASES = [
     Case("PP2 x DP2 mbs1 GA2", 4, 1, 4, parallel={"pipeline_model_parallel_size": 2}),
     Case("PP2 x TP2 SP mbs1 GA4", 4, 1, 4, parallel={"pipeline_model_parallel_size": 2,
                                                       "tensor_model_parallel_size": 2, "sequence_parallel": True}),
+    Case("TP2 SP MLA mbs2", 2, 2, 2, model={"multi_latent_attention": True, "q_lora_rank": 96, "kv_lora_rank": 64,
+                                              "qk_head_dim": 64, "qk_pos_emb_head_dim": 32, "v_head_dim": 64},
+         parallel={"tensor_model_parallel_size": 2, "sequence_parallel": True}),
     Case("PP2 ZB-H1 mbs1 GA4 tied", 2, 1, 4, model={"tie_word_embeddings": True},
          parallel={"pipeline_model_parallel_size": 2, "pipeline_schedule": "zb-h1"}),
 ]

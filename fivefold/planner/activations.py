@@ -62,6 +62,10 @@ class ArchTraits:
     optimizer_scratch_bytes: float = 0.0
     """Bytes per element of the rank's largest parameter that clipping + the optimizer step allocate
     (fused/multi-tensor kernels: ~0). Eager: the fp64 copy and square in the norm, 16."""
+    flash_needs_equal_head_dims: bool = False
+    """The fused attention kernel only runs when q/k and v have the same head dim; otherwise (MLA:
+    dn + dr != dv) the math kernel keeps the softmax probabilities, a s values per token (torch's
+    CPU flash kernel: True, measured)."""
     backward_inner_tensors: int = 0
     """f-wide temporaries one layer's backward holds at its peak, on top of the saved activations
     (the peak of a rank that holds no logits). Eager SwiGLU: dL/d(g*u), dL/du, dL/dsilu(g): 3
@@ -84,7 +88,7 @@ GPT3_TRAITS = ArchTraits(gated_mlp=False, dropout=True, flash_attention=False, b
 """Korthikanti et al.'s GPT-3 setting."""
 
 EAGER_TRAITS = ArchTraits(norm_tensors=3, mlp_inner_tensors=4, loss_bytes_per_logit=12.0, optimizer_scratch_bytes=16.0,
-                          backward_inner_tensors=3)
+                          flash_needs_equal_head_dims=True, backward_inner_tensors=3)
 """fivefold's own eager runtime in fp32 (unfused RMSNorm and SwiGLU, F.cross_entropy, per-tensor
 AdamW, fp64 gradient norm), as measured on CPU."""
 
@@ -128,8 +132,10 @@ def layer_activation_bytes(m: ModelConfig, index: int, b: int, s: int, sh: Shard
         out["MLA latents"] = tokens * latents * B / sp_div
     out["q, k, v"] = tokens * qkv * B / sh.tp
     out["attention output (proj input)"] = tokens * attn_out * B / sh.tp
+    flash = traits.flash_attention and not (traits.flash_needs_equal_head_dims and m.multi_latent_attention
+                                             and m.qk_head_dim + m.qk_pos_emb_head_dim != m.v_head_dim)
     if sh.recompute != "selective":
-        if traits.flash_attention:
+        if flash:
             out["softmax log-sum-exp (fp32)"] = tokens * a * 4 / sh.tp
         else:  # softmax output (B), dropout mask (1 byte), dropout output (B): per head, s keys per query
             out["attention scores"] = tokens * a * s * (B + mask * (1 + B)) / sh.tp

@@ -107,11 +107,35 @@ def _tp_half(plan: Plan, M: float, tag: str | None = None) -> list[Collective]:
             Collective("reduce_scatter", t, "tp", M, "forward"), Collective("all_gather", t, "tp", M, "backward")]
 
 
+def _mla_attention(plan: Plan) -> list[Collective]:
+    """MLA's attention under TP (fivefold/model/mla.py): the down-projections are replicated, so the
+    column-parallel up-projections take the latents through their collective: the query input
+    (r_q wide, or x itself, h, without query compression) and the KV latent (r), plus the one shared
+    rope key (dr) through a plain gather / copy; o is row-parallel (h). Per token, SP: 3 (w_q + r)
+    (all-gather, again backward, reduce-scatter of the gradient) + 2 dr + 2 h; without SP: one
+    all-reduce of each gradient (w_q + r + dr) and of o's output (h)."""
+    if plan.tp == 1:
+        return []
+    m = plan.config.model
+    per = _tokens(plan) * act_bytes(plan)
+    w_q = m.q_lora_rank or m.hidden_size
+    if not plan.sp:
+        return ([Collective("all_reduce", "tp", "tp", per * w, "backward") for w in (w_q, m.kv_lora_rank,
+                                                                                        m.qk_pos_emb_head_dim)]
+                + [Collective("all_reduce", "tp", "tp", per * m.hidden_size, "forward")])
+    out = []
+    for w in (w_q, m.kv_lora_rank):  # column-parallel q_b / q and kv_b
+        out += _tp_half(plan, per * w)[:3]
+    dr = per * m.qk_pos_emb_head_dim
+    out += [Collective("all_gather", "sp", "tp", dr, "forward"), Collective("reduce_scatter", "sp", "tp", dr, "backward")]
+    return out + _tp_half(plan, per * m.hidden_size)[3:]  # o: reduce-scatter forward, all-gather backward
+
+
 def layer_collectives(plan: Plan, index: int, recomputed: bool = False) -> list[Collective]:
     """Decoder layer `index`'s calls for one microbatch on one rank (`recomputed`: fully recomputed)."""
     m = plan.config.model
     M = _tokens(plan) * m.hidden_size * act_bytes(plan)
-    out = _tp_half(plan, M)  # attention
+    out = _mla_attention(plan) if m.multi_latent_attention else _tp_half(plan, M)  # attention
     moe = is_moe_layer(m, index)
     if not moe or m.moe_shared_expert_intermediate_size:
         out += _tp_half(plan, M)  # dense MLP, or the shared experts of a MoE layer
@@ -234,6 +258,10 @@ def step_collectives(plan: Plan, pp_rank: int) -> list[Collective]:
     if plan.tp > 1:  # sequence-sharded replicated parameters: SP norms, MoE routers
         groups = plan.layer_groups(pp_rank)
         norms = m.hidden_size * (2 * sum(n for _, _, n in groups) + last) if plan.sp else 0
+        if plan.sp and m.multi_latent_attention:  # MLA's replicated down-projections and latent norms
+            h, r = m.hidden_size, m.kv_lora_rank
+            per_layer = h * (r + m.qk_pos_emb_head_dim) + r + (h * m.q_lora_rank + m.q_lora_rank if m.q_lora_rank else 0)
+            norms += per_layer * sum(n for _, _, n in groups)
         routers = (m.num_experts or 0) * m.hidden_size * sum(n for i, _, n in groups if is_moe_layer(m, i))
         if norms + routers:
             out.append(Collective("all_reduce", "tp-grad", "tp", GRAD_BYTES * (norms + routers), "step"))

@@ -29,7 +29,7 @@ def layer_forward_flops(m: ModelConfig, index: int, seq: int) -> float:
     """Forward FLOPs per token of decoder layer `index`."""
     lp = layer_params(m, index)
     router = m.hidden_size * m.num_experts if lp.experts else 0
-    matmul = lp.attention + lp.dense_mlp + lp.active_experts + router
+    matmul = lp.attention + lp.latent + lp.dense_mlp + lp.active_experts + router
     return 2 * matmul + attention_core_flops(m, seq)
 
 

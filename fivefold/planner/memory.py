@@ -104,7 +104,7 @@ def _rank_params(plan: Plan, rank: int) -> tuple[float, float]:
     dense = expert = 0.0
     for i, _, n in plan.layer_groups(rank):
         lp = layer_params(m, i)
-        dense += ((lp.attention + lp.dense_mlp) / plan.tp + lp.norms) * n
+        dense += ((lp.attention + lp.dense_mlp) / plan.tp + lp.latent + lp.norms) * n
         expert += lp.experts / (plan.etp * plan.ep) * n
     emb = embedding_params(m, plan.tp) / plan.tp
     if rank == 0:
