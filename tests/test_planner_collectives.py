@@ -129,3 +129,20 @@ def test_pending_weight_gradients_come_from_the_schedule():
     assert pipeline_profile("1f1b", 4, None, 8).pending_weight_chunks == (0, 0, 0, 0)
     s = build_schedule("zb-h1", 2, 4, None)
     assert [str(a) for a in s.ranks[1] if a.kind in (Kind.B, Kind.W)][-3:] == ["1B3", "1W2", "1W3"]
+
+
+@pytest.mark.parametrize("sp,r_q", [(True, 96), (False, 96), (True, None)])
+def test_mla_attention_moves_the_latents(sp, r_q):
+    # fivefold/model/mla.py under TP: the column-parallel up-projections take the query latent (r_q,
+    # or x itself, h) and the KV latent (r); the one rope key (dr) goes through a plain gather / copy
+    mla = replace(DENSE, num_query_groups=None, multi_latent_attention=True, q_lora_rank=r_q, kv_lora_rank=64,
+                  qk_head_dim=64, qk_pos_emb_head_dim=32, v_head_dim=64, num_layers=2)
+    p = plan(world=2, model=mla, tensor_model_parallel_size=2, sequence_parallel=sp)
+    per = 2 * 512 * 4  # b s tokens x fp32
+    w_q = r_q or 256
+    attn = [c for c in layer_collectives(p, 0)][: -5 if sp else -2]  # the MLP half's calls come last
+    want = per * (3 * (w_q + 64) + 2 * 32 + 2 * 256) if sp else per * (w_q + 64 + 32 + 256)
+    assert sum(c.call_bytes for c in attn) == want
+    if sp:  # the replicated down-projections and latent norms see s/tp tokens: gradients summed over TP
+        down = 256 * (64 + 32) + 64 + (256 * r_q + r_q if r_q else 0)
+        assert by_tag(step_collectives(p, 0), "tp-grad") == 4 * (256 * (2 * 2 + 1) + 2 * down)
