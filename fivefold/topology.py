@@ -94,6 +94,9 @@ class Layout:
     ep: int = 1
     etp: int = 1
     order: str = "tp-cp-ep-dp-pp"
+    cp_a2a: int = 1
+    """Context parallelism: how many consecutive CP ranks exchange heads by all-to-all (cp_comm_type
+    p2p: 1, a2a: CP, a2a+p2p: hierarchical_context_parallel_sizes[0]); the ring runs across them."""
 
     @property
     def world_size(self) -> int:
@@ -116,6 +119,18 @@ class Layout:
         dims = [rename.get(d, d) for d in parse_order(self.order) if d != "cp"]
         return Topology({"etp": self.etp, "ep": self.ep, "edp": self.edp, "pp": self.pp}, dims)
 
+    @cached_property
+    def _cp_split(self) -> Topology:
+        """The dense grid with cp cut into cp-a2a (fastest, cp_a2a ranks) and cp-ring (the rest):
+        CP index = ring index * cp_a2a + a2a index."""
+        if self.cp % self.cp_a2a:
+            raise ValueError(f"cp_a2a={self.cp_a2a} must divide cp={self.cp}")
+        dims = []
+        for d in parse_order(self.order):
+            dims += ["cpa", "cpr"] if d == "cp" else [] if d == "ep" else [d]
+        sizes = {"tp": self.tp, "cpa": self.cp_a2a, "cpr": self.cp // self.cp_a2a, "dp": self.dp, "pp": self.pp}
+        return Topology(sizes, dims)
+
     def embedding_groups(self) -> list[list[int]]:
         """First and last PP stage of each pipeline: where tied embeddings live."""
         return [sorted({g[0], g[-1]}) for g in self.dense.groups("pp")]
@@ -126,6 +141,8 @@ class Layout:
         return {
             "tp": d.groups("tp"),
             "cp": d.groups("cp"),
+            "cp-a2a": self._cp_split.groups("cpa"),
+            "cp-ring": self._cp_split.groups("cpr"),
             "dp": d.groups("dp"),
             "pp": d.groups("pp"),
             "dp-cp": d.groups("cp-dp"),

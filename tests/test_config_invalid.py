@@ -25,6 +25,8 @@ CASES = [  # (words, world size, substring of the message)
     ("cp=2 cp_comm_type=a2a num_attention_heads=3", 8, "heads per TP rank divisible by CP=2"),
     ("cp=4 cp_comm_type=a2a+p2p", 8, "hierarchical_context_parallel_sizes [a2a, p2p] whose product is CP=4"),
     ("cp=4 cp_comm_type=a2a+p2p hierarchical_context_parallel_sizes=[2,4]", 8, "[2, 4]"),
+    ("cp=4 cp_comm_type=a2a+p2p hierarchical_context_parallel_sizes=[4,1] num_attention_heads=6", 8,
+     "6 heads per TP rank divisible by the all-to-all size 4"),
     ("global_batch_size=12", 8, "micro_batch_size*DP = 1*8 = 8"),
     ("micro_batch_size=3 global_batch_size=16", 8, "micro_batch_size*DP = 3*8 = 24"),
     ("pipeline_schedule=zigzag", 8, "pipeline_schedule='zigzag': must be one of gpipe"),

@@ -58,11 +58,3 @@ def test_bad_requests_are_refused():
     with pytest.raises(NotImplementedYet, match="num_experts"):
         Decoder(ModelConfig(num_experts=4))
 
-    class _G:
-        def __init__(self, size):
-            self.size = size
-
-    class _Mesh:
-        tp, cp = _G(1), _G(2)
-    with pytest.raises(NotImplementedYet, match="cp size 2"):
-        Decoder(CFG, mesh=_Mesh())

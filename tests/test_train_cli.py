@@ -46,7 +46,7 @@ def test_unknown_override_key(tmp_path):
 
 
 @pytest.mark.parametrize("words,needle", [
-    (["--context-parallel-size", "2"], "context parallelism (CP > 1)"),
+    (["--normalization", "LayerNorm"], "normalizations other than RMSNorm"),
 ])
 def test_not_implemented_knob(tmp_path, words, needle):
     _refused(_train(tmp_path, TINY, *words, nproc=2), needle, "not implemented yet")

@@ -36,12 +36,13 @@ def test_unsupported_knobs_are_refused_together():
     check_supported(cfg)
     cfg.parallel.pipeline_model_parallel_size = 2  # PP runs, and together with TP and SP
     check_supported(cfg)
-    cfg.parallel.context_parallel_size = 2
+    cfg.parallel.context_parallel_size = 2  # CP runs, with all of them
+    check_supported(cfg)
     cfg.model.multi_latent_attention, cfg.model.normalization = True, "LayerNorm"  # MLA and LayerNorm run
     check_supported(cfg.__class__(model=cfg.model))
-    cfg.training.precision = "fp16"
+    cfg.training.precision, cfg.training.optimizer = "fp16", "sgd"
     assert len(unsupported(cfg)) == 2
-    with pytest.raises(NotImplementedYet, match=r"\(CP > 1\).*other than fp32 and bf16.*not implemented yet"):
+    with pytest.raises(NotImplementedYet, match=r"other than fp32 and bf16.*adamw.*not implemented yet"):
         check_supported(cfg)
 
 

@@ -164,6 +164,9 @@ def errors(s: dict) -> list[Rule]:
             out.append(Rule(KNOB_FIELDS["hcp"], list(h) if h else h, f"cp_comm_type a2a+p2p needs "
                             f"hierarchical_context_parallel_sizes [a2a, p2p] whose product is CP={cp}",
                             ("hcp", "cp_comm")))
+        elif heads % tp == 0 and (heads // tp) % h[0]:
+            out.append(Rule(KNOB_FIELDS["hcp"], list(h), f"cp_comm_type a2a+p2p needs the {heads // tp} heads "
+                            f"per TP rank divisible by the all-to-all size {h[0]}", ("hcp", "cp_comm")))
     out += _pipeline(s, dp)
     out += _moe(s, dp)
     if s["gbs"] % (s["mbs"] * dp):

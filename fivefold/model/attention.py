@@ -7,6 +7,8 @@ same grouping as HF's repeat_kv. head_dim d is independent of h/a:
 """
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -14,14 +16,20 @@ from torch import nn
 from fivefold.config.schema import ModelConfig
 from fivefold.model.recompute import maybe_checkpoint
 from fivefold.model.rope import apply_rope
+from fivefold.parallel.context import ContextParallel
 from fivefold.parallel.heads import split_heads
 from fivefold.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, TPMode, column_linears,
                                       mark_kv_replica)
 
 
-def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """softmax(q k^T / sqrt(d) + causal) v with GQA: q (b, a, s, d), k and v (b, g, s, d) -> (b, a, s, d)."""
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cp: ContextParallel | None = None,
+                   scale: float | None = None) -> torch.Tensor:
+    """softmax(q k^T * scale + causal) v with GQA (scale default 1/sqrt(d)): q (b, a, s, d),
+    k (b, g, s, d), v (b, g, s, dv) -> (b, a, s, dv). With `cp` (context parallelism) s is this rank's
+    s/cp tokens (fivefold.parallel.context's split) and attention covers the whole sequence."""
+    if cp is not None and cp.size > 1:
+        return cp.attention(q, k, v, scale=scale)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
 
 
 class Attention(nn.Module):
@@ -36,6 +44,8 @@ class Attention(nn.Module):
         a, g, d = self.heads, self.kv_heads, self.d
         self.recompute_core = False
         """Selective recompute: keep q, k, v and recompute the core attention in backward."""
+        self.context_parallel: ContextParallel | None = None
+        """Context parallelism (set by the Decoder): attention over the sequence split across CP."""
         if tp is None:
             self.q_proj = nn.Linear(h, a * d, bias=False)
             self.k_proj = nn.Linear(h, g * d, bias=False)
@@ -59,5 +69,6 @@ class Attention(nn.Module):
         k = k.view(b, s, -1, self.d).transpose(1, 2)  # (b, g/tp, s, d)
         v = v.view(b, s, -1, self.d).transpose(1, 2)  # (b, g/tp, s, d)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        o = maybe_checkpoint(core_attention, self.recompute_core, q, k, v)  # (b, a/tp, s, d)
+        o = maybe_checkpoint(partial(core_attention, cp=self.context_parallel), self.recompute_core,
+                             q, k, v)  # (b, a/tp, s, d)
         return self.o_proj(o.transpose(1, 2).reshape(b, s, -1))  # (b, s, a/tp*d) -> (b, s, h) or (b, s/tp, h)

@@ -22,6 +22,7 @@ from fivefold.model.init import init_parameters_
 from fivefold.model.norm import make_norm
 from fivefold.model.recompute import Recompute, maybe_checkpoint
 from fivefold.model.rope import rope_tables
+from fivefold.parallel.context import context_parallel_of, local_positions
 from fivefold.parallel.cross_entropy import vocab_parallel_cross_entropy
 from fivefold.parallel.tensor import (ColumnParallelLinear, TPMode, VocabParallelEmbedding, mark_sequence_sharded,
                                       to_empty_keeping_tp)
@@ -33,11 +34,6 @@ def _check_supported(cfg: ModelConfig, mesh) -> None:
     if not cfg.multi_latent_attention and cfg.num_attention_heads % cfg.kv_heads:
         raise UserError(f"num_attention_heads={cfg.num_attention_heads} must be a multiple of "
                         f"num_query_groups={cfg.kv_heads}")
-    if mesh is not None:
-        for dim in ("cp",):
-            size = getattr(mesh, dim).size
-            if size > 1:
-                raise NotImplementedYet(f"fivefold.model: Decoder with {dim} size {size}")
 
 
 class Decoder(nn.Module):
@@ -82,6 +78,11 @@ class Decoder(nn.Module):
             else:
                 aliases["head.weight"] = "embedding.weight"
         init_parameters_(self, seed=seed, std=cfg.init_method_std, vocab_size=cfg.vocab_size, aliases=aliases)
+        self.cp = context_parallel_of(mesh, cfg.num_attention_heads // (tp.size if tp else 1))
+        """Context parallelism: ids are this CP rank's s/cp tokens (parallel.context.split_tokens)."""
+        for module in self.modules():
+            if hasattr(module, "context_parallel"):
+                module.context_parallel = self.cp
         for m in (self.embedding, self.head):
             if m is not None:
                 m.weight.vocab_rows = cfg.vocab_size  # rows past it are padding: checkpoints may pad otherwise
@@ -97,12 +98,15 @@ class Decoder(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: ids (b, s) with an embedding, else hidden (b, s, h). Returns logits (b, s, V_padded)
         with a head (padded columns are 0: their rows are zero), else hidden (b, s, h).
+        Context-parallel: s is this CP rank's s/cp tokens (parallel.context.split_tokens: chunks r and
+        2cp-1-r), whose RoPE positions the Decoder derives from its CP rank.
         Tensor-parallel: logits are this rank's vocabulary slice (b, s, V_padded/tp); under sequence
         parallelism hidden states in and out are this rank's (b, s/tp, h)."""
         sp = self.mode is TPMode.SEQUENCE_PARALLEL
-        s = x.shape[1] * (self.tp.size if sp and not self.has_embedding else 1)
-        hidden = self.embedding(x) if self.has_embedding else x  # (b, s, h) or (b, s/tp, h)
-        positions = torch.arange(s, device=hidden.device)
+        s = x.shape[1] * (self.tp.size if sp and not self.has_embedding else 1)  # this CP rank's s/cp
+        hidden = self.embedding(x) if self.has_embedding else x  # (b, s/cp, h) or (b, s/cp/tp, h)
+        positions = torch.arange(s, device=hidden.device) if self.cp is None else \
+            local_positions(s, self.cp.size, self.cp.rank, hidden.device)
         cos, sin = rope_tables(positions, rotary_dim(self.cfg), self.cfg.rotary_base)  # (s, d)
         layers = list(self.layers.values())
         for start, end, recompute in self.recompute.spans(len(layers)):
@@ -117,9 +121,16 @@ class Decoder(nn.Module):
 
     def hidden_shape(self, ids_shape: Sequence[int]) -> tuple[int, int, int]:
         """Shape of the hidden states between layers (a pipeline stage boundary) for token ids of
-        `ids_shape` (b, s): (b, s/tp, h) under sequence parallelism, else (b, s, h)."""
+        `ids_shape` (b, s): (b, s/tp, h) under sequence parallelism, else (b, s, h). Under context
+        parallelism the ids are already this rank's (b, s/cp), so s here is s/cp."""
         b, s = ids_shape
         return (b, s // self.tp.size if self.mode is TPMode.SEQUENCE_PARALLEL else s, self.cfg.hidden_size)
+
+    @property
+    def sequence_multiple(self) -> int:
+        """What this rank's share of a sequence must divide by: TP under sequence parallelism, else 1
+        (the CP split pads a batch to 2*CP times this, parallel.context.split_tokens)."""
+        return self.tp.size if self.mode is TPMode.SEQUENCE_PARALLEL else 1
 
     def _head_logits(self, x: torch.Tensor) -> torch.Tensor:
         """This TP rank's (b, s, V_padded/tp) logits; the full vocabulary is never gathered."""

@@ -28,6 +28,8 @@ and the kv latent besides (h + r + dr).
 """
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from torch import nn
 
@@ -37,6 +39,7 @@ from fivefold.model.attention import core_attention
 from fivefold.model.norm import RMSNorm
 from fivefold.model.recompute import maybe_checkpoint
 from fivefold.model.rope import apply_rope
+from fivefold.parallel.context import ContextParallel
 from fivefold.parallel.tensor import (SEQ_DIM, ColumnParallelLinear, RowParallelLinear, TPMode,
                                       mark_sequence_sharded)
 from fivefold.runtime import comm
@@ -72,6 +75,8 @@ class MLAttention(nn.Module):
         self.tp, self.mode, self.q_lora_rank = tp, mode, r_q
         self.recompute_core = False
         """Selective recompute: keep q, k, v and recompute the core attention in backward."""
+        self.context_parallel: ContextParallel | None = None
+        """Context parallelism (set by the Decoder): attention over the sequence split across CP."""
         if r_q is None:
             self.q_proj = _column(h, a, dn + dr, tp, mode)
         else:
@@ -112,5 +117,6 @@ class MLAttention(nn.Module):
         k_pe = apply_rope(deinterleave(k_pe).unsqueeze(1), cos, sin)  # (b, 1, s, dr): one key for all heads
         q = torch.cat((q_nope, q_pe), dim=-1)  # (b, a/tp, s, dn+dr)
         k = torch.cat((k_nope, k_pe.expand(-1, k_nope.shape[1], -1, -1)), dim=-1)  # (b, a/tp, s, dn+dr)
-        o = maybe_checkpoint(core_attention, self.recompute_core, q, k, v)  # (b, a/tp, s, dv)
+        o = maybe_checkpoint(partial(core_attention, cp=self.context_parallel), self.recompute_core,
+                             q, k, v)  # (b, a/tp, s, dv); s is this rank's s/cp under CP
         return self.o_proj(o.transpose(1, 2).reshape(b, s, -1))  # (b, s, a/tp*dv) -> (b, s, h) or (b, s/tp, h)

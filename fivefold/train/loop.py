@@ -81,10 +81,11 @@ def _optim_shards(optimizer) -> list | None:
 
 
 def _save(config: Config, ctx: RankContext, root: Path, step: int, model, optimizer) -> Path:
+    first = ctx.dp_group.rank == 0  # one writer per model shard: parameters are replicated over DP x CP
     return ckpt.save_checkpoint(
-        root, step, model=model, optimizer=optimizer, rank=ctx.rank, writes_params=ctx.dp_rank == 0, shard_of=shard_of,
+        root, step, model=model, optimizer=optimizer, rank=ctx.rank, writes_params=first, shard_of=shard_of,
         optim_shards=_optim_shards(optimizer),
-        writes_optim=isinstance(optimizer, DistributedOptimizer) or ctx.dp_rank == 0,
+        writes_optim=isinstance(optimizer, DistributedOptimizer) or first,
         barrier=lambda: comm.barrier(ctx.world_group),
         extra={"optimizer_step": step, "world_size": ctx.world_size, "data": {"next_step": step,
                "consumed_samples": step * config.training.global_batch_size}, "config": to_dict(config)})

@@ -25,7 +25,7 @@ from fivefold.pipeline.simulate import simulate
 from fivefold.pipeline.trace import measured_result, stage_costs
 from fivefold.pipeline.stages import PipelineModel, build_pipeline  # noqa: F401 (the loop builds through here)
 from fivefold.runtime import comm
-from fivefold.train.step import StepResult, autocast, finish_grads, global_mean, set_lr
+from fivefold.train.step import StepResult, autocast, cp_tokens, finish_grads, global_mean, set_lr
 
 
 def microbatches_per_step(config: Config, dp_size: int) -> int:
@@ -40,7 +40,14 @@ def _inputs(pipe: PipelineModel, batch: StepBatch) -> tuple[list[torch.Tensor], 
         raise UserError(f"schedule {pipe.schedule.name} runs {pipe.schedule.num_microbatches} microbatches per "
                         f"step; this DP rank got {n} (pipeline parallelism needs every DP rank to get "
                         "global_batch_size / DP samples: keep data.packing on)")
-    return [mb.input_ids for mb in batch.microbatches], [mb.labels for mb in batch.microbatches]
+    return _cp_split(pipe, [mb.input_ids for mb in batch.microbatches], [mb.labels for mb in batch.microbatches])
+
+
+def _cp_split(pipe: PipelineModel, input_ids, labels) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """This CP rank's (b, s/cp) share of each microbatch (every stage splits the sequence alike)."""
+    first = next(iter(pipe.stages.values()))
+    split = [cp_tokens(first, ids, lab) for ids, lab in zip(input_ids, labels)]
+    return [ids for ids, _ in split], [lab for _, lab in split]
 
 
 def pipeline_train_step(pipe: PipelineModel, optimizer: torch.optim.Optimizer, reducer: GradReducer,
@@ -82,7 +89,9 @@ def pipeline_evaluate(pipe: PipelineModel, batches: list[StepBatch], *, precisio
 def pipeline_logprobs(pipe: PipelineModel, input_ids: list[torch.Tensor], labels: list[torch.Tensor], *,
                       mesh) -> list[torch.Tensor]:
     """Per-token log p(label) (b, s) of each microbatch, on every rank of the pipeline (broadcast from the
-    last stage's rank over the pipeline group): what an RL step needs for its reference/old policy."""
+    last stage's rank over the pipeline group): what an RL step needs for its reference/old policy.
+    Under context parallelism: this CP rank's (b, s/cp) tokens, in parallel.context's chunk order."""
+    input_ids, labels = _cp_split(pipe, input_ids, labels)  # (b, s/cp) each under CP
     run = pipe.executor.run(input_ids, labels, mode="logprobs")
     src = mesh.pp.global_rank(pipe.schedule.placement[-1])
     out = []

@@ -16,6 +16,7 @@ from torch import nn
 from fivefold.data.loader import IGNORE_INDEX, Microbatch, StepBatch
 from fivefold.runtime import comm
 from fivefold.runtime.mesh import Group
+from fivefold.parallel.context import split_tokens
 from fivefold.parallel.data import GradReducer
 from fivefold.parallel.distributed_optimizer import DistributedOptimizer
 from fivefold.parallel.tensor import owns_grad, reduce_tp_grads
@@ -36,10 +37,19 @@ def autocast(precision: str, device: torch.device):
     return contextlib.nullcontext()
 
 
+def cp_tokens(model: nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """This context-parallel rank's (b, s/cp) share of a microbatch's ids and labels (the model's
+    CP split, fivefold.parallel.context); the whole (b, s) without CP."""
+    cp = getattr(model, "cp", None)
+    return (ids, labels) if cp is None else split_tokens(ids, labels, cp, model.sequence_multiple)
+
+
 def loss_sum(model: nn.Module, mb: Microbatch, precision: str, device: torch.device) -> torch.Tensor:
-    """Sum of next-token cross-entropies over the microbatch's target tokens (fp32): Decoder.loss."""
+    """Sum of next-token cross-entropies over the microbatch's target tokens (fp32): Decoder.loss.
+    Under CP over this rank's s/cp tokens: the sums over DP x CP add up to the global batch's."""
+    ids, labels = cp_tokens(model, mb.input_ids, mb.labels)
     with autocast(precision, device):
-        total, _ = model.loss(mb.input_ids.to(device), mb.labels.to(device), ignore_index=IGNORE_INDEX)
+        total, _ = model.loss(ids.to(device), labels.to(device), ignore_index=IGNORE_INDEX)
     return total
 
 

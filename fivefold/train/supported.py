@@ -28,7 +28,6 @@ def _is(*ok):
 
 
 RUNTIME_KNOBS: list[Knob] = [
-    Knob("parallel.context_parallel_size", _is(1), "context parallelism (CP > 1)"),
     Knob("parallel.expert_model_parallel_size", _is(1), "expert parallelism (EP > 1)"),
     Knob("parallel.expert_tensor_parallel_size", _is(None, 1), "expert tensor parallelism (ETP > 1)"),
     Knob("model.num_experts", _is(None, 0), "Mixture-of-Experts layers"),
@@ -52,5 +51,5 @@ def check_supported(config: Config) -> None:
     problems = unsupported(config)
     if problems:
         raise NotImplementedYet("training with " + "; ".join(problems) +
-                                " — this runtime trains data, tensor, sequence and pipeline parallelism "
-                                "(DP, TP, SP, PP, in any combination) so far")
+                                " — this runtime trains data, tensor, sequence, context and pipeline "
+                                "parallelism (DP, TP, SP, CP, PP, in any combination) so far")

@@ -40,6 +40,7 @@ def init_rank(config: Config, out_dir: Path) -> RankContext:
 def describe(ctx: RankContext, backend: str, config: Config) -> str:
     p = config.parallel
     extras = (["SP"] if p.sequence_parallel and ctx.layout.tp > 1 else []) + \
+        ([f"CP {p.cp_comm_type}"] if ctx.layout.cp > 1 else []) + \
         ([f"schedule {p.pipeline_schedule_csv or p.pipeline_schedule}"] if ctx.layout.pp > 1 else [])
     return (f"{layout_text(ctx.layout)}{''.join(', ' + e for e in extras)} (order {ctx.layout.order}), "
             f"{ctx.world_size} ranks, {backend} on {ctx.device.type}")
