@@ -78,6 +78,10 @@ CASES = [
     Case("TP2 SP MLA mbs2", 2, 2, 2, model={"multi_latent_attention": True, "q_lora_rank": 96, "kv_lora_rank": 64,
                                               "qk_head_dim": 64, "qk_pos_emb_head_dim": 32, "v_head_dim": 64},
          parallel={"tensor_model_parallel_size": 2, "sequence_parallel": True}),
+    Case("CP2 p2p mbs2", 2, 2, 2, parallel={"context_parallel_size": 2, "cp_comm_type": "p2p"}),
+    Case("CP2 a2a mbs2", 2, 2, 2, parallel={"context_parallel_size": 2, "cp_comm_type": "a2a"}),
+    Case("TP2 SP x CP2 p2p mbs1", 4, 1, 1, parallel={"tensor_model_parallel_size": 2, "sequence_parallel": True,
+                                                       "context_parallel_size": 2}),
     Case("PP2 ZB-H1 mbs1 GA4 tied", 2, 1, 4, model={"tie_word_embeddings": True},
          parallel={"pipeline_model_parallel_size": 2, "pipeline_schedule": "zb-h1"}),
 ]
