@@ -21,7 +21,11 @@ D = rowsum(dO * O), each block recomputes P = exp(q k^T * scale - L) and gives
   dV_j += P^T dO,  dS = P * (dO V_j^T - D),  dQ += dS K_j * scale,  dK_j += dS^T Q * scale.
 K/V rotate again exactly as forward; the partial dK_j, dV_j (fp32) of step i >= 1 travel one hop
 behind them, collecting every rank's contribution, and reach their owner after step n-1, where they
-are added to its own step-0 part. Block math is in fp32 (einsum, GQA by grouping query heads).
+are added to its own step-0 part. Block math is in fp32. On CPU, when q and v have the same head
+width, each block runs torch's CPU flash kernel (forward returns O_i and L_i; backward takes the merged
+O and L, as FlashAttention-based rings do), which is tiled: no (rows x keys) score block is ever
+materialised, so a rank's memory grows with s/n, not (s/n)^2. Otherwise (MLA's dv != d, or another
+device) the same math runs as einsums, GQA by grouping query heads.
 """
 from __future__ import annotations
 
@@ -46,22 +50,42 @@ def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool) -> tor
     return s
 
 
+def _flash(q: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether torch's CPU flash kernel serves a block (it needs equal q/k/v head widths)."""
+    return q.device.type == "cpu" and q.shape[-1] == v.shape[-1]
+
+
+def _per_query_head(t: torch.Tensor, a: int) -> torch.Tensor:
+    """(b, g, rk, d) -> (b, a, rk, d) fp32: each KV head repeated for its a/g query heads (as repeat_kv)."""
+    return t.float().repeat_interleave(a // t.shape[1], dim=1)
+
+
 def block_forward(q, k, v, scale: float, causal: bool):
     """Partial attention of one block: q (b, a, rq, d), k (b, g, rk, d), v (b, g, rk, dv) ->
     O (b, a, rq, dv) fp32 and L (b, a, rq) fp32."""
     b, a, rq, _ = q.shape
     g = k.shape[1]
+    if _flash(q, v):
+        o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q.float(), _per_query_head(k, a), _per_query_head(v, a), 0.0, causal, attn_mask=None, scale=scale)
+        return o, lse
     s = _scores(_grouped(q.float(), g), k.float(), scale, causal)  # (b, g, a/g, rq, rk)
     lse = torch.logsumexp(s, dim=-1)  # (b, g, a/g, rq)
     o = torch.einsum("bgmqk,bgkd->bgmqd", torch.exp(s - lse.unsqueeze(-1)), v.float())  # (b, g, a/g, rq, dv)
     return o.reshape(b, a, rq, -1), lse.reshape(b, a, rq)
 
 
-def block_backward(q, k, v, do, lse, delta, scale: float, causal: bool):
-    """Gradients of one block from the merged L and D = rowsum(dO * O):
+def block_backward(q, k, v, do, out, lse, delta, scale: float, causal: bool):
+    """Gradients of one block from the merged O, L and D = rowsum(dO * O):
     returns dq (b, a, rq, d), dk (b, g, rk, d), dv (b, g, rk, dv), all fp32."""
     b, a, rq, _ = q.shape
     g = k.shape[1]
+    if _flash(q, v):
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            do, q.float(), _per_query_head(k, a), _per_query_head(v, a), out, lse, 0.0, causal,
+            attn_mask=None, scale=scale)
+        rk = k.shape[2]
+        return dq, dk.view(b, g, a // g, rk, -1).sum(2), dv.view(b, g, a // g, rk, -1).sum(2)
     qg, dog = _grouped(q.float(), g), _grouped(do, g)  # (b, g, a/g, rq, d|dv)
     s = _scores(qg, k.float(), scale, causal)
     p = torch.exp(s - _grouped(lse.unsqueeze(-1), g))  # (b, g, a/g, rq, rk); masked entries exp(-inf) = 0
@@ -146,7 +170,8 @@ class RingAttention(torch.autograd.Function):
             rows, cols, causal = _block(i, r, n, c)
             with traffic.span("compute", tag):
                 dq_i, dk_i, dv_i = block_backward(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols],
-                                                  do[:, :, rows], lse[:, :, rows], delta[:, :, rows], scale, causal)
+                                                  do[:, :, rows], out[:, :, rows], lse[:, :, rows], delta[:, :, rows],
+                                                  scale, causal)
             dq[:, :, rows] += dq_i
             dkv = [torch.zeros_like(kv[0], dtype=torch.float32), torch.zeros_like(kv[1], dtype=torch.float32)]
             dkv[0][:, :, cols] += dk_i
