@@ -4,9 +4,9 @@ from benchmarks/planner_vs_measured.py (which runs all of them and prints the ta
 Tolerances are the planner issue's goals, not fitted: model-communication call bytes within 1%
 (they are a closed form of the parameter count and shapes; the DP gradient all-reduce is in fact
 exact, asserted as such), peak tensor memory within 10% (the planner leaves out kilobyte-sized
-tensors: RoPE tables, token ids, AdamW's step counters, ~0.1% without PP; pipeline ranks keep a
-received boundary tensor per microbatch within the step that it does not model, ~0.5% here and
-up to 8% on PP4's middle ranks in the benchmark).
+tensors: RoPE tables, token ids, AdamW's step counters, ~0.1% without PP; on gloo the pipeline
+executor keeps every tensor it sent until the step ends, which the planner does not model: ~0.5%
+here, up to 8.5% on PP4's middle ranks in the benchmark).
 """
 from __future__ import annotations
 
