@@ -4,7 +4,9 @@ from benchmarks/planner_vs_measured.py (which runs all of them and prints the ta
 Tolerances are the planner issue's goals, not fitted: model-communication call bytes within 1%
 (they are a closed form of the parameter count and shapes; the DP gradient all-reduce is in fact
 exact, asserted as such), peak tensor memory within 10% (the planner leaves out kilobyte-sized
-tensors: RoPE tables, token ids, AdamW's step counters; the benchmark shows ~0.1%).
+tensors: RoPE tables, token ids, AdamW's step counters, ~0.1% without PP; on gloo the pipeline
+executor keeps every tensor it sent until the step ends, which the planner does not model: ~0.5%
+here, up to 8.5% on PP4's middle ranks in the benchmark).
 """
 from __future__ import annotations
 
@@ -12,9 +14,14 @@ import pytest
 
 from benchmarks.planner_vs_measured import CASES, MEMORY_TOL, run_case
 
-CHOSEN = ["DP2 mbs2", "DP2 mbs2 GA2 tied", "TP2 SP mbs2"]
-"""Untied with one microbatch, tied with gradient accumulation, and TP with sequence parallelism
-(all-gathers / reduce-scatters, SP-norm gradient all-reduce, vocab-parallel loss): 2 ranks, ~10 s each."""
+CHOSEN = ["CP2 p2p mbs2", "TP2 SP mbs2", "PP2 ZB-H1 mbs1 GA4 tied"]
+"""Context parallelism by ring attention (K/V blocks sent and received, gradients over DP x CP); TP
+with sequence parallelism (all-gathers / reduce-scatters,
+SP-norm gradient all-reduce, vocab-parallel loss); a zero-bubble pipeline with tied embeddings (p2p
+sends and receives, the embedding-gradient all-reduce between the end stages, B-done-W-pending
+gradients in memory): 2 ranks, ~10 s each."""
+
+MODEL_TAG = {"CP2 p2p mbs2": "cp", "TP2 SP mbs2": "sp", "PP2 ZB-H1 mbs1 GA4 tied": "pp"}
 
 
 @pytest.fixture(scope="module")
@@ -32,11 +39,12 @@ def test_estimates_match_one_measured_step(pools, name):
     rows = run_case(pools, case)
     assert len(rows) == case.world
     for r in rows:
-        model_tag = "sp" if "SP" in name else "dp-grad"
+        model_tag = MODEL_TAG[name]
         assert model_tag in r.meas_bytes, f"no {model_tag} communication was counted"
         for tag in r.tags:
-            # closed forms of the shapes (gradient all-reduce of every fp32 gradient; per layer 2
-            # all-gathers + 2 reduce-scatters of b*s*h each way under SP): exact, not just within 1%
+            # closed forms of the shapes (gradient all-reduce of every fp32 gradient; per layer 3
+            # all-gathers + 2 reduce-scatters of b*s*h under SP; one (b, s, h) per send / receive):
+            # exact, not just within 1%
             assert r.est_bytes.get(tag, 0) == r.meas_bytes.get(tag, 0), (tag, r.est_bytes, r.meas_bytes)
         assert abs(r.memory_ratio - 1) <= MEMORY_TOL, (r.rank, r.est_memory.as_dict(), r.meas_kinds)
         # model state is exact (parameters, fp32 grads, AdamW's two moments + per-tensor step counters)

@@ -94,3 +94,13 @@ def test_estimate_cli_takes_megatron_flags_and_a_preset(capsys):
     out = capsys.readouterr().out
     assert "layout: TP4 PP1 DP4" in out and "total" in out
     assert main(["estimate", "--model", "llama3-8b", "--gpus", "16", "--tensor-model-parallel-size", "3"]) == 2
+
+
+def test_explain_says_which_rule_a_seed_row_breaks(capsys):
+    # Seed 002's "Qwen3 30B-A3B: TP4 PP2 EP4" on 8 GPUs leaves DP=1: MoE folding needs ETP x EP = 16
+    # to divide TP x CP x DP = 4; --explain names that rule instead of estimating the row.
+    assert main(["plan", "--model", "qwen3-30b-a3b", "--gpus", "8", "--global-batch", "64", "--top", "1",
+                 "--explain"]) == 0
+    out = capsys.readouterr().out
+    row = out[out.index("Qwen3 30B-A3B: TP4 PP2 EP4"):]
+    assert "not usable here" in row.splitlines()[1] and "MoE folding" in row.splitlines()[1]

@@ -62,6 +62,14 @@ class ArchTraits:
     optimizer_scratch_bytes: float = 0.0
     """Bytes per element of the rank's largest parameter that clipping + the optimizer step allocate
     (fused/multi-tensor kernels: ~0). Eager: the fp64 copy and square in the norm, 16."""
+    flash_needs_equal_head_dims: bool = False
+    """The fused attention kernel only runs when q/k and v have the same head dim; otherwise (MLA:
+    dn + dr != dv) the math kernel keeps the softmax probabilities, a s values per token (torch's
+    CPU flash kernel: True, measured)."""
+    backward_inner_tensors: int = 0
+    """f-wide temporaries one layer's backward holds at its peak, on top of the saved activations
+    (the peak of a rank that holds no logits). Eager SwiGLU: dL/d(g*u), dL/du, dL/dsilu(g): 3
+    (measured on CPU: +3 b s f x 4 bytes during a backward). Fused kernels: not modelled (0)."""
 
     def value_bytes(self) -> int:
         return self.bytes_per_value or 2
@@ -79,7 +87,8 @@ class ArchTraits:
 GPT3_TRAITS = ArchTraits(gated_mlp=False, dropout=True, flash_attention=False, bytes_per_value=2)
 """Korthikanti et al.'s GPT-3 setting."""
 
-EAGER_TRAITS = ArchTraits(norm_tensors=3, mlp_inner_tensors=4, loss_bytes_per_logit=12.0, optimizer_scratch_bytes=16.0)
+EAGER_TRAITS = ArchTraits(norm_tensors=3, mlp_inner_tensors=4, loss_bytes_per_logit=12.0, optimizer_scratch_bytes=16.0,
+                          flash_needs_equal_head_dims=True, backward_inner_tensors=3)
 """fivefold's own eager runtime in fp32 (unfused RMSNorm and SwiGLU, F.cross_entropy, per-tensor
 AdamW, fp64 gradient norm), as measured on CPU."""
 
@@ -123,8 +132,10 @@ def layer_activation_bytes(m: ModelConfig, index: int, b: int, s: int, sh: Shard
         out["MLA latents"] = tokens * latents * B / sp_div
     out["q, k, v"] = tokens * qkv * B / sh.tp
     out["attention output (proj input)"] = tokens * attn_out * B / sh.tp
+    flash = traits.flash_attention and not (traits.flash_needs_equal_head_dims and m.multi_latent_attention
+                                             and m.qk_head_dim + m.qk_pos_emb_head_dim != m.v_head_dim)
     if sh.recompute != "selective":
-        if traits.flash_attention:
+        if flash:
             out["softmax log-sum-exp (fp32)"] = tokens * a * 4 / sh.tp
         else:  # softmax output (B), dropout mask (1 byte), dropout output (B): per head, s keys per query
             out["attention scores"] = tokens * a * s * (B + mask * (1 + B)) / sh.tp
@@ -150,3 +161,32 @@ def full_recompute_transient(m: ModelConfig, index: int, b: int, s: int, sh: Sha
     """With full recompute, the one layer being recomputed holds its whole activations in backward."""
     inner = Sharding(tp=sh.tp, sp=sh.sp, cp=sh.cp, etp=sh.etp, recompute=None)
     return sum(layer_activation_bytes(m, index, b, s, inner, traits).values())
+
+
+def _mlp_width(m: ModelConfig, index: int, b: int, s: int, sh: Sharding) -> float:
+    """f-wide elements per microbatch on this rank: dense f/tp per token, or the routed copies'
+    f_e/etp (+ shared experts' f_s/tp)."""
+    tokens = b * s / sh.cp
+    if not is_moe_layer(m, index):
+        return tokens * m.ffn_size / sh.tp
+    copies = m.moe_router_topk * b * s * sh.etp / (sh.tp * sh.cp)
+    f_s = m.moe_shared_expert_intermediate_size or 0
+    return copies * (m.moe_ffn_hidden_size or m.ffn_size) / sh.etp + tokens * f_s / sh.tp
+
+
+def backward_transient(m: ModelConfig, index: int, b: int, s: int, sh: Sharding, traits: ArchTraits) -> float:
+    """Bytes of the temporaries at the peak of one layer's backward (`ArchTraits.backward_inner_tensors`)."""
+    return traits.backward_inner_tensors * _mlp_width(m, index, b, s, sh) * traits.value_bytes()
+
+
+def weight_grad_join_bytes(m: ModelConfig, index: int, b: int, s: int, sh: Sharding, traits: ArchTraits) -> float:
+    """Zero-bubble schedules: bytes a layer keeps per microbatch between its input-gradient (B) and
+    weight-gradient (W) halves, beyond its saved activations: the gradient recorded at each linear's
+    output (pipeline/backward.py's joins): q, k, v and gate/up outputs (split by TP), the o and down
+    outputs (h each, whole: a row-parallel output before its reduction), the two norms' gain
+    products (h each, split by TP only with SP)."""
+    qkv, _ = _attention_elements(m)
+    tokens = b * s / sh.cp
+    per_token = qkv / sh.tp + 2 * m.hidden_size + 2 * m.hidden_size / (sh.tp if sh.sp else 1)
+    gate_up = 2 * _mlp_width(m, index, b, s, sh)
+    return (tokens * per_token + gate_up) * traits.value_bytes()

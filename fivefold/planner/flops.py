@@ -29,7 +29,7 @@ def layer_forward_flops(m: ModelConfig, index: int, seq: int) -> float:
     """Forward FLOPs per token of decoder layer `index`."""
     lp = layer_params(m, index)
     router = m.hidden_size * m.num_experts if lp.experts else 0
-    matmul = lp.attention + lp.dense_mlp + lp.active_experts + router
+    matmul = lp.attention + lp.latent + lp.dense_mlp + lp.active_experts + router
     return 2 * matmul + attention_core_flops(m, seq)
 
 
@@ -39,5 +39,13 @@ def output_forward_flops(m: ModelConfig) -> float:
 
 def model_flops_per_token(m: ModelConfig, seq: int) -> float:
     """Training (forward + backward) model FLOPs per token."""
-    fwd = sum(layer_forward_flops(m, i, seq) for i in range(m.num_layers)) + output_forward_flops(m)
-    return 3 * fwd
+    key = (id(m), seq)
+    got = _PER_TOKEN.get(key)
+    if got is None or got[0] is not m:
+        fwd = sum(layer_forward_flops(m, i, seq) for i in range(m.num_layers)) + output_forward_flops(m)
+        got = _PER_TOKEN[key] = (m, 3 * fwd)
+    return got[1]
+
+
+_PER_TOKEN: dict[tuple[int, int], tuple[ModelConfig, float]] = {}
+"""(id(model), seq) -> (the model, its FLOPs per token): the search asks once per layout."""

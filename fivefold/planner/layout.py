@@ -15,19 +15,27 @@ from fivefold.pipeline.ir import standard_placement, v_placement
 from fivefold.config.rules import sizes_of, stage_layers
 
 
+def split_key(config: Config) -> tuple:
+    """What the layer split depends on."""
+    p, n = config.parallel, config.model.num_layers
+    return (n, p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size, p.pipeline_schedule,
+            tuple(p.pipeline_layers_per_stage or ()), p.decoder_first_pipeline_num_layers,
+            p.decoder_last_pipeline_num_layers, p.account_for_embedding_in_pipeline_split,
+            p.account_for_loss_in_pipeline_split)
+
+
 def virtual_stage_layers(config: Config) -> list[int]:
     """Decoder layers per virtual stage, in virtual-stage order (length pp * vpp); ValueError if none."""
-    p, n = config.parallel, config.model.num_layers
-    key = (n, p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size, p.pipeline_schedule,
-           tuple(p.pipeline_layers_per_stage or ()), p.decoder_first_pipeline_num_layers,
-           p.decoder_last_pipeline_num_layers, p.account_for_embedding_in_pipeline_split,
-           p.account_for_loss_in_pipeline_split)
+    key = split_key(config)
     if key not in _SPLITS:
         _SPLITS[key] = list(stage_layers(sizes_of(config)))
     return _SPLITS[key]
 
 
 _SPLITS: dict[tuple, list[int]] = {}
+_GROUPS: dict[tuple, tuple] = {}
+"""Plan.layer_key -> (the model, {rank: layer groups}): the search evaluates one split under many
+micro-batch / optimizer variants, so the grouping is computed once per split, not once per Plan."""
 
 
 @dataclass(frozen=True)
@@ -40,66 +48,66 @@ class Plan:
     def p(self):
         return self.config.parallel
 
-    @property
+    @cached_property
     def tp(self) -> int:
         return self.p.tensor_model_parallel_size
 
-    @property
+    @cached_property
     def sp(self) -> bool:
         return self.p.sequence_parallel and self.tp > 1
 
-    @property
+    @cached_property
     def cp(self) -> int:
         return self.p.context_parallel_size
 
-    @property
+    @cached_property
     def pp(self) -> int:
         return self.p.pipeline_model_parallel_size
 
-    @property
+    @cached_property
     def vpp(self) -> int:
         """Model chunks per pipeline rank: VPP for interleaving, 2 for DualPipeV's V, else 1."""
         if self.schedule == "dualpipev":
             return 2
         return self.p.virtual_pipeline_model_parallel_size or 1
 
-    @property
+    @cached_property
     def ep(self) -> int:
         return self.p.expert_model_parallel_size if self.config.model.is_moe else 1
 
-    @property
+    @cached_property
     def etp(self) -> int:
         if not self.config.model.is_moe:
             return 1
         e = self.p.expert_tensor_parallel_size
         return self.tp if e is None else e
 
-    @property
+    @cached_property
     def world(self) -> int:
         return self.config.cluster.resolved_world_size
 
-    @property
+    @cached_property
     def dp(self) -> int:
         return self.world // (self.tp * self.cp * self.pp)
 
-    @property
+    @cached_property
     def edp(self) -> int:
         return (self.tp * self.cp * self.dp) // (self.etp * self.ep)
 
-    @property
+    @cached_property
     def mbs(self) -> int:
         return self.config.training.micro_batch_size
 
-    @property
+    @cached_property
     def seq(self) -> int:
         return self.config.training.seq_length
 
-    @property
+    @cached_property
     def microbatches(self) -> int:
         t = self.config.training
         return t.global_batch_size // (t.micro_batch_size * self.dp)
 
-    @property
+    @cached_property
     def schedule(self) -> str:
         if self.pp == 1:
             return "1f1b"
@@ -107,14 +115,19 @@ class Plan:
             return "interleaved"
         return self.p.pipeline_schedule
 
-    @property
+    @cached_property
     def recompute(self) -> str | None:
         t = self.config.training
         return t.recompute_granularity
 
-    @property
+    @cached_property
     def precision(self) -> str:
         return self.config.training.precision
+
+    @cached_property
+    def placement(self) -> tuple[int, ...]:
+        """Pipeline rank of each virtual stage (the schedule generators' placement)."""
+        return v_placement(self.pp) if self.schedule == "dualpipev" else standard_placement(self.pp, self.vpp)
 
     @cached_property
     def rank_chunks(self) -> list[list[range]]:
@@ -123,13 +136,25 @@ class Plan:
         if len(counts) != self.pp * self.vpp or sum(counts) != self.config.model.num_layers:
             raise UserError(f"layer split {counts} does not give {self.config.model.num_layers} layers "
                             f"over {self.pp} x {self.vpp} stages")
-        placement = v_placement(self.pp) if self.schedule == "dualpipev" else standard_placement(self.pp, self.vpp)
+        placement = self.placement
         chunks: list[list[range]] = [[] for _ in range(self.pp)]
         start = 0
         for i, n in enumerate(counts):
             chunks[placement[i]].append(range(start, start + n))
             start += n
         return chunks
+
+    @cached_property
+    def layer_key(self) -> tuple:
+        """What `layer_groups` depends on (the model by identity)."""
+        return id(self.config.model), split_key(self.config), self.schedule, self._recomputed_count()
+
+    @cached_property
+    def _groups(self) -> dict:
+        entry = _GROUPS.get(self.layer_key)
+        if entry is None or entry[0] is not self.config.model:
+            entry = _GROUPS[self.layer_key] = (self.config.model, {})
+        return entry[1]
 
     def layer_groups(self, rank: int) -> list[tuple[int, bool, int]]:
         """`rank`'s layers grouped by what their cost depends on: (a representative layer index,
@@ -163,7 +188,3 @@ class Plan:
         if t.recompute_method == "block":
             return (t.recompute_num_layers or 0) * self.vpp
         return self.config.model.num_layers
-
-    @cached_property
-    def _groups(self) -> dict:
-        return {}

@@ -25,7 +25,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from fivefold.planner.activations import EAGER_TRAITS, ArchTraits, Sharding, full_recompute_transient, layer_activation_bytes
+from fivefold.planner.activations import (EAGER_TRAITS, ArchTraits, Sharding, backward_transient, full_recompute_transient,
+                                          layer_activation_bytes, weight_grad_join_bytes)
 from fivefold.planner.layout import Plan
 from fivefold.planner.params import embedding_params, is_moe_layer, layer_params
 from fivefold.planner.pipeline import pipeline_profile
@@ -85,13 +86,25 @@ def state_bytes_per_param(precision: str, distributed: bool, d: int) -> tuple[fl
     return 2.0, 4.0, 12.0 / d if distributed else 12.0
 
 
+_PARAMS: dict[tuple, tuple[float, float]] = {}
+"""rank_params by (Plan.layer_key, rank, tp, etp, ep): the model is kept alive by layout._GROUPS."""
+
+
 def rank_params(plan: Plan, rank: int) -> tuple[float, float]:
     """(dense, expert) parameters held by one rank of pipeline rank `rank` (padded vocabulary)."""
+    key = (plan.layer_key, rank, plan.tp, plan.etp, plan.ep)
+    got = _PARAMS.get(key)
+    if got is None:
+        got = _PARAMS[key] = _rank_params(plan, rank)
+    return got
+
+
+def _rank_params(plan: Plan, rank: int) -> tuple[float, float]:
     m = plan.config.model
     dense = expert = 0.0
     for i, _, n in plan.layer_groups(rank):
         lp = layer_params(m, i)
-        dense += ((lp.attention + lp.dense_mlp) / plan.tp + lp.norms) * n
+        dense += ((lp.attention + lp.dense_mlp) / plan.tp + lp.latent + lp.norms) * n
         expert += lp.experts / (plan.etp * plan.ep) * n
     emb = embedding_params(m, plan.tp) / plan.tp
     if rank == 0:
@@ -134,7 +147,7 @@ def memory_per_rank(plan: Plan, assume: MemoryAssumptions = MemoryAssumptions())
         shape = (tuple((is_moe_layer(m, i), rec, n) for i, rec, n in groups), r == 0, r == plan.pp - 1)
         if shape not in shapes:
             shapes[shape] = _rank_shape(plan, r, groups, kinds, sh, assume)
-        (dense, expert), detail, per_mb, transient = shapes[shape]
+        (dense, expert), detail, per_mb, transient, joins, bwd = shapes[shape]
         wd, gd, od = state_bytes_per_param(prec, distopt, plan.dp * plan.cp)
         we, ge, oe = state_bytes_per_param(prec, distopt, plan.edp)
         rm.params = dense + expert
@@ -147,6 +160,14 @@ def memory_per_rank(plan: Plan, assume: MemoryAssumptions = MemoryAssumptions())
             rm.logits = tokens * m.padded_vocab_size(plan.tp) / plan.tp * traits.loss_bytes()
             # the final norm's saved tensors (its input, the output layer's input; + x/rms(x) unfused)
             rm.logits += traits.norm_tensors * tokens * m.hidden_size * B / (plan.tp if plan.sp else 1)
+        # the peak is at a forward (the last rank's logits) or in a layer's backward, each with the
+        # zero-bubble schedules' B-done-W-pending gradients (+ on the last rank the logits' gradient,
+        # the output layer's join, and the loss's saved fp32 log-softmax, kept with the graph until W)
+        if r == plan.pp - 1:
+            joins += tokens * m.padded_vocab_size(plan.tp) / plan.tp * (B + 4)
+        at_forward = prof.pending_weight_microbatches(r, at_forward=True) * joins + rm.logits
+        in_backward = prof.pending_weight_microbatches(r) * joins + bwd
+        rm.activations += max(at_forward, in_backward) - rm.logits
         sp_div = plan.tp if plan.sp else 1
         buffers = tokens * m.hidden_size * B * (4 / sp_div if plan.pp > 1 else 0)  # PP send/recv, fwd + bwd
         if plan.tp > 1:
@@ -167,7 +188,7 @@ def _rank_shape(plan: Plan, r: int, groups, kinds: dict, sh: Sharding, assume: M
     """(params (dense, expert), activation bytes by tensor, per-microbatch total, recompute transient)."""
     m, b, s = plan.config.model, plan.mbs, plan.seq
     detail: dict[str, float] = {}
-    per_mb, transient = 0.0, 0.0
+    per_mb, transient, joins, bwd = 0.0, 0.0, 0.0, 0.0
     for i, recomputed, n in groups:
         key = (is_moe_layer(m, i), recomputed)
         if key not in kinds:
@@ -180,7 +201,9 @@ def _rank_shape(plan: Plan, r: int, groups, kinds: dict, sh: Sharding, assume: M
             detail[k] = detail.get(k, 0.0) + v * n
             per_mb += v * n
         transient = max(transient, peak)
-    return rank_params(plan, r), detail, per_mb, transient
+        joins += weight_grad_join_bytes(m, i, b, s, sh, assume.traits) * n
+        bwd = max(bwd, backward_transient(m, i, b, s, sh, assume.traits))
+    return rank_params(plan, r), detail, per_mb, transient, joins, bwd
 
 
 def peak_memory(plan: Plan, assume: MemoryAssumptions = MemoryAssumptions()) -> RankMemory:

@@ -23,7 +23,7 @@ class LayerParams:
     """Parameters of one decoder layer, split by how they are sharded."""
 
     attention: int
-    """Attention projections (split by TP)."""
+    """Attention projections split by TP (MLA: the up-projections and o)."""
     norms: int
     """RMSNorm weights and the router (replicated over TP)."""
     dense_mlp: int
@@ -32,14 +32,16 @@ class LayerParams:
     """All routed experts (split by ETP x EP); 0 in a dense layer."""
     active_experts: int
     """Routed-expert parameters one token passes through (top-k of them)."""
+    latent: int = 0
+    """MLA's down-projections and latent norms, replicated over TP (fivefold/model/mla.py)."""
 
     @property
     def total(self) -> int:
-        return self.attention + self.norms + self.dense_mlp + self.experts
+        return self.attention + self.latent + self.norms + self.dense_mlp + self.experts
 
     @property
     def active(self) -> int:
-        return self.attention + self.norms + self.dense_mlp + self.active_experts
+        return self.attention + self.latent + self.norms + self.dense_mlp + self.active_experts
 
 
 def attention_params(m: ModelConfig) -> int:
@@ -51,6 +53,15 @@ def attention_params(m: ModelConfig) -> int:
         return q + kv + a * dv * h
     d, g = m.head_dim, m.kv_heads
     return 2 * h * a * d + 2 * h * g * d
+
+
+def latent_params(m: ModelConfig) -> int:
+    """MLA's replicated part of `attention_params`: W_qa and its norm (with query compression), W_kva
+    and the KV latent's norm. 0 for GQA."""
+    if not m.multi_latent_attention:
+        return 0
+    h, r_kv, r_q = m.hidden_size, m.kv_lora_rank, m.q_lora_rank
+    return h * (r_kv + m.qk_pos_emb_head_dim) + r_kv + (h * r_q + r_q if r_q else 0)
 
 
 def is_moe_layer(m: ModelConfig, index: int) -> bool:
@@ -74,14 +85,16 @@ def layer_params(m: ModelConfig, index: int) -> LayerParams:
 
 def _layer_params(m: ModelConfig, index: int) -> LayerParams:
     h = m.hidden_size
-    attn = attention_params(m)
+    latent = latent_params(m)
+    attn = attention_params(m) - latent
     if not is_moe_layer(m, index):
-        return LayerParams(attention=attn, norms=2 * h, dense_mlp=3 * h * m.ffn_size, experts=0, active_experts=0)
+        return LayerParams(attention=attn, norms=2 * h, dense_mlp=3 * h * m.ffn_size, experts=0, active_experts=0,
+                           latent=latent)
     f_e = m.moe_ffn_hidden_size or m.ffn_size
     shared = 3 * h * (m.moe_shared_expert_intermediate_size or 0)
     per_expert = 3 * h * f_e
     return LayerParams(attention=attn, norms=2 * h + h * m.num_experts, dense_mlp=shared,
-                       experts=m.num_experts * per_expert, active_experts=m.moe_router_topk * per_expert)
+                       experts=m.num_experts * per_expert, active_experts=m.moe_router_topk * per_expert, latent=latent)
 
 
 def embedding_params(m: ModelConfig, tp: int | None = None) -> int:

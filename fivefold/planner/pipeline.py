@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from fivefold.pipeline.generators import build_schedule
+from fivefold.pipeline.ir import Kind
 from fivefold.pipeline.rules import SCHEDULES
 from fivefold.pipeline.simulate import Costs, simulate
 
@@ -34,33 +35,64 @@ class PipelineProfile:
     """Per pipeline rank: peak number of (microbatch, model chunk) forward activations held."""
     vpp: int
     """Model chunks per rank (1 without interleaving; 2 for DualPipeV's V)."""
+    pending_weight_chunks: tuple[int, ...] = ()
+    """Per pipeline rank: peak number of (microbatch, chunk) whose input gradient (B) is done and
+    whose weight gradient (W) is not yet: zero-bubble schedules keep their graphs and the gradients
+    recorded at each linear's output meanwhile. 0 where B and W run as one (BW), and for stage 0
+    (its input is token ids: B has nothing to compute, W runs the whole backward)."""
+    pending_weight_chunks_at_forward: tuple[int, ...] = ()
+    """The same, peak over the moments a forward runs (when the last stage holds its logits)."""
 
     def inflight_microbatches(self, rank: int) -> float:
         """Peak held activations of `rank` in units of its whole stage's per-microbatch activations."""
         return self.inflight_chunks[rank] / self.vpp
 
+    def pending_weight_microbatches(self, rank: int, at_forward: bool = False) -> float:
+        """Peak B-done-W-pending work of `rank` (over the step, or while a forward runs), in units
+        of its whole stage's microbatches."""
+        held = self.pending_weight_chunks_at_forward if at_forward else self.pending_weight_chunks
+        return held[rank] / self.vpp if held else 0.0
+
 
 @lru_cache(maxsize=1024)
 def _simulate(schedule: str, pp: int, vpp: int | None, m: int):
-    """(makespan in stage times, peak in-flight chunks per rank, chunks per rank), equal stages."""
+    """(makespan in stage times, peak in-flight chunks per rank, chunks per rank, peak B-done-W-pending
+    chunks per rank), equal stages."""
     s = build_schedule(schedule, pp, m, vpp if schedule == "interleaved" else None)
     r = simulate(s, Costs.per_rank(s, 1 / 3, 1 / 3, 1 / 3))
-    return r.makespan, tuple(r.peak_in_flight), tuple(r.stages_per_rank)
+    pending = [_pending_w(a) for a in s.ranks]
+    return (r.makespan, tuple(r.peak_in_flight), tuple(r.stages_per_rank), tuple(p for p, _ in pending),
+            tuple(f for _, f in pending))
+
+
+def _pending_w(actions) -> tuple[int, int]:
+    """Peak of (B pieces done - W pieces done) on stages > 0 over one rank's actions, in its order:
+    over all of them, and at the forwards."""
+    pending = peak = at_forward = 0
+    for a in actions:
+        for piece in ([] if a.kind.is_comm else a.pieces()):
+            if piece.kind is Kind.F:
+                at_forward = max(at_forward, pending)
+            elif piece.stage > 0:
+                pending += (piece.kind is Kind.B) - (piece.kind is Kind.W)
+                peak = max(peak, pending)
+    return peak, at_forward
 
 
 def pipeline_profile(schedule: str, pp: int, vpp: int | None, m: int) -> PipelineProfile:
     if schedule not in SCHEDULES:
         raise ValueError(f"the planner has no model of schedule {schedule!r}; use one of {SCHEDULES}")
     m0 = min(m, SIMULATED * pp)
-    _, held, chunks = _simulate(schedule, pp, vpp, m0)
+    _, held, chunks, pending, at_forward = _simulate(schedule, pp, vpp, m0)
     held = tuple(m * c if h == m0 * c else h for h, c in zip(held, chunks))
-    return PipelineProfile(inflight_chunks=held, vpp=chunks[0])
+    return PipelineProfile(inflight_chunks=held, vpp=chunks[0], pending_weight_chunks=pending,
+                           pending_weight_chunks_at_forward=at_forward)
 
 
 def bubble_stage_times(schedule: str, pp: int, vpp: int | None, m: int) -> float:
     """B_u: the idle time of m microbatches with equal stages, in units of one rank's microbatch time."""
     m0 = min(m, SIMULATED * pp)
-    makespan, _, _ = _simulate(schedule, pp, vpp, m0)
+    makespan = _simulate(schedule, pp, vpp, m0)[0]
     return makespan - m0
 
 

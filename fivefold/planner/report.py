@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from fivefold.config.schema import ModelConfig
+from fivefold.planner.collectives import layer_collectives
 from fivefold.planner.layout import Plan
 from fivefold.planner.memory import RankMemory, memory_per_rank
 from fivefold.planner.presets.hardware import Hardware
 from fivefold.planner.search import Candidate, evaluate, make_config
+from fivefold.planner.space import layer_splits
 from fivefold.planner.seeds import (GB, SEED_ACCOUNTING_EXPLAINED, SeedRule, rules_for, seed_memory_accounting,
                                     sequence_rule)
 
@@ -48,7 +50,8 @@ def why(c: Candidate, model: ModelConfig, gpus_per_node: int) -> list[str]:
     p, e = c.plan, c.estimate
     out = []
     if p.tp > 1:
-        out.append(f"TP={p.tp}: its {8 if p.sp else 4} collectives per layer stay on the {e.links['tp']} link "
+        calls = sum(c.group == "tp" for c in layer_collectives(p, model.num_layers - 1))
+        out.append(f"TP={p.tp}: its {calls} collectives per layer stay on the {e.links['tp']} link "
                    f"({gpus_per_node} GPUs per node); heads {model.num_attention_heads}/{p.tp} = "
                    f"{model.num_attention_heads // p.tp} per rank")
     else:
@@ -68,24 +71,26 @@ def why(c: Candidate, model: ModelConfig, gpus_per_node: int) -> list[str]:
 
 def seed_candidate(rule: SeedRule, model: ModelConfig, hw: Hardware, world: int, gpus_per_node: int, seq: int,
                    global_batch: int, precision: str) -> tuple[Candidate | None, str]:
-    """The fastest fitting reading of a seed rule (ranges tried, recompute added if needed), or why none."""
+    """The fastest fitting reading of a seed rule (ranges tried; where the layers do not divide over
+    PP, the uneven splits the search itself tries; recompute added if needed), or why none."""
     best, reasons = None, []
     for tp in rule.tp:
         for pp in rule.pp:
-            parallel = dict(tensor_model_parallel_size=tp, sequence_parallel=tp > 1, pipeline_model_parallel_size=pp,
-                            context_parallel_size=rule.cp, expert_model_parallel_size=rule.ep)
-            for recompute in (None, "selective", "full"):
-                cfg = make_config(model, world, gpus_per_node, seq, global_batch, precision, parallel,
-                                  recompute=recompute)
-                c = evaluate(cfg, hw)
-                if c.estimate is None:
-                    reasons.append(f"TP{tp} PP{pp} rc={recompute}: {c.problem}")
-                    if not c.problem.startswith("needs"):
-                        break
-                    continue
-                if best is None or c.estimate.step_time < best.estimate.step_time:
-                    best = c
-                break
+            for split in layer_splits(model.num_layers, pp, 1) or [{}]:
+                parallel = dict(tensor_model_parallel_size=tp, sequence_parallel=tp > 1, pipeline_model_parallel_size=pp,
+                                context_parallel_size=rule.cp, expert_model_parallel_size=rule.ep, **split)
+                for recompute in (None, "selective", "full"):
+                    cfg = make_config(model, world, gpus_per_node, seq, global_batch, precision, parallel,
+                                      recompute=recompute)
+                    c = evaluate(cfg, hw)
+                    if c.estimate is None:
+                        reasons.append(f"TP{tp} PP{pp} rc={recompute}: {c.problem}")
+                        if not c.problem.startswith("needs"):
+                            break
+                        continue
+                    if best is None or c.estimate.step_time < best.estimate.step_time:
+                        best = c
+                    break
     return best, "; ".join(reasons[-1:])
 
 

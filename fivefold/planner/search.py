@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from fivefold.config.schema import ClusterConfig, Config, ModelConfig, ParallelConfig, TrainingConfig
 from fivefold.planner.layout import Plan
-from fivefold.planner.memory import MemoryAssumptions, RankMemory, peak_memory
+from fivefold.planner.memory import MemoryAssumptions, RankMemory, peak_memory, rank_params, state_bytes_per_param
 from fivefold.planner.presets.hardware import Hardware
 from fivefold.planner.space import SearchSpace, structures
 from fivefold.planner.steptime import StepEstimate, TimeAssumptions, step_time
@@ -109,24 +109,47 @@ def search(model: ModelConfig, hw: Hardware, world: int, gpus_per_node: int, seq
         base = make_config(model, world, gpus_per_node, seq, global_batch, precision, parallel)
         broken = config_errors(base)
         dp = Plan(base).dp
-        for mbs in space.micro_batch_sizes:
-            if global_batch % (mbs * dp):
-                continue
-            for distopt in space.distributed_optimizer:
+        for distopt in space.distributed_optimizer:
+            # Model state does not depend on the micro-batch or recompute: when it alone does not fit,
+            # no variant does. Activations never shrink with a larger micro-batch (the schedule holds
+            # min(k, m) microbatches of m = B/(mbs dp)), so once a micro-batch fits with no recompute
+            # mode, larger ones are dropped for the same reason without being sized.
+            state = None if broken else state_problem(_variant(base, 1, None, distopt), hw, mem)
+            too_big = None
+            for mbs in space.micro_batch_sizes:
+                if global_batch % (mbs * dp):
+                    continue
                 for recompute in space.recompute:
                     result.tried += 1
                     cfg = _variant(base, mbs, recompute, distopt)
-                    if broken:
-                        result.dropped.append((cfg, "; ".join(broken)))
+                    if broken or state or too_big:
+                        result.dropped.append((cfg, "; ".join(broken) or state or too_big))
                         break
                     cand = evaluate(cfg, hw, mem, ta, check=mbs != 1 or recompute is not None)
                     if cand.problem:
                         result.dropped.append((cfg, cand.problem))
+                        if cand.problem.startswith("needs") and recompute == space.recompute[-1]:
+                            too_big = cand.problem
                         continue
                     result.ranked.append(cand)
                     break  # slower recompute modes than one that fits never win
     result.ranked.sort(key=lambda c: c.estimate.step_time)
     return result
+
+
+def state_problem(cfg: Config, hw: Hardware, mem: MemoryAssumptions = MemoryAssumptions()) -> str | None:
+    """Why `cfg` cannot fit whatever its activations (weights + gradients + optimizer state, with the
+    allocator overhead and the runtime reserve, exceed the GPU), or None."""
+    plan = Plan(cfg)
+    wd, gd, od = state_bytes_per_param(plan.precision, cfg.training.use_distributed_optimizer, plan.dp * plan.cp)
+    we, ge, oe = state_bytes_per_param(plan.precision, cfg.training.use_distributed_optimizer, plan.edp)
+    for r in range(plan.pp):
+        dense, expert = rank_params(plan, r)
+        need = (dense * (wd + gd + od) + expert * (we + ge + oe)) * (1 + mem.allocator_overhead) + mem.runtime_reserve
+        if need > hw.memory_bytes:
+            return (f"needs {need / GiB:.1f} GiB on pipeline rank {r} for model state alone, "
+                    f"{(need - hw.memory_bytes) / GiB:.1f} GiB over the {hw.memory_bytes / GiB:.0f} GiB of a {hw.name}")
+    return None
 
 
 def _variant(base: Config, mbs: int, recompute: str | None, distopt: bool) -> Config:

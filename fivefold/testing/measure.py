@@ -32,15 +32,13 @@ from fivefold.config.schema import Config
 from fivefold.config.validate import layout_of
 from fivefold.data.loader import StepBatch, collate
 from fivefold.data.sampler import even_share
-from fivefold.errors import NotImplementedYet
-from fivefold.parallel.data import GradReducer
 from fivefold.planner.versus import BOOKKEEPING_TAGS
 from fivefold.runtime import traffic
 from fivefold.runtime.mesh import Mesh
 from fivefold.train.context import RankContext
 from fivefold.train.loop import build
+from fivefold.train.pipeline_step import pipeline_train_step
 from fivefold.train.step import train_step
-
 
 
 @dataclass
@@ -74,41 +72,65 @@ def synthetic_batch(config: Config, step: int, dp_rank: int, dp_size: int) -> St
     return StepBatch(micro, t.global_batch_size * t.seq_length, np.arange(share.start, share.stop))
 
 
-class _Reducer(GradReducer):
-    """The runtime's GradReducer, also telling the MemTracker (when set) that a microbatch starts:
-    MemTracker refuses a module's second forward unless its per-module stats are reset (its global
-    peak, which is what is read here, is kept)."""
+class _NoModuleHooks:
+    """Stands in for MemTracker's ModTracker: no per-module hooks. Those hooks give per-module
+    statistics (not read here), refuse a root module's second forward (gradient accumulation and
+    pipeline schedules run one per microbatch) and register multi-grad hooks on module inputs that
+    fail under the pipeline's autograd.grad on leaf stage inputs. Without them every tensor that is
+    not a parameter, gradient or optimizer state counts as "Activation" (forward or backward alike)."""
 
-    tracker = None
+    is_bw = False
+    parents = {"Global"}
 
-    def prepare(self, last: bool) -> None:
-        if self.tracker is not None:
-            self.tracker.reset_mod_stats()
-        super().prepare(last)
+    def register_user_hooks(self, *hooks) -> None:
+        pass
+
+    def clear_user_hooks(self) -> None:
+        pass
+
+    def get_known_fqn(self, module) -> None:
+        return None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *args) -> None:
+        pass
+
+
+def _tracker():
+    """torch's MemTracker (a TorchDispatchMode that sees every storage an op allocates and a
+    weakref callback when it is freed), without module hooks (`_NoModuleHooks`): only its global
+    peak and its split into parameters / gradients / optimizer state / the rest are read."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    tracker = MemTracker()
+    tracker._mod_tracker = _NoModuleHooks()
+    return tracker
 
 
 def measure_step(rank: int, world: int, config: Config) -> RankMeasurement:
     """Harness case: build the config's model on this rank as `train` does (fivefold.train.loop.build),
-    take a warm-up step, then measure one. PP = 1 only (a pipeline schedule runs stages, not `train_step`)."""
-    from torch.distributed._tools.mem_tracker import MemTracker
-
+    take a warm-up step, then measure one: `train_step`, or with PP > 1 the pipeline schedule's step."""
     t = config.training
     ctx = RankContext(Mesh.build(layout_of(config)), Path("."))  # out_dir: nothing is written
-    if ctx.layout.pp > 1:
-        raise NotImplementedYet("measure_step: pipeline parallelism (PP > 1) is not measured")
-    parts = build(config, ctx, reducer_cls=_Reducer)
-    model, optimizer, reducer, mesh, device = parts.model, parts.optimizer, parts.reducer, ctx.mesh, ctx.device
+    parts = build(config, ctx)
+    model, pipe, optimizer, reducer, mesh, device = (parts.model, parts.pipe, parts.optimizer, parts.reducer,
+                                                     ctx.mesh, ctx.device)
 
     def step(i: int):
-        return train_step(model, optimizer, reducer, synthetic_batch(config, i, ctx.dp_rank, ctx.dp_size),
-                          lr=t.lr, clip_grad=t.clip_grad, precision=t.precision, dp_group=ctx.dp_group,
-                          model_parallel_group=ctx.model_parallel_group, tp_group=mesh.tp, device=device)
+        batch = synthetic_batch(config, i, ctx.dp_rank, ctx.dp_size)
+        if pipe is not None:
+            return pipeline_train_step(pipe, optimizer, reducer, batch, lr=t.lr, clip_grad=t.clip_grad,
+                                       precision=t.precision, mesh=mesh, device=device)[0]
+        return train_step(model, optimizer, reducer, batch, lr=t.lr, clip_grad=t.clip_grad, precision=t.precision,
+                          dp_group=ctx.dp_group, model_parallel_group=ctx.model_parallel_group, tp_group=mesh.tp,
+                          device=device)
 
     step(0)
     traffic.reset()
-    tracker = MemTracker()
+    tracker = _tracker()
     tracker.track_external(model, getattr(optimizer, "optimizer", optimizer))  # ZeRO-1: the AdamW it wraps
-    reducer.tracker = tracker
     with tracker:
         result = step(1)
     snap = {getattr(k, "value", k): v for k, v in tracker.get_tracker_snapshot("peak").get(device, {}).items()}

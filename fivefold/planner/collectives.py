@@ -1,0 +1,294 @@
+"""Every collective and p2p call one rank makes in a training step, as data: the one source that
+both the measured call bytes (`callbytes.py`) and the step time (`steptime.py`) read.
+
+Each entry is what OUR runtime issues (the measured checks compare it with the traffic counter, tag
+by tag): its kind, the traffic tag, the group (the link it crosses), its call bytes (the full tensor
+the call produces or consumes, the runtime's convention: all-reduce the tensor, all-gather the
+gathered output, reduce-scatter the unscattered input, all-to-all the input, send / recv the tensor,
+each counted on its own rank), its phase and what it can hide behind. What leaves a rank over its
+link (`wire_bytes`): ring all-reduce 2(n-1)/n x call bytes, all-gather / reduce-scatter /
+all-to-all (n-1)/n, send 1, recv 0 (it arrives over the other direction of the link).
+
+Per microbatch (b sequences, s tokens, M = b s/cp h x activation bytes: 4 fp32, 2 otherwise):
+  decoder layer, TP without SP (tag tp): the two column-parallel groups (q/k/v, gate/up) all-reduce
+    dL/dX backward, the two row-parallel linears (o, down) all-reduce Y forward: 4 M.
+  decoder layer, TP + SP (tag sp): a column-parallel group all-gathers X forward, all-gathers it
+    again backward (only the s/tp shard is saved) and reduce-scatters dL/dX: 3 M; a row-parallel
+    linear reduce-scatters Y forward and all-gathers dL/dY backward: 2 M; 10 M per layer.
+  A MoE layer has the attention half of that, the MLP half only for shared experts, and the
+    expert-parallel terms of `moe_collectives`. CP adds `cp_collectives`.
+  first stage: the vocab-parallel embedding all-reduces its output (M; SP: reduce-scatter forward,
+    all-gather backward, 2 M). Last stage: the column-parallel output layer (M; SP: 3 M) and the
+    vocab-parallel cross entropy (tag tp-loss): an fp32 max and a (sum exp, target logit) pair per
+    token, 3 x 4 b s/cp bytes, all-reduces.
+  pipeline (tag pp): each virtual stage whose next stage is on another rank sends its output and
+    receives its output's gradient; each whose previous stage is on another rank receives its input
+    and sends the input's gradient: boundary tensor (b, s/cp, h), (b, s/(cp tp), h) under SP, in the
+    pipeline's dtype (fp32 for fp32 runs; Megatron's bf16 otherwise).
+Per step:
+  tp-grad   one flat fp32 all-reduce over TP of the gradients of replicated parameters that each TP
+            rank computed from its sequence shard only: the norm gains under SP (2 per layer, + the
+            final norm on the last stage) and MoE routers (E h per MoE layer).
+  embedding-grad  tied embeddings with PP: the first and last stage all-reduce the embedding's fp32
+            gradient (V/tp h) over the two of them (none when one rank holds both, as DualPipeV).
+  dp-grad   every local fp32 gradient, all-reduced over DP x CP in buckets (routed-expert gradients
+            over expert-DP, tag edp-grad); with the distributed optimizer reduce-scattered instead, and
+            the updated parameters all-gathered (tags dp-param / edp-param, weight bytes: fp32 in fp32
+            runs, bf16 otherwise). Buckets padded to a multiple of the group are not modelled (< 0.1%).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fivefold.planner.layout import Plan
+from fivefold.planner.memory import rank_params, state_bytes_per_param
+from fivefold.planner.params import is_moe_layer
+
+GRAD_BYTES = 4
+"""Gradients are fp32 (main grads) under every precision."""
+
+WIRE = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
+        "reduce_scatter": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n,
+        "send": lambda n: 1.0, "recv": lambda n: 0.0}
+"""Share of the call bytes a rank sends over its link, by kind, for a group of n ranks (ring algorithms)."""
+
+STEPS = {"all_reduce": lambda n: 2 * (n - 1), "all_gather": lambda n: n - 1, "reduce_scatter": lambda n: n - 1,
+         "all_to_all": lambda n: n - 1, "send": lambda n: 1, "recv": lambda n: 0}
+"""Latency-bound steps of one call (ring algorithms; a p2p transfer is one)."""
+
+
+@dataclass(frozen=True)
+class Collective:
+    kind: str
+    """all_reduce | all_gather | reduce_scatter | all_to_all | send | recv (runtime.traffic.KINDS)."""
+    tag: str
+    """The runtime's traffic tag."""
+    group: str
+    """The group, i.e. the link: tp, etp, cp, ep, pp, embedding, dp (DP x CP), edp."""
+    call_bytes: float
+    phase: str
+    """forward | backward | step."""
+    hides_behind: str | None = None
+    """None: on the critical path. 'attention': the CP ring, overlapped with the attention core;
+    'backward' / 'forward': DP traffic overlapped with the backward / next forward."""
+
+    def wire_bytes(self, n: int) -> float:
+        return self.call_bytes * WIRE[self.kind](n)
+
+    def steps(self, n: int) -> int:
+        return STEPS[self.kind](n)
+
+
+def act_bytes(plan: Plan) -> int:
+    """Bytes of one activation value: 4 in fp32, 2 under 16-bit (and fp8: its GEMMs keep bf16 tensors)."""
+    return 4 if plan.precision == "fp32" else 2
+
+
+def group_sizes(plan: Plan) -> dict[str, int]:
+    return {"tp": plan.tp, "etp": plan.etp, "cp": plan.cp, "ep": plan.ep, "pp": plan.pp, "embedding": 2,
+            "tp-cp": plan.tp * plan.cp,
+            "dp": plan.dp * plan.cp, "edp": plan.edp}
+
+
+def _tokens(plan: Plan) -> float:
+    return plan.mbs * plan.seq / plan.cp
+
+
+def _tp_half(plan: Plan, M: float, tag: str | None = None) -> list[Collective]:
+    """One column-parallel group followed by one row-parallel linear (attention or MLP half)."""
+    if plan.tp == 1:
+        return []
+    if not plan.sp:
+        t = tag or "tp"
+        return [Collective("all_reduce", t, "tp", M, "backward"), Collective("all_reduce", t, "tp", M, "forward")]
+    t = tag or "sp"
+    return [Collective("all_gather", t, "tp", M, "forward"), Collective("all_gather", t, "tp", M, "backward"),
+            Collective("reduce_scatter", t, "tp", M, "backward"),
+            Collective("reduce_scatter", t, "tp", M, "forward"), Collective("all_gather", t, "tp", M, "backward")]
+
+
+def _mla_attention(plan: Plan) -> list[Collective]:
+    """MLA's attention under TP (fivefold/model/mla.py): the down-projections are replicated, so the
+    column-parallel up-projections take the latents through their collective: the query input
+    (r_q wide, or x itself, h, without query compression) and the KV latent (r), plus the one shared
+    rope key (dr) through a plain gather / copy; o is row-parallel (h). Per token, SP: 3 (w_q + r)
+    (all-gather, again backward, reduce-scatter of the gradient) + 2 dr + 2 h; without SP: one
+    all-reduce of each gradient (w_q + r + dr) and of o's output (h)."""
+    if plan.tp == 1:
+        return []
+    m = plan.config.model
+    per = _tokens(plan) * act_bytes(plan)
+    w_q = m.q_lora_rank or m.hidden_size
+    if not plan.sp:
+        return ([Collective("all_reduce", "tp", "tp", per * w, "backward") for w in (w_q, m.kv_lora_rank,
+                                                                                        m.qk_pos_emb_head_dim)]
+                + [Collective("all_reduce", "tp", "tp", per * m.hidden_size, "forward")])
+    out = []
+    for w in (w_q, m.kv_lora_rank):  # column-parallel q_b / q and kv_b
+        out += _tp_half(plan, per * w)[:3]
+    dr = per * m.qk_pos_emb_head_dim
+    out += [Collective("all_gather", "sp", "tp", dr, "forward"), Collective("reduce_scatter", "sp", "tp", dr, "backward")]
+    return out + _tp_half(plan, per * m.hidden_size)[3:]  # o: reduce-scatter forward, all-gather backward
+
+
+def layer_collectives(plan: Plan, index: int, recomputed: bool = False) -> list[Collective]:
+    """Decoder layer `index`'s calls for one microbatch on one rank (`recomputed`: fully recomputed)."""
+    m = plan.config.model
+    M = _tokens(plan) * m.hidden_size * act_bytes(plan)
+    out = _mla_attention(plan) if m.multi_latent_attention else _tp_half(plan, M)  # attention
+    moe = is_moe_layer(m, index)
+    if not moe or m.moe_shared_expert_intermediate_size:
+        out += _tp_half(plan, M)  # dense MLP, or the shared experts of a MoE layer
+    if moe:
+        out += moe_collectives(plan)
+    if plan.cp > 1:
+        out += cp_collectives(plan, recomputed or plan.recompute == "selective")
+    return out
+
+
+def moe_collectives(plan: Plan) -> list[Collective]:
+    """Routed experts (fivefold/parallel/experts.py: Megatron's all-to-all dispatcher, dropless),
+    per MoE layer and microbatch, with balanced routing. A rank routes n = b s/(tp cp) tokens (with TP
+    the layer always works on its sequence shard; without SP it splits its replicated input and
+    all-gathers its output, and the dual of the split all-gathers backward: tag tp, M each way):
+      EP (tag ep): the per-expert counts (int64, E) exchanged by all-to-all; dispatch of the n k
+        routed rows and combine of the R rows received (balanced: R = n k), both again backward.
+      ETP (tag etp): the row counts all-gathered (int64, E/ep per rank), the R rows all-gathered and
+        the partial expert outputs reduce-scattered over ETP (etp R h each), duals backward.
+      aux loss (tag moe-aux) with TP x CP > 1: the per-expert token counts (float64, E) all-reduced
+        over TP x CP (seq_aux_loss: b x E)."""
+    m = plan.config.model
+    B, E = act_bytes(plan), m.num_experts
+    n = _tokens(plan) / plan.tp
+    rows = n * m.moe_router_topk * m.hidden_size * B  # n k routed rows; balanced R = n k
+    out = []
+    if plan.tp > 1 and not plan.sp:
+        M = _tokens(plan) * m.hidden_size * B
+        out += [Collective("all_gather", "tp", "tp", M, "forward"), Collective("all_gather", "tp", "tp", M, "backward")]
+    if plan.ep > 1:
+        out += [Collective("all_to_all", "ep", "ep", 8 * E, "forward")]
+        out += [Collective("all_to_all", "ep", "ep", rows, phase) for phase in ("forward",) * 2 + ("backward",) * 2]
+    if plan.etp > 1:
+        g = plan.etp * rows
+        out += [Collective("all_gather", "etp", "etp", 8 * E / plan.ep * plan.etp, "forward"),
+                Collective("all_gather", "etp", "etp", g, "forward"), Collective("reduce_scatter", "etp", "etp", g, "forward"),
+                Collective("reduce_scatter", "etp", "etp", g, "backward"), Collective("all_gather", "etp", "etp", g, "backward")]
+    if plan.tp * plan.cp > 1 and m.moe_router_load_balancing_type in ("aux_loss", "seq_aux_loss") \
+            and (m.moe_aux_loss_coeff or m.moe_z_loss_coeff):
+        per = plan.mbs * E if m.moe_router_load_balancing_type == "seq_aux_loss" else E
+        out.append(Collective("all_reduce", "moe-aux", "tp-cp", 8 * per, "forward"))
+    return out
+
+
+def cp_split(plan: Plan) -> tuple[int, int]:
+    """(A, P): the all-to-all and ring sizes of context parallelism (A x P = CP)."""
+    p, cp = plan.config.parallel, plan.cp
+    if p.cp_comm_type == "a2a":
+        return cp, 1
+    if p.cp_comm_type == "a2a+p2p":
+        a, r = p.hierarchical_context_parallel_sizes
+        return a, r
+    return 1, cp
+
+
+def cp_collectives(plan: Plan, forward_again: bool = False) -> list[Collective]:
+    """Context parallelism per layer and microbatch (fivefold/parallel/{context,ring_attention}.py).
+    Per TP rank: a_l = heads/tp query heads, g_l = KV groups/tp (1 when replicated), G = the KV heads
+    exchanged (g_l, or a_l where the all-to-all must first copy KV heads to their query heads), head
+    dims d (q/k) and dv, e activation bytes, n = b s/cp tokens; CP = A (all-to-all) x P (ring).
+      all-to-all (A > 1): q, k, v in and o back, forward and again backward: n e (a_l d + G d + G dv + a_l dv).
+      ring (P > 1): (P-1) K/V blocks sent and received forward, n G (d + dv) e each; backward the K/V
+        again plus the fp32 dK/dV partials: n G (d + dv) (e + 4) per hop; overlapped with the attention core.
+    With recompute of the attention core (selective) or of the layer (full), the forward's calls run
+    again in backward."""
+    m = plan.config.model
+    e, tp, n = act_bytes(plan), plan.tp, _tokens(plan)
+    A, P = cp_split(plan)
+    a_l = m.num_attention_heads // tp
+    g_l = max(1, m.kv_heads // tp)
+    G = g_l if g_l % A == 0 else a_l
+    d, dv = (m.qk_head_dim + m.qk_pos_emb_head_dim, m.v_head_dim) if m.multi_latent_attention else (m.head_dim, m.head_dim)
+    out = []
+    if A > 1:
+        qkvo = n * e * (a_l * d + G * d + G * dv + a_l * dv)
+        out += [Collective("all_to_all", "cp", "cp", qkvo, "forward"), Collective("all_to_all", "cp", "cp", qkvo, "backward")]
+        if forward_again:
+            out.append(Collective("all_to_all", "cp", "cp", qkvo, "backward"))
+    if P > 1:
+        kv = (P - 1) * n * G * (d + dv)
+        for kind in ("send", "recv"):
+            out.append(Collective(kind, "cp", "cp", kv * e, "forward", "attention"))
+            out.append(Collective(kind, "cp", "cp", kv * (e + 4), "backward", "attention"))
+            if forward_again:
+                out.append(Collective(kind, "cp", "cp", kv * e, "backward", "attention"))
+    return out
+
+
+def stage_collectives(plan: Plan, pp_rank: int) -> list[Collective]:
+    """Per microbatch, outside the decoder layers: embedding, output layer and loss, pipeline p2p."""
+    m = plan.config.model
+    M = _tokens(plan) * m.hidden_size * act_bytes(plan)
+    first, last = pp_rank == 0, pp_rank == plan.pp - 1
+    out = []
+    if plan.tp > 1:
+        if first:
+            out += ([Collective("reduce_scatter", "sp", "tp", M, "forward"), Collective("all_gather", "sp", "tp", M, "backward")]
+                    if plan.sp else [Collective("all_reduce", "tp", "tp", M, "forward")])
+        if last:
+            out += _tp_half(plan, M)[:3 if plan.sp else 1]  # the output layer: a column-parallel group
+            out += [Collective("all_reduce", "tp-loss", "tp", 4 * _tokens(plan), "forward"),
+                    Collective("all_reduce", "tp-loss", "tp", 2 * 4 * _tokens(plan), "forward")]
+    boundary = M / (plan.tp if plan.sp else 1)  # (b, s/cp, h), (b, s/(cp tp), h) under SP
+    placement = plan.placement
+    for s, r in enumerate(placement):
+        if r != pp_rank:
+            continue
+        if s + 1 < len(placement) and placement[s + 1] != r:
+            out += [Collective("send", "pp", "pp", boundary, "forward"), Collective("recv", "pp", "pp", boundary, "backward")]
+        if s > 0 and placement[s - 1] != r:
+            out += [Collective("recv", "pp", "pp", boundary, "forward"), Collective("send", "pp", "pp", boundary, "backward")]
+    return out
+
+
+def step_collectives(plan: Plan, pp_rank: int) -> list[Collective]:
+    """Once per step: SP norm gradients, the tied embedding's gradient, DP gradients (and parameters)."""
+    m = plan.config.model
+    out = []
+    first, last = pp_rank == 0, pp_rank == plan.pp - 1
+    if plan.tp > 1:  # sequence-sharded replicated parameters: SP norms, MoE routers
+        groups = plan.layer_groups(pp_rank)
+        norms = m.hidden_size * (2 * sum(n for _, _, n in groups) + last) if plan.sp else 0
+        if plan.sp and m.multi_latent_attention:  # MLA's replicated down-projections and latent norms
+            h, r = m.hidden_size, m.kv_lora_rank
+            per_layer = h * (r + m.qk_pos_emb_head_dim) + r + (h * m.q_lora_rank + m.q_lora_rank if m.q_lora_rank else 0)
+            norms += per_layer * sum(n for _, _, n in groups)
+        routers = (m.num_experts or 0) * m.hidden_size * sum(n for i, _, n in groups if is_moe_layer(m, i))
+        if norms + routers:
+            out.append(Collective("all_reduce", "tp-grad", "tp", GRAD_BYTES * (norms + routers), "step"))
+    if (m.tie_word_embeddings and plan.pp > 1 and (first or last)
+            and plan.placement[0] != plan.placement[-1]):
+        emb = m.padded_vocab_size(plan.tp) * m.hidden_size / plan.tp
+        out.append(Collective("all_reduce", "embedding-grad", "embedding", GRAD_BYTES * emb, "step"))
+    dense, expert = rank_params(plan, pp_rank)
+    weight = state_bytes_per_param(plan.precision, False, 1)[0]
+    distopt = plan.config.training.use_distributed_optimizer
+    for count, group, d in ((dense, "dp", plan.dp * plan.cp), (expert, "edp", plan.edp)):
+        if not count or d == 1:
+            continue
+        if distopt:
+            out += [Collective("reduce_scatter", f"{group}-grad", group, GRAD_BYTES * count, "step", "backward"),
+                    Collective("all_gather", f"{group}-param", group, weight * count, "step", "forward")]
+        else:
+            out.append(Collective("all_reduce", f"{group}-grad", group, GRAD_BYTES * count, "step", "backward"))
+    return out
+
+
+def rank_collectives(plan: Plan, pp_rank: int) -> list[tuple[Collective, float]]:
+    """Every call of one rank of pipeline rank `pp_rank` in one step, with how many times it is made."""
+    n_mb = plan.microbatches
+    out: list[tuple[Collective, float]] = []
+    for i, recomputed, n in plan.layer_groups(pp_rank):
+        out += [(c, n * n_mb) for c in layer_collectives(plan, i, recomputed)]
+    out += [(c, n_mb) for c in stage_collectives(plan, pp_rank)]
+    out += [(c, 1) for c in step_collectives(plan, pp_rank)]
+    return out

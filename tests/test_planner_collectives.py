@@ -1,0 +1,148 @@
+"""The planner's one list of collectives (fivefold/planner/collectives.py) against independent
+counts: the pipeline schedule's own send/recv actions for PP, and the CP and MoE helpers' call-byte
+formulas (/work/notes/cp_bytes.md, ep_bytes.md; asserted against the runtime's counter in their
+tests/test_cp.py and tests/test_moe.py) written out here by hand. Pure: milliseconds."""
+from dataclasses import replace
+
+import pytest
+
+from fivefold.config.schema import ClusterConfig, Config, ModelConfig, ParallelConfig, TrainingConfig
+from fivefold.pipeline.generators import build_schedule
+from fivefold.pipeline.ir import Kind
+from fivefold.planner.callbytes import call_bytes
+from fivefold.planner.collectives import cp_collectives, layer_collectives, moe_collectives, step_collectives
+from fivefold.planner.layout import Plan
+from fivefold.planner.pipeline import pipeline_profile
+from fivefold.planner.steptime import step_time
+from fivefold.planner.presets.hardware import hardware
+
+DENSE = ModelConfig(num_layers=8, hidden_size=256, num_attention_heads=8, num_query_groups=2, vocab_size=1000)
+MOE = replace(DENSE, num_experts=8, moe_router_topk=2, moe_ffn_hidden_size=128, moe_aux_loss_coeff=0.01)
+
+
+def plan(world=8, model=DENSE, mbs=2, gbs=16, seq=512, precision="fp32", **parallel) -> Plan:
+    return Plan(Config(cluster=ClusterConfig(num_nodes=1, gpus_per_node=world, world_size=world),
+                       parallel=ParallelConfig(**parallel), model=model,
+                       training=TrainingConfig(seq_length=seq, global_batch_size=gbs, micro_batch_size=mbs,
+                                               precision=precision)))
+
+
+def by_tag(calls, tag, kind=None, phase=None):
+    return sum(c.call_bytes for c in calls if c.tag == tag and (kind is None or c.kind == kind)
+               and (phase is None or c.phase == phase))
+
+
+@pytest.mark.parametrize("schedule,pp,vpp,sp", [("1f1b", 2, None, False), ("1f1b", 4, None, False),
+                                                 ("interleaved", 2, 2, False), ("zb-h1", 4, None, True),
+                                                 ("dualpipev", 2, None, False), ("gpipe", 4, None, True)])
+def test_pp_bytes_are_the_schedules_sends_and_receives(schedule, pp, vpp, sp):
+    tp = 2 if sp else 1
+    p = plan(world=pp * tp, gbs=8 * 2, pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp,
+             pipeline_schedule=schedule, tensor_model_parallel_size=tp, sequence_parallel=sp)
+    s = build_schedule(schedule, pp, p.microbatches, vpp)
+    boundary = p.mbs * p.seq // tp * 256 * 4  # (b, s/tp, h) fp32 under SP, (b, s, h) without
+    for r in range(pp):
+        actions = sum(a.kind.is_comm for a in s.ranks[r])  # each SEND_*/RECV_* moves one boundary tensor
+        assert call_bytes(p, r).get("pp", 0) == actions * boundary, (r, call_bytes(p, r))
+
+
+@pytest.mark.parametrize("schedule,ranks", [("1f1b", {0, 3}), ("dualpipev", set())])
+def test_tied_embedding_gradient_between_first_and_last_stage(schedule, ranks):
+    p = plan(world=4, model=replace(DENSE, tie_word_embeddings=True), pipeline_model_parallel_size=4,
+             pipeline_schedule=schedule)
+    emb = DENSE.padded_vocab_size(1) * 256 * 4  # fp32 gradient of the whole (padded) embedding
+    for r in range(4):
+        assert call_bytes(p, r).get("embedding-grad", 0) == (emb if r in ranks else 0)
+
+
+def cp_formulas(b, s, n, t, heads, groups, d, dv, e, A, P, again=False):
+    """/work/notes/cp_bytes.md, per layer per microbatch per rank: {(kind, phase): bytes}."""
+    a_l, g_l = heads // t, max(1, groups // t)
+    G = g_l if g_l % A == 0 else a_l
+    out = {}
+    if P > 1:
+        fwd = (P - 1) * b * G * (s / n) * (d + dv) * e
+        bwd = (P - 1) * b * G * (s / n) * (d + dv) * (e + 4) + (fwd if again else 0)
+        out.update({("send", "forward"): fwd, ("recv", "forward"): fwd, ("send", "backward"): bwd,
+                    ("recv", "backward"): bwd})
+    if A > 1:
+        x = b * (s / n) * e * (a_l * d + G * d + G * dv + a_l * dv)
+        out.update({("all_to_all", "forward"): x, ("all_to_all", "backward"): x * (2 if again else 1)})
+    return out
+
+
+@pytest.mark.parametrize("comm,hier,tp,recompute", [("p2p", None, 1, None), ("p2p", None, 2, "selective"),
+                                                    ("a2a", None, 2, None), ("a2a", None, 4, None),
+                                                    ("a2a+p2p", [2, 2], 1, None), ("a2a+p2p", [2, 2], 2, "selective")])
+def test_cp_bytes_follow_the_cp_helpers_formulas(comm, hier, tp, recompute):
+    # tp=4 with 2 KV groups: KV replicated (g_l = 1), and under a2a with A=4 not divisible: G = a_l
+    p = plan(world=4 * tp, context_parallel_size=4, cp_comm_type=comm, hierarchical_context_parallel_sizes=hier,
+             tensor_model_parallel_size=tp, sequence_parallel=tp > 1)
+    p.config.training.recompute_granularity = recompute
+    A, P = {"p2p": (1, 4), "a2a": (4, 1), "a2a+p2p": (2, 2)}[comm]
+    want = cp_formulas(2, 512, 4, tp, 8, 2, 32, 32, 4, A, P, again=recompute == "selective")
+    calls = cp_collectives(p, forward_again=recompute == "selective")
+    got = {}
+    for c in calls:
+        got[c.kind, c.phase] = got.get((c.kind, c.phase), 0) + c.call_bytes
+    assert got == pytest.approx(want, rel=1e-12)  # the same products in another order: equal to rounding
+
+
+def test_ep_and_etp_bytes_follow_the_moe_helpers_formulas():
+    h, k, E, b, s = 256, 2, 8, 2, 512
+    for tp, ep, etp, sp in [(1, 4, 1, False), (2, 2, 2, True), (2, 1, 2, True), (2, 1, 1, False)]:
+        p = plan(world=8, model=MOE, tensor_model_parallel_size=tp, sequence_parallel=sp, expert_model_parallel_size=ep,
+                 expert_tensor_parallel_size=etp)
+        calls = moe_collectives(p)
+        n = b * s / tp  # tokens this rank routes
+        ep_want = (8 * E + 4 * n * k * h * 4) if ep > 1 else 0       # counts + dispatch/combine fwd and bwd
+        etp_want = (8 * E / ep * etp + 4 * etp * n * k * h * 4) if etp > 1 else 0
+        tp_want = 2 * b * s * h * 4 if tp > 1 and not sp else 0        # the layer's split + output gather
+        assert by_tag(calls, "ep") == ep_want and by_tag(calls, "etp") == etp_want and by_tag(calls, "tp") == tp_want
+        assert by_tag(calls, "moe-aux") == (8 * E if tp > 1 else 0)  # aux-loss counts over TP x CP
+        per_layer = 3 * h * 128 // etp * (E // ep) * 4
+        edp = 8 // (etp * ep)
+        step = step_collectives(p, 0)
+        assert by_tag(step, "edp-grad") == (per_layer * 8 if edp > 1 else 0)
+        # the routers' fp32 gradients join the TP flat all-reduce (each TP rank saw its tokens only)
+        norms = 256 * (2 * 8 + 1) if sp else 0
+        assert by_tag(step, "tp-grad") == (4 * (norms + E * h * 8) if tp > 1 else 0)
+
+
+def test_sp_layer_is_ten_activation_tensors_and_wire_bytes_follow_the_algorithms():
+    p = plan(world=4, tensor_model_parallel_size=4, sequence_parallel=True, precision="bf16")
+    M = 2 * 512 * 256 * 2
+    calls = layer_collectives(p, 0)
+    assert sum(c.call_bytes for c in calls) == 10 * M
+    assert sum(c.wire_bytes(4) for c in calls) == 10 * M * 3 / 4
+    no_sp = plan(world=4, tensor_model_parallel_size=4, precision="bf16")
+    assert sum(c.wire_bytes(4) for c in layer_collectives(no_sp, 0)) == 4 * M * 2 * 3 / 4  # ring all-reduce 2(n-1)/n
+    est = step_time(p, hardware("h100-sxm"))
+    assert est.comm_bytes["tp"] > 8 * 10 * M * 3 / 4 * p.microbatches  # + embedding, output layer and loss
+
+
+def test_pending_weight_gradients_come_from_the_schedule():
+    # ZB-H1, 2 ranks, 4 microbatches: rank 1 runs ... B3 W2 W3: two B-done-W-pending at the end, one
+    # at its forwards; rank 0 holds stage 0, whose B has nothing to compute (W runs its backward)
+    prof = pipeline_profile("zb-h1", 2, None, 4)
+    assert prof.pending_weight_chunks == (0, 2) and prof.pending_weight_chunks_at_forward == (0, 1)
+    assert pipeline_profile("1f1b", 4, None, 8).pending_weight_chunks == (0, 0, 0, 0)
+    s = build_schedule("zb-h1", 2, 4, None)
+    assert [str(a) for a in s.ranks[1] if a.kind in (Kind.B, Kind.W)][-3:] == ["1B3", "1W2", "1W3"]
+
+
+@pytest.mark.parametrize("sp,r_q", [(True, 96), (False, 96), (True, None)])
+def test_mla_attention_moves_the_latents(sp, r_q):
+    # fivefold/model/mla.py under TP: the column-parallel up-projections take the query latent (r_q,
+    # or x itself, h) and the KV latent (r); the one rope key (dr) goes through a plain gather / copy
+    mla = replace(DENSE, num_query_groups=None, multi_latent_attention=True, q_lora_rank=r_q, kv_lora_rank=64,
+                  qk_head_dim=64, qk_pos_emb_head_dim=32, v_head_dim=64, num_layers=2)
+    p = plan(world=2, model=mla, tensor_model_parallel_size=2, sequence_parallel=sp)
+    per = 2 * 512 * 4  # b s tokens x fp32
+    w_q = r_q or 256
+    attn = [c for c in layer_collectives(p, 0)][: -5 if sp else -2]  # the MLP half's calls come last
+    want = per * (3 * (w_q + 64) + 2 * 32 + 2 * 256) if sp else per * (w_q + 64 + 32 + 256)
+    assert sum(c.call_bytes for c in attn) == want
+    if sp:  # the replicated down-projections and latent norms see s/tp tokens: gradients summed over TP
+        down = 256 * (64 + 32) + 64 + (256 * r_q + r_q if r_q else 0)
+        assert by_tag(step_collectives(p, 0), "tp-grad") == 4 * (256 * (2 * 2 + 1) + 2 * down)
