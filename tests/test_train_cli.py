@@ -46,7 +46,8 @@ def test_unknown_override_key(tmp_path):
 
 
 @pytest.mark.parametrize("words,needle", [
-    (["--normalization", "LayerNorm"], "normalizations other than RMSNorm"),
+    (["--fp16"], "precisions other than fp32 and bf16"),
+    (["--num-experts", "4", "--moe-router-load-balancing-type", "sinkhorn"], "sinkhorn load balancing"),
 ])
 def test_not_implemented_knob(tmp_path, words, needle):
     _refused(_train(tmp_path, TINY, *words, nproc=2), needle, "not implemented yet")
