@@ -21,9 +21,7 @@ the point of CP.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -31,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from pp_schedules import PeakTensorBytes  # noqa: E402
+from pp_schedules import timed_peak  # noqa: E402
 from fivefold.parallel.context import ContextParallel, split_sequence  # noqa: E402
 from fivefold.runtime import comm  # noqa: E402
 from fivefold.runtime.mesh import Mesh  # noqa: E402
@@ -52,20 +50,6 @@ def _inputs(args) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tenso
     return q, k, v, do
 
 
-def _measure(step, iters: int, barrier) -> tuple[float, int, torch.Tensor]:
-    out = step()  # warm-up
-    times = []
-    for _ in range(iters):
-        barrier()
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
-    mode = PeakTensorBytes()
-    with mode:
-        step()
-    return statistics.median(times), mode.peak, out
-
-
 def _one_process(args) -> dict:
     q, k, v, do = _inputs(args)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
@@ -75,7 +59,7 @@ def _one_process(args) -> dict:
         o.backward(do)
         return o.detach()
 
-    t, peak, out = _measure(step, args.iters, lambda: None)
+    t, peak, out = timed_peak(step, args.iters, lambda: None)
     return {"time": t, "peak": peak, "out": out}
 
 
@@ -91,7 +75,7 @@ def _ours(rank: int, world: int, args, a2a: int) -> dict:
         o.backward(do)
         return o.detach()
 
-    t, peak, out = _measure(step, args.iters, lambda: comm.barrier(mesh.cp))
+    t, peak, out = timed_peak(step, args.iters, lambda: comm.barrier(mesh.cp))
     return {"time": t, "peak": peak, "out": out, "rank": cp.rank}
 
 
@@ -112,7 +96,7 @@ def _torch(rank: int, world: int, args) -> dict:
                 o.backward(dos)
             return o.detach()
 
-        t, peak, _ = _measure(step, args.iters, lambda: torch.distributed.barrier())
+        t, peak, _ = timed_peak(step, args.iters, lambda: torch.distributed.barrier())
         return {"time": t, "peak": peak}
     except Exception as e:  # noqa: BLE001 — reported in the table, not raised
         return {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:110]}"}

@@ -16,16 +16,14 @@ from HF's (EP1 only; EP rows compute other tokens per rank).
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from pp_schedules import PeakTensorBytes  # noqa: E402
+from pp_schedules import timed_peak  # noqa: E402
 from fivefold.config.schema import ModelConfig  # noqa: E402
 from fivefold.model.init import init_parameters_  # noqa: E402
 from fivefold.model.moe import MoE, MoEGroups  # noqa: E402
@@ -73,18 +71,9 @@ def _measure(module, x, iters: int, barrier) -> dict:
         y.backward(torch.ones_like(y))
         return y.detach()
 
-    out = step()
-    times = []
-    for _ in range(iters):
-        barrier()
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
-    mode = PeakTensorBytes()
-    with mode:
-        step()
+    t, peak, out = timed_peak(step, iters, barrier)
     params = sum(p.numel() * p.element_size() for p in module.parameters())
-    return {"time": statistics.median(times), "peak": mode.peak, "params": params, "out": out}
+    return {"time": t, "peak": peak, "params": params, "out": out}
 
 
 def _ep(rank: int, world: int, args) -> dict:

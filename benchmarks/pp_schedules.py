@@ -96,6 +96,19 @@ def _timed(mesh, step, steps: int) -> list[float]:
     return times[1:]
 
 
+def timed_peak(step, iters: int, barrier) -> tuple[float, int, object]:
+    """Run step() once to warm up, `iters` timed runs (each after barrier()), one under
+    PeakTensorBytes: (median seconds, peak bytes, the warm-up run's result)."""
+    out = step()
+    times = []
+    for _ in range(iters):
+        barrier()
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), _peak(step), out
+
+
 def _peak(step) -> int:
     mode = PeakTensorBytes()
     with mode:

@@ -7,8 +7,7 @@ import torch.nn.functional as F
 
 from fivefold.config.schema import ModelConfig
 from fivefold.model import Decoder
-from fivefold.model.hf import hf_name
-from tests._model_util import hf_copy_of
+from tests._model_util import assert_grads_match_hf, hf_copy_of
 
 CONFIGS = {
     "mha-untied": ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=300),
@@ -52,14 +51,8 @@ def test_logits_loss_and_every_gradient_match_hf(name):
 
     (total / count).backward()
     out.loss.backward()
-    hf_params = dict(theirs.named_parameters())
-    for our_name, p in ours.named_parameters():
-        g_ref = hf_params[hf_name(our_name, cfg)].grad
-        g = p.grad[: cfg.vocab_size] if p.shape != g_ref.shape else p.grad
-        # Gradients are ~1e-3..1e-1; absolute 1e-6 is ~1e3 ulps of the smallest, relative 1e-4 as above.
-        torch.testing.assert_close(g, g_ref, atol=1e-6, rtol=RTOL, msg=lambda m: f"{our_name}: {m}")
-        if p.shape[0] != g_ref.shape[0]:  # padded vocabulary rows: masked out, so exactly no gradient
-            assert torch.equal(p.grad[cfg.vocab_size:], torch.zeros_like(p.grad[cfg.vocab_size:]))
+    # Gradients are ~1e-3..1e-1; absolute 1e-6 is ~1e3 ulps of the smallest, relative 1e-4 as above.
+    assert_grads_match_hf(ours, theirs, atol=1e-6, rtol=RTOL)
 
 
 def test_logprobs_match_hf_log_softmax():

@@ -30,7 +30,7 @@ from fivefold.parallel.tensor import (ColumnParallelLinear, TPMode, VocabParalle
                                       to_empty_keeping_tp)
 
 
-def _check_supported(cfg: ModelConfig, mesh) -> None:
+def _check_supported(cfg: ModelConfig) -> None:
     if cfg.is_moe:
         check_moe_supported(cfg)
     if not cfg.multi_latent_attention and cfg.num_attention_heads % cfg.kv_heads:
@@ -48,7 +48,7 @@ class Decoder(nn.Module):
         keeps the residual stream as (b, s/tp, h). Every TP parameter is the slice of the
         one-process parameter of the same name (`tp_shard`), so all layouts start equal."""
         super().__init__()
-        _check_supported(cfg, mesh)
+        _check_supported(cfg)
         tp = mesh.tp if mesh is not None and mesh.tp.size > 1 else None
         mode = TPMode.of(sequence_parallel and tp is not None)
         self.tp, self.mode = tp, mode
