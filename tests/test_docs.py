@@ -1,8 +1,9 @@
 """The docs point at what exists: every relative link in README.md, docs/ and benchmarks/RESULTS.md
 resolves (files, images, #anchors), every repository path they name exists (and every
-`tests/x.py::test_name` names a test there), every `python -m fivefold ...` / `python benchmarks/...`
-command they show answers -h with exit 0, and no file in the repository names a path of a
-development machine."""
+`tests/x.py::test_name` names a test there), every `python -m fivefold ...` / `fivefold ...` /
+`python benchmarks/...` command they show answers -h with exit 0 (and the pure ones — validate,
+layout, schedule — run as shown), and no file in the repository names a path of a development
+machine."""
 from __future__ import annotations
 
 import json
@@ -14,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from fivefold.cli import COMMANDS
+
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md")), ROOT / "benchmarks" / "RESULTS.md"]
 
@@ -23,7 +26,8 @@ LINK = re.compile(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
 HEADING = re.compile(r"^#{1,6}[ \t]+(.+?)[ \t#]*$", re.M)
 REPO_PATH = re.compile(r"(?<![\w./-])((?:fivefold|tests|docs|examples|benchmarks)/[\w./-]*\w\.(?:py|md|yaml|txt|csv|png|json))"
                        r"(?:::(\w+))?")
-COMMAND = re.compile(r"python -m fivefold\b[^\n`#|]*|python benchmarks/[\w/.-]+\.py[^\n`#|]*")
+COMMAND = re.compile(r"python -m fivefold\b[^\n`#|]*|python benchmarks/[\w/.-]+\.py[^\n`#|]*"
+                     rf"|(?:(?<=`)|^)fivefold (?:{'|'.join(COMMANDS)})\b[^\n`#|]*", re.M)
 
 
 def _rel(path: Path) -> str:
@@ -74,26 +78,39 @@ def test_repository_paths_named_exist(doc):
 
 
 def _shown_commands() -> dict[tuple[str, ...], str]:
-    """argv (after `python`) of every command the docs show -> where it is shown. A synopsis is cut at
+    """argv (after `python`) of every command the docs show (`fivefold X` as `python -m fivefold X`)
+    -> where it is shown. A synopsis is cut at
     its first placeholder (`CONFIG`, `N`, `[...]`): what comes before it is the command."""
     out = {}
     for doc in DOCS:
         for match in COMMAND.finditer(doc.read_text().replace("\\\n", " ")):
-            words = shlex.split(match.group(0))[1:]
+            words = shlex.split(match.group(0))
+            words = ["-m", *words] if words[0] == "fivefold" else words[1:]  # the `fivefold` script = python -m fivefold
             cut = next((i for i, w in enumerate(words) if w.startswith("[") or re.fullmatch(r"[A-Z][A-Z_]*", w)),
                        len(words))
             out.setdefault(tuple(words[:cut]), _rel(doc))
     return out
 
 
-# One interpreter runs every command's -h in turn (torch and the benchmarks' imports are paid once):
+PURE_COMMANDS = ("validate", "layout", "schedule")
+"""Commands that start no process and take milliseconds: the docs' examples of them are run as shown
+(without the options that write files), not only with -h."""
+WRITES = ("--png", "--csv", "--plot")
+
+
+def _runnable(argv: tuple[str, ...]) -> bool:
+    return argv[:2] == ("-m", "fivefold") and len(argv) > 3 and argv[2] in PURE_COMMANDS \
+        and not any(w.split("=")[0] in WRITES for w in argv)
+
+
+# One interpreter runs every command in turn (torch and the benchmarks' imports are paid once):
 # `-m fivefold ...` through runpy.run_module, `benchmarks/x.py ...` through runpy.run_path.
 _DRIVER = r"""
 import contextlib, io, json, os, runpy, sys
 results = []
 for argv in json.loads(sys.argv[1]):
     out = io.StringIO()
-    sys.argv = (["fivefold"] + argv[2:] if argv[0] == "-m" else argv[:]) + ["-h"]
+    sys.argv = ["fivefold"] + argv[2:] if argv[0] == "-m" else argv[:]
     code = 0
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
@@ -113,16 +130,31 @@ print(json.dumps(results))
 """
 
 
-def test_every_command_shown_answers_help():
+@pytest.fixture(scope="module")
+def command_results():
+    """{(argv, with -h): (exit code, printed usage first, output tail)}, from one subprocess."""
     shown = _shown_commands()
-    assert len(shown) > 20 and any(a[0] == "-m" for a in shown) and any(a[0].startswith("benchmarks/") for a in shown)
-    argvs = [list(a) for a in shown]
-    proc = subprocess.run([sys.executable, "-c", _DRIVER, json.dumps(argvs)], cwd=ROOT, capture_output=True,
-                          text=True, timeout=300)
+    jobs = [(a, True) for a in shown] + [(a, False) for a in shown if _runnable(a)]
+    proc = subprocess.run([sys.executable, "-c", _DRIVER, json.dumps([list(a) + ["-h"] * h for a, h in jobs])],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    results = json.loads(proc.stdout.strip().splitlines()[-1])
-    failed = [f"python {' '.join(argv)} -h (shown in {where}): exit {code}, help printed: {usage}\n{out}"
-              for (argv, where), (code, usage, out) in zip(shown.items(), results) if code != 0 or not usage]
+    return shown, dict(zip(jobs, json.loads(proc.stdout.strip().splitlines()[-1])))
+
+
+def test_every_command_shown_answers_help(command_results):
+    shown, results = command_results
+    assert len(shown) > 20 and any(a[0] == "-m" for a in shown) and any(a[0].startswith("benchmarks/") for a in shown)
+    failed = [f"python {' '.join(argv)} -h (shown in {shown[argv]}): exit {code}, help printed: {usage}\n{out}"
+              for (argv, helped), (code, usage, out) in results.items() if helped and (code != 0 or not usage)]
+    assert not failed, "\n\n".join(failed)
+
+
+def test_pure_commands_shown_run_as_shown(command_results):
+    shown, results = command_results
+    ran = {argv: r for (argv, helped), r in results.items() if not helped}
+    assert {a[2] for a in ran} == set(PURE_COMMANDS)
+    failed = [f"python {' '.join(argv)} (shown in {shown[argv]}): exit {code}\n{out}"
+              for argv, (code, _, out) in ran.items() if code != 0]
     assert not failed, "\n\n".join(failed)
 
 
