@@ -1,11 +1,12 @@
 """The docs point at what exists: every relative link in README.md, docs/ and benchmarks/RESULTS.md
 resolves (files, images, #anchors), every repository path they name exists (and every
-`tests/x.py::test_name` names a test there), every `python -m fivefold ...` / `fivefold ...` /
-`python benchmarks/...` command they show answers -h with exit 0 (and the pure ones — validate,
-layout, schedule — run as shown), and no file in the repository names a path of a development
-machine."""
+`tests/x.py::test_name` names a test there), every `fivefold.x.y` name and `from fivefold... import`
+line resolves, every `python -m fivefold ...` / `fivefold ...` / `python benchmarks/...` command they
+show answers -h with exit 0 (and the pure ones — validate, layout, schedule — run as shown), and no
+file in the repository names a path of a development machine."""
 from __future__ import annotations
 
+import importlib
 import json
 import re
 import shlex
@@ -75,6 +76,37 @@ def test_repository_paths_named_exist(doc):
         elif test and not re.search(rf"^def {test}\(", (ROOT / path).read_text(), re.M):
             missing.append(f"{path}::{test}")
     assert not missing, f"{_rel(doc)} names what is not in the repository: {', '.join(sorted(set(missing)))}"
+
+
+DOTTED = re.compile(r"`(fivefold(?:\.\w+)+)")
+IMPORT = re.compile(r"^\s*from (fivefold[\w.]*) import ([\w, ]+)", re.M)
+
+
+def _resolve(dotted: str) -> bool:
+    """Whether `fivefold.a.b.c` is a module, or an attribute chain under the longest importable module."""
+    parts = dotted.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ModuleNotFoundError:
+            continue
+        for name in parts[i:]:
+            if not hasattr(obj, name):
+                return False
+            obj = getattr(obj, name)
+        return True
+    return False
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=_rel)
+def test_python_names_shown_exist(doc):
+    """`fivefold.x.y` names in the text and `from fivefold.x import a, b` lines in its snippets."""
+    text = doc.read_text()
+    names = {n for n in DOTTED.findall(text) if not (ROOT / "examples" / n).exists()}  # `fivefold.yaml`: a file
+    names |= {f"{module}.{name.strip()}" for module, names_ in IMPORT.findall(text) for name in names_.split(",")
+              if name.strip()}
+    missing = sorted(n for n in names if not _resolve(n))
+    assert not missing, f"{_rel(doc)} names Python objects that do not exist: {', '.join(missing)}"
 
 
 def _shown_commands() -> dict[tuple[str, ...], str]:
