@@ -73,7 +73,7 @@ def test_repository_paths_named_exist(doc):
     for path, test in REPO_PATH.findall(doc.read_text()):
         if not (ROOT / path).exists():
             missing.append(path)
-        elif test and not re.search(rf"^def {test}\(", (ROOT / path).read_text(), re.M):
+        elif test and not re.search(rf"^\s*def {test}\(", (ROOT / path).read_text(), re.M):
             missing.append(f"{path}::{test}")
     assert not missing, f"{_rel(doc)} names what is not in the repository: {', '.join(sorted(set(missing)))}"
 
