@@ -4,6 +4,7 @@
 """
 from __future__ import annotations
 
+import argparse
 import statistics
 import sys
 import time
@@ -31,4 +32,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()  # no options; -h says what it runs
     main()

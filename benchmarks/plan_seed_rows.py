@@ -9,6 +9,7 @@ temporary folder) stand in for them.
 """
 from __future__ import annotations
 
+import argparse
 import contextlib
 import io
 import json
@@ -83,4 +84,5 @@ def main_rows() -> int:
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()  # no options; -h says what it runs
     raise SystemExit(main_rows())

@@ -1,5 +1,5 @@
 """Context parallelism: the attention alone against scaled_dot_product_attention, its call bytes
-against /work/notes/cp_bytes.md's formulas, its compute/communication overlap, and whole training
+against docs/derivations/cp_bytes.md's formulas, its compute/communication overlap, and whole training
 runs in every CP layout against the one-process run of the same model and data."""
 from __future__ import annotations
 
@@ -128,7 +128,7 @@ def _by_kind(table):
 
 @pytest.mark.parametrize("name", [n for n, _ in ATTN_LAYOUTS])
 def test_cp_call_bytes_match_the_formulas(attention_runs, name):
-    """/work/notes/cp_bytes.md, per rank: ring (P > 1) forward (P-1) b G (s/n) (d+dv) e sent, backward
+    """docs/derivations/cp_bytes.md, per rank: ring (P > 1) forward (P-1) b G (s/n) (d+dv) e sent, backward
     (P-1) b G (s/n) (d+dv) (e+4); a2a (A > 1) b (s/n) e (a d + G d + G dv + a dv) each way."""
     A, P = _sizes(name)
     n, e = A * P, 4  # fp32 inputs
@@ -235,7 +235,7 @@ def train_runs(tmp_path_factory, workers):
 
 
 def _cp_bytes_per_layer(parallel: dict, b: int = 2, s: int = 64, e: int = 4, forward_only: bool = False) -> int:
-    """cp_bytes.md for the tiny model: send + recv + all_to_all bytes, forward + backward (or forward
+    """docs/derivations/cp_bytes.md for the tiny model: send + recv + all_to_all bytes, forward + backward (or forward
     only), of one layer and microbatch on one rank (4 heads, 2 KV heads, d = dv = 16, fp32)."""
     n, t = parallel["context_parallel_size"], parallel.get("tensor_model_parallel_size", 1)
     A = {"p2p": 1, "a2a": n}.get(parallel.get("cp_comm_type", "p2p")) or parallel["hierarchical_context_parallel_sizes"][0]

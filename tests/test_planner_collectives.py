@@ -1,6 +1,6 @@
 """The planner's one list of collectives (fivefold/planner/collectives.py) against independent
 counts: the pipeline schedule's own send/recv actions for PP, and the CP and MoE helpers' call-byte
-formulas (/work/notes/cp_bytes.md, ep_bytes.md; asserted against the runtime's counter in their
+formulas (docs/derivations/cp_bytes.md, ep_bytes.md; asserted against the runtime's counter in their
 tests/test_cp.py and tests/test_moe.py) written out here by hand. Pure: milliseconds."""
 from dataclasses import replace
 
@@ -56,7 +56,7 @@ def test_tied_embedding_gradient_between_first_and_last_stage(schedule, ranks):
 
 
 def cp_formulas(b, s, n, t, heads, groups, d, dv, e, A, P, again=False):
-    """/work/notes/cp_bytes.md, per layer per microbatch per rank: {(kind, phase): bytes}."""
+    """docs/derivations/cp_bytes.md, per layer per microbatch per rank: {(kind, phase): bytes}."""
     a_l, g_l = heads // t, max(1, groups // t)
     G = g_l if g_l % A == 0 else a_l
     out = {}

@@ -26,13 +26,15 @@ def _load(name: str):
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(prog="fivefold", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="fivefold", description=__doc__.splitlines()[0], allow_abbrev=False)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     modules = {}
     for name in COMMANDS:
         module = _load(name)
         help_text = module.HELP if module else "(not implemented yet)"
-        p = sub.add_parser(name, help=help_text, description=help_text)
+        # allow_abbrev=False: a Megatron flag such as --bf16 must reach the dialect parser, not be
+        # taken as a prefix of one of our options (--bf16-tflops)
+        p = sub.add_parser(name, help=help_text, description=help_text, allow_abbrev=False)
         if module:
             module.add_arguments(p)
         modules[name] = module

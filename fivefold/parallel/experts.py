@@ -19,7 +19,7 @@ shard), so the rows are all-gathered over ETP (padded to the largest row count o
 every rank applies its f/m slice of each expert to all of them, and the partial outputs
 P_r = silu(X G_r^T) * (X U_r^T) D_r^T, Y = sum_r P_r, are reduce-scattered back to their ranks:
 the SP form of a column -> row parallel pair, with the rows of all ranks as the "sequence".
-Bytes: see /work/notes/ep_bytes.md (docs/moe.md).
+Bytes: docs/derivations/ep_bytes.md (summary in docs/moe.md).
 """
 from __future__ import annotations
 

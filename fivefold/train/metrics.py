@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -63,8 +64,10 @@ class MetricsLog:
                 from torch.utils.tensorboard import SummaryWriter
 
                 self.tb = SummaryWriter(str(Path(out_dir) / "tensorboard"))
-            except ImportError:  # tensorboard is optional
-                self.tb = None
+            except ImportError:  # said once, not skipped silently: `make setup` installs tensorboard
+                print("note: logging.tensorboard is on but the tensorboard package is not importable, so no "
+                      f"TensorBoard logs are written to {Path(out_dir) / 'tensorboard'} (fix: pip install "
+                      "tensorboard, or logging.tensorboard=false); metrics.jsonl is written", file=sys.stderr, flush=True)
 
     def write(self, record: dict) -> None:
         self.file.write(json.dumps(record) + "\n")
