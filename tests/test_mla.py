@@ -7,7 +7,7 @@ Reference: the same Decoder (same per-name init) in one process, trained by five
 train_step on the same global batches (8 sequences of 64 tokens, microbatches of 2, constant LR, AdamW, clipping at
 1.0), 3 steps. Each layout trains 3 steps with train_step (PP = 1) or pipeline_train_step (PP = 2,
 1F1B) and returns its losses, gradient norms and the step-0 gradient of every parameter it holds,
-compared with its TP slice (`tp_shard`) of the one-process gradient.
+compared with its TP slice (its ParamMeta `shard`) of the one-process gradient.
 
 Tolerances (fp32): the layouts compute the same products and reorder fp32 sums: row-parallel partial
 sums, the vocab-parallel softmax, the gradients of the replicated down-projections and norms summed
@@ -27,6 +27,7 @@ from fivefold.data.loader import Microbatch, StepBatch
 from fivefold.model.decoder import Decoder, build_decoder
 from fivefold.model.recompute import Recompute
 from fivefold.parallel.data import GradReducer
+from fivefold.parallel.param_meta import named_metas
 from fivefold.planner.params import count_params
 from fivefold.runtime.mesh import Mesh
 from fivefold.topology import Layout
@@ -67,7 +68,7 @@ def _batch(step: int, dp_rank: int, dp: int) -> StepBatch:
 
 
 def _run(config: Config, mesh: Mesh, recompute: bool, zero: bool = False):
-    """STEPS steps of `config` on `mesh`: (losses, grad norms, {name: (step-0 grad, tp_shard)}); with
+    """STEPS steps of `config` on `mesh`: (losses, grad norms, {name: (step-0 grad, shard)}); with
     `zero` (the distributed optimizer: each rank holds gradient chunks, not whole gradients) no grads."""
     from fivefold.parallel.distributed_optimizer import DistributedOptimizer
     from fivefold.pipeline.stages import build_pipeline
@@ -101,7 +102,8 @@ def _run(config: Config, mesh: Mesh, recompute: bool, zero: bool = False):
         norms.append(r.grad_norm)
         if step == 0 and not zero:
             for stage in stages:
-                grads.update({n: (p.grad.clone(), getattr(p, "tp_shard", None)) for n, p in stage.named_parameters()})
+                metas = named_metas(stage)
+                grads.update({n: (p.grad.clone(), metas[n].shard) for n, p in stage.named_parameters()})
     return losses, norms, grads
 
 

@@ -23,7 +23,7 @@ from fivefold.runtime import comm, traffic
 from fivefold.runtime.mesh import Mesh
 from fivefold.topology import Layout
 from fivefold.train.context import RankContext
-from fivefold.train.loop import shard_of, train
+from fivefold.train.loop import train
 from fivefold.train.worker import config_from_dict
 
 STEPS, E, K, H = 3, 4, 2, 64
@@ -154,7 +154,7 @@ def test_layout_reproduces_one_process_run(runs, name):
     cfg = _config(runs["data"])
     mine, theirs = Decoder(cfg.model), Decoder(cfg.model)
     for model, folder in ((mine, root / name), (theirs, root / "ref")):
-        ckpt.load_checkpoint(folder / "checkpoints", model=model, optimizer=None, rank=0, world_size=1, shard_of=shard_of)
+        ckpt.load_checkpoint(folder / "checkpoints", model=model, optimizer=None, rank=0, world_size=1)
     for (n, p), q in zip(mine.named_parameters(), theirs.parameters()):
         # Tolerance: Adam's m / sqrt(v) turns ulp-level gradient differences of elements that are
         # cancellations near 0 into larger update differences (test_zero.py measured up to 4.9e-6);

@@ -11,7 +11,7 @@ what changes is how gradients are summed (per-microbatch autograd.grad results a
 schedule order, DP all-reduce) and the loss sum's order. Those are reorderings of fp32 sums of
 ~8 terms: relative error ~1e-7 per step, amplified by AdamW's division by sqrt(v) in later steps.
 Losses and gradient norms: rtol 1e-5; gradients: atol 1e-6 against gradient entries of size ~1e-2.
-With TP, each rank's gradient is compared with its slice (`tp_shard`) of the one-process gradient;
+With TP, each rank's gradient is compared with its slice (its ParamMeta `shard`) of the one-process gradient;
 TP adds reorderings of the same kind (row-parallel partial sums, vocab-parallel softmax, SP norm-gain
 sums over TP), so the tolerances stay.
 """
@@ -76,13 +76,13 @@ def _reference(tie: bool):
 
 
 def _train(rank: int, world: int, config: Config, dp: int, save: Path | None = None):
-    """3 pipeline steps: (losses, {name: (step-0 grad, tp_shard or None)}, grad norms, {name: final
+    """3 pipeline steps: (losses, {name: (step-0 grad, shard or None)}, grad norms, {name: final
     value}); with `save`, a checkpoint of the final parameters is written there (every rank its
-    shards, placed by loop.shard_of)."""
+    shards, placed by their ParamMeta)."""
     from fivefold.checkpoint import io as ckpt
     from fivefold.pipeline.stages import build_pipeline
     from fivefold.runtime import comm
-    from fivefold.train.loop import shard_of
+    from fivefold.parallel.param_meta import named_metas
     from fivefold.train.pipeline_step import pipeline_train_step
 
     p = config.parallel
@@ -101,10 +101,11 @@ def _train(rank: int, world: int, config: Config, dp: int, save: Path | None = N
         norms.append(r.grad_norm)
         if step == 0:
             for s, stage in pipe.stages.items():
-                grads.update({n: (q.grad.clone(), getattr(q, "tp_shard", None)) for n, q in stage.named_parameters()})
+                metas = named_metas(stage)
+                grads.update({n: (q.grad.clone(), metas[n].shard) for n, q in stage.named_parameters()})
     if save is not None:
         ckpt.save_checkpoint(save, STEPS, model=pipe.module, optimizer=opt, rank=rank, writes_params=mesh.dp.rank == 0,
-                             barrier=lambda: comm.barrier(mesh.group("world")), extra={}, shard_of=shard_of)
+                             barrier=lambda: comm.barrier(mesh.group("world")), extra={})
     return losses, grads, norms, {n: q.detach().clone() for n, q in pipe.module.named_parameters()}
 
 

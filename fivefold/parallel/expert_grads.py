@@ -24,8 +24,8 @@ from fivefold.checkpoint.optim_state import OptimShard
 from fivefold.config.schema import TrainingConfig
 from fivefold.parallel.data import GradReducer
 from fivefold.parallel.distributed_optimizer import DistributedOptimizer
-from fivefold.parallel.experts import is_expert
-from fivefold.parallel.tensor import owns_grad, reduce_tp_grads
+from fivefold.parallel.param_meta import ParamMeta, metas_of
+from fivefold.parallel.tensor import reduce_tp_grads
 from fivefold.runtime import comm
 from fivefold.runtime.mesh import Group
 from fivefold.train.optim import clip_grad_norm
@@ -61,10 +61,11 @@ def build_reducers(model: nn.Module, mesh, *, shard: bool,
                    reducer_cls: type[GradReducer] = GradReducer) -> GradReducer | GradReducers:
     """One GradReducer over DP x CP for a dense model; GradReducers when `model` has routed experts."""
     params = [p for p in model.parameters()]
-    experts = [p for p in params if is_expert(p)]
+    metas = metas_of(model)
+    experts = [p for p in params if metas[id(p)].is_expert]
     if not experts:
         return reducer_cls(params, mesh.dp_cp, shard=shard)
-    dense = [p for p in params if not is_expert(p)]
+    dense = [p for p in params if not metas[id(p)].is_expert]
     return GradReducers(reducer_cls(dense, mesh.dp_cp, shard=shard),
                         reducer_cls(experts, mesh.edp, shard=shard, tag="edp-grad"))
 
@@ -121,22 +122,24 @@ def _sq(params: list[nn.Parameter], groups: list[Group], counted: Callable[[nn.P
     return clip_grad_norm(params, 0.0, groups, counted=counted) ** 2
 
 
-def finish_moe_grads(params: Iterable[nn.Parameter], clip_grad: float, *, tp: Group | None, pp: Group, expert_mp: Group,
-                     not_counted: Iterable[nn.Parameter] = (), optimizer=None) -> float:
+def finish_moe_grads(params: Iterable[nn.Parameter], clip_grad: float, *, metas: dict[int, ParamMeta],
+                     tp: Group | None, pp: Group, expert_mp: Group, not_counted: Iterable[nn.Parameter] = (),
+                     optimizer=None) -> float:
     """train.step.finish_grads for a model with routed experts (see the module docstring); returns
     the norm before clipping. `expert_mp`: the ETP x EP group."""
     params = list(params)
-    dense = [p for p in params if not is_expert(p)]
-    experts = [p for p in params if is_expert(p)]
+    dense = [p for p in params if not metas[id(p)].is_expert]
+    experts = [p for p in params if metas[id(p)].is_expert]
     dense_groups, expert_groups = [tp] if tp is not None else [], [expert_mp]
     if isinstance(optimizer, ExpertDistributedOptimizer):
         not_counted = optimizer.dense.main_params(not_counted)
         dense, experts = optimizer.dense.main_params(dense), optimizer.expert.main_params(experts)
         dense_groups, expert_groups = [optimizer.dense.group, *dense_groups], [optimizer.expert.group, expert_mp]
+        metas = {**metas, **optimizer.dense.metas, **optimizer.expert.metas}
     if tp is not None:
-        reduce_tp_grads(dense, tp)
+        reduce_tp_grads([(p, metas[id(p)]) for p in dense], tp)
     skip, tp_rank = {id(p) for p in not_counted}, tp.rank if tp is not None else 0
-    sq = _sq(dense, dense_groups, lambda p: id(p) not in skip and owns_grad(p, tp_rank))
+    sq = _sq(dense, dense_groups, lambda p: id(p) not in skip and metas[id(p)].owns_grad(tp_rank))
     sq += _sq(experts, expert_groups, lambda p: True)
     total = torch.tensor(sq, dtype=torch.float64)
     comm.all_reduce_(total, pp, tag="grad-norm")

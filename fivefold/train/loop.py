@@ -14,8 +14,6 @@ import torch
 from tqdm import tqdm
 
 from fivefold.checkpoint import io as ckpt
-from fivefold.checkpoint.layout import ShardSpec as CheckpointShard
-from fivefold.checkpoint.layout import whole
 from fivefold.config.schema import Config, to_dict
 from fivefold.data.dataset import DocumentDataset, PackedDataset, load_splits
 from fivefold.data.loader import BatchLoader
@@ -70,12 +68,6 @@ def _loaders(config: Config, ctx: RankContext, data_dir: Path) -> tuple[BatchLoa
     return BatchLoader(train_ds, seed=t.seed, **kw), eval_loader
 
 
-def shard_of(name: str, p: torch.nn.Parameter) -> CheckpointShard:
-    """Where a parameter sits in the one-process tensor: TP shards at their offset, the rest whole."""
-    spec = getattr(p, "tp_shard", None)
-    return CheckpointShard(spec.full_shape, spec.offsets) if spec is not None else whole(p.shape)
-
-
 def _optim_shards(optimizer) -> list | None:
     """The ranges the optimizer keeps state for: ZeRO-1 chunks, or (None) every parameter whole."""
     return optimizer.optim_shards() if is_zero(optimizer) else None
@@ -86,7 +78,7 @@ def _save(config: Config, ctx: RankContext, root: Path, step: int, model, optimi
     # is one but not the other writes copies equal to the owner's, which the checkpoint lists once.
     writes = ctx.dp_group.rank == 0 or (config.model.is_moe and ctx.mesh.edp.rank == 0)
     return ckpt.save_checkpoint(
-        root, step, model=model, optimizer=optimizer, rank=ctx.rank, writes_params=writes, shard_of=shard_of,
+        root, step, model=model, optimizer=optimizer, rank=ctx.rank, writes_params=writes,
         optim_shards=_optim_shards(optimizer), writes_optim=is_zero(optimizer) or writes,
         barrier=lambda: comm.barrier(ctx.world_group),
         extra={"optimizer_step": step, "world_size": ctx.world_size, "data": {"next_step": step,
@@ -155,7 +147,7 @@ def train(config: Config, ctx: RankContext, data_dir: Path, *, progress: bool = 
     start = 0
     if config.checkpoint.load:
         meta = ckpt.load_checkpoint(config.checkpoint.load, model=model, optimizer=optimizer, rank=ctx.rank,
-                                    shard_of=shard_of, world_size=ctx.world_size, optim_shards=_optim_shards(optimizer))
+                                    world_size=ctx.world_size, optim_shards=_optim_shards(optimizer))
         start = int(meta["data"]["next_step"])
     save_root = Path(config.checkpoint.save or ctx.out_dir / "checkpoints")
     log = MetricsLog(ctx.out_dir, config.logging.tensorboard, resume_from=start) if ctx.is_main else None

@@ -24,6 +24,7 @@ from fivefold.pipeline.render import draw_png, text_timeline
 from fivefold.pipeline.simulate import simulate
 from fivefold.pipeline.trace import measured_result, stage_costs
 from fivefold.pipeline.stages import PipelineModel, build_pipeline  # noqa: F401 (the loop builds through here)
+from fivefold.parallel.param_meta import metas_of
 from fivefold.runtime import comm
 from fivefold.train.step import StepResult, autocast, cp_tokens, finish_grads, global_mean, set_lr
 
@@ -65,7 +66,7 @@ def pipeline_train_step(pipe: PipelineModel, optimizer: torch.optim.Optimizer, r
     pipe.sync_tied_grads()  # before the DP reduction (the sums commute): with ZeRO-1 it reduce-scatters
     reducer.finish()
     norm = finish_grads(pipe.parameters(), clip_grad, mesh.group("model-parallel"), mesh.tp,
-                        not_counted=pipe.uncounted_parameters(), optimizer=optimizer,
+                        metas=metas_of(pipe.module), not_counted=pipe.uncounted_parameters(), optimizer=optimizer,
                         expert_groups=(mesh.group("etp-ep"), mesh.pp))
     optimizer.step()
     local = torch.zeros((), dtype=torch.float64)

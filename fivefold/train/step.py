@@ -20,9 +20,9 @@ from fivefold.parallel.context import split_tokens
 from fivefold.parallel.data import GradReducer
 from fivefold.parallel.distributed_optimizer import DistributedOptimizer
 from fivefold.parallel.expert_grads import finish_moe_grads
-from fivefold.parallel.experts import is_expert
 from fivefold.model.moe import aux_loss_term
-from fivefold.parallel.tensor import owns_grad, reduce_tp_grads
+from fivefold.parallel.param_meta import ParamMeta, metas_of
+from fivefold.parallel.tensor import reduce_tp_grads
 from fivefold.train.optim import clip_grad_norm
 
 
@@ -73,7 +73,7 @@ def global_mean(local_sum: torch.Tensor, tokens: int, *groups: Group) -> float:
 
 
 def finish_grads(params: list[nn.Parameter], clip_grad: float, model_parallel_group: Group,
-                 tp_group: Group | None, *, not_counted: Iterable[nn.Parameter] = (),
+                 tp_group: Group | None, *, metas: dict[int, ParamMeta], not_counted: Iterable[nn.Parameter] = (),
                  optimizer: torch.optim.Optimizer | DistributedOptimizer | None = None,
                  expert_groups: tuple[Group, Group] | None = None) -> float:
     """After the DP reduction: complete the gradients of TP-replicated parameters (SP norm gains, KV
@@ -86,19 +86,21 @@ def finish_grads(params: list[nn.Parameter], clip_grad: float, model_parallel_gr
     DP x CP group, whose ranks hold disjoint chunks.
     A MoE model's routed experts (`expert_groups` = (ETP x EP group, PP group)) are counted over
     their own groups: fivefold.parallel.expert_grads.finish_moe_grads."""
-    if expert_groups is not None and any(is_expert(p) for p in params):
-        return finish_moe_grads(params, clip_grad, tp=tp_group, expert_mp=expert_groups[0], pp=expert_groups[1],
-                                not_counted=not_counted, optimizer=optimizer)
+    if expert_groups is not None and any(metas[id(p)].is_expert for p in params):
+        return finish_moe_grads(params, clip_grad, metas=metas, tp=tp_group, expert_mp=expert_groups[0],
+                                pp=expert_groups[1], not_counted=not_counted, optimizer=optimizer)
     groups = [model_parallel_group]
     if isinstance(optimizer, DistributedOptimizer):
         not_counted = optimizer.main_params(not_counted)
         params = optimizer.main_params(params)
         groups = [optimizer.group, model_parallel_group]
+        metas = {**metas, **optimizer.metas}
     if tp_group is not None:
-        reduce_tp_grads(params, tp_group)
+        reduce_tp_grads([(p, metas[id(p)]) for p in params], tp_group)
     tp_rank = tp_group.rank if tp_group is not None else 0
     skip = {id(p) for p in not_counted}
-    return clip_grad_norm(params, clip_grad, groups, counted=lambda p: id(p) not in skip and owns_grad(p, tp_rank))
+    return clip_grad_norm(params, clip_grad, groups,
+                          counted=lambda p: id(p) not in skip and metas[id(p)].owns_grad(tp_rank))
 
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, reducer: GradReducer, batch: StepBatch, *,
@@ -125,8 +127,8 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, reducer: Grad
     if n == 0:
         reducer.prepare(last=True)
     reducer.finish()
-    norm = finish_grads(list(model.parameters()), clip_grad, model_parallel_group, tp_group, optimizer=optimizer,
-                        expert_groups=expert_groups)
+    norm = finish_grads(list(model.parameters()), clip_grad, model_parallel_group, tp_group, metas=metas_of(model),
+                        optimizer=optimizer, expert_groups=expert_groups)
     optimizer.step()
     aux_loss = global_mean(aux.cpu(), 1, dp_group, model_parallel_group) if aux is not None else None  # every rank
     return StepResult(global_mean(local.cpu(), batch.global_tokens, dp_group), norm, batch.global_tokens, aux_loss)
