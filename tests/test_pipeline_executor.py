@@ -25,10 +25,9 @@ from fivefold.checkpoint.layout import step_dir
 from fivefold.config.schema import Config, ModelConfig, ParallelConfig, TrainingConfig
 from fivefold.data.loader import Microbatch, StepBatch
 from fivefold.model.decoder import Decoder
-from fivefold.parallel.data import GradReducer
+from fivefold.parallel.parallelize import parallelize
 from fivefold.runtime.mesh import Mesh
 from fivefold.topology import Layout
-from fivefold.train.optim import build_optimizer
 from fivefold.train.step import train_step
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -59,13 +58,10 @@ def _reference(tie: bool):
     if tie not in _REFERENCE:
         config = _config(tie=tie)
         model = Decoder(config.model, seed=config.training.seed)
-        opt = build_optimizer(model, config.training)
-        mesh = Mesh.build(Layout())  # one rank, no process group
-        reducer = GradReducer(model.parameters(), mesh.dp_cp)
+        parts = parallelize(model, Mesh.build(Layout()), config)  # one rank, no process group
         losses, grads, norms = [], {}, []
         for step in range(STEPS):
-            r = train_step(model, opt, reducer, _batch(step, 0, 1, 1), lr=3e-3, clip_grad=1.0, precision="fp32",
-                           dp_group=mesh.dp_cp, model_parallel_group=mesh.group("model-parallel"),
+            r = train_step(parts, _batch(step, 0, 1, 1), lr=3e-3, clip_grad=1.0, precision="fp32",
                            device=torch.device("cpu"))
             losses.append(r.loss)
             norms.append(r.grad_norm)
@@ -83,19 +79,17 @@ def _train(rank: int, world: int, config: Config, dp: int, save: Path | None = N
     from fivefold.pipeline.stages import build_pipeline
     from fivefold.runtime import comm
     from fivefold.parallel.param_meta import named_metas
-    from fivefold.train.pipeline_step import pipeline_train_step
 
     p = config.parallel
     mesh = Mesh.build(Layout(pp=p.pipeline_model_parallel_size, tp=p.tensor_model_parallel_size, dp=dp))
     mbs = config.training.micro_batch_size
     pipe = build_pipeline(config, mesh, GBS // (mbs * dp), device=torch.device("cpu"))
-    params = pipe.parameters()
-    opt = build_optimizer(pipe.module, config.training)
-    reducer = GradReducer(params, mesh.dp_cp)
+    parts = parallelize(pipe, mesh, config)
     losses, grads, norms = [], {}, []
     for step in range(STEPS):
-        r, run = pipeline_train_step(pipe, opt, reducer, _batch(step, mesh.coords["dp"], dp, mbs), lr=3e-3,
-                                     clip_grad=1.0, precision="fp32", mesh=mesh, device=torch.device("cpu"))
+        r = train_step(parts, _batch(step, mesh.coords["dp"], dp, mbs), lr=3e-3, clip_grad=1.0, precision="fp32",
+                       device=torch.device("cpu"))
+        run = r.run
         assert run.log == list(pipe.schedule.ranks[mesh.pp.rank])  # executed order = the IR's
         losses.append(r.loss)
         norms.append(r.grad_norm)
@@ -104,7 +98,7 @@ def _train(rank: int, world: int, config: Config, dp: int, save: Path | None = N
                 metas = named_metas(stage)
                 grads.update({n: (q.grad.clone(), metas[n].shard) for n, q in stage.named_parameters()})
     if save is not None:
-        ckpt.save_checkpoint(save, STEPS, model=pipe.module, optimizer=opt, rank=rank, writes_params=mesh.dp.rank == 0,
+        ckpt.save_checkpoint(save, STEPS, model=pipe.module, optimizer=parts.dp, rank=rank, writes_params=mesh.dp.rank == 0,
                              barrier=lambda: comm.barrier(mesh.group("world")), extra={})
     return losses, grads, norms, {n: q.detach().clone() for n, q in pipe.module.named_parameters()}
 

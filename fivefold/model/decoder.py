@@ -23,7 +23,7 @@ from fivefold.model.moe import MoEGroups, check_moe_supported, set_aux_loss_scal
 from fivefold.model.norm import make_norm
 from fivefold.model.recompute import Recompute, maybe_checkpoint
 from fivefold.model.rope import rope_tables
-from fivefold.parallel.context import context_parallel_of, local_positions
+from fivefold.parallel.context import local_positions
 from fivefold.parallel.cross_entropy import vocab_parallel_cross_entropy
 from fivefold.parallel.param_meta import mark_all
 from fivefold.parallel.tensor import ColumnParallelLinear, TPMode, VocabParallelEmbedding, mark_sequence_sharded
@@ -82,11 +82,9 @@ class Decoder(nn.Module):
             else:
                 aliases["head.weight"] = "embedding.weight"
         init_parameters_(self, seed=seed, std=cfg.init_method_std, vocab_size=cfg.vocab_size, aliases=aliases)
-        self.cp = context_parallel_of(mesh, cfg.num_attention_heads // (tp.size if tp else 1))
-        """Context parallelism: ids are this CP rank's s/cp tokens (parallel.context.split_tokens)."""
-        for module in self.modules():
-            if hasattr(module, "context_parallel"):
-                module.context_parallel = self.cp
+        self.cp = None
+        """Context parallelism, set by fivefold.parallel.parallelize (apply_context_parallel): ids are
+        then this CP rank's s/cp tokens (parallel.context.split_tokens)."""
         self.recompute = Recompute()
 
     def set_recompute(self, recompute: Recompute) -> None:

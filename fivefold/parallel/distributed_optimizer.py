@@ -33,7 +33,7 @@ from fivefold.config.schema import TrainingConfig
 from fivefold.parallel.data import GradReducer
 from fivefold.runtime import comm
 from fivefold.parallel.param_meta import ParamMeta, metas_of
-from fivefold.train.optim import build_adamw
+from fivefold.parallel.optimizer import build_adamw
 
 
 @dataclass(frozen=True)
