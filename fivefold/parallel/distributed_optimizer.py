@@ -57,7 +57,7 @@ class DistributedOptimizer:
     """AdamW over this rank's chunks of the parameters; `param_groups` and `state` as torch.optim's.
 
     Per step, after reducer.finish(): clip the gradients of `main_params()` by the global norm
-    (fivefold.train.step.clip_and_step adds this optimizer's `group`), then `step()`."""
+    (fivefold.parallel.data_parallel.DataParallel.clip_grads adds this optimizer's `group`), then `step()`."""
 
     def __init__(self, model: nn.Module, reducer: GradReducer, training: TrainingConfig, *, tag: str = "dp-param"):
         if not reducer.shard:
