@@ -195,7 +195,8 @@ class DataParallel:
             if d.kind is GradDomain.DENSE:
                 reduce_tp_grads([(t, self.metas[id(t)]) for t in main], self.tp)
             groups = ([d.zero.group] if d.zero is not None else []) + [d.norm_group]
-            parts.append((main, groups, lambda t, skip=skip: id(t) not in skip and self.metas[id(t)].owns_grad(tp_rank)))
+            parts.append((main, groups,
+                          lambda t, skip=skip: id(t) not in skip and self.metas[id(t)].owns_grad(tp_rank)))
         if self.norm_over is None:  # one domain: its groups already span TP x PP
             main, groups, counted = parts[0]
             return clip_grad_norm(main, max_norm, groups, counted=counted)
