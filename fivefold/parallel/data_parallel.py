@@ -110,9 +110,11 @@ class DataParallel:
         dp.finish(); norm = dp.clip_grads(max_norm); dp.step()
     It stands where torch.optim's optimizer does for checkpoints (`state`, `param_groups`)."""
 
-    def __init__(self, model: nn.Module, mesh, training: TrainingConfig, *,
+    def __init__(self, model: nn.Module, mesh, training: TrainingConfig, *, moe: bool | None = None,
                  not_counted: Iterable[nn.Parameter] = (), reducer_cls: type[GradReducer] = GradReducer):
-        """`not_counted`: parameters left out of the gradient norm (a tied embedding's second copy,
+        """`moe`: the model has routed experts (on some rank: a pipeline stage may hold none, and
+        still takes part in the expert domain's collectives); default: this rank holds experts.
+        `not_counted`: parameters left out of the gradient norm (a tied embedding's second copy,
         counted where its first copy lives)."""
         self.mode = DPMode.of(training)
         self.tp = mesh.tp
@@ -121,7 +123,7 @@ class DataParallel:
         shard = self.mode is DPMode.OPTIM
         params = list(model.parameters())
         experts = [p for p in params if self.metas[id(p)].is_expert]
-        if experts:
+        if experts if moe is None else moe:
             dense = [p for p in params if not self.metas[id(p)].is_expert]
             self.domains = [
                 _Domain(GradDomain.DENSE, dense, reducer_cls(dense, mesh.group(GradDomain.DENSE.group), shard=shard),
@@ -137,13 +139,14 @@ class DataParallel:
                                     mesh.group("model-parallel"))]
             self.norm_over = None
         if shard:
-            for d in self.domains:
+            sharded = [d for d in self.domains if d.params]  # an expert domain may be empty on this stage
+            for d in sharded:
                 d.zero = DistributedOptimizer(model, d.reducer, training,
                                               tag="edp-param" if d.kind is GradDomain.EXPERT else "dp-param")
                 self.metas.update(d.zero.metas)
-            self.optimizers = [d.zero.optimizer for d in self.domains]
-            self._steps = [d.zero.step for d in self.domains]
-            self._optim_shards = [s for d in self.domains for s in d.zero.optim_shards()]
+            self.optimizers = [d.zero.optimizer for d in sharded]
+            self._steps = [d.zero.step for d in sharded]
+            self._optim_shards = [s for d in sharded for s in d.zero.optim_shards()]
         else:
             self.optimizers = [build_optimizer(model, training)]
             self._steps = [self.optimizers[0].step]

@@ -91,6 +91,6 @@ def parallelize(model: Decoder | PipelineModel, mesh, config: Config, *,
         apply_context_parallel(decoder, mesh)
         check_expert_parallel(decoder, mesh)
         decoder.set_recompute(recompute)
-    dp = DataParallel(module, mesh, config.training, reducer_cls=reducer_cls,
+    dp = DataParallel(module, mesh, config.training, moe=config.model.is_moe, reducer_cls=reducer_cls,
                       not_counted=pipe.uncounted_parameters() if pipe is not None else ())
     return Parts(module, pipe, dp, mesh)
