@@ -21,6 +21,7 @@ from fivefold.train.context import RankContext
 from fivefold.train.loop import train
 from fivefold.train.step import cp_tokens
 from fivefold.train.worker import config_from_dict
+from fivefold.parallel.parallelize import apply_context_parallel
 from fivefold.parallel.context import context_parallel_of, local_positions, split_sequence, split_tokens
 from fivefold.runtime import comm, traffic
 from fivefold.runtime.mesh import Mesh
@@ -317,7 +318,9 @@ def _mla_case(rank, world):
     out = {}
     for name, sizes in MLA_LAYOUTS.items():
         mesh = Mesh.build(Layout(**sizes))
-        total, grads = _mla_loss_and_grads(Decoder(MLA_CFG, mesh=mesh, seed=0))
+        model = Decoder(MLA_CFG, mesh=mesh, seed=0)
+        apply_context_parallel(model, mesh)  # the CP step of fivefold.parallel.parallelize
+        total, grads = _mla_loss_and_grads(model)
         for t in (total, *grads.values()):
             comm.all_reduce_(t, mesh.cp, "test")
         out[name] = (total, grads)

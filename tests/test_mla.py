@@ -5,9 +5,9 @@ parameter count against the planner's.
 
 Reference: the same Decoder (same per-name init) in one process, trained by fivefold.train.step's
 train_step on the same global batches (8 sequences of 64 tokens, microbatches of 2, constant LR, AdamW, clipping at
-1.0), 3 steps. Each layout trains 3 steps with train_step (PP = 1) or pipeline_train_step (PP = 2,
+1.0), 3 steps. Each layout trains 3 steps with train_step (through the pipeline schedule with PP = 2,
 1F1B) and returns its losses, gradient norms and the step-0 gradient of every parameter it holds,
-compared with its TP slice (`tp_shard`) of the one-process gradient.
+compared with its TP slice (its ParamMeta `shard`) of the one-process gradient.
 
 Tolerances (fp32): the layouts compute the same products and reorder fp32 sums: row-parallel partial
 sums, the vocab-parallel softmax, the gradients of the replicated down-projections and norms summed
@@ -20,17 +20,18 @@ Leaving the SP down-projections' gradients unsummed over TP moves them by 8.5e-3
 from __future__ import annotations
 
 import pytest
+import dataclasses
+
 import torch
 
 from fivefold.config.schema import Config, ModelConfig, ParallelConfig, TrainingConfig
 from fivefold.data.loader import Microbatch, StepBatch
 from fivefold.model.decoder import Decoder, build_decoder
-from fivefold.model.recompute import Recompute
-from fivefold.parallel.data import GradReducer
+from fivefold.parallel.parallelize import parallelize
+from fivefold.parallel.param_meta import named_metas
 from fivefold.planner.params import count_params
 from fivefold.runtime.mesh import Mesh
 from fivefold.topology import Layout
-from fivefold.train.optim import build_optimizer
 from fivefold.train.step import train_step
 
 STEPS, GBS, MBS, SEQ, LR = 3, 8, 2, 64, 3e-3
@@ -67,41 +68,27 @@ def _batch(step: int, dp_rank: int, dp: int) -> StepBatch:
 
 
 def _run(config: Config, mesh: Mesh, recompute: bool, zero: bool = False):
-    """STEPS steps of `config` on `mesh`: (losses, grad norms, {name: (step-0 grad, tp_shard)}); with
+    """STEPS steps of `config` on `mesh`: (losses, grad norms, {name: (step-0 grad, shard)}); with
     `zero` (the distributed optimizer: each rank holds gradient chunks, not whole gradients) no grads."""
-    from fivefold.parallel.distributed_optimizer import DistributedOptimizer
     from fivefold.pipeline.stages import build_pipeline
-    from fivefold.train.pipeline_step import pipeline_train_step
 
     dp, dp_rank = mesh.dp_cp.size, mesh.coords["dp"]
     cpu = torch.device("cpu")
-    if mesh.pp.size > 1:
-        pipe = build_pipeline(config, mesh, GBS // (MBS * dp), device=cpu)
-        module, stages = pipe.module, list(pipe.stages.values())
-        params = pipe.parameters()
-    else:
-        module = build_decoder(config, mesh)
-        stages, params = [module], list(module.parameters())
-    if recompute:
-        for stage in stages:
-            stage.set_recompute(Recompute(granularity="selective"))
-    reducer = GradReducer(params, mesh.dp_cp, shard=zero)
-    opt = DistributedOptimizer(module, reducer, config.training) if zero else build_optimizer(module, config.training)
+    config = dataclasses.replace(config, training=dataclasses.replace(
+        config.training, use_distributed_optimizer=zero, recompute_granularity="selective" if recompute else None))
+    model = build_pipeline(config, mesh, GBS // (MBS * dp), device=cpu) if mesh.pp.size > 1 else \
+        build_decoder(config, mesh)
+    parts = parallelize(model, mesh, config)
+    stages = parts.decoders
     losses, norms, grads = [], [], {}
     for step in range(STEPS):
-        batch = _batch(step, dp_rank, dp)
-        if mesh.pp.size > 1:
-            r, _ = pipeline_train_step(pipe, opt, reducer, batch, lr=LR, clip_grad=1.0, precision="fp32",
-                                       mesh=mesh, device=cpu)
-        else:
-            r = train_step(module, opt, reducer, batch, lr=LR, clip_grad=1.0, precision="fp32", dp_group=mesh.dp_cp,
-                           model_parallel_group=mesh.group("model-parallel"), device=cpu,
-                           tp_group=mesh.tp if mesh.tp.size > 1 else None)
+        r = train_step(parts, _batch(step, dp_rank, dp), lr=LR, clip_grad=1.0, precision="fp32", device=cpu)
         losses.append(r.loss)
         norms.append(r.grad_norm)
         if step == 0 and not zero:
             for stage in stages:
-                grads.update({n: (p.grad.clone(), getattr(p, "tp_shard", None)) for n, p in stage.named_parameters()})
+                metas = named_metas(stage)
+                grads.update({n: (p.grad.clone(), metas[n].shard) for n, p in stage.named_parameters()})
     return losses, norms, grads
 
 

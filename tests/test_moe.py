@@ -23,7 +23,7 @@ from fivefold.runtime import comm, traffic
 from fivefold.runtime.mesh import Mesh
 from fivefold.topology import Layout
 from fivefold.train.context import RankContext
-from fivefold.train.loop import shard_of, train
+from fivefold.train.loop import train
 from fivefold.train.worker import config_from_dict
 
 STEPS, E, K, H = 3, 4, 2, 64
@@ -154,7 +154,7 @@ def test_layout_reproduces_one_process_run(runs, name):
     cfg = _config(runs["data"])
     mine, theirs = Decoder(cfg.model), Decoder(cfg.model)
     for model, folder in ((mine, root / name), (theirs, root / "ref")):
-        ckpt.load_checkpoint(folder / "checkpoints", model=model, optimizer=None, rank=0, world_size=1, shard_of=shard_of)
+        ckpt.load_checkpoint(folder / "checkpoints", model=model, optimizer=None, rank=0, world_size=1)
     for (n, p), q in zip(mine.named_parameters(), theirs.parameters()):
         # Tolerance: Adam's m / sqrt(v) turns ulp-level gradient differences of elements that are
         # cancellations near 0 into larger update differences (test_zero.py measured up to 4.9e-6);
@@ -180,6 +180,29 @@ def test_ep2_checkpoint_resumes_at_ep1(runs):
         expected = train(cfg2, one_process_context(out2), runs["data_dir"], progress=False).losses
     # Tolerance: the two checkpoints differ by the layout's fp32 noise (see above).
     assert list(resumed) == [STEPS] and resumed[STEPS] == pytest.approx(expected[STEPS], rel=1e-6)
+
+
+def test_pipeline_stage_without_experts_trains_like_one_process(runs, workers):
+    """TP2+SP x PP2 x EP2 with ZeRO-1 where the first stage holds only dense layers
+    (moe_first_k_dense_layers=2): that stage has no expert parameters but still takes part in the
+    expert domain's gradient-norm collectives (fivefold.parallel.data_parallel), so the run neither
+    hangs nor miscounts the norm."""
+    root = runs["root"]
+    cfg = _config(runs["data"], 4, dict(tensor_model_parallel_size=2, sequence_parallel=True,
+                                        pipeline_model_parallel_size=2, expert_model_parallel_size=2,
+                                        expert_tensor_parallel_size=1), True)
+    ref_cfg = _config(runs["data"])
+    for c in (cfg, ref_cfg):
+        c.model.moe_first_k_dense_layers = 2
+    (root / "dense-stage-ref").mkdir()
+    with _one_thread():
+        ref = train(ref_cfg, one_process_context(root / "dense-stage-ref"), runs["data_dir"], progress=False)
+    out = workers(4).run(_train_rank, to_dict(cfg), str(root / "dense-stage"), str(runs["data_dir"]))
+    # Tolerance: the layout tests' (fp32 sums reordered by TP / SP / EP / PP / ZeRO-1).
+    for r in out:
+        assert list(r["losses"].values()) == pytest.approx(list(ref.losses.values()), rel=1e-6, abs=0)
+    assert [m["grad_norm"] for m in _metrics(root / "dense-stage")] == pytest.approx(
+        [m["grad_norm"] for m in _metrics(root / "dense-stage-ref")], rel=2e-6, abs=0)
 
 
 # --- the exact all-to-all bytes, from the routing of one micro-batch -----------------------------------

@@ -11,7 +11,7 @@ what changes is how gradients are summed (per-microbatch autograd.grad results a
 schedule order, DP all-reduce) and the loss sum's order. Those are reorderings of fp32 sums of
 ~8 terms: relative error ~1e-7 per step, amplified by AdamW's division by sqrt(v) in later steps.
 Losses and gradient norms: rtol 1e-5; gradients: atol 1e-6 against gradient entries of size ~1e-2.
-With TP, each rank's gradient is compared with its slice (`tp_shard`) of the one-process gradient;
+With TP, each rank's gradient is compared with its slice (its ParamMeta `shard`) of the one-process gradient;
 TP adds reorderings of the same kind (row-parallel partial sums, vocab-parallel softmax, SP norm-gain
 sums over TP), so the tolerances stay.
 """
@@ -25,10 +25,9 @@ from fivefold.checkpoint.layout import step_dir
 from fivefold.config.schema import Config, ModelConfig, ParallelConfig, TrainingConfig
 from fivefold.data.loader import Microbatch, StepBatch
 from fivefold.model.decoder import Decoder
-from fivefold.parallel.data import GradReducer
+from fivefold.parallel.parallelize import parallelize
 from fivefold.runtime.mesh import Mesh
 from fivefold.topology import Layout
-from fivefold.train.optim import build_optimizer
 from fivefold.train.step import train_step
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -59,13 +58,10 @@ def _reference(tie: bool):
     if tie not in _REFERENCE:
         config = _config(tie=tie)
         model = Decoder(config.model, seed=config.training.seed)
-        opt = build_optimizer(model, config.training)
-        mesh = Mesh.build(Layout())  # one rank, no process group
-        reducer = GradReducer(model.parameters(), mesh.dp_cp)
+        parts = parallelize(model, Mesh.build(Layout()), config)  # one rank, no process group
         losses, grads, norms = [], {}, []
         for step in range(STEPS):
-            r = train_step(model, opt, reducer, _batch(step, 0, 1, 1), lr=3e-3, clip_grad=1.0, precision="fp32",
-                           dp_group=mesh.dp_cp, model_parallel_group=mesh.group("model-parallel"),
+            r = train_step(parts, _batch(step, 0, 1, 1), lr=3e-3, clip_grad=1.0, precision="fp32",
                            device=torch.device("cpu"))
             losses.append(r.loss)
             norms.append(r.grad_norm)
@@ -76,35 +72,34 @@ def _reference(tie: bool):
 
 
 def _train(rank: int, world: int, config: Config, dp: int, save: Path | None = None):
-    """3 pipeline steps: (losses, {name: (step-0 grad, tp_shard or None)}, grad norms, {name: final
+    """3 pipeline steps: (losses, {name: (step-0 grad, shard or None)}, grad norms, {name: final
     value}); with `save`, a checkpoint of the final parameters is written there (every rank its
-    shards, placed by loop.shard_of)."""
+    shards, placed by their ParamMeta)."""
     from fivefold.checkpoint import io as ckpt
     from fivefold.pipeline.stages import build_pipeline
     from fivefold.runtime import comm
-    from fivefold.train.loop import shard_of
-    from fivefold.train.pipeline_step import pipeline_train_step
+    from fivefold.parallel.param_meta import named_metas
 
     p = config.parallel
     mesh = Mesh.build(Layout(pp=p.pipeline_model_parallel_size, tp=p.tensor_model_parallel_size, dp=dp))
     mbs = config.training.micro_batch_size
     pipe = build_pipeline(config, mesh, GBS // (mbs * dp), device=torch.device("cpu"))
-    params = pipe.parameters()
-    opt = build_optimizer(pipe.module, config.training)
-    reducer = GradReducer(params, mesh.dp_cp)
+    parts = parallelize(pipe, mesh, config)
     losses, grads, norms = [], {}, []
     for step in range(STEPS):
-        r, run = pipeline_train_step(pipe, opt, reducer, _batch(step, mesh.coords["dp"], dp, mbs), lr=3e-3,
-                                     clip_grad=1.0, precision="fp32", mesh=mesh, device=torch.device("cpu"))
+        r = train_step(parts, _batch(step, mesh.coords["dp"], dp, mbs), lr=3e-3, clip_grad=1.0, precision="fp32",
+                       device=torch.device("cpu"))
+        run = r.run
         assert run.log == list(pipe.schedule.ranks[mesh.pp.rank])  # executed order = the IR's
         losses.append(r.loss)
         norms.append(r.grad_norm)
         if step == 0:
             for s, stage in pipe.stages.items():
-                grads.update({n: (q.grad.clone(), getattr(q, "tp_shard", None)) for n, q in stage.named_parameters()})
+                metas = named_metas(stage)
+                grads.update({n: (q.grad.clone(), metas[n].shard) for n, q in stage.named_parameters()})
     if save is not None:
-        ckpt.save_checkpoint(save, STEPS, model=pipe.module, optimizer=opt, rank=rank, writes_params=mesh.dp.rank == 0,
-                             barrier=lambda: comm.barrier(mesh.group("world")), extra={}, shard_of=shard_of)
+        ckpt.save_checkpoint(save, STEPS, model=pipe.module, optimizer=parts.dp, rank=rank, writes_params=mesh.dp.rank == 0,
+                             barrier=lambda: comm.barrier(mesh.group("world")), extra={})
     return losses, grads, norms, {n: q.detach().clone() for n, q in pipe.module.named_parameters()}
 
 

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from fivefold.parallel.cross_entropy import vocab_parallel_cross_entropy
 from fivefold.parallel.heads import split_heads
+from fivefold.parallel.param_meta import named_metas
 from fivefold.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, TPMode, VocabParallelEmbedding,
                                       mark_kv_replica, reduce_tp_grads)
 from fivefold.runtime.mesh import Group, Mesh
@@ -116,7 +117,7 @@ def _linears_case(rank, world, mode_name):
     row = RowParallelLinear(48, 16, group=tp, mode=mode)
     with torch.no_grad():
         for m, full in ((emb, emb_w), (col, w1), (row, w2)):
-            m.weight.copy_(m.weight.tp_shard.of(full))
+            m.weight.copy_(named_metas(m)["weight"].shard.of(full))
     x = emb(ids)  # (b, s, h) or (b, s/tp, h)
     y = row(torch.tanh(col(x))) + x
     weights = torch.arange(2 * 8 * 16.0).view(2, 8, 16) / 256  # dL/dy, the same on both sides
@@ -150,11 +151,12 @@ def test_linears_match_one_process(workers, mode):
 def _kv_case(rank, world):
     mesh = Mesh.build(Layout(tp=world))
     split = split_heads(8, 2, world, mesh.tp.rank)
-    p = torch.nn.Parameter(torch.zeros(3))
-    mark_kv_replica(p, split, 2)
-    p.grad = torch.full((3,), float(rank + 1))
-    reduce_tp_grads([p], mesh.tp)
-    return p.grad
+    kv = torch.nn.Module()
+    kv.weight = torch.nn.Parameter(torch.zeros(3))
+    mark_kv_replica(kv, split, 2)
+    kv.weight.grad = torch.full((3,), float(rank + 1))
+    reduce_tp_grads([(kv.weight, named_metas(kv)["weight"])], mesh.tp)
+    return kv.weight.grad
 
 
 def test_kv_replica_grads_summed_over_their_replicas_only(workers):

@@ -8,6 +8,7 @@ import torch
 
 from fivefold.config.schema import ModelConfig
 from fivefold.model.decoder import Decoder
+from fivefold.parallel.param_meta import metas_of, named_metas
 from fivefold.parallel.tensor import reduce_tp_grads, shard_state_dict
 from fivefold.runtime import comm, traffic
 from fivefold.runtime.mesh import Mesh
@@ -36,14 +37,16 @@ def _train(rank, world, tp, sp, steps):
         opt.zero_grad()
         total, _ = model.loss(x, labels)
         (total / (B * S)).backward()
-        reduce_tp_grads(list(model.parameters()), mesh.tp)
+        metas = metas_of(model)
+        reduce_tp_grads([(p, metas[id(p)]) for p in model.parameters()], mesh.tp)
         for p in model.parameters():
             comm.all_reduce_(p.grad, mesh.dp_cp, "dp-grad")
         loss = total.detach().double().reshape(1)
         comm.all_reduce_(loss, mesh.dp_cp, "loss")
         losses.append(float(loss) / (B * S))
         if step == 0:
-            grads = {n: (p.grad.clone(), getattr(p, "tp_shard", None)) for n, p in model.named_parameters()}
+            metas = named_metas(model)
+            grads = {n: (p.grad.clone(), metas[n].shard) for n, p in model.named_parameters()}
         opt.step()
     return losses, grads
 
@@ -88,7 +91,7 @@ def _init(rank, world, sp):
 
 
 def _expected_slice(name: str, full: torch.Tensor, r: int, tp: int) -> torch.Tensor:
-    """The TP rule for each weight, written out independently of the model's ShardSpecs."""
+    """The TP rule for each weight, written out independently of the model's ParamMeta shards."""
     d, heads, kv = CFG.head_dim, CFG.num_attention_heads, CFG.kv_heads
     if name.endswith("norm.weight"):
         return full

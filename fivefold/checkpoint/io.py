@@ -21,6 +21,17 @@ from fivefold.checkpoint.layout import (FORMAT, ShardSpec, complete_checkpoints,
                                         whole)
 from fivefold.checkpoint.optim_state import OptimShard, ShardOf, load_optim, merge_listings, save_optim, whole_shards
 from fivefold.errors import UserError
+from fivefold.parallel.param_meta import named_metas
+
+
+def placed_by_meta(model: nn.Module) -> ShardOf:
+    """Where each parameter of `model` sits in the one-process tensor, from its metadata: TP / ETP
+    shards at their offset, the rest whole (the default `shard_of`)."""
+    metas = named_metas(model)
+
+    def shard_of(name: str, t: torch.Tensor) -> ShardSpec:
+        return ShardSpec(*metas[name].placement(tuple(t.shape))) if name in metas else whole(t.shape)
+    return shard_of
 
 
 def _fsync_dir(path: Path) -> None:
@@ -46,17 +57,19 @@ def rng_state() -> dict[str, torch.Tensor]:
 
 def save_checkpoint(root: str | Path, step: int, *, model: nn.Module, optimizer: torch.optim.Optimizer,
                     rank: int, writes_params: bool, barrier: Callable[[], None], extra: dict,
-                    shard_of: ShardOf = lambda name, t: whole(t.shape), keep: int = 2,
+                    shard_of: ShardOf | None = None, keep: int = 2,
                     optim_shards: list[OptimShard] | None = None, writes_optim: bool | None = None) -> Path:
     """Write checkpoint `step` under `root` on every rank (collective: all ranks call it); returns its folder.
 
     `writes_params`: this rank writes its parameter shards (False on DP replicas > 0).
+    `shard_of`: where a parameter sits in the global tensor (default: from its ParamMeta).
     `optim_shards`: the ranges the optimizer keeps state for (default: every parameter whole);
     `writes_optim`: this rank writes them (default `writes_params`; every rank under ZeRO-1).
     `extra`: JSON-able run state (data position, config) stored in metadata.json by rank 0.
     The `keep` newest complete checkpoints are kept; older ones are deleted after the new one lands.
     """
     root = Path(root)
+    shard_of = shard_of or placed_by_meta(model)
     final, tmp = step_dir(root, step), root / f".tmp-{step_dir(root, step).name}"
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -109,11 +122,10 @@ def read_metadata(path: str | Path) -> tuple[Path, dict]:
     return found, json.loads((found / "metadata.json").read_text())
 
 
-def _fits(saved: list[int], mine: list[int], p: torch.Tensor) -> bool:
+def _fits(saved: list[int], mine: list[int], real: int | None) -> bool:
     """Equal global shapes, or the same vocabulary padded to another multiple (Megatron pads to
     make_vocab_size_divisible_by x TP, so TP4 and TP2 differ): rows at or past the parameter's
-    `vocab_rows` are padding, zero on both sides."""
-    real = getattr(p, "vocab_rows", None)
+    `vocab_rows` (`real`, from its ParamMeta) are padding, zero on both sides."""
     return saved == mine or (real is not None and saved[1:] == mine[1:] and min(saved[0], mine[0]) >= real)
 
 
@@ -122,11 +134,12 @@ def check_fits(meta: dict, model: nn.Module, shard_of: ShardOf, where: Path) -> 
     that is missing on either side."""
     saved = meta["params"]
     problems = []
+    metas = named_metas(model)
     for name, p in model.named_parameters():
         g = list(shard_of(name, p).global_shape)
         if name not in saved:
             problems.append(f"{name} is not in the checkpoint")
-        elif not _fits(saved[name]["global_shape"], g, p):
+        elif not _fits(saved[name]["global_shape"], g, metas[name].vocab_rows):
             problems.append(f"{name} has shape {saved[name]['global_shape']} in the checkpoint, {g} in this model")
     mine = {n for n, _ in model.named_parameters()}
     problems += [f"{n} is in the checkpoint but not in this model" for n in saved if n not in mine]
@@ -158,11 +171,12 @@ def _assemble(folder: Path, entry: dict, key: str, out: torch.Tensor, spec: Shar
 
 
 def load_checkpoint(path: str | Path, *, model: nn.Module, optimizer: torch.optim.Optimizer | None, rank: int,
-                    world_size: int, shard_of: ShardOf = lambda name, t: whole(t.shape),
+                    world_size: int, shard_of: ShardOf | None = None,
                     optim_shards: list[OptimShard] | None = None) -> dict:
     """Load parameters, AdamW moments (for `optim_shards`, default every parameter whole; any saved
     sharding) and (same world size) this rank's RNG; returns the metadata."""
     folder, meta = read_metadata(path)
+    shard_of = shard_of or placed_by_meta(model)
     check_fits(meta, model, shard_of, folder)
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -59,8 +59,8 @@ class Attention(nn.Module):
         self.v_proj = ColumnParallelLinear(h, g * d, group=tp, mode=mode, rows=kv_rows)
         self.o_proj = RowParallelLinear(a * d, h, group=tp, mode=mode)
         if split.kv_replicas > 1:
-            for p in (self.k_proj.weight, self.v_proj.weight):
-                mark_kv_replica(p, split, g)
+            for m in (self.k_proj, self.v_proj):
+                mark_kv_replica(m, split, g)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         q, k, v = column_linears(x, [self.q_proj, self.k_proj, self.v_proj])  # (b, s, (a|g)/tp * d)

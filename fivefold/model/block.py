@@ -34,8 +34,8 @@ class DecoderLayer(nn.Module):
         self.mlp_norm = make_norm(cfg, cfg.hidden_size)
         self.mlp = build_mlp(cfg, layer, tp, mode, moe)  # dense SwiGLU, or MoE (layer >= first_k_dense)
         if tp is not None and mode is TPMode.SEQUENCE_PARALLEL:
-            for p in (*self.attn_norm.parameters(), *self.mlp_norm.parameters()):
-                mark_sequence_sharded(p)
+            for norm in (self.attn_norm, self.mlp_norm):
+                mark_sequence_sharded(norm)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), cos, sin)  # (b, s, h)

@@ -23,11 +23,10 @@ from fivefold.model.moe import MoEGroups, check_moe_supported, set_aux_loss_scal
 from fivefold.model.norm import make_norm
 from fivefold.model.recompute import Recompute, maybe_checkpoint
 from fivefold.model.rope import rope_tables
-from fivefold.parallel.context import context_parallel_of, local_positions
+from fivefold.parallel.context import local_positions
 from fivefold.parallel.cross_entropy import vocab_parallel_cross_entropy
-from fivefold.parallel.experts import mark_experts
-from fivefold.parallel.tensor import (ColumnParallelLinear, TPMode, VocabParallelEmbedding, mark_sequence_sharded,
-                                      to_empty_keeping_tp)
+from fivefold.parallel.param_meta import mark_all
+from fivefold.parallel.tensor import ColumnParallelLinear, TPMode, VocabParallelEmbedding, mark_sequence_sharded
 
 
 def _check_supported(cfg: ModelConfig) -> None:
@@ -46,7 +45,7 @@ class Decoder(nn.Module):
         """With `mesh.tp` of > 1 rank the layers are tensor-parallel (fivefold.parallel.tensor), the
         vocabulary is padded to a multiple of 128 x TP and split over TP, and `sequence_parallel`
         keeps the residual stream as (b, s/tp, h). Every TP parameter is the slice of the
-        one-process parameter of the same name (`tp_shard`), so all layouts start equal."""
+        one-process parameter of the same name (its ParamMeta's `shard`), so all layouts start equal."""
         super().__init__()
         _check_supported(cfg)
         tp = mesh.tp if mesh is not None and mesh.tp.size > 1 else None
@@ -71,10 +70,11 @@ class Decoder(nn.Module):
             self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, tp, mode, layer=i, moe=moe) for i in ids})
             self.final_norm = make_norm(cfg, h) if head else None
         if head and mode is TPMode.SEQUENCE_PARALLEL:
-            for p in self.final_norm.parameters():
-                mark_sequence_sharded(p)
-        to_empty_keeping_tp(self, "cpu")
-        mark_experts(self)
+            mark_sequence_sharded(self.final_norm)
+        for m in (self.embedding, self.head):
+            if m is not None:  # rows past the vocabulary are padding: checkpoints may pad otherwise
+                mark_all(m, vocab_rows=cfg.vocab_size)
+        self.to_empty(device="cpu")  # parameter metadata lives on the modules: it survives this
         aliases = {}
         if head and cfg.tie_word_embeddings:
             if embedding:
@@ -82,14 +82,9 @@ class Decoder(nn.Module):
             else:
                 aliases["head.weight"] = "embedding.weight"
         init_parameters_(self, seed=seed, std=cfg.init_method_std, vocab_size=cfg.vocab_size, aliases=aliases)
-        self.cp = context_parallel_of(mesh, cfg.num_attention_heads // (tp.size if tp else 1))
-        """Context parallelism: ids are this CP rank's s/cp tokens (parallel.context.split_tokens)."""
-        for module in self.modules():
-            if hasattr(module, "context_parallel"):
-                module.context_parallel = self.cp
-        for m in (self.embedding, self.head):
-            if m is not None:
-                m.weight.vocab_rows = cfg.vocab_size  # rows past it are padding: checkpoints may pad otherwise
+        self.cp = None
+        """Context parallelism, set by fivefold.parallel.parallelize (apply_context_parallel): ids are
+        then this CP rank's s/cp tokens (parallel.context.split_tokens)."""
         self.recompute = Recompute()
 
     def set_recompute(self, recompute: Recompute) -> None:

@@ -13,6 +13,8 @@ import hashlib
 import torch
 from torch import nn
 
+from fivefold.parallel.param_meta import named_metas
+
 VOCAB_PARAMS = ("embedding.weight", "head.weight")
 """Parameters whose rows are the (padded) vocabulary."""
 
@@ -42,8 +44,9 @@ def init_parameters_(model: nn.Module, *, seed: int, std: float, vocab_size: int
     """Fill every parameter of `model` in place. `aliases` maps a local name to the name whose value
     it must hold (a tied output layer on the last pipeline stage holds 'embedding.weight')."""
     aliases = aliases or {}
+    metas = named_metas(model)
     for name, p in model.named_parameters():
         key = aliases.get(name, name)
-        spec = getattr(p, "tp_shard", None)  # a tensor-parallel shard: cut from the full value
+        spec = metas[name].shard  # a tensor-parallel shard: cut from the full value
         full = initial_value(key, spec.full_shape if spec else tuple(p.shape), seed=seed, std=std, vocab_size=vocab_size)
         p.copy_(spec.of(full) if spec else full)

@@ -88,9 +88,7 @@ class MLAttention(nn.Module):
         self.kv_b_proj = _column(r, a, dn + dv, tp, mode)
         self.o_proj = nn.Linear(a * dv, h, bias=False) if tp is None else RowParallelLinear(a * dv, h, group=tp, mode=mode)
         if tp is not None and mode is TPMode.SEQUENCE_PARALLEL:
-            for p in self.parameters():
-                if not hasattr(p, "tp_shard"):  # replicated, fed this rank's s/tp tokens
-                    mark_sequence_sharded(p)
+            mark_sequence_sharded(self, replicated_only=True)  # replicated, fed this rank's s/tp tokens
 
     def _shared_key(self, k_pe: torch.Tensor) -> torch.Tensor:
         """k_pe, read by the heads of every TP rank, through the collective the column layers use."""

@@ -25,6 +25,7 @@ from fivefold.errors import NotImplementedYet, UserError
 from fivefold.model.mlp import SwiGLU
 from fivefold.model.router import AttachAuxLoss, Router
 from fivefold.parallel.experts import local_experts, moe_forward
+from fivefold.parallel.param_meta import GradDomain, mark_all
 from fivefold.parallel.tensor import TPMode, mark_sequence_sharded
 from fivefold.runtime import comm
 from fivefold.runtime.mesh import Group
@@ -73,10 +74,11 @@ class MoE(nn.Module):
         h, f = cfg.hidden_size, cfg.moe_ffn_hidden_size or cfg.ffn_size
         self.router = Router(cfg)
         if self.tp is not None:  # replicated over TP, but each rank routes only its own tokens
-            mark_sequence_sharded(self.router.weight)
+            mark_sequence_sharded(self.router)
         etp = groups.etp
         self.experts = nn.ModuleDict({
             str(e): SwiGLU(h, f, etp, TPMode.SEQUENCE_PARALLEL) for e in local_experts(cfg.num_experts, groups.ep)})
+        mark_all(self.experts, domain=GradDomain.EXPERT)  # reduced over EDP, normed over ETP x EP
         shared = cfg.moe_shared_expert_intermediate_size
         self.shared_experts = SwiGLU(h, shared, tp, mode) if shared else None
 

@@ -32,8 +32,8 @@ from fivefold.checkpoint.optim_state import OptimShard
 from fivefold.config.schema import TrainingConfig
 from fivefold.parallel.data import GradReducer
 from fivefold.runtime import comm
-from fivefold.parallel.tensor import TP_ATTRIBUTES
-from fivefold.train.optim import build_adamw
+from fivefold.parallel.param_meta import ParamMeta, metas_of
+from fivefold.parallel.optimizer import build_adamw
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,7 @@ class DistributedOptimizer:
     """AdamW over this rank's chunks of the parameters; `param_groups` and `state` as torch.optim's.
 
     Per step, after reducer.finish(): clip the gradients of `main_params()` by the global norm
-    (fivefold.train.step.clip_and_step adds this optimizer's `group`), then `step()`."""
+    (fivefold.parallel.data_parallel.DataParallel.clip_grads adds this optimizer's `group`), then `step()`."""
 
     def __init__(self, model: nn.Module, reducer: GradReducer, training: TrainingConfig, *, tag: str = "dp-param"):
         if not reducer.shard:
@@ -67,15 +67,16 @@ class DistributedOptimizer:
         for name, p in model.named_parameters():
             names.setdefault(id(p), name)
         self.pieces: list[Piece] = []
+        model_metas = metas_of(model)
+        self.metas: dict[int, ParamMeta] = {}
+        """id(piece.tensor) -> its parameter's metadata: a main parameter is held as its parameter is."""
         for i, b in enumerate(reducer.buckets):
             lo, hi = reducer.shard_range(b)
             for p, offset in zip(b.params, b.offsets):
                 start, end = max(lo, offset), min(hi, offset + p.numel())
                 if start < end:
                     leaf = nn.Parameter(b.param_buffer[start:end])  # shares the buffer's storage
-                    for attr in TP_ATTRIBUTES:
-                        if hasattr(p, attr):
-                            setattr(leaf, attr, getattr(p, attr))
+                    self.metas[id(leaf)] = model_metas[id(p)]
                     self.pieces.append(Piece(names[id(p)], p, (start - offset, end - offset), leaf, i,
                                              (start - lo, end - lo)))
         self.optimizer = build_adamw([pc.tensor for pc in self.pieces if pc.param.ndim >= 2],
@@ -100,7 +101,7 @@ class DistributedOptimizer:
     def main_params(self, of: Iterable[nn.Parameter] | None = None) -> list[nn.Parameter]:
         """This rank's pieces of the parameters `of` (default all), each holding its reduced gradient
         chunk as .grad (call after reducer.finish()): what clipping reads and step() updates. A piece
-        carries its parameter's TP attributes, so TP gradient completion and norm ownership apply to
+        is held as its parameter is (`metas`), so TP gradient completion and norm ownership apply to
         it as to the parameter (every TP rank's buffer has the same layout, so the same ranges)."""
         self._attach_grads()
         ids = None if of is None else {id(p) for p in of}

@@ -13,7 +13,7 @@ the E/n experts [r E/n, (r+1) E/n). For this rank's tokens x (t, h) and their to
 Both all-to-alls are autograd functions whose backward is the all-to-all with the splits swapped.
 
 ETP over the `etp` group of m ranks: every expert's gate/up are split by output rows and down by
-input columns (Megatron's column / row parallel linears, the same ShardSpec slices as TP, so they
+input columns (Megatron's column / row parallel linears, the same `Shard` slices of their ParamMeta as TP, so they
 initialise and checkpoint like TP shards). The m ranks hold different tokens (each its own sequence
 shard), so the rows are all-gathered over ETP (padded to the largest row count of the group),
 every rank applies its f/m slice of each expert to all of them, and the partial outputs
@@ -30,21 +30,6 @@ from torch import nn
 from fivefold.runtime import comm, traffic
 from fivefold.runtime.collectives import all_to_all_single
 from fivefold.runtime.mesh import Group
-
-EXPERT_ATTRIBUTE = "is_expert"
-"""Set on routed-expert parameters: reduced over EDP, normed over ETP x EP x PP (Megatron's allreduce=False)."""
-
-
-def is_expert(p: nn.Parameter) -> bool:
-    return getattr(p, EXPERT_ATTRIBUTE, False)
-
-
-def mark_experts(module: nn.Module) -> None:
-    """Mark every parameter under a `.experts.` module as a routed-expert parameter."""
-    for name, p in module.named_parameters():
-        if ".experts." in f".{name}":
-            setattr(p, EXPERT_ATTRIBUTE, True)
-
 
 def local_experts(num_experts: int, ep: Group | None) -> range:
     """The global indices of the experts this EP rank holds."""

@@ -20,17 +20,14 @@ layer saves its s/tp shard and re-gathers it in backward for dL/dA = dL/dY^T X. 
 that re-gather first, computes dL/dX = dL/dY A meanwhile, then launches dL/dX's reduce-scatter
 (all-reduce without SP) and computes dL/dA while it is in flight (Megatron's async grad all-reduce).
 
-Parameters carry attributes other code reads (Megatron's `tensor_model_parallel`):
-  tp_shard       ShardSpec: the parameter is this rank's slice of the one-process parameter.
-  tp_sum_grad    True: replicated, but each rank's gradient covers only its sequence shard (norms
-                 under SP): the gradients are summed over TP after backward (`reduce_tp_grads`).
-  tp_kv_slot     (slot, slots): a replicated KV-head weight (TP > KV heads); gradients are summed
-                 over the ranks holding the same slot.
+Each parameter is created with its metadata (fivefold.parallel.param_meta.ParamMeta): `shard`, the
+slice of the one-process parameter it is; `tp_grad_sum`, replicated but seeing only this rank's
+sequence shard (norms under SP: gradients summed over TP after backward, `reduce_tp_grads`);
+`kv_replica`, a KV head replicated over TP ranks (TP > KV heads; summed over the ranks of its slot).
 """
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -38,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fivefold.parallel.heads import HeadSplit
+from fivefold.parallel.param_meta import KVReplica, ParamMeta, Shard, mark_all, named_metas, new_param, set_meta
 from fivefold.runtime import comm, traffic
 from fivefold.runtime.mesh import Group
 
@@ -119,27 +117,6 @@ def row_parallel(x: torch.Tensor, weight: torch.Tensor, group: Group, mode: TPMo
     return comm.reduce_from(partial, group, "tp")
 
 
-@dataclass(frozen=True)
-class ShardSpec:
-    """A TP parameter is `full.narrow(dim, start, length)` of the one-process parameter `full`
-    (shape `full_shape`): every TP shard of the decoder is one contiguous range along one dim."""
-
-    full_shape: tuple[int, ...]
-    dim: int
-    start: int
-    length: int
-
-    @property
-    def offsets(self) -> tuple[int, ...]:
-        """Where the shard starts in the full tensor, per dim (the checkpoint's view of it)."""
-        return tuple(self.start if d == self.dim else 0 for d in range(len(self.full_shape)))
-
-    def of(self, full: torch.Tensor) -> torch.Tensor:
-        if tuple(full.shape) != self.full_shape:
-            raise ValueError(f"full tensor of shape {tuple(full.shape)}, expected {self.full_shape}")
-        return full.narrow(self.dim, self.start, self.length).clone()
-
-
 def even(size: int, group: Group) -> range:
     """This rank's range of `size` split evenly over the group."""
     if size % group.size:
@@ -148,12 +125,13 @@ def even(size: int, group: Group) -> range:
     return range(group.rank * n, (group.rank + 1) * n)
 
 
-def _param(full_shape: tuple[int, ...], dim: int, part: range, dtype, device) -> nn.Parameter:
+def _weight(module: nn.Module, group: Group, full_shape: tuple[int, ...], dim: int, part: range, dtype,
+            device) -> nn.Parameter:
+    """module.weight: rows / columns `part` (along `dim`) of the one-process (full_shape) weight."""
     shape = list(full_shape)
     shape[dim] = len(part)
-    p = nn.Parameter(torch.empty(shape, dtype=dtype, device=device))
-    p.tp_shard = ShardSpec(tuple(full_shape), dim, part.start, len(part))
-    return p
+    return new_param(module, "weight", tuple(shape), dtype=dtype, device=device,
+                     shard=Shard(tuple(full_shape), dim, part.start, len(part), group.name))
 
 
 class ColumnParallelLinear(nn.Module):
@@ -165,7 +143,7 @@ class ColumnParallelLinear(nn.Module):
                  rows: range | None = None, dtype=None, device=None):
         super().__init__()
         self.group, self.mode = group, mode
-        self.weight = _param((out_features, in_features), 0, rows or even(out_features, group), dtype, device)
+        self.weight = _weight(self, group, (out_features, in_features), 0, rows or even(out_features, group), dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         (y,) = column_parallel(x, [self.weight], self.group, self.mode)  # (b, s, out/tp)
@@ -180,7 +158,7 @@ class RowParallelLinear(nn.Module):
                  dtype=None, device=None):
         super().__init__()
         self.group, self.mode = group, mode
-        self.weight = _param((out_features, in_features), 1, even(in_features, group), dtype, device)
+        self.weight = _weight(self, group, (out_features, in_features), 1, even(in_features, group), dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return row_parallel(x, self.weight, self.group, self.mode)
@@ -208,7 +186,7 @@ class VocabParallelEmbedding(nn.Module):
         self.group, self.mode = group, mode
         rows = even(num_embeddings, group)
         self.start, self.rows = rows.start, len(rows)
-        self.weight = _param((num_embeddings, embedding_dim), 0, rows, dtype, device)
+        self.weight = _weight(self, group, (num_embeddings, embedding_dim), 0, rows, dtype, device)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         local = ids - self.start
@@ -221,9 +199,9 @@ class VocabParallelEmbedding(nn.Module):
 
 
 def shard_state_dict(model: nn.Module, full_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A one-process state dict cut to `model`'s TP shards (entries of parameters without `tp_shard`
+    """A one-process state dict cut to `model`'s TP shards (entries of parameters without a `shard`
     pass through). Vocabulary matrices shorter than the TP-padded vocabulary get zero rows first."""
-    specs = {n: getattr(p, "tp_shard", None) for n, p in model.named_parameters()}
+    specs = {n: m.shard for n, m in named_metas(model).items()}
     out = {}
     for name, full in full_state.items():
         spec = specs.get(name)
@@ -233,57 +211,36 @@ def shard_state_dict(model: nn.Module, full_state: dict[str, torch.Tensor]) -> d
     return out
 
 
-def mark_kv_replica(param: nn.Parameter, split: HeadSplit, kv_heads: int) -> None:
-    """`param` is a whole KV head held by `split.kv_replicas` TP ranks (TP > KV heads)."""
-    param.tp_kv_slot = (split.kv_heads.start, kv_heads)
-    param.tp_kv_replicas = split.kv_replicas
+def mark_kv_replica(module: nn.Module, split: HeadSplit, kv_heads: int) -> None:
+    """`module.weight` is a whole KV head held by `split.kv_replicas` TP ranks (TP > KV heads)."""
+    set_meta(module, "weight", kv_replica=KVReplica(split.kv_heads.start, kv_heads, split.kv_replicas))
 
 
-def mark_sequence_sharded(param: nn.Parameter) -> None:
-    """`param` is replicated but sees only this rank's sequence shard (norm gains under SP)."""
-    param.tp_sum_grad = True
-
-
-TP_ATTRIBUTES = ("tp_shard", "tp_sum_grad", "tp_kv_slot", "tp_kv_replicas")
-
-
-def to_empty_keeping_tp(module: nn.Module, device: str | torch.device) -> None:
-    """`module.to_empty(device=...)` for a module built on the meta device: to_empty swaps each
-    Parameter's payload and drops Python attributes, so the TP ones are put back by name."""
-    kept = {n: {a: getattr(p, a) for a in TP_ATTRIBUTES if hasattr(p, a)} for n, p in module.named_parameters()}
-    module.to_empty(device=device)
-    for n, p in module.named_parameters():
-        for a, v in kept[n].items():
-            setattr(p, a, v)
+def mark_sequence_sharded(module: nn.Module, *, replicated_only: bool = False) -> None:
+    """Every parameter under `module` (with `replicated_only`, those that are not TP shards) is
+    replicated but sees only this rank's sequence shard (norm gains under SP): tp_grad_sum."""
+    mark_all(module, (lambda m: m.shard is None) if replicated_only else (lambda m: True), tp_grad_sum=True)
 
 
 @torch.no_grad()
-def reduce_tp_grads(params: Iterable[nn.Parameter], group: Group) -> None:
+def reduce_tp_grads(params: Iterable[tuple[torch.Tensor, ParamMeta]], group: Group) -> None:
     """Complete the gradients of replicated parameters after backward (sums commute with the DP
-    sum, so before or after it). Sequence-sharded ones (`tp_sum_grad`): one flat all-reduce over TP.
-    KV replicas (`tp_kv_slot`): each rank writes its gradient into its slot of a zero buffer of all
-    slots; the all-reduce over TP then sums, per slot, exactly the replicas of that KV head."""
+    sum, so before or after it); `params` are (tensor, its metadata). Sequence-sharded ones
+    (`tp_grad_sum`): one flat all-reduce over TP. KV replicas (`kv_replica`): each rank writes its
+    gradient into its slot of a zero buffer of all slots; the all-reduce over TP then sums, per
+    slot, exactly the replicas of that KV head."""
     if group.size == 1:
         return
-    summed = [p for p in params if p.grad is not None and getattr(p, "tp_sum_grad", False)]
-    kv = [p for p in params if p.grad is not None and hasattr(p, "tp_kv_slot")]
+    params = [(p, m) for p, m in params if p.grad is not None]
+    summed = [p for p, m in params if m.tp_grad_sum]
+    kv = [(p, m.kv_replica) for p, m in params if m.kv_replica is not None]
     if summed:
         flat = torch.cat([p.grad.reshape(-1) for p in summed])
         comm.all_reduce_(flat, group, "tp-grad")
         for p, g in zip(summed, flat.split([p.numel() for p in summed])):
             p.grad.copy_(g.view_as(p.grad))
-    for p in kv:
-        slot, slots = p.tp_kv_slot
-        buf = p.grad.new_zeros(slots, *p.grad.shape)
-        buf[slot] = p.grad
+    for p, rep in kv:
+        buf = p.grad.new_zeros(rep.slots, *p.grad.shape)
+        buf[rep.slot] = p.grad
         comm.all_reduce_(buf, group, "tp-grad")
-        p.grad.copy_(buf[slot])
-
-
-def owns_grad(param: nn.Parameter, tp_rank: int) -> bool:
-    """Whether this TP rank counts `param` in the global gradient norm: split parameters on every
-    rank (each a distinct slice), a KV replica on the first rank of its replicas, any other
-    replicated parameter on TP rank 0 only."""
-    if hasattr(param, "tp_kv_slot"):
-        return tp_rank % param.tp_kv_replicas == 0
-    return hasattr(param, "tp_shard") or tp_rank == 0
+        p.grad.copy_(buf[rep.slot])

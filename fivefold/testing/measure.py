@@ -37,7 +37,6 @@ from fivefold.runtime import traffic
 from fivefold.runtime.mesh import Mesh
 from fivefold.train.context import RankContext
 from fivefold.train.loop import build
-from fivefold.train.pipeline_step import pipeline_train_step
 from fivefold.train.step import train_step
 
 
@@ -111,26 +110,20 @@ def _tracker():
 
 def measure_step(rank: int, world: int, config: Config) -> RankMeasurement:
     """Harness case: build the config's model on this rank as `train` does (fivefold.train.loop.build),
-    take a warm-up step, then measure one: `train_step`, or with PP > 1 the pipeline schedule's step."""
+    take a warm-up step, then measure one (`train_step`, with PP > 1 through the pipeline schedule)."""
     t = config.training
     ctx = RankContext(Mesh.build(layout_of(config)), Path("."))  # out_dir: nothing is written
     parts = build(config, ctx)
-    model, pipe, optimizer, reducer, mesh, device = (parts.model, parts.pipe, parts.optimizer, parts.reducer,
-                                                     ctx.mesh, ctx.device)
+    mesh, device = ctx.mesh, ctx.device
 
     def step(i: int):
         batch = synthetic_batch(config, i, ctx.dp_rank, ctx.dp_size)
-        if pipe is not None:
-            return pipeline_train_step(pipe, optimizer, reducer, batch, lr=t.lr, clip_grad=t.clip_grad,
-                                       precision=t.precision, mesh=mesh, device=device)[0]
-        return train_step(model, optimizer, reducer, batch, lr=t.lr, clip_grad=t.clip_grad, precision=t.precision,
-                          dp_group=ctx.dp_group, model_parallel_group=ctx.model_parallel_group, tp_group=mesh.tp,
-                          device=device)
+        return train_step(parts, batch, lr=t.lr, clip_grad=t.clip_grad, precision=t.precision, device=device)
 
     step(0)
     traffic.reset()
     tracker = _tracker()
-    tracker.track_external(model, getattr(optimizer, "optimizer", optimizer))  # ZeRO-1: the AdamW it wraps
+    tracker.track_external(parts.model, *parts.dp.optimizers)  # the AdamW(s) the data-parallel mode steps
     with tracker:
         result = step(1)
     snap = {getattr(k, "value", k): v for k, v in tracker.get_tracker_snapshot("peak").get(device, {}).items()}

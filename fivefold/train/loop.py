@@ -14,25 +14,20 @@ import torch
 from tqdm import tqdm
 
 from fivefold.checkpoint import io as ckpt
-from fivefold.checkpoint.layout import ShardSpec as CheckpointShard
-from fivefold.checkpoint.layout import whole
 from fivefold.config.schema import Config, to_dict
 from fivefold.data.dataset import DocumentDataset, PackedDataset, load_splits
 from fivefold.data.loader import BatchLoader
 from fivefold.errors import UserError
 from fivefold.model import build_decoder
 from fivefold.runtime import comm
-from fivefold.model.recompute import Recompute
 from fivefold.parallel.data import GradReducer
-from fivefold.parallel.distributed_optimizer import DistributedOptimizer
-from fivefold.parallel.expert_grads import ExpertDistributedOptimizer, GradReducers, build_reducers, is_zero
+from fivefold.parallel.parallelize import Parts, parallelize
 from fivefold.train.context import RankContext, layout_text
 from fivefold.train.metrics import MetricsLog, flops_per_token, peak_memory_bytes, plot_loss_curve
-from fivefold.train.optim import build_optimizer, state_bytes
+from fivefold.train.optim import state_bytes
 from fivefold.train.profile import StepProfiler, profile_steps
 from fivefold.train.schedule import lr_at
-from fivefold.train.pipeline_step import (PipelineModel, build_pipeline, microbatches_per_step,
-                                          pipeline_evaluate, pipeline_train_step, trace_report)
+from fivefold.train.pipeline_step import build_pipeline, microbatches_per_step, pipeline_evaluate, trace_report
 from fivefold.train.step import evaluate, train_step
 
 
@@ -70,92 +65,53 @@ def _loaders(config: Config, ctx: RankContext, data_dir: Path) -> tuple[BatchLoa
     return BatchLoader(train_ds, seed=t.seed, **kw), eval_loader
 
 
-def shard_of(name: str, p: torch.nn.Parameter) -> CheckpointShard:
-    """Where a parameter sits in the one-process tensor: TP shards at their offset, the rest whole."""
-    spec = getattr(p, "tp_shard", None)
-    return CheckpointShard(spec.full_shape, spec.offsets) if spec is not None else whole(p.shape)
-
-
-def _optim_shards(optimizer) -> list | None:
-    """The ranges the optimizer keeps state for: ZeRO-1 chunks, or (None) every parameter whole."""
-    return optimizer.optim_shards() if is_zero(optimizer) else None
-
-
-def _save(config: Config, ctx: RankContext, root: Path, step: int, model, optimizer) -> Path:
+def _save(config: Config, ctx: RankContext, root: Path, step: int, parts: Parts) -> Path:
     # DP x CP replica 0 writes the dense parameters, EDP replica 0 the experts it holds; a rank that
     # is one but not the other writes copies equal to the owner's, which the checkpoint lists once.
     writes = ctx.dp_group.rank == 0 or (config.model.is_moe and ctx.mesh.edp.rank == 0)
+    dp = parts.dp
     return ckpt.save_checkpoint(
-        root, step, model=model, optimizer=optimizer, rank=ctx.rank, writes_params=writes, shard_of=shard_of,
-        optim_shards=_optim_shards(optimizer), writes_optim=is_zero(optimizer) or writes,
+        root, step, model=parts.model, optimizer=dp, rank=ctx.rank, writes_params=writes,
+        optim_shards=dp.optim_shards(), writes_optim=dp.shards_state or writes,
         barrier=lambda: comm.barrier(ctx.world_group),
         extra={"optimizer_step": step, "world_size": ctx.world_size, "data": {"next_step": step,
                "consumed_samples": step * config.training.global_batch_size}, "config": to_dict(config)})
 
 
-def _step(config: Config, ctx: RankContext, step: int, pipe, model, optimizer, reducer, train_loader):
+def _step(config: Config, ctx: RankContext, step: int, parts: Parts, train_loader):
     """Train step `step`: forward/backward per microbatch, or through the pipeline schedule (PP > 1)."""
     t = config.training
-    if pipe is None:
-        return train_step(model, optimizer, reducer, train_loader.step_batch(step), lr=lr_at(step, t),
-                          clip_grad=t.clip_grad, precision=t.precision, dp_group=ctx.dp_group,
-                          model_parallel_group=ctx.model_parallel_group, tp_group=ctx.mesh.tp, device=ctx.device,
-                          expert_groups=(ctx.mesh.group("etp-ep"), ctx.mesh.pp))
-    trace = config.logging.trace_schedule and step + 1 == t.train_iters
-    r, run = pipeline_train_step(pipe, optimizer, reducer, train_loader.step_batch(step), lr=lr_at(step, t),
-                                 clip_grad=t.clip_grad, precision=t.precision, mesh=ctx.mesh,
-                                 device=ctx.device, trace=trace)
+    trace = parts.pipe is not None and config.logging.trace_schedule and step + 1 == t.train_iters
+    r = train_step(parts, train_loader.step_batch(step), lr=lr_at(step, t), clip_grad=t.clip_grad,
+                   precision=t.precision, device=ctx.device, trace=trace)
     if trace:
-        report = trace_report(pipe, run, ctx.mesh, ctx.out_dir / "schedule_trace.png")
+        report = trace_report(parts.pipe, r.run, ctx.mesh, ctx.out_dir / "schedule_trace.png")
         if ctx.is_main:
             (ctx.out_dir / "schedule_trace.txt").write_text(report + "\n")
             tqdm.write(report)
     return r
 
 
-@dataclass
-class Parts:
-    """What a rank trains: its model (with PP, the stages it holds, `pipe.module`), the DP gradient
-    reducer and the optimizer (ZeRO-1's DistributedOptimizer or AdamW)."""
-
-    model: torch.nn.Module
-    pipe: PipelineModel | None
-    reducer: GradReducer | GradReducers
-    optimizer: torch.optim.Optimizer | DistributedOptimizer | ExpertDistributedOptimizer
-
-
 def build(config: Config, ctx: RankContext, *, reducer_cls: type[GradReducer] = GradReducer) -> Parts:
-    """This rank's model, recompute setting, reducer and optimizer for `config` (the training loop's,
-    and fivefold.testing.measure's, so that a measured step is the step `train` runs)."""
-    t = config.training
-    pipe = None
+    """This rank's model (with PP its stages), parallelized as `config` says (fivefold.parallel.parallelize:
+    CP, recompute, the data-parallel mode): the training loop's, and fivefold.testing.measure's, so
+    that a measured step is the step `train` runs."""
     if ctx.layout.pp > 1:  # the stages this rank holds; steps run through the pipeline schedule
-        pipe = build_pipeline(config, ctx.mesh, microbatches_per_step(config, ctx.dp_size), device=ctx.device)
-        model = pipe.module
+        model = build_pipeline(config, ctx.mesh, microbatches_per_step(config, ctx.dp_size), device=ctx.device)
     else:
         model = build_decoder(config, ctx.mesh).to(ctx.device)
-    recompute = Recompute.from_training(t)
-    for module in (pipe.stages.values() if pipe is not None else [model]):
-        module.set_recompute(recompute)
-    reducer = build_reducers(model, ctx.mesh, shard=t.use_distributed_optimizer, reducer_cls=reducer_cls)
-    if not t.use_distributed_optimizer:
-        optimizer = build_optimizer(model, t)
-    elif isinstance(reducer, GradReducers):  # MoE: expert chunks over EDP, the rest over DP x CP
-        optimizer = ExpertDistributedOptimizer(model, reducer, t)
-    else:
-        optimizer = DistributedOptimizer(model, reducer, t)
-    return Parts(model, pipe, reducer, optimizer)
+    return parallelize(model, ctx.mesh, config, reducer_cls=reducer_cls)
 
 
 def train(config: Config, ctx: RankContext, data_dir: Path, *, progress: bool = True) -> TrainResult:
     t = config.training
     parts = build(config, ctx)
-    model, pipe, reducer, optimizer = parts.model, parts.pipe, parts.reducer, parts.optimizer
+    model, pipe, dp = parts.model, parts.pipe, parts.dp
     train_loader, eval_loader = _loaders(config, ctx, data_dir)
     start = 0
     if config.checkpoint.load:
-        meta = ckpt.load_checkpoint(config.checkpoint.load, model=model, optimizer=optimizer, rank=ctx.rank,
-                                    shard_of=shard_of, world_size=ctx.world_size, optim_shards=_optim_shards(optimizer))
+        meta = ckpt.load_checkpoint(config.checkpoint.load, model=model, optimizer=dp, rank=ctx.rank,
+                                    world_size=ctx.world_size, optim_shards=dp.optim_shards())
         start = int(meta["data"]["next_step"])
     save_root = Path(config.checkpoint.save or ctx.out_dir / "checkpoints")
     log = MetricsLog(ctx.out_dir, config.logging.tensorboard, resume_from=start) if ctx.is_main else None
@@ -169,7 +125,7 @@ def train(config: Config, ctx: RankContext, data_dir: Path, *, progress: bool = 
     for step in range(start, t.train_iters):
         t0 = time.perf_counter()
         with profiler.step(step):
-            r = _step(config, ctx, step, pipe, model, optimizer, reducer, train_loader)
+            r = _step(config, ctx, step, parts, train_loader)
         dt = time.perf_counter() - t0
         times.append((r.tokens, dt))
         result.losses[step] = r.loss
@@ -198,9 +154,9 @@ def train(config: Config, ctx: RankContext, data_dir: Path, *, progress: bool = 
         bar.update(1)
         interval = config.checkpoint.save_interval
         if (interval and (step + 1) % interval == 0) or last:
-            result.checkpoint = _save(config, ctx, save_root, step + 1, model, optimizer)
+            result.checkpoint = _save(config, ctx, save_root, step + 1, parts)
     bar.close()
-    result.optimizer_state_bytes = state_bytes(optimizer)
+    result.optimizer_state_bytes = state_bytes(dp)
     steady = times[1:] or times  # the first step pays for warm-up (allocations, thread pools)
     result.tokens_per_s = sum(n for n, _ in steady) / max(1e-9, sum(dt for _, dt in steady))
     if log is not None:

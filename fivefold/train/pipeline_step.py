@@ -1,13 +1,12 @@
-"""One optimizer step with pipeline parallelism (PP > 1): the schedule runs the microbatches.
+"""The forward/backward of a step with pipeline parallelism (PP > 1): the schedule runs the
+microbatches; fivefold.train.step.train_step does the rest, as without PP.
 
-The same loss and gradient as fivefold.train.step.train_step: every microbatch backpropagates
+The same loss and gradient as the one-process pass: every microbatch backpropagates
 sum(token losses) / N_global, through the stages the schedule runs (fivefold.pipeline.executor).
-After the schedule: gradients are summed over DP (GradReducer; here after the whole schedule, since
-a rank's last backward may be any stage's W), the tied embedding's two copies are summed over the
-embedding group, TP-replicated gradients are completed and the norm is taken over the
-model-parallel group (TP x PP), each parameter counted once (train.step.finish_grads, shared with
-the one-process step), and AdamW steps. The loss
-is on the last stage's rank: its sum is added over the pipeline group, then over DP.
+No gradient is reduced during the schedule (a rank's last backward may be any stage's W): the DP
+reduction runs after it, once the tied embedding's two copies are summed over the embedding group.
+The loss is on the last stage's rank: its sum is added over the pipeline group, then over DP.
+Also here: evaluation and log-probs through the forward-only schedule, and the traced timeline.
 """
 from __future__ import annotations
 
@@ -18,14 +17,13 @@ import torch
 from fivefold.config.schema import Config
 from fivefold.data.loader import StepBatch
 from fivefold.errors import UserError
-from fivefold.parallel.data import GradReducer
 from fivefold.pipeline.executor import RunResult
 from fivefold.pipeline.render import draw_png, text_timeline
 from fivefold.pipeline.simulate import simulate
 from fivefold.pipeline.trace import measured_result, stage_costs
 from fivefold.pipeline.stages import PipelineModel, build_pipeline  # noqa: F401 (the loop builds through here)
 from fivefold.runtime import comm
-from fivefold.train.step import StepResult, autocast, cp_tokens, finish_grads, global_mean, set_lr
+from fivefold.train.loss import autocast, cp_tokens, global_mean
 
 
 def microbatches_per_step(config: Config, dp_size: int) -> int:
@@ -50,28 +48,22 @@ def _cp_split(pipe: PipelineModel, input_ids, labels) -> tuple[list[torch.Tensor
     return [ids for ids, _ in split], [lab for _, lab in split]
 
 
-def pipeline_train_step(pipe: PipelineModel, optimizer: torch.optim.Optimizer, reducer: GradReducer,
-                        batch: StepBatch, *, lr: float, clip_grad: float, precision: str, mesh,
-                        device: torch.device, trace: bool = False) -> tuple[StepResult, RunResult]:
-    """One step; returns the step's result and the executor's (its action log and, with `trace`, timings)."""
-    set_lr(optimizer, lr)
+def pipeline_forward_backward(pipe: PipelineModel, dp, batch: StepBatch, *, precision: str, device: torch.device,
+                              mesh, trace: bool = False) -> tuple[torch.Tensor, RunResult]:
+    """Run the step's schedule with `dp` (fivefold.parallel.data_parallel.DataParallel) holding the
+    gradients; returns this rank's float64 loss sum (non-zero on the last stage's rank only) and the
+    executor's result (its action log and, with `trace`, timings)."""
     ids, labels = _inputs(pipe, batch)
-    reducer.zero_grad()
-    reducer.prepare(last=False)  # no reduction during the schedule: finish() reduces every bucket
+    dp.prepare(last=False)  # no reduction during the schedule: finish() reduces every bucket
     pipe.executor.forward_context = lambda: autocast(precision, device)
     if trace:
         comm.barrier(mesh.pp)  # a common start, so the ranks' timings line up
     run = pipe.executor.run(ids, labels, loss_scale=1.0 / batch.global_tokens, trace=trace)
     pipe.sync_tied_grads()  # before the DP reduction (the sums commute): with ZeRO-1 it reduce-scatters
-    reducer.finish()
-    norm = finish_grads(pipe.parameters(), clip_grad, mesh.group("model-parallel"), mesh.tp,
-                        not_counted=pipe.uncounted_parameters(), optimizer=optimizer,
-                        expert_groups=(mesh.group("etp-ep"), mesh.pp))
-    optimizer.step()
     local = torch.zeros((), dtype=torch.float64)
     for s in run.loss_sums.values():
         local += s.double().cpu()
-    return StepResult(global_mean(local, batch.global_tokens, mesh.pp, mesh.dp_cp), norm, batch.global_tokens), run
+    return local, run
 
 
 @torch.no_grad()

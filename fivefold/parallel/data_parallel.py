@@ -1,0 +1,221 @@
+"""The data-parallel mode: one gradient and optimizer path for every parameter, dense or expert.
+
+Modes (`DPMode`, Megatron's --data-parallel-sharding-strategy names):
+  no_shard  replicate: each domain's gradients all-reduced in buckets (fivefold.parallel.data), one
+            AdamW over every parameter;
+  optim     ZeRO-1 (--use-distributed-optimizer): gradients reduce-scattered, AdamW state and update
+            on this rank's chunk of each bucket, parameters all-gathered back
+            (fivefold.parallel.distributed_optimizer), per domain.
+ZeRO-2 (optim_grads) and ZeRO-3 (optim_grads_params) are not built yet; they are modes of this
+class (the reducer keeps a sharded gradient; parameters gathered per layer).
+
+Gradient domains (ParamMeta.domain; Megatron's MoE folding puts the EP ranks inside TP x CP x DP):
+  dense           summed over DP x CP (tag dp-grad);
+  routed experts  summed over EDP, the ranks holding the same experts (same ETP and EP coordinate),
+                  of size TP*CP*DP/(ETP*EP) (tag edp-grad). An expert's gradient already holds the
+                  contributions of every token routed to it from the whole EP group (the dispatch
+                  all-to-all's backward brought them), so its EDP sum is the global loss's gradient.
+The dense buckets are reduced during the last backward as they complete; the expert buckets only in
+finish(), after the dense ones. Which expert gradients are complete when depends on the routing (an
+expert that got no token has none), so launching them from backward hooks would issue collectives in
+a different order on different ranks, and EDP may be the very process group of DP x CP (TP2 x DP2
+with EP2 = TP: EDP = DP), where the order must match. Expert gradients are therefore not overlapped
+with the backward yet.
+
+Gradient norm (`clip_grads`), each parameter counted once (ParamMeta.owns_grad), over the main
+parameters (ZeRO: this rank's chunks, whose squares are also added over the domain's DP group):
+  dense only:  squares added over TP x PP (the model-parallel group);
+  with experts: ||g||^2 = ||dense||^2 (added over TP) + ||experts||^2 (added over ETP x EP, every ETP
+               slice and expert distinct), then added over PP (both share the pipeline groups).
+"""
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from fivefold.checkpoint.optim_state import OptimShard, whole_shards
+from fivefold.config.schema import TrainingConfig
+from fivefold.parallel.data import GradReducer
+from fivefold.parallel.distributed_optimizer import DistributedOptimizer
+from fivefold.parallel.optimizer import build_optimizer, clip_grad_norm
+from fivefold.parallel.param_meta import GradDomain, ParamMeta, metas_of
+from fivefold.parallel.tensor import reduce_tp_grads
+from fivefold.runtime import comm
+from fivefold.runtime.mesh import Group
+
+
+class DPMode(enum.Enum):
+    """How data parallelism holds gradients and optimizer state (Megatron's sharding strategy names)."""
+
+    NO_SHARD = "no_shard"
+    """Replicated: gradients all-reduced, full AdamW state on every rank."""
+    OPTIM = "optim"
+    """ZeRO-1: optimizer state and update sharded over the domain's DP group."""
+
+    @classmethod
+    def of(cls, training: TrainingConfig) -> "DPMode":
+        return cls.OPTIM if training.use_distributed_optimizer else cls.NO_SHARD
+
+
+@dataclass
+class _Domain:
+    """The parameters one DP group reduces, with their reducer and (ZeRO-1) optimizer shard."""
+
+    kind: GradDomain
+    params: list[nn.Parameter]
+    reducer: GradReducer
+    norm_group: Group
+    """Where this domain's squares are added (besides the ZeRO group): TP, ETP x EP, or TP x PP."""
+    zero: DistributedOptimizer | None = None
+
+    def main(self, of: Iterable[nn.Parameter] | None = None) -> list[torch.Tensor]:
+        """What the optimizer steps, each holding its reduced gradient: ZeRO-1's chunks of the
+        parameters `of` (default all), or the parameters themselves."""
+        if self.zero is not None:
+            return self.zero.main_params(of)
+        if of is None:
+            return self.params
+        ids = {id(p) for p in of}
+        return [p for p in self.params if id(p) in ids]
+
+
+class _States:
+    """`optimizer.state` of several optimizers as one mapping (the checkpoint code reads and writes it)."""
+
+    def __init__(self, optimizers: list[torch.optim.Optimizer]):
+        self._owner = {id(p): opt for opt in optimizers for g in opt.param_groups for p in g["params"]}
+        self._optimizers = optimizers
+
+    def get(self, key, default=None):
+        return self._owner[id(key)].state.get(key, default)
+
+    def __getitem__(self, key):
+        return self._owner[id(key)].state[key]
+
+    def __setitem__(self, key, value) -> None:
+        self._owner[id(key)].state[key] = value
+
+    def values(self):
+        return [v for opt in self._optimizers for v in opt.state.values()]
+
+
+class DataParallel:
+    """This rank's gradient and optimizer path. Per step:
+        dp.set_lr(lr); dp.zero_grad(); for each microbatch: dp.prepare(last); backward
+        dp.finish(); norm = dp.clip_grads(max_norm); dp.step()
+    It stands where torch.optim's optimizer does for checkpoints (`state`, `param_groups`)."""
+
+    def __init__(self, model: nn.Module, mesh, training: TrainingConfig, *, moe: bool | None = None,
+                 not_counted: Iterable[nn.Parameter] = (), reducer_cls: type[GradReducer] = GradReducer):
+        """`moe`: the model has routed experts (on some rank: a pipeline stage may hold none, and
+        still takes part in the expert domain's collectives); default: this rank holds experts.
+        `not_counted`: parameters left out of the gradient norm (a tied embedding's second copy,
+        counted where its first copy lives)."""
+        self.mode = DPMode.of(training)
+        self.tp = mesh.tp
+        self.not_counted = list(not_counted)
+        self.metas: dict[int, ParamMeta] = metas_of(model)
+        shard = self.mode is DPMode.OPTIM
+        params = list(model.parameters())
+        experts = [p for p in params if self.metas[id(p)].is_expert]
+        if experts if moe is None else moe:
+            dense = [p for p in params if not self.metas[id(p)].is_expert]
+            self.domains = [
+                _Domain(GradDomain.DENSE, dense, reducer_cls(dense, mesh.group(GradDomain.DENSE.group), shard=shard),
+                        mesh.tp),
+                _Domain(GradDomain.EXPERT, experts,
+                        reducer_cls(experts, mesh.group(GradDomain.EXPERT.group), shard=shard, tag="edp-grad"),
+                        mesh.group("etp-ep"))]
+            self.norm_over: Group | None = mesh.pp
+            """With two domains: their norms are combined, then added over this group."""
+        else:
+            self.domains = [_Domain(GradDomain.DENSE, params,
+                                    reducer_cls(params, mesh.group(GradDomain.DENSE.group), shard=shard),
+                                    mesh.group("model-parallel"))]
+            self.norm_over = None
+        if shard:
+            sharded = [d for d in self.domains if d.params]  # an expert domain may be empty on this stage
+            for d in sharded:
+                d.zero = DistributedOptimizer(model, d.reducer, training,
+                                              tag="edp-param" if d.kind is GradDomain.EXPERT else "dp-param")
+                self.metas.update(d.zero.metas)
+            self.optimizers = [d.zero.optimizer for d in sharded]
+            self._steps = [d.zero.step for d in sharded]
+            self._optim_shards = [s for d in sharded for s in d.zero.optim_shards()]
+        else:
+            self.optimizers = [build_optimizer(model, training)]
+            self._steps = [self.optimizers[0].step]
+            self._optim_shards = whole_shards(model)
+        self.state = self.optimizers[0].state if len(self.optimizers) == 1 else _States(self.optimizers)
+        """AdamW's state, keyed by the tensors it steps (`optim_shards()` says which)."""
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return [g for opt in self.optimizers for g in opt.param_groups]
+
+    @property
+    def shards_state(self) -> bool:
+        """Whether each DP rank holds a different part of the optimizer state (every rank saves its own)."""
+        return self.mode is not DPMode.NO_SHARD
+
+    def optim_shards(self) -> list[OptimShard]:
+        """The ranges of parameters the optimizer keeps state for (checkpoints)."""
+        return self._optim_shards
+
+    def set_lr(self, lr: float) -> None:
+        for g in self.param_groups:
+            g["lr"] = lr
+
+    def zero_grad(self) -> None:
+        for d in self.domains:
+            d.reducer.zero_grad()
+
+    def prepare(self, last: bool) -> None:
+        """Before each microbatch's backward: dense buckets reduce during it when `last`; expert
+        buckets always wait for finish() (see the module docstring)."""
+        for d in self.domains:
+            d.reducer.prepare(last and d.kind is GradDomain.DENSE)
+
+    def finish(self) -> None:
+        """Reduce what backward did not (every expert bucket, unused buckets), dense first; wait."""
+        for d in self.domains:
+            d.reducer.finish()
+
+    def clip_grads(self, max_norm: float) -> float:
+        """After finish(): complete the gradients of TP-replicated parameters (SP norm gains, KV
+        replicas), clip every main parameter's gradient by the global norm (0: measure only);
+        returns the norm before clipping. See the module docstring for the groups."""
+        tp_rank = self.tp.rank
+        parts = []
+        for d in self.domains:
+            main = d.main()
+            skip = {id(t) for t in d.main(self.not_counted)}
+            if d.kind is GradDomain.DENSE:
+                reduce_tp_grads([(t, self.metas[id(t)]) for t in main], self.tp)
+            groups = ([d.zero.group] if d.zero is not None else []) + [d.norm_group]
+            parts.append((main, groups,
+                          lambda t, skip=skip: id(t) not in skip and self.metas[id(t)].owns_grad(tp_rank)))
+        if self.norm_over is None:  # one domain: its groups already span TP x PP
+            main, groups, counted = parts[0]
+            return clip_grad_norm(main, max_norm, groups, counted=counted)
+        total = torch.tensor(sum(clip_grad_norm(main, 0.0, groups, counted=counted) ** 2
+                                 for main, groups, counted in parts), dtype=torch.float64)
+        comm.all_reduce_(total, self.norm_over, tag="grad-norm")
+        norm = math.sqrt(float(total))
+        if max_norm > 0 and norm > max_norm:
+            scale = max_norm / (norm + 1e-6)
+            for main, _, _ in parts:
+                for t in main:
+                    if t.grad is not None:
+                        t.grad.mul_(scale)
+        return norm
+
+    def step(self) -> None:
+        """AdamW on the main parameters (ZeRO-1: then the updated chunks all-gathered)."""
+        for step in self._steps:
+            step()

@@ -1,0 +1,62 @@
+"""The optimizer math every data-parallel mode shares: AdamW's two parameter groups, and clipping by
+the global gradient norm.
+
+Global norm: ||g|| = sqrt( sum over every parameter shard owned by any rank of sum(g^2) ). Each rank
+sums the squares of the shards it owns (replicated parameters counted once, by the rank that owns
+them: ParamMeta.owns_grad), and the partial sums are added over the model-parallel group; DP
+replicas hold identical reduced gradients, so the DP group is not summed over (with the distributed
+optimizer each DP rank holds one chunk of them, and it is). If ||g|| > max_norm, every gradient is
+scaled by max_norm / (||g|| + 1e-6), as torch.nn.utils.clip_grad_norm_ does.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+
+import torch
+from torch import nn
+
+from fivefold.config.schema import TrainingConfig
+from fivefold.runtime import comm
+from fivefold.runtime.mesh import Group
+
+
+def build_optimizer(model: nn.Module, training: TrainingConfig) -> torch.optim.Optimizer:
+    """AdamW; weight decay on parameters with >= 2 dims (not on norms' gains or biases), as Megatron."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
+    return build_adamw(decay, no_decay, training)
+
+
+def build_adamw(decay: list[torch.Tensor], no_decay: list[torch.Tensor], training: TrainingConfig) -> torch.optim.Optimizer:
+    """AdamW over two groups: `decay` with training.weight_decay, `no_decay` without (foreach=False:
+    the update is elementwise, so a tensor stepped in pieces gets the same numbers as stepped whole)."""
+    groups = [{"params": decay, "weight_decay": training.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=training.lr,
+                             betas=(training.adam_beta1, training.adam_beta2), eps=training.adam_eps,
+                             foreach=False)
+
+
+def clip_grad_norm(params: Iterable[nn.Parameter], max_norm: float, group: Group | Sequence[Group], *,
+                   counted: Callable[[nn.Parameter], bool] | None = None) -> float:
+    """Scale the gradients of `params` to global norm <= max_norm (0 = measure only); returns the
+    norm before clipping. `counted(p)` says whether this rank counts p in the norm (default: every
+    p; a replicated parameter is counted by one rank only, but scaled on all of them). The squares
+    are added over each group of `group` in turn (the distributed optimizer adds its DP x CP group,
+    whose ranks hold disjoint chunks)."""
+    params = [p for p in params if p.grad is not None]
+    # Added up where the gradients live, in parameter order, and copied to the host once (a copy per
+    # parameter would wait for the device once per parameter).
+    sq = torch.zeros((), dtype=torch.float64, device=params[0].grad.device if params else "cpu")
+    for p in params:
+        if counted is None or counted(p):
+            sq += p.grad.detach().double().pow(2).sum()
+    sq = sq.cpu()
+    for g in [group] if isinstance(group, Group) else group:
+        comm.all_reduce_(sq, g, tag="grad-norm")
+    norm = float(sq.sqrt())
+    if max_norm > 0 and norm > max_norm:
+        scale = max_norm / (norm + 1e-6)
+        for p in params:
+            p.grad.mul_(scale)
+    return norm

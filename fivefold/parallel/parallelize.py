@@ -1,0 +1,96 @@
+"""`parallelize(model, mesh, config)`: every parallel dimension applied to a built model, in one place
+and one order (torchtitan's `parallelize_llama`):
+
+  1. TP / SP   the layers were built tensor-parallel from `mesh.tp` (fivefold.parallel.tensor: each
+               parameter created with its ParamMeta shard); checked here against the mesh and config;
+  2. CP        attention over the sequence split across `mesh.cp` (ring / all-to-all);
+  3. EP        the MoE layers hold this EP rank's experts (ETP slices), built from the mesh's EP/ETP
+               groups and marked expert (ParamMeta.domain); checked here;
+  4. recompute activation recompute per Decoder (Megatron's granularity / method / num_layers);
+  5. DP        the data-parallel mode (fivefold.parallel.data_parallel: replicate or ZeRO-1), over
+               the gradient domains of the parameters' metadata: dense over DP x CP, experts over EDP.
+
+The result, `Parts`, is what a training step runs (fivefold.train.step.train_step): the model (with
+PP, the StageStack of this rank's stages), the pipeline (or None), the DataParallel and the mesh.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from fivefold.config.schema import Config
+from fivefold.model.decoder import Decoder
+from fivefold.model.moe import MoE
+from fivefold.model.recompute import Recompute
+from fivefold.parallel.context import context_parallel_of
+from fivefold.parallel.data import GradReducer
+from fivefold.parallel.data_parallel import DataParallel
+from fivefold.parallel.tensor import TPMode
+from fivefold.pipeline.stages import PipelineModel
+
+
+@dataclass
+class Parts:
+    """What a rank trains."""
+
+    model: nn.Module
+    """The Decoder, or with PP the StageStack of this rank's stages (parameters under global names)."""
+    pipe: PipelineModel | None
+    """With PP: the stages, schedule and executor; None without."""
+    dp: DataParallel
+    """Gradient reduction, clipping and the optimizer (it stands where a torch optimizer would)."""
+    mesh: object
+
+    @property
+    def decoders(self) -> list[Decoder]:
+        return list(self.pipe.stages.values()) if self.pipe is not None else [self.model]
+
+
+def check_tensor_parallel(model: Decoder, mesh, config: Config) -> None:
+    """The model's TP layers were built for this mesh's TP group and the config's SP setting."""
+    built = model.tp.ranks if model.tp is not None else None
+    want = mesh.tp.ranks if mesh.tp.size > 1 else None
+    mode = TPMode.of(config.parallel.sequence_parallel and want is not None)
+    if built != want or model.mode is not mode:
+        raise ValueError(f"parallelize: the model was built for TP ranks {built} ({model.mode.value}); the mesh "
+                         f"and config say {want} ({mode.value}): build it with build_decoder(config, mesh)")
+
+
+def apply_context_parallel(model: Decoder, mesh) -> None:
+    """Context parallelism: the model's ids become this CP rank's s/cp tokens and every attention
+    layer attends over the whole sequence across `mesh.cp` (a no-op without CP)."""
+    cp = context_parallel_of(mesh, model.cfg.num_attention_heads // (model.tp.size if model.tp else 1))
+    model.cp = cp
+    for module in model.modules():
+        if hasattr(module, "context_parallel"):
+            module.context_parallel = cp
+
+
+def check_expert_parallel(model: Decoder, mesh) -> None:
+    """Every MoE layer holds this mesh's EP rank's experts, split over its ETP group."""
+    for m in model.modules():
+        if isinstance(m, MoE):
+            for built, want in ((m.groups.ep, mesh.ep), (m.groups.etp, mesh.etp)):
+                if (built.ranks if built is not None else (mesh.rank,)) != want.ranks:
+                    raise ValueError(f"parallelize: a MoE layer was built for EP/ETP groups {m.groups}, the mesh "
+                                     f"has {want}: build it with build_decoder(config, mesh)")
+
+
+def parallelize(model: Decoder | PipelineModel, mesh, config: Config, *,
+                reducer_cls: type[GradReducer] = GradReducer) -> Parts:
+    """Apply TP/SP -> CP -> EP -> recompute -> DP to `model` (a Decoder from build_decoder, or a
+    PipelineModel from build_pipeline) on this rank of `mesh`, as `config` says; see the module
+    docstring. `reducer_cls`: the gradient reducer (tests substitute a recording one)."""
+    pipe = model if isinstance(model, PipelineModel) else None
+    module = pipe.module if pipe is not None else model
+    decoders = list(pipe.stages.values()) if pipe is not None else [model]
+    recompute = Recompute.from_training(config.training)
+    for decoder in decoders:
+        check_tensor_parallel(decoder, mesh, config)
+        apply_context_parallel(decoder, mesh)
+        check_expert_parallel(decoder, mesh)
+        decoder.set_recompute(recompute)
+    dp = DataParallel(module, mesh, config.training, moe=config.model.is_moe, reducer_cls=reducer_cls,
+                      not_counted=pipe.uncounted_parameters() if pipe is not None else ())
+    return Parts(module, pipe, dp, mesh)
