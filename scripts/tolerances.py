@@ -1,0 +1,137 @@
+"""Measure every tolerance of the test suite under several CPU kernel settings (docs/tolerances.md).
+
+    python scripts/tolerances.py run                  # the tolerance-sensitive files, every setting, one at a time
+    python scripts/tolerances.py run --settings native --files tests/test_moe.py
+    python scripts/tolerances.py report               # the table: worst case per assert site and setting
+
+`run` runs pytest on one test file at a time (the machine may have 2 cores) with FIVEFOLD_TOL_LOG
+pointing at OUT/<setting>.jsonl, so every tolerance assert (tests/_tol.py) records what it saw, in
+the test process and in every spawned rank. A failing file is reported and the run goes on: the log
+still holds what was measured before the failure. `report` reads the logs and prints, per assert
+site, the bound, the worst relative / absolute difference under each setting, the fraction of the
+bound used and the CPU capability the recording processes really ran with.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SETTINGS = {  # name -> environment added to the run (inherited by spawned ranks and launched workers)
+    "native": {},
+    "aten-default": {"ATEN_CPU_CAPABILITY": "default"},
+    "aten-avx2": {"ATEN_CPU_CAPABILITY": "avx2"},
+    "onednn-avx2": {"ONEDNN_MAX_CPU_ISA": "AVX2"},
+}
+SENSITIVE = [  # files whose tolerances cover torch fp32 / fp64 kernels: measured under every setting
+    "test_model_init.py", "test_train_parts.py", "test_dp_reducer.py", "test_tp_layers.py", "test_model_hf.py",
+    "test_model_hf_load.py", "test_model_hf_mla.py", "test_model_hf_moe.py", "test_tp_model.py",
+    "test_pipeline_executor.py", "test_mla.py", "test_train_dp.py", "test_train_tp.py", "test_zero.py",
+    "test_cp.py", "test_moe.py",
+]
+PURE = [  # tolerances on Python floats only (no torch kernel): the CPU setting cannot change them
+    "test_pipeline_formulas.py", "test_pipeline_hand_timelines.py", "test_pipeline_trace.py",
+    "test_planner_collectives.py", "test_planner_memory.py", "test_planner_search.py",
+]
+
+
+def run(settings: list[str], files: list[str], out: Path) -> int:
+    out.mkdir(parents=True, exist_ok=True)
+    failed = []
+    for name in settings:
+        log = out / f"{name}.jsonl"
+        log.unlink(missing_ok=True)
+        env = {**os.environ, **SETTINGS[name], "FIVEFOLD_TOL_LOG": str(log),
+               "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+        for f in files:
+            path = f if "/" in f else f"tests/{f}"
+            t0 = time.monotonic()
+            rc = subprocess.call([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", path], cwd=ROOT,
+                                 env=env, stdout=subprocess.DEVNULL if not os.environ.get("VERBOSE") else None)
+            print(f"{name:13s} {path:40s} {'ok' if rc == 0 else f'FAILED (exit {rc})'}  {time.monotonic() - t0:.0f} s",
+                  flush=True)
+            if rc:
+                failed.append((name, path))
+    for name, path in failed:
+        print(f"failed: {path} under {name} (rerun: {' '.join(f'{k}={v}' for k, v in SETTINGS[name].items())} "
+              f"python -m pytest {path})")
+    return 1 if failed else 0
+
+
+def _fmt(x: float) -> str:
+    return "0" if x == 0 else f"{x:.1e}"
+
+
+def report(out: Path, markdown: bool) -> None:
+    sites: dict[str, dict] = {}
+    seen: dict[str, dict] = {}
+    for log in sorted(out.glob("*.jsonl")):
+        name = log.stem
+        procs = defaultdict(set)
+        for line in log.read_text().splitlines():
+            r = json.loads(line)
+            procs[(r["cpu_capability"], json.dumps(r["env"], sort_keys=True))].add(r["pid"])
+            s = sites.setdefault(r["site"], {"bounds": set(), "by": {}})
+            s["bounds"].add((r.get("rtol"), r.get("atol"), r.get("bound")))
+            w = s["by"].setdefault(name, {"used": 0.0, "rel": 0.0, "abs": 0.0, "n": 0, "case": ""})
+            w["n"] += 1
+            w["rel"] = max(w["rel"], r.get("max_rel", r.get("observed", 0.0)))
+            w["abs"] = max(w["abs"], r.get("max_abs", 0.0))
+            if r["used"] >= w["used"]:
+                w["used"], w["case"] = r["used"], r["case"]
+        seen[name] = {k: len(v) for k, v in procs.items()}
+    names = [n for n in SETTINGS if any(n in s["by"] for s in sites.values())]
+    print("recording processes per setting (CPU capability, ISA variables): count")
+    for name in names:
+        for (cap, env), n in seen.get(name, {}).items():
+            print(f"  {name:13s} {cap:8s} {env}: {n} processes")
+    print()
+    head = ["site", "bound"] + [f"{n} rel / abs" for n in names] + ["worst used", "worst case"]
+    rows = []
+    for site, s in sorted(sites.items()):
+        bounds = ", ".join(f"rtol {_fmt(rt)} atol {_fmt(at)}" if b is None else f"<= {_fmt(b)}"
+                           for rt, at, b in sorted(s["bounds"], key=str))
+        cells = [f"{_fmt(s['by'][n]['rel'])} / {_fmt(s['by'][n]['abs'])}" if n in s["by"] else "-" for n in names]
+        worst = max(s["by"].values(), key=lambda w: w["used"])
+        rows.append([site, bounds, *cells, f"{worst['used']:.2g}", worst["case"]])
+    if markdown:
+        print("| " + " | ".join(head) + " |")
+        print("|" + "---|" * len(head))
+        for r in rows:
+            print("| " + " | ".join(r) + " |")
+    else:
+        widths = [max(len(str(x[i])) for x in [head, *rows]) for i in range(len(head))]
+        for r in [head, *rows]:
+            print("  ".join(str(x).ljust(w) for x, w in zip(r, widths)))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="run test files under CPU kernel settings, recording every tolerance")
+    r.add_argument("--settings", default=",".join(SETTINGS), help=f"comma-separated, of {', '.join(SETTINGS)}")
+    r.add_argument("--files", nargs="+", default=SENSITIVE, help="test files (default: the tolerance-sensitive ones)")
+    r.add_argument("--out", type=Path, default=ROOT / "runs" / "tolerances", help="where the logs go")
+    q = sub.add_parser("report", help="print the worst case of each assert site from the logs")
+    q.add_argument("--out", type=Path, default=ROOT / "runs" / "tolerances", help="where the logs are")
+    q.add_argument("--markdown", action="store_true", help="a markdown table")
+    a = p.parse_args(argv)
+    if a.cmd == "run":
+        unknown = [s for s in a.settings.split(",") if s not in SETTINGS]
+        if unknown:
+            p.error(f"unknown setting(s) {unknown}; choose from {', '.join(SETTINGS)}")
+        return run(a.settings.split(","), a.files, a.out)
+    if not any(a.out.glob("*.jsonl")):
+        p.error(f"no logs in {a.out}: run `python scripts/tolerances.py run` first")
+    report(a.out, a.markdown)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
