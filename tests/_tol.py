@@ -3,7 +3,7 @@
     close(got, want, rtol=1e-6, atol=0, site="moe.losses", case=name)
 
 passes when |got - want| <= atol + rtol * |want| element-wise (torch.testing.assert_close's and
-pytest.approx's rule), for tensors, lists or numbers, compared in float64 (exact for fp32 inputs).
+pytest.approx's rule), for tensors, lists, dicts or numbers, compared in float64 (exact for fp32 inputs).
 `site` names the assert (one per line of a test); `case` the parameter, rank or tensor it checked.
 
 With FIVEFOLD_TOL_LOG=path set, every call (in the test process and in every spawned rank, which
@@ -48,14 +48,18 @@ def within(observed: float, bound: float, *, site: str, case: str = "") -> None:
 
 
 def close(got, want, *, rtol: float, atol: float = 0.0, site: str, case: str = "") -> None:
-    """Element-wise |got - want| <= atol + rtol * |want|; records the worst element (see module doc)."""
+    """Element-wise |got - want| <= atol + rtol * |want|; records the worst element (see module doc).
+    Dicts are compared key by key (the same keys required)."""
+    if isinstance(want, dict):
+        assert isinstance(got, dict) and got.keys() == want.keys(), f"{site} {case}: keys {list(got)} != {list(want)}"
+        got, want = [got[k] for k in want], list(want.values())
     g, w = _as_float64(got), _as_float64(want)
     assert g.shape == w.shape, f"{site} {case}: shape {tuple(g.shape)} != {tuple(w.shape)}"
-    diff = (g - w).abs()
-    diff = torch.where(torch.isnan(diff) & ~(torch.isnan(g) & torch.isnan(w)), torch.inf, diff)
-    diff = torch.nan_to_num(diff, nan=0.0)  # NaN in both: equal, as equal_nan would have it
+    same = (g == w) | (torch.isnan(g) & torch.isnan(w))  # equal infinities, and NaN in both (as equal_nan)
+    finite = torch.isfinite(g) & torch.isfinite(w)
+    diff = torch.where(same, 0.0, torch.where(finite, (g - w).abs(), torch.inf))  # any other NaN / inf: inf
     bound = atol + rtol * w.abs()
-    used = torch.where(diff == 0, 0.0, diff / bound)  # diff > 0 with a zero bound: inf
+    used = torch.where(same, 0.0, torch.where(finite, diff / bound, torch.inf))  # diff > 0 over a zero bound: inf
     rel = torch.where(diff == 0, 0.0, diff / w.abs())
     worst = int(used.argmax()) if used.numel() else 0
     max_used = float(used.max()) if used.numel() else 0.0
