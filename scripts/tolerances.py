@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -23,6 +24,8 @@ from collections import defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+MARGIN = 10.0
+"""Bounds are set to this multiple of the worst case seen (docs/tolerances.md)."""
 SETTINGS = {  # name -> environment added to the run (inherited by spawned ranks and launched workers)
     "native": {},
     "aten-default": {"ATEN_CPU_CAPABILITY": "default"},
@@ -68,6 +71,23 @@ def _fmt(x: float) -> str:
     return "0" if x == 0 else f"{x:.1e}"
 
 
+def nice_up(x: float) -> float:
+    """The smallest of 1, 2, 5 x 10^k that is >= x."""
+    k = math.floor(math.log10(x))
+    return next(m * 10.0 ** k for m in (1, 2, 5, 10) if m * 10.0 ** k >= x * (1 - 1e-9))
+
+
+def suggest(bounds: set, used: float) -> str:
+    """MARGIN x the worst case, rounded up to 1 / 2 / 5 x 10^k; mixed bounds scaled together."""
+    if used == 0:
+        return "exact: torch.equal?"
+    (rtol, atol, bound), = bounds
+    f = MARGIN * used
+    if bound is not None:
+        return f"<= {_fmt(nice_up(bound * f))}"
+    return f"rtol {_fmt(nice_up(rtol * f) if rtol else 0)} atol {_fmt(nice_up(atol * f) if atol else 0)}"
+
+
 def report(out: Path, markdown: bool) -> None:
     sites: dict[str, dict] = {}
     seen: dict[str, dict] = {}
@@ -92,14 +112,14 @@ def report(out: Path, markdown: bool) -> None:
         for (cap, env), n in seen.get(name, {}).items():
             print(f"  {name:13s} {cap:8s} {env}: {n} processes")
     print()
-    head = ["site", "bound"] + [f"{n} rel / abs" for n in names] + ["worst used", "worst case"]
+    head = ["site", "bound"] + [f"{n} rel / abs" for n in names] + ["worst used", f"{MARGIN:g}x margin", "worst case"]
     rows = []
     for site, s in sorted(sites.items()):
         bounds = ", ".join(f"rtol {_fmt(rt)} atol {_fmt(at)}" if b is None else f"<= {_fmt(b)}"
                            for rt, at, b in sorted(s["bounds"], key=str))
         cells = [f"{_fmt(s['by'][n]['rel'])} / {_fmt(s['by'][n]['abs'])}" if n in s["by"] else "-" for n in names]
         worst = max(s["by"].values(), key=lambda w: w["used"])
-        rows.append([site, bounds, *cells, f"{worst['used']:.2g}", worst["case"]])
+        rows.append([site, bounds, *cells, f"{worst['used']:.2g}", suggest(s["bounds"], worst["used"]), worst["case"]])
     if markdown:
         print("| " + " | ".join(head) + " |")
         print("|" + "---|" * len(head))
@@ -116,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", help="run test files under CPU kernel settings, recording every tolerance")
     r.add_argument("--settings", default=",".join(SETTINGS), help=f"comma-separated, of {', '.join(SETTINGS)}")
-    r.add_argument("--files", nargs="+", default=SENSITIVE, help="test files (default: the tolerance-sensitive ones)")
+    r.add_argument("--files", nargs="+", default=SENSITIVE + PURE, help="test files (default: every file with a tolerance)")
     r.add_argument("--out", type=Path, default=ROOT / "runs" / "tolerances", help="where the logs go")
     q = sub.add_parser("report", help="print the worst case of each assert site from the logs")
     q.add_argument("--out", type=Path, default=ROOT / "runs" / "tolerances", help="where the logs are")

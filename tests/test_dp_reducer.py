@@ -36,7 +36,8 @@ def test_grads_accumulate_in_bucket_buffers():
     sum(ref(x).square().sum() for x in xs).backward()
     for g, p in zip(grads, ref.parameters()):
         # Tolerance: three microbatch gradients added in place vs. one backward of the summed loss:
-        # same terms, other order, fp32 rounding only.
+        # same terms, other order, fp32 rounding only. Measured worst 0.011 of this bound (2.4e-7
+        # absolute) over the CPU kernel settings: 90x; kept, as a lost microbatch is off by ~1/3.
         close(g, p.grad, rtol=1e-5, atol=1e-6, site="dp_reducer.accumulated_grads")
     buffers = {b.buffer.data_ptr(): b for b in reducer.buckets}
     for p in model.parameters():  # .grad is still a view into a bucket buffer
@@ -63,14 +64,16 @@ def _overlap_rank(rank: int, world: int):
     summed = local[3].weight.grad.clone()
     dist.all_reduce(summed)
     n_params = sum(p.numel() for p in model.parameters())
-    # the bucketed all-reduce of the gradient equals the local gradient summed over ranks
-    close(model[3].weight.grad, summed, rtol=1e-5, atol=1e-6, site="dp_reducer.bucket_all_reduce", case=f"rank {rank}")
-    return (len(starts), starts[0] < first_param_ready[0] <= backward_end,
+    # the bucketed all-reduce equals the local gradient summed over ranks: on 2 ranks each element is
+    # a + b either way, so bit-exact (measured under every CPU setting)
+    exact = torch.equal(model[3].weight.grad, summed)
+    return (len(starts), starts[0] < first_param_ready[0] <= backward_end, exact,
             traffic.bytes(kind="all_reduce", tag="dp-grad", group="dp-cp") == 4 * n_params)
 
 
 def test_first_bucket_is_reduced_before_backward_ends(workers):
-    for rank, (n_buckets, overlapped, counted) in enumerate(workers(2).run(_overlap_rank)):
+    for rank, (n_buckets, overlapped, exact, counted) in enumerate(workers(2).run(_overlap_rank)):
         assert n_buckets == 6  # one bucket per layer (weight + bias), each launched once
         assert overlapped, f"rank {rank}: the first bucket's all-reduce started after backward finished"
+        assert exact, f"rank {rank}: reduced gradient != sum over ranks"
         assert counted, f"rank {rank}: the bucket all-reduces did not count every gradient byte once"

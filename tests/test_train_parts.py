@@ -26,7 +26,7 @@ def test_warmup_then_cosine_to_min_lr():
     assert [lr_at(s, t) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
     # Python floats (no torch kernel): the same formula up to the order of the float64 operations
     close(lr_at(9, t), 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)), rtol=1e-12, site="lr_schedule.cosine")
-    close(lr_at(14, t), 0.1, rtol=1e-12, site="lr_schedule.min_lr")
+    assert lr_at(14, t) == 0.1  # the end of the decay is min_lr itself
     t.lr_decay_style = "constant"
     assert lr_at(13, t) == 1.0
 
@@ -58,8 +58,9 @@ def test_flops_formula_by_hand():
 def test_clip_by_global_norm():
     p = [torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(4))]
     p[0].grad, p[1].grad = torch.tensor([3.0, 0, 0]), torch.tensor([0, 4.0, 0, 0])
-    close(clip_grad_norm(p, 1.0, Mesh.build(Layout()).group("model-parallel")), 5.0, rtol=1e-6, site="clip.norm")
-    close(float(torch.cat([q.grad for q in p]).norm()), 1.0, rtol=1e-5, site="clip.clipped_norm")
+    assert clip_grad_norm(p, 1.0, Mesh.build(Layout()).group("model-parallel")) == 5.0  # sqrt(9 + 16): exact in fp32
+    # scaled by 1 / (5 + 1e-6): 1 - 2e-7 by design (measured 1.8e-7 relative); bound 2e-6, 11x
+    close(float(torch.cat([q.grad for q in p]).norm()), 1.0, rtol=2e-6, site="clip.clipped_norm")
 
 
 def test_bf16_trains(tmp_path):
