@@ -44,12 +44,13 @@ PURE = [  # tolerances on Python floats only (no torch kernel): the CPU setting 
 ]
 
 
-def run(settings: list[str], files: list[str], out: Path) -> int:
+def run(settings: list[str], files: list[str], out: Path, append: bool = False) -> int:
     out.mkdir(parents=True, exist_ok=True)
     failed = []
     for name in settings:
         log = out / f"{name}.jsonl"
-        log.unlink(missing_ok=True)
+        if not append:
+            log.unlink(missing_ok=True)
         env = {**os.environ, **SETTINGS[name], "FIVEFOLD_TOL_LOG": str(log),
                "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
         for f in files:
@@ -77,49 +78,69 @@ def nice_up(x: float) -> float:
     return next(m * 10.0 ** k for m in (1, 2, 5, 10) if m * 10.0 ** k >= x * (1 - 1e-9))
 
 
-def suggest(bounds: set, used: float) -> str:
+def _rescaled(used: float, old: tuple, new: tuple) -> float | None:
+    """A record's used fraction under the site's current bound, when that bound is the old one scaled
+    (rtol and atol by the same factor); None when it is not (then the site must be measured again)."""
+    if old == new or used == 0:
+        return used
+    ratios = {float(f"{o / n:.9g}") if n else math.inf for o, n in zip(old, new) if o is not None and (o or n)}
+    if len(ratios) != 1 or 0 in ratios or math.inf in ratios:
+        return None
+    return used * ratios.pop()
+
+
+def suggest(bound: tuple, used: float) -> str:
     """MARGIN x the worst case, rounded up to 1 / 2 / 5 x 10^k; mixed bounds scaled together."""
     if used == 0:
         return "exact: torch.equal?"
-    (rtol, atol, bound), = bounds
+    rtol, atol, bound = bound
     f = MARGIN * used
     if bound is not None:
         return f"<= {_fmt(nice_up(bound * f))}"
     return f"rtol {_fmt(nice_up(rtol * f) if rtol else 0)} atol {_fmt(nice_up(atol * f) if atol else 0)}"
 
 
+def _records(out: Path) -> list[dict]:
+    """Every record of every log, oldest first (logs by modification time, lines in order)."""
+    rows = []
+    for log in sorted(out.glob("*.jsonl"), key=lambda f: f.stat().st_mtime):
+        rows += [{**json.loads(line), "setting": log.stem} for line in log.read_text().splitlines()]
+    return rows
+
+
 def report(out: Path, markdown: bool) -> None:
-    sites: dict[str, dict] = {}
-    seen: dict[str, dict] = {}
-    for log in sorted(out.glob("*.jsonl")):
-        name = log.stem
-        procs = defaultdict(set)
-        for line in log.read_text().splitlines():
-            r = json.loads(line)
-            procs[(r["cpu_capability"], json.dumps(r["env"], sort_keys=True))].add(r["pid"])
-            s = sites.setdefault(r["site"], {"bounds": set(), "by": {}})
-            s["bounds"].add((r.get("rtol"), r.get("atol"), r.get("bound")))
-            w = s["by"].setdefault(name, {"used": 0.0, "rel": 0.0, "abs": 0.0, "n": 0, "case": ""})
-            w["n"] += 1
-            w["rel"] = max(w["rel"], r.get("max_rel", r.get("observed", 0.0)))
-            w["abs"] = max(w["abs"], r.get("max_abs", 0.0))
-            if r["used"] >= w["used"]:
-                w["used"], w["case"] = r["used"], r["case"]
-        seen[name] = {k: len(v) for k, v in procs.items()}
-    names = [n for n in SETTINGS if any(n in s["by"] for s in sites.values())]
+    records = _records(out)
+    current = {r["site"]: (r.get("rtol"), r.get("atol"), r.get("bound")) for r in records}  # the newest bound
+    sites: dict[str, dict] = defaultdict(dict)
+    procs: dict[str, dict] = defaultdict(lambda: defaultdict(set))
+    for r in records:
+        name, site = r["setting"], r["site"]
+        procs[name][(r["cpu_capability"], json.dumps(r["env"], sort_keys=True))].add(r["pid"])
+        w = sites[site].setdefault(name, {"used": 0.0, "rel": 0.0, "abs": 0.0, "case": ""})
+        w["rel"] = max(w["rel"], r.get("max_rel", r.get("observed", 0.0)))
+        w["abs"] = max(w["abs"], r.get("max_abs", 0.0))
+        used = _rescaled(r["used"], (r.get("rtol"), r.get("atol"), r.get("bound")), current[site])
+        if used is None or w["used"] is None:
+            w["used"] = None  # measured under a bound that is not a multiple of today's: measure again
+        elif used >= w["used"]:
+            w["used"], w["case"] = used, r["case"]
+    names = [n for n in SETTINGS if n in procs]
     print("recording processes per setting (CPU capability, ISA variables): count")
     for name in names:
-        for (cap, env), n in seen.get(name, {}).items():
-            print(f"  {name:13s} {cap:8s} {env}: {n} processes")
+        for (cap, env), pids in procs[name].items():
+            print(f"  {name:13s} {cap:8s} {env}: {len(pids)} processes")
     print()
     head = ["site", "bound"] + [f"{n} rel / abs" for n in names] + ["worst used", f"{MARGIN:g}x margin", "worst case"]
     rows = []
-    for site, s in sorted(sites.items()):
-        bounds = ", ".join(f"rtol {_fmt(rt)} atol {_fmt(at)}" if b is None else f"<= {_fmt(b)}"
-                           for rt, at, b in sorted(s["bounds"], key=str))
-        cells = [f"{_fmt(s['by'][n]['rel'])} / {_fmt(s['by'][n]['abs'])}" if n in s["by"] else "-" for n in names]
-        worst = max(s["by"].values(), key=lambda w: w["used"])
-        rows.append([site, bounds, *cells, f"{worst['used']:.2g}", suggest(s["bounds"], worst["used"]), worst["case"]])
+    for site, by in sorted(sites.items()):
+        rt, at, b = current[site]
+        bound = f"rtol {_fmt(rt)} atol {_fmt(at)}" if b is None else f"<= {_fmt(b)}"
+        cells = [f"{_fmt(by[n]['rel'])} / {_fmt(by[n]['abs'])}" if n in by else "-" for n in names]
+        if any(w["used"] is None for w in by.values()):
+            rows.append([site, bound, *cells, "?", "measure again", ""])
+            continue
+        worst = max(by.values(), key=lambda w: w["used"])
+        rows.append([site, bound, *cells, f"{worst['used']:.2g}", suggest(current[site], worst["used"]), worst["case"]])
     if markdown:
         print("| " + " | ".join(head) + " |")
         print("|" + "---|" * len(head))
@@ -138,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--settings", default=",".join(SETTINGS), help=f"comma-separated, of {', '.join(SETTINGS)}")
     r.add_argument("--files", nargs="+", default=SENSITIVE + PURE, help="test files (default: every file with a tolerance)")
     r.add_argument("--out", type=Path, default=ROOT / "runs" / "tolerances", help="where the logs go")
+    r.add_argument("--append", action="store_true", help="add to the logs instead of starting them afresh")
     q = sub.add_parser("report", help="print the worst case of each assert site from the logs")
     q.add_argument("--out", type=Path, default=ROOT / "runs" / "tolerances", help="where the logs are")
     q.add_argument("--markdown", action="store_true", help="a markdown table")
@@ -146,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         unknown = [s for s in a.settings.split(",") if s not in SETTINGS]
         if unknown:
             p.error(f"unknown setting(s) {unknown}; choose from {', '.join(SETTINGS)}")
-        return run(a.settings.split(","), a.files, a.out)
+        return run(a.settings.split(","), a.files, a.out, a.append)
     if not any(a.out.glob("*.jsonl")):
         p.error(f"no logs in {a.out}: run `python scripts/tolerances.py run` first")
     report(a.out, a.markdown)
