@@ -16,7 +16,7 @@ test: setup
 	$(PYTHON) -m pytest --durations=15
 
 # The tolerance-sensitive tests under three other CPU kernel settings and this machine's own, one file
-# at a time, then the worst case of every tolerance (docs/tolerances.md). About 30 min on 2 cores.
+# at a time, then the worst case of every tolerance (docs/tolerances.md). 35-45 min on 2 shared cores.
 test-isa: setup
 	$(PYTHON) scripts/tolerances.py run
 	$(PYTHON) scripts/tolerances.py report
