@@ -101,11 +101,11 @@ def suggest(bound: tuple, used: float) -> str:
 
 
 def _records(out: Path) -> list[dict]:
-    """Every record of every log, oldest first (logs by modification time, lines in order)."""
+    """Every record of every log, oldest first (by the time it was written)."""
     rows = []
-    for log in sorted(out.glob("*.jsonl"), key=lambda f: f.stat().st_mtime):
+    for log in out.glob("*.jsonl"):
         rows += [{**json.loads(line), "setting": log.stem} for line in log.read_text().splitlines()]
-    return rows
+    return sorted(rows, key=lambda r: r["time"])
 
 
 def report(out: Path, markdown: bool) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import torch
 
@@ -34,7 +35,7 @@ def _record(site: str, case: str, **fields) -> None:
     if not path:
         return
     row = {"site": site, "case": case, **fields, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-           "env": {v: os.environ.get(v) for v in ISA_VARS}, "pid": os.getpid()}
+           "env": {v: os.environ.get(v) for v in ISA_VARS}, "pid": os.getpid(), "time": time.time()}
     with open(path, "a") as f:  # one short line per write: appends from several ranks do not interleave
         f.write(json.dumps(row) + "\n")
 

@@ -151,9 +151,9 @@ def test_layout_reproduces_one_process_run(runs, name):
     if "pp" not in name:  # the logged aux loss (not logged through the pipeline schedule yet)
         ref_aux = [m["moe_aux_loss"] for m in _metrics(root / "ref")]
         assert all(a > 0 for a in ref_aux)
-        # Same fp32 noise, measured worst 1.8e-7 (tp2sp-ep2-etp2); bound 2e-6, 11x. Counting a TP
+        # Same fp32 noise, measured worst 3.3e-7 (tp2sp-ep2-etp1); bound 5e-6, 15x. Counting a TP
         # shard's or a micro-batch's term twice or not at all is >= 1e-1 off.
-        close([m["moe_aux_loss"] for m in _metrics(root / name)], ref_aux, rtol=2e-6, site="moe.aux_loss", case=name)
+        close([m["moe_aux_loss"] for m in _metrics(root / name)], ref_aux, rtol=5e-6, site="moe.aux_loss", case=name)
     # The final weights, every expert included: the layout's checkpoint loaded into one process (the
     # experts of all EP ranks / ETP slices / PP stages reassemble by name) equals the reference's.
     cfg = _config(runs["data"])
@@ -162,11 +162,12 @@ def test_layout_reproduces_one_process_run(runs, name):
         ckpt.load_checkpoint(folder / "checkpoints", model=model, optimizer=None, rank=0, world_size=1, shard_of=shard_of)
     for (n, p), q in zip(mine.named_parameters(), theirs.parameters()):
         # Tolerance: Adam's m / sqrt(v) turns ulp-level gradient differences of elements that are
-        # cancellations near 0 into update differences up to lr = 3e-3. Measured worst element 7.2e-5
-        # (head.weight, tp2sp-ep2-etp2); bound 1e-3, 14x. In norm the differences stay small: a wrong
-        # expert's update is off by ~lr in every element, ~1e-1 of the weight's norm.
-        close(p, q, rtol=0, atol=1e-3, site="moe.final_weights", case=f"{name} {n}")
-        within((p - q).norm() / q.norm(), 1e-4, site="moe.final_weights_norm", case=f"{name} {n}")
+        # cancellations near 0 into update differences up to lr = 3e-3. Measured worst element 1.2e-4
+        # (head.weight, tp2sp-ep2-etp1); bound 2e-3, 17x. In norm the differences stay small (worst
+        # 1.8e-5 relative; bound 2e-4, 11x), while a wrong expert's update is off by ~lr in every
+        # element of weights ~5e-2: ~1e-1 of the weight's norm.
+        close(p, q, rtol=0, atol=2e-3, site="moe.final_weights", case=f"{name} {n}")
+        within((p - q).norm() / q.norm(), 2e-4, site="moe.final_weights_norm", case=f"{name} {n}")
 
 
 def test_ep2_checkpoint_resumes_at_ep1(runs):

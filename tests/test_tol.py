@@ -14,6 +14,12 @@ from _tol import LOG_VAR, close, within
 inf, nan = float("inf"), float("nan")
 
 
+@pytest.fixture(autouse=True)
+def _no_log(monkeypatch):
+    """These calls test the helper: they stay out of a measurement's log (scripts/tolerances.py)."""
+    monkeypatch.delenv(LOG_VAR, raising=False)
+
+
 @pytest.mark.parametrize("got,want,rtol,atol", [
     ([1.0 + 1e-7], [1.0], 1e-6, 0.0),  # inside rtol
     ([1e-7], [0.0], 0.0, 1e-6),  # inside atol
