@@ -1,6 +1,6 @@
 """Measure every tolerance of the test suite under several CPU kernel settings (docs/tolerances.md).
 
-    python scripts/tolerances.py run                  # the tolerance-sensitive files, every setting, one at a time
+    python scripts/tolerances.py run                  # every file with a tolerance, every setting, one at a time
     python scripts/tolerances.py run --settings native --files tests/test_moe.py
     python scripts/tolerances.py report               # the table: worst case per assert site and setting
 
@@ -32,6 +32,7 @@ SETTINGS = {  # name -> environment added to the run (inherited by spawned ranks
     "aten-avx2": {"ATEN_CPU_CAPABILITY": "avx2"},
     "onednn-avx2": {"ONEDNN_MAX_CPU_ISA": "AVX2"},
 }
+ISA_VARS = {k for s in SETTINGS.values() for k in s}
 SENSITIVE = [  # files whose tolerances cover torch fp32 / fp64 kernels: measured under every setting
     "test_model_init.py", "test_train_parts.py", "test_dp_reducer.py", "test_tp_layers.py", "test_model_hf.py",
     "test_model_hf_load.py", "test_model_hf_mla.py", "test_model_hf_moe.py", "test_tp_model.py",
@@ -51,7 +52,8 @@ def run(settings: list[str], files: list[str], out: Path, append: bool = False) 
         log = out / f"{name}.jsonl"
         if not append:
             log.unlink(missing_ok=True)
-        env = {**os.environ, **SETTINGS[name], "FIVEFOLD_TOL_LOG": str(log),
+        inherited = {k: v for k, v in os.environ.items() if k not in ISA_VARS}  # "native" means none set
+        env = {**inherited, **SETTINGS[name], "FIVEFOLD_TOL_LOG": str(log),
                "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
         for f in files:
             path = f if "/" in f else f"tests/{f}"
