@@ -42,7 +42,7 @@ def _record(site: str, case: str, **fields) -> None:
 
 def within(observed: float, bound: float, *, site: str, case: str = "") -> None:
     """observed <= bound, for a measure computed by the test (e.g. a relative difference in norm)."""
-    observed = float(observed)
+    observed = float(observed.detach() if isinstance(observed, torch.Tensor) else observed)
     _record(site, case, kind="within", observed=observed, bound=bound,
             used=observed / bound if bound else float("inf"))
     assert observed <= bound, f"{site} {case}: {observed:.3g} > bound {bound:.3g}"
