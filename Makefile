@@ -2,7 +2,7 @@
 PYTHON ?= python3
 OUT ?= runs/demo
 
-.PHONY: setup demo test
+.PHONY: setup demo test test-isa
 
 # Installs the pinned CPU torch only when no torch is importable (a GPU user's torch is left alone).
 setup:
@@ -14,3 +14,9 @@ demo: setup
 
 test: setup
 	$(PYTHON) -m pytest --durations=15
+
+# The tolerance-sensitive tests under three other CPU kernel settings and this machine's own, one file
+# at a time, then the worst case of every tolerance (docs/tolerances.md). 35-45 min on 2 shared cores.
+test-isa: setup
+	$(PYTHON) scripts/tolerances.py run
+	$(PYTHON) scripts/tolerances.py report

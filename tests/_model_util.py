@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from _tol import close
 from fivefold.config.schema import ModelConfig
 from fivefold.model import Decoder
 from fivefold.model.hf import hf_name
@@ -33,13 +34,13 @@ def hf_copy_of(ours: Decoder) -> LlamaForCausalLM:
     return theirs
 
 
-def assert_grads_match_hf(ours: Decoder, theirs, *, atol: float, rtol: float) -> None:
+def assert_grads_match_hf(ours: Decoder, theirs, *, atol: float, rtol: float, site: str) -> None:
     """Every parameter's gradient (vocabulary rows unpadded) equals the HF model's of the same weight;
     padded vocabulary rows are masked out of the loss, so their gradient is exactly zero."""
     hf_params = dict(theirs.named_parameters())
     for our_name, p in ours.named_parameters():
         g_ref = hf_params[hf_name(our_name, ours.cfg)].grad
         g = p.grad[: ours.cfg.vocab_size] if p.shape != g_ref.shape else p.grad
-        torch.testing.assert_close(g, g_ref, atol=atol, rtol=rtol, msg=lambda m: f"{our_name}: {m}")
+        close(g, g_ref, rtol=rtol, atol=atol, site=site, case=our_name)
         if p.shape[0] != g_ref.shape[0]:
             assert not p.grad[ours.cfg.vocab_size:].any(), our_name

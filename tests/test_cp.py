@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 import json
 from pathlib import Path
 
+from _tol import close, within
 from _train_util import corpus, one_process_context
 from fivefold.cli.train import prepare
 from fivefold.config.schema import ClusterConfig, Config, DataConfig, ModelConfig, TrainingConfig, to_dict
@@ -80,11 +81,11 @@ def test_cp_attention_equals_sdpa(attention_runs, name):
             r, o, dq, dk, dv = res[name, shape][:5]
             n = dict(ATTN_LAYOUTS)[name]["cp"]
             # fp32: the ring merges block softmaxes by log-sum-exp and the a2a path re-orders heads;
-            # both add the same terms in another order than one SDPA call: observed <= 1e-6 absolute
-            # on O(1) values; 1e-5 leaves 10x.
+            # both add the same terms in another order than one SDPA call: measured worst 1.9e-6
+            # absolute on O(1) values (0.11 of a 1e-5 + 1e-5 * |want| bound); bound 2e-5 + 2e-5 * |want|, 18x.
             for got, want in ((o, ref), (dq, q.grad), (dk, k.grad), (dv, v.grad)):
-                torch.testing.assert_close(got, split_sequence(want.detach(), 2, n, r), rtol=1e-5, atol=1e-5,
-                                           msg=lambda m: f"{name} {shape} rank {r}: {m}")
+                close(got, split_sequence(want.detach(), 2, n, r), rtol=2e-5, atol=2e-5, site="cp.attention",
+                      case=f"{name} {shape} rank {r}")
 
 
 def test_a2a_needs_heads_divisible_by_its_size(attention_runs):
@@ -254,7 +255,7 @@ def test_cp_layout_reproduces_one_process_run(train_runs, name):
         got = r[name]
         assert list(got["losses"]) == list(range(STEPS))
         # Evaluation (forward only, the last step's weights): same split and sums, same tolerance.
-        assert got["eval"] == pytest.approx(ref.eval_losses, rel=1e-6, abs=0)
+        close(got["eval"], ref.eval_losses, rtol=1e-6, site="cp.eval_loss", case=f"{name} rank {rank}")
         parallel = TRAIN_LAYOUTS[name][0]
         pp = parallel.get("pipeline_model_parallel_size", 1)
         dp = 4 // (parallel["context_parallel_size"] * parallel.get("tensor_model_parallel_size", 1) * pp)
@@ -265,11 +266,11 @@ def test_cp_layout_reproduces_one_process_run(train_runs, name):
         # Tolerance: fp32. The ring merges block softmaxes by log-sum-exp (and a2a re-orders heads),
         # CP x DP gradients are summed over 2-4 ranks in another order, TP/SP as in test_tp_model:
         # ~1e-7 relative per op; 4 AdamW steps stay within 1e-6. A CP chunk attending to the wrong
-        # keys or a token counted twice moves the loss by > 1e-3. Measured: <= 6.4e-8 (grad norms
-        # <= 2.0e-8), every layout.
-        assert list(got["losses"].values()) == pytest.approx(list(ref.losses.values()), rel=1e-6, abs=0), rank
+        # keys or a token counted twice moves the loss by > 1e-3. Measured worst over the CPU kernel
+        # settings (docs/tolerances.md): losses 6.9e-8, eval 2.6e-8, grad norms 1.7e-8; bound 1e-6, >= 14x.
+        close(list(got["losses"].values()), list(ref.losses.values()), rtol=1e-6, site="cp.losses", case=f"{name} rank {rank}")
     # The clipping norm counts each parameter once (replicated over CP, summed over DP x CP).
-    assert _metric(root / name, "grad_norm") == pytest.approx(_metric(root / "ref", "grad_norm"), rel=1e-6, abs=0)
+    close(_metric(root / name, "grad_norm"), _metric(root / "ref", "grad_norm"), rtol=1e-6, site="cp.grad_norm", case=name)
     if name.startswith("cp2-tp2") or name.startswith("pp2"):
         return  # TP shards / PP stages: the gathered comparison is test_tp_model's and the pipeline tests' job
     mine, theirs = _params(root / name, STEPS), _params(root / "ref", STEPS)
@@ -277,9 +278,10 @@ def test_cp_layout_reproduces_one_process_run(train_runs, name):
     for pname, p in theirs.items():
         # Tolerance: as tests/test_zero.py: ulp-level gradient differences through Adam's scale-free
         # m / sqrt(v) can move an element whose gradient cancels near 0 by up to lr; 1e-4 absolute and
-        # 1e-5 relative in norm, while a wrong gradient is off by ~lr in thousands of elements.
-        torch.testing.assert_close(mine[pname], p, rtol=0, atol=1e-4, msg=pname)
-        assert (mine[pname] - p).norm() <= 1e-5 * p.norm(), pname
+        # 5e-5 relative in norm, while a wrong gradient is off by ~lr in thousands of elements.
+        # Measured worst: 9.6e-6 absolute (10x), 4.1e-6 in norm (12x; cp2-p2p-dp2-zero gate_proj).
+        close(mine[pname], p, rtol=0, atol=1e-4, site="cp.final_weights", case=f"{name} {pname}")
+        within((mine[pname] - p).norm() / p.norm(), 5e-5, site="cp.final_weights_norm", case=f"{name} {pname}")
 
 
 def test_cp2_checkpoint_resumes_at_cp1(train_runs, tmp_path):
@@ -290,8 +292,9 @@ def test_cp2_checkpoint_resumes_at_cp1(train_runs, tmp_path):
     resumed = train(cfg, one_process_context(tmp_path), train_runs["data_dir"], progress=False).losses
     assert sorted(resumed) == [2, 3]
     want = train_runs["runs"][0]["cp2-p2p-dp2-zero"]["losses"]
-    # Tolerance: as test_cp_layout_reproduces_one_process_run (another layout after the resume).
-    assert [resumed[2], resumed[3]] == pytest.approx([want[2], want[3]], rel=1e-6, abs=0)
+    # Tolerance: as test_cp_layout_reproduces_one_process_run (another layout after the resume):
+    # measured worst 5.1e-8; bound 1e-6, 20x.
+    close([resumed[2], resumed[3]], [want[2], want[3]], rtol=1e-6, site="cp.resume_cp2_at_cp1")
 
 
 # --- multi-head latent attention under CP: v head dim != q/k head dim, one key for all heads -----------
@@ -339,7 +342,9 @@ def test_mla_under_cp_equals_one_process(mla_runs, name):
         total, grads = res[name]
         # fp32: the CP split adds the token losses and each parameter's per-token gradient terms in
         # two to four partial sums instead of one, and the ring merges block softmaxes: ~1e-7
-        # relative; 1e-5 / 1e-6 absolute on O(1e-2) gradient entries leaves 10x margin.
-        torch.testing.assert_close(total, ref_total, rtol=1e-6, atol=0)
+        # relative per op. Measured: the loss sum equal (0) under every CPU setting, not promised;
+        # gradients up to 3.3e-6 absolute (head.weight, p2p-cp2: 0.98 of the former 1e-6 + 1e-5 *
+        # |want|); bound 1e-5 + 1e-4 * |want|, 10x. Attention to the wrong keys is off by ~1e-2.
+        close(total, ref_total, rtol=1e-6, site="cp_mla.loss", case=f"{name} rank {rank}")
         for n, g in grads.items():
-            torch.testing.assert_close(g, ref_grads[n], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name} {n} {rank}: {m}")
+            close(g, ref_grads[n], rtol=1e-4, atol=1e-5, site="cp_mla.grads", case=f"{name} {n} rank {rank}")

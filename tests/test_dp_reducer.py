@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from _tol import close
 from fivefold.parallel.data import GradReducer
 from fivefold.runtime import traffic
 from fivefold.runtime.mesh import Mesh
@@ -35,8 +36,9 @@ def test_grads_accumulate_in_bucket_buffers():
     sum(ref(x).square().sum() for x in xs).backward()
     for g, p in zip(grads, ref.parameters()):
         # Tolerance: three microbatch gradients added in place vs. one backward of the summed loss:
-        # same terms, other order, fp32 rounding only.
-        torch.testing.assert_close(g, p.grad, rtol=1e-5, atol=1e-6)
+        # same terms, other order, fp32 rounding only. Measured worst 0.011 of this bound (2.4e-7
+        # absolute) over the CPU kernel settings: 90x; kept, as a lost microbatch is off by ~1/3.
+        close(g, p.grad, rtol=1e-5, atol=1e-6, site="dp_reducer.accumulated_grads")
     buffers = {b.buffer.data_ptr(): b for b in reducer.buckets}
     for p in model.parameters():  # .grad is still a view into a bucket buffer
         assert any(b.buffer.data_ptr() <= p.grad.data_ptr() < b.buffer.data_ptr() + b.buffer.nbytes
@@ -62,14 +64,16 @@ def _overlap_rank(rank: int, world: int):
     summed = local[3].weight.grad.clone()
     dist.all_reduce(summed)
     n_params = sum(p.numel() for p in model.parameters())
-    return (len(starts), starts[0] < first_param_ready[0] <= backward_end,
-            torch.allclose(model[3].weight.grad, summed, rtol=1e-5, atol=1e-6),
+    # the bucketed all-reduce equals the local gradient summed over ranks: on 2 ranks each element is
+    # a + b either way, so bit-exact (measured under every CPU setting)
+    exact = torch.equal(model[3].weight.grad, summed)
+    return (len(starts), starts[0] < first_param_ready[0] <= backward_end, exact,
             traffic.bytes(kind="all_reduce", tag="dp-grad", group="dp-cp") == 4 * n_params)
 
 
 def test_first_bucket_is_reduced_before_backward_ends(workers):
-    for rank, (n_buckets, overlapped, correct, counted) in enumerate(workers(2).run(_overlap_rank)):
+    for rank, (n_buckets, overlapped, exact, counted) in enumerate(workers(2).run(_overlap_rank)):
         assert n_buckets == 6  # one bucket per layer (weight + bias), each launched once
         assert overlapped, f"rank {rank}: the first bucket's all-reduce started after backward finished"
-        assert correct, f"rank {rank}: reduced gradient != sum over ranks"
+        assert exact, f"rank {rank}: reduced gradient != sum over ranks"
         assert counted, f"rank {rank}: the bucket all-reduces did not count every gradient byte once"

@@ -12,9 +12,10 @@ compared with its TP slice (its ParamMeta `shard`) of the one-process gradient.
 Tolerances (fp32): the layouts compute the same products and reorder fp32 sums: row-parallel partial
 sums, the vocab-parallel softmax, the gradients of the replicated down-projections and norms summed
 over TP (MLA's W_qa / W_kva under SP), microbatch and DP gradient sums. Each is ~1e-7 relative;
-AdamW's 1/sqrt(v) keeps the differences from growing over 3 steps. Losses and norms: rtol 1e-5;
-gradients: atol 1e-6 against entries of ~1e-4..1e-1 (as tests/test_pipeline_executor.py).
-Measured on every layout: losses <= 9e-8 relative, norms <= 4e-7 relative, gradients <= 7e-9 absolute.
+AdamW's 1/sqrt(v) keeps the differences from growing over 3 steps. Measured worst on every layout
+and CPU kernel setting (docs/tolerances.md): losses 8.6e-8 relative (bound 1e-6, 12x), norms 3.7e-7
+relative (bound 1e-5, 27x), step-0 gradients 6.8e-9 absolute against entries of ~1e-4..1e-1
+(bound 1e-7, 15x).
 Leaving the SP down-projections' gradients unsummed over TP moves them by 8.5e-3 and the norm by 4.5e-3.
 """
 from __future__ import annotations
@@ -24,6 +25,7 @@ import dataclasses
 
 import torch
 
+from _tol import close
 from fivefold.config.schema import Config, ModelConfig, ParallelConfig, TrainingConfig
 from fivefold.data.loader import Microbatch, StepBatch
 from fivefold.model.decoder import Decoder, build_decoder
@@ -139,13 +141,13 @@ def test_every_layout_reproduces_one_process(workers, references):
         for rank, per_layout in enumerate(results):
             losses, norms, grads = per_layout[i]
             where = f"{model} tp{tp} pp{pp} dp{dp}{' sp' if sp else ''}{' zero1' if zero else ''} rank {rank}"
-            # reordered fp32 sums (module docstring): rtol 1e-5 on the loss trajectory and the norm,
+            # reordered fp32 sums (module docstring): rtol 1e-6 on the loss trajectory, 1e-5 on the norm,
             # which counts every TP shard once and every TP-replicated weight (down-projections, norms) once
-            assert losses == pytest.approx(ref_losses, rel=1e-5), where
-            assert norms == pytest.approx(ref_norms, rel=1e-5), where
+            close(losses, ref_losses, rtol=1e-6, site="mla.losses", case=where)
+            close(norms, ref_norms, rtol=1e-5, site="mla.grad_norms", case=where)
             for name, (g, spec) in grads.items():
                 want = ref_grads[name][0] if spec is None else spec.of(ref_grads[name][0])
-                torch.testing.assert_close(g, want, atol=1e-6, rtol=0, msg=lambda m: f"{where} {name}: {m}")
+                close(g, want, rtol=0, atol=1e-7, site="mla.grads", case=f"{where} {name}")
                 seen.add(name)
         assert seen == (set() if zero else set(ref_grads)), where  # every parameter held by a rank is checked
 

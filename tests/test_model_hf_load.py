@@ -8,6 +8,7 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
+from _tol import close
 from fivefold.config.schema import ModelConfig
 from fivefold.errors import UserError
 from fivefold.model.hf import config_from_hf, load_hf
@@ -38,8 +39,9 @@ def test_loaded_checkpoint_gives_the_logits_transformers_gives(saved, which):
     with torch.no_grad():
         ref = LlamaForCausalLM.from_pretrained(path, attn_implementation="eager").float()(input_ids=ids).logits
         ours = load_hf(path)(ids)[..., : CFG.vocab_size]
-    # Same fp32 math with different kernels (see test_model_hf): ulp-level noise, 1e-5 abs bound.
-    torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-4)
+    # Same fp32 math with different kernels (see test_model_hf): ulp-level noise, measured worst 2.1e-7
+    # absolute (0.01 of the bound) over the CPU kernel settings.
+    close(ours, ref, rtol=1e-4, atol=1e-5, site="hf_load.logits", case=["single", "sharded"][which])
 
 
 def test_config_is_read_back_including_rope_parameters(saved):

@@ -10,16 +10,21 @@ Tolerances (fp32): a pipeline computes the same operations per microbatch as the
 what changes is how gradients are summed (per-microbatch autograd.grad results added into .grad in
 schedule order, DP all-reduce) and the loss sum's order. Those are reorderings of fp32 sums of
 ~8 terms: relative error ~1e-7 per step, amplified by AdamW's division by sqrt(v) in later steps.
-Losses and gradient norms: rtol 1e-5; gradients: atol 1e-6 against gradient entries of size ~1e-2.
+Measured worst over the CPU kernel settings (docs/tolerances.md): losses 7.5e-8 relative (bound 1e-6,
+13x); gradient norms 6.0e-6 relative (PP2 x TP2 zero-bubble, step 2: AdamW's sign-like early updates
+of near-zero gradient elements; bound 1e-4, 16x); step-0 gradients 2.9e-8 absolute against entries
+of ~1e-2 (bound 1e-6, 34x). Forward-only log-probs are bit-exact (same ops per microbatch).
 With TP, each rank's gradient is compared with its slice (its ParamMeta `shard`) of the one-process gradient;
 TP adds reorderings of the same kind (row-parallel partial sums, vocab-parallel softmax, SP norm-gain
 sums over TP), so the tolerances stay.
 """
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
+from _tol import close
 from fivefold.checkpoint import io as ckpt
 from fivefold.checkpoint.layout import step_dir
 from fivefold.config.schema import Config, ModelConfig, ParallelConfig, TrainingConfig
@@ -106,16 +111,17 @@ def _train(rank: int, world: int, config: Config, dp: int, save: Path | None = N
 def _check(results, tie: bool = False):
     ref_losses, ref_grads, ref_norms = _reference(tie)
     seen = set()
-    for losses, grads, norms, _ in results:
-        # fp32 sums reordered (see module docstring): rtol 1e-5 on the loss trajectory and the norms
+    test = os.environ.get("PYTEST_CURRENT_TEST", "").split("::")[-1].split(" ")[0]
+    for rank, (losses, grads, norms, _) in enumerate(results):
+        # fp32 sums reordered (see module docstring): rtol 1e-6 on the losses, 1e-4 on the norms
         # (the norm counts every TP shard and PP stage once, replicated and tied copies once)
-        assert losses == pytest.approx(ref_losses, rel=1e-5)
-        assert norms == pytest.approx(ref_norms, rel=1e-5)
+        close(losses, ref_losses, rtol=1e-6, site="pipeline.losses", case=f"{test} rank {rank}")
+        close(norms, ref_norms, rtol=1e-4, site="pipeline.grad_norms", case=f"{test} rank {rank}")
         for name, (g, spec) in grads.items():
             if tie and name == "head.weight":  # the last stage's copy of the tied embedding
                 name = "embedding.weight"
             ref = ref_grads[name] if spec is None else spec.of(ref_grads[name])  # this TP rank's slice
-            torch.testing.assert_close(g, ref, atol=1e-6, rtol=0)  # reordered fp32 sums
+            close(g, ref, rtol=0, atol=1e-6, site="pipeline.grads", case=f"{test} rank {rank} {name}")
             seen.add(name)
     assert seen == set(ref_grads)  # every parameter is held by some rank and checked
 
@@ -197,7 +203,8 @@ def test_forward_only_eval_loss_and_logprobs(workers):
         ref_loss = sum(float(model.loss(m.input_ids, m.labels)[0]) for m in batch.microbatches) / batch.global_tokens
         ref_lp = [model.logprobs(m.input_ids, m.labels) for m in batch.microbatches]
     for loss, lp, log in workers(2).run(_forward_only, config):
-        assert loss == pytest.approx(ref_loss, rel=1e-6)  # same ops, loss summed in another order
+        # same ops, microbatch losses summed in another order (measured: equal, not promised)
+        close(loss, ref_loss, rtol=1e-6, site="pipeline.eval_loss")
         for a, b in zip(lp, ref_lp):
-            torch.testing.assert_close(a, b, atol=1e-6, rtol=0)  # same ops per microbatch, fp32
+            assert torch.equal(a, b)  # the same ops on the same microbatch: bit-exact (measured, every CPU setting)
         assert all(a.kind.value in ("F", "SEND_F", "RECV_F") for a in log)  # no backward ran

@@ -5,6 +5,7 @@ floating point and the comparisons use a 1e-9 absolute tolerance only to absorb 
 """
 import pytest
 
+from _tol import close
 from fivefold.pipeline.generators import build_schedule
 from fivefold.pipeline.simulate import Costs, simulate
 
@@ -19,7 +20,7 @@ def test_gpipe_1f1b_bubble_fraction(name, pp, m, f, b, w):
     s = build_schedule(name, pp, m)
     res = simulate(s, Costs.uniform(pp, f, b, w))
     for r in range(pp):
-        assert res.bubble[r] == pytest.approx((pp - 1) / (m + pp - 1), abs=EXACT)
+        close(res.bubble[r], (pp - 1) / (m + pp - 1), rtol=0, atol=EXACT, site="schedule_formulas.bubble_gpipe_1f1b")
 
 
 @pytest.mark.parametrize("pp,m", [(2, 2), (4, 8), (4, 3), (5, 9)])
@@ -40,7 +41,7 @@ def test_interleaved_bubble_time(pp, vpp, m, f, b, w):
     s = build_schedule("interleaved", pp, m, vpp)
     res = simulate(s, Costs.per_rank(s, f, b, w))
     for r in range(pp):
-        assert res.idle[r] == pytest.approx((pp - 1) * (f + b + w) / vpp, abs=EXACT)
+        close(res.idle[r], (pp - 1) * (f + b + w) / vpp, rtol=0, atol=EXACT, site="schedule_formulas.idle_interleaved")
 
 
 @pytest.mark.parametrize("pp,m", [(2, 2), (2, 6), (3, 5), (4, 4), (4, 8), (5, 11)])
@@ -50,7 +51,7 @@ def test_zb_h1_bubble_and_memory(pp, m, f, b, w):
     assert w <= min(f, b) and m >= pp  # the formula's conditions
     s = build_schedule("zb-h1", pp, m)
     res = simulate(s, Costs.uniform(pp, f, b, w))
-    assert max(res.idle) == pytest.approx((pp - 1) * (f + b - w), abs=EXACT)
+    close(max(res.idle), (pp - 1) * (f + b - w), rtol=0, atol=EXACT, site="schedule_formulas.idle_zb_h1")
     assert max(res.peak_in_flight) <= pp
 
 
@@ -63,7 +64,7 @@ def test_dualpipev_vs_deepseek_table(pp, m, f, w, fb):
     b = f  # the table's condition
     s = build_schedule("dualpipev", pp, m)
     res = simulate(s, Costs.uniform(2 * pp, f, b, w, f_and_b=fb))
-    assert max(res.idle) == pytest.approx((pp - 1) * (fb + (b + w) - 3 * w), abs=EXACT)
+    close(max(res.idle), (pp - 1) * (fb + (b + w) - 3 * w), rtol=0, atol=EXACT, site="schedule_formulas.idle_dualpipev")
     # Peak memory: 2p+1 chunk activations (p + 1/2 microbatches of a rank's share): the 2(p-r-1) + 2(r+1)
     # warm-up forwards, plus the F&B whose forward starts before its backward frees one.
     assert max(res.peak_in_flight) == 2 * pp + 1

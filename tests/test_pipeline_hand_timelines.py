@@ -2,8 +2,7 @@
 
 Costs are small integers, so simulated times are exact: compared with ==.
 """
-import pytest
-
+from _tol import close
 from fivefold.pipeline.generators import build_schedule
 from fivefold.pipeline.simulate import Costs, simulate
 
@@ -23,7 +22,7 @@ def test_1f1b_slow_last_stage():
     assert _times(res, 1) == [("1F0", 1, 4), ("1BW0", 4, 8), ("1F1", 8, 11), ("1BW1", 11, 15)]
     assert res.makespan == 17 and res.idle == [11, 3]
     # 1 - busy/makespan vs idle/makespan differ in the last bit: 1e-12 absorbs the rounding only
-    assert res.bubble == pytest.approx([11 / 17, 3 / 17], abs=1e-12)
+    close(res.bubble, [11 / 17, 3 / 17], rtol=0, atol=1e-12, site="hand_timelines.bubble")
 
 
 def test_1f1b_slow_last_stage_with_latency():

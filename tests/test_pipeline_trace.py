@@ -1,6 +1,5 @@
 """Pure: measured timings -> SimResult (bubble by hand), per-stage mean costs, forward-only schedules."""
-import pytest
-
+from _tol import close
 from fivefold.pipeline.forward import forward_only
 from fivefold.pipeline.generators import build_schedule
 from fivefold.pipeline.ir import Kind
@@ -14,11 +13,13 @@ def test_measured_bubble_and_costs_by_hand():
     times = [[(10.000, 10.001), (10.001, 10.001), (10.001, 10.005), (10.005, 10.007)],
              [(10.000, 10.001), (10.001, 10.002), (10.002, 10.005), (10.005, 10.005)]]
     r = measured_result(s, times)
-    assert r.makespan == pytest.approx(7.0)  # ms, from the earliest start to the latest end
-    assert r.busy == pytest.approx([3.0, 4.0])  # F + BW per rank; sends/receives are not compute
-    assert r.bubble == pytest.approx([1 - 3 / 7, 1 - 4 / 7])
+    # Python floats: seconds (~10) differenced and scaled to ms keep ~1e-12 relative rounding
+    close(r.makespan, 7.0, rtol=1e-6, site="trace.makespan")  # ms, from the earliest start to the latest end
+    close(r.busy, [3.0, 4.0], rtol=1e-6, site="trace.busy")  # F + BW per rank; sends/receives are not compute
+    close(r.bubble, [1 - 3 / 7, 1 - 4 / 7], rtol=1e-6, site="trace.bubble")
     c = stage_costs(s, r)
-    assert c.forward == pytest.approx((1.0, 1.0)) and c.backward_input == pytest.approx((2.0, 3.0))
+    close(c.forward, (1.0, 1.0), rtol=1e-6, site="trace.forward_cost")
+    close(c.backward_input, (2.0, 3.0), rtol=1e-6, site="trace.backward_input_cost")
     assert c.backward_weight == (0.0, 0.0)  # no split B/W measured: BW counts as B
 
 

@@ -2,6 +2,7 @@
 bytes per parameter for model state, and seed 002's example in its own accounting."""
 import pytest
 
+from _tol import close
 from fivefold.config.schema import ModelConfig
 from fivefold.planner.activations import GPT3_TRAITS, Sharding, layer_activation_bytes
 from fivefold.planner.layout import Plan
@@ -51,9 +52,9 @@ def test_model_state_per_rank_sums_to_model():
     c = count_params(m)
     pad = (m.padded_vocab_size(2) - m.vocab_size) * m.hidden_size * 2
     norms = m.num_layers * (2 * m.hidden_size + m.hidden_size * m.num_experts)  # replicated over TP
-    assert expert * plan.ep * plan.etp == pytest.approx(c.experts, rel=1e-12)
-    assert dense * plan.tp - norms * (plan.tp - 1) - m.hidden_size * (plan.tp - 1) == pytest.approx(
-        c.total - c.experts + pad, rel=1e-12)
+    close(expert * plan.ep * plan.etp, c.experts, rtol=1e-12, site="planner.expert_params")
+    close(dense * plan.tp - norms * (plan.tp - 1) - m.hidden_size * (plan.tp - 1), c.total - c.experts + pad, rtol=1e-12,
+          site="planner.dense_params")
 
 
 def test_seed_002_example_side_by_side():
@@ -67,4 +68,4 @@ def test_seed_002_example_side_by_side():
     per_rank = mid.params
     assert mid.grads == 4 * per_rank and mid.optimizer == 12 * per_rank and mid.weights == 2 * per_rank
     assert [r.inflight for r in ranks] == [4, 3, 2, 1]  # 1F1B: rank r holds PP - r microbatches
-    assert ranks[0].activations == pytest.approx(4 * ranks[3].activations, rel=1e-12)
+    close(ranks[0].activations, 4 * ranks[3].activations, rtol=1e-12, site="planner.activations_1f1b")

@@ -1,6 +1,7 @@
 """Search, schedule closed forms, hardware input, and the CLI's handling of bad input (exit 2)."""
 import pytest
 
+from _tol import close
 from fivefold.cli import main
 from fivefold.errors import UserError
 from fivefold.planner.pipeline import bubble_fraction, bubble_stage_times, pipeline_profile, pipeline_time
@@ -13,7 +14,7 @@ from fivefold.planner.validity import config_errors
 def test_bubble_closed_forms(p, m, v):
     sched = "interleaved" if v > 1 else "1f1b"
     # Narayanan et al. 2021: bubble share (p-1)/(v*m + p-1); exact up to float rounding.
-    assert bubble_fraction(sched, p, v, m) == pytest.approx((p - 1) / (v * m + p - 1), rel=1e-12)
+    close(bubble_fraction(sched, p, v, m), (p - 1) / (v * m + p - 1), rtol=1e-12, site="planner.bubble_closed_form")
     held = pipeline_profile(sched, p, v, m).inflight_chunks
     assert held[0] == (p if v == 1 else 2 * (p - 1) + (v - 1) * p + 1) and held[-1] == (1 if v == 1 else (v - 1) * p + 1)
 
@@ -28,14 +29,14 @@ def test_planner_extends_the_simulator_exactly(name, p, v):
         s = build_schedule(name, p, m, v)
         full = simulate(s, Costs.per_rank(s, 1 / 3, 1 / 3, 1 / 3))
         # Float sums of thirds over ~100 actions: equal to 1e-9 of a stage time.
-        assert pipeline_time(name, [1.0] * p, v, m) == pytest.approx(full.makespan, abs=1e-9)
+        close(pipeline_time(name, [1.0] * p, v, m), full.makespan, rtol=0, atol=1e-9, site="planner.pipeline_time")
         assert pipeline_profile(name, p, v, m).inflight_chunks == tuple(full.peak_in_flight)
 
 
 def test_zero_bubble_closed_form():
     # ZB-H1 (Qi et al. 2023): bubble time (p-1)(F+B-W) with F = B = W = 1/3 of a stage's microbatch time.
     for p, m in ((4, 8), (8, 32)):
-        assert bubble_stage_times("zb-h1", p, None, m) == pytest.approx((p - 1) / 3, abs=1e-9)
+        close(bubble_stage_times("zb-h1", p, None, m), (p - 1) / 3, rtol=0, atol=1e-9, site="planner.zb_h1_bubble")
 
 
 def test_search_deepseek_v3_1024():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from _tol import close
 from _train_util import corpus, losses, one_process_context, tiny_config, write_spec
 from fivefold.cli.train import prepare
 from fivefold.launch import launch
@@ -42,10 +43,12 @@ def test_dp_matches_one_process(setup, dp, mbs, packing):
     assert launch(dp, [str(write_spec(cfg, out, data_dir))], out / "logs") == 0
     got = losses(out)
     assert len(got) == len(reference) == 4
-    assert got[0] == pytest.approx(reference[0], rel=1e-6)
+    case = f"dp{dp} mbs{mbs} packing={packing}"
+    close(got[0], reference[0], rtol=1e-6, site="train_dp.first_loss", case=case)
     # Tolerance: DP adds the same per-token gradients in another order (per-rank partial sums, then
     # the all-reduce), which moves fp32 results by a few ulps (~1e-7 relative); over 3 AdamW updates
-    # the losses stay within ~3e-8 of the one-process run (measured). 1e-6 leaves margin, while a
+    # the losses stay within 9.4e-8 of the one-process run (measured worst over the CPU kernel
+    # settings, docs/tolerances.md; step 0 too). 1e-6 leaves 10x, while a
     # mean of per-rank means (variable-length cases; measured: 3e-4) or a lost gradient moves them far more.
-    assert got == pytest.approx(reference, rel=1e-6)
+    close(got, reference, rtol=1e-6, site="train_dp.losses", case=case)
     assert reference[-1] < reference[0]

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from _tol import close
 from _train_util import corpus, one_process_context, tiny_config
 from fivefold.cli.train import prepare
 from fivefold.config.schema import Config, ModelConfig, TrainingConfig
@@ -23,8 +24,9 @@ from fivefold.train.supported import check_supported, unsupported
 def test_warmup_then_cosine_to_min_lr():
     t = TrainingConfig(lr=1.0, min_lr=0.1, lr_warmup_iters=4, train_iters=14)
     assert [lr_at(s, t) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
-    assert lr_at(9, t) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
-    assert lr_at(14, t) == pytest.approx(0.1)
+    # Python floats (no torch kernel): the same formula up to the order of the float64 operations
+    close(lr_at(9, t), 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)), rtol=1e-12, site="lr_schedule.cosine")
+    assert lr_at(14, t) == 0.1  # the end of the decay is min_lr itself
     t.lr_decay_style = "constant"
     assert lr_at(13, t) == 1.0
 
@@ -56,8 +58,9 @@ def test_flops_formula_by_hand():
 def test_clip_by_global_norm():
     p = [torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(4))]
     p[0].grad, p[1].grad = torch.tensor([3.0, 0, 0]), torch.tensor([0, 4.0, 0, 0])
-    assert clip_grad_norm(p, 1.0, Mesh.build(Layout()).group("model-parallel")) == pytest.approx(5.0)
-    assert float(torch.cat([q.grad for q in p]).norm()) == pytest.approx(1.0, rel=1e-5)
+    assert clip_grad_norm(p, 1.0, Mesh.build(Layout()).group("model-parallel")) == 5.0  # sqrt(9 + 16): exact in fp32
+    # scaled by 1 / (5 + 1e-6): 1 - 2e-7 by design (measured 1.8e-7 relative); bound 2e-6, 11x
+    close(float(torch.cat([q.grad for q in p]).norm()), 1.0, rtol=2e-6, site="clip.clipped_norm")
 
 
 def test_bf16_trains(tmp_path):

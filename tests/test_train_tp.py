@@ -7,8 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
+from _tol import close
 from _train_util import corpus, one_process_context, tiny_config, write_spec
 from fivefold.cli.train import prepare
 from fivefold.launch import launch
@@ -36,11 +35,13 @@ def test_tp2_dp2_sp_matches_one_process(tmp_path):
     ref, got = _metrics(ref_out), _metrics(out)
     assert len(got) == len(ref) == 4
     # The norm counts every TP shard once and replicated norm gains once, not TP times (counting
-    # them on both TP ranks moves it by 1.3e-4..1.4e-3 relative here: measured).
-    assert [r["grad_norm"] for r in got] == pytest.approx([r["grad_norm"] for r in ref], rel=1e-5)
+    # them on both TP ranks moves it by 1.3e-4..1.4e-3 relative here: measured). Reordered fp32 sums:
+    # measured worst 4.5e-8 over the CPU kernel settings (docs/tolerances.md); bound 1e-6, 22x.
+    close([r["grad_norm"] for r in got], [r["grad_norm"] for r in ref], rtol=1e-6, site="train_tp.grad_norm")
     # fp32; TP/SP and DP reorder sums (row-parallel partial products, vocab-parallel softmax,
-    # gradient all-reduces): ~1e-7 relative per op; 4 AdamW steps stay within 1e-6 (measured ~1e-7).
-    assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in ref], rel=1e-6)
+    # gradient all-reduces): ~1e-7 relative per op; measured worst over 4 AdamW steps 5.9e-8 (also
+    # after the resume below); bound 1e-6, 17x.
+    close([r["loss"] for r in got], [r["loss"] for r in ref], rtol=1e-6, site="train_tp.losses")
     # The TP shards saved at step 2 resume in one process (another layout) on the same trajectory.
     resumed_cfg = tiny_config(data, mbs=2, clip_grad=0.5)
     resumed_cfg.checkpoint.load = str(out / "checkpoints" / "step_00000002")
@@ -48,7 +49,7 @@ def test_tp2_dp2_sp_matches_one_process(tmp_path):
     resumed_out.mkdir()
     resumed = train(resumed_cfg, one_process_context(resumed_out), data_dir, progress=False).losses
     assert sorted(resumed) == [2, 3]
-    assert [resumed[2], resumed[3]] == pytest.approx([got[2]["loss"], got[3]["loss"]], rel=1e-6)
+    close([resumed[2], resumed[3]], [got[2]["loss"], got[3]["loss"]], rtol=1e-6, site="train_tp.resume_at_tp1")
 
 
 def test_megatron_flags_turn_on_tp_and_sp(tmp_path):
