@@ -99,17 +99,26 @@ def _report(failure: Failure, log_dir: Path) -> int:
     return 1
 
 
+def _stopped(pid: int) -> bool:
+    """Whether a process is stopped (SIGSTOP: it cannot write its stack); False where /proc cannot tell."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
+
+
 def _hang(message: str, procs: list[subprocess.Popen], log_dir: Path) -> int:
     """Every live rank writes its Python stack (faulthandler on SIGUSR1), then all are killed; returns 1."""
     for p in procs:
         if p.poll() is None:
             p.send_signal(signal.SIGUSR1)
     time.sleep(STACKS_S)
+    where = ["rank 0: above" if r == 0 else str(log_dir / f"rank-{r}.log")
+             for r, p in enumerate(procs) if not _stopped(p.pid)]
     _stop(procs, grace=0.0)
-    logs = ", ".join(str(log_dir / f"rank-{r}.log") for r in range(1, len(procs)))
-    print(f"error: {message}\nthe job was stopped; the live ranks' Python stacks are in their logs (rank 0: "
-          f"above{'; ' + logs if logs else ''}). The timeout is training.distributed_timeout_minutes "
-          "(--distributed-timeout-minutes) or training.distributed_timeout_seconds", file=sys.stderr)
+    print(f"error: {message}\nthe job was stopped; Python stacks of the ranks not stopped: {', '.join(where) or 'none'}. "
+          "The timeout is training.distributed_timeout_minutes (--distributed-timeout-minutes) or "
+          "training.distributed_timeout_seconds", file=sys.stderr)
     return 1
 
 
