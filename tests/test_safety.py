@@ -215,3 +215,27 @@ def test_metrics_log_writes_null_for_non_finite_values(tmp_path):
     rows = [json.loads(line, parse_constant=lambda c: pytest.fail(f"{c} in metrics.jsonl")) for line in text.splitlines()]
     assert rows[1] == {"step": 1, "loss": None, "grad_norm": None, "peak_memory_mib": [1.0, None]}
     assert plot_loss_curve(tmp_path / "metrics.jsonl", tmp_path / "loss.png").is_file()
+
+
+def test_under_torchrun_a_rank_waiting_past_the_timeout_names_the_stopped_peer_and_exits(tmp_path):
+    """The self-watch (no launcher of ours): rank 0 waits in a collective; rank 1's heartbeat is silent.
+    (A whole torchrun job was measured by hand, see docs/training.md; torchrun itself adds 30 s.)"""
+    code = f"""
+import time
+from fivefold.runtime import heartbeat
+from fivefold.watchdog import self_watch
+heartbeat.start({str(tmp_path)!r}, 1, tick=0.05)  # rank 1: its thread will not tick again (as if stopped)
+heartbeat._current._stop.set()
+heartbeat._current = None
+heartbeat.start({str(tmp_path)!r}, 0, tick=0.05, on_tick=self_watch({str(tmp_path)!r}, 2, 0.5, error_file=__import__('pathlib').Path({str(tmp_path / 'rank-0.error')!r})))
+heartbeat.at_step(4)
+with heartbeat.in_flight("all_reduce", "loss", "dp"):
+    time.sleep(30)
+"""
+    t0 = time.monotonic()
+    run = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert time.monotonic() - t0 < 20 and run.returncode == 1, run.stderr
+    assert "error (rank 0): no progress for 0.5 s" in run.stderr and "rank 1 is not running" in run.stderr
+    assert "most recent call first" in run.stderr  # its own stack
+    assert json.loads((tmp_path / "rank-0.error").read_text())["kind"] == "hang"
