@@ -27,7 +27,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -171,15 +170,20 @@ def at_step(step: int) -> None:
         _current.at_step(step)
 
 
-@contextmanager
-def in_flight(kind: str, tag: str, group: str):
-    """Mark the block as collective `kind` issued by `tag` over `group` (a no-op without a heartbeat)."""
-    beat = _current
-    if beat is None:
-        yield
-        return
-    beat.enter(f"{kind} tag={tag} group={group}")
-    try:
-        yield
-    finally:
-        beat.leave()
+class in_flight:  # noqa: N801 - used as a function: `with in_flight(...)`
+    """Mark the block as collective `kind` issued by `tag` over `group` (a no-op without a heartbeat).
+    A class rather than a @contextmanager generator: this runs around every collective."""
+
+    __slots__ = ("what",)
+
+    def __init__(self, kind: str, tag: str, group: str):
+        self.what = (kind, tag, group)
+
+    def __enter__(self) -> None:
+        if _current is not None:
+            kind, tag, group = self.what
+            _current.enter(f"{kind} tag={tag} group={group}")
+
+    def __exit__(self, *exc) -> None:
+        if _current is not None:
+            _current.leave()
