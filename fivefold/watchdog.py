@@ -28,6 +28,9 @@ from fivefold.runtime.heartbeat import Beat, Heartbeat
 
 SHOWN = 8
 """Ranks listed one per line in a hang message; the rest are counted."""
+STARTUP_S = 60.0
+"""While a rank has no heartbeat yet, the job is starting (ranks import torch, then meet in
+init_process_group): no hang is declared before max(timeout, STARTUP_S) from the start."""
 LONGEST_S = 7 * 86400.0
 """The longest timeout accepted (a week); longer ones are refused, not silently capped."""
 
@@ -67,9 +70,9 @@ def find_hang(beats: dict[int, Beat | None], now: float, timeout_s: float, start
     """The hang message when a rank of `beats` (rank -> heartbeat, None when it has none; only the
     ranks still running) has made no progress for `timeout_s`, else None. `started`: when the ranks
     were started (time.time())."""
-    late = now - started > timeout_s
-    stuck = any((b is None and late) or (b is not None and (now - b.alive > timeout_s or
-                                                            (b.in_flight and now - b.since > timeout_s)))
+    if any(b is None for b in beats.values()) and now - started <= max(timeout_s, STARTUP_S):
+        return None  # still starting
+    stuck = any(b is None or now - b.alive > timeout_s or (b.in_flight and now - b.since > timeout_s)
                 for b in beats.values())
     if not stuck:
         return None

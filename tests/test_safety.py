@@ -23,7 +23,7 @@ from fivefold.errors import UserError
 from fivefold.runtime import heartbeat
 from fivefold.runtime.heartbeat import Beat
 from fivefold.train.metrics import MetricsLog, plot_loss_curve, read_metrics
-from fivefold.watchdog import find_hang, timeout_of
+from fivefold.watchdog import STARTUP_S, find_hang, timeout_of
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -82,8 +82,10 @@ def test_mismatched_collectives_name_the_rank_behind():
     assert "broadcast tag=x group=pp" in msg.splitlines()[1]
 
 
-def test_a_rank_that_never_started_is_named():
-    msg = find_hang({0: _beat(0, since=95.0), 1: None}, now=100.0, timeout_s=10, started=80.0)
+def test_a_rank_that_never_started_is_named_after_the_startup_grace():
+    beats = {0: _beat(0, since=85.0), 1: None}  # rank 0 waits in init_process_group for rank 1
+    assert find_hang(beats, now=100.0, timeout_s=10, started=100.0 - STARTUP_S) is None  # importing torch
+    msg = find_hang(beats, now=100.0, timeout_s=10, started=99.0 - STARTUP_S)
     assert "rank 1 has no heartbeat" in msg
 
 
