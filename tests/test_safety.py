@@ -214,7 +214,8 @@ def test_metrics_log_writes_null_for_non_finite_values(tmp_path):
     log.write({"step": 1, "loss": math.nan, "grad_norm": math.inf, "peak_memory_mib": [1.0, -math.inf]})
     log.close()
     text = (tmp_path / "metrics.jsonl").read_text()
-    rows = [json.loads(line, parse_constant=lambda c: pytest.fail(f"{c} in metrics.jsonl")) for line in text.splitlines()]
+    strict = {"parse_constant": lambda c: pytest.fail(f"{c} in metrics.jsonl")}  # NaN, Infinity
+    rows = [json.loads(line, **strict) for line in text.splitlines()]
     assert rows[1] == {"step": 1, "loss": None, "grad_norm": None, "peak_memory_mib": [1.0, None]}
     assert plot_loss_curve(tmp_path / "metrics.jsonl", tmp_path / "loss.png").is_file()
 
@@ -223,13 +224,12 @@ def test_under_torchrun_a_rank_waiting_past_the_timeout_names_the_stopped_peer_a
     """The self-watch (no launcher of ours): rank 0 waits in a collective; rank 1's heartbeat is silent.
     (A whole torchrun job was measured by hand, see docs/training.md; torchrun itself adds 30 s.)"""
     code = f"""
-import time
+import pathlib, time
 from fivefold.runtime import heartbeat
 from fivefold.watchdog import self_watch
-heartbeat.start({str(tmp_path)!r}, 1, tick=0.05)  # rank 1: its thread will not tick again (as if stopped)
-heartbeat._current._stop.set()
-heartbeat._current = None
-heartbeat.start({str(tmp_path)!r}, 0, tick=0.05, on_tick=self_watch({str(tmp_path)!r}, 2, 0.5, error_file=__import__('pathlib').Path({str(tmp_path / 'rank-0.error')!r})))
+folder = pathlib.Path({str(tmp_path)!r})
+heartbeat.Heartbeat(folder, 1, tick=0.05).close()  # rank 1: its heartbeat stops, as a stopped rank's does
+heartbeat.start(folder, 0, tick=0.05, on_tick=self_watch(folder, 2, 0.5, error_file=folder / "rank-0.error"))
 heartbeat.at_step(4)
 with heartbeat.in_flight("all_reduce", "loss", "dp"):
     time.sleep(30)

@@ -113,8 +113,8 @@ def _commit(root: Path, tmp: Path, final: Path, step: int, extra: dict, keep: in
         if old != kept:
             shutil.rmtree(old, ignore_errors=True)
     if bad:
-        print(f"warning: checkpoint {final} holds non-finite values in {len(bad)} parameters (first: {bad[0]}); "
-              f"{'the newest finite checkpoint, ' + str(kept) + ', is kept' if kept else 'no finite checkpoint is left'}",
+        left = f"the newest finite checkpoint, {kept}, is kept" if kept else "no finite checkpoint is left"
+        print(f"warning: checkpoint {final} holds non-finite values in {len(bad)} parameters (first: {bad[0]}); {left}",
               file=sys.stderr, flush=True)
 
 

@@ -163,6 +163,8 @@ def stop() -> None:
     if _current is not None:
         _current.close()
         _current = None
+        if hasattr(signal, "SIGUSR1"):
+            faulthandler.unregister(signal.SIGUSR1)
 
 
 def at_step(step: int) -> None:
