@@ -66,13 +66,15 @@ def _where(b: Beat, now: float) -> str:
     return f"{step}, not in a collective (last: {b.what or 'none'})"
 
 
-def find_hang(beats: dict[int, Beat | None], now: float, timeout_s: float, started: float) -> str | None:
+def find_hang(beats: dict[int, Beat | None], now: float, timeout_s: float, started: float,
+              ready: float = 0.0) -> str | None:
     """The hang message when a rank of `beats` (rank -> heartbeat, None when it has none; only the
     ranks still running) has made no progress for `timeout_s`, else None. `started`: when the ranks
-    were started (time.time())."""
+    were started; `ready`: when the last of them wrote its first heartbeat (a wait counts from then:
+    ranks that were early to init_process_group did not wait for a hung peer). Times are time.time()."""
     if any(b is None for b in beats.values()) and now - started <= max(timeout_s, STARTUP_S):
         return None  # still starting
-    stuck = any(b is None or now - b.alive > timeout_s or (b.in_flight and now - b.since > timeout_s)
+    stuck = any(b is None or now - b.alive > timeout_s or (b.in_flight and now - max(b.since, ready) > timeout_s)
                 for b in beats.values())
     if not stuck:
         return None
@@ -122,6 +124,8 @@ class Monitor:
     def __init__(self, folder: str | Path, world: int, timeout_s: float):
         self.folder, self.world, self.timeout_s = Path(folder), world, timeout_s
         self.started = time.time()
+        self.ready = 0.0
+        """When every rank had written a heartbeat (0 until then)."""
         self._next = 0.0
 
     def check(self, running: list[int]) -> str | None:
@@ -130,7 +134,10 @@ class Monitor:
         if now < self._next:
             return None
         self._next = now + tick_for(self.timeout_s) / 2
-        return find_hang(read_all(self.folder, running), now, self.timeout_s, self.started)
+        beats = read_all(self.folder, running)
+        if not self.ready and all(b is not None for b in beats.values()):
+            self.ready = now
+        return find_hang(beats, now, self.timeout_s, self.started, self.ready)
 
 
 def self_watch(folder: str | Path, world: int, timeout_s: float,

@@ -87,6 +87,10 @@ def test_a_rank_that_never_started_is_named_after_the_startup_grace():
     assert find_hang(beats, now=100.0, timeout_s=10, started=100.0 - STARTUP_S) is None  # importing torch
     msg = find_hang(beats, now=100.0, timeout_s=10, started=99.0 - STARTUP_S)
     assert "rank 1 has no heartbeat" in msg
+    # rank 1 came late, after rank 0 had waited 15 s in init_process_group: the wait counts from then
+    beats[1] = _beat(1, since=99.0, what="init_process_group tag=init group=world")
+    assert find_hang(beats, now=100.0, timeout_s=10, started=0.0, ready=99.0) is None
+    assert find_hang(beats, now=110.0, timeout_s=10, started=0.0, ready=99.0) is not None
 
 
 def test_timeout_flags_and_fields(tmp_path):

@@ -46,7 +46,9 @@ def init_rank(config: Config, out_dir: Path) -> RankContext:
     layout = layout_of(config)
     if layout.world_size != world:
         raise UserError(f"the layout needs {layout.world_size} ranks, the job has {world}")
-    return RankContext(Mesh.build(layout, device=device), out_dir)
+    with heartbeat.in_flight("new_group", "mesh", "world"):  # every rank creates every process group
+        mesh = Mesh.build(layout, device=device)
+    return RankContext(mesh, out_dir)
 
 
 def describe(ctx: RankContext, backend: str, config: Config) -> str:
