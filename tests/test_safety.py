@@ -128,13 +128,13 @@ def _wait_for_training(job: subprocess.Popen, out: Path, lines: int = 2) -> None
 
 
 def test_a_stopped_rank_ends_the_job_naming_it(tmp_path):
-    cfg = tiny_config(corpus(tmp_path / "corpus"), world=3, gbs=6, steps=100000, distributed_timeout_seconds=10)
+    cfg = tiny_config(corpus(tmp_path / "corpus"), world=2, gbs=4, steps=100000, distributed_timeout_seconds=10)
     out = tmp_path / "out"
-    job = _launch(cfg, out, 3)
+    job = _launch(cfg, out, 2)
     try:
         _wait_for_training(job, out)
         pids = json.loads((out / "logs" / "ranks.json").read_text())["pids"]
-        os.kill(pids[1], signal.SIGSTOP)  # a stand-in for a rank stuck in a kernel or a dead NIC
+        os.kill(pids[0], signal.SIGSTOP)  # a stand-in for a rank stuck in a kernel or a dead NIC
         stopped_at = time.monotonic()
         _, err = job.communicate(timeout=40)
     finally:
@@ -142,12 +142,14 @@ def test_a_stopped_rank_ends_the_job_naming_it(tmp_path):
     took = time.monotonic() - stopped_at
     assert job.returncode == 1, err
     assert took < 30, f"the job took {took:.0f} s to end"
-    assert "no progress for 10 s" in err and "rank 1 is not running" in err, err
-    named = next(line for line in err.splitlines() if line.startswith("rank 1 is not running"))
+    assert "no progress for 10 s" in err and "rank 0 is not running" in err, err
+    named = next(line for line in err.splitlines() if line.startswith("rank 0 is not running"))
     assert "at step" in named and ("in " in named or "last: " in named)
-    # every live rank wrote its Python stack: rank 0 to the launcher's stderr, rank 2 to its log
-    assert "most recent call first" in err
-    assert "most recent call first" in (out / "logs" / "rank-2.log").read_text()
+    assert "rank 1: at step" in err  # where the peer waits
+    # the live rank wrote its Python stack to its log, in the collective it waits in
+    stack = (out / "logs" / "rank-1.log").read_text()
+    assert "most recent call first" in stack and "collectives.py" in stack
+    assert f"Python stacks of the ranks not stopped: {out / 'logs' / 'rank-1.log'}" in err
     assert not any(Path(f"/proc/{p}").exists() and Path(f"/proc/{p}/stat").read_text().split()[2] != "Z"
                    for p in pids)
 
