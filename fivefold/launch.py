@@ -8,6 +8,11 @@ PR_SET_PDEATHSIG), so no rank outlives it even if it is killed.
 
 When a rank exits non-zero, the others are sent SIGTERM, then SIGKILL after a grace period, and the
 launcher reports the rank that failed first (its error file, or the tail of its log).
+
+When the ranks make no progress for `timeout_s` (training.distributed_timeout_*: a rank waits in one
+collective that long, or stops running), the watchdog (fivefold.watchdog) names the rank that holds
+the job up, with its step and the collective it is in; every live rank writes its Python stack to
+its log (SIGUSR1, faulthandler), then all are killed and the launcher exits 1.
 """
 from __future__ import annotations
 
@@ -23,9 +28,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fivefold.errors import UserError
+from fivefold.watchdog import Monitor, clear
 
 POLL_S = 0.05
 GRACE_S = 3.0
+STACKS_S = 1.0
+"""After a hang, how long the live ranks get to write their Python stacks before they are killed."""
 
 
 def free_port() -> int:
@@ -60,11 +68,11 @@ class Failure:
         return f"rank {self.rank} exited with code {self.returncode}"
 
 
-def _stop(procs: list[subprocess.Popen]) -> None:
+def _stop(procs: list[subprocess.Popen], grace: float = GRACE_S) -> None:
     alive = [p for p in procs if p.poll() is None]
     for p in alive:
         p.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + GRACE_S
+    deadline = time.monotonic() + grace
     for p in alive:
         try:
             p.wait(timeout=max(0.0, deadline - time.monotonic()))
@@ -79,6 +87,9 @@ def _report(failure: Failure, log_dir: Path) -> int:
     info = json.loads(err.read_text()) if err.is_file() else {}
     if info.get("kind") == "user":
         raise UserError(f"{info['message']} (rank {failure.rank})")
+    if info.get("kind") == "stopped":  # a run stopped on purpose (non-finite loss): its message says all
+        print(f"error: {info['message']}", file=sys.stderr)
+        return 1
     print(f"error: {failure.describe()}; the job was stopped", file=sys.stderr)
     if failure.rank != 0:
         log = log_dir / f"rank-{failure.rank}.log"
@@ -88,11 +99,37 @@ def _report(failure: Failure, log_dir: Path) -> int:
     return 1
 
 
-def launch(nproc: int, worker_args: list[str], log_dir: Path) -> int:
-    """Run `python -m fivefold.train.worker *worker_args` on ranks 0..nproc-1; 0 when all succeed."""
+def _stopped(pid: int) -> bool:
+    """Whether a process is stopped (SIGSTOP: it cannot write its stack); False where /proc cannot tell."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
+
+
+def _hang(message: str, procs: list[subprocess.Popen], log_dir: Path) -> int:
+    """Every live rank writes its Python stack (faulthandler on SIGUSR1), then all are killed; returns 1."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGUSR1)
+    time.sleep(STACKS_S)
+    where = ["rank 0: above" if r == 0 else str(log_dir / f"rank-{r}.log")
+             for r, p in enumerate(procs) if not _stopped(p.pid)]
+    _stop(procs, grace=0.0)
+    print(f"error: {message}\nthe job was stopped; Python stacks of the ranks not stopped: {', '.join(where) or 'none'}. "
+          "The timeout is training.distributed_timeout_minutes (--distributed-timeout-minutes) or "
+          "training.distributed_timeout_seconds", file=sys.stderr)
+    return 1
+
+
+def launch(nproc: int, worker_args: list[str], log_dir: Path, *, timeout_s: float = 600.0) -> int:
+    """Run `python -m fivefold.train.worker *worker_args` on ranks 0..nproc-1; 0 when all succeed.
+    A job whose ranks make no progress for `timeout_s` is stopped (see the module docstring)."""
     log_dir.mkdir(parents=True, exist_ok=True)
     for old in log_dir.glob("rank-*.error"):
         old.unlink()
+    clear(log_dir)
+    monitor = Monitor(log_dir, nproc, timeout_s)
     port = free_port()
     procs, logs = [], []
     try:
@@ -114,6 +151,9 @@ def launch(nproc: int, worker_args: list[str], log_dir: Path) -> int:
                 return _report(first, log_dir)
             if all(p.poll() == 0 for p in procs):
                 return 0
+            hang = monitor.check([r for r, p in enumerate(procs) if p.poll() is None])
+            if hang is not None:
+                return _hang(hang, procs, log_dir)
             time.sleep(POLL_S)
     finally:
         _stop(procs)

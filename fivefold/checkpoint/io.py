@@ -3,12 +3,17 @@
 Every rank that holds a distinct parameter shard writes it (under DP only the first DP replica
 writes); each rank writes its RNG state. Loading assembles each rank's shard from whichever saved
 shards overlap it, so a checkpoint can be loaded into another sharding of the same global tensors.
+
+A checkpoint whose parameters hold a NaN or inf (a run with the non-finite check off) is marked by a
+NONFINITE file listing them, and never rotates out the newest finite checkpoint: that one is kept
+beside the `keep` newest, however many worse ones follow.
 """
 from __future__ import annotations
 
 import json
 import os
 import shutil
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -32,6 +37,9 @@ def placed_by_meta(model: nn.Module) -> ShardOf:
     def shard_of(name: str, t: torch.Tensor) -> ShardSpec:
         return ShardSpec(*metas[name].placement(tuple(t.shape))) if name in metas else whole(t.shape)
     return shard_of
+
+NONFINITE = "NONFINITE"
+"""In a checkpoint folder: the JSON list of parameters that hold a NaN or inf."""
 
 
 def _fsync_dir(path: Path) -> None:
@@ -86,6 +94,9 @@ def save_checkpoint(root: str | Path, step: int, *, model: nn.Module, optimizer:
                             "shape": list(p.shape), "global_shape": list(spec.global_shape), "dtype": str(p.dtype)}
         _save(params, tmp / f"model-{tag}.safetensors")
         (tmp / f"shards-{tag}.json").write_text(json.dumps(shards))
+        bad = [name for name, p in params.items() if not bool(torch.isfinite(p).all())]
+        if bad:
+            (tmp / f"nonfinite-{tag}.json").write_text(json.dumps(bad))
     if writes_params if writes_optim is None else writes_optim:
         save_optim(tmp, tag, model, optimizer, whole_shards(model) if optim_shards is None else optim_shards,
                    shard_of, _save)
@@ -101,6 +112,7 @@ def _commit(root: Path, tmp: Path, final: Path, step: int, extra: dict, keep: in
     merge_listings(tmp, "shards", params, "shards")
     merge_listings(tmp, "optimshards", params, "optim_shards")
     meta = {"format": FORMAT, "step": step, "params": params, **extra}
+    bad = _merge_nonfinite(tmp)
     (tmp / "metadata.json").write_text(json.dumps(meta, indent=1))
     _fsync_dir(tmp)
     shutil.rmtree(final, ignore_errors=True)
@@ -109,8 +121,30 @@ def _commit(root: Path, tmp: Path, final: Path, step: int, extra: dict, keep: in
     latest_tmp.write_text(final.name)
     os.replace(latest_tmp, root / "latest")
     _fsync_dir(root)
+    kept = _newest_finite(complete_checkpoints(root))
     for old in complete_checkpoints(root)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+        if old != kept:
+            shutil.rmtree(old, ignore_errors=True)
+    if bad:
+        left = f"the newest finite checkpoint, {kept}, is kept" if kept else "no finite checkpoint is left"
+        print(f"warning: checkpoint {final} holds non-finite values in {len(bad)} parameters (first: {bad[0]}); {left}",
+              file=sys.stderr, flush=True)
+
+
+def _merge_nonfinite(tmp: Path) -> list[str]:
+    """Fold the ranks' nonfinite-*.json lists into tmp/NONFINITE (none when every parameter is finite)."""
+    bad: set[str] = set()
+    for frag in sorted(tmp.glob("nonfinite-*.json")):
+        bad.update(json.loads(frag.read_text()))
+        frag.unlink()
+    if bad:
+        (tmp / NONFINITE).write_text(json.dumps(sorted(bad)))
+    return sorted(bad)
+
+
+def _newest_finite(checkpoints: list[Path]) -> Path | None:
+    finite = [c for c in checkpoints if not (c / NONFINITE).exists()]
+    return finite[-1] if finite else None
 
 
 def read_metadata(path: str | Path) -> tuple[Path, dict]:
@@ -178,6 +212,9 @@ def load_checkpoint(path: str | Path, *, model: nn.Module, optimizer: torch.opti
     folder, meta = read_metadata(path)
     shard_of = shard_of or placed_by_meta(model)
     check_fits(meta, model, shard_of, folder)
+    if (folder / NONFINITE).exists() and rank == 0:
+        print(f"warning: loading {folder}, whose parameters hold non-finite values (listed in its {NONFINITE})",
+              file=sys.stderr, flush=True)
     with torch.no_grad():
         for name, p in model.named_parameters():
             spec = shard_of(name, p)

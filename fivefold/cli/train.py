@@ -59,6 +59,7 @@ def prepare(config: Config, out: Path) -> Path:
 def run(args, extra: list[str]) -> int:
     from fivefold.launch import launch
     from fivefold.train.supported import check_supported
+    from fivefold.watchdog import timeout_of
 
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ and "FIVEFOLD_LAUNCHED" not in os.environ
     world = int(os.environ["WORLD_SIZE"]) if under_torchrun else args.nproc
@@ -66,6 +67,7 @@ def run(args, extra: list[str]) -> int:
     if args.trace_schedule:
         config.logging.trace_schedule = True
     check_supported(config)
+    timeout_s = timeout_of(config.training)
     nproc = config.cluster.resolved_world_size if world is None else world
     config.cluster.world_size = nproc
     out = Path(args.out)
@@ -76,7 +78,7 @@ def run(args, extra: list[str]) -> int:
     spec = out / "run.json"
     spec.write_text(json.dumps({"config": to_dict(config), "out": str(out), "data_dir": str(data_dir)}, indent=1))
     print(f"fivefold train: {nproc} local ranks, output in {out}", file=sys.stderr)
-    return launch(nproc, [str(spec)], out / "logs")
+    return launch(nproc, [str(spec)], out / "logs", timeout_s=timeout_s)
 
 
 def _run_under_torchrun(config: Config, out: Path) -> int:

@@ -108,6 +108,10 @@ FLAGS: dict[str, Flag] = {
     "--seed": _v("training.seed"),
     "--eval-interval": _v("training.eval_interval"),
     "--eval-iters": _v("training.eval_iters"),
+    "--check-for-nan-in-loss-and-grad": Flag("training.check_for_nan_in_loss_and_grad", SWITCH, ours=True),  # Megatron has only --no-
+    "--no-check-for-nan-in-loss-and-grad": _on("training.check_for_nan_in_loss_and_grad", False),
+    "--distributed-timeout-minutes": _v("training.distributed_timeout_minutes"),
+    "--distributed-timeout-seconds": Flag("training.distributed_timeout_seconds", ours=True),
     # data, checkpoint, logging
     "--data-path": _v("data.path"),
     "--save": _v("checkpoint.save"),

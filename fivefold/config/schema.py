@@ -208,6 +208,15 @@ class TrainingConfig:
     """Steps between evaluations; None = no evaluation. Default None."""
     eval_iters: int = 2
     """Batches per evaluation. Default 2."""
+    check_for_nan_in_loss_and_grad: bool = True
+    """Stop the run on every rank at the first step whose loss or gradient norm is NaN or infinite,
+    before that step's checkpoint (Megatron's --[no-]check-for-nan-in-loss-and-grad). Default True."""
+    distributed_timeout_minutes: float = 10.0
+    """A rank that waits in one collective, or stops running, this long ends the job with a message
+    naming it (Megatron's --distributed-timeout-minutes). Default 10."""
+    distributed_timeout_seconds: float | None = None
+    """The same timeout in seconds (fivefold's, for short jobs and tests); wins over the minutes when
+    set. Default None."""
 
 
 @dataclass(kw_only=True)

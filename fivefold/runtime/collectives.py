@@ -1,4 +1,6 @@
-"""Raw collectives over a `Group` (not differentiable), each counted in `fivefold.runtime.traffic`.
+"""Raw collectives over a `Group` (not differentiable), each counted in `fivefold.runtime.traffic`
+and marked in this rank's heartbeat while it blocks (`fivefold.runtime.heartbeat.in_flight`: what a
+hang watchdog names), asynchronous ops while their `Work.wait()` blocks.
 
 Every op is the identity (and uncounted) over a one-rank group. Gathers and scatters along a dim other
 than 0 move that dim to the front, make the tensor contiguous, run the flat op, and move it back
@@ -11,7 +13,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from fivefold.runtime import traffic
+from fivefold.runtime import heartbeat, traffic
 from fivefold.runtime.mesh import Group
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
@@ -21,17 +23,18 @@ class Work:
     """A launched asynchronous op. `wait()` blocks until it is done, logs the "end" event (once) and
     runs the finishing step (e.g. moving a gathered dim back into place)."""
 
-    def __init__(self, works: list, kind: str, tag: str, then: Callable[[], None] | None = None):
-        self._works, self.kind, self.tag, self._then = works, kind, tag, then
+    def __init__(self, works: list, kind: str, tag: str, then: Callable[[], None] | None = None, group: str = ""):
+        self._works, self.kind, self.tag, self._then, self.group = works, kind, tag, then, group
         self._done = False
         if works:
             traffic.event(kind, tag, "start")
 
     def wait(self) -> bool:
         if not self._done:
-            for w in self._works:
-                w.wait()
             if self._works:
+                with heartbeat.in_flight(self.kind, self.tag, self.group):
+                    for w in self._works:
+                        w.wait()
                 traffic.event(self.kind, self.tag, "end")
             if self._then is not None:
                 self._then()
@@ -51,7 +54,8 @@ def all_reduce_(t: torch.Tensor, group: Group, tag: str, op: str = "sum") -> tor
     """t <- op over the group of t (in place). Counted: t's bytes."""
     if not _alone(group):
         traffic.record("all_reduce", tag, group.name, t.nbytes)
-        dist.all_reduce(t, op=_OPS[op], group=group.pg)
+        with heartbeat.in_flight("all_reduce", tag, group.name):
+            dist.all_reduce(t, op=_OPS[op], group=group.pg)
     return t
 
 
@@ -60,7 +64,8 @@ def all_reduce_async(t: torch.Tensor, group: Group, tag: str, op: str = "sum") -
     if _alone(group):
         return Work([], "all_reduce", tag)
     traffic.record("all_reduce", tag, group.name, t.nbytes)
-    return Work([dist.all_reduce(t, op=_OPS[op], group=group.pg, async_op=True)], "all_reduce", tag)
+    return Work([dist.all_reduce(t, op=_OPS[op], group=group.pg, async_op=True)], "all_reduce", tag,
+                group=group.name)
 
 
 def all_gather(t: torch.Tensor, dim: int, group: Group, tag: str, async_op: bool = False):
@@ -72,15 +77,17 @@ def all_gather(t: torch.Tensor, dim: int, group: Group, tag: str, async_op: bool
     front = t.movedim(dim, 0).contiguous()  # (s_d, ...rest)
     flat = front.new_empty((group.size * front.shape[0], *front.shape[1:]))  # (n*s_d, ...rest)
     traffic.record("all_gather", tag, group.name, flat.nbytes)
-    work = dist.all_gather_single(flat, front, group=group.pg, async_op=async_op)
     if not async_op:
+        with heartbeat.in_flight("all_gather", tag, group.name):
+            dist.all_gather_single(flat, front, group=group.pg)
         return flat.movedim(0, dim).contiguous()
+    work = dist.all_gather_single(flat, front, group=group.pg, async_op=True)
     if dim == 0:  # flat is the result already (ZeRO's parameter gather): no second buffer, no copy
-        return flat, Work([work], "all_gather", tag)
+        return flat, Work([work], "all_gather", tag, group=group.name)
     shape = list(t.shape)
     shape[dim] *= group.size
     out = t.new_empty(shape)
-    return out, Work([work], "all_gather", tag, then=lambda: out.copy_(flat.movedim(0, dim)))
+    return out, Work([work], "all_gather", tag, then=lambda: out.copy_(flat.movedim(0, dim)), group=group.name)
 
 
 def reduce_scatter(t: torch.Tensor, dim: int, group: Group, tag: str, async_op: bool = False):
@@ -94,15 +101,18 @@ def reduce_scatter(t: torch.Tensor, dim: int, group: Group, tag: str, async_op: 
     front = t.movedim(dim, 0).contiguous()  # (n*c, ...rest)
     chunk = front.new_empty((front.shape[0] // group.size, *front.shape[1:]))  # (c, ...rest)
     traffic.record("reduce_scatter", tag, group.name, front.nbytes)
-    work = dist.reduce_scatter_single(chunk, front, group=group.pg, async_op=async_op)
     if not async_op:
+        with heartbeat.in_flight("reduce_scatter", tag, group.name):
+            dist.reduce_scatter_single(chunk, front, group=group.pg)
         return chunk.movedim(0, dim).contiguous()
+    work = dist.reduce_scatter_single(chunk, front, group=group.pg, async_op=True)
     if dim == 0:  # chunk is the result already (gradient buckets): no second buffer, no copy
-        return chunk, Work([work], "reduce_scatter", tag)
+        return chunk, Work([work], "reduce_scatter", tag, group=group.name)
     shape = list(t.shape)
     shape[dim] //= group.size
     out = t.new_empty(shape)
-    return out, Work([work], "reduce_scatter", tag, then=lambda: out.copy_(chunk.movedim(0, dim)))
+    return out, Work([work], "reduce_scatter", tag, then=lambda: out.copy_(chunk.movedim(0, dim)),
+                     group=group.name)
 
 
 def all_to_all_single(t: torch.Tensor, group: Group, tag: str, in_splits: list[int] | None = None,
@@ -118,7 +128,8 @@ def all_to_all_single(t: torch.Tensor, group: Group, tag: str, in_splits: list[i
     rows = t.shape[0] if out_splits is None else sum(out_splits)
     out = t.new_empty((rows, *t.shape[1:]))
     traffic.record("all_to_all", tag, group.name, t.nbytes)
-    dist.all_to_all_single(out, t, out_splits, in_splits, group=group.pg)
+    with heartbeat.in_flight("all_to_all", tag, group.name):
+        dist.all_to_all_single(out, t, out_splits, in_splits, group=group.pg)
     return out
 
 
@@ -126,7 +137,8 @@ def broadcast_(t: torch.Tensor, src_global_rank: int, group: Group, tag: str) ->
     """t <- t of global rank `src_global_rank` (in place). Counted: t's bytes."""
     if not _alone(group):
         traffic.record("broadcast", tag, group.name, t.nbytes)
-        dist.broadcast(t, src=src_global_rank, group=group.pg)
+        with heartbeat.in_flight("broadcast", tag, group.name):
+            dist.broadcast(t, src=src_global_rank, group=group.pg)
     return t
 
 
@@ -145,10 +157,12 @@ def send_recv(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Ten
         traffic.record("recv", tag, "p2p", t.nbytes)
     kinds = ["send"] * len(sends) + ["recv"] * len(recvs)
     works = dist.batch_isend_irecv(ops)
-    return [Work([w], k, tag) for w, k in zip(works, kinds)]
+    peers = [peer for _, peer in sends] + [peer for _, peer in recvs]
+    return [Work([w], k, tag, group=f"p2p peer={p}") for w, k, p in zip(works, kinds, peers)]
 
 
 def barrier(group: Group) -> None:
     """Wait for every rank of the group (not counted: no payload)."""
     if not _alone(group):
-        dist.barrier(group=group.pg)
+        with heartbeat.in_flight("barrier", "barrier", group.name):
+            dist.barrier(group=group.pg)

@@ -19,11 +19,12 @@ from fivefold.data.dataset import DocumentDataset, PackedDataset, load_splits
 from fivefold.data.loader import BatchLoader
 from fivefold.errors import UserError
 from fivefold.model import build_decoder
-from fivefold.runtime import comm
+from fivefold.runtime import comm, heartbeat
 from fivefold.parallel.data import GradReducer
 from fivefold.parallel.parallelize import Parts, parallelize
 from fivefold.train.context import RankContext, layout_text
 from fivefold.train.metrics import MetricsLog, flops_per_token, peak_memory_bytes, plot_loss_curve
+from fivefold.train.nonfinite import is_finite, nonfinite_error
 from fivefold.train.optim import state_bytes
 from fivefold.train.profile import StepProfiler, profile_steps
 from fivefold.train.schedule import lr_at
@@ -123,6 +124,7 @@ def train(config: Config, ctx: RankContext, data_dir: Path, *, progress: bool = 
     profiler = StepProfiler(config.logging.profile and ctx.rank in config.logging.profile_ranks,
                             profile_steps(start, t.train_iters), ctx.out_dir, ctx.rank, ctx.device)
     for step in range(start, t.train_iters):
+        heartbeat.at_step(step)
         t0 = time.perf_counter()
         with profiler.step(step):
             r = _step(config, ctx, step, parts, train_loader)
@@ -130,14 +132,16 @@ def train(config: Config, ctx: RankContext, data_dir: Path, *, progress: bool = 
         times.append((r.tokens, dt))
         result.losses[step] = r.loss
         last = step + 1 == t.train_iters
-        evaluates = eval_loader is not None and ((step + 1) % t.eval_interval == 0 or last)
+        # Same values on every rank (see train/nonfinite.py): every rank stops at this step.
+        stops = t.check_for_nan_in_loss_and_grad and not (is_finite(r.loss) and is_finite(r.grad_norm))
+        evaluates = eval_loader is not None and ((step + 1) % t.eval_interval == 0 or last) and not stops
         record = {"step": step, "loss": r.loss, "grad_norm": r.grad_norm, "lr": lr_at(step, t),
                   "tokens": r.tokens, "step_time_s": dt, "tokens_per_s": r.tokens / dt,
                   "tflops_per_rank": fpt * r.tokens / dt / ctx.world_size / 1e12}
         if r.aux_loss is not None:
             record["moe_aux_loss"] = r.aux_loss
         every = config.logging.log_interval  # read like save_interval: unset/0 = the last and eval steps only
-        logs = bool(every and (step + 1) % every == 0) or last or evaluates
+        logs = bool(every and (step + 1) % every == 0) or last or evaluates or stops
         if logs:  # a collective over every rank: once per metrics line, not every step
             peak = comm.all_gather(torch.tensor([peak_memory_bytes(ctx.device)], dtype=torch.float64), 0,
                                    ctx.world_group, tag="metrics")  # (world,)
@@ -150,6 +154,10 @@ def train(config: Config, ctx: RankContext, data_dir: Path, *, progress: bool = 
                 else pipeline_evaluate(pipe, batches, precision=t.precision, mesh=ctx.mesh, device=ctx.device)
         if log is not None and logs:
             log.write(record)
+        if stops:  # before this step's checkpoint: the last one written stays the last good one
+            bar.close()
+            raise nonfinite_error(step, r.loss, r.grad_norm, model, ctx.world_group,
+                                  result.checkpoint or config.checkpoint.load)
         bar.set_postfix(loss=f"{r.loss:.4f}", lr=f"{record['lr']:.2e}", tok_s=f"{record['tokens_per_s']:.0f}")
         bar.update(1)
         interval = config.checkpoint.save_interval

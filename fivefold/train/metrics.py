@@ -6,10 +6,14 @@ N = parameters in matrix multiplies (all but the input embedding; the output lay
 L layers, a query heads, d head dim, s sequence length. 6N = forward 2N + backward 4N; 12 L a d s is
 the attention score and value matmuls (QK^T and AV) forward and backward, counted over the full
 s x s square as PaLM does. TFLOP/s per rank = FLOPs per token x tokens per step / step time / ranks.
+
+metrics.jsonl is strict JSON: a NaN or infinite value (a run driven to NaN with the non-finite check
+off) is written as null, never as the `NaN` that JSON does not have.
 """
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -70,7 +74,7 @@ class MetricsLog:
                       "tensorboard, or logging.tensorboard=false); metrics.jsonl is written", file=sys.stderr, flush=True)
 
     def write(self, record: dict) -> None:
-        self.file.write(json.dumps(record) + "\n")
+        self.file.write(json.dumps(json_safe(record), allow_nan=False) + "\n")
         self.file.flush()
         if self.tb is not None:
             for k, v in record.items():
@@ -81,6 +85,21 @@ class MetricsLog:
         self.file.close()
         if self.tb is not None:
             self.tb.close()
+
+
+def json_safe(value):
+    """`value` with every non-finite float (nested in dicts and lists too) replaced by None (null)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [json_safe(v) for v in value]
+    return value
+
+
+def _nan_for_null(v) -> float:
+    return math.nan if v is None else v
 
 
 def read_metrics(path: str | Path) -> list[dict]:
@@ -97,10 +116,11 @@ def plot_loss_curve(metrics_path: str | Path, png_path: str | Path, title: str =
 
     rows = read_metrics(metrics_path)
     fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], label="train")
+    # null (a non-finite value) is drawn as a gap
+    ax.plot([r["step"] for r in rows], [_nan_for_null(r["loss"]) for r in rows], label="train")
     ev = [r for r in rows if "eval_loss" in r]
     if ev:
-        ax.plot([r["step"] for r in ev], [r["eval_loss"] for r in ev], "o-", label="eval")
+        ax.plot([r["step"] for r in ev], [_nan_for_null(r["eval_loss"]) for r in ev], "o-", label="eval")
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats / token)")
     ax.set_title(title)

@@ -2,8 +2,12 @@
 or `run_rank` in-process under torchrun. Reads the torchrun environment (RANK, WORLD_SIZE,
 LOCAL_RANK, MASTER_ADDR, MASTER_PORT).
 
-A rank that fails writes OUT/logs/rank-R.error (JSON: kind "user" with the message, or "crash" with
-the traceback) so that the launcher can report it, and exits 2 (user error) or 1.
+A rank that fails writes OUT/logs/rank-R.error (JSON: kind "user" with the message, "stopped" with
+the message of a run stopped on purpose (a non-finite loss or gradient norm), or "crash" with the
+traceback) so that the launcher can report it, and exits 2 (user error) or 1.
+
+Each rank keeps a heartbeat in OUT/logs (fivefold.runtime.heartbeat) for the hang watchdog: the
+launcher's, or under torchrun the rank's own (fivefold.watchdog.self_watch).
 """
 from __future__ import annotations
 
@@ -19,9 +23,16 @@ import torch.distributed as dist
 from fivefold.config.schema import SECTIONS, Config
 from fivefold.config.validate import layout_of
 from fivefold.errors import UserError
+from fivefold.runtime import heartbeat
 from fivefold.runtime.mesh import Mesh, init_distributed
 from fivefold.train.context import RankContext, layout_text
 from fivefold.train.loop import TrainResult, train
+from fivefold.train.nonfinite import NonFiniteError
+from fivefold.watchdog import self_watch, tick_for, timeout_of
+
+PG_SLACK_S = 60.0
+"""The process group's own timeout is the watchdog's plus this: the watchdog, which names the stuck
+rank, fires first; torch's timeout remains a backstop."""
 
 
 def config_from_dict(d: dict) -> Config:
@@ -30,11 +41,14 @@ def config_from_dict(d: dict) -> Config:
 
 def init_rank(config: Config, out_dir: Path) -> RankContext:
     """Join the process group (NCCL on CUDA, gloo on CPU) and build this rank's mesh."""
-    rank, world, device = init_distributed(timeout=timedelta(minutes=5))
+    with heartbeat.in_flight("init_process_group", "init", "world"):
+        rank, world, device = init_distributed(timeout=timedelta(seconds=timeout_of(config.training) + PG_SLACK_S))
     layout = layout_of(config)
     if layout.world_size != world:
         raise UserError(f"the layout needs {layout.world_size} ranks, the job has {world}")
-    return RankContext(Mesh.build(layout, device=device), out_dir)
+    with heartbeat.in_flight("new_group", "mesh", "world"):  # every rank creates every process group
+        mesh = Mesh.build(layout, device=device)
+    return RankContext(mesh, out_dir)
 
 
 def describe(ctx: RankContext, backend: str, config: Config) -> str:
@@ -68,6 +82,7 @@ def run_rank(config: Config, out_dir: Path, data_dir: Path) -> int:
     rank = int(os.environ.get("RANK", 0))
     err = out_dir / "logs" / f"rank-{rank}.error"
     try:
+        start_heartbeat(config, out_dir / "logs", rank)
         ctx = init_rank(config, out_dir)
         result = train(config, ctx, data_dir)
         if ctx.is_main:
@@ -82,12 +97,28 @@ def run_rank(config: Config, out_dir: Path, data_dir: Path) -> int:
         err.write_text(json.dumps({"kind": "user", "message": str(e)}))
         print(f"error (rank {rank}): {e}", file=sys.stderr, flush=True)
         return 2
+    except NonFiniteError as e:
+        err.write_text(json.dumps({"kind": "stopped", "message": str(e)}))
+        if rank or not os.environ.get("FIVEFOLD_LAUNCHED"):  # rank 0's launcher prints it once
+            print(f"error (rank {rank}): {e}", file=sys.stderr, flush=True)
+        return 1
     except BaseException:  # noqa: BLE001 - any crash is reported with its traceback
         tb = traceback.format_exc()
         err.parent.mkdir(parents=True, exist_ok=True)
         err.write_text(json.dumps({"kind": "crash", "traceback": tb}))
         print(tb, file=sys.stderr, flush=True)
         return 1
+    finally:
+        heartbeat.stop()
+
+
+def start_heartbeat(config: Config, log_dir: Path, rank: int) -> None:
+    """This rank's heartbeat; under torchrun (no launcher of ours watching) it also watches itself."""
+    timeout = timeout_of(config.training)
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    watch = None if os.environ.get("FIVEFOLD_LAUNCHED") else \
+        self_watch(log_dir, world, timeout, log_dir / f"rank-{rank}.error")
+    heartbeat.start(log_dir, rank, tick=tick_for(timeout), on_tick=watch)
 
 
 def main(argv: list[str]) -> int:
