@@ -73,3 +73,10 @@ def groups_lines(lay: Layout, ranks: Sequence[int] | None = None) -> list[str]:
 def layout_report(lay: Layout, ranks: Sequence[int] | None = None, all_ranks: bool = False) -> str:
     return "\n".join([sizes_line(lay), *rank_table(lay, ranks, all_ranks), "groups:",
                       *groups_lines(lay, ranks)])
+
+
+def gpu_ranges(ranks: Sequence[int]) -> str:
+    """'4-7' for consecutive GPUs, else '0,2,4' (the first 16 and a count when there are more)."""
+    if len(ranks) > 1 and list(ranks) == list(range(ranks[0], ranks[0] + len(ranks))):
+        return f"{ranks[0]}-{ranks[-1]}"
+    return ",".join(map(str, ranks[:16])) + (f",... ({len(ranks)} GPUs)" if len(ranks) > 16 else "")

@@ -76,10 +76,18 @@ def adjust(s: dict, dialect: str) -> list[Rule]:
     if s["gbs"] is None and isinstance(s["mbs"], int) and s["tp"] * s["pp"] * s["cp"] > 0 \
             and s["world"] % (s["tp"] * s["pp"] * s["cp"]) == 0:
         s["gbs"] = s["mbs"] * dp_of(s)  # Megatron's default global batch
-    n = s["vpp_layers"]
-    if n and s["pp"] >= 1 and s["layers"] % (s["pp"] * n) == 0:
-        v = s["layers"] // (s["pp"] * n)
+    n, units = s["vpp_layers"], s["layers"] + bool(s["acc_emb"]) + bool(s["acc_loss"])
+    if n and isinstance(n, int) and n >= 1 and s["pp"] >= 1 and units % (s["pp"] * n) == 0:
+        v = units // (s["pp"] * n)
         s["vpp"], s["vpp_layers"] = (v if v > 1 else None), None
+        if v == 1:
+            out.append(Rule(KNOB_FIELDS["vpp_layers"], n, f"{units} layers / (PP={s['pp']} x {n} layers per "
+                            "virtual stage) = 1 chunk per pipeline rank: no interleaving; VPP left unset, as "
+                            "Megatron-LM does", ("vpp_layers",), "warning"))
+    if s["vpp"] == 1:
+        out.append(Rule(KNOB_FIELDS["vpp"], 1, "one chunk per pipeline rank is no interleaving; VPP left unset, "
+                        "as Megatron-LM does", ("vpp",), "warning"))
+        s["vpp"] = None
     if s["vpp"] and s["vpp"] > 1 and s["schedule"] == "1f1b":
         s["schedule"] = "interleaved"
     if dialect == "skyrl" and s["sp"] != (s["tp"] > 1):
