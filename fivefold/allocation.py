@@ -153,7 +153,7 @@ def parse_allocation(mode: str) -> Allocation:
                             f"{' | '.join(f'{b}:{lay.world_size} GPUs' for b, lay in members)}")
         n = sizes.pop()
         if start + n > MAX_GPUS:
-            raise UserError(f"allocation: {start + n} GPUs or more; fivefold lays out at most {MAX_GPUS}")
+            raise UserError(f"allocation: its components reach {start + n} GPUs; fivefold lays out at most {MAX_GPUS}")
         for backend, lay in members:
             role = "inference" if backend in INFERENCE else "training"
             components.append(Component(backend, role, lay, tuple(range(start, start + n))))

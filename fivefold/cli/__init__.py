@@ -8,6 +8,7 @@ output piped into a reader that stops early (`| head`) ends it quietly, as Unix 
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import os
 import sys
@@ -36,7 +37,9 @@ def main(argv: list[str] | None = None) -> int:
         return 141  # 128 + SIGPIPE: what a shell reports for a tool whose reader stopped
 
 
-def _main(argv: list[str]) -> int:
+@functools.lru_cache(maxsize=1)
+def _parser() -> tuple[argparse.ArgumentParser, dict]:
+    """The parser of every command, built once per process (in-process callers run main many times)."""
     parser = argparse.ArgumentParser(prog="fivefold", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     modules = {}
@@ -47,6 +50,11 @@ def _main(argv: list[str]) -> int:
         if module:
             module.add_arguments(p)
         modules[name] = module
+    return parser, modules
+
+
+def _main(argv: list[str]) -> int:
+    parser, modules = _parser()
     args, extra = parser.parse_known_args(argv)
     if args.command is None:
         parser.print_help()

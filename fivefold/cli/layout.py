@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 from fivefold.allocation import Allocation, parse_allocation
-from fivefold.config.load import load_config
+from fivefold.config.load import is_file, load_config
 from fivefold.config.report import MAX_ROWS, gpu_ranges, layout_report
 from fivefold.config.validate import validate
 from fivefold.errors import UserError
@@ -58,7 +57,7 @@ def _divisors(n: int) -> list[int]:
 
 
 def _allocation(spec: str) -> Allocation:
-    if Path(spec).is_file():
+    if is_file(spec):
         loaded = load_config(spec)
         if loaded.allocation is None:
             raise UserError(f"{spec} has neither models: nor allocation_mode; use fivefold validate")

@@ -12,13 +12,13 @@ is never shown (the next one is tried, or "none found").
 """
 from __future__ import annotations
 
-import copy
+import dataclasses
 import math
 from itertools import combinations, product
 
 from fivefold.config.fields import resolve, set_value
 from fivefold.config.rules import KNOB_FIELDS, Rule, adjust, errors, etp_of, ffn_of, sizes_of
-from fivefold.config.schema import NORMALIZATIONS, Config
+from fivefold.config.schema import NORMALIZATIONS, SECTIONS, Config
 
 WORLD_KNOBS = ("tp", "pp", "cp", "ep", "etp")
 _DEFAULTS = sizes_of(Config())
@@ -158,7 +158,8 @@ def first_that_holds(config: Config, ranked: list[dict], dialect: str, tries: in
 
 def holds(config: Config, text: str, dialect: str) -> bool:
     """Does `config` with the printed fix `text` ('name=value, name=value') applied validate?"""
-    fixed = copy.deepcopy(config)
+    # A copy per section is enough: set_value replaces fields, it never mutates a list in place.
+    fixed = Config(**{name: dataclasses.replace(getattr(config, name)) for name in SECTIONS})
     for part in text.split(", "):
         name, _, value = part.partition("=")
         set_value(fixed, resolve(name), value, set())

@@ -44,8 +44,8 @@ def load_config(path: str | None, words: list[str] = (), *, world_size: int | No
     words = list(words)
     if path is not None:
         p = Path(path)
-        if not p.is_file():
-            raise UserError(f"config file {path} not found")
+        if not is_file(path):
+            raise UserError(f"config file {path[:200]} not found")
         text = _read_text(p)
         if p.suffix in (".txt", ".sh", ".args"):
             try:
@@ -68,6 +68,14 @@ def load_config(path: str | None, words: list[str] = (), *, world_size: int | No
         from fivefold.allocation import attach
         attach(loaded, special)
     return loaded
+
+
+def is_file(path: str) -> bool:
+    """Path(path).is_file(), False for a name the OS refuses (too long, a NUL byte)."""
+    try:
+        return Path(path).is_file()
+    except (OSError, ValueError):
+        return False
 
 
 def _read_text(p: Path) -> str:
@@ -132,7 +140,26 @@ def _flatten(data: dict, prefix: str = "") -> list[tuple[str, object]]:
     return out
 
 
+MAX_DEPTH = 64
+"""Deeper nesting is refused before parsing: no config nests this deep, and PyYAML recurses per level."""
+
+
+def _nesting(text: str) -> int:
+    """An upper bound on the nesting depth of a YAML text: open brackets, or indentation / 2."""
+    depth = deepest = 0
+    for ch in text:
+        if ch in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch in "]}":
+            depth -= 1
+    indent = max((len(line) - len(line.lstrip(" ")) for line in text.splitlines()), default=0)
+    return max(deepest, indent // 2)
+
+
 def _apply_yaml(config: Config, p: Path, text: str, explicit: set, dialects: list, special: dict) -> None:
+    if _nesting(text) > MAX_DEPTH:
+        raise UserError(f"{p}: nested deeper than {MAX_DEPTH} levels; a config is a few sections of keys")
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:
