@@ -105,9 +105,9 @@ def _check_cluster(config: Config, explicit: set[str]) -> None:
             and c.world_size != c.num_nodes * c.gpus_per_node:
         n, g, w = c.num_nodes, c.gpus_per_node, c.world_size
         other = f" or num_nodes={w // g}" if w % g == 0 else ""
-        raise UserError(f"cluster.world_size={w} (--world-size) disagrees with cluster.num_nodes x "
-                        f"gpus_per_node = {n} x {g} = {n * g} (--nodes, --gpus-per-node, torchrun --nnodes); "
-                        f"give one: world_size={n * g}{other}, or drop the node count")
+        raise UserError(f"cluster.world_size={w} disagrees with cluster.num_nodes x gpus_per_node = {n} x {g} "
+                        f"= {n * g} (from the config, --world-size / --nodes / --gpus-per-node, or torchrun's "
+                        f"--nnodes); give one: world_size={n * g}{other}, or drop the node count")
 
 
 def read_words(text: str) -> list[str]:
