@@ -21,6 +21,8 @@ from fivefold.config.schema import Config
 from fivefold.errors import UserError
 from fivefold.topology import Layout
 
+MAX_GPUS = 1 << 17
+"""Allocations list every GPU of every component; more GPUs than this are refused, not listed."""
 INFERENCE = ("sglang", "vllm")
 TRAINING = ("megatron", "fsdp", "archon", "train")
 _DIMS = re.compile(r"([dtpce])(\d+)")
@@ -81,6 +83,8 @@ def _dims(text: str, where: str) -> dict[str, int]:
     letters = [k for k, _ in found]
     if len(set(letters)) != len(letters):
         raise UserError(f"allocation {where}: {text!r} gives a size twice")
+    if any(len(v) > 7 for _, v in found):
+        raise UserError(f"allocation {where}: a size in {text[:40]!r} is beyond {MAX_GPUS} GPUs")
     sizes = {k: int(v) for k, v in found}
     if min(sizes.values()) < 1:
         raise UserError(f"allocation {where}: sizes must be >= 1 in {text!r}")
@@ -148,6 +152,8 @@ def parse_allocation(mode: str) -> Allocation:
             raise UserError(f"allocation: components sharing GPUs with | must have equal sizes, got "
                             f"{' | '.join(f'{b}:{lay.world_size} GPUs' for b, lay in members)}")
         n = sizes.pop()
+        if start + n > MAX_GPUS:
+            raise UserError(f"allocation: its components reach {start + n} GPUs; fivefold lays out at most {MAX_GPUS}")
         for backend, lay in members:
             role = "inference" if backend in INFERENCE else "training"
             components.append(Component(backend, role, lay, tuple(range(start, start + n))))
@@ -157,17 +163,20 @@ def parse_allocation(mode: str) -> Allocation:
 
 def parse_gpus(spec, where: str) -> tuple[int, ...]:
     """'0-3', '0,2,4', 5 or [0, 1] -> the ranks."""
-    if isinstance(spec, int):
-        return (spec,)
-    if isinstance(spec, list):
-        return tuple(int(x) for x in spec)
-    ranks = []
-    for part in str(spec).split(","):
-        lo, dash, hi = part.strip().partition("-")
+    parts = spec if isinstance(spec, list) else str(spec).split(",")
+    ranks: list[int] = []
+    for part in parts:
+        lo, dash, hi = (str(part).strip().partition("-") if not isinstance(part, int) or isinstance(part, bool)
+                        else (str(part), "", ""))
         try:
-            ranks += list(range(int(lo), int(hi) + 1)) if dash else [int(lo)]
+            lo_i, hi_i = int(lo), int(hi) if dash else int(lo)
         except ValueError:
-            raise UserError(f"{where}: gpus {spec!r} is not like 0-3 or 0,2") from None
+            raise UserError(f"{where}: gpus {spec!r} is not like 0-3, 0,2 or a list of GPU numbers") from None
+        if lo_i < 0 or hi_i < lo_i or len(ranks) + hi_i - lo_i >= MAX_GPUS:
+            raise UserError(f"{where}: gpus {spec!r}: GPU numbers are 0 to {MAX_GPUS - 1}, ranges low-high")
+        ranks += range(lo_i, hi_i + 1)
+    if not ranks:
+        raise UserError(f"{where}: gpus is empty (give e.g. 0-3)")
     if len(set(ranks)) != len(ranks):
         raise UserError(f"{where}: gpus {spec!r} lists a GPU twice")
     return tuple(ranks)
@@ -203,13 +212,16 @@ def models_allocation(base: Config, models: list, world_size: int | None) -> All
                 set_value(cfg, dotted, v, explicit)
         cfg.cluster.world_size = len(ranks)
         from fivefold.config.validate import layout_of
-        lay = layout_of(cfg) if len(ranks) % _mp(cfg) == 0 else Layout(
-            tp=cfg.parallel.tensor_model_parallel_size, pp=cfg.parallel.pipeline_model_parallel_size)
+        p = cfg.parallel
+        sizes_ok = min(p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size,
+                       p.expert_model_parallel_size, p.expert_tensor_parallel_size or 1) >= 1
+        # An invalid layout stands as one rank until validate() reports it with its fix.
+        lay = layout_of(cfg) if sizes_ok and len(ranks) % _mp(cfg) == 0 else Layout()
         comps.append(Component(name, "model", lay, ranks, cfg))
     world = world_size if world_size is not None else max(max(c.ranks) for c in comps) + 1
     for c in comps:
         if max(c.ranks) >= world:
-            raise UserError(f"model {c.name}: gpus {list(c.ranks)} go beyond the world of {world} GPUs")
+            raise UserError(f"model {c.name}: gpus up to {max(c.ranks)} go beyond the world of {world} GPUs")
     return Allocation(tuple(comps), world)
 
 

@@ -61,15 +61,42 @@ class Topology:
 
     def groups(self, dims: str | list[str]) -> list[list[int]]:
         """All groups over `dims` ("tp", "dp-cp", ...): each a list of ranks in coordinate order."""
-        names = parse_order(dims) if isinstance(dims, str) else list(dims)
-        unknown = [d for d in names if d not in self.sizes]
-        if unknown:
-            raise ValueError(f"unknown dimension(s) {unknown}; this topology has {self.dims}")
+        names = self._names(dims)
         axes = {d: len(self.dims) - 1 - i for i, d in enumerate(self.dims)}
         inner = [axes[d] for d in reversed(self.dims) if d in names]  # keeps the first-in-order fastest
         outer = [a for a in range(len(self.dims)) if a not in inner]
         arr = self._grid.transpose(outer + inner).reshape(-1, prod(self.sizes[d] for d in names))
         return arr.tolist()
+
+    def num_groups(self, dims: str | list[str]) -> int:
+        """How many groups over `dims` there are (world size / group size), without building them."""
+        return self.world_size // self.group_size(dims)
+
+    def group_size(self, dims: str | list[str]) -> int:
+        return prod(self.sizes[d] for d in self._names(dims))
+
+    def member(self, k: int, j: int, dims: str | list[str]) -> int:
+        """Rank j of group k over `dims`, in the order of `groups(dims)`, by arithmetic alone: groups
+        come in order of their first rank and list their ranks in ascending order, so k and j are
+        mixed-radix numbers over the other dims and over `dims`, fastest dim as lowest digit. A
+        report of a huge world reads the first few groups this way and never builds the grid."""
+        names = self._names(dims)
+        return (self._mixed(k, [d for d in self.dims if d not in names])
+                + self._mixed(j, [d for d in self.dims if d in names]))
+
+    def _mixed(self, index: int, dims: list[str]) -> int:
+        rank = 0
+        for d in dims:
+            index, digit = divmod(index, self.sizes[d])
+            rank += digit * self.strides[d]
+        return rank
+
+    def _names(self, dims: str | list[str]) -> list[str]:
+        names = parse_order(dims) if isinstance(dims, str) else list(dims)
+        unknown = [d for d in names if d not in self.sizes]
+        if unknown:
+            raise ValueError(f"unknown dimension(s) {unknown}; this topology has {self.dims}")
+        return names
 
     def group(self, rank: int, dims: str | list[str]) -> list[int]:
         """The group over `dims` that holds `rank`."""
@@ -135,23 +162,16 @@ class Layout:
         """First and last PP stage of each pipeline: where tied embeddings live."""
         return [sorted({g[0], g[-1]}) for g in self.dense.groups("pp")]
 
+    def group_specs(self) -> dict[str, tuple[Topology, str]]:
+        """Every group a run builds, by Megatron's names: the grid and the dims it spans ("embedding"
+        is derived from "pp": the first and last rank of each pipeline group)."""
+        d, e, c = self.dense, self.expert, self._cp_split
+        return {"tp": (d, "tp"), "cp": (d, "cp"), "cp-a2a": (c, "cpa"), "cp-ring": (c, "cpr"),
+                "dp": (d, "dp"), "pp": (d, "pp"), "dp-cp": (d, "cp-dp"), "tp-cp": (d, "tp-cp"),
+                "model-parallel": (d, "tp-pp"), "tp-cp-dp": (d, "tp-cp-dp"), "embedding": (d, "pp"),
+                "etp": (e, "etp"), "ep": (e, "ep"), "edp": (e, "edp"), "etp-ep": (e, "etp-ep")}
+
     def named_groups(self) -> dict[str, list[list[int]]]:
-        """Every group a run builds, by Megatron's names."""
-        d, e = self.dense, self.expert
-        return {
-            "tp": d.groups("tp"),
-            "cp": d.groups("cp"),
-            "cp-a2a": self._cp_split.groups("cpa"),
-            "cp-ring": self._cp_split.groups("cpr"),
-            "dp": d.groups("dp"),
-            "pp": d.groups("pp"),
-            "dp-cp": d.groups("cp-dp"),
-            "tp-cp": d.groups("tp-cp"),
-            "model-parallel": d.groups("tp-pp"),
-            "tp-cp-dp": d.groups("tp-cp-dp"),
-            "embedding": self.embedding_groups(),
-            "etp": e.groups("etp"),
-            "ep": e.groups("ep"),
-            "edp": e.groups("edp"),
-            "etp-ep": e.groups("etp-ep"),
-        }
+        """Every group a run builds, by Megatron's names, as lists of ranks (builds them all)."""
+        return {name: self.embedding_groups() if name == "embedding" else topo.groups(dims)
+                for name, (topo, dims) in self.group_specs().items()}

@@ -49,6 +49,16 @@ CASES = [  # (words, world size, substring of the message)
     ("pp=2 num_layers=6 pipeline_schedule=dualpipev", 8, "pp*vpp=2*2=4"),
     ("pp=2 num_layers=4 vpp=2 decoder_first_pipeline_num_layers=1 decoder_last_pipeline_num_layers=3 "
      "global_batch_size=8", 8, "pipeline rank 0 holds 1 layers, not divisible by vpp=2"),
+    # Megatron-Core's divide() asserts and bounds (issue 19)
+    ("hidden_size=100 num_attention_heads=8", 8, "hidden_size must be a multiple of num_attention_heads=8"),
+    ("tp=2 ffn_hidden_size=129 num_query_groups=2", 8, "the MLP width must divide evenly over tensor_model_"),
+    ("tp=3 hidden_size=96 num_attention_heads=6", 6, "(unset: 8*hidden/3 rounded to 64 = 256)"),
+    ("num_experts=4 moe_router_topk=0", 8, "moe_router_topk=0: must be >= 1"),
+    ("tp=2 sp=true ep=2 num_experts=4 moe_ffn_hidden_size=33", 8, "routed experts' width must divide evenly"),
+    ("vocab_size=0", 8, "model.vocab_size=0: must be a whole number >= 1"),
+    ("make_vocab_size_divisible_by=0", 8, "make_vocab_size_divisible_by=0: must be a whole number >= 1"),
+    ("pp=2 num_layers=4 decoder_first_pipeline_num_layers=0", 8, "decoder_first_pipeline_num_layers=0: must be >= 1"),
+    ("pp=4 num_layers=8 decoder_first_pipeline_num_layers=8", 8, "0 layers remain for the 3 middle stage(s)"),
 ]
 
 

@@ -2,12 +2,15 @@
 
 Each command module defines `HELP` (one line), `add_arguments(parser)` and `run(args, extra) -> int`;
 `extra` holds the words argparse did not recognise (dotted overrides, Megatron flags) for the
-commands that set `ACCEPTS_EXTRA = True`. A `UserError` ends the command with its message and exit 2.
+commands that set `ACCEPTS_EXTRA = True`. A `UserError` ends the command with its message and exit 2;
+output piped into a reader that stops early (`| head`) ends it quietly, as Unix tools do.
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
+import os
 import sys
 
 from fivefold.errors import UserError
@@ -25,7 +28,18 @@ def _load(name: str):
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    try:
+        code = _main(sys.argv[1:] if argv is None else argv)
+        sys.stdout.flush()  # a closed pipe shows here, not at interpreter exit
+        return code
+    except BrokenPipeError:
+        _silence_stdout()
+        return 141  # 128 + SIGPIPE: what a shell reports for a tool whose reader stopped
+
+
+@functools.lru_cache(maxsize=1)
+def _parser() -> tuple[argparse.ArgumentParser, dict]:
+    """The parser of every command, built once per process (in-process callers run main many times)."""
     parser = argparse.ArgumentParser(prog="fivefold", description=__doc__.splitlines()[0], allow_abbrev=False)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     modules = {}
@@ -38,6 +52,11 @@ def main(argv: list[str] | None = None) -> int:
         if module:
             module.add_arguments(p)
         modules[name] = module
+    return parser, modules
+
+
+def _main(argv: list[str]) -> int:
+    parser, modules = _parser()
     args, extra = parser.parse_known_args(argv)
     if args.command is None:
         parser.print_help()
@@ -56,3 +75,12 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null so that Python's flush at exit does not fail a second time."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # stdout replaced by an object without a file descriptor
+        pass

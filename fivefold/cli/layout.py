@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 from fivefold.allocation import Allocation, parse_allocation
-from fivefold.config.load import load_config
-from fivefold.config.report import layout_report
+from fivefold.config.load import is_file, load_config
+from fivefold.config.report import MAX_ROWS, gpu_ranges, layout_report
+from fivefold.config.validate import validate
 from fivefold.errors import UserError
 from fivefold.topology import Layout, parse_order
 
@@ -25,6 +25,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def grid_layout(args) -> Layout:
+    for dim in ("tp", "pp", "cp", "ep", "etp", "dp", "world_size"):
+        v = getattr(args, dim)
+        if v is not None and v < 1:
+            raise UserError(f"--{dim.replace('_', '-')} {v}: must be >= 1 (leave it out for 1)")
     tp, pp, cp, ep = args.tp or 1, args.pp or 1, args.cp or 1, args.ep or 1
     etp = args.etp if args.etp is not None else tp
     mp = tp * pp * cp
@@ -39,17 +43,27 @@ def grid_layout(args) -> Layout:
         raise UserError(str(e)) from None
     if sorted(args.order.split("-")) != sorted(["tp", "cp", "ep", "dp", "pp"]):
         raise UserError(f"--order {args.order} must name each of tp, cp, ep, dp, pp once")
-    if (tp * cp * dp) % (etp * ep):
-        raise UserError(f"MoE folding: ETP*EP = {etp * ep} must divide TP*CP*DP = {tp * cp * dp} "
-                        "(ETP defaults to TP; try --etp 1)")
+    dense = tp * cp * dp
+    if dense % (etp * ep):
+        fits = [e for e in _divisors(dense // ep) if e <= etp] if dense % ep == 0 else []
+        fix = f"try --etp {fits[-1]}" if fits else f"--ep must divide TP*CP*DP = {dense}"
+        raise UserError(f"MoE folding: ETP*EP = {etp * ep} must divide TP*CP*DP = {dense} "
+                        f"(ETP defaults to TP; {fix})")
     return Layout(tp=tp, cp=cp, pp=pp, dp=dp, ep=ep, etp=etp, order=args.order)
 
 
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, min(n, 1 << 16) + 1) if n % d == 0]
+
+
 def _allocation(spec: str) -> Allocation:
-    if Path(spec).is_file():
+    if is_file(spec):
         loaded = load_config(spec)
         if loaded.allocation is None:
             raise UserError(f"{spec} has neither models: nor allocation_mode; use fivefold validate")
+        for c in loaded.allocation.components:
+            if c.config is not None:  # a listed model's own layout: refused with its fix when invalid
+                validate(c.config, loaded.dialect)
         return loaded.allocation
     return parse_allocation(spec)
 
@@ -59,15 +73,20 @@ def run(args, extra) -> int:
         print(layout_report(grid_layout(args), all_ranks=args.all_ranks))
         return 0
     alloc = _allocation(args.spec)
+    if args.rank is not None and not 0 <= args.rank < alloc.world_size:
+        raise UserError(f"--rank {args.rank} is outside the {alloc.world_size} GPUs")
     print(f"{len(alloc.components)} components on {alloc.world_size} GPUs")
     for c in alloc.components:
-        print(f"== {c.name} ({c.role}) on GPUs {list(c.ranks)}")
+        print(f"== {c.name} ({c.role}) on GPUs {gpu_ranges(c.ranks)}")
         print(layout_report(c.layout, c.ranks, args.all_ranks))
-    ranks = [args.rank] if args.rank is not None else range(alloc.world_size)
+    n = alloc.world_size
+    shown = [args.rank] if args.rank is not None else (
+        range(n) if args.all_ranks or n <= MAX_ROWS else [*range(MAX_ROWS // 2), None, *range(n - 4, n)])
     print("per GPU:")
-    for r in ranks:
-        if not 0 <= r < alloc.world_size:
-            raise UserError(f"--rank {r} is outside the {alloc.world_size} GPUs")
+    for r in shown:
+        if r is None:
+            print(f"  ... (--rank R for one GPU, --all-ranks for all {n})")
+            continue
         parts = [f"{name}: " + " ".join(f"{k}={v}" for k, v in coords.items()) for name, coords in alloc.by_rank(r)]
         print(f"  GPU {r}: " + (" | ".join(parts) if parts else "idle"))
     return 0

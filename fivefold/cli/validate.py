@@ -5,7 +5,7 @@ import argparse
 from pathlib import Path
 
 from fivefold.config.load import load_config
-from fivefold.config.report import layout_report
+from fivefold.config.report import gpu_ranges, layout_report
 from fivefold.config.rules import sizes_of, stage_layers
 from fivefold.config.schema import Config
 from fivefold.config.validate import ConfigError, Problem, layout_of, validate
@@ -42,7 +42,7 @@ def describe(cfg: Config, all_ranks: bool, ranks: tuple[int, ...] | None = None)
     s = sizes_of(cfg)
     lines = [layout_report(lay, ranks, all_ranks)]
     lines.append(f"sequence_parallel={p.sequence_parallel} schedule={p.pipeline_schedule} "
-                 f"vpp={p.virtual_pipeline_model_parallel_size} layers per stage={stage_layers(s)}")
+                 f"vpp={p.virtual_pipeline_model_parallel_size} layers per stage={_short_list(stage_layers(s))}")
     lines.append(f"global batch={cfg.training.global_batch_size} micro batch={cfg.training.micro_batch_size} "
                  f"microbatches={cfg.training.global_batch_size // (cfg.training.micro_batch_size * lay.dp)}")
     lines.append(f"vocab {m.vocab_size} padded to {m.padded_vocab_size(lay.tp)} "
@@ -68,7 +68,7 @@ def run(args, extra) -> int:
         return 0
     failed: list[str] = []
     for comp in alloc.components:
-        print(f"== {comp.name} ({comp.role}) on GPUs {_ranges(comp.ranks)}")
+        print(f"== {comp.name} ({comp.role}) on GPUs {gpu_ranges(comp.ranks)}")
         if comp.config is None:
             print(layout_report(comp.layout, comp.ranks, args.all_ranks))
             continue
@@ -83,7 +83,8 @@ def run(args, extra) -> int:
     return 0
 
 
-def _ranges(ranks: tuple[int, ...]) -> str:
-    if list(ranks) == list(range(ranks[0], ranks[0] + len(ranks))):
-        return f"{ranks[0]}-{ranks[-1]}"
-    return ",".join(map(str, ranks))
+def _short_list(values: list[int]) -> str:
+    if len(values) <= 16:
+        return str(values)
+    return "[" + ", ".join(map(str, values[:8])) + f", ... {len(values)} stages ..., " + \
+        ", ".join(map(str, values[-4:])) + "]"

@@ -1,18 +1,24 @@
 """A fix for a broken config: the valid sizes that change the fewest knobs.
 
 Search by number of changed knobs (1, then 2 among the knobs the broken rules name), each candidate
-run through the dialect's adjustments and every rule, so a proposed fix always validates. Among fixes
-with as few changes, prefer those that change only the knobs the broken rule names first, then the
-smallest change (|log2 new/old| summed). Only when no one- or two-knob change works does a greedy
-walk (fix the first broken rule, repeat) propose more.
+run through the dialect's adjustments and every rule. Among fixes with as few changes, prefer those
+that change only the knobs the broken rule names first, then the smallest change (|log2 new/old|
+summed). Only when no one- or two-knob change works does a greedy walk (fix the first broken rule,
+repeat) propose more.
+
+A fix is printed only through `first_that_holds`: its text (`describe`) is read back into a copy of
+the config as a user would type it, and the whole config validated again; a fix that does not hold
+is never shown (the next one is tried, or "none found").
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from itertools import combinations, product
 
-from fivefold.config.rules import KNOB_FIELDS, Rule, adjust, errors, sizes_of
-from fivefold.config.schema import NORMALIZATIONS, Config
+from fivefold.config.fields import resolve, set_value
+from fivefold.config.rules import KNOB_FIELDS, Rule, adjust, errors, etp_of, ffn_of, sizes_of
+from fivefold.config.schema import NORMALIZATIONS, SECTIONS, Config
 
 WORLD_KNOBS = ("tp", "pp", "cp", "ep", "etp")
 _DEFAULTS = sizes_of(Config())
@@ -30,7 +36,7 @@ def _near_multiples(x: int, bases: list[int], keep: int = 24) -> list[int]:
             vals.add(-(-x // b) * b)
     vals.discard(0)
     vals.discard(x)
-    return sorted(vals, key=lambda v: (abs(math.log2(v / x)), v))[:keep]
+    return sorted(vals, key=lambda v: (abs(math.log2(v) - math.log2(x)), v))[:keep]
 
 
 def candidates(knob: str, s: dict) -> list:
@@ -38,7 +44,7 @@ def candidates(knob: str, s: dict) -> list:
     world, layers = s["world"], s["layers"]
     v = s.get(knob)
     if isinstance(v, int) and not isinstance(v, bool) and v < 1:  # nonsense: the default, or small sizes
-        return [_DEFAULTS[knob] or 1]
+        return list(dict.fromkeys([_DEFAULTS[knob] or 1, 1]))
     if knob in WORLD_KNOBS:
         return _divisors(world)
     if knob == "vpp":
@@ -65,9 +71,19 @@ def candidates(knob: str, s: dict) -> list:
     if knob == "kv":
         return [None] + _divisors(s["heads"])
     if knob == "topk":
-        return list(range(1, (s["experts"] or 1) + 1))[:16]
+        return list(range(1, min(s["experts"] or 1, 16) + 1))
     if knob in ("first", "last"):
-        return [None] + list(range(0, layers + 1))[:64]
+        return [None] + list(range(1, min(layers, 64) + 1))
+    if knob == "hidden":
+        return _near_multiples(s["hidden"], [s["heads"], 64 * s["heads"]], keep=8)
+    if knob == "heads":
+        return [d for d in _divisors(s["hidden"]) if d <= 1024][:64]
+    if knob == "ffn":
+        return _near_multiples(ffn_of(s), [s["tp"], 64 * s["tp"]], keep=8)
+    if knob == "moe_ffn":
+        return _near_multiples(s["moe_ffn"] or ffn_of(s), [etp_of(s), 64 * etp_of(s)], keep=8)
+    if knob == "shared":
+        return _near_multiples(s["shared"], [s["tp"], 64 * s["tp"]], keep=8)
     if knob == "split":
         return [None]
     if knob == "schedule":
@@ -89,7 +105,7 @@ def _distance(old, new) -> float:
         return sum(_distance(a, b) for a, b in zip(old, new))
     if isinstance(old, (int, float)) and isinstance(new, (int, float)) and not isinstance(old, bool) \
             and not isinstance(new, bool) and old > 0 and new > 0:
-        return abs(math.log2(new / old))
+        return abs(math.log2(new) - math.log2(old))
     return 1.0
 
 
@@ -110,8 +126,8 @@ def _scored(base: dict, changes: dict, preferred: tuple[str, ...]) -> tuple:
     return (len(changes), pref, round(dist, 3), -sum(_roundness(v) for v in changes.values()))
 
 
-def search(base: dict, broken: list[Rule], dialect: str) -> dict[int, dict]:
-    """For each broken rule (by index), the smallest set of knob changes that makes `base` valid."""
+def search(base: dict, broken: list[Rule], dialect: str) -> dict[int, list[dict]]:
+    """For each broken rule (by index), the sets of knob changes that make `base` valid, best first."""
     knobs = []
     for r in broken:
         knobs += [k for k in r.knobs if k not in knobs]
@@ -128,11 +144,28 @@ def search(base: dict, broken: list[Rule], dialect: str) -> dict[int, dict]:
     if not pool:
         greedy = _greedy(base, dialect)
         pool = [greedy] if greedy else []
-    out = {}
-    for i, r in enumerate(broken):
-        if pool:
-            out[i] = min(pool, key=lambda c: _scored(base, c, r.knobs))
-    return out
+    return {i: sorted(pool, key=lambda c: _scored(base, c, r.knobs)) for i, r in enumerate(broken) if pool}
+
+
+def first_that_holds(config: Config, ranked: list[dict], dialect: str, tries: int = 8) -> str:
+    """The text of the first fix in `ranked` that, typed back in as printed, gives a valid config."""
+    for changes in ranked[:tries]:
+        text = describe(changes)
+        if holds(config, text, dialect):
+            return text
+    return "none found"
+
+
+def holds(config: Config, text: str, dialect: str) -> bool:
+    """Does `config` with the printed fix `text` ('name=value, name=value') applied validate?"""
+    # A copy per section is enough: set_value replaces fields, it never mutates a list in place.
+    fixed = Config(**{name: dataclasses.replace(getattr(config, name)) for name in SECTIONS})
+    for part in text.split(", "):
+        name, _, value = part.partition("=")
+        set_value(fixed, resolve(name), value, set())
+    s = sizes_of(fixed)
+    adjust(s, dialect)
+    return not errors(s)
 
 
 def _greedy(base: dict, dialect: str, steps: int = 8) -> dict | None:

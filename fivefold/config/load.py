@@ -20,7 +20,7 @@ import yaml
 from fivefold.config.dialects import AREAL, MEGATRON, combine, route
 from fivefold.config.fields import set_value
 from fivefold.config.megatron import is_flag, parse_flags
-from fivefold.config.schema import Config
+from fivefold.config.schema import SECTIONS, Config
 from fivefold.config.validate import Problem
 from fivefold.errors import UserError
 
@@ -44,19 +44,22 @@ def load_config(path: str | None, words: list[str] = (), *, world_size: int | No
     words = list(words)
     if path is not None:
         p = Path(path)
-        if not p.is_file():
-            raise UserError(f"config file {path} not found")
+        if not is_file(path):
+            raise UserError(f"config file {path[:200]} not found")
+        text = _read_text(p)
         if p.suffix in (".txt", ".sh", ".args"):
-            words = read_words(p.read_text()) + words
+            try:
+                words = read_words(text) + words
+            except ValueError as e:  # shlex: an unclosed quote
+                raise UserError(f"{p}: {e} (a .txt config is one shell-like command line)") from None
         else:
-            _apply_yaml(config, p, explicit, dialects, special)
+            _apply_yaml(config, p, text, explicit, dialects, special)
     _apply_words(config, words, explicit, dialects, special)
     for dotted, value in (("cluster.world_size", world_size), ("cluster.num_nodes", nodes),
                           ("cluster.gpus_per_node", gpus_per_node)):
         if value is not None:
             set_value(config, dotted, value, explicit)
-    if nodes is not None and world_size is None:
-        config.cluster.world_size = None
+    _check_cluster(config, explicit)
     if "allocation_mode" in special:
         dialects.append(AREAL)
     dialect = combine(dialects)
@@ -67,6 +70,46 @@ def load_config(path: str | None, words: list[str] = (), *, world_size: int | No
     return loaded
 
 
+def is_file(path: str) -> bool:
+    """Path(path).is_file(), False for a name the OS refuses (too long, a NUL byte)."""
+    try:
+        return Path(path).is_file()
+    except (OSError, ValueError):
+        return False
+
+
+def _read_text(p: Path) -> str:
+    try:
+        data = p.read_bytes()
+    except OSError as e:
+        raise UserError(f"config file {p}: cannot read it ({e.strerror})") from None
+    bad = "a NUL byte" if b"\0" in data else None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        bad = f"byte 0x{data[e.start]:02x} at offset {e.start} is not UTF-8"
+    if bad:
+        raise UserError(f"config file {p} is not a text file ({bad}): a config is YAML, or a .txt of "
+                        "flags / key=value words, in UTF-8")
+    return text
+
+
+def _check_cluster(config: Config, explicit: set[str]) -> None:
+    """Sizes >= 1, and a world size given beside a node count must equal nodes x GPUs per node."""
+    c = config.cluster
+    for name in ("num_nodes", "gpus_per_node", "world_size"):
+        v = getattr(c, name)
+        if v is not None and v < 1:
+            raise UserError(f"cluster.{name}={v}: must be a whole number >= 1")
+    if "cluster.world_size" in explicit and "cluster.num_nodes" in explicit and c.world_size is not None \
+            and c.world_size != c.num_nodes * c.gpus_per_node:
+        n, g, w = c.num_nodes, c.gpus_per_node, c.world_size
+        other = f" or num_nodes={w // g}" if w % g == 0 else ""
+        raise UserError(f"cluster.world_size={w} disagrees with cluster.num_nodes x gpus_per_node = {n} x {g} "
+                        f"= {n * g} (from the config, --world-size / --nodes / --gpus-per-node, or torchrun's "
+                        f"--nnodes); give one: world_size={n * g}{other}, or drop the node count")
+
+
 def read_words(text: str) -> list[str]:
     """Words of a shell-like text: comments dropped, backslash-newline joins lines."""
     lines = [line.split("#", 1)[0] if not line.lstrip().startswith("#!") else "" for line in
@@ -74,10 +117,22 @@ def read_words(text: str) -> list[str]:
     return shlex.split(" ".join(lines))
 
 
+# Names that head a section in some dialect: empty, with keys after them, they mean lost indentation.
+_SECTION_WORDS = set(SECTIONS) | {"actor", "trainer", "policy", "megatron_config", "megatron", "cfg"}
+
+
 def _flatten(data: dict, prefix: str = "") -> list[tuple[str, object]]:
     out = []
-    for k, v in data.items():
+    keys = list(data)
+    for i, (k, v) in enumerate(data.items()):
         key = f"{prefix}{k}"
+        if v is None and str(k) in _SECTION_WORDS:
+            if i + 1 == len(keys) or isinstance(data[keys[i + 1]], dict):
+                continue  # an empty section
+            after = ", ".join(map(str, keys[i + 1:i + 4])) + (", ..." if len(keys) > i + 4 else "")
+            raise UserError(f"'{key}:' is empty and the keys after it ({after}) sit beside it instead of "
+                            f"under it: the YAML's indentation was probably lost when it was copied. Indent "
+                            f"the keys that belong to '{k}' by two more spaces, e.g.\n  {k}:\n    {keys[i + 1]}: ...")
         if isinstance(v, dict):
             out += _flatten(v, key + ".")
         else:
@@ -85,11 +140,32 @@ def _flatten(data: dict, prefix: str = "") -> list[tuple[str, object]]:
     return out
 
 
-def _apply_yaml(config: Config, p: Path, explicit: set, dialects: list, special: dict) -> None:
+MAX_DEPTH = 64
+"""Deeper nesting is refused before parsing: no config nests this deep, and PyYAML recurses per level."""
+
+
+def _nesting(text: str) -> int:
+    """An upper bound on the nesting depth of a YAML text: open brackets, or indentation / 2."""
+    depth = deepest = 0
+    for ch in text:
+        if ch in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch in "]}":
+            depth -= 1
+    indent = max((len(line) - len(line.lstrip(" ")) for line in text.splitlines()), default=0)
+    return max(deepest, indent // 2)
+
+
+def _apply_yaml(config: Config, p: Path, text: str, explicit: set, dialects: list, special: dict) -> None:
+    if _nesting(text) > MAX_DEPTH:
+        raise UserError(f"{p}: nested deeper than {MAX_DEPTH} levels; a config is a few sections of keys")
     try:
-        data = yaml.safe_load(p.read_text())
+        data = yaml.safe_load(text)
     except yaml.YAMLError as e:
         raise UserError(f"{p}: not valid YAML: {e}") from None
+    except (ValueError, RecursionError) as e:  # an integer of > 4300 digits; nesting deeper than Python's stack
+        raise UserError(f"{p}: not a config YAML can read ({type(e).__name__}: {str(e)[:120]})") from None
     if data is None:
         return
     if not isinstance(data, dict):
@@ -97,7 +173,11 @@ def _apply_yaml(config: Config, p: Path, explicit: set, dialects: list, special:
     for key in SPECIAL_KEYS:
         if key in data:
             special[key] = data.pop(key)
-    for key, value in _flatten(data):
+    try:
+        flat = _flatten(data)
+    except RecursionError:
+        raise UserError(f"{p}: nested too deeply to be a config") from None
+    for key, value in flat:
         dialect, dotted = route(key)
         dialects.append(dialect)
         set_value(config, dotted, value, explicit)

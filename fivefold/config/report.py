@@ -1,16 +1,33 @@
-"""Text reports of layouts: sizes, a rank -> coordinates table and the groups (for validate / layout)."""
+"""Text reports of layouts: sizes, a rank -> coordinates table and the groups (for validate / layout).
+
+A report costs what it prints, whatever the world size: groups are read by arithmetic
+(`Topology.member`), the first MAX_GROUPS of each kind and the first MAX_MEMBERS ranks of each, and
+a rank table shows MAX_ROWS rows unless every rank is asked for (up to MAX_ALL_RANKS).
+"""
 from __future__ import annotations
 
-from fivefold.topology import Layout
+from collections.abc import Sequence
+
+from fivefold.errors import UserError
+from fivefold.topology import Layout, Topology
 
 MAX_ROWS = 64
 MAX_GROUPS = 8
+MAX_MEMBERS = 16
+MAX_ALL_RANKS = 1 << 16
 
 
-def _short(groups: list[list[int]]) -> str:
-    shown = " ".join(str(g).replace(" ", "") for g in groups[:MAX_GROUPS])
-    more = f" ... ({len(groups)} groups)" if len(groups) > MAX_GROUPS else ""
-    return shown + more
+def _preview(topo: Topology, dims: str, embedding: bool, ranks: Sequence[int] | None) -> str:
+    size, n = topo.group_size(dims), topo.num_groups(dims)
+    shown = []
+    for k in range(min(n, MAX_GROUPS)):
+        js = sorted({0, size - 1}) if embedding else range(min(size, MAX_MEMBERS))
+        members = [topo.member(k, j, dims) for j in js]
+        cells = [str(ranks[r] if ranks is not None else r) for r in members]
+        if not embedding and size > MAX_MEMBERS:
+            cells.append(f"...{size} ranks")
+        shown.append("[" + ",".join(cells) + "]")
+    return " ".join(shown) + (f" ... ({n} groups)" if n > MAX_GROUPS else "")
 
 
 def sizes_line(lay: Layout) -> str:
@@ -20,8 +37,11 @@ def sizes_line(lay: Layout) -> str:
     return line + f" | world={lay.world_size} order={lay.order}"
 
 
-def rank_table(lay: Layout, ranks: tuple[int, ...] | None = None, all_ranks: bool = False) -> list[str]:
+def rank_table(lay: Layout, ranks: Sequence[int] | None = None, all_ranks: bool = False) -> list[str]:
     """One line per rank: global rank, local rank (if `ranks` maps them) and coordinates."""
+    if all_ranks and lay.world_size > MAX_ALL_RANKS:
+        raise UserError(f"--all-ranks prints one line per rank: {lay.world_size} ranks is more than the "
+                        f"{MAX_ALL_RANKS} it prints (drop --all-ranks: the first and last ranks are shown)")
     moe = lay.ep > 1
     dims = [d for d in lay.dense.dims] + (["etp", "ep", "edp"] if moe else [])
     head = ("gpu  local  " if ranks else "rank  ") + "  ".join(f"{d:>3}" for d in dims)
@@ -41,17 +61,22 @@ def rank_table(lay: Layout, ranks: tuple[int, ...] | None = None, all_ranks: boo
     return out
 
 
-def groups_lines(lay: Layout, ranks: tuple[int, ...] | None = None) -> list[str]:
+def groups_lines(lay: Layout, ranks: Sequence[int] | None = None) -> list[str]:
     out = []
-    for name, groups in lay.named_groups().items():
+    for name, (topo, dims) in lay.group_specs().items():
         if name.startswith("e") and name != "embedding" and lay.ep == 1:
             continue
-        if ranks:
-            groups = [[ranks[r] for r in g] for g in groups]
-        out.append(f"  {name:<15} {_short(groups)}")
+        out.append(f"  {name:<15} {_preview(topo, dims, name == 'embedding', ranks or None)}")
     return out
 
 
-def layout_report(lay: Layout, ranks: tuple[int, ...] | None = None, all_ranks: bool = False) -> str:
+def layout_report(lay: Layout, ranks: Sequence[int] | None = None, all_ranks: bool = False) -> str:
     return "\n".join([sizes_line(lay), *rank_table(lay, ranks, all_ranks), "groups:",
                       *groups_lines(lay, ranks)])
+
+
+def gpu_ranges(ranks: Sequence[int]) -> str:
+    """'4-7' for consecutive GPUs, else '0,2,4' (the first 16 and a count when there are more)."""
+    if len(ranks) > 1 and list(ranks) == list(range(ranks[0], ranks[0] + len(ranks))):
+        return f"{ranks[0]}-{ranks[-1]}"
+    return ",".join(map(str, ranks[:16])) + (f",... ({len(ranks)} GPUs)" if len(ranks) > 16 else "")

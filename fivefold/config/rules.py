@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from math import prod
 
-from fivefold.config.schema import CP_COMM_TYPES, DIM_NAMES, NORMALIZATIONS, Config
+from fivefold.config.schema import CP_COMM_TYPES, DIM_NAMES, NORMALIZATIONS, Config, default_ffn_size
 from fivefold.config.split import layers_per_stage
 from fivefold.pipeline.rules import SCHEDULES, microbatch_problem
 
@@ -27,6 +27,9 @@ KNOB_FIELDS = {
     "acc_loss": "parallel.account_for_loss_in_pipeline_split",
     "vpp_layers": "parallel.num_layers_per_virtual_pipeline_stage",
     "layers": "model.num_layers", "heads": "model.num_attention_heads", "kv": "model.num_query_groups",
+    "hidden": "model.hidden_size", "ffn": "model.ffn_hidden_size", "kvc": "model.kv_channels",
+    "vocab": "model.vocab_size", "vocab_div": "model.make_vocab_size_divisible_by",
+    "moe_ffn": "model.moe_ffn_hidden_size", "shared": "model.moe_shared_expert_intermediate_size",
     "mla": "model.multi_latent_attention", "norm": "model.normalization",
     "experts": "model.num_experts", "topk": "model.moe_router_topk",
     "seq": "training.seq_length", "gbs": "training.global_batch_size", "mbs": "training.micro_batch_size",
@@ -73,10 +76,18 @@ def adjust(s: dict, dialect: str) -> list[Rule]:
     if s["gbs"] is None and isinstance(s["mbs"], int) and s["tp"] * s["pp"] * s["cp"] > 0 \
             and s["world"] % (s["tp"] * s["pp"] * s["cp"]) == 0:
         s["gbs"] = s["mbs"] * dp_of(s)  # Megatron's default global batch
-    n = s["vpp_layers"]
-    if n and s["pp"] >= 1 and s["layers"] % (s["pp"] * n) == 0:
-        v = s["layers"] // (s["pp"] * n)
+    n, units = s["vpp_layers"], s["layers"] + bool(s["acc_emb"]) + bool(s["acc_loss"])
+    if n and isinstance(n, int) and n >= 1 and s["pp"] >= 1 and units % (s["pp"] * n) == 0:
+        v = units // (s["pp"] * n)
         s["vpp"], s["vpp_layers"] = (v if v > 1 else None), None
+        if v == 1:
+            out.append(Rule(KNOB_FIELDS["vpp_layers"], n, f"{units} layers / (PP={s['pp']} x {n} layers per "
+                            "virtual stage) = 1 chunk per pipeline rank: no interleaving; VPP left unset, as "
+                            "Megatron-LM does", ("vpp_layers",), "warning"))
+    if s["vpp"] == 1:
+        out.append(Rule(KNOB_FIELDS["vpp"], 1, "one chunk per pipeline rank is no interleaving; VPP left unset, "
+                        "as Megatron-LM does", ("vpp",), "warning"))
+        s["vpp"] = None
     if s["vpp"] and s["vpp"] > 1 and s["schedule"] == "1f1b":
         s["schedule"] = "interleaved"
     if dialect == "skyrl" and s["sp"] != (s["tp"] > 1):
@@ -97,12 +108,14 @@ def adjust(s: dict, dialect: str) -> list[Rule]:
 
 def _positive(s: dict) -> list[Rule]:
     out = []
-    for k in ("tp", "pp", "cp", "ep", "layers", "heads", "seq", "gbs", "mbs", "world", "log"):
+    for k in ("tp", "pp", "cp", "ep", "layers", "heads", "hidden", "vocab", "vocab_div", "seq", "gbs", "mbs",
+              "world", "log"):
         if k == "gbs" and s[k] is None:
             continue
         if not isinstance(s[k], int) or s[k] < 1:
             out.append(Rule(KNOB_FIELDS[k], s[k], "must be a whole number >= 1", (k,)))
-    for k in ("vpp", "etp", "kv", "experts", "vpp_layers", "rnum"):
+    for k in ("vpp", "etp", "kv", "experts", "vpp_layers", "rnum", "ffn", "kvc", "moe_ffn", "shared", "first",
+              "last"):
         if s[k] is not None and s[k] < 1:
             out.append(Rule(KNOB_FIELDS[k], s[k], "must be >= 1 or unset", (k,)))
     return out
@@ -154,6 +167,7 @@ def errors(s: dict) -> list[Rule]:
     elif kv % tp and tp % kv:
         out.append(Rule(KNOB_FIELDS["kv"], kv, f"KV heads must be divisible by TP={tp} or TP "
                         "divisible by KV heads", ("tp", "kv")))
+    out += _widths(s)
     if s["cp_comm"] == "a2a" and cp > 1 and heads % (cp * tp):
         out.append(Rule(KNOB_FIELDS["cp_comm"], "a2a", f"all-to-all context parallelism needs the "
                         f"{heads // tp if heads % tp == 0 else heads} heads per TP rank divisible by "
@@ -181,6 +195,28 @@ def errors(s: dict) -> list[Rule]:
     if s["rgran"] == "full" and s["rmethod"] in ("uniform", "block") and not s["rnum"]:
         out.append(Rule(KNOB_FIELDS["rnum"], None, f"full recompute with method {s['rmethod']} needs "
                         "recompute_num_layers (Megatron-LM refuses without it)", ("rnum",)))
+    return out
+
+
+def ffn_of(s: dict) -> int:
+    return s["ffn"] or default_ffn_size(s["hidden"])
+
+
+def _widths(s: dict) -> list[Rule]:
+    """Widths Megatron-Core splits with `divide()` (an assert): head_dim, and the MLP over TP."""
+    out, tp = [], s["tp"]
+    if not s["mla"] and s["kvc"] is None and s["hidden"] % s["heads"]:
+        out.append(Rule(KNOB_FIELDS["hidden"], s["hidden"], f"hidden_size must be a multiple of "
+                        f"num_attention_heads={s['heads']} (head_dim = hidden/heads; or set kv_channels)",
+                        ("hidden", "heads")))
+    ffn = ffn_of(s)
+    if ffn % tp:
+        given = "" if s["ffn"] else f" (unset: 8*hidden/3 rounded to 64 = {ffn})"
+        out.append(Rule(KNOB_FIELDS["ffn"], ffn, f"the MLP width{given} must divide evenly over "
+                        f"tensor_model_parallel_size={tp}", ("ffn", "tp")))
+    if s["experts"] and s["shared"] and s["shared"] % tp:
+        out.append(Rule(KNOB_FIELDS["shared"], s["shared"], f"the shared experts' width must divide "
+                        f"evenly over tensor_model_parallel_size={tp}", ("shared", "tp")))
     return out
 
 
@@ -228,10 +264,16 @@ def _moe(s: dict, dp: int) -> list[Rule]:
     if experts % ep:
         out.append(Rule(KNOB_FIELDS["ep"], ep, f"num_experts={experts} must be divisible by "
                         "expert_model_parallel_size", ("ep",)))
-    if s["topk"] > experts:
-        out.append(Rule(KNOB_FIELDS["topk"], s["topk"], f"cannot route to more than num_experts={experts}",
-                        ("topk",)))
+    if s["topk"] < 1 or s["topk"] > experts:
+        out.append(Rule(KNOB_FIELDS["topk"], s["topk"], f"must be >= 1; cannot route to more than "
+                        f"num_experts={experts}", ("topk",)))
     etp, dense = etp_of(s), s["tp"] * s["cp"] * dp
+    moe_ffn = s["moe_ffn"] or ffn_of(s)
+    if moe_ffn % etp:
+        given = "" if s["moe_ffn"] else " (unset: the MLP width)"
+        out.append(Rule(KNOB_FIELDS["moe_ffn"], moe_ffn, f"the routed experts' width{given} must divide "
+                        f"evenly over expert_tensor_parallel_size={etp} (ETP defaults to TP)",
+                        ("moe_ffn", "etp")))
     if dense % (etp * ep):
         out.append(Rule(KNOB_FIELDS["etp"], etp, f"MoE folding: ETP*EP = {etp}*{ep} = {etp * ep} must "
                         f"divide TP*CP*DP = {s['tp']}*{s['cp']}*{dp} = {dense} (ETP defaults to TP)",

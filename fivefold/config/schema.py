@@ -152,13 +152,16 @@ class ModelConfig:
 
     @property
     def ffn_size(self) -> int:
-        if self.ffn_hidden_size:
-            return self.ffn_hidden_size
-        return ((8 * self.hidden_size // 3) + 63) // 64 * 64
+        return self.ffn_hidden_size or default_ffn_size(self.hidden_size)
 
     def padded_vocab_size(self, tp: int = 1) -> int:
         multiple = self.make_vocab_size_divisible_by * tp
         return -(-self.vocab_size // multiple) * multiple
+
+
+def default_ffn_size(hidden_size: int) -> int:
+    """The SwiGLU width when ffn_hidden_size is unset: 8h/3 rounded up to a multiple of 64 (Llama)."""
+    return ((8 * hidden_size // 3) + 63) // 64 * 64
 
 
 @dataclass(kw_only=True)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fivefold.config.fixes import describe, search
+from fivefold.config.fixes import first_that_holds, search
 from fivefold.config.rules import KNOB_FIELDS, adjust, dp_of, errors, sizes_of
 from fivefold.config.schema import Config
 from fivefold.errors import UserError
@@ -47,7 +47,7 @@ def validate(config: Config, dialect: str = "fivefold", *, raise_errors: bool = 
     warned = adjust(s, dialect)
     broken = errors(s)
     fixes = search(base, broken, dialect) if broken else {}
-    problems = [Problem(r.field, r.value, r.rule, describe(fixes[i]) if i in fixes else "none found")
+    problems = [Problem(r.field, r.value, r.rule, first_that_holds(config, fixes.get(i, []), dialect))
                 for i, r in enumerate(broken)]
     warnings = [Problem(r.field, r.value, r.rule, "applied", "warning") for r in warned]
     if not broken:
@@ -65,17 +65,19 @@ def _write_back(config: Config, s: dict) -> None:
 
 
 def _soft_warnings(s: dict) -> list[Problem]:
-    """Legal but slow: TP groups that span a node boundary."""
+    """Legal but slow: TP groups that span a node boundary (the first few thousand groups are read by
+    arithmetic; their pattern repeats, so a crossing shows early)."""
     tp, gpn = s["tp"], s["gpn"]
     if tp <= 1 or s["world"] <= gpn or (gpn % tp == 0 and s["order"].startswith("tp")):
         return []
-    layout = Layout(tp=tp, cp=s["cp"], pp=s["pp"], dp=dp_of(s), order=s["order"])
-    for group in layout.dense.groups("tp"):
-        nodes = sorted({r // gpn for r in group})
-        if len(nodes) > 1:
-            edge = next(r for r in group if r // gpn != group[0] // gpn)
-            return [Problem(KNOB_FIELDS["tp"], tp, f"TP group {group} spans nodes {nodes}: it crosses the "
-                            f"node boundary before rank {edge} ({gpn} GPUs per node); TP all-reduces "
+    topo = Layout(tp=tp, cp=s["cp"], pp=s["pp"], dp=dp_of(s), order=s["order"]).dense
+    for k in range(min(topo.num_groups("tp"), 4096)):
+        first, last = topo.member(k, 0, "tp"), topo.member(k, tp - 1, "tp")
+        if first // gpn != last // gpn:
+            shown = [topo.member(k, j, "tp") for j in range(min(tp, 8))]
+            group = ",".join(map(str, shown)) + (f",...,{last}" if tp > 8 else "")
+            return [Problem(KNOB_FIELDS["tp"], tp, f"TP group [{group}] spans nodes {first // gpn}-{last // gpn}: "
+                            f"it crosses a node boundary ({gpn} GPUs per node); TP all-reduces "
                             "then run over the inter-node network", f"tensor_model_parallel_size<={gpn} "
                             f"dividing {gpn}", "warning")]
     return []
