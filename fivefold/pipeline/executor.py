@@ -84,7 +84,8 @@ class PipelineExecutor:
         # sends batched with it, which the schedule's semantics (sends never block) do not allow.
         self.split_sends = device.type == "cuda"
         self._forward_only: Schedule | None = None
-        self._policies: dict[str, SendPolicy] = {}
+        self._policies: dict[bool, SendPolicy] = {}
+        """Where sends are waited, by training (True) or forward-only schedule (send_waits)."""
 
     def params(self, stage: int) -> list[nn.Parameter]:
         return [p for p in self.stages[stage].parameters() if p.requires_grad]
@@ -104,10 +105,10 @@ class PipelineExecutor:
         if mode != "train":
             self._forward_only = self._forward_only or forward_only(schedule)
             schedule = self._forward_only
-        if schedule.name + mode not in self._policies:
-            self._policies[schedule.name + mode] = send_policy(schedule)
+        policy = self._policies.get(mode == "train") or send_policy(schedule)
+        self._policies[mode == "train"] = policy
         state = _StepState(list(input_ids), list(labels) if labels is not None else None, loss_scale, mode,
-                           self._policies[schedule.name + mode])
+                           policy)
         actions = schedule.ranks[self.rank]
         grad_ctx = torch.enable_grad() if mode == "train" else torch.no_grad()
         with grad_ctx:
