@@ -21,8 +21,9 @@ Actions (`Action.kind`), each for one microbatch `mb` on one stage `s`:
   RECV_F receive the input of stage s for mb from `peer` (the rank of stage s-1).
   SEND_B send dL/d(input) of stage s for mb to `peer` (the rank of stage s-1); matches RECV_B(s-1, mb).
   RECV_B receive dL/d(output) of stage s for mb from `peer` (the rank of stage s+1).
-Execution semantics: a rank runs its list in order. SEND never blocks (isend; the executor may wait
-for its completion later). RECV blocks until the matching SEND has been posted. Messages between
+Execution semantics: a rank runs its list in order. SEND never blocks (isend; the executor waits
+for its completion later, at a point send_waits.send_policy proves safe, since the wait lasts until
+the peer posts the RECV). RECV blocks until the matching SEND has been posted. Messages between
 two ranks are matched in posting order (as NCCL p2p is), so the verifier checks that a channel's
 receives come in the order of its sends.
 
