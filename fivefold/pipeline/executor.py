@@ -10,8 +10,10 @@ scaled loss sum(token CE) * loss_scale), and dL/dy once it arrives. Actions:
   BW       both in one pass (backward.backward_full); F&B runs its F, then its BW
   SEND_*/RECV_*  a run of consecutive communication actions is posted as one batched p2p call
            (comm.send_recv), receive buffers preallocated from the known activation shape; the
-           rank waits for its receives before its next computation, never for its sends (a send
-           is complete when the peer has taken it; that is checked between computations).
+           rank waits for its receives before its next computation, and for each send before the
+           computation that send_waits.send_policy names for the schedule (the next one, or the one
+           after where waiting earlier could deadlock; a send completes only once its peer has
+           posted the receive), or earlier when the send's Work reports completion (NCCL).
 
 Megatron's deallocate trick: once the send of y has completed, y's storage is swapped for a
 one-element tensor; only y.grad_fn (the graph) stays, and B/BW backpropagate through the graph edge,
@@ -35,6 +37,7 @@ from torch import nn
 from fivefold.pipeline.backward import WeightPlan, backward_full, backward_input, backward_weight
 from fivefold.pipeline.forward import forward_only
 from fivefold.pipeline.ir import Action, Kind, Schedule
+from fivefold.pipeline.send_waits import SendPolicy, send_policy
 
 Key = tuple[int, int]  # (stage, microbatch)
 MODES = ("train", "loss", "logprobs")
@@ -81,6 +84,8 @@ class PipelineExecutor:
         # sends batched with it, which the schedule's semantics (sends never block) do not allow.
         self.split_sends = device.type == "cuda"
         self._forward_only: Schedule | None = None
+        self._policies: dict[bool, SendPolicy] = {}
+        """Where sends are waited, by training (True) or forward-only schedule (send_waits)."""
 
     def params(self, stage: int) -> list[nn.Parameter]:
         return [p for p in self.stages[stage].parameters() if p.requires_grad]
@@ -100,7 +105,10 @@ class PipelineExecutor:
         if mode != "train":
             self._forward_only = self._forward_only or forward_only(schedule)
             schedule = self._forward_only
-        state = _StepState(list(input_ids), list(labels) if labels is not None else None, loss_scale, mode)
+        policy = self._policies.get(mode == "train") or send_policy(schedule)
+        self._policies[mode == "train"] = policy
+        state = _StepState(list(input_ids), list(labels) if labels is not None else None, loss_scale, mode,
+                           policy)
         actions = schedule.ranks[self.rank]
         grad_ctx = torch.enable_grad() if mode == "train" else torch.no_grad()
         with grad_ctx:
@@ -117,12 +125,15 @@ class PipelineExecutor:
                     state.result.times += [(t0, t1)] * (j - i)
                     i = j
                     continue
+                self._reap(state, upto=state.computed)  # sends due now: their buffers go before it runs
+                t0 = time.perf_counter()
                 self._compute(actions[i], state)
+                state.computed += 1
                 state.result.log.append(actions[i])
                 state.result.times.append((t0, time.perf_counter()))
-                self._reap(state, wait=False)
+                self._reap(state, upto=-1)
                 i += 1
-        self._reap(state, wait=True)
+        self._reap(state, upto=None)
         if not trace:
             state.result.times = []
         return state.result
@@ -132,14 +143,12 @@ class PipelineExecutor:
         sends, recvs, recv_keys = [], [], []
         for a in run:
             key, peer = (a.stage, a.mb), self.peer_rank(a.peer)
-            if a.kind is Kind.SEND_F:
-                t = st.outputs[key]
+            if a.kind in (Kind.SEND_F, Kind.SEND_B):
+                t = st.outputs[key] if a.kind is Kind.SEND_F else st.input_grads.pop(key)
                 sends.append((t, peer))
-                st.sent.append((None, key, t))
-            elif a.kind is Kind.SEND_B:
-                t = st.input_grads.pop(key)
-                sends.append((t, peer))
-                st.sent.append((None, key, None))
+                lag = st.policy.lag(a.kind)
+                st.sent.append(_Sent(None, key, t if a.kind is Kind.SEND_F else None,
+                                     None if lag is None else st.computed + lag))
             else:
                 shape = self.activation_shape(st.input_ids[a.mb].shape)
                 buf = torch.empty(shape, dtype=self.dtype, device=self.device)
@@ -151,8 +160,7 @@ class PipelineExecutor:
         else:
             works = list(self.send_recv(sends, recvs, tag="pp"))
         for k in range(n_new):  # attach each send's Work to its entry
-            _, key, t = st.sent[len(st.sent) - n_new + k]
-            st.sent[len(st.sent) - n_new + k] = (works[k], key, t)
+            st.sent[len(st.sent) - n_new + k].work = works[k]
         for w in works[n_new:]:
             w.wait()
         for kind, key, buf in recv_keys:
@@ -161,13 +169,15 @@ class PipelineExecutor:
             else:
                 st.output_grads[key] = buf
 
-    def _reap(self, st: "_StepState", wait: bool) -> None:
-        """Finish completed sends: free a sent activation's storage (its graph stays)."""
+    def _reap(self, st: "_StepState", upto: int | None) -> None:
+        """Finish sends: wait those due before computation `upto` (every one when None), take those
+        already complete, and free a sent activation's storage (its graph stays)."""
         keep = []
-        for work, key, tensor in st.sent:
-            done = wait or _completed(work)
-            if not done:
-                keep.append((work, key, tensor))
+        for sent in st.sent:
+            work, key, tensor = sent.work, sent.key, sent.tensor
+            due = upto is None or (sent.due is not None and sent.due <= upto)
+            if not (due or _completed(work)):
+                keep.append(sent)
                 continue
             work.wait()
             if tensor is not None:
@@ -239,17 +249,30 @@ class PipelineExecutor:
             st.input_grads[key] = dx
 
 
+@dataclass
+class _Sent:
+    """A posted send: its Work, (stage, mb), the activation to free (None for an input gradient, whose
+    only reference is the Work's), and the computation it is waited before (None: the step end)."""
+    work: object
+    key: Key
+    tensor: torch.Tensor | None
+    due: int | None
+
+
 class _StepState:
     """Everything one step keeps per (stage, microbatch) on this rank."""
 
-    def __init__(self, input_ids, labels, loss_scale: float, mode: str):
+    def __init__(self, input_ids, labels, loss_scale: float, mode: str, policy: SendPolicy):
         self.input_ids, self.labels, self.loss_scale, self.mode = input_ids, labels, loss_scale, mode
+        self.policy = policy
+        self.computed = 0
+        """Computations run so far this step."""
         self.inputs: dict[Key, torch.Tensor] = {}
         self.outputs: dict[Key, torch.Tensor] = {}
         self.output_grads: dict[Key, torch.Tensor] = {}
         self.input_grads: dict[Key, torch.Tensor] = {}
         self.plans: dict[Key, WeightPlan] = {}
-        self.sent: list[tuple[object, Key, torch.Tensor | None]] = []
+        self.sent: list[_Sent] = []
         self.done: set[Key] = set()
         """(stage, mb) whose backward has finished."""
         self.result = RunResult()
@@ -262,7 +285,7 @@ class _StepState:
         """The backward of `key` is done: drop its input and (unless a send still holds it) output."""
         self.inputs.pop(key, None)
         self.done.add(key)
-        if not any(k == key and t is not None for _, k, t in self.sent):
+        if not any(s.key == key and s.tensor is not None for s in self.sent):
             self.outputs.pop(key, None)
 
 

@@ -21,8 +21,9 @@ Actions (`Action.kind`), each for one microbatch `mb` on one stage `s`:
   RECV_F receive the input of stage s for mb from `peer` (the rank of stage s-1).
   SEND_B send dL/d(input) of stage s for mb to `peer` (the rank of stage s-1); matches RECV_B(s-1, mb).
   RECV_B receive dL/d(output) of stage s for mb from `peer` (the rank of stage s+1).
-Execution semantics: a rank runs its list in order. SEND never blocks (isend; the executor may wait
-for its completion later). RECV blocks until the matching SEND has been posted. Messages between
+Execution semantics: a rank runs its list in order. SEND never blocks (isend; the executor waits
+for its completion later, at a point send_waits.send_policy proves safe, since the wait lasts until
+the peer posts the RECV). RECV blocks until the matching SEND has been posted. Messages between
 two ranks are matched in posting order (as NCCL p2p is), so the verifier checks that a channel's
 receives come in the order of its sends.
 
@@ -159,15 +160,18 @@ class Schedule:
         return Schedule(self.name, tuple(tuple(a) for a in ranks), self.placement, self.num_microbatches)
 
 
-def run_in_order(schedule: Schedule, take: Callable[[int, Action, object], object] | None = None) -> list[int]:
+def run_in_order(schedule: Schedule, take: Callable[[int, Action, object], object] | None = None,
+                 ready: Callable[[int, Action, list[int]], bool] | None = None) -> list[int]:
     """The untimed run of the execution semantics above, shared by the verifier and the simulator.
 
     Ranks take their actions in order, round-robin: a SEND is posted and never blocks; a RECV is
     taken only once a matching SEND has been posted (each SEND satisfies one RECV, in posting order).
     `take(rank, action, carried)` is called on each action as it is taken; what it returns for a SEND
     is carried by the message and handed to the RECV that takes it (`carried`; None otherwise): the
-    simulator sends the time the message lands. Returns where each rank stopped: len(its actions)
-    when it finished, else the index of its blocked RECV.
+    simulator sends the time the message lands. `ready(rank, action, pos)`, when given, may hold a
+    rank before an action until the other ranks' positions `pos` allow it (send_waits: a send that
+    is waited before a computation blocks until its receive is posted). Returns where each rank
+    stopped: len(its actions) when it finished, else the index of its blocked action.
     """
     pos = [0] * schedule.num_ranks
     posted: dict[tuple, list] = {}  # (src, dst, message) -> what the SENDs not yet received carry
@@ -177,6 +181,8 @@ def run_in_order(schedule: Schedule, take: Callable[[int, Action, object], objec
         for r, acts in enumerate(schedule.ranks):
             while pos[r] < len(acts):
                 a = acts[pos[r]]
+                if ready is not None and not ready(r, a, pos):
+                    break
                 carried = None
                 if a.kind is Kind.RECV_F or a.kind is Kind.RECV_B:
                     queue = posted.get((a.peer, r, a.message()))
