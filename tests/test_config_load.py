@@ -50,3 +50,16 @@ def test_validate_lists_every_problem_with_a_fix():
         validate(loaded.config, loaded.dialect)
     assert "tensor_model_parallel_size=3" in str(e.value)
     assert "recompute_num_layers" in str(e.value)
+
+
+def test_one_node_may_use_part_of_its_gpus_several_nodes_are_filled(tmp_path):
+    """A config written back by a run (`to_dict`: world_size 2 beside the default 1 node x 8) loads: one
+    node may run on fewer of its GPUs. Several nodes are filled GPU by GPU, so a world size that is not
+    nodes x GPUs per node is refused with both fixes."""
+    one = tmp_path / "one.yaml"
+    one.write_text("cluster:\n  num_nodes: 1\n  gpus_per_node: 8\n  world_size: 2\n")
+    assert load_config(one, []).config.cluster.resolved_world_size == 2
+    two = tmp_path / "two.yaml"
+    two.write_text("cluster:\n  num_nodes: 2\n  gpus_per_node: 8\n  world_size: 2\n")
+    with pytest.raises(UserError, match="give one: world_size=16"):
+        load_config(two, [])

@@ -95,14 +95,18 @@ def _read_text(p: Path) -> str:
 
 
 def _check_cluster(config: Config, explicit: set[str]) -> None:
-    """Sizes >= 1, and a world size given beside a node count must equal nodes x GPUs per node."""
+    """Sizes >= 1, and a world size given beside a node count must equal nodes x GPUs per node (one node
+    may use fewer of its GPUs)."""
     c = config.cluster
     for name in ("num_nodes", "gpus_per_node", "world_size"):
         v = getattr(c, name)
         if v is not None and v < 1:
             raise UserError(f"cluster.{name}={v}: must be a whole number >= 1")
+    # One node may run on part of its GPUs (torchrun --nproc-per-node 2 on an 8-GPU node); several
+    # nodes are filled GPU by GPU, so their world size is exactly nodes x GPUs per node.
+    partial_node = c.num_nodes == 1 and c.world_size is not None and c.world_size < c.gpus_per_node
     if "cluster.world_size" in explicit and "cluster.num_nodes" in explicit and c.world_size is not None \
-            and c.world_size != c.num_nodes * c.gpus_per_node:
+            and c.world_size != c.num_nodes * c.gpus_per_node and not partial_node:
         n, g, w = c.num_nodes, c.gpus_per_node, c.world_size
         other = f" or num_nodes={w // g}" if w % g == 0 else ""
         raise UserError(f"cluster.world_size={w} disagrees with cluster.num_nodes x gpus_per_node = {n} x {g} "
