@@ -181,6 +181,21 @@ class Plan:
         self._groups[rank] = out
         return out
 
+    def rank_shape(self, rank: int) -> tuple:
+        """What a pipeline rank's per-microbatch cost depends on: its layer groups by kind ((MoE?,
+        recomputed?, count), in order), whether it is the first / last rank, and which of its chunks
+        exchange activations with another rank (before, after). Ranks with equal shapes cost the same."""
+        key = ("shape", rank)
+        shape = self._groups.get(key)
+        if shape is None:
+            m, placement = self.config.model, self.placement
+            k = m.moe_first_k_dense_layers if m.is_moe else m.num_layers
+            kinds = tuple((i >= k, rec, n) for i, rec, n in self.layer_groups(rank))
+            ends = tuple((s > 0 and placement[s - 1] != rank, s + 1 < len(placement) and placement[s + 1] != rank)
+                         for s, r in enumerate(placement) if r == rank)
+            shape = self._groups[key] = (kinds, rank == 0, rank == self.pp - 1, ends)
+        return shape
+
     def _recomputed_count(self) -> int:
         t = self.config.training
         if t.recompute_granularity != "full":

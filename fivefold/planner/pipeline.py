@@ -59,7 +59,7 @@ def _simulate(schedule: str, pp: int, vpp: int | None, m: int):
     """(makespan in stage times, peak in-flight chunks per rank, chunks per rank, peak B-done-W-pending
     chunks per rank), equal stages."""
     s = build_schedule(schedule, pp, m, vpp if schedule == "interleaved" else None)
-    r = simulate(s, Costs.per_rank(s, 1 / 3, 1 / 3, 1 / 3))
+    r = simulate(s, Costs.per_rank(s, 1 / 3, 1 / 3, 1 / 3), timeline=False)
     pending = [_pending_w(a) for a in s.ranks]
     return (r.makespan, tuple(r.peak_in_flight), tuple(r.stages_per_rank), tuple(p for p, _ in pending),
             tuple(f for _, f in pending))

@@ -119,9 +119,9 @@ def step_time(plan: Plan, hw: Hardware, ta: TimeAssumptions = TimeAssumptions())
     n_mb = plan.microbatches
     rank_times, rank_parts, rank_bytes = [], [], []
     kinds: dict[tuple[bool, bool], tuple[dict, dict]] = {}  # (MoE?, recomputed?) -> one layer's cost
-    shapes: dict[tuple, tuple[dict, dict]] = {}  # ranks with the same layers and ends cost the same
+    shapes: dict[tuple, tuple[dict, dict]] = {}  # ranks of equal `Plan.rank_shape` cost the same
     for r in range(plan.pp):
-        shape = (tuple(plan.layer_groups(r)), r == 0, r == plan.pp - 1)
+        shape = plan.rank_shape(r)
         if shape in shapes:
             parts, sent = shapes[shape]
             rank_times.append(sum(parts.values()))
@@ -152,7 +152,7 @@ def step_time(plan: Plan, hw: Hardware, ta: TimeAssumptions = TimeAssumptions())
     step_parts, step_bytes, opt_time = {}, {}, -1.0  # of the rank whose once-per-step work is longest
     seen = set()
     for r in range(plan.pp):
-        shape = (tuple(plan.layer_groups(r)), r == 0, r == plan.pp - 1)
+        shape = plan.rank_shape(r)
         if shape in seen:
             continue
         seen.add(shape)
@@ -206,6 +206,9 @@ def _add_calls(calls: list[Collective], links: _Links, sizes: dict[str, int], pa
         parts["cp"] += max(0.0, overlapped - hidden)
 
 
+LAYER_GROUPS = ("tp", "etp", "cp", "ep", "tp-cp")
+"""The groups a decoder layer's calls (`layer_collectives`) cross: its cost depends on their links only."""
+
 _LAYER_COSTS: dict[tuple, tuple] = {}
 """What one layer's cost depends on -> (the model, its cost): layouts that differ only in PP, DP or
 the layer split share their layers' costs (the model is kept alive beside its id)."""
@@ -216,7 +219,7 @@ def _layer_cost(plan: Plan, links: _Links, sizes: dict[str, int], i: int, recomp
     m, p = plan.config.model, plan.config.parallel
     key = (id(m), is_moe_layer(m, i), recomputed, plan.recompute, plan.mbs, plan.seq, plan.precision, plan.tp, plan.sp,
            plan.cp, p.cp_comm_type, tuple(p.hierarchical_context_parallel_sizes or ()), plan.ep, plan.etp,
-           tuple(sorted(links.cross.items())), id(links.hw), links.ta, flops_rate)
+           tuple(links.cross[g] for g in LAYER_GROUPS), id(links.hw), links.ta, flops_rate)
     got = _LAYER_COSTS.get(key)
     if got is None or got[0] is not m or got[1] is not links.hw:
         got = _LAYER_COSTS[key] = (m, links.hw, _layer_cost_of(plan, links, sizes, i, recomputed, flops_rate))
@@ -232,5 +235,7 @@ def _layer_cost_of(plan: Plan, links: _Links, sizes: dict[str, int], i: int, rec
     extra = fwd if recomputed else (core if plan.recompute == "selective" else 0.0)
     parts["compute"] = (3 * fwd + extra) / (tp * cp) / flops_rate
     hidden = 3 * core / (tp * cp) / flops_rate  # the attention core, forward + backward
-    _add_calls(layer_collectives(plan, i, recomputed), links, sizes, parts, sent, hidden)
+    calls = layer_collectives(plan, i, recomputed)
+    assert all(c.group in LAYER_GROUPS for c in calls), "a layer call on a group the cache key leaves out"
+    _add_calls(calls, links, sizes, parts, sent, hidden)
     return parts, sent
