@@ -7,7 +7,6 @@ uneven first/last stages, embedding and loss counted as layers).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
 
 from fivefold.config.schema import Config
 from fivefold.errors import UserError
@@ -30,6 +29,20 @@ def virtual_stage_layers(config: Config) -> list[int]:
     if key not in _SPLITS:
         _SPLITS[key] = list(stage_layers(sizes_of(config)))
     return _SPLITS[key]
+
+
+class cached_property:  # noqa: N801 (named as the functools one it replaces)
+    """functools.cached_property without its per-instance lock (Python 3.11 takes one on every first
+    read, a large share of the search's time); a Plan is read by one thread."""
+
+    def __init__(self, func):
+        self.func, self.name, self.__doc__ = func, func.__name__, func.__doc__
+
+    def __get__(self, obj, owner=None):
+        if obj is None:
+            return self
+        value = obj.__dict__[self.name] = self.func(obj)
+        return value
 
 
 _SPLITS: dict[tuple, list[int]] = {}
@@ -180,6 +193,14 @@ class Plan:
         out = [(first, key[1], n) for key, (first, n) in counts.items()]
         self._groups[rank] = out
         return out
+
+    def cached(self, key: tuple, compute):
+        """`compute()`, kept with the layer groups: for what depends on the layer split and schedule
+        (and on what `key` names besides)."""
+        got = self._groups.get(key)
+        if got is None:
+            got = self._groups[key] = compute()
+        return got
 
     def rank_shape(self, rank: int) -> tuple:
         """What a pipeline rank's per-microbatch cost depends on: its layer groups by kind ((MoE?,

@@ -137,16 +137,14 @@ class _Ranks:
     """What every pipeline rank of one plan shares; `memory(r)` sizes rank r."""
 
     def __init__(self, plan: Plan, assume: MemoryAssumptions):
-        self.plan, m = plan, plan.config.model
+        self.plan = plan
         self.sh = Sharding(tp=plan.tp, sp=plan.sp, cp=plan.cp, etp=plan.etp, recompute=plan.recompute)
         self.prof = pipeline_profile(plan.schedule, plan.pp, plan.vpp, plan.microbatches)
         traits = _for_precision(assume.traits, plan.precision)
         self.assume = MemoryAssumptions(allocator_overhead=assume.allocator_overhead,
                                         runtime_reserve=assume.runtime_reserve, traits=traits)
-        k = m.moe_first_k_dense_layers if m.is_moe else m.num_layers
-        # ranks with the same layers (and ends) hold the same per-microbatch state
-        self.shapes = [(tuple((i >= k, rec, n) for i, rec, n in plan.layer_groups(r)), r == 0, r == plan.pp - 1)
-                       for r in range(plan.pp)]
+        # ranks of the same shape (layers by kind, ends) hold the same per-microbatch state
+        self.shapes = [plan.rank_shape(r) for r in range(plan.pp)]
 
     def candidates(self) -> list[int]:
         """The ranks that can hold the most memory, ascending: a rank is left out when an earlier rank
@@ -155,6 +153,9 @@ class _Ranks:
         not so with optimizer scratch, which shrinks as activations grow: then every rank is kept)."""
         if self.assume.traits.optimizer_scratch_bytes:
             return list(range(self.plan.pp))
+        return self.plan.cached(("peak candidates", self.plan.microbatches), self._candidates)
+
+    def _candidates(self) -> list[int]:
         prof, out, best = self.prof, [], {}
         for r, shape in enumerate(self.shapes):
             held = (prof.inflight_chunks[r], prof.pending_weight_microbatches(r),
