@@ -74,7 +74,9 @@ class RankMemory:
 
     @property
     def total(self) -> float:
-        return sum(getattr(self, k) for k in self.KINDS)
+        # the KINDS in order, written out: the search reads this for every rank it sizes
+        return (self.weights + self.grads + self.optimizer + self.activations + self.logits + self.buffers
+                + self.scratch + self.overhead + self.reserve)
 
     def as_dict(self) -> dict[str, float]:
         return {k: getattr(self, k) for k in self.KINDS}

@@ -118,32 +118,9 @@ def step_time(plan: Plan, hw: Hardware, ta: TimeAssumptions = TimeAssumptions())
     flops_rate = hw.peak_flops(plan.precision) * ta.gemm_efficiency
     n_mb = plan.microbatches
     rank_times, rank_parts, rank_bytes = [], [], []
-    kinds: dict[tuple[bool, bool], tuple[dict, dict]] = {}  # (MoE?, recomputed?) -> one layer's cost
-    shapes: dict[tuple, tuple[dict, dict]] = {}  # ranks of equal `Plan.rank_shape` cost the same
     for r in range(plan.pp):
-        shape = plan.rank_shape(r)
-        if shape in shapes:
-            parts, sent = shapes[shape]
-            rank_times.append(sum(parts.values()))
-            rank_parts.append(parts)
-            rank_bytes.append(sent)
-            continue
-        parts = dict.fromkeys(("compute", "tp", "cp", "ep", "pp"), 0.0)
-        sent = dict.fromkeys(("tp", "cp", "ep", "pp"), 0.0)
-        for i, recomputed, n in plan.layer_groups(r):
-            key = (is_moe_layer(m, i), recomputed)
-            if key not in kinds:
-                kinds[key] = _layer_cost(plan, links, sizes, i, recomputed, flops_rate)
-            lp, ls = kinds[key]
-            for k in lp:
-                parts[k] += lp[k] * n
-            for k in ls:
-                sent[k] += ls[k] * n
-        if r == plan.pp - 1:
-            parts["compute"] += 3 * output_forward_flops(m) * b * s / (tp * cp) / flops_rate
-        _add_calls(stage_collectives(plan, r), links, sizes, parts, sent)
-        shapes[shape] = parts, sent
-        rank_times.append(sum(parts.values()))
+        parts, sent, total = _rank_cost(plan, r, links, sizes, flops_rate)
+        rank_times.append(total)
         rank_parts.append(parts)
         rank_bytes.append(sent)
     pipe = pipeline_time(plan.schedule, rank_times, plan.vpp, n_mb)
@@ -159,11 +136,10 @@ def step_time(plan: Plan, hw: Hardware, ta: TimeAssumptions = TimeAssumptions())
         comp = rank_parts[r]["compute"]
         exposed: dict[str, float] = {}
         sent: dict[str, float] = {}
-        for c in step_collectives(plan, r):
-            n, part = sizes[c.group], PART[c.group]
-            hide = {"backward": comp * 2 / 3, "forward": comp / 3}.get(c.hides_behind, 0.0)
-            exposed[part] = exposed.get(part, 0.0) + max(0.0, links.time(c.group, c.wire_bytes(n), c.steps(n)) - hide)
-            sent[part] = sent.get(part, 0.0) + c.wire_bytes(n)
+        for part, t, wire, behind in _step_calls(plan, r, links, sizes):
+            hide = {"backward": comp * 2 / 3, "forward": comp / 3}.get(behind, 0.0)
+            exposed[part] = exposed.get(part, 0.0) + max(0.0, t - hide)
+            sent[part] = sent.get(part, 0.0) + wire
         dense, expert = rank_params(plan, r)
         local = (dense / (plan.dp * cp) + expert / plan.edp) if distopt else dense + expert
         opt = local * ta.optimizer_bytes_per_param / (hw.memory_bw * 0.8)
@@ -187,6 +163,85 @@ def step_time(plan: Plan, hw: Hardware, ta: TimeAssumptions = TimeAssumptions())
                         bubble_fraction=bubble_fraction(plan.schedule, plan.pp, plan.vpp, n_mb),
                         parts=parts, comm_bytes=comm_bytes,
                         links={g: links.name(g) for g in links.cross})
+
+
+Timed = tuple[tuple[str, float, float, "str | None"], ...]
+"""Calls as (reported part, seconds on their link, wire bytes, what they hide behind), in call order."""
+
+
+def _timed(calls: list[Collective], links: _Links, sizes: dict[str, int]) -> Timed:
+    out = []
+    for c in calls:
+        n = sizes[c.group]
+        out.append((PART[c.group], links.time(c.group, c.wire_bytes(n), c.steps(n)), c.wire_bytes(n), c.hides_behind))
+    return tuple(out)
+
+
+def _add_timed(timed: Timed, parts: dict, sent: dict) -> None:
+    """`_add_calls` for calls on the critical path, already timed."""
+    for part, t, wire, _ in timed:
+        sent[part] += wire
+        parts[part] += t
+
+
+_CALLS: dict[tuple, tuple] = {}
+"""What a rank's cost per microbatch, its stage calls (per microbatch) or its step calls (once)
+depend on -> (the model, the hardware, the result): the search meets the same pipeline ranks under
+many layouts (DP, EP, split, recompute)."""
+
+
+def _cached_calls(key: tuple, plan: Plan, links: _Links, compute) -> Timed:
+    m = plan.config.model
+    key = (id(m), id(links.hw), links.ta) + key
+    got = _CALLS.get(key)
+    if got is None or got[0] is not m or got[1] is not links.hw:
+        got = _CALLS[key] = (m, links.hw, compute())
+    return got[2]
+
+
+def _rank_cost(plan: Plan, r: int, links: _Links, sizes: dict[str, int], flops_rate: float) -> tuple[dict, dict, float]:
+    """(seconds by kind, wire bytes by kind, total seconds) of pipeline rank r for one microbatch:
+    its layers, the output layer's compute on the last rank, its stage calls. Equal for ranks of
+    equal `Plan.rank_shape` under the same layer costs (`_layer_cost`'s key) and stage calls."""
+    p = plan.config.parallel
+    key = ("rank", plan.recompute, plan.mbs, plan.seq, plan.precision, plan.tp, plan.sp, plan.cp, p.cp_comm_type,
+           tuple(p.hierarchical_context_parallel_sizes or ()), plan.ep, plan.etp, plan.pp,
+           tuple(links.cross[g] for g in LAYER_GROUPS), links.cross["pp"], flops_rate, plan.rank_shape(r))
+    return _cached_calls(key, plan, links, lambda: _rank_cost_of(plan, r, links, sizes, flops_rate))
+
+
+def _rank_cost_of(plan: Plan, r: int, links: _Links, sizes: dict[str, int], flops_rate: float):
+    m = plan.config.model
+    parts = dict.fromkeys(("compute", "tp", "cp", "ep", "pp"), 0.0)
+    sent = dict.fromkeys(("tp", "cp", "ep", "pp"), 0.0)
+    for i, recomputed, n in plan.layer_groups(r):
+        lp, ls = _layer_cost(plan, links, sizes, i, recomputed, flops_rate)
+        for k in lp:
+            parts[k] += lp[k] * n
+        for k in ls:
+            sent[k] += ls[k] * n
+    if r == plan.pp - 1:
+        parts["compute"] += 3 * output_forward_flops(m) * plan.mbs * plan.seq / (plan.tp * plan.cp) / flops_rate
+    _add_timed(_stage_calls(plan, r, links, sizes), parts, sent)
+    return parts, sent, sum(parts.values())
+
+
+def _stage_calls(plan: Plan, r: int, links: _Links, sizes: dict[str, int]) -> Timed:
+    """`stage_collectives` of pipeline rank r, timed (none hides behind compute)."""
+    key = ("stage", plan.tp, plan.sp, plan.cp, plan.pp, plan.mbs, plan.seq, plan.precision, plan.rank_shape(r)[1:],
+           links.cross["tp"], links.cross["pp"])
+    timed = _cached_calls(key, plan, links, lambda: _timed(stage_collectives(plan, r), links, sizes))
+    assert all(behind is None for *_, behind in timed)
+    return timed
+
+
+def _step_calls(plan: Plan, r: int, links: _Links, sizes: dict[str, int]) -> Timed:
+    """`step_collectives` of pipeline rank r, timed."""
+    p = plan.config.parallel
+    key = ("step", plan.tp, plan.sp, plan.cp, plan.dp, plan.pp, plan.vpp, plan.schedule, plan.ep, plan.etp, plan.edp,
+           plan.precision, plan.config.training.use_distributed_optimizer, plan.rank_shape(r),
+           links.cross["tp"], links.cross["embedding"], links.cross["dp"], links.cross["edp"], p.order)
+    return _cached_calls(key, plan, links, lambda: _timed(step_collectives(plan, r), links, sizes))
 
 
 def _add_calls(calls: list[Collective], links: _Links, sizes: dict[str, int], parts: dict, sent: dict,
