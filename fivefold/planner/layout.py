@@ -202,20 +202,23 @@ class Plan:
             got = self._groups[key] = compute()
         return got
 
-    def rank_shape(self, rank: int) -> tuple:
-        """What a pipeline rank's per-microbatch cost depends on: its layer groups by kind ((MoE?,
+    @cached_property
+    def rank_shapes(self) -> tuple:
+        """Per pipeline rank, what its per-microbatch cost depends on: its layer groups by kind ((MoE?,
         recomputed?, count), in order), whether it is the first / last rank, and which of its chunks
         exchange activations with another rank (before, after). Ranks with equal shapes cost the same."""
-        key = ("shape", rank)
-        shape = self._groups.get(key)
-        if shape is None:
-            m, placement = self.config.model, self.placement
-            k = m.moe_first_k_dense_layers if m.is_moe else m.num_layers
+        return self.cached(("shapes",), self._rank_shapes)
+
+    def _rank_shapes(self) -> tuple:
+        m, placement = self.config.model, self.placement
+        k = m.moe_first_k_dense_layers if m.is_moe else m.num_layers
+        out = []
+        for rank in range(self.pp):
             kinds = tuple((i >= k, rec, n) for i, rec, n in self.layer_groups(rank))
             ends = tuple((s > 0 and placement[s - 1] != rank, s + 1 < len(placement) and placement[s + 1] != rank)
                          for s, r in enumerate(placement) if r == rank)
-            shape = self._groups[key] = (kinds, rank == 0, rank == self.pp - 1, ends)
-        return shape
+            out.append((kinds, rank == 0, rank == self.pp - 1, ends))
+        return tuple(out)
 
     def _recomputed_count(self) -> int:
         t = self.config.training

@@ -146,7 +146,7 @@ class _Ranks:
         self.assume = MemoryAssumptions(allocator_overhead=assume.allocator_overhead,
                                         runtime_reserve=assume.runtime_reserve, traits=traits)
         # ranks of the same shape (layers by kind, ends) hold the same per-microbatch state
-        self.shapes = [plan.rank_shape(r) for r in range(plan.pp)]
+        self.shapes = plan.rank_shapes
 
     def candidates(self) -> list[int]:
         """The ranks that can hold the most memory, ascending: a rank is left out when an earlier rank

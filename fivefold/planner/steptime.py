@@ -118,18 +118,20 @@ def step_time(plan: Plan, hw: Hardware, ta: TimeAssumptions = TimeAssumptions())
     flops_rate = hw.peak_flops(plan.precision) * ta.gemm_efficiency
     n_mb = plan.microbatches
     rank_times, rank_parts, rank_bytes = [], [], []
-    for r in range(plan.pp):
-        parts, sent, total = _rank_cost(plan, r, links, sizes, flops_rate)
-        rank_times.append(total)
-        rank_parts.append(parts)
-        rank_bytes.append(sent)
+    shapes: dict[tuple, tuple[dict, dict, float]] = {}  # ranks of equal `Plan.rank_shapes` cost the same
+    for r, shape in enumerate(plan.rank_shapes):
+        got = shapes.get(shape)
+        if got is None:
+            got = shapes[shape] = _rank_cost(plan, r, links, sizes, flops_rate)
+        rank_parts.append(got[0])
+        rank_bytes.append(got[1])
+        rank_times.append(got[2])
     pipe = pipeline_time(plan.schedule, rank_times, plan.vpp, n_mb)
     worst = max(range(plan.pp), key=lambda r: rank_times[r])
     distopt = cfg.training.use_distributed_optimizer
     step_parts, step_bytes, opt_time = {}, {}, -1.0  # of the rank whose once-per-step work is longest
     seen = set()
-    for r in range(plan.pp):
-        shape = plan.rank_shape(r)
+    for r, shape in enumerate(plan.rank_shapes):
         if shape in seen:
             continue
         seen.add(shape)
@@ -185,9 +187,9 @@ def _add_timed(timed: Timed, parts: dict, sent: dict) -> None:
 
 
 _CALLS: dict[tuple, tuple] = {}
-"""What a rank's cost per microbatch, its stage calls (per microbatch) or its step calls (once)
-depend on -> (the model, the hardware, the result): the search meets the same pipeline ranks under
-many layouts (DP, EP, split, recompute)."""
+"""What a rank's stage calls (per microbatch) or step calls (once) depend on -> (the model, the
+hardware, the calls timed): the search meets the same pipeline ranks under many layouts (EP, split,
+recompute)."""
 
 
 def _cached_calls(key: tuple, plan: Plan, links: _Links, compute) -> Timed:
@@ -201,16 +203,7 @@ def _cached_calls(key: tuple, plan: Plan, links: _Links, compute) -> Timed:
 
 def _rank_cost(plan: Plan, r: int, links: _Links, sizes: dict[str, int], flops_rate: float) -> tuple[dict, dict, float]:
     """(seconds by kind, wire bytes by kind, total seconds) of pipeline rank r for one microbatch:
-    its layers, the output layer's compute on the last rank, its stage calls. Equal for ranks of
-    equal `Plan.rank_shape` under the same layer costs (`_layer_cost`'s key) and stage calls."""
-    p = plan.config.parallel
-    key = ("rank", plan.recompute, plan.mbs, plan.seq, plan.precision, plan.tp, plan.sp, plan.cp, p.cp_comm_type,
-           tuple(p.hierarchical_context_parallel_sizes or ()), plan.ep, plan.etp, plan.pp,
-           tuple(links.cross[g] for g in LAYER_GROUPS), links.cross["pp"], flops_rate, plan.rank_shape(r))
-    return _cached_calls(key, plan, links, lambda: _rank_cost_of(plan, r, links, sizes, flops_rate))
-
-
-def _rank_cost_of(plan: Plan, r: int, links: _Links, sizes: dict[str, int], flops_rate: float):
+    its layers, the output layer's compute on the last rank, its stage calls."""
     m = plan.config.model
     parts = dict.fromkeys(("compute", "tp", "cp", "ep", "pp"), 0.0)
     sent = dict.fromkeys(("tp", "cp", "ep", "pp"), 0.0)
@@ -228,7 +221,7 @@ def _rank_cost_of(plan: Plan, r: int, links: _Links, sizes: dict[str, int], flop
 
 def _stage_calls(plan: Plan, r: int, links: _Links, sizes: dict[str, int]) -> Timed:
     """`stage_collectives` of pipeline rank r, timed (none hides behind compute)."""
-    key = ("stage", plan.tp, plan.sp, plan.cp, plan.pp, plan.mbs, plan.seq, plan.precision, plan.rank_shape(r)[1:],
+    key = ("stage", plan.tp, plan.sp, plan.cp, plan.pp, plan.mbs, plan.seq, plan.precision, plan.rank_shapes[r][1:],
            links.cross["tp"], links.cross["pp"])
     timed = _cached_calls(key, plan, links, lambda: _timed(stage_collectives(plan, r), links, sizes))
     assert all(behind is None for *_, behind in timed)
@@ -239,7 +232,7 @@ def _step_calls(plan: Plan, r: int, links: _Links, sizes: dict[str, int]) -> Tim
     """`step_collectives` of pipeline rank r, timed."""
     p = plan.config.parallel
     key = ("step", plan.tp, plan.sp, plan.cp, plan.dp, plan.pp, plan.vpp, plan.schedule, plan.ep, plan.etp, plan.edp,
-           plan.precision, plan.config.training.use_distributed_optimizer, plan.rank_shape(r),
+           plan.precision, plan.config.training.use_distributed_optimizer, plan.rank_shapes[r],
            links.cross["tp"], links.cross["embedding"], links.cross["dp"], links.cross["edp"], p.order)
     return _cached_calls(key, plan, links, lambda: _timed(step_collectives(plan, r), links, sizes))
 
