@@ -67,16 +67,21 @@ def _simulate(schedule: str, pp: int, vpp: int | None, m: int):
 
 def _pending_w(actions) -> tuple[int, int]:
     """Peak of (B pieces done - W pieces done) on stages > 0 over one rank's actions, in its order:
-    over all of them, and at the forwards."""
+    over all of them, and at the forwards (an F&B is its F, then its BW)."""
     pending = peak = at_forward = 0
     for a in actions:
-        for piece in ([] if a.kind.is_comm else a.pieces()):
-            if piece.kind is Kind.F:
-                at_forward = max(at_forward, pending)
-            elif piece.stage > 0:
-                pending += (piece.kind is Kind.B) - (piece.kind is Kind.W)
+        kind = a.kind
+        if kind is Kind.F or kind is Kind.FB:
+            at_forward = max(at_forward, pending)
+            if kind is Kind.FB and a.b_stage > 0:  # its BW: B and W together leave pending as it was
                 peak = max(peak, pending)
+        elif kind in _BACKWARD and a.stage > 0:
+            pending += (kind is Kind.B) - (kind is Kind.W)
+            peak = max(peak, pending)
     return peak, at_forward
+
+
+_BACKWARD = (Kind.B, Kind.W, Kind.BW)
 
 
 def pipeline_profile(schedule: str, pp: int, vpp: int | None, m: int) -> PipelineProfile:
