@@ -14,7 +14,6 @@ A message with no sender is still given its RECV, for the verifier to report.
 """
 from __future__ import annotations
 
-from bisect import bisect_left
 from collections import defaultdict
 
 from fivefold.pipeline.ir import Action, Kind, Schedule
@@ -63,11 +62,6 @@ def lower(schedule: Schedule) -> Schedule:
                     channel[(r, send.peer)].append(send.message())
         with_sends.append(out)
 
-    # (src, dst) -> message -> its positions on that channel, ascending (a message is normally sent once)
-    where: dict[tuple[int, int], dict[tuple[str, int, int], list[int]]] = defaultdict(dict)
-    for key, queue in channel.items():
-        for i, msg in enumerate(queue):
-            where[key].setdefault(msg, []).append(i)
     lowered: list[list[Action]] = []
     for r, acts in enumerate(with_sends):
         received: dict[int, int] = defaultdict(int)  # sender -> messages taken off channel (sender, r)
@@ -76,14 +70,11 @@ def lower(schedule: Schedule) -> Schedule:
             for p in a.pieces():
                 for recv in _needs(p.kind, p.stage, p.mb, r, placement):
                     queue, msg = channel[(recv.peer, r)], recv.message()
-                    at = where[(recv.peer, r)].get(msg, ())
-                    start = received[recv.peer]
-                    i = bisect_left(at, start)
-                    if i < len(at):  # still on the channel: take it and every message sent before it
-                        upto = at[i] + 1
-                        out += [_recv_for(m, recv.peer) for m in queue[start:upto]]
+                    if msg in queue[received[recv.peer]:]:
+                        upto = queue.index(msg, received[recv.peer]) + 1
+                        out += [_recv_for(m, recv.peer) for m in queue[received[recv.peer]:upto]]
                         received[recv.peer] = upto
-                    elif not at:
+                    elif msg not in queue:
                         out.append(recv)
             out.append(a)
         lowered.append(out)
