@@ -209,6 +209,14 @@ class Plan:
         exchange activations with another rank (before, after). Ranks with equal shapes cost the same."""
         return self.cached(("shapes",), self._rank_shapes)
 
+    @cached_property
+    def rank_classes(self) -> tuple[int, ...]:
+        """Per pipeline rank, the first rank of equal `rank_shapes` (itself when none before it)."""
+        def first_of_each():
+            first: dict[tuple, int] = {}
+            return tuple(first.setdefault(shape, r) for r, shape in enumerate(self.rank_shapes))
+        return self.cached(("classes",), first_of_each)
+
     def _rank_shapes(self) -> tuple:
         m, placement = self.config.model, self.placement
         k = m.moe_first_k_dense_layers if m.is_moe else m.num_layers

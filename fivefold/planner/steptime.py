@@ -118,28 +118,27 @@ def step_time(plan: Plan, hw: Hardware, ta: TimeAssumptions = TimeAssumptions())
     flops_rate = hw.peak_flops(plan.precision) * ta.gemm_efficiency
     n_mb = plan.microbatches
     rank_times, rank_parts, rank_bytes = [], [], []
-    shapes: dict[tuple, tuple[dict, dict, float]] = {}  # ranks of equal `Plan.rank_shapes` cost the same
-    for r, shape in enumerate(plan.rank_shapes):
-        got = shapes.get(shape)
-        if got is None:
-            got = shapes[shape] = _rank_cost(plan, r, links, sizes, flops_rate)
-        rank_parts.append(got[0])
-        rank_bytes.append(got[1])
-        rank_times.append(got[2])
+    classes = plan.rank_classes  # ranks of equal `Plan.rank_shapes` cost the same
+    for r, first in enumerate(classes):
+        if first == r:
+            parts, sent, total = _rank_cost(plan, r, links, sizes, flops_rate)
+        else:
+            parts, sent, total = rank_parts[first], rank_bytes[first], rank_times[first]
+        rank_parts.append(parts)
+        rank_bytes.append(sent)
+        rank_times.append(total)
     pipe = pipeline_time(plan.schedule, rank_times, plan.vpp, n_mb)
     worst = max(range(plan.pp), key=lambda r: rank_times[r])
     distopt = cfg.training.use_distributed_optimizer
     step_parts, step_bytes, opt_time = {}, {}, -1.0  # of the rank whose once-per-step work is longest
-    seen = set()
-    for r, shape in enumerate(plan.rank_shapes):
-        if shape in seen:
+    for r, first in enumerate(classes):
+        if first != r:
             continue
-        seen.add(shape)
         comp = rank_parts[r]["compute"]
         exposed: dict[str, float] = {}
         sent: dict[str, float] = {}
         for part, t, wire, behind in _step_calls(plan, r, links, sizes):
-            hide = {"backward": comp * 2 / 3, "forward": comp / 3}.get(behind, 0.0)
+            hide = comp * 2 / 3 if behind == "backward" else (comp / 3 if behind == "forward" else 0.0)
             exposed[part] = exposed.get(part, 0.0) + max(0.0, t - hide)
             sent[part] = sent.get(part, 0.0) + wire
         dense, expert = rank_params(plan, r)
