@@ -105,3 +105,44 @@ def test_explain_says_which_rule_a_seed_row_breaks(capsys):
     out = capsys.readouterr().out
     row = out[out.index("Qwen3 30B-A3B: TP4 PP2 EP4"):]
     assert "not usable here" in row.splitlines()[1] and "MoE folding" in row.splitlines()[1]
+
+
+def _snapshot(c):
+    """Everything a ranked or dropped candidate reports, floats exact."""
+    e = c.estimate
+    return (c.label, c.problem, c.memory.rank, c.memory.as_dict(), c.memory.inflight, c.memory.params, c.memory.detail,
+            None if e is None else (e.step_time, e.mfu, e.bubble_fraction, e.parts, e.comm_bytes, e.links))
+
+
+@pytest.mark.parametrize("name,gpus,schedules", [
+    ("moonlight-16b-a3b", 32, ("gpipe", "1f1b", "interleaved", "zb-h1", "dualpipev")),  # MLA, MoE after a dense layer
+    ("llama3-70b", 64, ("1f1b", "interleaved")),  # dense, uneven splits
+])
+def test_search_caches_give_the_uncached_result(name, gpus, schedules):
+    """The planner's caches across layouts (layer costs, timed calls, per-shape memory, schedule
+    simulations, the peak-memory rank pruning) change no result: a warm search equals a cold one
+    exactly, and every candidate re-evaluated with all caches cleared first equals the search's."""
+    from fivefold.planner.memory import memory_per_rank, peak_memory
+    from fivefold.planner.layout import Plan
+    from fivefold.planner.search import clear_caches, evaluate
+    from fivefold.planner.space import SearchSpace
+    hw, m = hardware("h100-sxm"), model_preset(name).model
+    space = SearchSpace(schedules=schedules)
+    clear_caches()
+    cold = search(m, hw, gpus, 8, 4096, 256, space=space)
+    search(m, hw, gpus, 8, 2048, 512, space=space)  # other layouts fill the caches first
+    warm = search(m, hw, gpus, 8, 4096, 256, space=space)
+    assert [_snapshot(c) for c in cold.ranked] == [_snapshot(c) for c in warm.ranked]
+    assert cold.dropped == warm.dropped and cold.tried == warm.tried
+    picks = warm.ranked[::max(1, len(warm.ranked) // 25)]
+    too_big = [(cfg, why) for cfg, why in warm.dropped if why.startswith("needs") and "model state" not in why]
+    assert picks and too_big
+    for c in picks:
+        clear_caches()
+        alone = evaluate(c.config, hw, check=False)
+        assert _snapshot(alone) == _snapshot(c)
+        # peak_memory sizes only the ranks that can hold the most: the same rank as max(memory_per_rank)
+        assert peak_memory(Plan(c.config)) == max(memory_per_rank(Plan(c.config)), key=lambda r: r.total)
+    for cfg, why in too_big[::max(1, len(too_big) // 10)]:  # sized, not timed: the same GiB on the same rank
+        clear_caches()
+        assert evaluate(cfg, hw, check=False).problem == why

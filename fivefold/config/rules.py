@@ -49,10 +49,12 @@ class Rule:
     severity: str = "error"
 
 
+_KNOB_PATHS = tuple((knob, *dotted.split(".")) for knob, dotted in KNOB_FIELDS.items())
+
+
 def sizes_of(config: Config) -> dict:
     s = {}
-    for knob, dotted in KNOB_FIELDS.items():
-        section, name = dotted.split(".")
+    for knob, section, name in _KNOB_PATHS:
         s[knob] = getattr(getattr(config, section), name)
     c = config.cluster
     s["world"] = c.resolved_world_size

@@ -58,9 +58,14 @@ class Costs:
             if self.f_and_b is not None:
                 return self.f_and_b[a.stage]
             return self.forward[a.stage] + self.backward_input[a.b_stage] + self.backward_weight[a.b_stage]
-        s = a.stage
-        return {Kind.F: self.forward[s], Kind.B: self.backward_input[s], Kind.W: self.backward_weight[s],
-                Kind.BW: self.backward_input[s] + self.backward_weight[s]}[a.kind]
+        s, k = a.stage, a.kind
+        if k is Kind.F:
+            return self.forward[s]
+        if k is Kind.B:
+            return self.backward_input[s]
+        if k is Kind.W:
+            return self.backward_weight[s]
+        return self.backward_input[s] + self.backward_weight[s]  # BW
 
 
 @dataclass(frozen=True)
@@ -96,32 +101,38 @@ class SimResult:
         return [n / k if k else 0.0 for n, k in zip(self.peak_in_flight, self.stages_per_rank)]
 
 
-def simulate(schedule: Schedule, costs: Costs) -> SimResult:
-    """Run a lowered, verified schedule against `costs`; raises ValueError if it cannot finish."""
+def simulate(schedule: Schedule, costs: Costs, timeline: bool = True) -> SimResult:
+    """Run a lowered, verified schedule against `costs`; raises ValueError if it cannot finish.
+    `timeline=False` leaves `SimResult.timeline` empty (the planner needs only the totals)."""
     n = schedule.num_ranks
     clock, busy = [0.0] * n, [0.0] * n
     live: list[set[tuple[int, int]]] = [set() for _ in range(n)]
     peak = [0] * n
-    timeline: list[Interval] = []
+    intervals: list[Interval] = []
+    recv, send, freeing = (Kind.RECV_F, Kind.RECV_B), (Kind.SEND_F, Kind.SEND_B), (Kind.W, Kind.BW)
 
     def take(r: int, a: Action, landed: float | None) -> float | None:
         """A SEND returns the time its message can be received; a RECV gets that time (`landed`)."""
-        if a.kind in (Kind.RECV_F, Kind.RECV_B):
+        kind = a.kind
+        if kind in recv:
             clock[r] = max(clock[r], landed)
-        elif a.kind in (Kind.SEND_F, Kind.SEND_B):
+        elif kind in send:
             return clock[r] + costs.p2p_latency
         else:
             cost = costs.of(a)
-            for p in a.pieces():
+            pieces = a.pieces()
+            held = live[r]
+            for p in pieces:
                 if p.kind is Kind.F:
-                    live[r].add((p.stage, p.mb))
-            peak[r] = max(peak[r], len(live[r]))
-            timeline.append(Interval(r, clock[r], clock[r] + cost, a))
+                    held.add((p.stage, p.mb))
+            peak[r] = max(peak[r], len(held))
+            if timeline:
+                intervals.append(Interval(r, clock[r], clock[r] + cost, a))
             clock[r] += cost
             busy[r] += cost
-            for p in a.pieces():
-                if p.kind in (Kind.W, Kind.BW):
-                    live[r].discard((p.stage, p.mb))
+            for p in pieces:
+                if p.kind in freeing:
+                    held.discard((p.stage, p.mb))
         return None
 
     pos = run_in_order(schedule, take)
@@ -129,4 +140,4 @@ def simulate(schedule: Schedule, costs: Costs) -> SimResult:
     if stuck:
         raise ValueError(f"schedule cannot finish: ranks {stuck} wait forever (run the verifier)")
     stages = [len(schedule.stages_of(r)) for r in range(n)]
-    return SimResult(max(clock, default=0.0), busy, peak, stages, timeline)
+    return SimResult(max(clock, default=0.0), busy, peak, stages, intervals)

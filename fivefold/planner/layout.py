@@ -7,7 +7,6 @@ uneven first/last stages, embedding and loss counted as layers).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
 
 from fivefold.config.schema import Config
 from fivefold.errors import UserError
@@ -30,6 +29,20 @@ def virtual_stage_layers(config: Config) -> list[int]:
     if key not in _SPLITS:
         _SPLITS[key] = list(stage_layers(sizes_of(config)))
     return _SPLITS[key]
+
+
+class cached_property:  # noqa: N801 (named as the functools one it replaces)
+    """functools.cached_property without its per-instance lock (Python 3.11 takes one on every first
+    read, a large share of the search's time); a Plan is read by one thread."""
+
+    def __init__(self, func):
+        self.func, self.name, self.__doc__ = func, func.__name__, func.__doc__
+
+    def __get__(self, obj, owner=None):
+        if obj is None:
+            return self
+        value = obj.__dict__[self.name] = self.func(obj)
+        return value
 
 
 _SPLITS: dict[tuple, list[int]] = {}
@@ -180,6 +193,40 @@ class Plan:
         out = [(first, key[1], n) for key, (first, n) in counts.items()]
         self._groups[rank] = out
         return out
+
+    def cached(self, key: tuple, compute):
+        """`compute()`, kept with the layer groups: for what depends on the layer split and schedule
+        (and on what `key` names besides)."""
+        got = self._groups.get(key)
+        if got is None:
+            got = self._groups[key] = compute()
+        return got
+
+    @cached_property
+    def rank_shapes(self) -> tuple:
+        """Per pipeline rank, what its per-microbatch cost depends on: its layer groups by kind ((MoE?,
+        recomputed?, count), in order), whether it is the first / last rank, and which of its chunks
+        exchange activations with another rank (before, after). Ranks with equal shapes cost the same."""
+        return self.cached(("shapes",), self._rank_shapes)
+
+    @cached_property
+    def rank_classes(self) -> tuple[int, ...]:
+        """Per pipeline rank, the first rank of equal `rank_shapes` (itself when none before it)."""
+        def first_of_each():
+            first: dict[tuple, int] = {}
+            return tuple(first.setdefault(shape, r) for r, shape in enumerate(self.rank_shapes))
+        return self.cached(("classes",), first_of_each)
+
+    def _rank_shapes(self) -> tuple:
+        m, placement = self.config.model, self.placement
+        k = m.moe_first_k_dense_layers if m.is_moe else m.num_layers
+        out = []
+        for rank in range(self.pp):
+            kinds = tuple((i >= k, rec, n) for i, rec, n in self.layer_groups(rank))
+            ends = tuple((s > 0 and placement[s - 1] != rank, s + 1 < len(placement) and placement[s + 1] != rank)
+                         for s, r in enumerate(placement) if r == rank)
+            out.append((kinds, rank == 0, rank == self.pp - 1, ends))
+        return tuple(out)
 
     def _recomputed_count(self) -> int:
         t = self.config.training

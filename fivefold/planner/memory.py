@@ -24,6 +24,7 @@ memory) and a runtime reserve (CUDA context + NCCL workspaces) that the allocato
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 from fivefold.planner.activations import (EAGER_TRAITS, ArchTraits, Sharding, backward_transient, full_recompute_transient,
                                           layer_activation_bytes, weight_grad_join_bytes)
@@ -73,7 +74,9 @@ class RankMemory:
 
     @property
     def total(self) -> float:
-        return sum(getattr(self, k) for k in self.KINDS)
+        # the KINDS in order, written out: the search reads this for every rank it sizes
+        return (self.weights + self.grads + self.optimizer + self.activations + self.logits + self.buffers
+                + self.scratch + self.overhead + self.reserve)
 
     def as_dict(self) -> dict[str, float]:
         return {k: getattr(self, k) for k in self.KINDS}
@@ -128,26 +131,52 @@ def largest_param(plan: Plan, rank: int) -> float:
 
 
 def memory_per_rank(plan: Plan, assume: MemoryAssumptions = MemoryAssumptions()) -> list[RankMemory]:
-    cfg, m = plan.config, plan.config.model
-    prec = plan.precision
-    distopt = cfg.training.use_distributed_optimizer
-    b, s = plan.mbs, plan.seq
-    sh = Sharding(tp=plan.tp, sp=plan.sp, cp=plan.cp, etp=plan.etp, recompute=plan.recompute)
-    prof = pipeline_profile(plan.schedule, plan.pp, plan.vpp, plan.microbatches)
-    traits = assume.traits.for_precision(prec)
-    assume = MemoryAssumptions(allocator_overhead=assume.allocator_overhead, runtime_reserve=assume.runtime_reserve,
-                               traits=traits)
-    B = traits.value_bytes()
-    out = []
-    kinds: dict[tuple[bool, bool], tuple[dict, float]] = {}  # (MoE?, recomputed?) -> (bytes by tensor, transient)
-    shapes: dict[tuple, tuple] = {}  # ranks with the same layers (and ends) hold the same per-microbatch state
-    for r in range(plan.pp):
+    ranks = _Ranks(plan, assume)
+    return [ranks.memory(r) for r in range(plan.pp)]
+
+
+class _Ranks:
+    """What every pipeline rank of one plan shares; `memory(r)` sizes rank r."""
+
+    def __init__(self, plan: Plan, assume: MemoryAssumptions):
+        self.plan = plan
+        self.sh = Sharding(tp=plan.tp, sp=plan.sp, cp=plan.cp, etp=plan.etp, recompute=plan.recompute)
+        self.prof = pipeline_profile(plan.schedule, plan.pp, plan.vpp, plan.microbatches)
+        traits = _for_precision(assume.traits, plan.precision)
+        self.assume = MemoryAssumptions(allocator_overhead=assume.allocator_overhead,
+                                        runtime_reserve=assume.runtime_reserve, traits=traits)
+        # ranks of the same shape (layers by kind, ends) hold the same per-microbatch state
+        self.shapes = plan.rank_shapes
+
+    def candidates(self) -> list[int]:
+        """The ranks that can hold the most memory, ascending: a rank is left out when an earlier rank
+        of the same shape holds at least as many microbatches in flight and pending W, so it never
+        exceeds it (every term of the total is non-decreasing in those, also after float rounding;
+        not so with optimizer scratch, which shrinks as activations grow: then every rank is kept)."""
+        if self.assume.traits.optimizer_scratch_bytes:
+            return list(range(self.plan.pp))
+        return self.plan.cached(("peak candidates", self.plan.microbatches), self._candidates)
+
+    def _candidates(self) -> list[int]:
+        prof, out, best = self.prof, [], {}
+        for r, shape in enumerate(self.shapes):
+            held = (prof.inflight_chunks[r], prof.pending_weight_microbatches(r),
+                    prof.pending_weight_microbatches(r, at_forward=True))
+            earlier = best.setdefault(shape, [])
+            if any(all(x >= y for x, y in zip(e, held)) for e in earlier):
+                continue
+            earlier.append(held)
+            out.append(r)
+        return out
+
+    def memory(self, r: int) -> RankMemory:
+        plan, prof, assume = self.plan, self.prof, self.assume
+        m, traits = plan.config.model, assume.traits
+        prec, distopt = plan.precision, plan.config.training.use_distributed_optimizer
+        B = traits.value_bytes()
         rm = RankMemory(rank=r)
-        groups = plan.layer_groups(r)
-        shape = (tuple((is_moe_layer(m, i), rec, n) for i, rec, n in groups), r == 0, r == plan.pp - 1)
-        if shape not in shapes:
-            shapes[shape] = _rank_shape(plan, r, groups, kinds, sh, assume)
-        (dense, expert), detail, per_mb, transient, joins, bwd = shapes[shape]
+        detail, per_mb, transient, joins, bwd = _layers(plan, self.shapes[r][0], r, self.sh, traits)
+        dense, expert = rank_params(plan, r)
         wd, gd, od = state_bytes_per_param(prec, distopt, plan.dp * plan.cp)
         we, ge, oe = state_bytes_per_param(prec, distopt, plan.edp)
         rm.params = dense + expert
@@ -155,7 +184,7 @@ def memory_per_rank(plan: Plan, assume: MemoryAssumptions = MemoryAssumptions())
         rm.detail = dict(detail)
         rm.inflight = prof.inflight_microbatches(r)
         rm.activations = per_mb * rm.inflight + transient
-        tokens = b * s / plan.cp
+        tokens = plan.mbs * plan.seq / plan.cp
         if r == plan.pp - 1:  # the logits and the loss's fp32 softmax (see ArchTraits.loss_bytes_per_logit)
             rm.logits = tokens * m.padded_vocab_size(plan.tp) / plan.tp * traits.loss_bytes()
             # the final norm's saved tensors (its input, the output layer's input; + x/rms(x) unfused)
@@ -180,32 +209,46 @@ def memory_per_rank(plan: Plan, assume: MemoryAssumptions = MemoryAssumptions())
         tensors = rm.weights + rm.grads + rm.optimizer + rm.activations + rm.logits + rm.buffers + rm.scratch
         rm.overhead = assume.allocator_overhead * tensors
         rm.reserve = assume.runtime_reserve
-        out.append(rm)
-    return out
+        return rm
 
 
-def _rank_shape(plan: Plan, r: int, groups, kinds: dict, sh: Sharding, assume: MemoryAssumptions):
-    """(params (dense, expert), activation bytes by tensor, per-microbatch total, recompute transient)."""
+@lru_cache(maxsize=64)
+def _for_precision(traits: ArchTraits, precision: str) -> ArchTraits:
+    return traits.for_precision(precision)
+
+
+_LAYERS: dict[tuple, tuple] = {}
+"""Per-microbatch layer state of a rank shape, by what it depends on (the model by identity, kept
+alive beside its id): the search sizes the same shapes under many layouts."""
+
+
+def _layers(plan: Plan, kinds: tuple, r: int, sh: Sharding, traits: ArchTraits):
+    """(activation bytes by tensor, per-microbatch total, recompute transient, W-pending join bytes,
+    backward transient) of rank r's layers, whose kinds are `kinds` ((MoE?, recomputed?, count), ...)."""
     m, b, s = plan.config.model, plan.mbs, plan.seq
+    key = (id(m), kinds, b, s, sh, traits)
+    got = _LAYERS.get(key)
+    if got is not None and got[0] is m:
+        return got[1]
     detail: dict[str, float] = {}
     per_mb, transient, joins, bwd = 0.0, 0.0, 0.0, 0.0
-    for i, recomputed, n in groups:
-        key = (is_moe_layer(m, i), recomputed)
-        if key not in kinds:
-            layer_sh = sh if recomputed or plan.recompute != "full" else \
-                Sharding(tp=sh.tp, sp=sh.sp, cp=sh.cp, etp=sh.etp, recompute=None)
-            kinds[key] = (layer_activation_bytes(m, i, b, s, layer_sh, assume.traits),
-                          full_recompute_transient(m, i, b, s, sh, assume.traits) if recomputed else 0.0)
-        saved, peak = kinds[key]
+    for i, recomputed, n in plan.layer_groups(r):
+        layer_sh = sh if recomputed or plan.recompute != "full" else \
+            Sharding(tp=sh.tp, sp=sh.sp, cp=sh.cp, etp=sh.etp, recompute=None)
+        saved = layer_activation_bytes(m, i, b, s, layer_sh, traits)
+        peak = full_recompute_transient(m, i, b, s, sh, traits) if recomputed else 0.0
         for k, v in saved.items():
             detail[k] = detail.get(k, 0.0) + v * n
             per_mb += v * n
         transient = max(transient, peak)
-        joins += weight_grad_join_bytes(m, i, b, s, sh, assume.traits) * n
-        bwd = max(bwd, backward_transient(m, i, b, s, sh, assume.traits))
-    return rank_params(plan, r), detail, per_mb, transient, joins, bwd
+        joins += weight_grad_join_bytes(m, i, b, s, sh, traits) * n
+        bwd = max(bwd, backward_transient(m, i, b, s, sh, traits))
+    out = (detail, per_mb, transient, joins, bwd)
+    _LAYERS[key] = (m, out)
+    return out
 
 
 def peak_memory(plan: Plan, assume: MemoryAssumptions = MemoryAssumptions()) -> RankMemory:
-    """The pipeline rank with the largest total."""
-    return max(memory_per_rank(plan, assume), key=lambda r: r.total)
+    """The pipeline rank with the largest total (the first such rank, as max over `memory_per_rank`)."""
+    ranks = _Ranks(plan, assume)
+    return max((ranks.memory(r) for r in ranks.candidates()), key=lambda r: r.total)

@@ -59,7 +59,7 @@ def _simulate(schedule: str, pp: int, vpp: int | None, m: int):
     """(makespan in stage times, peak in-flight chunks per rank, chunks per rank, peak B-done-W-pending
     chunks per rank), equal stages."""
     s = build_schedule(schedule, pp, m, vpp if schedule == "interleaved" else None)
-    r = simulate(s, Costs.per_rank(s, 1 / 3, 1 / 3, 1 / 3))
+    r = simulate(s, Costs.per_rank(s, 1 / 3, 1 / 3, 1 / 3), timeline=False)
     pending = [_pending_w(a) for a in s.ranks]
     return (r.makespan, tuple(r.peak_in_flight), tuple(r.stages_per_rank), tuple(p for p, _ in pending),
             tuple(f for _, f in pending))
@@ -67,16 +67,21 @@ def _simulate(schedule: str, pp: int, vpp: int | None, m: int):
 
 def _pending_w(actions) -> tuple[int, int]:
     """Peak of (B pieces done - W pieces done) on stages > 0 over one rank's actions, in its order:
-    over all of them, and at the forwards."""
+    over all of them, and at the forwards (an F&B is its F, then its BW)."""
     pending = peak = at_forward = 0
     for a in actions:
-        for piece in ([] if a.kind.is_comm else a.pieces()):
-            if piece.kind is Kind.F:
-                at_forward = max(at_forward, pending)
-            elif piece.stage > 0:
-                pending += (piece.kind is Kind.B) - (piece.kind is Kind.W)
+        kind = a.kind
+        if kind is Kind.F or kind is Kind.FB:
+            at_forward = max(at_forward, pending)
+            if kind is Kind.FB and a.b_stage > 0:  # its BW: B and W together leave pending as it was
                 peak = max(peak, pending)
+        elif kind in _BACKWARD and a.stage > 0:
+            pending += (kind is Kind.B) - (kind is Kind.W)
+            peak = max(peak, pending)
     return peak, at_forward
+
+
+_BACKWARD = (Kind.B, Kind.W, Kind.BW)
 
 
 def pipeline_profile(schedule: str, pp: int, vpp: int | None, m: int) -> PipelineProfile:

@@ -152,6 +152,17 @@ def state_problem(cfg: Config, hw: Hardware, mem: MemoryAssumptions = MemoryAssu
     return None
 
 
+def clear_caches() -> None:
+    """Forget what the planner keeps across layouts and searches (layer splits and groups, parameter
+    counts, layer and call costs, links, schedule simulations): a cold search, for tests."""
+    from fivefold.planner import flops, layout, memory, params, pipeline, space, steptime
+    for cache in (layout._SPLITS, layout._GROUPS, memory._PARAMS, memory._LAYERS, params._CACHE, flops._PER_TOKEN,
+                  steptime._CROSS, steptime._CALLS, steptime._LAYER_COSTS):
+        cache.clear()
+    for fn in (pipeline._simulate, space.layer_splits, memory._for_precision):
+        fn.cache_clear()
+
+
 def _variant(base: Config, mbs: int, recompute: str | None, distopt: bool) -> Config:
     t = base.training
     training = TrainingConfig(seq_length=t.seq_length, global_batch_size=t.global_batch_size, micro_batch_size=mbs,

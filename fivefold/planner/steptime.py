@@ -118,52 +118,29 @@ def step_time(plan: Plan, hw: Hardware, ta: TimeAssumptions = TimeAssumptions())
     flops_rate = hw.peak_flops(plan.precision) * ta.gemm_efficiency
     n_mb = plan.microbatches
     rank_times, rank_parts, rank_bytes = [], [], []
-    kinds: dict[tuple[bool, bool], tuple[dict, dict]] = {}  # (MoE?, recomputed?) -> one layer's cost
-    shapes: dict[tuple, tuple[dict, dict]] = {}  # ranks with the same layers and ends cost the same
-    for r in range(plan.pp):
-        shape = (tuple(plan.layer_groups(r)), r == 0, r == plan.pp - 1)
-        if shape in shapes:
-            parts, sent = shapes[shape]
-            rank_times.append(sum(parts.values()))
-            rank_parts.append(parts)
-            rank_bytes.append(sent)
-            continue
-        parts = dict.fromkeys(("compute", "tp", "cp", "ep", "pp"), 0.0)
-        sent = dict.fromkeys(("tp", "cp", "ep", "pp"), 0.0)
-        for i, recomputed, n in plan.layer_groups(r):
-            key = (is_moe_layer(m, i), recomputed)
-            if key not in kinds:
-                kinds[key] = _layer_cost(plan, links, sizes, i, recomputed, flops_rate)
-            lp, ls = kinds[key]
-            for k in lp:
-                parts[k] += lp[k] * n
-            for k in ls:
-                sent[k] += ls[k] * n
-        if r == plan.pp - 1:
-            parts["compute"] += 3 * output_forward_flops(m) * b * s / (tp * cp) / flops_rate
-        _add_calls(stage_collectives(plan, r), links, sizes, parts, sent)
-        shapes[shape] = parts, sent
-        rank_times.append(sum(parts.values()))
+    classes = plan.rank_classes  # ranks of equal `Plan.rank_shapes` cost the same
+    for r, first in enumerate(classes):
+        if first == r:
+            parts, sent, total = _rank_cost(plan, r, links, sizes, flops_rate)
+        else:
+            parts, sent, total = rank_parts[first], rank_bytes[first], rank_times[first]
         rank_parts.append(parts)
         rank_bytes.append(sent)
+        rank_times.append(total)
     pipe = pipeline_time(plan.schedule, rank_times, plan.vpp, n_mb)
     worst = max(range(plan.pp), key=lambda r: rank_times[r])
     distopt = cfg.training.use_distributed_optimizer
     step_parts, step_bytes, opt_time = {}, {}, -1.0  # of the rank whose once-per-step work is longest
-    seen = set()
-    for r in range(plan.pp):
-        shape = (tuple(plan.layer_groups(r)), r == 0, r == plan.pp - 1)
-        if shape in seen:
+    for r, first in enumerate(classes):
+        if first != r:
             continue
-        seen.add(shape)
         comp = rank_parts[r]["compute"]
         exposed: dict[str, float] = {}
         sent: dict[str, float] = {}
-        for c in step_collectives(plan, r):
-            n, part = sizes[c.group], PART[c.group]
-            hide = {"backward": comp * 2 / 3, "forward": comp / 3}.get(c.hides_behind, 0.0)
-            exposed[part] = exposed.get(part, 0.0) + max(0.0, links.time(c.group, c.wire_bytes(n), c.steps(n)) - hide)
-            sent[part] = sent.get(part, 0.0) + c.wire_bytes(n)
+        for part, t, wire, behind in _step_calls(plan, r, links, sizes):
+            hide = comp * 2 / 3 if behind == "backward" else (comp / 3 if behind == "forward" else 0.0)
+            exposed[part] = exposed.get(part, 0.0) + max(0.0, t - hide)
+            sent[part] = sent.get(part, 0.0) + wire
         dense, expert = rank_params(plan, r)
         local = (dense / (plan.dp * cp) + expert / plan.edp) if distopt else dense + expert
         opt = local * ta.optimizer_bytes_per_param / (hw.memory_bw * 0.8)
@@ -189,6 +166,76 @@ def step_time(plan: Plan, hw: Hardware, ta: TimeAssumptions = TimeAssumptions())
                         links={g: links.name(g) for g in links.cross})
 
 
+Timed = tuple[tuple[str, float, float, "str | None"], ...]
+"""Calls as (reported part, seconds on their link, wire bytes, what they hide behind), in call order."""
+
+
+def _timed(calls: list[Collective], links: _Links, sizes: dict[str, int]) -> Timed:
+    out = []
+    for c in calls:
+        n = sizes[c.group]
+        out.append((PART[c.group], links.time(c.group, c.wire_bytes(n), c.steps(n)), c.wire_bytes(n), c.hides_behind))
+    return tuple(out)
+
+
+def _add_timed(timed: Timed, parts: dict, sent: dict) -> None:
+    """`_add_calls` for calls on the critical path, already timed."""
+    for part, t, wire, _ in timed:
+        sent[part] += wire
+        parts[part] += t
+
+
+_CALLS: dict[tuple, tuple] = {}
+"""What a rank's stage calls (per microbatch) or step calls (once) depend on -> (the model, the
+hardware, the calls timed): the search meets the same pipeline ranks under many layouts (EP, split,
+recompute)."""
+
+
+def _cached_calls(key: tuple, plan: Plan, links: _Links, compute) -> Timed:
+    m = plan.config.model
+    key = (id(m), id(links.hw), links.ta) + key
+    got = _CALLS.get(key)
+    if got is None or got[0] is not m or got[1] is not links.hw:
+        got = _CALLS[key] = (m, links.hw, compute())
+    return got[2]
+
+
+def _rank_cost(plan: Plan, r: int, links: _Links, sizes: dict[str, int], flops_rate: float) -> tuple[dict, dict, float]:
+    """(seconds by kind, wire bytes by kind, total seconds) of pipeline rank r for one microbatch:
+    its layers, the output layer's compute on the last rank, its stage calls."""
+    m = plan.config.model
+    parts = dict.fromkeys(("compute", "tp", "cp", "ep", "pp"), 0.0)
+    sent = dict.fromkeys(("tp", "cp", "ep", "pp"), 0.0)
+    for i, recomputed, n in plan.layer_groups(r):
+        lp, ls = _layer_cost(plan, links, sizes, i, recomputed, flops_rate)
+        for k in lp:
+            parts[k] += lp[k] * n
+        for k in ls:
+            sent[k] += ls[k] * n
+    if r == plan.pp - 1:
+        parts["compute"] += 3 * output_forward_flops(m) * plan.mbs * plan.seq / (plan.tp * plan.cp) / flops_rate
+    _add_timed(_stage_calls(plan, r, links, sizes), parts, sent)
+    return parts, sent, sum(parts.values())
+
+
+def _stage_calls(plan: Plan, r: int, links: _Links, sizes: dict[str, int]) -> Timed:
+    """`stage_collectives` of pipeline rank r, timed (none hides behind compute)."""
+    key = ("stage", plan.tp, plan.sp, plan.cp, plan.pp, plan.mbs, plan.seq, plan.precision, plan.rank_shapes[r][1:],
+           links.cross["tp"], links.cross["pp"])
+    timed = _cached_calls(key, plan, links, lambda: _timed(stage_collectives(plan, r), links, sizes))
+    assert all(behind is None for *_, behind in timed)
+    return timed
+
+
+def _step_calls(plan: Plan, r: int, links: _Links, sizes: dict[str, int]) -> Timed:
+    """`step_collectives` of pipeline rank r, timed."""
+    p = plan.config.parallel
+    key = ("step", plan.tp, plan.sp, plan.cp, plan.dp, plan.pp, plan.vpp, plan.schedule, plan.ep, plan.etp, plan.edp,
+           plan.precision, plan.config.training.use_distributed_optimizer, plan.rank_shapes[r],
+           links.cross["tp"], links.cross["embedding"], links.cross["dp"], links.cross["edp"], p.order)
+    return _cached_calls(key, plan, links, lambda: _timed(step_collectives(plan, r), links, sizes))
+
+
 def _add_calls(calls: list[Collective], links: _Links, sizes: dict[str, int], parts: dict, sent: dict,
                hidden: float = 0.0) -> None:
     """Add the time and wire bytes of `calls` (critical path, or hidden behind `hidden` seconds of
@@ -206,6 +253,9 @@ def _add_calls(calls: list[Collective], links: _Links, sizes: dict[str, int], pa
         parts["cp"] += max(0.0, overlapped - hidden)
 
 
+LAYER_GROUPS = ("tp", "etp", "cp", "ep", "tp-cp")
+"""The groups a decoder layer's calls (`layer_collectives`) cross: its cost depends on their links only."""
+
 _LAYER_COSTS: dict[tuple, tuple] = {}
 """What one layer's cost depends on -> (the model, its cost): layouts that differ only in PP, DP or
 the layer split share their layers' costs (the model is kept alive beside its id)."""
@@ -216,7 +266,7 @@ def _layer_cost(plan: Plan, links: _Links, sizes: dict[str, int], i: int, recomp
     m, p = plan.config.model, plan.config.parallel
     key = (id(m), is_moe_layer(m, i), recomputed, plan.recompute, plan.mbs, plan.seq, plan.precision, plan.tp, plan.sp,
            plan.cp, p.cp_comm_type, tuple(p.hierarchical_context_parallel_sizes or ()), plan.ep, plan.etp,
-           tuple(sorted(links.cross.items())), id(links.hw), links.ta, flops_rate)
+           tuple(links.cross[g] for g in LAYER_GROUPS), id(links.hw), links.ta, flops_rate)
     got = _LAYER_COSTS.get(key)
     if got is None or got[0] is not m or got[1] is not links.hw:
         got = _LAYER_COSTS[key] = (m, links.hw, _layer_cost_of(plan, links, sizes, i, recomputed, flops_rate))
@@ -232,5 +282,7 @@ def _layer_cost_of(plan: Plan, links: _Links, sizes: dict[str, int], i: int, rec
     extra = fwd if recomputed else (core if plan.recompute == "selective" else 0.0)
     parts["compute"] = (3 * fwd + extra) / (tp * cp) / flops_rate
     hidden = 3 * core / (tp * cp) / flops_rate  # the attention core, forward + backward
-    _add_calls(layer_collectives(plan, i, recomputed), links, sizes, parts, sent, hidden)
+    calls = layer_collectives(plan, i, recomputed)
+    assert all(c.group in LAYER_GROUPS for c in calls), "a layer call on a group the cache key leaves out"
+    _add_calls(calls, links, sizes, parts, sent, hidden)
     return parts, sent
