@@ -2,7 +2,7 @@
 resolves (files, images, #anchors), every repository path they name exists (and every
 `tests/x.py::test_name` names a test there), every `fivefold.x.y` name and `from fivefold... import`
 line resolves, every `python -m fivefold ...` / `fivefold ...` / `python benchmarks/...` command they
-show answers -h with exit 0 (and the pure ones — validate, layout, schedule — run as shown), and no
+show answers -h with exit 0 (and the pure ones — validate, layout, schedule, estimate — run as shown), and no
 file in the repository names a path of a development machine."""
 from __future__ import annotations
 
@@ -124,7 +124,7 @@ def _shown_commands() -> dict[tuple[str, ...], str]:
     return out
 
 
-PURE_COMMANDS = ("validate", "layout", "schedule")
+PURE_COMMANDS = ("validate", "layout", "schedule", "estimate")
 """Commands that start no process and take milliseconds: the docs' examples of them are run as shown
 (without the options that write files), not only with -h."""
 WRITES = ("--png", "--csv", "--plot")

@@ -4,6 +4,7 @@ from __future__ import annotations
 from fivefold.cli._planner_args import add_hardware_arguments, assumptions_of, hardware_of
 from fivefold.cli.validate import split_config_arg
 from fivefold.config.load import load_config
+from fivefold.config.validate import validate
 from fivefold.errors import UserError
 from fivefold.planner.model_spec import resolve_model
 from fivefold.planner.report import breakdown
@@ -32,6 +33,8 @@ def run(args, extra) -> int:
     if cfg.training.precision not in ("bf16", "fp8"):
         cfg.training.precision = "bf16"
         print("note: precision set to bf16 for the GPU estimate")
+    for w in validate(cfg, loaded.dialect):  # every error with its fix; fills Megatron's defaults (global batch)
+        print(w)
     mem, ta = assumptions_of(args)
     cand = evaluate(cfg, hw, mem, ta)
     if cand.estimate is None and not cand.problem.startswith("needs"):
