@@ -193,3 +193,33 @@ def test_output_into_head_ends_quietly():
                        text=True, timeout=60)
     assert r.stdout.startswith("TP=1 CP=1 PP=1 DP=60000") and r.stderr == "", r.stderr
     assert r.returncode == 141
+
+
+# ---- the planner's commands ----
+
+planner_words = st.lists(st.one_of(
+    st.tuples(st.sampled_from(["--gpus", "--gpus-per-node", "--gpu", "--gpu-memory-gib", "--bf16-tflops",
+                               "--network-gbs", "--gemm-efficiency", "--allocator-overhead"]),
+              st.one_of(sizes.map(str), st.sampled_from(["h100-sxm", "b200", "x", "nan", "-inf", "0.5"]))).map(list),
+), max_size=3).map(lambda ws: [w for g in ws for w in g])
+
+
+@fuzz(300)
+@given(model=st.sampled_from(["llama3-8b", "mixtral-8x7b", "deepseek-v3", "nope"]), words=planner_words,
+       more=word_lists)
+def test_random_estimates(model, words, more):
+    """`estimate` of one layout (milliseconds each): random hardware options and config words."""
+    _run(["estimate", "--model", model, *words, *more])
+
+
+@pytest.mark.parametrize("words", [
+    ["--gpus", str(10**12)], ["--gpus", "0"], ["--gpus", "16", "--gpus-per-node", "-8"], ["--gpus", "16", "--top", "-3"],
+    ["--gpus", "16", "--micro-batch", "0"], ["--gpus", "16", "--seq-len", "0"], ["--gpus", "16", "--global-batch", "-4"],
+    ["--gpus", "16", "--gpu-memory-gib", "-1"], ["--gpus", "16", "--network-gbs", "nan"],
+    ["--gpus", "16", "--allocator-overhead", "-5"], ["--gpus", "16", "--schedules", "fast"],
+])
+def test_plan_refuses_bad_sizes_before_searching(words):
+    """Each used to search (a 10^12-GPU cluster for minutes), print nonsense (--top -3 printed every row
+    but three, a negative allocator overhead negative memory) or end in a ZeroDivisionError."""
+    code, text = _run(["plan", "--model", "llama3-8b", *words])
+    assert code == 2 and ("must be" in text or "up to" in text or "unknown" in text or "expected" in text), text

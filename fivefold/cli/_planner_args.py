@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 
 from fivefold.errors import UserError
 from fivefold.planner.memory import MemoryAssumptions
@@ -11,16 +12,32 @@ from fivefold.planner.steptime import TimeAssumptions
 GiB = 2**30
 
 
+def positive_int(text: str) -> int:
+    """argparse type: a whole number >= 1 (a size, a count)."""
+    v = int(text)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"{text}: must be a whole number >= 1")
+    return v
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a finite number > 0 (a capacity, a rate)."""
+    v = float(text)
+    if not (v > 0 and math.isfinite(v)):
+        raise argparse.ArgumentTypeError(f"{text}: must be a finite number > 0")
+    return v
+
+
 def add_hardware_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("hardware and calibration")
     g.add_argument("--gpu", default="h100-sxm", help="preset (h100-sxm, h100-pcie, h200, a100-40gb, a100-80gb, "
                    "b200, mi300x) or a hardware YAML. Default h100-sxm")
-    g.add_argument("--gpus-per-node", type=int, default=None, help="GPUs per node. Default 8")
-    g.add_argument("--gpu-memory-gib", type=float, help="override HBM capacity (GiB)")
-    g.add_argument("--bf16-tflops", type=float, help="override peak dense bf16 TFLOP/s")
-    g.add_argument("--fp8-tflops", type=float, help="override peak dense fp8 TFLOP/s")
-    g.add_argument("--intra-node-gbs", type=float, help="override intra-node GB/s per GPU per direction")
-    g.add_argument("--network-gbs", type=float, help="override network GB/s per GPU per direction")
+    g.add_argument("--gpus-per-node", type=positive_int, default=None, help="GPUs per node. Default 8")
+    g.add_argument("--gpu-memory-gib", type=positive_float, help="override HBM capacity (GiB)")
+    g.add_argument("--bf16-tflops", type=positive_float, help="override peak dense bf16 TFLOP/s")
+    g.add_argument("--fp8-tflops", type=positive_float, help="override peak dense fp8 TFLOP/s")
+    g.add_argument("--intra-node-gbs", type=positive_float, help="override intra-node GB/s per GPU per direction")
+    g.add_argument("--network-gbs", type=positive_float, help="override network GB/s per GPU per direction")
     g.add_argument("--gemm-efficiency", type=float, default=TimeAssumptions.gemm_efficiency,
                    help="achieved share of peak FLOP/s (calibrate from a measured step). Default 0.6")
     g.add_argument("--comm-efficiency", type=float, default=TimeAssumptions.comm_efficiency,
@@ -41,5 +58,7 @@ def assumptions_of(args) -> tuple[MemoryAssumptions, TimeAssumptions]:
         v = getattr(args, name)
         if not 0 < v <= 1:
             raise UserError(f"--{name.replace('_', '-')}={v} must be in (0, 1]")
+    if not 0 <= args.allocator_overhead < 1:
+        raise UserError(f"--allocator-overhead={args.allocator_overhead} must be in [0, 1) (a share of tensor memory)")
     return (MemoryAssumptions(allocator_overhead=args.allocator_overhead),
             TimeAssumptions(gemm_efficiency=args.gemm_efficiency, comm_efficiency=args.comm_efficiency))

@@ -1,7 +1,7 @@
 """`fivefold estimate`: memory per GPU and step time of one given layout (the one a user runs)."""
 from __future__ import annotations
 
-from fivefold.cli._planner_args import add_hardware_arguments, assumptions_of, hardware_of
+from fivefold.cli._planner_args import add_hardware_arguments, assumptions_of, hardware_of, positive_int
 from fivefold.cli.validate import split_config_arg
 from fivefold.config.load import load_config
 from fivefold.config.validate import validate
@@ -18,7 +18,7 @@ def add_arguments(p) -> None:
     # CONFIG is the first leftover word (see validate.split_config_arg): a flag's value is never taken for it.
     p.usage = "fivefold estimate [CONFIG] [key=value ...] [--megatron-flag VALUE ...] [--model M] [--gpus N]"
     p.add_argument("--model", help="preset name or Hugging Face config.json (replaces the config's model)")
-    p.add_argument("--gpus", type=int, help="total GPUs (default: the config's world size)")
+    p.add_argument("--gpus", type=positive_int, help="total GPUs (default: the config's world size)")
     add_hardware_arguments(p)
 
 

@@ -1,10 +1,11 @@
 """`fivefold plan`: every valid layout of a model on a cluster, ranked by estimated step time."""
 from __future__ import annotations
 
+import argparse
 import collections
 import time
 
-from fivefold.cli._planner_args import add_hardware_arguments, assumptions_of, hardware_of
+from fivefold.cli._planner_args import add_hardware_arguments, assumptions_of, hardware_of, positive_int
 from fivefold.errors import UserError
 from fivefold.planner.emit import FORMATS, emit
 from fivefold.planner.model_spec import resolve_model
@@ -19,19 +20,23 @@ HELP = "rank every valid parallel layout of a model on a cluster by estimated st
 
 def add_arguments(p) -> None:
     p.add_argument("--model", required=True, help="preset name, a Hugging Face config.json, or a fivefold YAML")
-    p.add_argument("--gpus", type=int, required=True, help="total GPUs")
-    p.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence. Default 4096")
-    p.add_argument("--global-batch", type=int, default=1024, help="sequences per step. Default 1024")
+    p.add_argument("--gpus", type=positive_int, required=True, help="total GPUs")
+    p.add_argument("--seq-len", type=positive_int, default=4096, help="tokens per sequence. Default 4096")
+    p.add_argument("--global-batch", type=positive_int, default=1024, help="sequences per step. Default 1024")
     p.add_argument("--micro-batch", default="1,2,4", help="micro-batch sizes to try, comma-separated. Default 1,2,4")
     p.add_argument("--schedules", default="1f1b,interleaved",
                    help="pipeline schedules to try, comma-separated, from gpipe,1f1b,interleaved,zb-h1,dualpipev. "
                         "Default 1f1b,interleaved")
     p.add_argument("--precision", choices=("bf16", "fp8"), default="bf16", help="GEMM precision. Default bf16")
-    p.add_argument("--top", type=int, default=10, help="rows of the ranked table. Default 10")
+    p.add_argument("--top", type=positive_int, default=10, help="rows of the ranked table. Default 10")
     p.add_argument("--explain", action="store_true", help="why the top choice, and the seeds' rules beside it")
     p.add_argument("--emit", choices=FORMATS, help="print the top layout in this dialect")
     p.add_argument("--plot", metavar="FILE.png", help="stacked memory bars of the top layouts")
     add_hardware_arguments(p)
+
+
+MAX_PLAN_GPUS = 1 << 20
+"""Larger than any cluster built; a search of 2^24 GPUs takes seconds and finds no layout."""
 
 
 def run(args, extra) -> int:
@@ -39,12 +44,14 @@ def run(args, extra) -> int:
     hw = hardware_of(args)
     gpn = args.gpus_per_node or hw.gpus_per_node
     mem, ta = assumptions_of(args)
+    if args.gpus > MAX_PLAN_GPUS:  # the search enumerates the divisors of the GPU count
+        raise UserError(f"--gpus={args.gpus}: the planner searches clusters of up to {MAX_PLAN_GPUS:,} GPUs")
     if args.gpus < 1 or args.gpus % gpn and args.gpus > gpn:
         raise UserError(f"--gpus={args.gpus} is not a whole number of {gpn}-GPU nodes")
     try:
-        mbs = tuple(int(x) for x in args.micro_batch.split(","))
-    except ValueError:
-        raise UserError(f"--micro-batch={args.micro_batch!r}: expected comma-separated integers") from None
+        mbs = tuple(positive_int(x) for x in args.micro_batch.split(","))
+    except (ValueError, argparse.ArgumentTypeError):
+        raise UserError(f"--micro-batch={args.micro_batch!r}: expected comma-separated whole numbers >= 1") from None
     schedules = tuple(x.strip() for x in args.schedules.split(","))
     unknown = [x for x in schedules if x not in SCHEDULES]
     if unknown:
