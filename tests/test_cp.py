@@ -20,7 +20,7 @@ from fivefold.errors import UserError
 from fivefold.model.decoder import Decoder
 from fivefold.train.context import RankContext
 from fivefold.train.loop import train
-from fivefold.train.step import cp_tokens
+from fivefold.train.loss import cp_tokens
 from fivefold.train.worker import config_from_dict
 from fivefold.parallel.parallelize import apply_context_parallel
 from fivefold.parallel.context import context_parallel_of, local_positions, split_sequence, split_tokens

@@ -16,7 +16,7 @@ from fivefold.runtime.mesh import Mesh
 from fivefold.topology import Layout
 from fivefold.train.loop import train
 from fivefold.train.metrics import flops_per_token, matmul_params
-from fivefold.train.optim import clip_grad_norm
+from fivefold.parallel.optimizer import clip_grad_norm
 from fivefold.train.schedule import lr_at
 from fivefold.train.supported import check_supported, unsupported
 

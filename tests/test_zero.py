@@ -26,7 +26,7 @@ from fivefold.runtime.mesh import Mesh
 from fivefold.topology import Layout
 from fivefold.train.context import RankContext
 from fivefold.train.loop import train
-from fivefold.train.optim import build_optimizer
+from fivefold.parallel.optimizer import build_optimizer
 from fivefold.train.worker import config_from_dict
 
 STEPS = 4

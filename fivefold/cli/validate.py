@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 from fivefold.config.load import load_config
 from fivefold.config.report import gpu_ranges, layout_report

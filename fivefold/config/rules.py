@@ -141,7 +141,7 @@ def errors(s: dict) -> list[Rule]:
     out = _positive(s) + _choices(s)
     if out:
         return out
-    tp, pp, cp, ep, world, seq = s["tp"], s["pp"], s["cp"], s["ep"], s["world"], s["seq"]
+    tp, pp, cp, world, seq = s["tp"], s["pp"], s["cp"], s["world"], s["seq"]
     mp = tp * pp * cp
     if world % mp:
         out.append(Rule(KNOB_FIELDS["tp"], tp, f"TP*PP*CP = {tp}*{pp}*{cp} = {mp} must divide the "

@@ -25,7 +25,6 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-import torch
 from torch import nn
 
 from fivefold.checkpoint.optim_state import OptimShard

@@ -18,7 +18,6 @@ and an F&B pairing F(s) with BW(s') costs `f_and_b[s]` when given, else F[s] + B
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
 
 from fivefold.pipeline.ir import Action, Kind, Schedule, run_in_order
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 
 from fivefold.errors import UserError
-from fivefold.pipeline.ir import Action, Kind, Schedule, run_in_order
+from fivefold.pipeline.ir import Kind, Schedule, run_in_order
 
 
 class ScheduleError(UserError):

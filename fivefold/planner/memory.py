@@ -29,7 +29,7 @@ from functools import lru_cache
 from fivefold.planner.activations import (EAGER_TRAITS, ArchTraits, Sharding, backward_transient, full_recompute_transient,
                                           layer_activation_bytes, weight_grad_join_bytes)
 from fivefold.planner.layout import Plan
-from fivefold.planner.params import embedding_params, is_moe_layer, layer_params
+from fivefold.planner.params import embedding_params, layer_params
 from fivefold.planner.pipeline import pipeline_profile
 
 GiB = 2**30

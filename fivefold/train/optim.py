@@ -1,8 +1,6 @@
-"""The bytes of an optimizer's AdamW state. AdamW itself and the global-norm clipping are
-fivefold.parallel.optimizer's (the math every data-parallel mode shares), re-exported here."""
+"""The bytes of an optimizer's AdamW state (AdamW itself and the global-norm clipping live in
+fivefold.parallel.optimizer, the math every data-parallel mode shares)."""
 from __future__ import annotations
-
-from fivefold.parallel.optimizer import build_adamw, build_optimizer, clip_grad_norm  # noqa: F401
 
 
 def state_bytes(optimizer) -> int:

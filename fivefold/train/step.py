@@ -19,7 +19,7 @@ from fivefold.parallel.data_parallel import DataParallel
 from fivefold.parallel.parallelize import Parts
 from fivefold.pipeline.executor import RunResult
 from fivefold.runtime.mesh import Group
-from fivefold.train.loss import autocast, cp_tokens, global_mean, loss_sum  # noqa: F401 (re-exported)
+from fivefold.train.loss import global_mean, loss_sum
 from fivefold.train.pipeline_step import pipeline_forward_backward
 
 
