@@ -10,10 +10,10 @@ from __future__ import annotations
 from functools import partial
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from fivefold.config.schema import ModelConfig
+from fivefold.model.attention_backend import Documents, attention
 from fivefold.model.recompute import maybe_checkpoint
 from fivefold.model.rope import apply_rope
 from fivefold.parallel.context import ContextParallel
@@ -23,13 +23,14 @@ from fivefold.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, T
 
 
 def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cp: ContextParallel | None = None,
-                   scale: float | None = None) -> torch.Tensor:
+                   scale: float | None = None, docs: Documents | None = None) -> torch.Tensor:
     """softmax(q k^T * scale + causal) v with GQA (scale default 1/sqrt(d)): q (b, a, s, d),
-    k (b, g, s, d), v (b, g, s, dv) -> (b, a, s, dv). With `cp` (context parallelism) s is this rank's
-    s/cp tokens (fivefold.parallel.context's split) and attention covers the whole sequence."""
+    k (b, g, s, d), v (b, g, s, dv) -> (b, a, s, dv), by fivefold.model.attention_backend. With `cp`
+    (context parallelism) s is this rank's s/cp tokens (fivefold.parallel.context's split) and
+    attention covers the whole sequence. `docs`: document boundaries of the whole (b, s) batch."""
     if cp is not None and cp.size > 1:
-        return cp.attention(q, k, v, scale=scale)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+        return cp.attention(q, k, v, scale=scale, docs=docs)
+    return attention(q, k, v, scale=scale, docs=docs)
 
 
 class Attention(nn.Module):

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from fivefold.data.loader import IGNORE_INDEX
 from fivefold.errors import UserError
+from fivefold.model.attention_backend import Documents, attention as backend_attention
 from fivefold.parallel.ring_attention import ring_attention
 from fivefold.runtime import comm
 from fivefold.runtime.mesh import Group
@@ -105,9 +106,11 @@ class ContextParallel:
         """This rank's CP index (which chunks of the sequence it holds)."""
         return self.ring.rank * self.a2a.size + self.a2a.rank
 
-    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
+                  docs: Documents | None = None) -> torch.Tensor:
         """Causal softmax(q k^T * scale) v over the whole sequence, for this rank's tokens.
-        q (b, a, s/cp, d), k (b, g, s/cp, d), v (b, g, s/cp, dv) -> (b, a, s/cp, dv); a % g == 0."""
+        q (b, a, s/cp, d), k (b, g, s/cp, d), v (b, g, s/cp, dv) -> (b, a, s/cp, dv); a % g == 0.
+        `docs`: the global document boundaries of the whole (b, s) batch (each attends to itself)."""
         n = self.a2a.size
         if n > 1:
             if k.shape[1] % n:  # too few KV heads to split: give every query head its own copy
@@ -117,10 +120,9 @@ class ContextParallel:
             q, k, v = (_permute_units(comm.all_to_all(t, 1, 2, self.a2a, self.tag), order)
                        for t in (q, k, v))  # (b, heads/n, s/ring, d)
         if self.ring.size > 1:
-            o = ring_attention(q, k, v, self.ring, tag=self.tag, scale=scale)  # (b, a/n, s/ring, dv)
-        else:
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
-                                               enable_gqa=q.shape[1] != k.shape[1])
+            o = ring_attention(q, k, v, self.ring, tag=self.tag, scale=scale, docs=docs)  # (b, a/n, s/ring, dv)
+        else:  # the a2a gave this rank whole sequences
+            o = backend_attention(q, k, v, scale=scale, docs=docs)
         if n > 1:
             o = comm.all_to_all(_permute_units(o, _inverse(_unit_order(n))), 2, 1, self.a2a, self.tag)
         return o  # (b, a, s/cp, dv)
