@@ -46,6 +46,9 @@ class PeakTensorBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        if any(r.alias_info is not None for r in func._schema.returns):
+            return out  # a view or an in-place result: no new storage (an alias of a tensor made before
+            # the mode, e.g. autograd saving an input, would otherwise count that input as new)
         for t in (out if isinstance(out, (tuple, list)) else (out,)):
             if isinstance(t, torch.Tensor) and t.device.type != "meta":
                 st = t.untyped_storage()

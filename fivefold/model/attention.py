@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from fivefold.config.schema import ModelConfig
-from fivefold.model.attention_backend import Documents, attention
+from fivefold.ops.attention import Documents, attention
 from fivefold.model.recompute import maybe_checkpoint
 from fivefold.model.rope import apply_rope
 from fivefold.parallel.context import ContextParallel
@@ -25,7 +25,7 @@ from fivefold.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, T
 def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cp: ContextParallel | None = None,
                    scale: float | None = None, docs: Documents | None = None) -> torch.Tensor:
     """softmax(q k^T * scale + causal) v with GQA (scale default 1/sqrt(d)): q (b, a, s, d),
-    k (b, g, s, d), v (b, g, s, dv) -> (b, a, s, dv), by fivefold.model.attention_backend. With `cp`
+    k (b, g, s, d), v (b, g, s, dv) -> (b, a, s, dv), by fivefold.ops.attention. With `cp`
     (context parallelism) s is this rank's s/cp tokens (fivefold.parallel.context's split) and
     attention covers the whole sequence. `docs`: document boundaries of the whole (b, s) batch."""
     if cp is not None and cp.size > 1:

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from fivefold.data.loader import IGNORE_INDEX
 from fivefold.errors import UserError
-from fivefold.model.attention_backend import Documents, attention as backend_attention
+from fivefold.ops.attention import Documents, attention as backend_attention
 from fivefold.parallel.ring_attention import ring_attention
 from fivefold.runtime import comm
 from fivefold.runtime.mesh import Group

@@ -23,7 +23,7 @@ K/V rotate again exactly as forward; the partial dK_j, dV_j of step i >= 1 trave
 behind them, collecting every rank's contribution, and reach their owner after step n-1, where they
 are added to its own step-0 part.
 
-Memory (fivefold.model.attention_backend does the block math): blocks run in the compute dtype with
+Memory (fivefold.ops.attention does the block math): blocks run in the compute dtype with
 the kernels' own tiling (no (rows x keys) score block), GQA K/V as they are (no copy per query head);
 only the merged O and L, dQ and the travelling dK/dV are fp32 (for an fp32 run they are the kernel's
 outputs themselves, not copies). K/V arrive in two receive buffers that alternate (one when n = 2),
@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import torch
 
-from fivefold.model.attention_backend import Documents, block_backward, block_forward
+from fivefold.ops.attention import Documents, block_backward, block_forward
 from fivefold.runtime import comm, traffic
 from fivefold.runtime.mesh import Group
 
@@ -68,13 +68,39 @@ class _Hop:
         nxt, prev = ring.global_rank((ring.rank + 1) % ring.size), ring.global_rank((ring.rank - 1) % ring.size)
         slot = self.slots[self.turn]
         if slot is None or [t.shape for t in slot] != [t.shape for t in tensors]:
-            slot = self.slots[self.turn] = [torch.empty_like(t) for t in tensors]
+            slot = self.slots[self.turn] = [_new_like(t) for t in tensors]
         self.turn ^= 1
-        works = comm.send_recv([(t, nxt) for t in tensors], [(t, prev) for t in slot], self.tag)
+        works = comm.send_recv([(_wire(t), nxt) for t in tensors], [(_wire(t), prev) for t in slot], self.tag)
         return slot, works
 
     def release(self) -> None:
         self.slots = [None, None]
+
+
+def _seq_major(shape, like: torch.Tensor, zero: bool = False) -> torch.Tensor:
+    """A (b, h, s, d) tensor stored as (b, s, h, d): the layout the kernels give gradients in, and
+    the one dK/dV travel in (every rank must agree on it)."""
+    b, h, s, d = shape
+    make = torch.zeros if zero else torch.empty
+    return make((b, s, h, d), dtype=torch.float32, device=like.device).transpose(1, 2)
+
+
+def _as_seq_major(t: torch.Tensor) -> torch.Tensor:
+    """t (b, h, s, d) in fp32 and the travelling layout: itself when it already is, else a copy."""
+    if t.dtype == torch.float32 and t.transpose(1, 2).is_contiguous():
+        return t
+    out = _seq_major(t.shape, t)
+    out.copy_(t)
+    return out
+
+
+def _wire(t: torch.Tensor) -> torch.Tensor:
+    """The contiguous view p2p sends and receives: t itself, or its seq-major storage (b, s, h, d)."""
+    return t if t.is_contiguous() else t.transpose(1, 2)
+
+
+def _new_like(t: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(t) if t.is_contiguous() else _seq_major(t.shape, t).to(t.dtype)
 
 
 def _wait(works) -> None:
@@ -157,25 +183,31 @@ class RingAttention(torch.autograd.Function):
                 dq_i, dk_i, dv_i = block_backward(do[:, :, rows], q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols],
                                                   out_c[:, :, rows], lse[:, :, rows], scale, causal,
                                                   _pieces(docs, i, r, n, s_loc, rows, cols, causal))
+            if nxt is None:  # the last block is done with K/V: free the buffers before dK/dV travel
+                del kv
+                kv_hop.release()
             if i == 0:
                 dq, own = dq_i.float(), [dk_i.float(), dv_i.float()]
             else:  # add what earlier ranks gave this K/V, pass it on one hop behind the K/V
                 dq[:, :, rows] += dq_i
-                if travelling is None:
-                    acc = [torch.zeros_like(kv[0], dtype=torch.float32), torch.zeros_like(kv[1], dtype=torch.float32)]
-                else:
+                if travelling is not None:
                     _wait(travelling[1])
                     acc = travelling[0]
-                acc[0][:, :, cols] += dk_i
-                acc[1][:, :, cols] += dv_i
+                    acc[0][:, :, cols] += dk_i
+                    acc[1][:, :, cols] += dv_i
+                elif cols == slice(None):  # the first contribution covers every key: it is the accumulator
+                    acc = [_as_seq_major(dk_i), _as_seq_major(dv_i)]
+                else:
+                    acc = [_seq_major((*t.shape[:2], s_loc, t.shape[-1]), t, zero=True) for t in (dk_i, dv_i)]
+                    acc[0][:, :, cols] += dk_i
+                    acc[1][:, :, cols] += dv_i
+                del dk_i, dv_i
                 travelling = dkv_hop.post(acc)
                 del acc
-            del dq_i, dk_i, dv_i
+            del dq_i
             if nxt is not None:
                 _wait(nxt[1])
                 kv = nxt[0]
-        del kv
-        kv_hop.release()
         if travelling is not None:  # after step n-1: the sum of every other rank's part of our own K/V
             _wait(travelling[1])
             own[0] += travelling[0][0]

@@ -1,0 +1,1 @@
+"""Kernels behind device-independent interfaces (fivefold.ops.attention: every attention call)."""
