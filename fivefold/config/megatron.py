@@ -114,6 +114,9 @@ FLAGS: dict[str, Flag] = {
     "--distributed-timeout-seconds": Flag("training.distributed_timeout_seconds", ours=True),
     # data, checkpoint, logging
     "--data-path": _v("data.path"),
+    "--reset-position-ids": _on("data.reset_position_ids"),
+    "--reset-attention-mask": _on("data.reset_attention_mask"),
+    "--eod-mask-loss": _on("data.eod_mask_loss"),
     "--save": _v("checkpoint.save"),
     "--load": _v("checkpoint.load"),
     "--save-interval": _v("checkpoint.save_interval"),

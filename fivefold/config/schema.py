@@ -240,6 +240,15 @@ class DataConfig:
     """Held-out share of documents for evaluation. Default 0.05."""
     max_documents: int | None = None
     """Cap on documents read (for quick runs). Default None."""
+    reset_position_ids: bool = False
+    """Packed sequences: RoPE positions restart at 0 after every end-of-document token (Megatron
+    --reset-position-ids). Default False."""
+    reset_attention_mask: bool = False
+    """Packed sequences: each document attends only to itself, in every layout (Megatron
+    --reset-attention-mask; fivefold.data.documents). Default False."""
+    eod_mask_loss: bool = False
+    """No loss on the prediction made at an end-of-document token (Megatron --eod-mask-loss); the loss
+    is then the mean over the remaining target tokens. Default False."""
 
 
 @dataclass(kw_only=True)

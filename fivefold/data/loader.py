@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from fivefold.data.dataset import DocumentDataset, PackedDataset
+from fivefold.data.documents import DocumentRules, PackedDocs, mask_eod_targets, packed_docs
 from fivefold.data.sampler import balanced_partition, even_share, global_batch_indices
 
 IGNORE_INDEX = -100
@@ -27,6 +28,8 @@ class Microbatch:
     """(b, s) int64 next-token targets, IGNORE_INDEX on padding."""
     num_tokens: int
     """Target tokens (labels != IGNORE_INDEX)."""
+    docs: PackedDocs | None = None
+    """Packed documents (data.reset_attention_mask / reset_position_ids), or None."""
 
 
 @dataclass
@@ -38,8 +41,9 @@ class StepBatch:
     """This rank's sample ids (for tests and debugging)."""
 
 
-def collate(samples: list[np.ndarray]) -> Microbatch:
-    """Right-pad to the longest sample; inputs are tokens[:-1], targets tokens[1:]."""
+def collate(samples: list[np.ndarray], rules: DocumentRules | None = None) -> Microbatch:
+    """Right-pad to the longest sample; inputs are tokens[:-1], targets tokens[1:]; with document
+    `rules`, targets at EOD inputs dropped (eod_mask_loss) and the documents found."""
     width = max(len(s) for s in samples) - 1
     inputs = torch.zeros(len(samples), width, dtype=torch.int64)
     labels = torch.full((len(samples), width), IGNORE_INDEX, dtype=torch.int64)
@@ -47,7 +51,15 @@ def collate(samples: list[np.ndarray]) -> Microbatch:
         t = torch.from_numpy(np.asarray(s, dtype=np.int64))
         inputs[i, : len(s) - 1] = t[:-1]
         labels[i, : len(s) - 1] = t[1:]
-    return Microbatch(inputs, labels, int((labels != IGNORE_INDEX).sum()))
+    labels = mask_eod_targets(inputs, labels, rules, IGNORE_INDEX)
+    return Microbatch(inputs, labels, int((labels != IGNORE_INDEX).sum()), packed_docs(inputs, rules))
+
+
+def _eod_targets(sample: np.ndarray, rules: DocumentRules | None) -> int:
+    """Targets eod_mask_loss drops from a sample: its EOD inputs (every token but the last)."""
+    if rules is None or not rules.eod_mask_loss:
+        return 0
+    return int((np.asarray(sample[:-1]) == rules.eod_id).sum())
 
 
 class BatchLoader:
@@ -55,23 +67,29 @@ class BatchLoader:
     so resuming at step k needs only k)."""
 
     def __init__(self, dataset: PackedDataset | DocumentDataset, *, global_batch_size: int,
-                 micro_batch_size: int, dp_rank: int, dp_size: int, seed: int, shuffle: bool = True):
+                 micro_batch_size: int, dp_rank: int, dp_size: int, seed: int, shuffle: bool = True,
+                 documents: DocumentRules | None = None):
         if len(dataset) == 0:
             raise ValueError("empty dataset")
         self.dataset, self.seed, self.shuffle = dataset, seed, shuffle
         self.global_batch_size, self.micro_batch_size = global_batch_size, micro_batch_size
         self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.documents = documents
 
     def step_batch(self, step: int) -> StepBatch:
         ids = global_batch_indices(step, self.global_batch_size, len(self.dataset), self.seed, self.shuffle)
         if isinstance(self.dataset, PackedDataset):
             mine = ids[even_share(len(ids), self.dp_rank, self.dp_size)]
             global_tokens = len(ids) * self.dataset.seq_length
+            if self.documents is not None and self.documents.eod_mask_loss:  # the real targets left
+                global_tokens -= sum(_eod_targets(self.dataset[int(i)], self.documents) for i in ids)
         else:
-            targets = [self.dataset.target_tokens(int(i)) for i in ids]
+            targets = [self.dataset.target_tokens(int(i)) - _eod_targets(self.dataset[int(i)], self.documents)
+                       for i in ids]
             bounds = balanced_partition(targets, self.dp_size)
             mine = ids[bounds[self.dp_rank]: bounds[self.dp_rank + 1]]
             global_tokens = sum(targets)
         mbs = self.micro_batch_size
-        micro = [collate([self.dataset[int(i)] for i in mine[k: k + mbs]]) for k in range(0, len(mine), mbs)]
+        micro = [collate([self.dataset[int(i)] for i in mine[k: k + mbs]], self.documents)
+                 for k in range(0, len(mine), mbs)]
         return StepBatch(micro, global_tokens, mine)

@@ -63,13 +63,14 @@ class Attention(nn.Module):
             for m in (self.k_proj, self.v_proj):
                 mark_kv_replica(m, split, g)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, docs: Documents | None = None
+                ) -> torch.Tensor:
         q, k, v = column_linears(x, [self.q_proj, self.k_proj, self.v_proj])  # (b, s, (a|g)/tp * d)
         b, s = q.shape[:2]
         q = q.view(b, s, -1, self.d).transpose(1, 2)  # (b, a/tp, s, d)
         k = k.view(b, s, -1, self.d).transpose(1, 2)  # (b, g/tp, s, d)
         v = v.view(b, s, -1, self.d).transpose(1, 2)  # (b, g/tp, s, d)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        o = maybe_checkpoint(partial(core_attention, cp=self.context_parallel), self.recompute_core,
+        o = maybe_checkpoint(partial(core_attention, cp=self.context_parallel, docs=docs), self.recompute_core,
                              q, k, v)  # (b, a/tp, s, d)
         return self.o_proj(o.transpose(1, 2).reshape(b, s, -1))  # (b, s, a/tp*d) -> (b, s, h) or (b, s/tp, h)

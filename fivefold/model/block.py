@@ -37,6 +37,7 @@ class DecoderLayer(nn.Module):
             for norm in (self.attn_norm, self.mlp_norm):
                 mark_sequence_sharded(norm)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin)  # (b, s, h)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, docs=None) -> torch.Tensor:
+        """`docs`: the batch's document boundaries (fivefold.ops.attention.Documents) or None."""
+        x = x + self.attn(self.attn_norm(x), cos, sin, docs)  # (b, s, h)
         return x + self.mlp(self.mlp_norm(x))  # (b, s, h)

@@ -23,7 +23,7 @@ from fivefold.model.moe import MoEGroups, check_moe_supported, set_aux_loss_scal
 from fivefold.model.norm import make_norm
 from fivefold.model.recompute import Recompute, maybe_checkpoint
 from fivefold.model.rope import rope_tables
-from fivefold.parallel.context import local_positions
+from fivefold.parallel.context import local_document_positions, local_positions
 from fivefold.parallel.cross_entropy import vocab_parallel_cross_entropy
 from fivefold.parallel.param_meta import mark_all
 from fivefold.parallel.tensor import ColumnParallelLinear, TPMode, VocabParallelEmbedding, mark_sequence_sharded
@@ -94,24 +94,35 @@ class Decoder(nn.Module):
         for layer in self.layers.values():
             layer.attn.recompute_core = recompute.core_attention
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _positions(self, s: int, device, docs) -> torch.Tensor:
+        """This rank's RoPE positions: (s,) 0..s-1 (or its CP chunks), or per row (b, s) restarting
+        at each document with packed documents' reset_position_ids (fivefold.data.documents)."""
+        n, r = (1, 0) if self.cp is None else (self.cp.size, self.cp.rank)
+        if docs is not None and docs.positions is not None:
+            return local_document_positions(docs.positions, s, n, r).to(device)
+        return torch.arange(s, device=device) if n == 1 else local_positions(s, n, r, device)
+
+    def forward(self, x: torch.Tensor, docs=None) -> torch.Tensor:
         """x: ids (b, s) with an embedding, else hidden (b, s, h). Returns logits (b, s, V_padded)
         with a head (padded columns are 0: their rows are zero), else hidden (b, s, h).
         Context-parallel: s is this CP rank's s/cp tokens (parallel.context.split_tokens: chunks r and
         2cp-1-r), whose RoPE positions the Decoder derives from its CP rank.
         Tensor-parallel: logits are this rank's vocabulary slice (b, s, V_padded/tp); under sequence
-        parallelism hidden states in and out are this rank's (b, s/tp, h)."""
+        parallelism hidden states in and out are this rank's (b, s/tp, h).
+        `docs` (fivefold.data.documents.PackedDocs of the whole batch, or None): packed documents,
+        each attending to itself and/or with RoPE positions restarting per document."""
         sp = self.mode is TPMode.SEQUENCE_PARALLEL
         s = x.shape[1] * (self.tp.size if sp and not self.has_embedding else 1)  # this CP rank's s/cp
         hidden = self.embedding(x) if self.has_embedding else x  # (b, s/cp, h) or (b, s/cp/tp, h)
-        positions = torch.arange(s, device=hidden.device) if self.cp is None else \
-            local_positions(s, self.cp.size, self.cp.rank, hidden.device)
-        cos, sin = rope_tables(positions, rotary_dim(self.cfg), self.cfg.rotary_base)  # (s, d)
+        positions = self._positions(s, hidden.device, docs)  # (s,) or (b, s)
+        cos, sin = rope_tables(positions, rotary_dim(self.cfg), self.cfg.rotary_base)  # ([b,] s, d)
+        bounds = None if docs is None or docs.attention is None else \
+            docs.attention.padded_to(s * (1 if self.cp is None else self.cp.size))
         layers = list(self.layers.values())
         for start, end, recompute in self.recompute.spans(len(layers)):
             def span(x, chunk=layers[start:end]):
                 for layer in chunk:
-                    x = layer(x, cos, sin)  # (b, s, h)
+                    x = layer(x, cos, sin, bounds)  # (b, s, h)
                 return x
             hidden = maybe_checkpoint(span, recompute, hidden)  # (b, s, h)
         if not self.has_head:
@@ -131,35 +142,38 @@ class Decoder(nn.Module):
         (the CP split pads a batch to 2*CP times this, parallel.context.split_tokens)."""
         return self.tp.size if self.mode is TPMode.SEQUENCE_PARALLEL else 1
 
-    def _head_logits(self, x: torch.Tensor) -> torch.Tensor:
+    def _head_logits(self, x: torch.Tensor, docs=None) -> torch.Tensor:
         """This TP rank's (b, s, V_padded/tp) logits; the full vocabulary is never gathered."""
         if not self.has_head:
             raise UserError("Decoder.loss/logprobs need the output layer (head=True)")
-        return self.forward(x)
+        return self.forward(x, docs)
 
-    def _vocab_logits(self, x: torch.Tensor) -> torch.Tensor:
+    def _vocab_logits(self, x: torch.Tensor, docs=None) -> torch.Tensor:
         """fp32 logits over the real vocabulary (b, s, V). Dropping the padded columns is the same as
         masking them to -inf: exp(-inf) = 0 adds nothing to the softmax and they get no gradient."""
         if not self.has_head:
             raise UserError("Decoder.loss/logprobs need the output layer (head=True)")
-        return self.forward(x)[..., : self.vocab_size].float()
+        return self.forward(x, docs)[..., : self.vocab_size].float()
 
-    def loss(self, x: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> tuple[torch.Tensor, torch.Tensor]:
+    def loss(self, x: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100, docs=None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
         """(sum over target tokens of -log p(label) in fp32, number of target tokens): tokens whose
         label is ignore_index count in neither. The caller divides by the global token count."""
         if self.tp is not None:
-            losses, _ = vocab_parallel_cross_entropy(self._head_logits(x), labels, self.tp, self.vocab_size, ignore_index)
+            losses, _ = vocab_parallel_cross_entropy(self._head_logits(x, docs), labels, self.tp, self.vocab_size,
+                                                     ignore_index)
             return losses.sum(), (labels != ignore_index).sum()
-        logits = self._vocab_logits(x)  # (b, s, V)
+        logits = self._vocab_logits(x, docs)  # (b, s, V)
         total = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=ignore_index, reduction="sum")
         return total, (labels != ignore_index).sum()
 
-    def logprobs(self, x: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    def logprobs(self, x: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100, docs=None) -> torch.Tensor:
         """Per-token log p(label) (b, s) in fp32; 0 where label == ignore_index."""
         if self.tp is not None:
-            _, logp = vocab_parallel_cross_entropy(self._head_logits(x), labels, self.tp, self.vocab_size, ignore_index)
+            _, logp = vocab_parallel_cross_entropy(self._head_logits(x, docs), labels, self.tp, self.vocab_size,
+                                                   ignore_index)
             return logp
-        logp = torch.log_softmax(self._vocab_logits(x), dim=-1)  # (b, s, V)
+        logp = torch.log_softmax(self._vocab_logits(x, docs), dim=-1)  # (b, s, V)
         keep = labels != ignore_index
         picked = logp.gather(-1, torch.where(keep, labels, 0).unsqueeze(-1)).squeeze(-1)  # (b, s)
         return picked * keep

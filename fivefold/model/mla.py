@@ -39,6 +39,7 @@ from fivefold.model.attention import core_attention
 from fivefold.model.norm import RMSNorm
 from fivefold.model.recompute import maybe_checkpoint
 from fivefold.model.rope import apply_rope
+from fivefold.ops.attention import Documents
 from fivefold.parallel.context import ContextParallel
 from fivefold.parallel.tensor import (SEQ_DIM, ColumnParallelLinear, RowParallelLinear, TPMode,
                                       mark_sequence_sharded)
@@ -98,8 +99,10 @@ class MLAttention(nn.Module):
             return comm.gather(k_pe, SEQ_DIM, self.tp, "sp")  # (b, s/tp, dr) -> (b, s, dr)
         return comm.copy_to(k_pe, self.tp, "tp")
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x (b, s, h) [or (b, s/tp, h)]; cos/sin (s, dr) -> (b, s, h) [or (b, s/tp, h)]."""
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, docs: Documents | None = None
+                ) -> torch.Tensor:
+        """x (b, s, h) [or (b, s/tp, h)]; cos/sin (s, dr) or (b, s, dr) -> (b, s, h) [or (b, s/tp, h)];
+        `docs`: document boundaries of the batch (each document attends to itself)."""
         dn, dr, dv = self.dn, self.dr, self.dv
         if self.q_lora_rank is None:
             q = self.q_proj(x)  # (b, s, a/tp*(dn+dr))
@@ -115,6 +118,6 @@ class MLAttention(nn.Module):
         k_pe = apply_rope(deinterleave(k_pe).unsqueeze(1), cos, sin)  # (b, 1, s, dr): one key for all heads
         q = torch.cat((q_nope, q_pe), dim=-1)  # (b, a/tp, s, dn+dr)
         k = torch.cat((k_nope, k_pe.expand(-1, k_nope.shape[1], -1, -1)), dim=-1)  # (b, a/tp, s, dn+dr)
-        o = maybe_checkpoint(partial(core_attention, cp=self.context_parallel), self.recompute_core,
+        o = maybe_checkpoint(partial(core_attention, cp=self.context_parallel, docs=docs), self.recompute_core,
                              q, k, v)  # (b, a/tp, s, dv); s is this rank's s/cp under CP
         return self.o_proj(o.transpose(1, 2).reshape(b, s, -1))  # (b, s, a/tp*dv) -> (b, s, h) or (b, s/tp, h)

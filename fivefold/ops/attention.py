@@ -57,6 +57,13 @@ class Documents:
     def seq_len(self) -> int:
         return self.bounds[0][-1]
 
+    def padded_to(self, s: int) -> Documents:
+        """The same documents in a batch right-padded to s tokens: the padding joins each row's last
+        document (after its real tokens, so causal attention keeps it out of them)."""
+        if s == self.seq_len:
+            return self
+        return Documents(tuple(cuts[:-1] + (s,) for cuts in self.bounds))
+
     def pieces(self, q_pos: torch.Tensor | None = None, k_pos: torch.Tensor | None = None,
                causal: bool = True) -> list[Piece]:
         """Each document's rows and columns of a block whose queries / keys sit at the increasing

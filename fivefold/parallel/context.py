@@ -52,6 +52,15 @@ def local_positions(s_local: int, n: int, r: int, device=None) -> torch.Tensor:
     return split_sequence(torch.arange(s_local * n, device=device), 0, n, r)
 
 
+def local_document_positions(positions: torch.Tensor, s_local: int, n: int, r: int) -> torch.Tensor:
+    """Per-row RoPE positions (b, s) of packed documents (restarting per document) -> CP rank r's
+    (b, s_local): right-padded first to s_local * n (as split_tokens pads, counting on), then split."""
+    pad = s_local * n - positions.shape[1]
+    if pad:
+        positions = torch.cat([positions, positions[:, -1:] + torch.arange(1, pad + 1)], dim=1)
+    return split_sequence(positions, 1, n, r)
+
+
 def split_tokens(ids: torch.Tensor, labels: torch.Tensor, cp: Group | ContextParallel, multiple: int = 1
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """ids, labels (b, s) -> this CP rank's (b, s/cp). Sequences are first right-padded (ids 0,

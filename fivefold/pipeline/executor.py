@@ -91,11 +91,13 @@ class PipelineExecutor:
         return [p for p in self.stages[stage].parameters() if p.requires_grad]
 
     def run(self, input_ids: Sequence[torch.Tensor], labels: Sequence[torch.Tensor] | None = None, *,
-            loss_scale: float = 1.0, mode: str = "train", trace: bool = False) -> RunResult:
+            loss_scale: float = 1.0, mode: str = "train", trace: bool = False, docs: Sequence | None = None
+            ) -> RunResult:
         """Run every action of this rank for one step. `input_ids[mb]` is needed on every rank (its
         shape sizes the receive buffers), `labels[mb]` on the rank of the last stage. Mode 'train'
         accumulates dL/dtheta (L = sum of losses * loss_scale) into .grad; 'loss' and 'logprobs' run
-        the forward-only schedule without building a graph."""
+        the forward-only schedule without building a graph. `docs[mb]`: the microbatch's packed
+        documents (fivefold.data.documents.PackedDocs), handed to every stage's forward."""
         if mode not in MODES:
             raise ValueError(f"mode {mode!r}: one of {MODES}")
         if len(input_ids) != self.schedule.num_microbatches:
@@ -109,6 +111,7 @@ class PipelineExecutor:
         self._policies[mode == "train"] = policy
         state = _StepState(list(input_ids), list(labels) if labels is not None else None, loss_scale, mode,
                            policy)
+        state.docs = list(docs) if docs is not None else [None] * len(input_ids)
         actions = schedule.ranks[self.rank]
         grad_ctx = torch.enable_grad() if mode == "train" else torch.no_grad()
         with grad_ctx:
@@ -222,11 +225,11 @@ class PipelineExecutor:
         st.inputs[key] = x
         with self.forward_context():
             if s < self.last:
-                y = module(x)  # (b, s, h)
+                y = module(x, st.docs[mb])  # (b, s, h)
             elif st.mode == "logprobs":
-                st.result.logprobs[mb] = module.logprobs(x, st.labels[mb].to(self.device))  # (b, s)
+                st.result.logprobs[mb] = module.logprobs(x, st.labels[mb].to(self.device), docs=st.docs[mb])  # (b, s)
             else:
-                loss_sum, count = module.loss(x, st.labels[mb].to(self.device))
+                loss_sum, count = module.loss(x, st.labels[mb].to(self.device), docs=st.docs[mb])
         if s < self.last:
             if y.dtype != self.dtype:
                 raise RuntimeError(f"stage {s} returned {y.dtype}; the pipeline sends {self.dtype} activations")

@@ -37,7 +37,7 @@ def loss_sum(model: nn.Module, mb: Microbatch, precision: str, device: torch.dev
     Under CP over this rank's s/cp tokens: the sums over DP x CP add up to the global batch's."""
     ids, labels = cp_tokens(model, mb.input_ids, mb.labels)
     with autocast(precision, device):
-        total, _ = model.loss(ids.to(device), labels.to(device), ignore_index=IGNORE_INDEX)
+        total, _ = model.loss(ids.to(device), labels.to(device), ignore_index=IGNORE_INDEX, docs=mb.docs)
     return total
 
 

@@ -58,7 +58,8 @@ def pipeline_forward_backward(pipe: PipelineModel, dp, batch: StepBatch, *, prec
     pipe.executor.forward_context = lambda: autocast(precision, device)
     if trace:
         comm.barrier(mesh.pp)  # a common start, so the ranks' timings line up
-    run = pipe.executor.run(ids, labels, loss_scale=1.0 / batch.global_tokens, trace=trace)
+    run = pipe.executor.run(ids, labels, loss_scale=1.0 / batch.global_tokens, trace=trace,
+                            docs=[mb.docs for mb in batch.microbatches])
     pipe.sync_tied_grads()  # before the DP reduction (the sums commute): with ZeRO-1 it reduce-scatters
     local = torch.zeros((), dtype=torch.float64)
     for s in run.loss_sums.values():
@@ -74,7 +75,7 @@ def pipeline_evaluate(pipe: PipelineModel, batches: list[StepBatch], *, precisio
     pipe.executor.forward_context = lambda: autocast(precision, device)
     for batch in batches:
         ids, labels = _inputs(pipe, batch)
-        run = pipe.executor.run(ids, labels, mode="loss")
+        run = pipe.executor.run(ids, labels, mode="loss", docs=[mb.docs for mb in batch.microbatches])
         local += sum(float(s) for s in run.loss_sums.values())
     return global_mean(local, sum(b.global_tokens for b in batches), mesh.pp, mesh.dp_cp)
 
