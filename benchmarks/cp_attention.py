@@ -13,8 +13,9 @@ Every row runs forward + backward of causal attention over one sequence of --seq
   torch CPn        torch.distributed.tensor.experimental.context_parallel (ring, round-robin load
                    balance) on the same ranks, when this build supports it on this device
 Columns: median step time of the slowest rank and its ratio to one process; peak bytes of tensors
-created during the step (the largest rank) and its ratio; the output's max difference from one
-process (gathered back to sequence order). On CPU every rank shares the same cores, so time ratios
+created during the step (the largest rank) and its ratio; the per-rank formula of
+docs/context_parallel.md ("Memory per rank") and measured / formula; the output's max difference
+from one process (gathered back to sequence order). On CPU every rank shares the same cores, so time ratios
 say how much work CP adds per rank, not the speed-up a GPU per rank would give; memory per rank is
 the point of CP.
 """
@@ -31,6 +32,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from pp_schedules import timed_peak  # noqa: E402
 from fivefold.parallel.context import ContextParallel, split_sequence  # noqa: E402
+from fivefold.parallel.ring_attention import ROW_TILES, ring_pieces  # noqa: E402
 from fivefold.runtime import comm  # noqa: E402
 from fivefold.runtime.mesh import Mesh  # noqa: E402
 from fivefold.testing.harness import Workers  # noqa: E402
@@ -102,6 +104,24 @@ def _torch(rank: int, world: int, args) -> dict:
         return {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:110]}"}
 
 
+def formula_bytes(args, n: int, a2a: int) -> float:
+    """docs/context_parallel.md, "Memory per rank" (fp32, e = 4): peak bytes one rank creates in one
+    forward + backward of CP attention over n = A x P ranks."""
+    e, tokens = 4, args.seq // n
+    Q = args.heads * tokens * args.dim * e  # q-sized: the output O and dQ (dv = d here)
+    KV = 2 * args.kv_heads * tokens * args.dim * e  # K and V (fp32: the same bytes as dK, dV)
+    if a2a > 1 and args.kv_heads % a2a:
+        KV = 2 * args.heads * tokens * args.dim * e  # the KV heads copied to their query heads first
+    peak = Q + Q + KV  # O, dQ, dK + dV: what one process of s/n tokens holds
+    if a2a > 1:
+        peak += Q + KV + 2 * Q  # q, k, v re-laid by the all-to-all (kept for backward); dO's two copies
+    P = n // a2a
+    if P > 1:
+        m = ring_pieces(args.seq // P)  # the ring's local sequence: s/P tokens (of a/A heads)
+        peak += (2 * P - 1) * KV / m + 3 * (P - 1) * KV / m + Q / ROW_TILES
+    return peak
+
+
 def _gather_order(outs: list[dict], n: int, seq: int) -> torch.Tensor:
     """Each rank's (1, a, s/n, d) output (its chunks r and 2n-1-r) back into sequence order."""
     c = seq // (2 * n)
@@ -126,9 +146,11 @@ def main(argv=None) -> int:
     print(f"causal attention fwd+bwd, 1 x {args.heads} heads ({args.kv_heads} KV) x {args.seq} tokens x d={args.dim}, "
           f"fp32, gloo on CPU, one thread per rank, median of {args.iters}\n")
     print("| layout | step ms (slowest rank) | time / one process | peak MiB per rank (max) | memory / one process "
-          "| max abs diff |")
-    print("|---|---|---|---|---|---|")
-    print(f"| one process (SDPA) | {ref['time'] * 1e3:.1f} | 1.00 | {ref['peak'] / 2**20:.1f} | 1.00 | 0 |")
+          "| formula MiB | measured / formula | max abs diff |")
+    print("|---|---|---|---|---|---|---|---|")
+    one = formula_bytes(args, 1, 1)
+    print(f"| one process (SDPA) | {ref['time'] * 1e3:.1f} | 1.00 | {ref['peak'] / 2**20:.1f} | 1.00 | "
+          f"{one / 2**20:.1f} | {ref['peak'] / one:.3f} | 0 |")
     pools: dict[int, Workers] = {}
     try:
         for n, kind, a2a in LAYOUTS:
@@ -136,16 +158,17 @@ def main(argv=None) -> int:
             outs = pool.run(_ours, args, a2a)
             t, peak = max(o["time"] for o in outs), max(o["peak"] for o in outs)
             diff = float((_gather_order(outs, n, args.seq) - ref["out"]).abs().max())
+            want = formula_bytes(args, n, a2a)
             print(f"| ours CP{n} {kind} | {t * 1e3:.1f} | {t / ref['time']:.2f} | {peak / 2**20:.1f} | "
-                  f"{peak / ref['peak']:.2f} | {diff:.1e} |", flush=True)
+                  f"{peak / ref['peak']:.2f} | {want / 2**20:.1f} | {peak / want:.3f} | {diff:.1e} |", flush=True)
         for n in sorted(pools):
             outs = pools[n].run(_torch, args)
             if "error" in outs[0]:
-                print(f"| torch CP{n} (experimental context_parallel) | n/a: {outs[0]['error']} | | | | |")
+                print(f"| torch CP{n} (experimental context_parallel) | n/a: {outs[0]['error']} | | | | | | |")
                 continue
             t, peak = max(o["time"] for o in outs), max(o["peak"] for o in outs)
             print(f"| torch CP{n} (experimental context_parallel) | {t * 1e3:.1f} | {t / ref['time']:.2f} | "
-                  f"{peak / 2**20:.1f} | {peak / ref['peak']:.2f} | |", flush=True)
+                  f"{peak / 2**20:.1f} | {peak / ref['peak']:.2f} | | | |", flush=True)
     finally:
         for pool in pools.values():
             pool.close()
