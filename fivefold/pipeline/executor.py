@@ -223,13 +223,14 @@ class PipelineExecutor:
         else:
             x = st.inputs[key]
         st.inputs[key] = x
+        docs = {} if st.docs[mb] is None else {"docs": st.docs[mb]}  # packed documents, when the batch has them
         with self.forward_context():
             if s < self.last:
-                y = module(x, st.docs[mb])  # (b, s, h)
+                y = module(x, **docs)  # (b, s, h)
             elif st.mode == "logprobs":
-                st.result.logprobs[mb] = module.logprobs(x, st.labels[mb].to(self.device), docs=st.docs[mb])  # (b, s)
+                st.result.logprobs[mb] = module.logprobs(x, st.labels[mb].to(self.device), **docs)  # (b, s)
             else:
-                loss_sum, count = module.loss(x, st.labels[mb].to(self.device), docs=st.docs[mb])
+                loss_sum, count = module.loss(x, st.labels[mb].to(self.device), **docs)
         if s < self.last:
             if y.dtype != self.dtype:
                 raise RuntimeError(f"stage {s} returned {y.dtype}; the pipeline sends {self.dtype} activations")
