@@ -32,7 +32,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from pp_schedules import timed_peak  # noqa: E402
 from fivefold.parallel.context import ContextParallel, split_sequence  # noqa: E402
-from fivefold.parallel.ring_attention import ROW_TILES, ring_pieces  # noqa: E402
+from fivefold.planner.cp_memory import attention_peak_bytes  # noqa: E402
 from fivefold.runtime import comm  # noqa: E402
 from fivefold.runtime.mesh import Mesh  # noqa: E402
 from fivefold.testing.harness import Workers  # noqa: E402
@@ -105,21 +105,9 @@ def _torch(rank: int, world: int, args) -> dict:
 
 
 def formula_bytes(args, n: int, a2a: int) -> float:
-    """docs/context_parallel.md, "Memory per rank" (fp32, e = 4): peak bytes one rank creates in one
-    forward + backward of CP attention over n = A x P ranks."""
-    e, tokens = 4, args.seq // n
-    Q = args.heads * tokens * args.dim * e  # q-sized: the output O and dQ (dv = d here)
-    KV = 2 * args.kv_heads * tokens * args.dim * e  # K and V (fp32: the same bytes as dK, dV)
-    if a2a > 1 and args.kv_heads % a2a:
-        KV = 2 * args.heads * tokens * args.dim * e  # the KV heads copied to their query heads first
-    peak = Q + Q + KV  # O, dQ, dK + dV: what one process of s/n tokens holds
-    if a2a > 1:
-        peak += Q + KV + 2 * Q  # q, k, v re-laid by the all-to-all (kept for backward); dO's two copies
-    P = n // a2a
-    if P > 1:
-        m = ring_pieces(args.seq // P)  # the ring's local sequence: s/P tokens (of a/A heads)
-        peak += (2 * P - 1) * KV / m + 3 * (P - 1) * KV / m + Q / ROW_TILES
-    return peak
+    """docs/context_parallel.md, "Memory per rank" (fivefold.planner.cp_memory), fp32."""
+    return attention_peak_bytes(b=1, s=args.seq, heads=args.heads, kv_heads=args.kv_heads, d=args.dim, dv=args.dim,
+                                a2a=a2a, ring=n // a2a)
 
 
 def _gather_order(outs: list[dict], n: int, seq: int) -> torch.Tensor:

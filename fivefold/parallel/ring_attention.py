@@ -44,26 +44,9 @@ from __future__ import annotations
 import torch
 
 from fivefold.ops.attention import Documents, block_backward, block_forward
+from fivefold.planner.cp_memory import ROW_TILES, ring_pieces
 from fivefold.runtime import comm, traffic
 from fivefold.runtime.mesh import Group
-
-MAX_PIECES = 32
-"""K/V pieces per rank at most (memory per rank falls with more; each costs a message per hop)."""
-MIN_PIECE_TOKENS = 64
-"""Fewest tokens in a piece (kernel efficiency): short sequences travel in fewer, larger pieces."""
-ROW_TILES = 4
-"""Query-row tiles per remote piece (bounds the dQ temporary to rows/ROW_TILES)."""
-
-
-def ring_pieces(s_loc: int) -> int:
-    """Pieces a rank's K/V travels in: even (each chunk cut alike), at most MAX_PIECES, pieces of at
-    least MIN_PIECE_TOKENS tokens where the chunk allows, and dividing the chunk evenly."""
-    c = s_loc // 2
-    per_chunk = max(1, min(MAX_PIECES // 2, c // MIN_PIECE_TOKENS))
-    while c % per_chunk:
-        per_chunk -= 1
-    return 2 * per_chunk
-
 
 def _block(i: int, r: int, n: int, c: int) -> tuple[slice, slice, bool]:
     """(query rows, key columns, causal) of step i on ring rank r (chunks of c tokens)."""
