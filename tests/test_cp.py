@@ -141,8 +141,17 @@ def test_ring_in_more_pieces_equals_one_process(attention_runs, name):
                       case=f"{name} {key} rank {r}")
 
 
-MEM_LAYOUTS = [("p2p-cp2", dict(cp=2, dp=2), 1), ("p2p-cp4", dict(cp=4), 1), ("a2a-cp2", dict(cp=2, dp=2, cp_a2a=2), 2)]
 MEM_SHAPE = dict(b=1, s=2048, heads=4, kv_heads=4, d=32, dv=32)
+GQA_SHAPE = dict(MEM_SHAPE, heads=8, kv_heads=2)
+MEM_LAYOUTS = [("p2p-cp2", dict(cp=2, dp=2), 1, MEM_SHAPE), ("p2p-cp4", dict(cp=4), 1, MEM_SHAPE),
+               ("a2a-cp2", dict(cp=2, dp=2, cp_a2a=2), 2, MEM_SHAPE), ("a2a-cp2-gqa", dict(cp=2, dp=2, cp_a2a=2), 2, GQA_SHAPE),
+               ("p2p-cp4-gqa", dict(cp=4), 1, GQA_SHAPE)]
+
+
+def _mem_inputs(sh):
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randn(sh["b"], h, sh["s"], sh["d"], generator=gen)
+            for h in (sh["heads"], sh["kv_heads"], sh["kv_heads"], sh["heads"])]
 
 
 def _peak_of_step(q, k, v, do, attend) -> int:
@@ -160,14 +169,10 @@ def _peak_of_step(q, k, v, do, attend) -> int:
 
 def _memory_case(rank, world):
     torch.set_num_threads(1)
-    sh = MEM_SHAPE
-    gen = torch.Generator().manual_seed(0)
-    full = [torch.randn(sh["b"], h, sh["s"], sh["d"], generator=gen) for h in (sh["heads"], sh["kv_heads"],
-                                                                              sh["kv_heads"], sh["heads"])]
     out = {}
-    for name, sizes, _ in MEM_LAYOUTS:
+    for name, sizes, _, sh in MEM_LAYOUTS:
         cp = context_parallel_of(Mesh.build(Layout(**sizes)), heads_per_rank=sh["heads"])
-        q, k, v, do = (split_sequence(t, 2, cp.size, cp.rank).clone() for t in full)
+        q, k, v, do = (split_sequence(t, 2, cp.size, cp.rank).clone() for t in _mem_inputs(sh))
         out[name] = _peak_of_step(*(t.requires_grad_() for t in (q, k, v)), do, cp.attention)
     return out
 
@@ -175,14 +180,12 @@ def _memory_case(rank, world):
 def test_attention_memory_per_rank_meets_the_formula(workers):
     """docs/context_parallel.md "Memory per rank": measured peak within 5% of the formula in every CP
     mode (and one process), and the ring below 0.65 (CP2) / 0.40 (CP4) of one process's."""
-    sh = MEM_SHAPE
-    gen = torch.Generator().manual_seed(0)
-    q, k, v, do = (torch.randn(sh["b"], h, sh["s"], sh["d"], generator=gen) for h in (sh["heads"], sh["kv_heads"],
-                                                                                      sh["kv_heads"], sh["heads"]))
-    one = _peak_of_step(*(t.requires_grad_() for t in (q, k, v)), do, lambda *t: attention(*t))
-    within(abs(one / attention_peak_bytes(**sh) - 1), 0.05, site="cp.memory_formula", case="one process")
+    for sh in (MEM_SHAPE, GQA_SHAPE):
+        q, k, v, do = _mem_inputs(sh)
+        one = _peak_of_step(*(t.requires_grad_() for t in (q, k, v)), do, lambda *t: attention(*t))
+        within(abs(one / attention_peak_bytes(**sh) - 1), 0.05, site="cp.memory_formula", case=f"one process {sh}")
     runs = workers(4).run(_memory_case)
-    for name, sizes, a2a in MEM_LAYOUTS:
+    for name, sizes, a2a, sh in MEM_LAYOUTS:
         want = attention_peak_bytes(**sh, a2a=a2a, ring=sizes["cp"] // a2a)
         for r, res in enumerate(runs):
             within(abs(res[name] / want - 1), 0.05, site="cp.memory_formula", case=f"{name} rank {r}")

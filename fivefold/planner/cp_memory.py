@@ -30,7 +30,9 @@ def attention_peak_bytes(*, b: int, s: int, heads: int, kv_heads: int, d: int, d
     """Peak bytes one rank creates in one causal attention forward + backward over CP = a2a x ring
     ranks (1 x 1: one process), e bytes per activation element (the fp32 accumulators counted at 4):
         one process of t = s/CP tokens: O, dQ, dK + dV                       Q + Q + KV32
-        all-to-all (a2a > 1): q, k, v re-laid and kept, dO's two copies        Q + KV + 2 O
+        all-to-all (a2a > 1): q, k, v re-laid and kept, dO's two copies        Q + KV + 2 O,
+            unless the forward's last all-to-all peaks higher: q, k, v re-laid, the attention's
+            output, its re-ordered copy and the all-to-all's three buffers      Q + KV + 5 O
         ring (ring > 1): K/V pieces held and in flight   (2P - 1) KV / m,
                          dK/dV pieces computed, sent and received   3 (P - 1) KV32 / m,
                          one kernel call's dQ, dK, dV   Q / ROW_TILES + KV32 / m."""
@@ -46,4 +48,6 @@ def attention_peak_bytes(*, b: int, s: int, heads: int, kv_heads: int, d: int, d
     if ring > 1:
         m = ring_pieces(s // ring)
         peak += (2 * ring - 1) * KV / m + (3 * (ring - 1) + 1) * KV32 / m + Q32 / ROW_TILES
+    if a2a > 1:  # comm.all_to_all stacks its input, receives into a buffer and re-lays it out (3 copies)
+        peak = max(peak, Q + KV + 5 * O)
     return peak
