@@ -100,3 +100,20 @@ def test_model_with_documents_equals_each_document_alone():
             close(logp[:, s0:s1], alone, rtol=1e-5, atol=1e-5, site="documents.model", case=f"mla={mla} [{s0},{s1})")
         plain = model.logprobs(body, labels)
         assert not torch.allclose(plain[:, 7:], logp[:, 7:])  # documents do change the later ones
+
+
+def test_token_file_without_its_tokenizer_is_refused(tmp_path):
+    """A pre-tokenized file read with the byte tokenizer has no known end-of-document id."""
+    import json
+
+    import pytest
+
+    from fivefold.config.schema import DataConfig
+    from fivefold.data.documents import document_rules
+    from fivefold.errors import UserError
+    (tmp_path / "meta.json").write_text(json.dumps({"kind": "tokens", "eod_id": 0}))
+    with pytest.raises(UserError, match="set data.tokenizer to that Hugging Face tokenizer"):
+        document_rules(DataConfig(path="x.bin", reset_attention_mask=True), tmp_path)
+    assert document_rules(DataConfig(path="x.bin"), tmp_path) is None  # flags off: nothing to know
+    (tmp_path / "meta.json").write_text(json.dumps({"kind": "text", "eod_id": 0}))
+    assert document_rules(DataConfig(eod_mask_loss=True), tmp_path) == DocumentRules(0, eod_mask_loss=True)

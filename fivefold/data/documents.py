@@ -12,10 +12,13 @@ travel with the microbatch (`Microbatch.docs`) to every rank and pipeline stage.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
+from fivefold.errors import UserError
 from fivefold.ops.attention import Documents
 
 
@@ -35,6 +38,18 @@ class DocumentRules:
         if not (d.reset_position_ids or d.reset_attention_mask or d.eod_mask_loss):
             return None
         return DocumentRules(eod_id, d.reset_position_ids, d.reset_attention_mask, d.eod_mask_loss)
+
+
+def document_rules(data_config, data_dir: Path) -> DocumentRules | None:
+    """The run's rules, with the EOD id of the prepared data (its meta.json). A pre-tokenized token
+    file read with the byte tokenizer has no known EOD id: refused rather than cut at token 0."""
+    meta = json.loads((data_dir / "meta.json").read_text())
+    rules = DocumentRules.of(data_config, meta["eod_id"])
+    if rules is not None and meta["kind"] == "tokens" and data_config.tokenizer == "byte":
+        raise UserError(f"data.reset_position_ids / reset_attention_mask / eod_mask_loss need the end-of-document "
+                        f"id of the tokenizer that wrote {data_config.path}: set data.tokenizer to that Hugging "
+                        "Face tokenizer's folder (its EOS id is used), or turn the three flags off")
+    return rules
 
 
 @dataclass(frozen=True)

@@ -96,8 +96,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float
     q, k, v = _widen(q, k, v)
     if docs is None:
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
-    elif _varlen_ok(q):
-        o = _varlen(q, k, v, docs, scale)
+    elif (varlen := _varlen_args(q, k)) is not None:
+        o = _varlen(q, k, v, docs, scale, varlen)
     else:  # one call per document; cat along the sequence keeps autograd plain
         rows = []
         for b, cuts in enumerate(docs.bounds):
@@ -120,17 +120,27 @@ def _widen(*ts: torch.Tensor) -> list[torch.Tensor]:
     return [_pad_to(t, w) for t in ts]
 
 
-def _varlen_ok(q: torch.Tensor) -> bool:
+def _varlen_args(q: torch.Tensor, k: torch.Tensor) -> dict | None:
+    """The causal / GQA keywords this torch's varlen_attn takes, or None where it cannot serve (not
+    CUDA fp16/bf16, no torch.nn.attention.varlen, or GQA without enable_gqa): then per-document calls."""
     if q.device.type != "cuda" or q.dtype not in (torch.float16, torch.bfloat16):
-        return False
+        return None
     try:
-        import torch.nn.attention.varlen  # noqa: F401  (torch >= 2.10)
+        import inspect
+
+        from torch.nn.attention.varlen import varlen_attn
     except ImportError:
-        return False
-    return True
+        return None
+    params = inspect.signature(varlen_attn).parameters
+    args = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+    if q.shape[1] != k.shape[1]:
+        if "enable_gqa" not in params:
+            return None
+        args["enable_gqa"] = True
+    return args
 
 
-def _varlen(q, k, v, docs: Documents, scale):
+def _varlen(q, k, v, docs: Documents, scale, args: dict):
     """CUDA: the batch as one packed (b*s, heads, d) sequence with document offsets cu_seqlens."""
     from torch.nn.attention.varlen import varlen_attn
     b, a, s, d = q.shape
@@ -138,8 +148,7 @@ def _varlen(q, k, v, docs: Documents, scale):
                       dtype=torch.int32, device=q.device)
     longest = max(e - c for cuts in docs.bounds for c, e in zip(cuts[:-1], cuts[1:]))
     flat = [t.transpose(1, 2).reshape(b * s, t.shape[1], t.shape[-1]) for t in (q, k, v)]  # (b*s, heads, d)
-    o = varlen_attn(*flat, cu, cu, longest, longest, scale=scale, window_size=(-1, 0),
-                    enable_gqa=a != k.shape[1])
+    o = varlen_attn(*flat, cu, cu, longest, longest, scale=scale, **args)
     return o.view(b, s, a, -1).transpose(1, 2)
 
 

@@ -6,7 +6,6 @@ with exactly the losses of an uninterrupted run.
 """
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,7 +16,7 @@ from tqdm import tqdm
 from fivefold.checkpoint import io as ckpt
 from fivefold.config.schema import Config, to_dict
 from fivefold.data.dataset import DocumentDataset, PackedDataset, load_splits
-from fivefold.data.documents import DocumentRules
+from fivefold.data.documents import document_rules
 from fivefold.data.loader import BatchLoader
 from fivefold.errors import UserError
 from fivefold.model import build_decoder
@@ -53,8 +52,7 @@ def _loaders(config: Config, ctx: RankContext, data_dir: Path) -> tuple[BatchLoa
     train_split, eval_split = load_splits(data_dir, d.eval_fraction)
     make = PackedDataset if d.packing else DocumentDataset
     kw = dict(global_batch_size=t.global_batch_size, micro_batch_size=t.micro_batch_size,
-              dp_rank=ctx.dp_rank, dp_size=ctx.dp_size,
-              documents=DocumentRules.of(d, json.loads((Path(data_dir) / "meta.json").read_text())["eod_id"]))
+              dp_rank=ctx.dp_rank, dp_size=ctx.dp_size, documents=document_rules(d, Path(data_dir)))
     train_ds = make(train_split, t.seq_length)
     if len(train_ds) < ctx.dp_size:
         raise UserError(f"data: the training split has {len(train_ds)} samples of seq_length={t.seq_length}; "
