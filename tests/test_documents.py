@@ -3,14 +3,18 @@ the attention backend and the whole model with documents equal each document run
 backend's block forward/backward (the ring's building block) equals autograd; the loader's rules."""
 from __future__ import annotations
 
+import json
+
 import numpy as np
+import pytest
 import torch
 import torch.nn.functional as F
 
 from _tol import close
-from fivefold.config.schema import ModelConfig
-from fivefold.data.documents import DocumentRules, document_positions, document_starts, packed_docs
+from fivefold.config.schema import DataConfig, ModelConfig
+from fivefold.data.documents import DocumentRules, document_positions, document_rules, document_starts, packed_docs
 from fivefold.data.loader import IGNORE_INDEX, collate
+from fivefold.errors import UserError
 from fivefold.model.decoder import Decoder
 from fivefold.ops.attention import Documents, attention, block_backward, block_forward
 
@@ -104,13 +108,6 @@ def test_model_with_documents_equals_each_document_alone():
 
 def test_token_file_without_its_tokenizer_is_refused(tmp_path):
     """A pre-tokenized file read with the byte tokenizer has no known end-of-document id."""
-    import json
-
-    import pytest
-
-    from fivefold.config.schema import DataConfig
-    from fivefold.data.documents import document_rules
-    from fivefold.errors import UserError
     (tmp_path / "meta.json").write_text(json.dumps({"kind": "tokens", "eod_id": 0}))
     with pytest.raises(UserError, match="set data.tokenizer to that Hugging Face tokenizer"):
         document_rules(DataConfig(path="x.bin", reset_attention_mask=True), tmp_path)

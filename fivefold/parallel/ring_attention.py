@@ -48,6 +48,7 @@ from fivefold.planner.cp_memory import ROW_TILES, ring_pieces
 from fivefold.runtime import comm, traffic
 from fivefold.runtime.mesh import Group
 
+
 def _block(i: int, r: int, n: int, c: int) -> tuple[slice, slice, bool]:
     """(query rows, key columns, causal) of step i on ring rank r (chunks of c tokens)."""
     j = (r - i) % n
