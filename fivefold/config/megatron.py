@@ -105,6 +105,7 @@ FLAGS: dict[str, Flag] = {
     "--recompute-method": _v("training.recompute_method"),
     "--recompute-num-layers": _v("training.recompute_num_layers"),
     "--use-distributed-optimizer": _on("training.use_distributed_optimizer"),
+    "--compile": Flag("training.compile", SWITCH, ours=True),
     "--seed": _v("training.seed"),
     "--eval-interval": _v("training.eval_interval"),
     "--eval-iters": _v("training.eval_iters"),

@@ -203,6 +203,8 @@ class TrainingConfig:
     """With full recompute: uniform or block. Default None."""
     recompute_num_layers: int | None = None
     """With full recompute: layers per chunk (uniform) or recomputed layers per stage (block)."""
+    compile: bool = False
+    """torch.compile each decoder layer (torchtitan's per-block compile; --compile). Default False."""
     use_distributed_optimizer: bool = False
     """Shard optimizer state over DP (ZeRO-1). Default False."""
     seed: int = 1234

@@ -7,6 +7,8 @@ and one order (torchtitan's `parallelize_llama`):
   3. EP        the MoE layers hold this EP rank's experts (ETP slices), built from the mesh's EP/ETP
                groups and marked expert (ParamMeta.domain); checked here;
   4. recompute activation recompute per Decoder (Megatron's granularity / method / num_layers);
+     compile   with training.compile, torch.compile of each decoder layer (in place: parameter
+               names unchanged; collectives and the CP ring run between the compiled graphs);
   5. DP        the data-parallel mode (fivefold.parallel.data_parallel: replicate or ZeRO-1), over
                the gradient domains of the parameters' metadata: dense over DP x CP, experts over EDP.
 
@@ -77,9 +79,16 @@ def check_expert_parallel(model: Decoder, mesh) -> None:
                                      f"has {want}: build it with build_decoder(config, mesh)")
 
 
+def compile_layers(model: Decoder) -> None:
+    """torch.compile every decoder layer in place (nn.Module.compile: the module and its parameter
+    names stay; layers of one shape share the compiled code)."""
+    for layer in model.layers.values():
+        layer.compile()
+
+
 def parallelize(model: Decoder | PipelineModel, mesh, config: Config, *,
                 reducer_cls: type[GradReducer] = GradReducer) -> Parts:
-    """Apply TP/SP -> CP -> EP -> recompute -> DP to `model` (a Decoder from build_decoder, or a
+    """Apply TP/SP -> CP -> EP -> recompute -> compile -> DP to `model` (a Decoder from build_decoder, or a
     PipelineModel from build_pipeline) on this rank of `mesh`, as `config` says; see the module
     docstring. `reducer_cls`: the gradient reducer (tests substitute a recording one)."""
     pipe = model if isinstance(model, PipelineModel) else None
@@ -91,6 +100,8 @@ def parallelize(model: Decoder | PipelineModel, mesh, config: Config, *,
         apply_context_parallel(decoder, mesh)
         check_expert_parallel(decoder, mesh)
         decoder.set_recompute(recompute)
+        if config.training.compile:
+            compile_layers(decoder)
     dp = DataParallel(module, mesh, config.training, moe=config.model.is_moe, reducer_cls=reducer_cls,
                       not_counted=pipe.uncounted_parameters() if pipe is not None else ())
     return Parts(module, pipe, dp, mesh)

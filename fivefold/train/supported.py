@@ -41,9 +41,23 @@ def _get(config: Config, dotted: str):
     return getattr(getattr(config, section), name)
 
 
+def _combinations(config: Config) -> list[str]:
+    """Values that run alone but not together."""
+    p = config.parallel
+    inside = [f"{name}={size}" for name, size in (("tensor_model_parallel_size", p.tensor_model_parallel_size),
+                                                   ("context_parallel_size", p.context_parallel_size),
+                                                   ("expert_model_parallel_size", p.expert_model_parallel_size))
+              if size > 1]
+    if config.training.compile and inside:
+        return [f"training.compile=True with {', '.join(inside)} (compiled layers would trace the TP/CP/EP "
+                "collectives inside them; DP, ZeRO and PP layouts compile)"]
+    return []
+
+
 def unsupported(config: Config) -> list[str]:
     """One line per knob set to a value the runtime does not run."""
-    return [f"{k.field}={_get(config, k.field)!r} ({k.what})" for k in RUNTIME_KNOBS if not k.runs(_get(config, k.field))]
+    return ([f"{k.field}={_get(config, k.field)!r} ({k.what})" for k in RUNTIME_KNOBS if not k.runs(_get(config, k.field))]
+            + _combinations(config))
 
 
 def check_supported(config: Config) -> None:
