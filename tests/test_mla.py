@@ -84,7 +84,7 @@ def _run(config: Config, mesh: Mesh, recompute: bool, zero: bool = False):
     stages = parts.decoders
     losses, norms, grads = [], [], {}
     for step in range(STEPS):
-        r = train_step(parts, _batch(step, dp_rank, dp), lr=LR, clip_grad=1.0, precision="fp32", device=cpu)
+        r = train_step(parts, _batch(step, dp_rank, dp), lr=LR, clip_grad=1.0, device=cpu)
         losses.append(r.loss)
         norms.append(r.grad_norm)
         if step == 0 and not zero:

@@ -66,7 +66,7 @@ def _reference(tie: bool):
         parts = parallelize(model, Mesh.build(Layout()), config)  # one rank, no process group
         losses, grads, norms = [], {}, []
         for step in range(STEPS):
-            r = train_step(parts, _batch(step, 0, 1, 1), lr=3e-3, clip_grad=1.0, precision="fp32",
+            r = train_step(parts, _batch(step, 0, 1, 1), lr=3e-3, clip_grad=1.0,
                            device=torch.device("cpu"))
             losses.append(r.loss)
             norms.append(r.grad_norm)
@@ -92,7 +92,7 @@ def _train(rank: int, world: int, config: Config, dp: int, save: Path | None = N
     parts = parallelize(pipe, mesh, config)
     losses, grads, norms = [], {}, []
     for step in range(STEPS):
-        r = train_step(parts, _batch(step, mesh.coords["dp"], dp, mbs), lr=3e-3, clip_grad=1.0, precision="fp32",
+        r = train_step(parts, _batch(step, mesh.coords["dp"], dp, mbs), lr=3e-3, clip_grad=1.0,
                        device=torch.device("cpu"))
         run = r.run
         assert run.log == list(pipe.schedule.ranks[mesh.pp.rank])  # executed order = the IR's
@@ -188,7 +188,7 @@ def _forward_only(rank: int, world: int, config: Config):
     mesh = Mesh.build(Layout(pp=config.parallel.pipeline_model_parallel_size))
     pipe = build_pipeline(config, mesh, GBS, device=torch.device("cpu"))
     batch = _batch(7, 0, 1, 1)
-    loss = pipeline_evaluate(pipe, [batch], precision="fp32", mesh=mesh, device=torch.device("cpu"))
+    loss = pipeline_evaluate(pipe, [batch], mesh=mesh)
     lp = pipeline_logprobs(pipe, [m.input_ids for m in batch.microbatches], [m.labels for m in batch.microbatches],
                            mesh=mesh)
     ids, labels = [m.input_ids for m in batch.microbatches], [m.labels for m in batch.microbatches]

@@ -68,6 +68,7 @@ def _sharded_step_rank(rank: int, world: int):
             red.prepare(last=True)
             m(x).square().sum().backward()
             red.finish()
+        opt.attach_grads()
         opt.step()  # no clipping here: the trajectory tests below clip
         ref_opt.step()
     starts = [e.time for e in traffic.events if e.tag == "dp-grad" and e.phase == "start"]

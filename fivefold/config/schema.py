@@ -196,7 +196,31 @@ class TrainingConfig:
     clip_grad: float = 1.0
     """Global gradient-norm clip over all ranks and shards; 0 = off. Default 1.0."""
     precision: str = "fp32"
-    """fp32, bf16 (or fp16 / fp8 for the planner). Default fp32."""
+    """fp32, bf16 or fp16 parameters (fp8 for the planner only); 16-bit runs keep fp32 main parameters
+    and AdamW state in the optimizer (fivefold.parallel.precision). Default fp32."""
+    grad_reduce_in_bf16: bool = False
+    """bf16: accumulate and reduce gradients in bf16 instead of fp32 (--grad-reduce-in-bf16). Default False."""
+    accumulate_allreduce_grads_in_fp32: bool = False
+    """fp16: accumulate and reduce gradients in fp32 instead of fp16 (Megatron's flag). Default False."""
+    loss_scale: float | None = None
+    """fp16: a static loss scale; None = dynamic scaling (--loss-scale). Default None."""
+    initial_loss_scale: float = 2.0 ** 32
+    """fp16 dynamic scaling: the first scale (--initial-loss-scale). Default 2^32."""
+    min_loss_scale: float = 1.0
+    """fp16 dynamic scaling: the floor of the scale (--min-loss-scale). Default 1."""
+    loss_scale_window: int = 1000
+    """fp16 dynamic scaling: clean steps before the scale doubles (--loss-scale-window). Default 1000."""
+    hysteresis: int = 2
+    """fp16 dynamic scaling: overflow steps tolerated before the scale halves (--hysteresis). Default 2."""
+    use_precision_aware_optimizer: bool = False
+    """The optimizer owns the main parameters' dtype and placement (Megatron's
+    --use-precision-aware-optimizer; required by optimizer_cpu_offload). Default False."""
+    optimizer_cpu_offload: bool = False
+    """Keep (a share of) the fp32 main parameters and AdamW state in host memory and step them there
+    (--optimizer-cpu-offload). Default False."""
+    optimizer_offload_fraction: float = 1.0
+    """With optimizer_cpu_offload: the share of the optimizer's parameters offloaded
+    (--optimizer-offload-fraction). Default 1.0."""
     recompute_granularity: str | None = None
     """None, selective or full activation recompute. Default None."""
     recompute_method: str | None = None

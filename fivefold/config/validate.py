@@ -48,14 +48,40 @@ def validate(config: Config, dialect: str = "fivefold", *, raise_errors: bool = 
     broken = errors(s)
     fixes = search(base, broken, dialect) if broken else {}
     problems = [Problem(r.field, r.value, r.rule, first_that_holds(config, fixes.get(i, []), dialect))
-                for i, r in enumerate(broken)]
+                for i, r in enumerate(broken)] + _precision_problems(config.training)
     warnings = [Problem(r.field, r.value, r.rule, "applied", "warning") for r in warned]
     if not broken:
         warnings += _soft_warnings(s)
         _write_back(config, s)
-    if broken and raise_errors:
+    if problems and raise_errors:
         raise ConfigError(problems + warnings)
     return problems + warnings
+
+
+def _precision_problems(t) -> list[Problem]:
+    """Mixed precision, loss scaling and optimizer offload (fivefold.parallel.precision), as Megatron
+    checks them."""
+    out = []
+    if t.optimizer_cpu_offload and not t.use_precision_aware_optimizer:
+        out.append(Problem("training.optimizer_cpu_offload", True, "optimizer CPU offload needs the precision-aware "
+                           "optimizer (Megatron asserts the same)", "use_precision_aware_optimizer=True "
+                           "(--use-precision-aware-optimizer)"))
+    if not 0.0 < t.optimizer_offload_fraction <= 1.0:
+        out.append(Problem("training.optimizer_offload_fraction", t.optimizer_offload_fraction,
+                           "the offloaded share must be in (0, 1]", "optimizer_offload_fraction=1.0"))
+    if t.grad_reduce_in_bf16 and t.precision != "bf16":
+        out.append(Problem("training.grad_reduce_in_bf16", True, f"bf16 gradient reduction needs bf16 parameters "
+                           f"(precision is {t.precision})", "precision=bf16 (--bf16), or drop --grad-reduce-in-bf16"))
+    for name, value, ok, fix in (
+            ("loss_scale", t.loss_scale, t.loss_scale is None or t.loss_scale > 0, "unset (dynamic scaling)"),
+            ("initial_loss_scale", t.initial_loss_scale, t.initial_loss_scale > 0, "initial_loss_scale=4294967296"),
+            ("min_loss_scale", t.min_loss_scale, 0 < t.min_loss_scale <= t.initial_loss_scale, "min_loss_scale=1"),
+            ("loss_scale_window", t.loss_scale_window, t.loss_scale_window >= 1, "loss_scale_window=1000"),
+            ("hysteresis", t.hysteresis, t.hysteresis >= 1, "hysteresis=2")):
+        if not ok:
+            out.append(Problem(f"training.{name}", value, "must be positive (min_loss_scale at most "
+                               "initial_loss_scale)", fix))
+    return out
 
 
 def _write_back(config: Config, s: dict) -> None:

@@ -20,6 +20,14 @@ the same layout (`bucket.param_buffer`; `param.data` is a view into it), so that
 step chunk r in place and one all-gather per bucket puts every rank's updated chunk back
 (fivefold.parallel.distributed_optimizer). Call bytes per step: reduce-scatter = all-gather =
 4 x (parameters rounded up to a multiple of n per bucket).
+
+Mixed precision (fivefold.parallel.precision): the buffers hold the gradient dtype, which may differ
+from the parameters' (bf16 parameters, fp32 gradients). Every parameter's buffer view is its
+`main_grad` (Megatron's name). When the dtypes agree, `param.grad` is that view, as above; when they
+differ, each gradient autograd produces (in the parameter's dtype) is added into `main_grad` by the
+same hook, on every microbatch, and freed, so one parameter's 16-bit gradient lives at a time.
+Code that accumulates gradients itself (the pipeline's weight-gradient pass) adds into
+`grad_target(p)`.
 """
 from __future__ import annotations
 
@@ -35,12 +43,18 @@ DEFAULT_BUCKET_BYTES = 25 * 2**20
 """Bucket capacity in bytes of gradient (PyTorch DDP's default 25 MiB)."""
 
 
+def grad_target(p: nn.Parameter) -> torch.Tensor | None:
+    """Where p's gradient accumulates: its `main_grad` buffer view when a GradReducer holds it,
+    else p.grad (None before the first gradient)."""
+    return getattr(p, "main_grad", p.grad)
+
+
 class _Bucket:
-    def __init__(self, params: list[nn.Parameter], index: int, pad_to: int = 1):
+    def __init__(self, params: list[nn.Parameter], index: int, pad_to: int = 1, dtype: torch.dtype | None = None):
         self.params, self.index = params, index
         self.numel = sum(p.numel() for p in params)
         padded = -(-self.numel // pad_to) * pad_to  # zeros past numel: the reduce-scatter needs n equal chunks
-        self.buffer = torch.zeros(padded, dtype=params[0].dtype, device=params[0].device)
+        self.buffer = torch.zeros(padded, dtype=dtype or params[0].dtype, device=params[0].device)
         self.offsets, self.views, offset = [], [], 0
         for p in params:
             self.offsets.append(offset)
@@ -55,7 +69,7 @@ class _Bucket:
 
     def share_params(self) -> None:
         """Move the parameters into one flat buffer laid out like the gradients (param.data -> a view)."""
-        self.param_buffer = torch.zeros_like(self.buffer)
+        self.param_buffer = torch.zeros_like(self.buffer, dtype=self.params[0].dtype)
         for p, offset in zip(self.params, self.offsets):
             flat = self.param_buffer[offset: offset + p.numel()]
             flat.copy_(p.data.reshape(-1))
@@ -71,7 +85,8 @@ class GradReducer:
     """
 
     def __init__(self, params: Iterable[nn.Parameter], group: Group, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 tag: str = "dp-grad", shard: bool = False):
+                 tag: str = "dp-grad", shard: bool = False, grad_dtype: torch.dtype | None = None):
+        """`grad_dtype`: the buffers' dtype (default: the parameters'); see the module docstring."""
         self.group, self.tag, self.shard = group, tag, shard
         pad_to = group.size if shard else 1
         self.params = [p for p in params if p.requires_grad]
@@ -80,16 +95,17 @@ class GradReducer:
         for p in reversed(self.params):
             if current and (p.dtype != current[0].dtype or
                             sum(q.numel() for q in current) * p.element_size() + p.nbytes > bucket_bytes):
-                self.buckets.append(_Bucket(current, len(self.buckets), pad_to))
+                self.buckets.append(_Bucket(current, len(self.buckets), pad_to, grad_dtype))
                 current = []
             current.append(p)
         if current:
-            self.buckets.append(_Bucket(current, len(self.buckets), pad_to))
+            self.buckets.append(_Bucket(current, len(self.buckets), pad_to, grad_dtype))
         self._bucket_of = {}
         for b in self.buckets:
             for p, v in zip(b.params, b.views):
                 self._bucket_of[p] = (b, v)
-                p.grad = v
+                p.main_grad = v
+                p.grad = v if v.dtype == p.dtype else None
                 p.register_post_accumulate_grad_hook(self._on_grad_ready)
             if shard:
                 b.share_params()
@@ -105,7 +121,7 @@ class GradReducer:
         for b in self.buckets:
             b.buffer.zero_()
             for p, v in zip(b.params, b.views):
-                p.grad = v
+                p.grad = v if v.dtype == p.dtype else None
 
     def prepare(self, last: bool) -> None:
         """Call before each microbatch's backward: reduce during this backward only when `last`."""
@@ -114,11 +130,14 @@ class GradReducer:
             b.pending, b.work = len(b.params), None
 
     def _on_grad_ready(self, p: nn.Parameter) -> None:
+        b, view = self._bucket_of[p]
+        if view.dtype != p.dtype:  # 16-bit gradient -> the wider buffer, then freed
+            view.add_(p.grad)
+            p.grad = None
+        elif p.grad.data_ptr() != view.data_ptr():
+            raise RuntimeError("a parameter's .grad was replaced; call GradReducer.zero_grad, not optimizer.zero_grad")
         if not self._sync:
             return
-        b, view = self._bucket_of[p]
-        if p.grad.data_ptr() != view.data_ptr():
-            raise RuntimeError("a parameter's .grad was replaced; call GradReducer.zero_grad, not optimizer.zero_grad")
         b.pending -= 1
         if b.pending == 0:
             self._launch(b)

@@ -22,6 +22,12 @@ a different order on different ranks, and EDP may be the very process group of D
 with EP2 = TP: EDP = DP), where the order must match. Expert gradients are therefore not overlapped
 with the backward yet.
 
+Precision (fivefold.parallel.precision, the one place that decides dtypes): the model's parameters
+hold the parameter dtype (parallelize cast them); the reducers' buffers hold the gradient dtype; AdamW steps fp32 main
+parameters (`MainParams`: the parameters themselves in fp32, copies for 16-bit parameters or offload),
+which are cast back after each step. fp16 scales the loss by `loss_scale`; `unscale_grads` divides the
+reduced gradients by it and decides, over the whole world, whether the step runs.
+
 Gradient norm (`clip_grads`), each parameter counted once (ParamMeta.owns_grad), over the main
 parameters (ZeRO: this rank's chunks, whose squares are also added over the domain's DP group):
   dense only:  squares added over TP x PP (the model-parallel group);
@@ -38,12 +44,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from fivefold.checkpoint.optim_state import OptimShard, whole_shards
+from fivefold.checkpoint.optim_state import OptimShard
 from fivefold.config.schema import TrainingConfig
 from fivefold.parallel.data import GradReducer
 from fivefold.parallel.distributed_optimizer import DistributedOptimizer
-from fivefold.parallel.optimizer import build_optimizer, clip_grad_norm
+from fivefold.parallel.optimizer import build_adamw, clip_grad_norm
 from fivefold.parallel.param_meta import GradDomain, ParamMeta, metas_of
+from fivefold.parallel.precision import LossScaler, MainParams, Precision
 from fivefold.parallel.tensor import reduce_tp_grads
 from fivefold.runtime import comm
 from fivefold.runtime.mesh import Group
@@ -72,16 +79,23 @@ class _Domain:
     norm_group: Group
     """Where this domain's squares are added (besides the ZeRO group): TP, ETP x EP, or TP x PP."""
     zero: DistributedOptimizer | None = None
+    mains: MainParams | None = None
+    """Without ZeRO: the main parameters of `params`, in order."""
 
     def main(self, of: Iterable[nn.Parameter] | None = None) -> list[torch.Tensor]:
         """What the optimizer steps, each holding its reduced gradient: ZeRO-1's chunks of the
-        parameters `of` (default all), or the parameters themselves."""
+        parameters `of` (default all), or their main parameters."""
         if self.zero is not None:
             return self.zero.main_params(of)
-        if of is None:
-            return self.params
-        ids = {id(p) for p in of}
-        return [p for p in self.params if id(p) in ids]
+        ids = None if of is None else {id(p) for p in of}
+        return [m for p, m in zip(self.params, self.mains.mains) if ids is None or id(p) in ids]
+
+    def attach_grads(self) -> None:
+        """After the reduction: each main parameter's .grad is its reduced gradient (fp32)."""
+        if self.zero is not None:
+            self.zero.attach_grads()
+        else:
+            self.mains.attach([p.main_grad for p in self.params])
 
 
 class _States:
@@ -117,40 +131,50 @@ class DataParallel:
         `not_counted`: parameters left out of the gradient norm (a tied embedding's second copy,
         counted where its first copy lives)."""
         self.mode = DPMode.of(training)
-        self.tp = mesh.tp
+        self.precision = Precision.of(training)
+        self.scaler = LossScaler.of(training) if self.precision.scales_loss else None
+        self.tp, self.world = mesh.tp, mesh.world
         self.not_counted = list(not_counted)
         self.metas: dict[int, ParamMeta] = metas_of(model)
         shard = self.mode is DPMode.OPTIM
+        grads = dict(grad_dtype=self.precision.grad_dtype)
         params = list(model.parameters())
         experts = [p for p in params if self.metas[id(p)].is_expert]
         if experts if moe is None else moe:
             dense = [p for p in params if not self.metas[id(p)].is_expert]
             self.domains = [
-                _Domain(GradDomain.DENSE, dense, reducer_cls(dense, mesh.group(GradDomain.DENSE.group), shard=shard),
-                        mesh.tp),
+                _Domain(GradDomain.DENSE, dense,
+                        reducer_cls(dense, mesh.group(GradDomain.DENSE.group), shard=shard, **grads), mesh.tp),
                 _Domain(GradDomain.EXPERT, experts,
-                        reducer_cls(experts, mesh.group(GradDomain.EXPERT.group), shard=shard, tag="edp-grad"),
-                        mesh.group("etp-ep"))]
+                        reducer_cls(experts, mesh.group(GradDomain.EXPERT.group), shard=shard, tag="edp-grad",
+                                    **grads), mesh.group("etp-ep"))]
             self.norm_over: Group | None = mesh.pp
             """With two domains: their norms are combined, then added over this group."""
         else:
             self.domains = [_Domain(GradDomain.DENSE, params,
-                                    reducer_cls(params, mesh.group(GradDomain.DENSE.group), shard=shard),
+                                    reducer_cls(params, mesh.group(GradDomain.DENSE.group), shard=shard, **grads),
                                     mesh.group("model-parallel"))]
             self.norm_over = None
         if shard:
             sharded = [d for d in self.domains if d.params]  # an expert domain may be empty on this stage
             for d in sharded:
-                d.zero = DistributedOptimizer(model, d.reducer, training,
+                d.zero = DistributedOptimizer(model, d.reducer, training, precision=self.precision,
                                               tag="edp-param" if d.kind is GradDomain.EXPERT else "dp-param")
                 self.metas.update(d.zero.metas)
             self.optimizers = [d.zero.optimizer for d in sharded]
             self._steps = [d.zero.step for d in sharded]
             self._optim_shards = [s for d in sharded for s in d.zero.optim_shards()]
         else:
-            self.optimizers = [build_optimizer(model, training)]
-            self._steps = [self.optimizers[0].step]
-            self._optim_shards = whole_shards(model)
+            names = {id(p): n for n, p in model.named_parameters()}
+            for d in self.domains:
+                d.mains = MainParams(d.params, self.precision)
+                self.metas.update({id(m): self.metas[id(p)] for p, m in zip(d.params, d.mains.mains)})
+            pairs = [(p, m) for d in self.domains for p, m in zip(d.params, d.mains.mains)]
+            # weight decay on parameters with >= 2 dims (not on norms' gains or biases), as Megatron
+            self.optimizers = [build_adamw([m for p, m in pairs if p.ndim >= 2], [m for p, m in pairs if p.ndim < 2],
+                                           training)]
+            self._steps = [self._step_replicated]
+            self._optim_shards = [OptimShard(names[id(p)], m, (0, p.numel())) for p, m in pairs]
         self.state = self.optimizers[0].state if len(self.optimizers) == 1 else _States(self.optimizers)
         """AdamW's state, keyed by the tensors it steps (`optim_shards()` says which)."""
 
@@ -181,10 +205,35 @@ class DataParallel:
         for d in self.domains:
             d.reducer.prepare(last and d.kind is GradDomain.DENSE)
 
+    @property
+    def loss_scale(self) -> float:
+        """What the step's loss is multiplied by before backward (fp16's loss scale; else 1)."""
+        return self.scaler.scale if self.scaler is not None else 1.0
+
     def finish(self) -> None:
-        """Reduce what backward did not (every expert bucket, unused buckets), dense first; wait."""
+        """Reduce what backward did not (every expert bucket, unused buckets), dense first; wait;
+        point the main parameters' gradients at the result."""
         for d in self.domains:
             d.reducer.finish()
+        for d in self.domains:
+            d.attach_grads()
+
+    def unscale_grads(self) -> bool:
+        """After finish(), fp16: divide the main gradients by the loss scale and say whether the step
+        may run: False when any rank's gradients hold an inf or NaN (all ranks get the same answer);
+        the scaler is updated either way. Without loss scaling: True, no communication."""
+        if self.scaler is None:
+            return True
+        bad = torch.zeros((), dtype=torch.float64)
+        for d in self.domains:
+            for t in d.main():
+                if t.grad is not None:
+                    t.grad.mul_(1.0 / self.scaler.scale)
+                    bad += float(not bool(torch.isfinite(t.grad).all()))
+        comm.all_reduce_(bad, self.world, tag="found-inf")
+        overflow = float(bad) > 0
+        self.scaler.update(overflow)
+        return not overflow
 
     def clip_grads(self, max_norm: float) -> float:
         """After finish(): complete the gradients of TP-replicated parameters (SP norm gains, KV
@@ -216,6 +265,17 @@ class DataParallel:
         return norm
 
     def step(self) -> None:
-        """AdamW on the main parameters (ZeRO-1: then the updated chunks all-gathered)."""
+        """AdamW on the main parameters, cast back into the model's (ZeRO-1: then the updated chunks
+        all-gathered)."""
         for step in self._steps:
             step()
+
+    def _step_replicated(self) -> None:
+        self.optimizers[0].step()
+        for d in self.domains:
+            d.mains.write_back()
+
+    def offloaded(self) -> list[torch.Tensor]:
+        """The main parameters kept and stepped in host memory (--optimizer-cpu-offload)."""
+        mains = [d.zero.mains if d.zero is not None else d.mains for d in self.domains if d.params]
+        return [m for ms in mains for m, host in zip(ms.mains, ms.offloaded) if host]

@@ -16,9 +16,11 @@ each bucket rounded up to a multiple of n), against 4 x P for the all-reduce wit
 A parameter that straddles a chunk boundary is split into pieces, each a leaf tensor aliasing its
 range of the parameter buffer, put in the weight-decay group of its parameter (Megatron's
 per-parameter ranges of a shard). AdamW with foreach=False is elementwise, so a piece gets the same
-numbers as its parameter stepped whole. Parameters are fp32 (bf16 runs autocast over fp32
-weights), so the parameter chunk is itself the fp32 master copy: no second copy is kept (Megatron
-does the same for fp32 parameters).
+numbers as its parameter stepped whole. With fp32 parameters the parameter chunk is itself the main
+copy (no second copy, as Megatron); with 16-bit parameters (or offload) each piece has an fp32 main
+copy that AdamW steps and that is cast back into the parameter buffer before the all-gather, which then
+moves 2-byte parameters (fivefold.parallel.precision.MainParams). The reduced chunk's gradients are in
+the gradient dtype (fp32 or 16-bit: GradReducer(grad_dtype)).
 """
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ from fivefold.parallel.data import GradReducer
 from fivefold.runtime import comm
 from fivefold.parallel.param_meta import ParamMeta, metas_of
 from fivefold.parallel.optimizer import build_adamw
+from fivefold.parallel.precision import MainParams, Precision
 
 
 @dataclass(frozen=True)
@@ -46,7 +49,8 @@ class Piece:
     flat: tuple[int, int]
     """[lo, hi) in param.view(-1)."""
     tensor: nn.Parameter
-    """A leaf aliasing param.view(-1)[lo:hi] (in the flat parameter buffer): what AdamW steps."""
+    """What AdamW steps: a leaf aliasing param.view(-1)[lo:hi] in the flat parameter buffer (fp32
+    parameters), or an fp32 main copy of that range (16-bit parameters, offload)."""
     bucket: int
     grad_range: tuple[int, int]
     """[lo, hi) of this piece in the bucket's reduced chunk (bucket.grad_shard)."""
@@ -58,26 +62,28 @@ class DistributedOptimizer:
     Per step, after reducer.finish(): clip the gradients of `main_params()` by the global norm
     (fivefold.parallel.data_parallel.DataParallel.clip_grads adds this optimizer's `group`), then `step()`."""
 
-    def __init__(self, model: nn.Module, reducer: GradReducer, training: TrainingConfig, *, tag: str = "dp-param"):
+    def __init__(self, model: nn.Module, reducer: GradReducer, training: TrainingConfig, *, tag: str = "dp-param",
+                 precision: Precision | None = None):
         if not reducer.shard:
             raise ValueError("DistributedOptimizer needs GradReducer(shard=True): gradients reduce-scattered")
         self.reducer, self.group, self.tag = reducer, reducer.group, tag
         names = {}
         for name, p in model.named_parameters():
             names.setdefault(id(p), name)
-        self.pieces: list[Piece] = []
         model_metas = metas_of(model)
-        self.metas: dict[int, ParamMeta] = {}
-        """id(piece.tensor) -> its parameter's metadata: a main parameter is held as its parameter is."""
+        spans = []  # (bucket, param, [start, end) in the bucket)
         for i, b in enumerate(reducer.buckets):
             lo, hi = reducer.shard_range(b)
             for p, offset in zip(b.params, b.offsets):
                 start, end = max(lo, offset), min(hi, offset + p.numel())
                 if start < end:
-                    leaf = nn.Parameter(b.param_buffer[start:end])  # shares the buffer's storage
-                    self.metas[id(leaf)] = model_metas[id(p)]
-                    self.pieces.append(Piece(names[id(p)], p, (start - offset, end - offset), leaf, i,
-                                             (start - lo, end - lo)))
+                    spans.append((i, p, offset, start, end, lo))
+        ranges = [nn.Parameter(reducer.buckets[i].param_buffer[start:end]) for i, _, _, start, end, _ in spans]
+        self.mains = MainParams(ranges, precision or Precision.of(training))  # leaves sharing the buffer's storage
+        self.pieces: list[Piece] = [Piece(names[id(p)], p, (start - offset, end - offset), main, i, (start - lo, end - lo))
+                                    for (i, p, offset, start, end, lo), main in zip(spans, self.mains.mains)]
+        self.metas: dict[int, ParamMeta] = {id(pc.tensor): model_metas[id(pc.param)] for pc in self.pieces}
+        """id(piece.tensor) -> its parameter's metadata: a main parameter is held as its parameter is."""
         self.optimizer = build_adamw([pc.tensor for pc in self.pieces if pc.param.ndim >= 2],
                                      [pc.tensor for pc in self.pieces if pc.param.ndim < 2], training)
 
@@ -90,26 +96,29 @@ class DistributedOptimizer:
         """AdamW's state, keyed by each piece's `tensor`."""
         return self.optimizer.state
 
-    def _attach_grads(self) -> None:
+    def attach_grads(self) -> None:
+        """Each piece's .grad: its range of the reduced chunk (after reducer.finish())."""
+        grads = []
         for pc in self.pieces:
             shard = self.reducer.buckets[pc.bucket].grad_shard
             if shard is None:
                 raise RuntimeError("DistributedOptimizer: call reducer.finish() before reading the gradients")
-            pc.tensor.grad = shard[pc.grad_range[0]: pc.grad_range[1]]
+            grads.append(shard[pc.grad_range[0]: pc.grad_range[1]])
+        self.mains.attach(grads)
 
     def main_params(self, of: Iterable[nn.Parameter] | None = None) -> list[nn.Parameter]:
         """This rank's pieces of the parameters `of` (default all), each holding its reduced gradient
-        chunk as .grad (call after reducer.finish()): what clipping reads and step() updates. A piece
+        chunk as .grad (after attach_grads()): what clipping reads and step() updates. A piece
         is held as its parameter is (`metas`), so TP gradient completion and norm ownership apply to
         it as to the parameter (every TP rank's buffer has the same layout, so the same ranges)."""
-        self._attach_grads()
         ids = None if of is None else {id(p) for p in of}
         return [pc.tensor for pc in self.pieces if ids is None or id(pc.param) in ids]
 
     def step(self) -> None:
-        """AdamW on this rank's chunks, then every bucket's chunks all-gathered into the parameters."""
-        self._attach_grads()  # this step's chunks (clip_and_step scaled them in place)
+        """AdamW on this rank's chunks (their main copies cast back), then every bucket's chunks
+        all-gathered into the parameters."""
         self.optimizer.step()
+        self.mains.write_back()
         launched = []
         for b in self.reducer.buckets:
             lo, hi = self.reducer.shard_range(b)

@@ -9,7 +9,9 @@ and one order (torchtitan's `parallelize_llama`):
   4. recompute activation recompute per Decoder (Megatron's granularity / method / num_layers);
      compile   with training.compile, torch.compile of each decoder layer (in place: parameter
                names unchanged; collectives and the CP ring run between the compiled graphs);
-  5. DP        the data-parallel mode (fivefold.parallel.data_parallel: replicate or ZeRO-1), over
+  5. precision the parameters cast to the run's parameter dtype (bf16/fp16; fp32 main copies live in
+               the optimizer: fivefold.parallel.precision);
+  6. DP        the data-parallel mode (fivefold.parallel.data_parallel: replicate or ZeRO-1), over
                the gradient domains of the parameters' metadata: dense over DP x CP, experts over EDP.
 
 The result, `Parts`, is what a training step runs (fivefold.train.step.train_step): the model (with
@@ -28,6 +30,7 @@ from fivefold.model.recompute import Recompute
 from fivefold.parallel.context import context_parallel_of
 from fivefold.parallel.data import GradReducer
 from fivefold.parallel.data_parallel import DataParallel
+from fivefold.parallel.precision import Precision
 from fivefold.parallel.tensor import TPMode
 from fivefold.pipeline.stages import PipelineModel
 
@@ -88,7 +91,7 @@ def compile_layers(model: Decoder) -> None:
 
 def parallelize(model: Decoder | PipelineModel, mesh, config: Config, *,
                 reducer_cls: type[GradReducer] = GradReducer) -> Parts:
-    """Apply TP/SP -> CP -> EP -> recompute -> compile -> DP to `model` (a Decoder from build_decoder, or a
+    """Apply TP/SP -> CP -> EP -> recompute -> compile -> precision -> DP to `model` (a Decoder from build_decoder, or a
     PipelineModel from build_pipeline) on this rank of `mesh`, as `config` says; see the module
     docstring. `reducer_cls`: the gradient reducer (tests substitute a recording one)."""
     pipe = model if isinstance(model, PipelineModel) else None
@@ -102,6 +105,10 @@ def parallelize(model: Decoder | PipelineModel, mesh, config: Config, *,
         decoder.set_recompute(recompute)
         if config.training.compile:
             compile_layers(decoder)
+    dtype = Precision.of(config.training).param_dtype
+    module.to(dtype)  # in place: the Parameter objects (and their metadata) stay
+    if pipe is not None:
+        pipe.executor.dtype = dtype  # the activations the stages send
     dp = DataParallel(module, mesh, config.training, moe=config.model.is_moe, reducer_cls=reducer_cls,
                       not_counted=pipe.uncounted_parameters() if pipe is not None else ())
     return Parts(module, pipe, dp, mesh)

@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 import torch
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
+from fivefold.parallel.data import grad_target
+
 
 def _node(t: torch.Tensor) -> Node:
     """The node gradients of `t` flow into: its grad_fn, or its AccumulateGrad for a leaf."""
@@ -85,13 +87,16 @@ def _edge(output: torch.Tensor) -> GradientEdge:
 
 
 def _accumulate(params: list[torch.nn.Parameter], grads) -> None:
+    """Add each gradient where its parameter's gradients accumulate (the reducer's main_grad buffer,
+    which may be wider than the parameter: fivefold.parallel.data.grad_target)."""
     for p, g in zip(params, grads):
         if g is None:
             continue
-        if p.grad is None:
+        target = grad_target(p)
+        if target is None:
             p.grad = g
         else:
-            p.grad.add_(g)
+            target.add_(g)
 
 
 def backward_full(output: torch.Tensor, grad_output: torch.Tensor | None, stage_input: torch.Tensor | None,

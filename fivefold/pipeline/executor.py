@@ -27,7 +27,6 @@ under no_grad: outputs are dropped as soon as they are sent or consumed.
 from __future__ import annotations
 
 import time
-from contextlib import AbstractContextManager as ContextManager, nullcontext
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -69,7 +68,7 @@ class PipelineExecutor:
                  peer_rank: Callable[[int], int], send_recv: Callable, hidden_size: int,
                  activation_shape: Callable[[torch.Size], tuple[int, ...]] | None = None,
                  dtype: torch.dtype = torch.float32, device: torch.device = torch.device("cpu"),
-                 deallocate: bool = True, forward_context: Callable[[], ContextManager] = nullcontext):
+                 deallocate: bool = True):
         if sorted(stages) != schedule.stages_of(pp_rank):
             raise ValueError(f"pipeline rank {pp_rank} holds stages {schedule.stages_of(pp_rank)} in "
                              f"schedule {schedule.name}, got modules for {sorted(stages)}")
@@ -77,8 +76,6 @@ class PipelineExecutor:
         self.peer_rank, self.send_recv = peer_rank, send_recv
         self.activation_shape = activation_shape or (lambda ids: (*ids, hidden_size))
         self.dtype, self.device, self.deallocate = dtype, device, deallocate
-        self.forward_context = forward_context
-        """Entered around each stage forward (e.g. bf16 autocast); the backward runs outside it."""
         self.last = schedule.num_stages - 1
         # On NCCL a batch of p2p ops completes as one group: a receive would then wait for the
         # sends batched with it, which the schedule's semantics (sends never block) do not allow.
@@ -224,13 +221,12 @@ class PipelineExecutor:
             x = st.inputs[key]
         st.inputs[key] = x
         docs = {} if st.docs[mb] is None else {"docs": st.docs[mb]}  # packed documents, when the batch has them
-        with self.forward_context():
-            if s < self.last:
-                y = module(x, **docs)  # (b, s, h)
-            elif st.mode == "logprobs":
-                st.result.logprobs[mb] = module.logprobs(x, st.labels[mb].to(self.device), **docs)  # (b, s)
-            else:
-                loss_sum, count = module.loss(x, st.labels[mb].to(self.device), **docs)
+        if s < self.last:
+            y = module(x, **docs)  # (b, s, h)
+        elif st.mode == "logprobs":
+            st.result.logprobs[mb] = module.logprobs(x, st.labels[mb].to(self.device), **docs)  # (b, s)
+        else:
+            loss_sum, count = module.loss(x, st.labels[mb].to(self.device), **docs)
         if s < self.last:
             if y.dtype != self.dtype:
                 raise RuntimeError(f"stage {s} returned {y.dtype}; the pipeline sends {self.dtype} activations")

@@ -31,6 +31,7 @@ from fivefold.pipeline.ir import Schedule
 from fivefold.pipeline.layers import stage_layers
 from fivefold.pipeline.lowering import lower
 from fivefold.pipeline.verify import verify
+from fivefold.parallel.data import grad_target
 from fivefold.runtime import comm
 
 
@@ -103,9 +104,9 @@ class PipelineModel:
         if self.embedding_group is None or not self.tied:
             return
         for p in self.tied:
-            if p.grad is None:
+            if grad_target(p) is None:
                 p.grad = torch.zeros_like(p)
-            comm.all_reduce_(p.grad, self.embedding_group, tag="embedding-grad")
+            comm.all_reduce_(grad_target(p), self.embedding_group, tag="embedding-grad")
 
 
 def build_pipeline(config: Config, mesh, num_microbatches: int, *, device: torch.device,

@@ -16,7 +16,7 @@ from fivefold.planner.callbytes import call_bytes
 from fivefold.planner.layout import Plan
 from fivefold.planner.memory import CPU_EAGER, MemoryAssumptions, RankMemory, memory_per_rank
 
-BOOKKEEPING_TAGS = ("loss", "grad-norm", "metrics")
+BOOKKEEPING_TAGS = ("loss", "grad-norm", "found-inf", "metrics")
 """Traffic tags of scalars for logging and clipping, not model tensors."""
 
 MEASURED_KINDS = {"weights": ("Parameter", "Buffer"), "grads": ("Gradient",), "optimizer": ("Optstate",),

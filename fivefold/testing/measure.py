@@ -118,7 +118,7 @@ def measure_step(rank: int, world: int, config: Config) -> RankMeasurement:
 
     def step(i: int):
         batch = synthetic_batch(config, i, ctx.dp_rank, ctx.dp_size)
-        return train_step(parts, batch, lr=t.lr, clip_grad=t.clip_grad, precision=t.precision, device=device)
+        return train_step(parts, batch, lr=t.lr, clip_grad=t.clip_grad, device=device)
 
     step(0)
     traffic.reset()

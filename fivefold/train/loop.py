@@ -85,7 +85,7 @@ def _step(config: Config, ctx: RankContext, step: int, parts: Parts, train_loade
     t = config.training
     trace = parts.pipe is not None and config.logging.trace_schedule and step + 1 == t.train_iters
     r = train_step(parts, train_loader.step_batch(step), lr=lr_at(step, t), clip_grad=t.clip_grad,
-                   precision=t.precision, device=ctx.device, trace=trace)
+                   device=ctx.device, trace=trace)
     if trace:
         report = trace_report(parts.pipe, r.run, ctx.mesh, ctx.out_dir / "schedule_trace.png")
         if ctx.is_main:
@@ -151,8 +151,8 @@ def train(config: Config, ctx: RankContext, data_dir: Path, *, progress: bool = 
         if evaluates:
             batches = [eval_loader.step_batch(i) for i in range(t.eval_iters)]
             record["eval_loss"] = result.eval_losses[step] = evaluate(
-                model, batches, precision=t.precision, dp_group=ctx.dp_group, device=ctx.device) if pipe is None \
-                else pipeline_evaluate(pipe, batches, precision=t.precision, mesh=ctx.mesh, device=ctx.device)
+                model, batches, dp_group=ctx.dp_group, device=ctx.device) if pipe is None \
+                else pipeline_evaluate(pipe, batches, mesh=ctx.mesh)
         if log is not None and logs:
             log.write(record)
         if stops:  # before this step's checkpoint: the last one written stays the last good one

@@ -1,4 +1,4 @@
-"""The step's loss, shared by the one-process and the pipeline passes: autocast, this CP rank's tokens,
+"""The step's loss, shared by the one-process and the pipeline passes: this CP rank's tokens,
 the summed token losses of a microbatch, and the per-token mean over the global batch.
 
 Each microbatch backpropagates sum(token losses) / N_global (N_global = target tokens of the global
@@ -6,8 +6,6 @@ batch on all ranks); the gradients summed over DP then are the global per-token 
 reported loss is the sum of the loss sums over the ranks / N_global.
 """
 from __future__ import annotations
-
-import contextlib
 
 import torch
 from torch import nn
@@ -18,13 +16,6 @@ from fivefold.runtime import comm
 from fivefold.runtime.mesh import Group
 
 
-def autocast(precision: str, device: torch.device):
-    """bf16: matmuls in bf16 under autocast, fp32 master weights, gradients and optimizer state."""
-    if precision == "bf16":
-        return torch.autocast(device.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
-
-
 def cp_tokens(model: nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """This context-parallel rank's (b, s/cp) share of a microbatch's ids and labels (the model's
     CP split, fivefold.parallel.context); the whole (b, s) without CP."""
@@ -32,12 +23,11 @@ def cp_tokens(model: nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> tupl
     return (ids, labels) if cp is None else split_tokens(ids, labels, cp, model.sequence_multiple)
 
 
-def loss_sum(model: nn.Module, mb: Microbatch, precision: str, device: torch.device) -> torch.Tensor:
+def loss_sum(model: nn.Module, mb: Microbatch, device: torch.device) -> torch.Tensor:
     """Sum of next-token cross-entropies over the microbatch's target tokens (fp32): Decoder.loss.
     Under CP over this rank's s/cp tokens: the sums over DP x CP add up to the global batch's."""
     ids, labels = cp_tokens(model, mb.input_ids, mb.labels)
-    with autocast(precision, device):
-        total, _ = model.loss(ids.to(device), labels.to(device), ignore_index=IGNORE_INDEX, docs=mb.docs)
+    total, _ = model.loss(ids.to(device), labels.to(device), ignore_index=IGNORE_INDEX, docs=mb.docs)
     return total
 
 

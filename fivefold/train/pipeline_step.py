@@ -23,7 +23,7 @@ from fivefold.pipeline.simulate import simulate
 from fivefold.pipeline.trace import measured_result, stage_costs
 from fivefold.pipeline.stages import PipelineModel, build_pipeline  # noqa: F401 (the loop builds through here)
 from fivefold.runtime import comm
-from fivefold.train.loss import autocast, cp_tokens, global_mean
+from fivefold.train.loss import cp_tokens, global_mean
 
 
 def microbatches_per_step(config: Config, dp_size: int) -> int:
@@ -48,17 +48,15 @@ def _cp_split(pipe: PipelineModel, input_ids, labels) -> tuple[list[torch.Tensor
     return [ids for ids, _ in split], [lab for _, lab in split]
 
 
-def pipeline_forward_backward(pipe: PipelineModel, dp, batch: StepBatch, *, precision: str, device: torch.device,
-                              mesh, trace: bool = False) -> tuple[torch.Tensor, RunResult]:
+def pipeline_forward_backward(pipe: PipelineModel, dp, batch: StepBatch, *, mesh, trace: bool = False) -> tuple[torch.Tensor, RunResult]:
     """Run the step's schedule with `dp` (fivefold.parallel.data_parallel.DataParallel) holding the
     gradients; returns this rank's float64 loss sum (non-zero on the last stage's rank only) and the
     executor's result (its action log and, with `trace`, timings)."""
     ids, labels = _inputs(pipe, batch)
     dp.prepare(last=False)  # no reduction during the schedule: finish() reduces every bucket
-    pipe.executor.forward_context = lambda: autocast(precision, device)
     if trace:
         comm.barrier(mesh.pp)  # a common start, so the ranks' timings line up
-    run = pipe.executor.run(ids, labels, loss_scale=1.0 / batch.global_tokens, trace=trace,
+    run = pipe.executor.run(ids, labels, loss_scale=dp.loss_scale / batch.global_tokens, trace=trace,
                             docs=[mb.docs for mb in batch.microbatches])
     pipe.sync_tied_grads()  # before the DP reduction (the sums commute): with ZeRO-1 it reduce-scatters
     local = torch.zeros((), dtype=torch.float64)
@@ -68,11 +66,9 @@ def pipeline_forward_backward(pipe: PipelineModel, dp, batch: StepBatch, *, prec
 
 
 @torch.no_grad()
-def pipeline_evaluate(pipe: PipelineModel, batches: list[StepBatch], *, precision: str, mesh,
-                      device: torch.device) -> float:
+def pipeline_evaluate(pipe: PipelineModel, batches: list[StepBatch], *, mesh) -> float:
     """Per-token mean loss over the eval batches, through the forward-only schedule (all ranks)."""
     local = torch.zeros((), dtype=torch.float64)
-    pipe.executor.forward_context = lambda: autocast(precision, device)
     for batch in batches:
         ids, labels = _inputs(pipe, batch)
         run = pipe.executor.run(ids, labels, mode="loss", docs=[mb.docs for mb in batch.microbatches])

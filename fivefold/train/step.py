@@ -1,8 +1,9 @@
 """One optimizer step on one rank, with or without pipeline parallelism:
 
     forward/backward of the step's microbatches (one by one, or through the pipeline schedule:
-    fivefold.train.pipeline_step) -> DataParallel.finish (gradients reduced over DP) -> clip by the
-    global norm -> AdamW (fivefold.parallel.data_parallel).
+    fivefold.train.pipeline_step) -> DataParallel.finish (gradients reduced over DP) -> fp16: unscale,
+    and skip the step on every rank if any rank overflowed -> clip by the global norm -> AdamW on the
+    main parameters (fivefold.parallel.data_parallel, fivefold.parallel.precision).
 
 The step's loss is the per-token mean over the global batch (fivefold.train.loss).
 """
@@ -26,16 +27,19 @@ from fivefold.train.pipeline_step import pipeline_forward_backward
 @dataclass
 class StepResult:
     loss: float
-    grad_norm: float
+    grad_norm: float | None
+    """None on a step skipped for an fp16 overflow."""
     tokens: int
     aux_loss: float | None = None
     """MoE: the step's load-balancing + z loss (mean over micro-batches, summed over layers); not in
     `loss`. Not logged through the pipeline schedule yet (None with PP)."""
     run: RunResult | None = None
     """With PP: the executor's result (its action log and, when traced, timings)."""
+    skipped: bool = False
+    """fp16: the gradients overflowed on some rank, so no rank stepped (fivefold.parallel.precision)."""
 
 
-def _forward_backward(model: nn.Module, dp: DataParallel, batch: StepBatch, precision: str,
+def _forward_backward(model: nn.Module, dp: DataParallel, batch: StepBatch,
                       device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Each microbatch forward and backward in turn; the last one's backward reduces the dense
     buckets as they complete. Returns this rank's float64 loss sum and aux-loss sum (MoE, else None)."""
@@ -45,19 +49,19 @@ def _forward_backward(model: nn.Module, dp: DataParallel, batch: StepBatch, prec
     n = len(batch.microbatches)
     for i, mb in enumerate(batch.microbatches):
         dp.prepare(last=i == n - 1)
-        s = loss_sum(model, mb, precision, device)
+        s = loss_sum(model, mb, device)
         term = aux_loss_term(model) if aux is not None else None  # read before backward (recompute reruns forward)
         if term is not None:
             aux += term
-        (s / batch.global_tokens).backward()
+        (s * (dp.loss_scale / batch.global_tokens)).backward()
         local += s.detach().double()
     if n == 0:
         dp.prepare(last=True)
     return local.cpu(), None if aux is None else aux.cpu()
 
 
-def train_step(parts: Parts, batch: StepBatch, *, lr: float, clip_grad: float, precision: str,
-               device: torch.device, trace: bool = False) -> StepResult:
+def train_step(parts: Parts, batch: StepBatch, *, lr: float, clip_grad: float, device: torch.device,
+               trace: bool = False) -> StepResult:
     """One step of `parts` (fivefold.parallel.parallelize) on this rank's share of the global batch.
     `trace` (PP only): time every action of the schedule (StepResult.run.times)."""
     dp, mesh = parts.dp, parts.mesh
@@ -65,25 +69,26 @@ def train_step(parts: Parts, batch: StepBatch, *, lr: float, clip_grad: float, p
     dp.zero_grad()
     run, aux = None, None
     if parts.pipe is None:
-        local, aux = _forward_backward(parts.model, dp, batch, precision, device)
+        local, aux = _forward_backward(parts.model, dp, batch, device)
         loss_groups: tuple[Group, ...] = (mesh.dp_cp,)
     else:
-        local, run = pipeline_forward_backward(parts.pipe, dp, batch, precision=precision, device=device,
-                                               mesh=mesh, trace=trace)
+        local, run = pipeline_forward_backward(parts.pipe, dp, batch, mesh=mesh, trace=trace)
         loss_groups = (mesh.pp, mesh.dp_cp)  # only the last stage's rank holds a loss sum
     dp.finish()
-    norm = dp.clip_grads(clip_grad)
-    dp.step()
+    skipped = not dp.unscale_grads()  # fp16: an overflow on any rank skips the step on every rank
+    norm = None if skipped else dp.clip_grads(clip_grad)
+    if not skipped:
+        dp.step()
     aux_loss = global_mean(aux, 1, mesh.dp_cp, mesh.group("model-parallel")) if aux is not None else None
-    return StepResult(global_mean(local, batch.global_tokens, *loss_groups), norm, batch.global_tokens, aux_loss, run)
+    return StepResult(global_mean(local, batch.global_tokens, *loss_groups), norm, batch.global_tokens, aux_loss,
+                      run, skipped)
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, batches: list[StepBatch], *, precision: str, dp_group: Group,
-             device: torch.device) -> float:
+def evaluate(model: nn.Module, batches: list[StepBatch], *, dp_group: Group, device: torch.device) -> float:
     """Per-token mean loss over the given eval batches (all DP ranks)."""
     local = torch.zeros((), dtype=torch.float64)
     for batch in batches:
         for mb in batch.microbatches:
-            local += float(loss_sum(model, mb, precision, device))
+            local += float(loss_sum(model, mb, device))
     return global_mean(local, sum(b.global_tokens for b in batches), dp_group)
