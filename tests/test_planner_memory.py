@@ -3,7 +3,7 @@ bytes per parameter for model state, and seed 002's example in its own accountin
 import pytest
 
 from _tol import close
-from fivefold.config.schema import ModelConfig
+from fivefold.config.schema import ModelConfig, TrainingConfig
 from fivefold.planner.activations import GPT3_TRAITS, Sharding, layer_activation_bytes
 from fivefold.planner.layout import Plan
 from fivefold.planner.memory import memory_per_rank, rank_params, state_bytes_per_param
@@ -35,9 +35,11 @@ def test_korthikanti_activation_formulas(t):
 
 
 def test_state_bytes_per_param():
-    assert sum(state_bytes_per_param("bf16", False, 8)) == 18
-    assert sum(state_bytes_per_param("bf16", True, 8)) == 6 + 12 / 8
-    assert sum(state_bytes_per_param("fp32", False, 8)) == 16
+    assert sum(state_bytes_per_param(TrainingConfig(), "bf16", 8)) == 18
+    assert sum(state_bytes_per_param(TrainingConfig(use_distributed_optimizer=True), "bf16", 8)) == 6 + 12 / 8
+    assert sum(state_bytes_per_param(TrainingConfig(), "fp32", 8)) == 16
+    assert sum(state_bytes_per_param(TrainingConfig(grad_reduce_in_bf16=True), "bf16", 8)) == 16  # bf16 gradients
+    assert sum(state_bytes_per_param(TrainingConfig(), "fp16", 8)) == 16  # fp16 gradients (Megatron's default)
 
 
 def test_model_state_per_rank_sums_to_model():

@@ -11,7 +11,9 @@ the part of its DP chunk with it. Each such range is saved flat (1-D) under "<na
 (offsets and shape: the rank's shard of the global tensor, as for parameters; flat: the range of
 that shard, flattened, the saved tensor covers). Loading rebuilds each target range from every saved
 range that overlaps it, so state saved at one DP size / with or without ZeRO / with one TP size
-loads into any other. Checkpoints from before this file (moments shaped like the parameter shard,
+loads into any other. With 16-bit parameters the optimizer steps fp32 main copies
+(fivefold.parallel.precision), saved the same way under "<name>.main"; a checkpoint without them (saved
+in fp32) gives each main copy its parameter's loaded values. Checkpoints from before this file (moments shaped like the parameter shard,
 named by "optim_file" in the parameter's shards) read as ranges covering their whole shard.
 """
 from __future__ import annotations
@@ -30,6 +32,12 @@ from fivefold.checkpoint.layout import ShardSpec, inside, overlap
 from fivefold.errors import UserError
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
+MAIN = "main"
+
+
+def _is_copy(key: torch.Tensor, p: torch.Tensor) -> bool:
+    """Whether the optimizer steps a copy of p's range (16-bit parameters, offload), not p's storage."""
+    return key.untyped_storage().data_ptr() != p.untyped_storage().data_ptr()
 ShardOf = Callable[[str, torch.Tensor], ShardSpec]
 
 
@@ -61,6 +69,8 @@ def save_optim(folder: Path, tag: str, model: nn.Module, optimizer, shards: list
         spec = shard_of(s.name, p)
         for m in MOMENTS:
             tensors[f"{s.name}.{m}"] = state[m].reshape(-1)
+        if p.dtype != torch.float32 and _is_copy(s.key, p):
+            tensors[f"{s.name}.{MAIN}"] = s.key.detach().reshape(-1)
         listing[s.name] = {"file": f"optim-{tag}.safetensors", "offsets": list(spec.offsets), "shape": list(p.shape),
                            "flat": list(s.flat), "global_shape": list(spec.global_shape), "dtype": str(p.dtype)}
     save(tensors, folder / f"optim-{tag}.safetensors")
@@ -132,3 +142,8 @@ def load_optim(folder: Path, meta: dict, model: nn.Module, optimizer, shards: li
             state[m] = t.to(device=s.key.device, dtype=s.key.dtype).view_as(s.key)
         state["step"] = torch.tensor(float(meta["optimizer_step"]))
         optimizer.state[s.key] = state
+        if _is_copy(s.key, p):
+            main = _assemble_range(folder, meta["params"][s.name], f"{s.name}.{MAIN}", spec, tuple(p.shape), s.flat)
+            if main is None:
+                main = p.detach().reshape(-1)[s.flat[0]: s.flat[1]]
+            s.key.data.copy_(main.view_as(s.key))

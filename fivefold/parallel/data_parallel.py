@@ -50,7 +50,8 @@ from fivefold.parallel.data import GradReducer
 from fivefold.parallel.distributed_optimizer import DistributedOptimizer
 from fivefold.parallel.optimizer import build_adamw, clip_grad_norm
 from fivefold.parallel.param_meta import GradDomain, ParamMeta, metas_of
-from fivefold.parallel.precision import LossScaler, MainParams, Precision
+from fivefold.parallel.main_params import MainParams
+from fivefold.parallel.precision import LossScaler, Precision
 from fivefold.parallel.tensor import reduce_tp_grads
 from fivefold.runtime import comm
 from fivefold.runtime.mesh import Group
@@ -87,6 +88,8 @@ class _Domain:
         parameters `of` (default all), or their main parameters."""
         if self.zero is not None:
             return self.zero.main_params(of)
+        if self.mains is None:
+            return []
         ids = None if of is None else {id(p) for p in of}
         return [m for p, m in zip(self.params, self.mains.mains) if ids is None or id(p) in ids]
 
@@ -94,7 +97,7 @@ class _Domain:
         """After the reduction: each main parameter's .grad is its reduced gradient (fp32)."""
         if self.zero is not None:
             self.zero.attach_grads()
-        else:
+        elif self.mains is not None:  # None: ZeRO-1 with no parameter of this domain on this stage
             self.mains.attach([p.main_grad for p in self.params])
 
 

@@ -19,7 +19,7 @@ per-parameter ranges of a shard). AdamW with foreach=False is elementwise, so a 
 numbers as its parameter stepped whole. With fp32 parameters the parameter chunk is itself the main
 copy (no second copy, as Megatron); with 16-bit parameters (or offload) each piece has an fp32 main
 copy that AdamW steps and that is cast back into the parameter buffer before the all-gather, which then
-moves 2-byte parameters (fivefold.parallel.precision.MainParams). The reduced chunk's gradients are in
+moves 2-byte parameters (fivefold.parallel.main_params.MainParams). The reduced chunk's gradients are in
 the gradient dtype (fp32 or 16-bit: GradReducer(grad_dtype)).
 """
 from __future__ import annotations
@@ -35,7 +35,8 @@ from fivefold.parallel.data import GradReducer
 from fivefold.runtime import comm
 from fivefold.parallel.param_meta import ParamMeta, metas_of
 from fivefold.parallel.optimizer import build_adamw
-from fivefold.parallel.precision import MainParams, Precision
+from fivefold.parallel.main_params import MainParams
+from fivefold.parallel.precision import Precision
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,8 @@ The model computes in its parameters' dtype (no autocast): norms, softmax, the r
 in fp32 inside the model code, as Megatron's kernels do. Gradients accumulate into a flat buffer of the
 gradient dtype (`main_grad`, fivefold.parallel.data); when that dtype differs from the parameters', each
 parameter's gradient is added into its buffer view as soon as backward produces it and freed. The
-optimizer steps fp32 "main" parameters (under ZeRO-1 this rank's chunks of them) and copies the result
-back into the 16-bit parameters. Bytes per parameter, replicated: 2 (param) + 4 (fp32 grad) + 4 (main) +
+optimizer steps fp32 "main" parameters (under ZeRO-1 this rank's chunks of them;
+fivefold.parallel.main_params) and copies the result back into the 16-bit parameters. Bytes per parameter, replicated: 2 (param) + 4 (fp32 grad) + 4 (main) +
 8 (Adam moments) = 18; with the distributed optimizer over d ranks: 2 + 4 + 12/d (Megatron's 6 + 12/d
 counts the fp32 gradient buffer as 4 bytes). docs/precision.md has every variant.
 
@@ -28,12 +28,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-from torch import nn
-
 from fivefold.config.schema import TrainingConfig
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+"""Bytes per element of each dtype name. The policy is plain Python (the planner reads it without
+torch); `Precision.param_dtype` / `grad_dtype` give the torch dtypes."""
+
+
+def _torch_dtype(name: str):
+    import torch  # here, not at the top: the planner reads the policy without loading torch
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
 
 
 @dataclass
@@ -94,75 +98,53 @@ class Precision:
     """The dtypes of one run (see the module docstring)."""
 
     name: str
-    param_dtype: torch.dtype
-    grad_dtype: torch.dtype
+    param: str
+    """The parameters' dtype name (fp32, bf16, fp16)."""
+    grad: str
+    """The gradient buffers' dtype name."""
     offload_fraction: float = 0.0
     """--optimizer-cpu-offload: the share of the main parameters (and their AdamW state) kept and
     stepped in host memory (fivefold.parallel.data_parallel)."""
 
     @classmethod
-    def of(cls, t: TrainingConfig) -> "Precision":
-        """The policy `t` asks for (config validation has refused the combinations that do not run)."""
-        param = DTYPES[t.precision]
-        if t.precision == "bf16":
-            grad = torch.bfloat16 if t.grad_reduce_in_bf16 else torch.float32
-        elif t.precision == "fp16":
-            grad = torch.float32 if t.accumulate_allreduce_grads_in_fp32 else torch.float16
+    def of(cls, t: TrainingConfig, precision: str | None = None) -> "Precision":
+        """The policy `t` asks for (config validation has refused the combinations that do not run).
+        `precision`: instead of t.precision (the planner's fp8 keeps bf16 parameters, as
+        TransformerEngine does)."""
+        name = precision or t.precision
+        param = "bf16" if name == "fp8" else name
+        if param == "bf16":
+            grad = "bf16" if t.grad_reduce_in_bf16 else "fp32"
+        elif param == "fp16":
+            grad = "fp32" if t.accumulate_allreduce_grads_in_fp32 else "fp16"
         else:
-            grad = torch.float32
+            grad = "fp32"
         offload = t.optimizer_offload_fraction if t.optimizer_cpu_offload else 0.0
-        return cls(t.precision, param, grad, offload)
+        return cls(name, param, grad, offload)
+
+    @property
+    def param_dtype(self):
+        return _torch_dtype(self.param)
+
+    @property
+    def grad_dtype(self):
+        return _torch_dtype(self.grad)
 
     @property
     def has_main(self) -> bool:
         """Whether the optimizer keeps fp32 copies of the parameters (16-bit parameters)."""
-        return self.param_dtype != torch.float32
+        return self.param != "fp32"
 
     @property
     def scales_loss(self) -> bool:
-        return self.param_dtype == torch.float16
+        return self.param == "fp16"
+
+    def state_bytes(self, dp_shards: int = 1) -> tuple[float, float, float]:
+        """(parameter, gradient, optimizer) bytes per parameter with the optimizer state (fp32 main
+        copy + AdamW moments) sharded over `dp_shards` ranks (1: replicated): the model state the
+        runtime holds between steps, and what the planner counts."""
+        return BYTES[self.param], BYTES[self.grad], ((4 if self.has_main else 0) + 8) / dp_shards
 
     def bytes_per_param(self, dp_shards: int = 1) -> float:
-        """Parameter + gradient + main + AdamW bytes per parameter with the optimizer state sharded
-        over `dp_shards` ranks (1: replicated): the model state the runtime holds between steps."""
-        p = self.param_dtype.itemsize
-        g = self.grad_dtype.itemsize
-        main = 4 if self.has_main else 0
-        return p + g + (main + 8) / dp_shards
+        return sum(self.state_bytes(dp_shards))
 
-
-HOST = torch.device("cpu")
-
-
-class MainParams:
-    """What AdamW steps for a list of model tensors (parameters, or ZeRO-1's chunks of them): each
-    tensor itself when it is fp32 and stays on its device, else an fp32 copy (16-bit parameters; the
-    offloaded share, on the host). Per step: `attach(grads)` after the reduction, AdamW steps `mains`,
-    `write_back()` copies every copy back into its model tensor (cast)."""
-
-    def __init__(self, tensors: list[torch.Tensor], precision: Precision):
-        budget = precision.offload_fraction * sum(t.numel() for t in tensors)
-        self.tensors = tensors
-        self.mains: list[torch.Tensor] = []
-        self.offloaded: list[bool] = []
-        """Per tensor: its main lives in host memory (--optimizer-cpu-offload); the first tensors in
-        optimizer order, up to optimizer_offload_fraction of the elements (Megatron's split)."""
-        placed = 0
-        for t in tensors:
-            host = placed + t.numel() <= budget + 0.5 and budget > 0
-            placed += t.numel() if host else 0
-            copy = host or t.dtype != torch.float32
-            main = nn.Parameter(t.detach().to(HOST if host else t.device, torch.float32, copy=True)) if copy else t
-            self.mains.append(main)
-            self.offloaded.append(host)
-
-    def attach(self, grads: list[torch.Tensor]) -> None:
-        """Each main's .grad: the reduced gradient of its tensor, a view when dtype and device agree,
-        else an fp32 copy where the main lives."""
-        for main, g in zip(self.mains, grads):
-            main.grad = g if (g.dtype, g.device) == (main.dtype, main.device) else g.to(main.device, main.dtype)
-
-    def write_back(self) -> None:
-        for t, main in zip(self.tensors, self.mains):
-            if main is not t:
-                t.detach().copy_(main.detach())

@@ -270,7 +270,7 @@ def step_collectives(plan: Plan, pp_rank: int) -> list[Collective]:
         emb = m.padded_vocab_size(plan.tp) * m.hidden_size / plan.tp
         out.append(Collective("all_reduce", "embedding-grad", "embedding", GRAD_BYTES * emb, "step"))
     dense, expert = rank_params(plan, pp_rank)
-    weight = state_bytes_per_param(plan.precision, False, 1)[0]
+    weight = state_bytes_per_param(plan.config.training, plan.precision, 1)[0]
     distopt = plan.config.training.use_distributed_optimizer
     for count, group, d in ((dense, "dp", plan.dp * plan.cp), (expert, "edp", plan.edp)):
         if not count or d == 1:

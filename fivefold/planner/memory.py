@@ -1,9 +1,13 @@
 """Memory per GPU, by kind, for every pipeline rank; the worst rank is what must fit.
 
-Model state, per parameter held by the rank (Megatron's mixed precision: bf16 weights, fp32 main
-gradients, fp32 master weights + two Adam moments):
+Model state, per parameter held by the rank, read from the runtime's precision policy
+(fivefold.parallel.precision; Megatron's mixed precision: 16-bit weights, fp32 main gradients unless
+--grad-reduce-in-bf16 / fp16 without --accumulate-allreduce-grads-in-fp32, fp32 main weights + two
+Adam moments):
     bf16 / fp8 : weights 2 + gradients 4 + optimizer 12 = 18 bytes,
                  or 2 + 4 + 12/d with the distributed optimizer (Megatron's "6 + 12/d");
+                 bf16 gradients: 2 + 2 + 12 (or 12/d);
+    fp16       : 2 + 2 + 12 (fp16 gradients), 2 + 4 + 12 with fp32 accumulation;
     fp32       : 4 + 4 + 8 = 16 bytes, or 4 + 4 + 8/d.
 d is the data-parallel group the optimizer shards over: DP x CP for dense parameters, expert-DP for
 routed experts. A rank holds: its layers' attention and dense MLPs / TP, their norms and routers
@@ -26,6 +30,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import lru_cache
 
+from fivefold.config.schema import TrainingConfig
+from fivefold.parallel.precision import Precision
 from fivefold.planner.activations import (EAGER_TRAITS, ArchTraits, Sharding, backward_transient, full_recompute_transient,
                                           layer_activation_bytes, weight_grad_join_bytes)
 from fivefold.planner.layout import Plan
@@ -82,11 +88,11 @@ class RankMemory:
         return {k: getattr(self, k) for k in self.KINDS}
 
 
-def state_bytes_per_param(precision: str, distributed: bool, d: int) -> tuple[float, float, float]:
-    """(weights, gradients, optimizer) bytes per parameter; see the module docstring."""
-    if precision == "fp32":
-        return 4.0, 4.0, 8.0 / d if distributed else 8.0
-    return 2.0, 4.0, 12.0 / d if distributed else 12.0
+def state_bytes_per_param(training: TrainingConfig, precision: str, d: int) -> tuple[float, float, float]:
+    """(weights, gradients, optimizer) bytes per parameter under the runtime's precision policy
+    (fivefold.parallel.precision: the same object the runtime builds its buffers from) with
+    `precision` for the parameters, the optimizer sharded over d ranks with the distributed optimizer."""
+    return Precision.of(training, precision).state_bytes(d if training.use_distributed_optimizer else 1)
 
 
 _PARAMS: dict[tuple, tuple[float, float]] = {}
@@ -172,13 +178,13 @@ class _Ranks:
     def memory(self, r: int) -> RankMemory:
         plan, prof, assume = self.plan, self.prof, self.assume
         m, traits = plan.config.model, assume.traits
-        prec, distopt = plan.precision, plan.config.training.use_distributed_optimizer
+        prec, training = plan.precision, plan.config.training
         B = traits.value_bytes()
         rm = RankMemory(rank=r)
         detail, per_mb, transient, joins, bwd = _layers(plan, self.shapes[r][0], r, self.sh, traits)
         dense, expert = rank_params(plan, r)
-        wd, gd, od = state_bytes_per_param(prec, distopt, plan.dp * plan.cp)
-        we, ge, oe = state_bytes_per_param(prec, distopt, plan.edp)
+        wd, gd, od = state_bytes_per_param(training, prec, plan.dp * plan.cp)
+        we, ge, oe = state_bytes_per_param(training, prec, plan.edp)
         rm.params = dense + expert
         rm.weights, rm.grads, rm.optimizer = dense * wd + expert * we, dense * gd + expert * ge, dense * od + expert * oe
         rm.detail = dict(detail)

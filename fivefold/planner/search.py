@@ -141,8 +141,8 @@ def state_problem(cfg: Config, hw: Hardware, mem: MemoryAssumptions = MemoryAssu
     """Why `cfg` cannot fit whatever its activations (weights + gradients + optimizer state, with the
     allocator overhead and the runtime reserve, exceed the GPU), or None."""
     plan = Plan(cfg)
-    wd, gd, od = state_bytes_per_param(plan.precision, cfg.training.use_distributed_optimizer, plan.dp * plan.cp)
-    we, ge, oe = state_bytes_per_param(plan.precision, cfg.training.use_distributed_optimizer, plan.edp)
+    wd, gd, od = state_bytes_per_param(cfg.training, plan.precision, plan.dp * plan.cp)
+    we, ge, oe = state_bytes_per_param(cfg.training, plan.precision, plan.edp)
     for r in range(plan.pp):
         dense, expert = rank_params(plan, r)
         need = (dense * (wd + gd + od) + expert * (we + ge + oe)) * (1 + mem.allocator_overhead) + mem.runtime_reserve

@@ -77,7 +77,8 @@ def _save(config: Config, ctx: RankContext, root: Path, step: int, parts: Parts)
         optim_shards=dp.optim_shards(), writes_optim=dp.shards_state or writes,
         barrier=lambda: comm.barrier(ctx.world_group),
         extra={"optimizer_step": step, "world_size": ctx.world_size, "data": {"next_step": step,
-               "consumed_samples": step * config.training.global_batch_size}, "config": to_dict(config)})
+               "consumed_samples": step * config.training.global_batch_size}, "config": to_dict(config),
+               **({"loss_scaler": dp.scaler.state_dict()} if dp.scaler is not None else {})})
 
 
 def _step(config: Config, ctx: RankContext, step: int, parts: Parts, train_loader):
@@ -115,6 +116,8 @@ def train(config: Config, ctx: RankContext, data_dir: Path, *, progress: bool = 
         meta = ckpt.load_checkpoint(config.checkpoint.load, model=model, optimizer=dp, rank=ctx.rank,
                                     world_size=ctx.world_size, optim_shards=dp.optim_shards())
         start = int(meta["data"]["next_step"])
+        if dp.scaler is not None and "loss_scaler" in meta:
+            dp.scaler.load_state_dict(meta["loss_scaler"])
     save_root = Path(config.checkpoint.save or ctx.out_dir / "checkpoints")
     log = MetricsLog(ctx.out_dir, config.logging.tensorboard, resume_from=start) if ctx.is_main else None
     fpt = flops_per_token(config.model, t.seq_length)
@@ -134,13 +137,16 @@ def train(config: Config, ctx: RankContext, data_dir: Path, *, progress: bool = 
         result.losses[step] = r.loss
         last = step + 1 == t.train_iters
         # Same values on every rank (see train/nonfinite.py): every rank stops at this step.
-        stops = t.check_for_nan_in_loss_and_grad and not (is_finite(r.loss) and is_finite(r.grad_norm))
+        # An fp16 step skipped for overflow is not an error: the loss scaler backs off and training goes on.
+        stops = t.check_for_nan_in_loss_and_grad and not (is_finite(r.loss) and (r.skipped or is_finite(r.grad_norm)))
         evaluates = eval_loader is not None and ((step + 1) % t.eval_interval == 0 or last) and not stops
         record = {"step": step, "loss": r.loss, "grad_norm": r.grad_norm, "lr": lr_at(step, t),
                   "tokens": r.tokens, "step_time_s": dt, "tokens_per_s": r.tokens / dt,
                   "tflops_per_rank": fpt * r.tokens / dt / ctx.world_size / 1e12}
         if r.aux_loss is not None:
             record["moe_aux_loss"] = r.aux_loss
+        if dp.scaler is not None:  # fp16: the scale the next step uses, and the overflow steps so far
+            record.update(loss_scale=dp.scaler.scale, skipped_steps=dp.scaler.skipped)
         every = config.logging.log_interval  # read like save_interval: unset/0 = the last and eval steps only
         logs = bool(every and (step + 1) % every == 0) or last or evaluates or stops
         if logs:  # a collective over every rank: once per metrics line, not every step
