@@ -1,4 +1,5 @@
-"""The planner's per-rank estimates against one measured training step on CPU (gloo, fp32).
+"""The planner's per-rank estimates against one measured training step on CPU (gloo; fp32, and the
+16-bit precisions and ZeRO-1 rows at the end).
 
     python benchmarks/planner_vs_measured.py            # every layout below, a table
     python benchmarks/planner_vs_measured.py --only 0 3 # some of them
@@ -43,12 +44,14 @@ class Case:
     parallel: dict = field(default_factory=dict)
     """ParallelConfig overrides."""
     seq: int = 256
+    training: dict = field(default_factory=dict)
+    """TrainingConfig overrides (precision, the distributed optimizer)."""
 
     def config(self) -> Config:
         return Config(cluster=ClusterConfig(num_nodes=1, gpus_per_node=self.world, world_size=self.world),
                       parallel=ParallelConfig(**self.parallel), model=replace(BASE_MODEL, **self.model),
                       training=TrainingConfig(seq_length=self.seq, global_batch_size=self.gbs,
-                                              micro_batch_size=self.mbs, precision="fp32"))
+                                              micro_batch_size=self.mbs, **{"precision": "fp32", **self.training}))
 
 
 CASES = [
@@ -84,6 +87,14 @@ CASES = [
                                                        "context_parallel_size": 2}),
     Case("PP2 ZB-H1 mbs1 GA4 tied", 2, 1, 4, model={"tie_word_embeddings": True},
          parallel={"pipeline_model_parallel_size": 2, "pipeline_schedule": "zb-h1"}),
+    Case("DP2 mbs2 ZeRO-1", 2, 2, 4, training={"use_distributed_optimizer": True}),
+    Case("DP2 mbs2 bf16", 2, 2, 4, training={"precision": "bf16"}),
+    Case("DP2 mbs2 bf16 ZeRO-1", 2, 2, 4, training={"precision": "bf16", "use_distributed_optimizer": True}),
+    Case("DP2 mbs2 bf16 bf16-grads", 2, 2, 4, training={"precision": "bf16", "grad_reduce_in_bf16": True}),
+    Case("TP2 SP mbs2 bf16", 2, 2, 2, parallel={"tensor_model_parallel_size": 2, "sequence_parallel": True},
+         training={"precision": "bf16"}),
+    Case("PP2 1F1B mbs1 GA4 fp16 ZeRO-1", 2, 1, 4, parallel={"pipeline_model_parallel_size": 2},
+         training={"precision": "fp16", "use_distributed_optimizer": True, "initial_loss_scale": 4096.0}),
 ]
 
 

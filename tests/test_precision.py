@@ -224,3 +224,47 @@ def test_offload_gives_identical_updates(runs, workers, tmp_path):
     for name, cfg in (("base", base), ("off", off)):
         workers(2).run(_train_rank, to_dict(cfg), str(tmp_path / name), str(runs["data_dir"]))
     assert [r["loss"] for r in _metrics(tmp_path / "off")] == [r["loss"] for r in _metrics(tmp_path / "base")]
+
+
+# --- model-state bytes per parameter: the formula in docs/precision.md ----------------------------------
+
+def _state_bytes_rank(rank: int, world: int, config: dict, data_dir: str) -> dict:
+    from fivefold.train.loop import _loaders
+    from fivefold.train.schedule import lr_at
+
+    cfg = config_from_dict(config)
+    ctx = RankContext(Mesh.build(layout_of(cfg)), Path(data_dir) / f"state-{rank}")
+    parts = build(cfg, ctx)
+    loader, _ = _loaders(cfg, ctx, Path(data_dir))
+    train_step(parts, loader.step_batch(0), lr=lr_at(0, cfg.training), clip_grad=0.5, device=ctx.device)
+    storages: dict[int, int] = {}  # every distinct storage once (views of one buffer share it)
+
+    def count(t):
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+
+    for p in parts.model.parameters():
+        count(p)
+        count(p.main_grad)
+    for d in parts.dp.domains:
+        for m in d.main():
+            count(m)
+    for s in parts.dp.state.values():
+        for k, v in s.items():
+            if k != "step":
+                count(v)
+    n = sum(p.numel() for p in parts.model.parameters())
+    return {"bytes": sum(storages.values()), "params": n}
+
+
+@pytest.mark.parametrize("precision,extra,world,zero", [
+    ("bf16", {}, 1, False), ("bf16", {"grad_reduce_in_bf16": True}, 1, False), ("bf16", {}, 2, True),
+    ("fp16", {"initial_loss_scale": 4096.0}, 2, True), ("fp32", {}, 2, True)])
+def test_model_state_bytes_follow_the_formula(runs, workers, precision, extra, world, zero):
+    """Parameters + gradient buffers + main parameters + AdamW moments held per rank after a step:
+    Precision.state_bytes (docs/precision.md), e.g. bf16 replicated 2 + 4 + 12 = 18 bytes per
+    parameter, ZeRO-1 over d ranks 2 + 4 + 12/d (Megatron's 6 + 12/d)."""
+    cfg = _cfg(runs["data"], precision, world=world, zero=zero, **extra)
+    per_param = Precision.of(cfg.training).bytes_per_param(world if zero else 1)
+    for r in workers(world).run(_state_bytes_rank, to_dict(cfg), str(runs["data_dir"])):
+        # exact but for ZeRO-1's padding of each bucket to a multiple of d (< d elements per bucket)
+        assert 0 <= r["bytes"] - per_param * r["params"] <= 16 * world, (r, per_param)

@@ -29,12 +29,15 @@ Per step:
   tp-grad   one flat fp32 all-reduce over TP of the gradients of replicated parameters that each TP
             rank computed from its sequence shard only: the norm gains under SP (2 per layer, + the
             final norm on the last stage) and MoE routers (E h per MoE layer).
-  embedding-grad  tied embeddings with PP: the first and last stage all-reduce the embedding's fp32
+  embedding-grad  tied embeddings with PP: the first and last stage all-reduce the embedding's
             gradient (V/tp h) over the two of them (none when one rank holds both, as DualPipeV).
-  dp-grad   every local fp32 gradient, all-reduced over DP x CP in buckets (routed-expert gradients
+  dp-grad   every local gradient, all-reduced over DP x CP in buckets (routed-expert gradients
             over expert-DP, tag edp-grad); with the distributed optimizer reduce-scattered instead, and
             the updated parameters all-gathered (tags dp-param / edp-param, weight bytes: fp32 in fp32
-            runs, bf16 otherwise). Buckets padded to a multiple of the group are not modelled (< 0.1%).
+            runs, bf16 otherwise). Gradients are in the precision policy's gradient dtype
+            (fivefold.parallel.precision: fp32, or bf16 / fp16 with --grad-reduce-in-bf16 / fp16
+            without --accumulate-allreduce-grads-in-fp32); tp-grad reduces the fp32 main gradients.
+            Buckets padded to a multiple of the group are not modelled (< 0.1%).
 """
 from __future__ import annotations
 
@@ -265,21 +268,21 @@ def step_collectives(plan: Plan, pp_rank: int) -> list[Collective]:
         routers = (m.num_experts or 0) * m.hidden_size * sum(n for i, _, n in groups if is_moe_layer(m, i))
         if norms + routers:
             out.append(Collective("all_reduce", "tp-grad", "tp", GRAD_BYTES * (norms + routers), "step"))
+    weight, grad, _ = state_bytes_per_param(plan.config.training, plan.precision, 1)  # the gradient buffers' dtype
     if (m.tie_word_embeddings and plan.pp > 1 and (first or last)
             and plan.placement[0] != plan.placement[-1]):
         emb = m.padded_vocab_size(plan.tp) * m.hidden_size / plan.tp
-        out.append(Collective("all_reduce", "embedding-grad", "embedding", GRAD_BYTES * emb, "step"))
+        out.append(Collective("all_reduce", "embedding-grad", "embedding", grad * emb, "step"))
     dense, expert = rank_params(plan, pp_rank)
-    weight = state_bytes_per_param(plan.config.training, plan.precision, 1)[0]
     distopt = plan.config.training.use_distributed_optimizer
     for count, group, d in ((dense, "dp", plan.dp * plan.cp), (expert, "edp", plan.edp)):
         if not count or d == 1:
             continue
         if distopt:
-            out += [Collective("reduce_scatter", f"{group}-grad", group, GRAD_BYTES * count, "step", "backward"),
+            out += [Collective("reduce_scatter", f"{group}-grad", group, grad * count, "step", "backward"),
                     Collective("all_gather", f"{group}-param", group, weight * count, "step", "forward")]
         else:
-            out.append(Collective("all_reduce", f"{group}-grad", group, GRAD_BYTES * count, "step", "backward"))
+            out.append(Collective("all_reduce", f"{group}-grad", group, grad * count, "step", "backward"))
     return out
 
 
