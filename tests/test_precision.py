@@ -240,7 +240,8 @@ def _state_bytes_rank(rank: int, world: int, config: dict, data_dir: str) -> dic
     storages: dict[int, int] = {}  # every distinct storage once (views of one buffer share it)
 
     def count(t):
-        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        if t is not None:
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
 
     for p in parts.model.parameters():
         count(p)
@@ -248,6 +249,8 @@ def _state_bytes_rank(rank: int, world: int, config: dict, data_dir: str) -> dic
     for d in parts.dp.domains:
         for m in d.main():
             count(m)
+        for b in d.reducer.buckets:
+            count(b.grad_shard)  # ZeRO-2: the 1/d accumulators (ZeRO-1: a range of the buffer)
     for s in parts.dp.state.values():
         for k, v in s.items():
             if k != "step":
@@ -258,13 +261,16 @@ def _state_bytes_rank(rank: int, world: int, config: dict, data_dir: str) -> dic
 
 @pytest.mark.parametrize("precision,extra,world,zero", [
     ("bf16", {}, 1, False), ("bf16", {"grad_reduce_in_bf16": True}, 1, False), ("bf16", {}, 2, True),
-    ("fp16", {"initial_loss_scale": 4096.0}, 2, True), ("fp32", {}, 2, True)])
+    ("fp16", {"initial_loss_scale": 4096.0}, 2, True), ("fp32", {}, 2, True),
+    ("fp32", {"data_parallel_sharding_strategy": "optim_grads"}, 2, False),
+    ("bf16", {"data_parallel_sharding_strategy": "optim_grads"}, 2, False)])
 def test_model_state_bytes_follow_the_formula(runs, workers, precision, extra, world, zero):
     """Parameters + gradient buffers + main parameters + AdamW moments held per rank after a step:
     Precision.state_bytes (docs/precision.md), e.g. bf16 replicated 2 + 4 + 12 = 18 bytes per
-    parameter, ZeRO-1 over d ranks 2 + 4 + 12/d (Megatron's 6 + 12/d)."""
+    parameter, ZeRO-1 over d ranks 2 + 4 + 12/d (Megatron's 6 + 12/d), ZeRO-2 2 + 16/d (the full
+    gradient buffers are freed between steps)."""
     cfg = _cfg(runs["data"], precision, world=world, zero=zero, **extra)
-    per_param = Precision.of(cfg.training).bytes_per_param(world if zero else 1)
+    per_param = Precision.of(cfg.training).bytes_per_param(world, cfg.training.sharding_strategy)
     for r in workers(world).run(_state_bytes_rank, to_dict(cfg), str(runs["data_dir"])):
         # exact but for ZeRO-1's padding of each bucket to a multiple of d (< d elements per bucket)
         assert 0 <= r["bytes"] - per_param * r["params"] <= 16 * world, (r, per_param)

@@ -115,6 +115,8 @@ FLAGS: dict[str, Flag] = {
     "--recompute-method": _v("training.recompute_method"),
     "--recompute-num-layers": _v("training.recompute_num_layers"),
     "--use-distributed-optimizer": _on("training.use_distributed_optimizer"),
+    "--data-parallel-sharding-strategy": _v("training.data_parallel_sharding_strategy"),
+    "--use-megatron-fsdp": _on("training.use_megatron_fsdp"),
     "--compile": Flag("training.compile", SWITCH, ours=True),
     "--seed": _v("training.seed"),
     "--eval-interval": _v("training.eval_interval"),

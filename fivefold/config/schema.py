@@ -231,6 +231,19 @@ class TrainingConfig:
     """torch.compile each decoder layer (torchtitan's per-block compile; --compile). Default False."""
     use_distributed_optimizer: bool = False
     """Shard optimizer state over DP (ZeRO-1). Default False."""
+    data_parallel_sharding_strategy: str | None = None
+    """no_shard, optim (ZeRO-1), optim_grads (ZeRO-2) or optim_grads_params (ZeRO-3), Megatron-FSDP's
+    --data-parallel-sharding-strategy; None = from use_distributed_optimizer. Default None."""
+    use_megatron_fsdp: bool = False
+    """Megatron's --use-megatron-fsdp: the switch under which Megatron reads the sharding strategy
+    (accepted; the strategy field decides here). Default False."""
+
+    @property
+    def sharding_strategy(self) -> str:
+        """The data-parallel mode this config trains with (fivefold.parallel.data_parallel.DPMode)."""
+        if self.data_parallel_sharding_strategy is not None:
+            return self.data_parallel_sharding_strategy
+        return "optim" if self.use_distributed_optimizer else "no_shard"
     seed: int = 1234
     """Seed for initialisation and data order. Default 1234."""
     eval_interval: int | None = None

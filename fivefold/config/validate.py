@@ -48,7 +48,7 @@ def validate(config: Config, dialect: str = "fivefold", *, raise_errors: bool = 
     broken = errors(s)
     fixes = search(base, broken, dialect) if broken else {}
     problems = [Problem(r.field, r.value, r.rule, first_that_holds(config, fixes.get(i, []), dialect))
-                for i, r in enumerate(broken)] + _precision_problems(config.training)
+                for i, r in enumerate(broken)] + _training_problems(config.training)
     warnings = [Problem(r.field, r.value, r.rule, "applied", "warning") for r in warned]
     if not broken:
         warnings += _soft_warnings(s)
@@ -58,10 +58,16 @@ def validate(config: Config, dialect: str = "fivefold", *, raise_errors: bool = 
     return problems + warnings
 
 
-def _precision_problems(t) -> list[Problem]:
-    """Mixed precision, loss scaling and optimizer offload (fivefold.parallel.precision), as Megatron
-    checks them."""
+STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+
+
+def _training_problems(t) -> list[Problem]:
+    """The data-parallel mode, mixed precision, loss scaling and optimizer offload
+    (fivefold.parallel.data_parallel, fivefold.parallel.precision), as Megatron checks them."""
     out = []
+    if t.data_parallel_sharding_strategy not in (None, *STRATEGIES):
+        out.append(Problem("training.data_parallel_sharding_strategy", t.data_parallel_sharding_strategy,
+                           f"must be one of {', '.join(STRATEGIES)}", "data_parallel_sharding_strategy=optim"))
     if t.optimizer_cpu_offload and not t.use_precision_aware_optimizer:
         out.append(Problem("training.optimizer_cpu_offload", True, "optimizer CPU offload needs the precision-aware "
                            "optimizer (Megatron asserts the same)", "use_precision_aware_optimizer=True "

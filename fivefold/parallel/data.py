@@ -28,6 +28,17 @@ differ, each gradient autograd produces (in the parameter's dtype) is added into
 same hook, on every microbatch, and freed, so one parameter's 16-bit gradient lives at a time.
 Code that accumulates gradients itself (the pipeline's weight-gradient pass) adds into
 `grad_target(p)`.
+
+ZeRO-2 (`per_microbatch=True`, with `shard=True`): a bucket is reduce-scattered after EVERY
+microbatch whose backward completes it (when the caller prepares the microbatch to reduce), and its
+chunk added into a persistent 1/n accumulator (`grad_shard`); the full-size bucket buffer is allocated
+when backward produces the bucket's first gradient (each gradient is added into it by the hook, as for
+16-bit parameters) and freed (its storage resized to 0) once its reduce-scatter is done, which is
+waited for when the next bucket is launched. Between steps a rank holds 1/n of the gradients; during
+backward, the buckets being filled and the one in flight (the last one of a microbatch is completed
+before the next microbatch starts). Buckets not launched during a microbatch
+(parameters it did not use, or a caller that reduces only in finish(), as for expert gradients)
+keep their partial sums until finish() reduce-scatters them.
 """
 from __future__ import annotations
 
@@ -67,6 +78,19 @@ class _Bucket:
         self.grad_shard: torch.Tensor | None = None
         """shard mode, after finish(): this rank's chunk of the summed gradient (buffer.numel() / n)."""
 
+    @property
+    def materialized(self) -> bool:
+        return self.buffer.untyped_storage().nbytes() > 0
+
+    def materialize(self) -> None:
+        """ZeRO-2: allocate the (freed) full-size buffer again, zeroed; every view of it is valid again."""
+        if not self.materialized:
+            self.buffer.untyped_storage().resize_(self.buffer.numel() * self.buffer.element_size())
+            self.buffer.zero_()
+
+    def free(self) -> None:
+        self.buffer.untyped_storage().resize_(0)
+
     def share_params(self) -> None:
         """Move the parameters into one flat buffer laid out like the gradients (param.data -> a view)."""
         self.param_buffer = torch.zeros_like(self.buffer, dtype=self.params[0].dtype)
@@ -82,12 +106,18 @@ class GradReducer:
     Per step:  reducer.zero_grad();  for each microbatch m: reducer.prepare(last=(m is last)); backward;
     then reducer.finish() before reading gradients (clipping, optimizer step).
     `shard=True`: reduce-scatter (see the module docstring); each bucket's `grad_shard` after finish().
+    `per_microbatch=True` (with shard): ZeRO-2, reduce-scattered after every microbatch.
     """
 
     def __init__(self, params: Iterable[nn.Parameter], group: Group, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 tag: str = "dp-grad", shard: bool = False, grad_dtype: torch.dtype | None = None):
+                 tag: str = "dp-grad", shard: bool = False, grad_dtype: torch.dtype | None = None,
+                 per_microbatch: bool = False):
         """`grad_dtype`: the buffers' dtype (default: the parameters'); see the module docstring."""
-        self.group, self.tag, self.shard = group, tag, shard
+        if per_microbatch and not shard:
+            raise ValueError("GradReducer(per_microbatch=True) is ZeRO-2: it needs shard=True")
+        self.group, self.tag, self.shard, self.per_microbatch = group, tag, shard, per_microbatch
+        self._inflight: list[tuple[_Bucket, torch.Tensor, object]] = []
+        """ZeRO-2: (bucket, its chunk of the reduce-scatter, the work) not yet added in."""
         pad_to = group.size if shard else 1
         self.params = [p for p in params if p.requires_grad]
         self.buckets: list[_Bucket] = []
@@ -105,10 +135,14 @@ class GradReducer:
             for p, v in zip(b.params, b.views):
                 self._bucket_of[p] = (b, v)
                 p.main_grad = v
-                p.grad = v if v.dtype == p.dtype else None
+                p.grad = self._grad_view(p, v)
                 p.register_post_accumulate_grad_hook(self._on_grad_ready)
             if shard:
                 b.share_params()
+            if per_microbatch:
+                lo, hi = self.shard_range(b)
+                b.grad_shard = b.buffer.new_zeros(hi - lo)
+                b.free()
         self._sync = False
 
     def shard_range(self, b: _Bucket) -> tuple[int, int]:
@@ -116,22 +150,29 @@ class GradReducer:
         chunk = b.buffer.numel() // self.group.size
         return self.group.rank * chunk, (self.group.rank + 1) * chunk
 
+    def _grad_view(self, p: nn.Parameter, v: torch.Tensor) -> torch.Tensor | None:
+        """What p.grad is between backwards: its buffer view, or None where the hook adds each gradient
+        into the buffer (another dtype; ZeRO-2's buffers come and go)."""
+        return v if v.dtype == p.dtype and not self.per_microbatch else None
+
     def zero_grad(self) -> None:
-        """Zero every buffer and (re)point each `param.grad` at its view."""
+        """Zero every buffer (ZeRO-2: every accumulator) and (re)point each `param.grad` at its view."""
         for b in self.buckets:
-            b.buffer.zero_()
+            (b.grad_shard if self.per_microbatch else b.buffer).zero_()
             for p, v in zip(b.params, b.views):
-                p.grad = v if v.dtype == p.dtype else None
+                p.grad = self._grad_view(p, v)
 
     def prepare(self, last: bool) -> None:
         """Call before each microbatch's backward: reduce during this backward only when `last`."""
+        self._drain()  # ZeRO-2: the last bucket of the previous microbatch, before its buffer fills again
         self._sync = last
         for b in self.buckets:
             b.pending, b.work = len(b.params), None
 
     def _on_grad_ready(self, p: nn.Parameter) -> None:
         b, view = self._bucket_of[p]
-        if view.dtype != p.dtype:  # 16-bit gradient -> the wider buffer, then freed
+        if view.dtype != p.dtype or self.per_microbatch:  # into the (wider, or ZeRO-2's) buffer, then freed
+            b.materialize()
             view.add_(p.grad)
             p.grad = None
         elif p.grad.data_ptr() != view.data_ptr():
@@ -143,7 +184,12 @@ class GradReducer:
             self._launch(b)
 
     def _launch(self, b: _Bucket) -> None:
-        if self.shard:
+        if self.per_microbatch:
+            b.materialize()  # a bucket no gradient reached: zeros, so that every rank calls alike
+            self._drain()  # one reduce-scatter in flight at a time: the previous bucket's buffer goes
+            partial, b.work = comm.reduce_scatter(b.buffer, 0, self.group, self.tag, async_op=True)
+            self._inflight.append((b, partial, b.work))
+        elif self.shard:
             b.grad_shard, b.work = comm.reduce_scatter(b.buffer, 0, self.group, self.tag, async_op=True)
         else:
             b.work = comm.all_reduce_async(b.buffer, self.group, tag=self.tag)
@@ -153,6 +199,21 @@ class GradReducer:
         for b in self.buckets:
             if b.work is None:
                 self._launch(b)
+        if self.per_microbatch:
+            self._drain()
         for b in self.buckets:
             b.work.wait()
+            if self.shard and not self.per_microbatch:  # the chunk into the buffer's own range (as
+                lo, hi = self.shard_range(b)          # Megatron): no second 1/n buffer between steps
+                b.buffer[lo:hi].copy_(b.grad_shard)
+                b.grad_shard = b.buffer[lo:hi]
         self._sync = False
+
+    def _drain(self) -> None:
+        """ZeRO-2: complete the in-flight reduce-scatters: add each chunk into its bucket's
+        accumulator and free the bucket's full-size buffer."""
+        for b, partial, work in self._inflight:
+            work.wait()
+            b.grad_shard.add_(partial)
+            b.free()
+        self._inflight = []

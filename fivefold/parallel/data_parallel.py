@@ -5,9 +5,14 @@ Modes (`DPMode`, Megatron's --data-parallel-sharding-strategy names):
             AdamW over every parameter;
   optim     ZeRO-1 (--use-distributed-optimizer): gradients reduce-scattered, AdamW state and update
             on this rank's chunk of each bucket, parameters all-gathered back
-            (fivefold.parallel.distributed_optimizer), per domain.
-ZeRO-2 (optim_grads) and ZeRO-3 (optim_grads_params) are not built yet; they are modes of this
-class (the reducer keeps a sharded gradient; parameters gathered per layer).
+            (fivefold.parallel.distributed_optimizer), per domain;
+  optim_grads  ZeRO-2 (--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads): as optim,
+            and the dense gradients reduce-scattered after every microbatch into a 1/d accumulator,
+            a bucket's full buffer living only while backward fills it (fivefold.parallel.data). Under
+            PP the schedule accumulates gradients itself, so the full buffers stay for the step and
+            are reduce-scattered once (ZeRO-1's gradient memory); expert gradients are reduced in
+            finish() (below), so their full buffers live for the step too and are freed after it.
+ZeRO-3 (optim_grads_params) is not built yet (refused before any rank starts).
 
 Gradient domains (ParamMeta.domain; Megatron's MoE folding puts the EP ranks inside TP x CP x DP):
   dense           summed over DP x CP (tag dp-grad);
@@ -65,9 +70,15 @@ class DPMode(enum.Enum):
     OPTIM = "optim"
     """ZeRO-1: optimizer state and update sharded over the domain's DP group."""
 
+    OPTIM_GRADS = "optim_grads"
+    """ZeRO-2: gradients too, reduce-scattered after every microbatch into a 1/d accumulator; a bucket's
+    full-size buffer exists only while backward fills it (see fivefold.parallel.data)."""
+    OPTIM_GRADS_PARAMS = "optim_grads_params"
+    """ZeRO-3: parameters too (not built yet: refused by fivefold.train.supported)."""
+
     @classmethod
     def of(cls, training: TrainingConfig) -> "DPMode":
-        return cls.OPTIM if training.use_distributed_optimizer else cls.NO_SHARD
+        return cls(training.sharding_strategy)
 
 
 @dataclass
@@ -128,19 +139,25 @@ class DataParallel:
     It stands where torch.optim's optimizer does for checkpoints (`state`, `param_groups`)."""
 
     def __init__(self, model: nn.Module, mesh, training: TrainingConfig, *, moe: bool | None = None,
-                 not_counted: Iterable[nn.Parameter] = (), reducer_cls: type[GradReducer] = GradReducer):
+                 not_counted: Iterable[nn.Parameter] = (), reducer_cls: type[GradReducer] = GradReducer,
+                 pipelined: bool = False):
         """`moe`: the model has routed experts (on some rank: a pipeline stage may hold none, and
         still takes part in the expert domain's collectives); default: this rank holds experts.
         `not_counted`: parameters left out of the gradient norm (a tied embedding's second copy,
-        counted where its first copy lives)."""
+        counted where its first copy lives). `pipelined`: a pipeline schedule runs the backward (its
+        weight passes accumulate the gradients themselves, without the reducer's hooks), so ZeRO-2
+        keeps full gradient buffers during the step and reduce-scatters them once, in finish()."""
         self.mode = DPMode.of(training)
         self.precision = Precision.of(training)
         self.scaler = LossScaler.of(training) if self.precision.scales_loss else None
         self.tp, self.world = mesh.tp, mesh.world
         self.not_counted = list(not_counted)
         self.metas: dict[int, ParamMeta] = metas_of(model)
-        shard = self.mode is DPMode.OPTIM
-        grads = dict(grad_dtype=self.precision.grad_dtype)
+        if self.mode is DPMode.OPTIM_GRADS_PARAMS:
+            raise NotImplementedError("ZeRO-3 (optim_grads_params) is not built yet (fivefold.train.supported refuses it)")
+        shard = self.mode in (DPMode.OPTIM, DPMode.OPTIM_GRADS)
+        self._per_microbatch = self.mode is DPMode.OPTIM_GRADS and not pipelined
+        grads = dict(grad_dtype=self.precision.grad_dtype, per_microbatch=self._per_microbatch)
         params = list(model.parameters())
         experts = [p for p in params if self.metas[id(p)].is_expert]
         if experts if moe is None else moe:
@@ -203,10 +220,10 @@ class DataParallel:
             d.reducer.zero_grad()
 
     def prepare(self, last: bool) -> None:
-        """Before each microbatch's backward: dense buckets reduce during it when `last`; expert
-        buckets always wait for finish() (see the module docstring)."""
+        """Before each microbatch's backward: dense buckets reduce during it when `last` (ZeRO-2: every
+        microbatch, unless pipelined); expert buckets always wait for finish() (see the module docstring)."""
         for d in self.domains:
-            d.reducer.prepare(last and d.kind is GradDomain.DENSE)
+            d.reducer.prepare((last or self._per_microbatch) and d.kind is GradDomain.DENSE)
 
     @property
     def loss_scale(self) -> float:

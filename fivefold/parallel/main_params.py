@@ -40,6 +40,9 @@ class MainParams:
             main.grad = g if (g.dtype, g.device) == (main.dtype, main.device) else g.to(main.device, main.dtype)
 
     def write_back(self) -> None:
+        """After the step: each copy cast back into its tensor, and its gradient dropped (an fp32 copy
+        of a 16-bit gradient would otherwise live until the next step)."""
         for t, main in zip(self.tensors, self.mains):
             if main is not t:
                 t.detach().copy_(main.detach())
+                main.grad = None

@@ -110,5 +110,5 @@ def parallelize(model: Decoder | PipelineModel, mesh, config: Config, *,
     if pipe is not None:
         pipe.executor.dtype = dtype  # the activations the stages send
     dp = DataParallel(module, mesh, config.training, moe=config.model.is_moe, reducer_cls=reducer_cls,
-                      not_counted=pipe.uncounted_parameters() if pipe is not None else ())
+                      not_counted=pipe.uncounted_parameters() if pipe is not None else (), pipelined=pipe is not None)
     return Parts(module, pipe, dp, mesh)

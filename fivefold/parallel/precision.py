@@ -139,12 +139,16 @@ class Precision:
     def scales_loss(self) -> bool:
         return self.param == "fp16"
 
-    def state_bytes(self, dp_shards: int = 1) -> tuple[float, float, float]:
-        """(parameter, gradient, optimizer) bytes per parameter with the optimizer state (fp32 main
-        copy + AdamW moments) sharded over `dp_shards` ranks (1: replicated): the model state the
-        runtime holds between steps, and what the planner counts."""
-        return BYTES[self.param], BYTES[self.grad], ((4 if self.has_main else 0) + 8) / dp_shards
+    def state_bytes(self, dp_shards: int = 1, mode: str = "optim") -> tuple[float, float, float]:
+        """(parameter, gradient, optimizer) bytes per parameter between steps, what the runtime holds
+        and the planner counts, under data-parallel `mode` over `dp_shards` ranks: no_shard keeps all,
+        optim (ZeRO-1) shards the optimizer state (fp32 main copy + AdamW moments), optim_grads
+        (ZeRO-2) the gradients too, optim_grads_params (ZeRO-3) the parameters too."""
+        d = 1 if mode == "no_shard" else dp_shards
+        sharded = {"no_shard": 0, "optim": 1, "optim_grads": 2, "optim_grads_params": 3}[mode]
+        p, g, o = BYTES[self.param], BYTES[self.grad], (4 if self.has_main else 0) + 8
+        return p / (d if sharded >= 3 else 1), g / (d if sharded >= 2 else 1), o / d
 
-    def bytes_per_param(self, dp_shards: int = 1) -> float:
-        return sum(self.state_bytes(dp_shards))
+    def bytes_per_param(self, dp_shards: int = 1, mode: str = "optim") -> float:
+        return sum(self.state_bytes(dp_shards, mode))
 

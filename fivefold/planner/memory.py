@@ -92,7 +92,7 @@ def state_bytes_per_param(training: TrainingConfig, precision: str, d: int) -> t
     """(weights, gradients, optimizer) bytes per parameter under the runtime's precision policy
     (fivefold.parallel.precision: the same object the runtime builds its buffers from) with
     `precision` for the parameters, the optimizer sharded over d ranks with the distributed optimizer."""
-    return Precision.of(training, precision).state_bytes(d if training.use_distributed_optimizer else 1)
+    return Precision.of(training, precision).state_bytes(d, training.sharding_strategy)
 
 
 _PARAMS: dict[tuple, tuple[float, float]] = {}

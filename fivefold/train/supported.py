@@ -33,6 +33,8 @@ RUNTIME_KNOBS: list[Knob] = [
          "sinkhorn load balancing (aux_loss, seq_aux_loss and none run)"),
     Knob("training.precision", _is("fp32", "bf16", "fp16"), "fp8 (the planner models it; the runtime trains fp32, bf16, fp16)"),
     Knob("training.optimizer", _is("adamw"), "optimizers other than adamw"),
+    Knob("training.data_parallel_sharding_strategy", _is(None, "no_shard", "optim", "optim_grads"),
+         "ZeRO-3 (parameters sharded; no_shard, optim and optim_grads run)"),
 ]
 
 
