@@ -95,6 +95,9 @@ CASES = [
          training={"precision": "bf16"}),
     Case("PP2 1F1B mbs1 GA4 fp16 ZeRO-1", 2, 1, 4, parallel={"pipeline_model_parallel_size": 2},
          training={"precision": "fp16", "use_distributed_optimizer": True, "initial_loss_scale": 4096.0}),
+    Case("PP2 x DP2 mbs1 GA2 bf16 ZeRO-2", 4, 1, 4, parallel={"pipeline_model_parallel_size": 2},
+         training={"precision": "bf16", "data_parallel_sharding_strategy": "optim_grads"}),
+    Case("DP2 mbs2 GA2 ZeRO-2", 2, 2, 8, training={"data_parallel_sharding_strategy": "optim_grads"}),
 ]
 
 

@@ -52,13 +52,16 @@ def test_estimates_match_one_measured_step(pools, name):
         assert 0 <= meas["optimizer"] - est["optimizer"] <= 4 * 200  # step counters: 4 bytes per tensor
 
 
-def test_16_bit_estimates_match_one_measured_step(pools):
-    """The planner reads the runtime's precision policy (fivefold.parallel.precision): fp16 parameters,
-    fp16 gradient buffers, fp32 main parameters sharded by ZeRO-1, through a pipeline: call bytes exact
-    (pp sends of fp16 activations, the fp16 reduce-scatter and all-gather) and peak memory within the
-    goal. (MemTracker files the 16-bit runs' gradient buffers and main copies under other kinds than
-    the planner does, so only the total is compared; benchmarks/planner_vs_measured.py has more rows.)"""
-    case = next(c for c in CASES if c.name == "PP2 1F1B mbs1 GA4 fp16 ZeRO-1")
+
+@pytest.mark.parametrize("name", ["DP2 mbs2 GA2 ZeRO-2", "DP2 mbs2 bf16 ZeRO-1"])
+def test_dp_modes_and_precisions_match_one_measured_step(pools, name):
+    """The planner reads the runtime's precision policy and data-parallel mode
+    (fivefold.parallel.precision, DPMode): ZeRO-2's per-microbatch reduce-scatters and freed buffers,
+    bf16 parameters with fp32 gradients and main parameters sharded by ZeRO-1 (the all-gather moves bf16):
+    call bytes exact and peak memory within the goal. (MemTracker files the gradient buffers and main
+    copies of these runs under other kinds than the planner does, so only the total is compared;
+    benchmarks/planner_vs_measured.py has the other precisions and modes.)"""
+    case = next(c for c in CASES if c.name == name)
     for r in run_case(pools, case):
-        assert {t: r.est_bytes.get(t, 0) for t in r.tags} == {t: r.meas_bytes.get(t, 0) for t in r.tags}
+        assert r.tags and {t: r.est_bytes.get(t, 0) for t in r.tags} == {t: r.meas_bytes.get(t, 0) for t in r.tags}
         assert abs(r.memory_ratio - 1) <= MEMORY_TOL, (r.rank, r.est_memory.as_dict(), r.meas_kinds)

@@ -274,12 +274,14 @@ def step_collectives(plan: Plan, pp_rank: int) -> list[Collective]:
         emb = m.padded_vocab_size(plan.tp) * m.hidden_size / plan.tp
         out.append(Collective("all_reduce", "embedding-grad", "embedding", grad * emb, "step"))
     dense, expert = rank_params(plan, pp_rank)
-    distopt = plan.config.training.use_distributed_optimizer
+    mode = plan.config.training.sharding_strategy
     for count, group, d in ((dense, "dp", plan.dp * plan.cp), (expert, "edp", plan.edp)):
         if not count or d == 1:
             continue
-        if distopt:
-            out += [Collective("reduce_scatter", f"{group}-grad", group, grad * count, "step", "backward"),
+        if mode in ("optim", "optim_grads"):
+            # ZeRO-2 without PP reduce-scatters the dense gradients after every microbatch
+            times = plan.microbatches if mode == "optim_grads" and plan.pp == 1 and group == "dp" else 1
+            out += [Collective("reduce_scatter", f"{group}-grad", group, grad * count * times, "step", "backward"),
                     Collective("all_gather", f"{group}-param", group, weight * count, "step", "forward")]
         else:
             out.append(Collective("all_reduce", f"{group}-grad", group, grad * count, "step", "backward"))
