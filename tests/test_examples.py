@@ -7,7 +7,7 @@ from fivefold.config.validate import validate
 from fivefold.train.supported import check_supported, unsupported
 
 
-@pytest.mark.parametrize("name", ["demo.yaml", "tp_sp.yaml", "pp.yaml", "cp.yaml"])
+@pytest.mark.parametrize("name", ["demo.yaml", "tp_sp.yaml", "pp.yaml", "cp.yaml", "bf16_zero2.yaml"])
 def test_training_example_validates_and_is_supported(name):
     loaded = load_config(f"examples/{name}")
     validate(loaded.config, loaded.dialect)
