@@ -55,3 +55,19 @@ def test_layout_grid_and_allocation(capsys):
     assert main(["layout", "examples/multi_model.yaml", "--rank", "3"]) == 0
     assert "GPU 3: critic: tp=0 cp=0 dp=0 pp=1 | reference: tp=1 cp=0 dp=0 pp=1" in capsys.readouterr().out
     assert main(["layout", "--tp", "2", "--ep", "4", "--etp", "3", "--world-size", "8"]) == 2
+
+
+def test_every_unknown_megatron_flag_is_named_at_once():
+    """A pasted Megatron script with several flags we do not know: one message names them all, each
+    with its closest known flag, instead of one per attempt."""
+    from fivefold.config.megatron import parse_flags
+    from fivefold.errors import UserError
+
+    with pytest.raises(UserError) as e:
+        parse_flags(["--num-layers", "2", "--tensor-model-paralel-size", "2", "--frobnicate", "a", "b",
+                     "--seq-lenght", "64", "--hidden-size", "64"])
+    msg = str(e.value)
+    assert msg.startswith("unknown flags ")
+    for name, hint in (("--tensor-model-paralel-size", "--tensor-model-parallel-size"), ("--frobnicate", None),
+                       ("--seq-lenght", "--seq-length")):
+        assert name in msg and (hint is None or hint in msg), msg

@@ -146,11 +146,12 @@ def is_flag(word: str) -> bool:
 def parse_flags(words: list[str]) -> tuple[list[tuple[str, str, object]], bool]:
     """Words of a Megatron-LM command line -> ([(flag, dotted field, raw value)], any Megatron flag?).
 
-    Unknown flags raise UserError with the closest known flag.
+    Unknown flags raise one UserError naming every one of them, each with the closest known flag.
     """
     from fivefold.config.fields import did_you_mean
 
     out: list[tuple[str, str, object]] = []
+    unknown: list[str] = []
     megatron = False
     i = 0
     while i < len(words):
@@ -159,8 +160,12 @@ def parse_flags(words: list[str]) -> tuple[list[tuple[str, str, object]], bool]:
             raise UserError(f"{word!r} follows no flag that takes a value")
         name, eq, inline = word.partition("=")
         flag = FLAGS.get(name)
-        if flag is None:
-            raise UserError(f"unknown flag {name}{did_you_mean(name, FLAGS)}")
+        if flag is None:  # noted, and its values skipped: the rest of the line is still read
+            unknown.append(f"{name}{did_you_mean(name, FLAGS)}")
+            i += 1
+            while i < len(words) and not is_flag(words[i]):
+                i += 1
+            continue
         megatron |= not flag.ours
         i += 1
         if flag.kind == SWITCH:
@@ -183,6 +188,8 @@ def parse_flags(words: list[str]) -> tuple[list[tuple[str, str, object]], bool]:
             i += 1
         if flag.field is not None:
             out.append((name, flag.field, value))
+    if unknown:
+        raise UserError(f"unknown flag{'s' if len(unknown) > 1 else ''} " + "; ".join(unknown))
     return out, megatron
 
 
