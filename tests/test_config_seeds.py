@@ -68,6 +68,16 @@ def test_megatron_tp4_on_4_gpus():
     assert (lay.tp, lay.dp, lay.world_size) == (4, 1, 4)
 
 
+@pytest.mark.parametrize("launcher,world", [
+    ("python -m torch.distributed.run --nproc_per_node=4", 4),   # the module form of torchrun
+    ("torchrun --nproc_per_node=gpu --nnodes=2", 16),            # gpu: the node's GPUs (8 by default)
+    ("torchrun --nnodes=1:2 --nproc-per-node 4", 8),             # elastic range: planned for its maximum
+])
+def test_torchrun_forms_as_torchrun_reads_them(launcher, world):
+    _, _, lay = resolved(words=f"{launcher} train.py --tensor-model-parallel-size 4".split())
+    assert (lay.tp, lay.world_size) == (4, world)
+
+
 PP_EXAMPLE = ("torchrun --nproc_per_node=8 --nnodes=4 train.py --pipeline-model-parallel-size 4 "
               "--num-layers 80 --num-layers-per-virtual-pipeline-stage 2").split()
 

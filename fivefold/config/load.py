@@ -215,9 +215,23 @@ def _apply_words(config: Config, words: list[str], explicit: set, dialects: list
         i += 1
 
 
+def _launcher_value(name: str, value: str) -> str | None:
+    """torchrun's own forms of --nproc-per-node / --nnodes as a config value, or None (keep the
+    config's): `gpu` / `auto` / `cpu` mean "this node's devices" (the config's gpus_per_node), and an
+    elastic node range `MIN:MAX` plans the full job of MAX nodes (a run on fewer nodes then stops at the
+    world-size check, naming the sizes)."""
+    if name.startswith("--nproc") and value in ("gpu", "auto", "cpu", "xpu"):
+        return None
+    if name == "--nnodes" and ":" in value:
+        return value.partition(":")[2]
+    return value
+
+
 def _strip_launcher(config: Config, words: list[str], explicit: set) -> list[str]:
-    """Drop `torchrun [launcher flags] script.py` (or `-m module subcommand`), keeping --nproc_per_node
-    and --nnodes."""
+    """Drop `torchrun [launcher flags] script.py` (or `python -m torch.distributed.run ...`, or
+    `-m module subcommand`), keeping --nproc_per_node and --nnodes."""
+    if len(words) > 2 and Path(words[0]).name.startswith("python") and words[1:3] == ["-m", "torch.distributed.run"]:
+        words = words[2:]
     if not words or Path(words[0]).name not in ("torchrun", "torch.distributed.run"):
         return words
     i = 1
@@ -228,8 +242,8 @@ def _strip_launcher(config: Config, words: list[str], explicit: set) -> list[str
         if not eq and i + 1 < len(words) and not words[i + 1].startswith("-") \
                 and not words[i + 1].endswith(".py"):
             value, i = words[i + 1], i + 1
-        if name in launcher:
-            set_value(config, launcher[name], value, explicit)
+        if name in launcher and _launcher_value(name, value) is not None:
+            set_value(config, launcher[name], _launcher_value(name, value), explicit)
         i += 1
         if name == "-m":  # `-m fivefold train`: the module's own subcommand words are not config
             while i < len(words) and not words[i].startswith("-") and "=" not in words[i]:
