@@ -98,6 +98,10 @@ CASES = [
     Case("PP2 x DP2 mbs1 GA2 bf16 ZeRO-2", 4, 1, 4, parallel={"pipeline_model_parallel_size": 2},
          training={"precision": "bf16", "data_parallel_sharding_strategy": "optim_grads"}),
     Case("DP2 mbs2 GA2 ZeRO-2", 2, 2, 8, training={"data_parallel_sharding_strategy": "optim_grads"}),
+    Case("DP2 mbs2 GA2 ZeRO-3", 2, 2, 8, training={"data_parallel_sharding_strategy": "optim_grads_params"}),
+    Case("TP2 SP x DP2 mbs1 GA2 bf16 ZeRO-3", 4, 1, 4, parallel={"tensor_model_parallel_size": 2,
+                                                                 "sequence_parallel": True},
+         training={"precision": "bf16", "data_parallel_sharding_strategy": "optim_grads_params"}),
 ]
 
 

@@ -251,6 +251,7 @@ def _state_bytes_rank(rank: int, world: int, config: dict, data_dir: str) -> dic
             count(m)
         for b in d.reducer.buckets:
             count(b.grad_shard)  # ZeRO-2: the 1/d accumulators (ZeRO-1: a range of the buffer)
+            count(getattr(b, "param_shard", None))  # ZeRO-3: the parameters' chunk (the full buffer freed)
     for s in parts.dp.state.values():
         for k, v in s.items():
             if k != "step":
@@ -263,12 +264,14 @@ def _state_bytes_rank(rank: int, world: int, config: dict, data_dir: str) -> dic
     ("bf16", {}, 1, False), ("bf16", {"grad_reduce_in_bf16": True}, 1, False), ("bf16", {}, 2, True),
     ("fp16", {"initial_loss_scale": 4096.0}, 2, True), ("fp32", {}, 2, True),
     ("fp32", {"data_parallel_sharding_strategy": "optim_grads"}, 2, False),
-    ("bf16", {"data_parallel_sharding_strategy": "optim_grads"}, 2, False)])
+    ("bf16", {"data_parallel_sharding_strategy": "optim_grads"}, 2, False),
+    ("fp32", {"data_parallel_sharding_strategy": "optim_grads_params"}, 2, False),
+    ("bf16", {"data_parallel_sharding_strategy": "optim_grads_params"}, 2, False)])
 def test_model_state_bytes_follow_the_formula(runs, workers, precision, extra, world, zero):
     """Parameters + gradient buffers + main parameters + AdamW moments held per rank after a step:
     Precision.state_bytes (docs/precision.md), e.g. bf16 replicated 2 + 4 + 12 = 18 bytes per
     parameter, ZeRO-1 over d ranks 2 + 4 + 12/d (Megatron's 6 + 12/d), ZeRO-2 2 + 16/d (the full
-    gradient buffers are freed between steps)."""
+    gradient buffers are freed between steps), ZeRO-3 18/d (the full parameters too)."""
     cfg = _cfg(runs["data"], precision, world=world, zero=zero, **extra)
     per_param = Precision.of(cfg.training).bytes_per_param(world, cfg.training.sharding_strategy)
     for r in workers(world).run(_state_bytes_rank, to_dict(cfg), str(runs["data_dir"])):

@@ -1,6 +1,7 @@
 """ZeRO-2 (--data-parallel-sharding-strategy optim_grads): gradients reduce-scattered after every
 microbatch into a 1/DP accumulator, full-size bucket buffers only while backward fills them; the
-one-process trajectory with TP, PP, CP and EP; bytes per parameter; ZeRO-3 refused."""
+one-process trajectory with TP, PP, CP and EP; ZeRO-3 (parameters gathered per unit) with TP, CP and
+recompute; checkpoints."""
 from __future__ import annotations
 
 import json
@@ -73,6 +74,15 @@ LAYOUTS = {  # name: (world, parallel, recompute)
 }
 
 
+ZERO3 = {  # name: (world, parallel, recompute)
+    "z3-dp2": (2, {}, {}),
+    "z3-dp4-full-recompute": (4, {}, {"recompute_granularity": "full", "recompute_method": "uniform",
+                                      "recompute_num_layers": 1}),
+    "z3-tp2dp2": (4, {"tensor_model_parallel_size": 2, "sequence_parallel": True}, {"recompute_granularity": "selective"}),
+    "z3-cp2dp2": (4, {"context_parallel_size": 2}, {}),
+}
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, workers):
     root = tmp_path_factory.mktemp("zero2")
@@ -83,6 +93,12 @@ def runs(tmp_path_factory, workers):
     train(ref_cfg, one_process_context(root / "ref"), data_dir, progress=False)
     for name, (world, parallel, recompute) in LAYOUTS.items():
         cfg = test_zero._config(data, dp=world, data_parallel_sharding_strategy="optim_grads", **recompute)
+        for k, v in parallel.items():
+            setattr(cfg.parallel, k, v)
+        cfg.checkpoint.save_interval = 2
+        workers(world).run(test_zero._train_rank, to_dict(cfg), str(root / name), str(data_dir))
+    for name, (world, parallel, recompute) in ZERO3.items():
+        cfg = test_zero._config(data, dp=world, data_parallel_sharding_strategy="optim_grads_params", **recompute)
         for k, v in parallel.items():
             setattr(cfg.parallel, k, v)
         cfg.checkpoint.save_interval = 2
@@ -100,7 +116,7 @@ def _metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("name", [*LAYOUTS, "ep2dp4"])
+@pytest.mark.parametrize("name", [*LAYOUTS, "ep2dp4", *ZERO3])
 def test_zero2_reproduces_one_process_run(runs, name):
     ref = _metrics(runs / ("moe-ref" if name.startswith("ep") else "ref"))
     got = _metrics(runs / name)
@@ -125,7 +141,18 @@ def test_zero2_checkpoint_resumes_in_one_process(runs, tmp_path):
     close([result.losses[2], result.losses[3]], [ref[2]["loss"], ref[3]["loss"]], rtol=1e-5, site="zero2.resume")
 
 
-def test_zero3_is_refused_until_built(tmp_path):
-    cfg = test_zero._config(tmp_path, dp=2, data_parallel_sharding_strategy="optim_grads_params")
+def test_zero3_checkpoint_resumes_in_one_process(runs, tmp_path):
+    """ZeRO-3 writes whole parameters (gathered for the save) and ZeRO-1-like optimizer chunks."""
+    cfg = test_zero._config(runs / "corpus")
+    cfg.checkpoint.load = str(runs / "z3-dp2" / "checkpoints" / "step_00000002")
+    result = train(cfg, one_process_context(tmp_path), runs / "data", progress=False)
+    ref = _metrics(runs / "ref")
+    close([result.losses[2], result.losses[3]], [ref[2]["loss"], ref[3]["loss"]], rtol=1e-5, site="zero3.resume")
+
+
+def test_zero3_with_pp_or_moe_is_refused_until_built(tmp_path):
+    cfg = test_zero._config(tmp_path, dp=4, data_parallel_sharding_strategy="optim_grads_params")
+    check_supported(cfg)  # DP (and TP, CP) run
+    cfg.parallel.pipeline_model_parallel_size = 2
     with pytest.raises(NotImplementedYet, match="ZeRO-3"):
         check_supported(cfg)

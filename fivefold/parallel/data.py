@@ -111,8 +111,10 @@ class GradReducer:
 
     def __init__(self, params: Iterable[nn.Parameter], group: Group, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                  tag: str = "dp-grad", shard: bool = False, grad_dtype: torch.dtype | None = None,
-                 per_microbatch: bool = False):
-        """`grad_dtype`: the buffers' dtype (default: the parameters'); see the module docstring."""
+                 per_microbatch: bool = False, units: list[list[nn.Parameter]] | None = None):
+        """`grad_dtype`: the buffers' dtype (default: the parameters'); see the module docstring.
+        `units` (ZeRO-3): one bucket per unit (a decoder layer, ...), whatever its size, in reverse
+        order, so that a bucket completes when its unit's backward has; default: by `bucket_bytes`."""
         if per_microbatch and not shard:
             raise ValueError("GradReducer(per_microbatch=True) is ZeRO-2: it needs shard=True")
         self.group, self.tag, self.shard, self.per_microbatch = group, tag, shard, per_microbatch
@@ -122,7 +124,10 @@ class GradReducer:
         self.params = [p for p in params if p.requires_grad]
         self.buckets: list[_Bucket] = []
         current: list[nn.Parameter] = []
-        for p in reversed(self.params):
+        if units is not None:
+            for unit in reversed(units):
+                self.buckets.append(_Bucket(list(reversed(unit)), len(self.buckets), pad_to, grad_dtype))
+        for p in reversed(self.params if units is None else []):
             if current and (p.dtype != current[0].dtype or
                             sum(q.numel() for q in current) * p.element_size() + p.nbytes > bucket_bytes):
                 self.buckets.append(_Bucket(current, len(self.buckets), pad_to, grad_dtype))
@@ -130,6 +135,8 @@ class GradReducer:
             current.append(p)
         if current:
             self.buckets.append(_Bucket(current, len(self.buckets), pad_to, grad_dtype))
+        self.after_launch = None
+        """ZeRO-3: called with each bucket whose gradients were launched (its unit's parameters free)."""
         self._bucket_of = {}
         for b in self.buckets:
             for p, v in zip(b.params, b.views):
@@ -189,6 +196,8 @@ class GradReducer:
             self._drain()  # one reduce-scatter in flight at a time: the previous bucket's buffer goes
             partial, b.work = comm.reduce_scatter(b.buffer, 0, self.group, self.tag, async_op=True)
             self._inflight.append((b, partial, b.work))
+            if self.after_launch is not None:
+                self.after_launch(b)
         elif self.shard:
             b.grad_shard, b.work = comm.reduce_scatter(b.buffer, 0, self.group, self.tag, async_op=True)
         else:

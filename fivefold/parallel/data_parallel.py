@@ -12,7 +12,9 @@ Modes (`DPMode`, Megatron's --data-parallel-sharding-strategy names):
             PP the schedule accumulates gradients itself, so the full buffers stay for the step and
             are reduce-scattered once (ZeRO-1's gradient memory); expert gradients are reduced in
             finish() (below), so their full buffers live for the step too and are freed after it.
-ZeRO-3 (optim_grads_params) is not built yet (refused before any rank starts).
+  optim_grads_params  ZeRO-3: as optim_grads, and the parameters sharded too, each unit (embedding,
+            decoder layer, output layer) gathered before use with the next prefetched, freed after
+            (fivefold.parallel.fsdp); not with PP or EP yet (refused before any rank starts).
 
 Gradient domains (ParamMeta.domain; Megatron's MoE folding puts the EP ranks inside TP x CP x DP):
   dense           summed over DP x CP (tag dp-grad);
@@ -41,6 +43,7 @@ parameters (ZeRO: this rank's chunks, whose squares are also added over the doma
 """
 from __future__ import annotations
 
+import contextlib
 import enum
 import math
 from collections.abc import Iterable
@@ -53,6 +56,7 @@ from fivefold.checkpoint.optim_state import OptimShard
 from fivefold.config.schema import TrainingConfig
 from fivefold.parallel.data import GradReducer
 from fivefold.parallel.distributed_optimizer import DistributedOptimizer
+from fivefold.parallel.fsdp import ParamSharding, units_of
 from fivefold.parallel.optimizer import build_adamw, clip_grad_norm
 from fivefold.parallel.param_meta import GradDomain, ParamMeta, metas_of
 from fivefold.parallel.main_params import MainParams
@@ -74,7 +78,7 @@ class DPMode(enum.Enum):
     """ZeRO-2: gradients too, reduce-scattered after every microbatch into a 1/d accumulator; a bucket's
     full-size buffer exists only while backward fills it (see fivefold.parallel.data)."""
     OPTIM_GRADS_PARAMS = "optim_grads_params"
-    """ZeRO-3: parameters too (not built yet: refused by fivefold.train.supported)."""
+    """ZeRO-3: parameters too, gathered per unit (fivefold.parallel.fsdp); not with PP or EP yet."""
 
     @classmethod
     def of(cls, training: TrainingConfig) -> "DPMode":
@@ -153,11 +157,15 @@ class DataParallel:
         self.tp, self.world = mesh.tp, mesh.world
         self.not_counted = list(not_counted)
         self.metas: dict[int, ParamMeta] = metas_of(model)
-        if self.mode is DPMode.OPTIM_GRADS_PARAMS:
-            raise NotImplementedError("ZeRO-3 (optim_grads_params) is not built yet (fivefold.train.supported refuses it)")
-        shard = self.mode in (DPMode.OPTIM, DPMode.OPTIM_GRADS)
-        self._per_microbatch = self.mode is DPMode.OPTIM_GRADS and not pipelined
+        zero3 = self.mode is DPMode.OPTIM_GRADS_PARAMS
+        if zero3 and (pipelined or moe):
+            raise NotImplementedError("ZeRO-3 with pipeline or expert parallelism is not built yet "
+                                      "(fivefold.train.supported refuses it)")
+        shard = self.mode is not DPMode.NO_SHARD
+        self._per_microbatch = self.mode in (DPMode.OPTIM_GRADS, DPMode.OPTIM_GRADS_PARAMS) and not pipelined
         grads = dict(grad_dtype=self.precision.grad_dtype, per_microbatch=self._per_microbatch)
+        if zero3:
+            grads["units"] = [params for _, params in units_of(model)]
         params = list(model.parameters())
         experts = [p for p in params if self.metas[id(p)].is_expert]
         if experts if moe is None else moe:
@@ -175,6 +183,8 @@ class DataParallel:
                                     reducer_cls(params, mesh.group(GradDomain.DENSE.group), shard=shard, **grads),
                                     mesh.group("model-parallel"))]
             self.norm_over = None
+        self.sharding = ParamSharding(model, self.domains[0].reducer) if zero3 else None
+        """ZeRO-3: the parameters' gather / free cycle (fivefold.parallel.fsdp)."""
         if shard:
             sharded = [d for d in self.domains if d.params]  # an expert domain may be empty on this stage
             for d in sharded:
@@ -224,6 +234,8 @@ class DataParallel:
         microbatch, unless pipelined); expert buckets always wait for finish() (see the module docstring)."""
         for d in self.domains:
             d.reducer.prepare((last or self._per_microbatch) and d.kind is GradDomain.DENSE)
+        if self.sharding is not None:
+            self.sharding.new_microbatch()
 
     @property
     def loss_scale(self) -> float:
@@ -235,6 +247,8 @@ class DataParallel:
         point the main parameters' gradients at the result."""
         for d in self.domains:
             d.reducer.finish()
+        if self.sharding is not None:
+            self.sharding.end_step()
         for d in self.domains:
             d.attach_grads()
 
@@ -294,6 +308,11 @@ class DataParallel:
         self.optimizers[0].step()
         for d in self.domains:
             d.mains.write_back()
+
+    def full_params(self, writes: bool = False):
+        """A context in which every parameter is whole (ZeRO-3 gathers them; else nothing to do): for
+        checkpoints. `writes`: what is written into the parameters becomes this rank's chunks."""
+        return self.sharding.full_params(writes) if self.sharding is not None else contextlib.nullcontext()
 
     def offloaded(self) -> list[torch.Tensor]:
         """The main parameters kept and stepped in host memory (--optimizer-cpu-offload)."""

@@ -79,7 +79,10 @@ class DistributedOptimizer:
                 start, end = max(lo, offset), min(hi, offset + p.numel())
                 if start < end:
                     spans.append((i, p, offset, start, end, lo))
-        ranges = [nn.Parameter(reducer.buckets[i].param_buffer[start:end]) for i, _, _, start, end, _ in spans]
+        # ZeRO-3 (fivefold.parallel.fsdp) keeps the chunk in its own tensor, the full buffer freed
+        ranges = [nn.Parameter(reducer.buckets[i].param_shard[start - lo: end - lo]
+                               if getattr(reducer.buckets[i], "param_shard", None) is not None
+                               else reducer.buckets[i].param_buffer[start:end]) for i, _, _, start, end, lo in spans]
         self.mains = MainParams(ranges, precision or Precision.of(training))  # leaves sharing the buffer's storage
         self.pieces: list[Piece] = [Piece(names[id(p)], p, (start - offset, end - offset), main, i, (start - lo, end - lo))
                                     for (i, p, offset, start, end, lo), main in zip(spans, self.mains.mains)]
@@ -122,6 +125,8 @@ class DistributedOptimizer:
         self.mains.write_back()
         launched = []
         for b in self.reducer.buckets:
+            if getattr(b, "param_shard", None) is not None:
+                continue  # ZeRO-3: the next forward gathers
             lo, hi = self.reducer.shard_range(b)
             launched.append((b, *comm.all_gather(b.param_buffer[lo:hi], 0, self.group, self.tag, async_op=True)))
         for b, gathered, work in launched:  # gathered: (buffer numel,) = every rank's chunk, in rank order

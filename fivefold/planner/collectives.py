@@ -278,11 +278,13 @@ def step_collectives(plan: Plan, pp_rank: int) -> list[Collective]:
     for count, group, d in ((dense, "dp", plan.dp * plan.cp), (expert, "edp", plan.edp)):
         if not count or d == 1:
             continue
-        if mode in ("optim", "optim_grads"):
-            # ZeRO-2 without PP reduce-scatters the dense gradients after every microbatch
-            times = plan.microbatches if mode == "optim_grads" and plan.pp == 1 and group == "dp" else 1
+        if mode != "no_shard":
+            # ZeRO-2/3 without PP reduce-scatter the dense gradients after every microbatch; ZeRO-3
+            # all-gathers every unit before its forward and again before its backward, per microbatch
+            times = plan.microbatches if mode != "optim" and plan.pp == 1 and group == "dp" else 1
+            gathers = 2 * plan.microbatches if mode == "optim_grads_params" else 1
             out += [Collective("reduce_scatter", f"{group}-grad", group, grad * count * times, "step", "backward"),
-                    Collective("all_gather", f"{group}-param", group, weight * count, "step", "forward")]
+                    Collective("all_gather", f"{group}-param", group, weight * count * gathers, "step", "forward")]
         else:
             out.append(Collective("all_reduce", f"{group}-grad", group, grad * count, "step", "backward"))
     return out

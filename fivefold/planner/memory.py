@@ -110,6 +110,14 @@ def zero2_full_buffers(plan: Plan, dense: float, expert: float) -> float:
     return (dense if plan.pp > 1 else 0.0) * full + expert * full
 
 
+def zero3_gathered(plan: Plan) -> float:
+    """ZeRO-3's whole parameters at the peak (fivefold.parallel.fsdp; no PP), elements: at the end of
+    the forward the output layer's unit is in use (the output layer or, tied, the embedding it shares,
+    and the final norm) and nothing is prefetched after it."""
+    m = plan.config.model
+    return embedding_params(m, plan.tp) / plan.tp + m.hidden_size
+
+
 def rank_params(plan: Plan, rank: int) -> tuple[float, float]:
     """(dense, expert) parameters held by one rank of pipeline rank `rank` (padded vocabulary)."""
     key = (plan.layer_key, rank, plan.tp, plan.etp, plan.ep)
@@ -198,8 +206,10 @@ class _Ranks:
         we, ge, oe = state_bytes_per_param(training, prec, plan.edp)
         rm.params = dense + expert
         rm.weights, rm.grads, rm.optimizer = dense * wd + expert * we, dense * gd + expert * ge, dense * od + expert * oe
-        if training.sharding_strategy == "optim_grads":
+        if training.sharding_strategy in ("optim_grads", "optim_grads_params"):
             rm.grads += zero2_full_buffers(plan, dense, expert)
+        if training.sharding_strategy == "optim_grads_params":  # ZeRO-3: the units in use, whole
+            rm.weights += zero3_gathered(plan) * Precision.of(training, prec).state_bytes(1, "no_shard")[0]
         rm.detail = dict(detail)
         rm.inflight = prof.inflight_microbatches(r)
         rm.activations = per_mb * rm.inflight + transient

@@ -72,13 +72,14 @@ def _save(config: Config, ctx: RankContext, root: Path, step: int, parts: Parts)
     # is one but not the other writes copies equal to the owner's, which the checkpoint lists once.
     writes = ctx.dp_group.rank == 0 or (config.model.is_moe and ctx.mesh.edp.rank == 0)
     dp = parts.dp
-    return ckpt.save_checkpoint(
-        root, step, model=parts.model, optimizer=dp, rank=ctx.rank, writes_params=writes,
-        optim_shards=dp.optim_shards(), writes_optim=dp.shards_state or writes,
-        barrier=lambda: comm.barrier(ctx.world_group),
-        extra={"optimizer_step": step, "world_size": ctx.world_size, "data": {"next_step": step,
-               "consumed_samples": step * config.training.global_batch_size}, "config": to_dict(config),
-               **({"loss_scaler": dp.scaler.state_dict()} if dp.scaler is not None else {})})
+    with dp.full_params():  # ZeRO-3: the parameters whole while they are written
+        return ckpt.save_checkpoint(
+            root, step, model=parts.model, optimizer=dp, rank=ctx.rank, writes_params=writes,
+            optim_shards=dp.optim_shards(), writes_optim=dp.shards_state or writes,
+            barrier=lambda: comm.barrier(ctx.world_group),
+            extra={"optimizer_step": step, "world_size": ctx.world_size, "data": {"next_step": step,
+                   "consumed_samples": step * config.training.global_batch_size}, "config": to_dict(config),
+                   **({"loss_scaler": dp.scaler.state_dict()} if dp.scaler is not None else {})})
 
 
 def _step(config: Config, ctx: RankContext, step: int, parts: Parts, train_loader):
@@ -113,8 +114,9 @@ def train(config: Config, ctx: RankContext, data_dir: Path, *, progress: bool = 
     train_loader, eval_loader = _loaders(config, ctx, data_dir)
     start = 0
     if config.checkpoint.load:
-        meta = ckpt.load_checkpoint(config.checkpoint.load, model=model, optimizer=dp, rank=ctx.rank,
-                                    world_size=ctx.world_size, optim_shards=dp.optim_shards())
+        with dp.full_params(writes=True):
+            meta = ckpt.load_checkpoint(config.checkpoint.load, model=model, optimizer=dp, rank=ctx.rank,
+                                        world_size=ctx.world_size, optim_shards=dp.optim_shards())
         start = int(meta["data"]["next_step"])
         if dp.scaler is not None and "loss_scaler" in meta:
             dp.scaler.load_state_dict(meta["loss_scaler"])

@@ -33,8 +33,7 @@ RUNTIME_KNOBS: list[Knob] = [
          "sinkhorn load balancing (aux_loss, seq_aux_loss and none run)"),
     Knob("training.precision", _is("fp32", "bf16", "fp16"), "fp8 (the planner models it; the runtime trains fp32, bf16, fp16)"),
     Knob("training.optimizer", _is("adamw"), "optimizers other than adamw"),
-    Knob("training.data_parallel_sharding_strategy", _is(None, "no_shard", "optim", "optim_grads"),
-         "ZeRO-3 (parameters sharded; no_shard, optim and optim_grads run)"),
+
 ]
 
 
@@ -50,6 +49,10 @@ def _combinations(config: Config) -> list[str]:
                                                    ("context_parallel_size", p.context_parallel_size),
                                                    ("expert_model_parallel_size", p.expert_model_parallel_size))
               if size > 1]
+    zero3 = config.training.sharding_strategy == "optim_grads_params"
+    if zero3 and (p.pipeline_model_parallel_size > 1 or config.model.is_moe):
+        return ["ZeRO-3 (data_parallel_sharding_strategy=optim_grads_params) with pipeline parallelism or MoE "
+                "(TP, SP, CP and DP layouts run it; optim_grads, ZeRO-2, runs with PP and MoE)"]
     if config.training.compile and inside:
         return [f"training.compile=True with {', '.join(inside)} (compiled layers would trace the TP/CP/EP "
                 "collectives inside them; DP, ZeRO and PP layouts compile)"]
