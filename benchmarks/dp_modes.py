@@ -3,7 +3,7 @@
     python benchmarks/dp_modes.py              # DP=2, a ~10M-parameter Llama-style model, seq 256
     python benchmarks/dp_modes.py --dp 4 --steps 3
 
-For each mode (replicate, ZeRO-1, ZeRO-2) and precision (fp32, bf16) one step is measured on the
+For each mode (replicate, ZeRO-1, ZeRO-2, ZeRO-3) and precision (fp32, bf16) one step is measured on the
 harness (`fivefold.testing.measure.measure_step`, the step `train` runs) after a warm-up step:
   - model state per rank: parameters + gradient buffers + main parameters + AdamW moments, counted
     from the live tensors after the step, against the formula (fivefold.parallel.precision,
@@ -33,7 +33,8 @@ from fivefold.config.schema import ClusterConfig, Config, ModelConfig, TrainingC
 MiB = 2**20
 MODEL = ModelConfig(num_layers=8, hidden_size=256, num_attention_heads=4, vocab_size=8192)
 MODES = [("replicate", {}), ("ZeRO-1", {"use_distributed_optimizer": True}),
-         ("ZeRO-2", {"data_parallel_sharding_strategy": "optim_grads"})]
+         ("ZeRO-2", {"data_parallel_sharding_strategy": "optim_grads"}),
+         ("ZeRO-3", {"data_parallel_sharding_strategy": "optim_grads_params"})]
 
 
 def config(dp: int, precision: str, mode: dict) -> Config:
@@ -65,6 +66,7 @@ def ours(rank: int, world: int, cfg: Config, steps: int) -> dict:
     tensors = [p for p in parts.model.parameters()] + [p.main_grad for p in parts.model.parameters()]
     for d in parts.dp.domains:
         tensors += d.main() + [b.grad_shard for b in d.reducer.buckets]
+        tensors += [getattr(b, "param_shard", None) for b in d.reducer.buckets]
     tensors += [v for s in parts.dp.state.values() for k, v in s.items() if k != "step"]
     for t in tensors:
         if t is not None:
