@@ -91,14 +91,10 @@ def runs(tmp_path_factory, workers):
     data_dir = prepare(ref_cfg, root)
     (root / "ref").mkdir()
     train(ref_cfg, one_process_context(root / "ref"), data_dir, progress=False)
-    for name, (world, parallel, recompute) in LAYOUTS.items():
-        cfg = test_zero._config(data, dp=world, data_parallel_sharding_strategy="optim_grads", **recompute)
-        for k, v in parallel.items():
-            setattr(cfg.parallel, k, v)
-        cfg.checkpoint.save_interval = 2
-        workers(world).run(test_zero._train_rank, to_dict(cfg), str(root / name), str(data_dir))
-    for name, (world, parallel, recompute) in ZERO3.items():
-        cfg = test_zero._config(data, dp=world, data_parallel_sharding_strategy="optim_grads_params", **recompute)
+    runs = [(n, layout, "optim_grads") for n, layout in LAYOUTS.items()] + \
+        [(n, layout, "optim_grads_params") for n, layout in ZERO3.items()]
+    for name, (world, parallel, recompute), strategy in runs:
+        cfg = test_zero._config(data, dp=world, data_parallel_sharding_strategy=strategy, **recompute)
         for k, v in parallel.items():
             setattr(cfg.parallel, k, v)
         cfg.checkpoint.save_interval = 2
