@@ -11,7 +11,8 @@ references to the weights are valid again once the unit is gathered — the FSDP
 Per microbatch:
   forward   a unit's forward pre-hook gathers it (all-gather of the chunks, tag dp-param) and starts
             the all-gather of the next unit (prefetch); its forward post-hook frees it;
-  backward  a hook on the unit's output gradient gathers it again before its backward; when its
+  backward  a hook on the unit's output gradient gathers it again before its backward (and starts
+            the all-gather of the unit before it, whose backward comes next); when its
             gradient bucket completes, the bucket is reduce-scattered (ZeRO-2, per microbatch) and the
             unit's parameters are freed.
 So a rank holds, besides 1/d of everything, the unit in use, the prefetched one and the gradient
@@ -104,6 +105,9 @@ class ParamSharding:
         self._in_backward.add(i)
         for b in self.units[i][1]:
             self.gather(b)
+        if i > 0:  # prefetch the unit whose backward comes next
+            for b in self.units[i - 1][1]:
+                self._launch_gather(b)
 
     def new_microbatch(self) -> None:
         """Before each microbatch: its forward frees every unit after use again."""
