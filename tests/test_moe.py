@@ -322,3 +322,34 @@ def test_unbuilt_moe_settings_are_refused(tmp_path):
         intermediate_size=128, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)))
     with pytest.raises(NotImplementedYet, match="q_norm"):
         config_from_hf(tmp_path)
+
+
+def _expert_overlap_rank(rank: int, world: int, config: dict) -> dict:
+    import time
+
+    from fivefold.testing.measure import synthetic_batch
+    from fivefold.train.loop import build
+    from fivefold.train.step import train_step
+
+    cfg = config_from_dict(config)
+    ctx = RankContext(Mesh.build(layout_of(cfg)), Path("."))
+    parts = build(cfg, ctx)
+    ready = []
+    parts.model.embedding.weight.register_post_accumulate_grad_hook(lambda p: ready.append(time.perf_counter()))
+    traffic.reset()
+    train_step(parts, synthetic_batch(cfg, 0, ctx.dp_rank, ctx.dp_size), lr=1e-3, clip_grad=1.0, device=ctx.device)
+    starts = [e.time for e in traffic.events if e.tag == "edp-grad" and e.phase == "start"]
+    return {"starts": starts, "embedding_ready": ready[-1]}
+
+
+@pytest.mark.parametrize("parallel", [dict(expert_model_parallel_size=2),  # EDP over ranks {0,2}, {1,3}
+                                      dict(tensor_model_parallel_size=2, sequence_parallel=True,
+                                           expert_model_parallel_size=2, expert_tensor_parallel_size=1)])
+def test_expert_gradients_are_reduced_during_backward(workers, tmp_path, parallel):
+    """Each MoE layer's expert bucket is launched when backward passes the layer (on a communicator of
+    its own, so its order against the dense buckets does not matter, even where EDP is the DP x CP
+    ranks): one launch per MoE layer, all before backward reaches the embedding."""
+    cfg = _config(tmp_path, 4, parallel)
+    for rank, r in enumerate(workers(4).run(_expert_overlap_rank, to_dict(cfg))):
+        assert len(r["starts"]) == cfg.model.num_layers - cfg.model.moe_first_k_dense_layers, rank  # MoE layers
+        assert max(r["starts"]) < r["embedding_ready"], rank

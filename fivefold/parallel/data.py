@@ -190,6 +190,12 @@ class GradReducer:
         if b.pending == 0:
             self._launch(b)
 
+    def launch(self, b: _Bucket) -> None:
+        """Reduce bucket b now if this microbatch has not yet (a caller that knows when a bucket is
+        complete on every rank: the MoE layers' expert buckets, fivefold.parallel.data_parallel)."""
+        if b.work is None:
+            self._launch(b)
+
     def _launch(self, b: _Bucket) -> None:
         if self.per_microbatch:
             b.materialize()  # a bucket no gradient reached: zeros, so that every rank calls alike

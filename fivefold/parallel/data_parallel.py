@@ -10,8 +10,8 @@ Modes (`DPMode`, Megatron's --data-parallel-sharding-strategy names):
             and the dense gradients reduce-scattered after every microbatch into a 1/d accumulator,
             a bucket's full buffer living only while backward fills it (fivefold.parallel.data). Under
             PP the schedule accumulates gradients itself, so the full buffers stay for the step and
-            are reduce-scattered once (ZeRO-1's gradient memory); expert gradients are reduced in
-            finish() (below), so their full buffers live for the step too and are freed after it.
+            are reduce-scattered once (ZeRO-1's gradient memory). Expert buckets are reduced per
+            MoE layer during backward (below), per microbatch too.
   optim_grads_params  ZeRO-3: as optim_grads, and the parameters sharded too, each unit (embedding,
             decoder layer, output layer) gathered before use with the next prefetched, freed after
             (fivefold.parallel.fsdp); not with PP or EP yet (refused before any rank starts).
@@ -22,12 +22,16 @@ Gradient domains (ParamMeta.domain; Megatron's MoE folding puts the EP ranks ins
                   of size TP*CP*DP/(ETP*EP) (tag edp-grad). An expert's gradient already holds the
                   contributions of every token routed to it from the whole EP group (the dispatch
                   all-to-all's backward brought them), so its EDP sum is the global loss's gradient.
-The dense buckets are reduced during the last backward as they complete; the expert buckets only in
-finish(), after the dense ones. Which expert gradients are complete when depends on the routing (an
-expert that got no token has none), so launching them from backward hooks would issue collectives in
-a different order on different ranks, and EDP may be the very process group of DP x CP (TP2 x DP2
-with EP2 = TP: EDP = DP), where the order must match. Expert gradients are therefore not overlapped
-with the backward yet.
+The dense buckets are reduced during the last backward as they complete. Which expert gradients are
+complete when depends on the routing (an expert that got no token has none), so completion cannot
+launch them; instead each MoE layer's experts are one bucket, launched by a hook on the layer's input
+gradient: when backward has computed it, every expert gradient of the layer has been accumulated
+(autograd accumulates a leaf's gradient as soon as it is ready), and every rank passes the layers in
+the same order. The expert buckets use a communicator of their own ("edp-grad",
+fivefold.runtime.mesh.OWN_COMMUNICATOR): EDP may be the very ranks of DP x CP (TP2 x DP2 with EP2 = TP:
+EDP = DP), and on one communicator the dense and expert collectives would have to interleave in the
+same order on every rank, which routing does not guarantee. Under PP the schedule's backward reduces
+nothing; finish() reduces every bucket.
 
 Precision (fivefold.parallel.precision, the one place that decides dtypes): the model's parameters
 hold the parameter dtype (parallelize cast them); the reducers' buffers hold the gradient dtype; AdamW steps fp32 main
@@ -56,6 +60,7 @@ from fivefold.checkpoint.optim_state import OptimShard
 from fivefold.config.schema import TrainingConfig
 from fivefold.parallel.data import GradReducer
 from fivefold.parallel.distributed_optimizer import DistributedOptimizer
+from fivefold.model.moe import MoE
 from fivefold.parallel.fsdp import ParamSharding, units_of
 from fivefold.parallel.optimizer import build_adamw, clip_grad_norm
 from fivefold.parallel.param_meta import GradDomain, ParamMeta, metas_of
@@ -168,14 +173,17 @@ class DataParallel:
             grads["units"] = [params for _, params in units_of(model)]
         params = list(model.parameters())
         experts = [p for p in params if self.metas[id(p)].is_expert]
+        self._expert_sync = False
+        self._expert_layers = [] if pipelined else self._hook_expert_layers(model)
         if experts if moe is None else moe:
             dense = [p for p in params if not self.metas[id(p)].is_expert]
+            units = [ps for _, ps in self._expert_layers] if self._expert_layers else None
             self.domains = [
                 _Domain(GradDomain.DENSE, dense,
                         reducer_cls(dense, mesh.group(GradDomain.DENSE.group), shard=shard, **grads), mesh.tp),
                 _Domain(GradDomain.EXPERT, experts,
-                        reducer_cls(experts, mesh.group(GradDomain.EXPERT.group), shard=shard, tag="edp-grad",
-                                    **grads), mesh.group("etp-ep"))]
+                        reducer_cls(experts, mesh.group("edp-grad"), shard=shard, tag="edp-grad",
+                                    **{**grads, "units": units}), mesh.group("etp-ep"))]
             self.norm_over: Group | None = mesh.pp
             """With two domains: their norms are combined, then added over this group."""
         else:
@@ -208,6 +216,30 @@ class DataParallel:
         self.state = self.optimizers[0].state if len(self.optimizers) == 1 else _States(self.optimizers)
         """AdamW's state, keyed by the tensors it steps (`optim_shards()` says which)."""
 
+    def _hook_expert_layers(self, model: nn.Module) -> list[tuple[nn.Module, list[nn.Parameter]]]:
+        """Each MoE layer's routed-expert parameters, in forward order, with a hook that reduces them
+        as soon as backward has passed the layer (see the module docstring)."""
+        layers = []
+        for m in model.modules():
+            if isinstance(m, MoE):
+                params = [p for p in m.parameters() if self.metas[id(p)].is_expert]
+                if params:
+                    m.register_forward_pre_hook(lambda m, args, i=len(layers): self._watch_layer_input(i, args[0]))
+                    layers.append((m, params))
+        return layers
+
+    def _watch_layer_input(self, i: int, x: torch.Tensor) -> None:
+        if x.requires_grad:
+            x.register_hook(lambda grad: self._expert_layer_done(i))
+
+    def _expert_layer_done(self, i: int) -> None:
+        """Backward has computed MoE layer i's input gradient: every expert gradient of the layer has
+        been accumulated (autograd runs gradient accumulation as soon as it is ready), on every rank,
+        in the same layer order: launch the layer's bucket."""
+        if self._expert_sync:
+            reducer = self.domains[1].reducer
+            reducer.launch(reducer.buckets[len(self._expert_layers) - 1 - i])
+
     @property
     def param_groups(self) -> list[dict]:
         return [g for opt in self.optimizers for g in opt.param_groups]
@@ -231,9 +263,11 @@ class DataParallel:
 
     def prepare(self, last: bool) -> None:
         """Before each microbatch's backward: dense buckets reduce during it when `last` (ZeRO-2: every
-        microbatch, unless pipelined); expert buckets always wait for finish() (see the module docstring)."""
+        microbatch, unless pipelined), expert buckets as backward passes their MoE layer (see the module
+        docstring)."""
         for d in self.domains:
             d.reducer.prepare((last or self._per_microbatch) and d.kind is GradDomain.DENSE)
+        self._expert_sync = (last or self._per_microbatch) and bool(self._expert_layers)
         if self.sharding is not None:
             self.sharding.new_microbatch()
 

@@ -105,9 +105,9 @@ def zero2_full_buffers(plan: Plan, dense: float, expert: float) -> float:
     reduce-scatter after it), else none at the peak: that is at the end of the forward (the logits and
     every activation live, no gradient buffer yet); during backward the activations are freed faster
     than the one or two buckets being filled / reduced grow (measured: DP2 GA2 fp32 ZeRO-2, planner /
-    measured 0.999); the expert buckets always (reduced in finish())."""
+    measured 0.999); the expert buckets likewise (reduced per MoE layer during backward)."""
     full = Precision.of(plan.config.training, plan.precision).state_bytes(1, "no_shard")[1]
-    return (dense if plan.pp > 1 else 0.0) * full + expert * full
+    return (dense + expert if plan.pp > 1 else 0.0) * full
 
 
 def zero3_gathered(plan: Plan) -> float:

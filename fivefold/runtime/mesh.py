@@ -70,18 +70,28 @@ _PG_CACHE: dict[tuple[int, ...], ProcessGroup] = {}
 _PG_CACHE_WORLD: list[object] = [None]  # the default group the cache was built under
 
 
-def _process_group(ranks: tuple[int, ...]) -> ProcessGroup:
-    """The cached ProcessGroup over `ranks`, created (collectively) on first use.
+OWN_COMMUNICATOR = {"edp-grad": "edp"}
+"""Groups over another group's ranks with a communicator of their own. Expert gradients are reduced
+over EDP during backward, launched by each MoE layer, while the dense buckets are reduced over DP x CP
+as they complete; EDP may be the very ranks of DP x CP (TP2 x DP2 with EP2 = TP: EDP = DP), and two
+collectives on one communicator must be issued in the same order on every rank. On a communicator of
+its own, the order between the two streams does not matter (fivefold.parallel.data_parallel)."""
+
+
+def _process_group(ranks: tuple[int, ...], own: str | None = None) -> ProcessGroup:
+    """The cached ProcessGroup over `ranks` (`own`: the one of that name, see OWN_COMMUNICATOR),
+    created (collectively) on first use.
     A cache keyed by rank tuple, not a current group: it is dropped when the default group changes."""
     if _PG_CACHE_WORLD[0] is not dist.group.WORLD:
         _PG_CACHE.clear()
         _PG_CACHE_WORLD[0] = dist.group.WORLD
-    if ranks not in _PG_CACHE:
-        if ranks == tuple(range(dist.get_world_size())):
-            _PG_CACHE[ranks] = dist.group.WORLD
+    key = ranks if own is None else (own, *ranks)
+    if key not in _PG_CACHE:
+        if own is None and ranks == tuple(range(dist.get_world_size())):
+            _PG_CACHE[key] = dist.group.WORLD
         else:
-            _PG_CACHE[ranks] = dist.new_group(list(ranks))
-    return _PG_CACHE[ranks]
+            _PG_CACHE[key] = dist.new_group(list(ranks))
+    return _PG_CACHE[key]
 
 
 class Mesh:
@@ -109,11 +119,12 @@ class Mesh:
                 else torch.device("cpu")
         named = dict(layout.named_groups())
         named["world"] = [list(range(world))]
+        named.update({name: named[of] for name, of in OWN_COMMUNICATOR.items()})
         groups: dict[str, Group] = {}
         for name, lists in named.items():
             for ranks in lists:
                 key = tuple(ranks)
-                pg = _process_group(key) if len(key) > 1 else None
+                pg = _process_group(key, name if name in OWN_COMMUNICATOR else None) if len(key) > 1 else None
                 if rank in key:
                     groups[name] = Group(name, key, pg, me=rank)
         return cls(layout, rank, device, groups)
