@@ -99,6 +99,8 @@ CASES = [
          training={"precision": "bf16", "data_parallel_sharding_strategy": "optim_grads"}),
     Case("DP2 mbs2 GA2 ZeRO-2", 2, 2, 8, training={"data_parallel_sharding_strategy": "optim_grads"}),
     Case("DP2 mbs2 GA2 ZeRO-3", 2, 2, 8, training={"data_parallel_sharding_strategy": "optim_grads_params"}),
+    Case("DP4 mbs1 GA2 HSDP 2x2 ZeRO-1", 4, 1, 8, training={"use_distributed_optimizer": True,
+                                                          "num_distributed_optimizer_instances": 2}),
     Case("TP2 SP x DP2 mbs1 GA2 bf16 ZeRO-3", 4, 1, 4, parallel={"tensor_model_parallel_size": 2,
                                                                  "sequence_parallel": True},
          training={"precision": "bf16", "data_parallel_sharding_strategy": "optim_grads_params"}),

@@ -117,6 +117,7 @@ FLAGS: dict[str, Flag] = {
     "--use-distributed-optimizer": _on("training.use_distributed_optimizer"),
     "--data-parallel-sharding-strategy": _v("training.data_parallel_sharding_strategy"),
     "--use-megatron-fsdp": _on("training.use_megatron_fsdp"),
+    "--num-distributed-optimizer-instances": _v("training.num_distributed_optimizer_instances"),
     "--compile": Flag("training.compile", SWITCH, ours=True),
     "--seed": _v("training.seed"),
     "--eval-interval": _v("training.eval_interval"),

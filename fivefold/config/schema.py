@@ -234,6 +234,11 @@ class TrainingConfig:
     data_parallel_sharding_strategy: str | None = None
     """no_shard, optim (ZeRO-1), optim_grads (ZeRO-2) or optim_grads_params (ZeRO-3), Megatron-FSDP's
     --data-parallel-sharding-strategy; None = from use_distributed_optimizer. Default None."""
+    num_distributed_optimizer_instances: int = 1
+    """HSDP: the DP x CP group split into this many instances; gradients, optimizer state (and ZeRO-3
+    parameters) sharded within an instance, replicated across them, the reduced chunks all-reduced
+    between instances (Megatron's --num-distributed-optimizer-instances; torchtitan's dp_replicate x
+    dp_shard). Default 1."""
     use_megatron_fsdp: bool = False
     """Megatron's --use-megatron-fsdp: the switch under which Megatron reads the sharding strategy
     (accepted; the strategy field decides here). Default False."""

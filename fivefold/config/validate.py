@@ -48,7 +48,7 @@ def validate(config: Config, dialect: str = "fivefold", *, raise_errors: bool = 
     broken = errors(s)
     fixes = search(base, broken, dialect) if broken else {}
     problems = [Problem(r.field, r.value, r.rule, first_that_holds(config, fixes.get(i, []), dialect))
-                for i, r in enumerate(broken)] + _training_problems(config.training)
+                for i, r in enumerate(broken)] + _training_problems(config.training, None if broken else dp_of(s) * s["cp"])
     warnings = [Problem(r.field, r.value, r.rule, "applied", "warning") for r in warned]
     if not broken:
         warnings += _soft_warnings(s)
@@ -61,10 +61,18 @@ def validate(config: Config, dialect: str = "fivefold", *, raise_errors: bool = 
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 
 
-def _training_problems(t) -> list[Problem]:
+def _training_problems(t, dp_cp: int | None) -> list[Problem]:
     """The data-parallel mode, mixed precision, loss scaling and optimizer offload
-    (fivefold.parallel.data_parallel, fivefold.parallel.precision), as Megatron checks them."""
+    (fivefold.parallel.data_parallel, fivefold.parallel.precision), as Megatron checks them; `dp_cp`:
+    the size of the DP x CP group (None: the layout is broken, already reported)."""
     out = []
+    n = t.num_distributed_optimizer_instances
+    if not isinstance(n, int) or n < 1 or (dp_cp is not None and dp_cp % n):
+        out.append(Problem("training.num_distributed_optimizer_instances", n, f"must be a whole number >= 1 "
+                           f"dividing DP x CP = {dp_cp}", "num_distributed_optimizer_instances=1"))
+    elif n > 1 and t.sharding_strategy == "no_shard":
+        out.append(Problem("training.num_distributed_optimizer_instances", n, "HSDP shards within an instance: it "
+                           "needs a sharded mode", "use_distributed_optimizer=True (--use-distributed-optimizer)"))
     if t.data_parallel_sharding_strategy not in (None, *STRATEGIES):
         out.append(Problem("training.data_parallel_sharding_strategy", t.data_parallel_sharding_strategy,
                            f"must be one of {', '.join(STRATEGIES)}", "data_parallel_sharding_strategy=optim"))

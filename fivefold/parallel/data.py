@@ -111,10 +111,14 @@ class GradReducer:
 
     def __init__(self, params: Iterable[nn.Parameter], group: Group, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                  tag: str = "dp-grad", shard: bool = False, grad_dtype: torch.dtype | None = None,
-                 per_microbatch: bool = False, units: list[list[nn.Parameter]] | None = None):
+                 per_microbatch: bool = False, units: list[list[nn.Parameter]] | None = None,
+                 replicate: Group | None = None):
         """`grad_dtype`: the buffers' dtype (default: the parameters'); see the module docstring.
         `units` (ZeRO-3): one bucket per unit (a decoder layer, ...), whatever its size, in reverse
-        order, so that a bucket completes when its unit's backward has; default: by `bucket_bytes`."""
+        order, so that a bucket completes when its unit's backward has; default: by `bucket_bytes`.
+        `replicate` (HSDP, with shard): `group` is this rank's shard group, and each reduced chunk is
+        then all-reduced over the replicas of the chunk (the same place in every shard group)."""
+        self.replicate = replicate if replicate is not None and replicate.size > 1 else None
         if per_microbatch and not shard:
             raise ValueError("GradReducer(per_microbatch=True) is ZeRO-2: it needs shard=True")
         self.group, self.tag, self.shard, self.per_microbatch = group, tag, shard, per_microbatch
@@ -222,6 +226,9 @@ class GradReducer:
                 lo, hi = self.shard_range(b)          # Megatron): no second 1/n buffer between steps
                 b.buffer[lo:hi].copy_(b.grad_shard)
                 b.grad_shard = b.buffer[lo:hi]
+        if self.replicate is not None:  # HSDP: every instance's chunk summed (after the step's last
+            for b in self.buckets:      # reduce-scatter; not overlapped with the backward)
+                comm.all_reduce_(b.grad_shard, self.replicate, tag=self.tag)
         self._sync = False
 
     def _drain(self) -> None:

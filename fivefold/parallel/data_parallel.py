@@ -33,6 +33,10 @@ EDP = DP), and on one communicator the dense and expert collectives would have t
 same order on every rank, which routing does not guarantee. Under PP the schedule's backward reduces
 nothing; finish() reduces every bucket.
 
+HSDP (training.num_distributed_optimizer_instances = N > 1, dense models): the sharded modes shard
+within N instances of the DP x CP group (mesh.split) and all-reduce each reduced chunk over the N
+ranks holding it (fivefold.parallel.data, `replicate`).
+
 Precision (fivefold.parallel.precision, the one place that decides dtypes): the model's parameters
 hold the parameter dtype (parallelize cast them); the reducers' buffers hold the gradient dtype; AdamW steps fp32 main
 parameters (`MainParams`: the parameters themselves in fp32, copies for 16-bit parameters or offload),
@@ -169,6 +173,10 @@ class DataParallel:
         shard = self.mode is not DPMode.NO_SHARD
         self._per_microbatch = self.mode in (DPMode.OPTIM_GRADS, DPMode.OPTIM_GRADS_PARAMS) and not pipelined
         grads = dict(grad_dtype=self.precision.grad_dtype, per_microbatch=self._per_microbatch)
+        dense_group = mesh.group(GradDomain.DENSE.group)
+        if training.num_distributed_optimizer_instances > 1:  # HSDP: shard within an instance
+            dense_group, grads["replicate"] = mesh.split(GradDomain.DENSE.group,
+                                                         training.num_distributed_optimizer_instances)
         if zero3:
             grads["units"] = [params for _, params in units_of(model)]
         params = list(model.parameters())
@@ -179,16 +187,14 @@ class DataParallel:
             dense = [p for p in params if not self.metas[id(p)].is_expert]
             units = [ps for _, ps in self._expert_layers] if self._expert_layers else None
             self.domains = [
-                _Domain(GradDomain.DENSE, dense,
-                        reducer_cls(dense, mesh.group(GradDomain.DENSE.group), shard=shard, **grads), mesh.tp),
+                _Domain(GradDomain.DENSE, dense, reducer_cls(dense, dense_group, shard=shard, **grads), mesh.tp),
                 _Domain(GradDomain.EXPERT, experts,
                         reducer_cls(experts, mesh.group("edp-grad"), shard=shard, tag="edp-grad",
-                                    **{**grads, "units": units}), mesh.group("etp-ep"))]
+                                    **{**grads, "units": units, "replicate": None}), mesh.group("etp-ep"))]
             self.norm_over: Group | None = mesh.pp
             """With two domains: their norms are combined, then added over this group."""
         else:
-            self.domains = [_Domain(GradDomain.DENSE, params,
-                                    reducer_cls(params, mesh.group(GradDomain.DENSE.group), shard=shard, **grads),
+            self.domains = [_Domain(GradDomain.DENSE, params, reducer_cls(params, dense_group, shard=shard, **grads),
                                     mesh.group("model-parallel"))]
             self.norm_over = None
         self.sharding = ParamSharding(model, self.domains[0].reducer) if zero3 else None

@@ -90,7 +90,13 @@ def act_bytes(plan: Plan) -> int:
 def group_sizes(plan: Plan) -> dict[str, int]:
     return {"tp": plan.tp, "etp": plan.etp, "cp": plan.cp, "ep": plan.ep, "pp": plan.pp, "embedding": 2,
             "tp-cp": plan.tp * plan.cp,
-            "dp": plan.dp * plan.cp, "edp": plan.edp}
+            "dp": plan.dp * plan.cp // _instances(plan), "dp-replicate": _instances(plan), "edp": plan.edp}
+
+
+def _instances(plan: Plan) -> int:
+    """HSDP's distributed-optimizer instances: the DP x CP group sharded within each, replicated across."""
+    n = plan.config.training.num_distributed_optimizer_instances
+    return n if n > 1 and (plan.dp * plan.cp) % n == 0 else 1
 
 
 def _tokens(plan: Plan) -> float:
@@ -285,6 +291,9 @@ def step_collectives(plan: Plan, pp_rank: int) -> list[Collective]:
             gathers = 2 * plan.microbatches if mode == "optim_grads_params" else 1
             out += [Collective("reduce_scatter", f"{group}-grad", group, grad * count * times, "step", "backward"),
                     Collective("all_gather", f"{group}-param", group, weight * count * gathers, "step", "forward")]
+            if group == "dp" and _instances(plan) > 1:  # HSDP: each reduced chunk summed over the instances
+                out.append(Collective("all_reduce", "dp-grad", "dp-replicate",
+                                      grad * count / (d // _instances(plan)), "step"))
         else:
             out.append(Collective("all_reduce", f"{group}-grad", group, grad * count, "step", "backward"))
     return out

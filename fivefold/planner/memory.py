@@ -92,7 +92,9 @@ def state_bytes_per_param(training: TrainingConfig, precision: str, d: int) -> t
     """(weights, gradients, optimizer) bytes per parameter under the runtime's precision policy
     (fivefold.parallel.precision: the same object the runtime builds its buffers from) with
     `precision` for the parameters, the optimizer sharded over d ranks with the distributed optimizer."""
-    return Precision.of(training, precision).state_bytes(d, training.sharding_strategy)
+    n = training.num_distributed_optimizer_instances  # HSDP: sharded within an instance of d/n ranks
+    shards = d // n if n > 1 and d % n == 0 else d
+    return Precision.of(training, precision).state_bytes(shards, training.sharding_strategy)
 
 
 _PARAMS: dict[tuple, tuple[float, float]] = {}

@@ -129,6 +129,24 @@ class Mesh:
                     groups[name] = Group(name, key, pg, me=rank)
         return cls(layout, rank, device, groups)
 
+    def split(self, name: str, parts: int) -> tuple[Group, Group]:
+        """Collective: group `name` of every rank cut into `parts` consecutive pieces. Returns this
+        rank's piece (the "shard" group, size n/parts) and the group of the ranks at its place in every
+        piece (the "replicate" group, size parts): HSDP's two groups. Every rank creates every
+        piece of every group of that name, in the same order (torch's new_group rule)."""
+        mine = {}
+        for ranks in self.layout.named_groups()[name]:
+            size = len(ranks) // parts
+            pieces = {"shard": [ranks[i * size: (i + 1) * size] for i in range(parts)],
+                      "replicate": [ranks[j::size] for j in range(size)]}
+            for kind, lists in pieces.items():
+                for piece in lists:
+                    key = tuple(piece)
+                    pg = _process_group(key) if len(key) > 1 else None
+                    if self.rank in key:
+                        mine[kind] = Group(f"{name}-{kind}", key, pg, me=self.rank)
+        return mine["shard"], mine["replicate"]
+
     def group(self, name: str) -> Group:
         try:
             return self._groups[name]

@@ -49,6 +49,8 @@ def _combinations(config: Config) -> list[str]:
                                                    ("context_parallel_size", p.context_parallel_size),
                                                    ("expert_model_parallel_size", p.expert_model_parallel_size))
               if size > 1]
+    if config.training.num_distributed_optimizer_instances > 1 and config.model.is_moe:
+        return ["HSDP (num_distributed_optimizer_instances > 1) with MoE (dense models run it)"]
     zero3 = config.training.sharding_strategy == "optim_grads_params"
     if zero3 and (p.pipeline_model_parallel_size > 1 or config.model.is_moe):
         return ["ZeRO-3 (data_parallel_sharding_strategy=optim_grads_params) with pipeline parallelism or MoE "
