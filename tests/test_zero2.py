@@ -1,7 +1,7 @@
 """ZeRO-2 (--data-parallel-sharding-strategy optim_grads): gradients reduce-scattered after every
 microbatch into a 1/DP accumulator, full-size bucket buffers only while backward fills them; the
-one-process trajectory with TP, PP, CP and EP; ZeRO-3 (parameters gathered per unit) with TP, CP and
-recompute; checkpoints."""
+one-process trajectory with TP, PP, CP and EP; ZeRO-3 (parameters gathered per unit) with TP, CP, EP
+and recompute; HSDP; checkpoints."""
 from __future__ import annotations
 
 import json
@@ -102,9 +102,10 @@ def runs(tmp_path_factory, workers):
     moe_ref = test_moe._config(data)
     (root / "moe-ref").mkdir()
     train(moe_ref, one_process_context(root / "moe-ref"), data_dir, progress=False)
-    moe = test_moe._config(data, 4, {"expert_model_parallel_size": 2})
-    moe.training.data_parallel_sharding_strategy = "optim_grads"
-    workers(4).run(test_moe._train_rank, to_dict(moe), str(root / "ep2dp4"), str(data_dir))
+    for name, strategy in (("ep2dp4", "optim_grads"), ("z3-ep2dp4", "optim_grads_params")):
+        moe = test_moe._config(data, 4, {"expert_model_parallel_size": 2})
+        moe.training.data_parallel_sharding_strategy = strategy
+        workers(4).run(test_moe._train_rank, to_dict(moe), str(root / name), str(data_dir))
     return root
 
 
@@ -112,9 +113,9 @@ def _metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("name", [*LAYOUTS, "ep2dp4", *ZERO3])
+@pytest.mark.parametrize("name", [*LAYOUTS, "ep2dp4", *ZERO3, "z3-ep2dp4"])
 def test_zero2_reproduces_one_process_run(runs, name):
-    ref = _metrics(runs / ("moe-ref" if name.startswith("ep") else "ref"))
+    ref = _metrics(runs / ("moe-ref" if name.endswith("ep2dp4") else "ref"))
     got = _metrics(runs / name)
     assert [r["step"] for r in got] == [r["step"] for r in ref]
     # Tolerance: the per-microbatch reduce-scatters add the ranks' gradients in another order than one
@@ -146,7 +147,7 @@ def test_zero3_checkpoint_resumes_in_one_process(runs, tmp_path):
     close([result.losses[2], result.losses[3]], [ref[2]["loss"], ref[3]["loss"]], rtol=1e-5, site="zero3.resume")
 
 
-def test_zero3_with_pp_or_moe_is_refused_until_built(tmp_path):
+def test_zero3_with_pp_is_refused_until_built(tmp_path):
     cfg = test_zero._config(tmp_path, dp=4, data_parallel_sharding_strategy="optim_grads_params")
     check_supported(cfg)  # DP (and TP, CP) run
     cfg.parallel.pipeline_model_parallel_size = 2

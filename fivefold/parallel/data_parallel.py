@@ -14,7 +14,7 @@ Modes (`DPMode`, Megatron's --data-parallel-sharding-strategy names):
             MoE layer during backward (below), per microbatch too.
   optim_grads_params  ZeRO-3: as optim_grads, and the parameters sharded too, each unit (embedding,
             decoder layer, output layer) gathered before use with the next prefetched, freed after
-            (fivefold.parallel.fsdp); not with PP or EP yet (refused before any rank starts).
+            (fivefold.parallel.fsdp); not with PP yet (refused before any rank starts).
 
 Gradient domains (ParamMeta.domain; Megatron's MoE folding puts the EP ranks inside TP x CP x DP):
   dense           summed over DP x CP (tag dp-grad);
@@ -87,7 +87,7 @@ class DPMode(enum.Enum):
     """ZeRO-2: gradients too, reduce-scattered after every microbatch into a 1/d accumulator; a bucket's
     full-size buffer exists only while backward fills it (see fivefold.parallel.data)."""
     OPTIM_GRADS_PARAMS = "optim_grads_params"
-    """ZeRO-3: parameters too, gathered per unit (fivefold.parallel.fsdp); not with PP or EP yet."""
+    """ZeRO-3: parameters too, gathered per unit (fivefold.parallel.fsdp); not with PP yet."""
 
     @classmethod
     def of(cls, training: TrainingConfig) -> "DPMode":
@@ -167,8 +167,8 @@ class DataParallel:
         self.not_counted = list(not_counted)
         self.metas: dict[int, ParamMeta] = metas_of(model)
         zero3 = self.mode is DPMode.OPTIM_GRADS_PARAMS
-        if zero3 and (pipelined or moe):
-            raise NotImplementedError("ZeRO-3 with pipeline or expert parallelism is not built yet "
+        if zero3 and pipelined:
+            raise NotImplementedError("ZeRO-3 with pipeline parallelism is not built yet "
                                       "(fivefold.train.supported refuses it)")
         shard = self.mode is not DPMode.NO_SHARD
         self._per_microbatch = self.mode in (DPMode.OPTIM_GRADS, DPMode.OPTIM_GRADS_PARAMS) and not pipelined
@@ -177,8 +177,9 @@ class DataParallel:
         if training.num_distributed_optimizer_instances > 1:  # HSDP: shard within an instance
             dense_group, grads["replicate"] = mesh.split(GradDomain.DENSE.group,
                                                          training.num_distributed_optimizer_instances)
-        if zero3:
-            grads["units"] = [params for _, params in units_of(model)]
+        if zero3:  # one bucket per unit, of the unit's dense parameters (experts: per MoE layer, below)
+            units = [[p for p in ps if not self.metas[id(p)].is_expert] for _, ps in units_of(model)]
+            grads["units"] = [u for u in units if u]
         params = list(model.parameters())
         experts = [p for p in params if self.metas[id(p)].is_expert]
         self._expert_sync = False
@@ -197,8 +198,9 @@ class DataParallel:
             self.domains = [_Domain(GradDomain.DENSE, params, reducer_cls(params, dense_group, shard=shard, **grads),
                                     mesh.group("model-parallel"))]
             self.norm_over = None
-        self.sharding = ParamSharding(model, self.domains[0].reducer) if zero3 else None
-        """ZeRO-3: the parameters' gather / free cycle (fivefold.parallel.fsdp)."""
+        self.shardings = [ParamSharding(model, d.reducer, "edp-param" if d.kind is GradDomain.EXPERT else "dp-param")
+                          for d in self.domains if d.params] if zero3 else []
+        """ZeRO-3: the parameters' gather / free cycle per domain (fivefold.parallel.fsdp)."""
         if shard:
             sharded = [d for d in self.domains if d.params]  # an expert domain may be empty on this stage
             for d in sharded:
@@ -274,8 +276,8 @@ class DataParallel:
         for d in self.domains:
             d.reducer.prepare((last or self._per_microbatch) and d.kind is GradDomain.DENSE)
         self._expert_sync = (last or self._per_microbatch) and bool(self._expert_layers)
-        if self.sharding is not None:
-            self.sharding.new_microbatch()
+        for s in self.shardings:
+            s.new_microbatch()
 
     @property
     def loss_scale(self) -> float:
@@ -287,8 +289,8 @@ class DataParallel:
         point the main parameters' gradients at the result."""
         for d in self.domains:
             d.reducer.finish()
-        if self.sharding is not None:
-            self.sharding.end_step()
+        for s in self.shardings:
+            s.end_step()
         for d in self.domains:
             d.attach_grads()
 
@@ -352,7 +354,10 @@ class DataParallel:
     def full_params(self, writes: bool = False):
         """A context in which every parameter is whole (ZeRO-3 gathers them; else nothing to do): for
         checkpoints. `writes`: what is written into the parameters becomes this rank's chunks."""
-        return self.sharding.full_params(writes) if self.sharding is not None else contextlib.nullcontext()
+        stack = contextlib.ExitStack()
+        for s in self.shardings:
+            stack.enter_context(s.full_params(writes))
+        return stack
 
     def offloaded(self) -> list[torch.Tensor]:
         """The main parameters kept and stepped in host memory (--optimizer-cpu-offload)."""

@@ -19,7 +19,9 @@ So a rank holds, besides 1/d of everything, the unit in use, the prefetched one 
 buffers of ZeRO-2. The optimizer steps the chunks (fivefold.parallel.distributed_optimizer reads
 `param_shard`); nothing is all-gathered after the step: the next forward gathers. Checkpoints and
 anything else that reads whole parameters use `full_params()`.
-Not built yet: ZeRO-3 with pipeline or expert parallelism (refused by fivefold.train.supported).
+With MoE the routed experts are their own domain (reduced over expert-DP): a second ParamSharding over
+the expert reducer, whose units are the MoE layers, gathers and frees them with their layer.
+Not built yet: ZeRO-3 with pipeline parallelism (refused by fivefold.train.supported).
 """
 from __future__ import annotations
 
@@ -54,9 +56,12 @@ class ParamSharding:
         bucket_of = {id(p): b for b in reducer.buckets for p in b.params}
         self.units: list[tuple[list[nn.Module], list[_Bucket]]] = []
         for modules, _ in units_of(decoder):
-            # a module's buckets: of every parameter it uses (a tied head uses the embedding's too)
-            buckets = list({id(bucket_of[id(p)]): bucket_of[id(p)] for m in modules for p in m.parameters()}.values())
-            self.units.append((modules, buckets))
+            # a module's buckets: of every parameter it uses that this reducer holds (a tied head uses
+            # the embedding's too; with MoE the dense and the expert reducer each have a ParamSharding)
+            buckets = list({id(bucket_of[id(p)]): bucket_of[id(p)] for m in modules for p in m.parameters()
+                            if id(p) in bucket_of}.values())
+            if buckets:
+                self.units.append((modules, buckets))
         for b in reducer.buckets:
             lo, hi = reducer.shard_range(b)
             b.param_shard = b.param_buffer[lo:hi].clone()
