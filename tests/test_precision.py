@@ -174,6 +174,17 @@ def test_resume_is_exact_with_fp32_main_parameters(runs, tmp_path):
     assert [r["loss"] for r in _metrics(tmp_path)] == [r["loss"] for r in ref[2:]]
 
 
+def test_fp16_resume_restores_the_loss_scaler(runs, tmp_path):
+    """The scaler's state is in the checkpoint: an fp16 run resumed at step 2 continues with the same
+    scale, skip count and losses as the uninterrupted run."""
+    cfg = _cfg(runs["data"], "fp16", initial_loss_scale=2.0 ** 12)
+    cfg.checkpoint.load = str(runs["root"] / "fp16-ref" / "checkpoints" / "step_00000002")
+    train(cfg, one_process_context(tmp_path), runs["data_dir"], progress=False)
+    keys = ("loss", "loss_scale", "skipped_steps")
+    assert [[r[k] for k in keys] for r in _metrics(tmp_path)] == \
+        [[r[k] for k in keys] for r in _metrics(runs["root"] / "fp16-ref")[2:]]
+
+
 def test_fp16_metrics_carry_the_loss_scale(runs):
     got = _metrics(runs["root"] / "fp16-dp2-zero1")
     assert all(r["loss_scale"] == 2.0 ** 12 and r["skipped_steps"] == 0 for r in got)

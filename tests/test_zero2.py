@@ -174,6 +174,7 @@ def test_hsdp_reproduces_one_process_run(runs, workers, name):
     world, n, strategy = HSDP[name]
     cfg = test_zero._config(runs / "corpus", dp=world, data_parallel_sharding_strategy=strategy,
                             num_distributed_optimizer_instances=n)
+    cfg.checkpoint.save_interval = 2
     out = workers(world).run(_hsdp_rank, to_dict(cfg), str(runs / name), str(runs / "data"))
     ref, got = _metrics(runs / "ref"), _metrics(runs / name)
     # the same reordered fp32 sums as ZeRO-1/2 above; measured 5.2e-8 (losses), 1.2e-8 (norms); bound 1e-5
@@ -181,6 +182,12 @@ def test_hsdp_reproduces_one_process_run(runs, workers, name):
     close([r["grad_norm"] for r in got], [r["grad_norm"] for r in ref], rtol=1e-5, site="hsdp.grad_norm", case=name)
     for r in out:
         assert r["ar"] > 0 and r["rs"] > 0  # reduce-scatter within the instance, all-reduce across them
+    # its checkpoint (each chunk written by both instances, listed once) resumes in one process
+    one = test_zero._config(runs / "corpus")
+    one.checkpoint.load = str(runs / name / "checkpoints" / "step_00000002")
+    (runs / f"{name}-resumed").mkdir()
+    resumed = train(one, one_process_context(runs / f"{name}-resumed"), runs / "data", progress=False).losses
+    close([resumed[2], resumed[3]], [ref[2]["loss"], ref[3]["loss"]], rtol=1e-5, site="hsdp.resume", case=name)
 
 
 def test_hsdp_instances_are_checked(tmp_path):
