@@ -22,9 +22,10 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from fivefold.checkpoint.layout import (FORMAT, ShardSpec, complete_checkpoints, inside, overlap, resolve, step_dir,
-                                        whole)
-from fivefold.checkpoint.optim_state import OptimShard, ShardOf, load_optim, merge_listings, save_optim, whole_shards
+from fivefold.checkpoint.layout import FORMAT, ShardSpec, complete_checkpoints, resolve, step_dir, whole
+from fivefold.checkpoint.optim_state import (MAIN, OptimShard, ShardOf, load_optim, merge_listings, save_optim,
+                                             whole_shards)
+from fivefold.checkpoint.reshard import Reader, checkpoint_source, fill_flat, load_params, tied_aliases
 from fivefold.errors import UserError
 from fivefold.parallel.param_meta import named_metas
 
@@ -163,64 +164,65 @@ def _fits(saved: list[int], mine: list[int], real: int | None) -> bool:
     return saved == mine or (real is not None and saved[1:] == mine[1:] and min(saved[0], mine[0]) >= real)
 
 
-def check_fits(meta: dict, model: nn.Module, shard_of: ShardOf, where: Path) -> None:
-    """UserError listing every parameter whose global shape differs (beyond vocabulary padding), or
-    that is missing on either side."""
+def check_fits(meta: dict, model: nn.Module, shard_of: ShardOf, where: Path,
+               whole_names: set[str] | None = None) -> None:
+    """UserError listing every parameter whose global shape differs (beyond vocabulary padding), that
+    this rank holds and the checkpoint lacks, or that the checkpoint holds and no rank of the model
+    does (`whole_names`: every rank's parameter names, fivefold.checkpoint.names; default this
+    model's, for a model held whole)."""
     saved = meta["params"]
+    aliases = tied_aliases(meta)
     problems = []
     metas = named_metas(model)
     for name, p in model.named_parameters():
         g = list(shard_of(name, p).global_shape)
-        if name not in saved:
+        key = name if name in saved else aliases.get(name, name)
+        if key not in saved:
             problems.append(f"{name} is not in the checkpoint")
-        elif not _fits(saved[name]["global_shape"], g, metas[name].vocab_rows):
-            problems.append(f"{name} has shape {saved[name]['global_shape']} in the checkpoint, {g} in this model")
-    mine = {n for n, _ in model.named_parameters()}
-    problems += [f"{n} is in the checkpoint but not in this model" for n in saved if n not in mine]
+        elif not _fits(saved[key]["global_shape"], g, metas[name].vocab_rows):
+            problems.append(f"{name} has shape {saved[key]['global_shape']} in the checkpoint, {g} in this model")
+    mine = whole_names if whole_names is not None else {n for n, _ in model.named_parameters()}
+    problems += [f"{n} is in the checkpoint but not in this model" for n in saved
+                 if n not in mine and aliases.get(n) not in mine]
     if problems:
         shown = "\n  ".join(problems[:8]) + (f"\n  ... and {len(problems) - 8} more" if len(problems) > 8 else "")
         raise UserError(f"checkpoint {where} was saved from another model:\n  {shown}\n"
                         "load it with the model settings it was saved with, or start without --load")
 
 
-def _assemble(folder: Path, entry: dict, key: str, out: torch.Tensor, spec: ShardSpec) -> bool:
-    """Fill `out` (this rank's shard at spec.offsets) from the saved shards that overlap it; the rows
-    past the saved global shape (vocabulary padding the checkpoint did not have) are zeroed."""
-    needed = out[inside(spec.offsets, out.shape, entry["global_shape"])].numel()
-    if needed < out.numel():
-        out.zero_()
-    filled = 0
-    for s in entry["shards"]:
-        where = overlap(spec.offsets, out.shape, s["offsets"], s["shape"])
-        if where is None:
-            continue
-        with safe_open(str(folder / s["file"]), framework="pt") as f:
-            if key not in f.keys():
-                return False
-            src = f.get_slice(key)[where[0]]
-        dst = out[where[1]]
-        dst.copy_(src)
-        filled += dst.numel()
-    return filled == needed
+def _load_params(folder: Path, meta: dict, model: nn.Module, shard_of: ShardOf) -> None:
+    """Each parameter from the saved shards that overlap it (only those byte ranges are read). A
+    16-bit checkpoint loaded into fp32 parameters takes the fp32 main copies it saved, where it has them."""
+    aliases = tied_aliases(meta)
+    params = dict(model.named_parameters())
+    specs = {n: shard_of(n, p) for n, p in params.items()}
+    load_params(params, specs, checkpoint_source(folder, meta), f"checkpoint {folder}", aliases=aliases)
+    mains = checkpoint_source(folder, meta, "optim_shards", f".{MAIN}")
+    with Reader() as reader, torch.no_grad():
+        for name, p in params.items():
+            key = name if name in mains else aliases.get(name, name)
+            if p.dtype != torch.float32 or meta["params"][key]["dtype"] == "torch.float32":
+                continue
+            main = fill_flat(tuple(p.shape), specs[name], (0, p.numel()), mains[key], reader)
+            if main is not None:
+                p.copy_(main.view_as(p))
 
 
 def load_checkpoint(path: str | Path, *, model: nn.Module, optimizer: torch.optim.Optimizer | None, rank: int,
                     world_size: int, shard_of: ShardOf | None = None,
-                    optim_shards: list[OptimShard] | None = None) -> dict:
+                    optim_shards: list[OptimShard] | None = None, whole_names: set[str] | None = None) -> dict:
     """Load parameters, AdamW moments (for `optim_shards`, default every parameter whole; any saved
-    sharding) and (same world size) this rank's RNG; returns the metadata."""
+    sharding) and (same world size) this rank's RNG; returns the metadata. `whole_names`: the
+    parameter names of the whole model when this rank holds a part (see check_fits)."""
     folder, meta = read_metadata(path)
     shard_of = shard_of or placed_by_meta(model)
-    check_fits(meta, model, shard_of, folder)
+    check_fits(meta, model, shard_of, folder, whole_names)
     if (folder / NONFINITE).exists() and rank == 0:
         print(f"warning: loading {folder}, whose parameters hold non-finite values (listed in its {NONFINITE})",
               file=sys.stderr, flush=True)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            spec = shard_of(name, p)
-            if not _assemble(folder, meta["params"][name], name, p.data, spec):
-                raise UserError(f"checkpoint {folder}: its shards do not cover parameter {name}")
-        if optimizer is not None and meta.get("optimizer_step"):
+    _load_params(folder, meta, model, shard_of)
+    if optimizer is not None and meta.get("optimizer_step"):
+        with torch.no_grad():
             load_optim(folder, meta, model, optimizer, whole_shards(model) if optim_shards is None else optim_shards,
                        shard_of)
     rng = folder / f"rng-{rank:05d}.safetensors"

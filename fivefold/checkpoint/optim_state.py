@@ -19,16 +19,15 @@ named by "optim_file" in the parameter's shards) read as ranges covering their w
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from torch import nn
 
-from fivefold.checkpoint.layout import ShardSpec, inside, overlap
+from fivefold.checkpoint.layout import ShardSpec
+from fivefold.checkpoint.reshard import Reader, checkpoint_source, fill_flat, tied_aliases
 from fivefold.errors import UserError
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -91,59 +90,29 @@ def merge_listings(folder: Path, prefix: str, params: dict[str, dict], key: str)
         frag.unlink()
 
 
-def _saved_ranges(entry: dict) -> list[dict]:
-    if "optim_shards" in entry:
-        return entry["optim_shards"]
-    return [{"file": s["optim_file"], "offsets": s["offsets"], "shape": s["shape"], "flat": [0, math.prod(s["shape"])]}
-            for s in entry["shards"] if "optim_file" in s]
-
-
-def _assemble_range(folder: Path, entry: dict, key: str, spec: ShardSpec, shape: tuple[int, ...],
-                    flat: tuple[int, int]) -> torch.Tensor | None:
-    """[lo, hi) of the flattened target shard (at spec.offsets, `shape`) of moment `key`, or None
-    when the saved ranges do not cover it. Each saved range is placed in its own shard's box; the
-    part of that box inside the target box is copied where the saved range has values. Target
-    elements past the saved global shape (vocabulary padding) are padding: zero, not required."""
-    out = torch.zeros(shape)
-    have = torch.zeros(shape, dtype=torch.bool)
-    for s in _saved_ranges(entry):
-        where = overlap(spec.offsets, shape, s["offsets"], s["shape"])
-        if where is None:
-            continue
-        with safe_open(str(folder / s["file"]), framework="pt") as f:
-            if key not in f.keys():
-                continue
-            values = f.get_tensor(key).reshape(-1)
-        box, mask = torch.zeros(s["shape"]), torch.zeros(s["shape"], dtype=torch.bool)
-        box.view(-1)[s["flat"][0]: s["flat"][1]] = values
-        mask.view(-1)[s["flat"][0]: s["flat"][1]] = True
-        src, dst = where
-        out[dst] = torch.where(mask[src], box[src], out[dst])
-        have[dst] |= mask[src]
-    required = torch.zeros(shape, dtype=torch.bool)
-    required[inside(spec.offsets, shape, entry["global_shape"])] = True
-    if not bool(have.view(-1)[flat[0]: flat[1]][required.view(-1)[flat[0]: flat[1]]].all()):
-        return None
-    return out.view(-1)[flat[0]: flat[1]].clone()
-
-
 def load_optim(folder: Path, meta: dict, model: nn.Module, optimizer, shards: list[OptimShard],
                shard_of: ShardOf) -> None:
-    """Set optimizer.state[key] = {exp_avg, exp_avg_sq, step} for every range in `shards`."""
+    """Set optimizer.state[key] = {exp_avg, exp_avg_sq, step} for every range in `shards`, each read
+    from the saved ranges that overlap it (fivefold.checkpoint.reshard.fill_flat)."""
     params = dict(model.named_parameters())
-    for s in shards:
-        p = params[s.name]
-        spec = shard_of(s.name, p)
-        state = {}
-        for m in MOMENTS:
-            t = _assemble_range(folder, meta["params"][s.name], f"{s.name}.{m}", spec, tuple(p.shape), s.flat)
-            if t is None:
-                raise UserError(f"checkpoint {folder}: optimizer state {m} of {s.name} is missing")
-            state[m] = t.to(device=s.key.device, dtype=s.key.dtype).view_as(s.key)
-        state["step"] = torch.tensor(float(meta["optimizer_step"]))
-        optimizer.state[s.key] = state
-        if _is_copy(s.key, p):
-            main = _assemble_range(folder, meta["params"][s.name], f"{s.name}.{MAIN}", spec, tuple(p.shape), s.flat)
-            if main is None:
-                main = p.detach().reshape(-1)[s.flat[0]: s.flat[1]]
-            s.key.data.copy_(main.view_as(s.key))
+    sources = {m: checkpoint_source(folder, meta, "optim_shards", f".{m}") for m in (*MOMENTS, MAIN)}
+    weights = checkpoint_source(folder, meta)
+    aliases = tied_aliases(meta)
+    with Reader() as reader:
+        for s in shards:
+            p = params[s.name]
+            spec = shard_of(s.name, p)
+            key = s.name if s.name in meta["params"] else aliases.get(s.name, s.name)
+            state = {}
+            for m in MOMENTS:
+                t = fill_flat(tuple(p.shape), spec, s.flat, sources[m][key], reader)
+                if t is None:
+                    raise UserError(f"checkpoint {folder}: optimizer state {m} of {s.name} is missing")
+                state[m] = t.to(device=s.key.device, dtype=s.key.dtype).view_as(s.key)
+            state["step"] = torch.tensor(float(meta["optimizer_step"]))
+            optimizer.state[s.key] = state
+            if _is_copy(s.key, p):  # the fp32 main copy: saved, else the saved weights (fp32 when saved in fp32)
+                main = fill_flat(tuple(p.shape), spec, s.flat, sources[MAIN][key], reader)
+                if main is None:
+                    main = fill_flat(tuple(p.shape), spec, s.flat, weights[key], reader)
+                s.key.data.copy_(main.view_as(s.key))

@@ -14,6 +14,7 @@ import torch
 from tqdm import tqdm
 
 from fivefold.checkpoint import io as ckpt
+from fivefold.checkpoint.names import gather_names
 from fivefold.config.schema import Config, to_dict
 from fivefold.data.dataset import DocumentDataset, PackedDataset, load_splits
 from fivefold.data.documents import document_rules
@@ -116,7 +117,9 @@ def train(config: Config, ctx: RankContext, data_dir: Path, *, progress: bool = 
     if config.checkpoint.load:
         with dp.full_params(writes=True):
             meta = ckpt.load_checkpoint(config.checkpoint.load, model=model, optimizer=dp, rank=ctx.rank,
-                                        world_size=ctx.world_size, optim_shards=dp.optim_shards())
+                                        world_size=ctx.world_size, optim_shards=dp.optim_shards(),
+                                        whole_names=gather_names((n for n, _ in model.named_parameters()),
+                                                                 ctx.world_group))
         start = int(meta["data"]["next_step"])
         if dp.scaler is not None and "loss_scaler" in meta:
             dp.scaler.load_state_dict(meta["loss_scaler"])

@@ -1,0 +1,236 @@
+"""Fill this rank's tensors from a store of full (global) tensors held in pieces, reading only the
+byte ranges each rank needs: any saved layout into any loaded one.
+
+A *source* maps a global tensor's name to where its values lie: `Saved(global_shape, dtype, pieces)`,
+each `Piece` a rectangular block of the global tensor (at `offsets`, of `shape`) stored as the
+tensor `key` of the safetensors file `file`, optionally only a flat range [lo, hi) of that block
+(ZeRO chunks of optimizer state). Our checkpoints give one piece per saved shard
+(`checkpoint_source`); a Hugging Face folder gives one whole piece per tensor through a name map
+(`hf_source`), or several for a tensor we hold fused (QKV: one piece per projection, at its rows).
+
+A *destination* is a tensor held the way its `ParamMeta` says (`meta.placement`: a TP / ETP shard at
+its offsets, or the whole tensor). `fill` copies into it the part of every piece that overlaps it:
+`safe_open(...).get_slice(key)[slices]` reads those bytes from the file (memory-mapped), never the
+whole tensor. Rows at or past the destination's `vocab_rows` that the source does not have
+(vocabulary padded to another multiple) are padding: zero. `fill_flat` does the same for a flat range
+of the destination (a ZeRO chunk of optimizer state), reading of each flat-saved piece only the
+window that can meet it.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from fivefold.checkpoint.layout import ShardSpec, inside, overlap
+from fivefold.errors import UserError
+from fivefold.parallel.param_meta import PLAIN, ParamMeta
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A block of a global tensor stored in a safetensors file: the block at `offsets` of `shape`,
+    stored whole as tensor `key`, or (`flat` = (lo, hi)) only its flattened elements [lo, hi)."""
+
+    file: Path
+    key: str
+    offsets: tuple[int, ...]
+    shape: tuple[int, ...]
+    flat: tuple[int, int] | None = None
+
+
+@dataclass(frozen=True)
+class Saved:
+    """One global tensor of a source: its shape and dtype as stored, and the pieces that hold it."""
+
+    global_shape: tuple[int, ...]
+    dtype: str
+    pieces: tuple[Piece, ...]
+
+
+Source = Mapping[str, Saved]
+"""Name -> where it is stored."""
+
+
+class Reader:
+    """Open safetensors files, each opened once (memory-mapped) however many pieces are read from it."""
+
+    def __init__(self):
+        self._open: dict[Path, object] = {}
+        self._stack = contextlib.ExitStack()
+
+    def __enter__(self) -> Reader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stack.close()
+        self._open.clear()
+
+    def file(self, path: Path):
+        if path not in self._open:
+            self._open[path] = self._stack.enter_context(safe_open(str(path), framework="pt"))
+        return self._open[path]
+
+    def has(self, piece: Piece) -> bool:
+        return piece.key in self.file(piece.file).keys()
+
+    def read(self, piece: Piece, slices: tuple[slice, ...]) -> torch.Tensor:
+        """The elements `slices` of the piece (of its flat range, with `flat`), read from the file."""
+        return self.file(piece.file).get_slice(piece.key)[slices]
+
+
+def spec_of(meta: ParamMeta, t: torch.Tensor) -> ShardSpec:
+    """Where a tensor held as `meta` says sits in the global tensor."""
+    return ShardSpec(*meta.placement(tuple(t.shape)))
+
+
+def fill(out: torch.Tensor, spec: ShardSpec, saved: Saved, reader: Reader) -> bool:
+    """Fill `out` (at spec.offsets of the global tensor) from the pieces that overlap it; elements
+    past the saved global shape are zeroed. Whether every element inside the saved shape was found."""
+    needed = out[inside(spec.offsets, out.shape, saved.global_shape)].numel()
+    if needed < out.numel():
+        out.zero_()
+    filled = 0
+    for piece in saved.pieces:
+        if piece.flat is not None:
+            raise ValueError(f"{piece.key}: a flat range is read with fill_flat")
+        where = overlap(spec.offsets, out.shape, piece.offsets, piece.shape)
+        if where is None:
+            continue
+        if not reader.has(piece):
+            return False
+        dst = out[where[1]]
+        dst.copy_(reader.read(piece, where[0]))
+        filled += dst.numel()
+    return filled == needed
+
+
+def _flat_index(box: tuple[int, ...], src: tuple[slice, ...]) -> torch.Tensor:
+    """The flat index, in a block of shape `box`, of every element of its sub-block `src` (shaped like it)."""
+    idx = torch.zeros((), dtype=torch.long)
+    for d, s in enumerate(src):
+        along = torch.arange(s.start, s.stop) * math.prod(box[d + 1:])
+        idx = idx.unsqueeze(-1) + along  # (..., n_d)
+    return idx
+
+
+def fill_flat(shape: tuple[int, ...], spec: ShardSpec, flat: tuple[int, int], saved: Saved,
+              reader: Reader) -> torch.Tensor | None:
+    """Elements [lo, hi) of the flattened destination block (at spec.offsets, of `shape`), fp32, or
+    None when the pieces do not cover them. A flat-saved piece is read only over the window of its
+    range that can meet the destination block; elements past the saved global shape are padding:
+    zero, not required."""
+    out = torch.zeros(shape)
+    have = torch.zeros(shape, dtype=torch.bool)
+    for piece in saved.pieces:
+        where = overlap(spec.offsets, shape, piece.offsets, piece.shape)
+        if where is None or not reader.has(piece):
+            continue
+        src, dst = where
+        if piece.flat is None:
+            out[dst] = reader.read(piece, src).float()
+            have[dst] = True
+            continue
+        idx = _flat_index(piece.shape, src)  # (overlap block): where each element is in the piece
+        lo, hi = piece.flat
+        a, b = max(int(idx.min()), lo), min(int(idx.max()) + 1, hi)
+        if a >= b:
+            continue
+        window = reader.read(piece, (slice(a - lo, b - lo),)).float()  # only the bytes that can meet us
+        held = (idx >= a) & (idx < b)
+        values = window[(idx - a).clamp(0, b - a - 1)]
+        out[dst] = torch.where(held, values, out[dst])
+        have[dst] |= held
+    required = torch.zeros(shape, dtype=torch.bool)
+    required[inside(spec.offsets, shape, saved.global_shape)] = True
+    if not bool(have.view(-1)[flat[0]: flat[1]][required.view(-1)[flat[0]: flat[1]]].all()):
+        return None
+    return out.view(-1)[flat[0]: flat[1]].clone()
+
+
+def specs_of(tensors: Mapping[str, torch.Tensor], metas: Mapping[str, ParamMeta]) -> dict[str, ShardSpec]:
+    """Where each destination tensor sits in its global tensor, from its ParamMeta (PLAIN: whole)."""
+    return {n: spec_of(metas.get(n, PLAIN), t) for n, t in tensors.items()}
+
+
+def load_params(tensors: Mapping[str, torch.Tensor], specs: Mapping[str, ShardSpec], source: Source,
+                where: str, *, aliases: Mapping[str, str] | None = None) -> None:
+    """Fill each destination tensor (name -> this rank's tensor, at specs[name] in the global tensor:
+    `specs_of(tensors, metas)`) from `source`, reading only its own ranges. `aliases`: a name to read
+    in place of one the source lacks (a tied output layer's copy reads the embedding). UserError
+    naming what the source does not cover."""
+    aliases = aliases or {}
+    with Reader() as reader, torch.no_grad():
+        for name, t in tensors.items():
+            key = name if name in source else aliases.get(name, name)
+            if key not in source:
+                raise UserError(f"{where}: {name} is not in it")
+            if not fill(t, specs[name], source[key], reader):
+                raise UserError(f"{where}: its shards do not cover parameter {name} (a shard file is missing "
+                                "or was written in part: load an earlier checkpoint)")
+
+
+def tied_aliases(meta: dict) -> dict[str, str]:
+    """A checkpoint of a model with tied embeddings may hold the output layer only as embedding.weight
+    (one process) or also as head.weight (a pipeline's last stage keeps a copy): either reads the other."""
+    tied = meta.get("config", {}).get("model", {}).get("tie_word_embeddings", False)
+    return {"head.weight": "embedding.weight", "embedding.weight": "head.weight"} if tied else {}
+
+
+def checkpoint_source(folder: Path, meta: dict, kind: str = "shards", suffix: str = "") -> dict[str, Saved]:
+    """Our checkpoint's tensors: `kind` "shards" (parameters) or "optim_shards" (optimizer ranges,
+    the tensor `<name><suffix>`, e.g. ".exp_avg")."""
+    out = {}
+    for name, entry in meta["params"].items():
+        listed = entry.get(kind)
+        if listed is None and kind == "optim_shards":  # before optim_shards: moments shaped like the shard
+            listed = [{"file": s["optim_file"], "offsets": s["offsets"], "shape": s["shape"]}
+                      for s in entry["shards"] if "optim_file" in s]
+        pieces = tuple(Piece(folder / s["file"], name + suffix, tuple(s["offsets"]), tuple(s["shape"]),
+                             tuple(s["flat"]) if "flat" in s else None) for s in listed or [])
+        out[name] = Saved(tuple(entry["global_shape"]), entry["dtype"], pieces)
+    return out
+
+
+HFName = str | list[tuple[str, int]]
+"""Where one of our tensors is in a Hugging Face folder: an HF tensor name (the whole tensor), or
+[(HF name, row offset), ...] for one we hold as several HF tensors stacked along dim 0 (fused QKV)."""
+
+
+def hf_source(folder: Path, name_map: Mapping[str, HFName]) -> dict[str, Saved]:
+    """Our names -> the tensors of a Hugging Face safetensors folder (model.safetensors, or the
+    shards a model.safetensors.index.json lists), reading only each file's header here."""
+    folder = Path(folder)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        files = {k: folder / f for k, f in json.loads(index.read_text())["weight_map"].items()}
+    elif (folder / "model.safetensors").is_file():
+        with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
+            files = dict.fromkeys(f.keys(), folder / "model.safetensors")
+    else:
+        raise UserError(f"{folder}: no model.safetensors or model.safetensors.index.json (a Hugging Face folder "
+                        "saved with safe_serialization; re-save it with save_pretrained(..., safe_serialization=True))")
+    shapes: dict[str, tuple[tuple[int, ...], str]] = {}
+    for path in sorted(set(files.values())):
+        with safe_open(str(path), framework="pt") as f:
+            for k in f.keys():
+                s = f.get_slice(k)
+                shapes[k] = (tuple(s.get_shape()), s.get_dtype())
+    out = {}
+    for ours, theirs in name_map.items():
+        parts = [(theirs, 0)] if isinstance(theirs, str) else list(theirs)
+        missing = [k for k, _ in parts if k not in shapes or k not in files]
+        if missing:
+            raise UserError(f"{folder}: tensor {missing[0]} (for {ours}) is not in this folder's safetensors files")
+        first_shape, dtype = shapes[parts[0][0]]
+        pieces = tuple(Piece(files[k], k, (row, *[0] * (len(shapes[k][0]) - 1)), shapes[k][0]) for k, row in parts)
+        rows = max(p.offsets[0] + p.shape[0] for p in pieces)
+        out[ours] = Saved((rows, *first_shape[1:]), dtype, pieces)
+    return out
+
