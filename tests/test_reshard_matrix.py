@@ -98,15 +98,13 @@ def test_resumes_on_the_uninterrupted_losses(runs, src, dst):
     if "bf16" in src:
         # bf16 -> fp32: the fp32 run takes the checkpoint's fp32 main weights and moments; its steps
         # then differ from the bf16 run's by bf16 rounding of activations and gradients: measured
-        # 3.0e-4 relative; bound 3e-3 (10x). Loading the bf16-rounded weights instead moves nothing
-        # this much; a wrong shard or moment moves the loss by > 1e-2.
+        # 3.0e-4 relative; bound 3e-3 (10x).
         close(list(got.values()), want, rtol=3e-3, site="reshard.losses.bf16", case=f"{src}->{dst}")
         return
     # fp32 layouts reorder sums (row-parallel partial sums, expert batches, reductions). Against the
     # source layout's own steps: measured worst 6.7e-8 relative (tp2sp-ep2-etp1-z1 -> any); bound 1e-6
     # (15x). Against the one-process run (the source's own drift included, as in test_moe): measured
-    # worst 9.4e-7 (same source); bound 1e-5 (10x). A moment or shard read from the wrong rows moves
-    # step 2's loss by > 1e-4.
+    # worst 9.4e-7 (same source); bound 1e-5 (10x).
     close(list(got.values()), want, rtol=1e-6, site="reshard.losses", case=f"{src}->{dst}")
     close(list(got.values()), [runs["one"][s] for s in (2, 3)], rtol=1e-5, site="reshard.losses.ref",
           case=f"{src}->{dst}")

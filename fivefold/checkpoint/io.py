@@ -25,6 +25,7 @@ from torch import nn
 from fivefold.checkpoint.layout import FORMAT, ShardSpec, complete_checkpoints, resolve, step_dir, whole
 from fivefold.checkpoint.optim_state import (MAIN, OptimShard, ShardOf, load_optim, merge_listings, save_optim,
                                              whole_shards)
+from fivefold.checkpoint.refusals import check_files, check_safetensors, why_not_a_checkpoint
 from fivefold.checkpoint.reshard import Reader, checkpoint_source, fill_flat, load_params, tied_aliases
 from fivefold.errors import UserError
 from fivefold.parallel.param_meta import named_metas
@@ -152,9 +153,10 @@ def read_metadata(path: str | Path) -> tuple[Path, dict]:
     """(checkpoint folder, its metadata) for a folder or a root; UserError when there is none."""
     found = resolve(path)
     if found is None:
-        raise UserError(f"--load {path}: no complete checkpoint there (a folder with metadata.json, or a root "
-                        "with step_* folders)")
-    return found, json.loads((found / "metadata.json").read_text())
+        raise UserError(why_not_a_checkpoint(Path(path)))
+    meta = json.loads((found / "metadata.json").read_text())
+    check_files(found, meta)
+    return found, meta
 
 
 def _fits(saved: list[int], mine: list[int], real: int | None) -> bool:
@@ -227,6 +229,7 @@ def load_checkpoint(path: str | Path, *, model: nn.Module, optimizer: torch.opti
                        shard_of)
     rng = folder / f"rng-{rank:05d}.safetensors"
     if meta.get("world_size") == world_size and rng.is_file():
+        check_safetensors(rng)
         with safe_open(str(rng), framework="pt") as f:
             torch.set_rng_state(f.get_tensor("torch_cpu"))
             if "torch_cuda" in f.keys() and torch.cuda.is_available():

@@ -29,6 +29,7 @@ import torch
 from safetensors import safe_open
 
 from fivefold.checkpoint.layout import ShardSpec, inside, overlap
+from fivefold.checkpoint.refusals import check_safetensors
 from fivefold.errors import UserError
 from fivefold.parallel.param_meta import PLAIN, ParamMeta
 
@@ -74,6 +75,7 @@ class Reader:
 
     def file(self, path: Path):
         if path not in self._open:
+            check_safetensors(path)
             self._open[path] = self._stack.enter_context(safe_open(str(path), framework="pt"))
         return self._open[path]
 
