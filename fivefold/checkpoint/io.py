@@ -65,6 +65,55 @@ def rng_state() -> dict[str, torch.Tensor]:
     return state
 
 
+Write = Callable[[dict[str, torch.Tensor], Path], None]
+"""Writes a dict of tensors as one safetensors file (`_save`; the async saver's collects a copy)."""
+
+
+def write_rank_files(root: Path, step: int, *, model: nn.Module, optimizer: torch.optim.Optimizer, rank: int,
+                     writes_params: bool, barrier: Callable[[], None], shard_of: ShardOf | None = None,
+                     optim_shards: list[OptimShard] | None = None, writes_optim: bool | None = None,
+                     write: Write = _save) -> Path:
+    """This rank's part of checkpoint `step` (collective: rank 0 makes the .tmp folder first): its
+    RNG, parameter shards and optimizer ranges through `write`, their listings as JSON. Returns the
+    .tmp folder (see save_checkpoint for the arguments)."""
+    shard_of = shard_of or placed_by_meta(model)
+    tmp = root / f".tmp-{step_dir(root, step).name}"
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    barrier()
+    tag = f"{rank:05d}"
+    write(rng_state(), tmp / f"rng-{tag}.safetensors")
+    if writes_params:
+        params, shards = {}, {}
+        for name, p in model.named_parameters():
+            params[name] = p
+            spec = shard_of(name, p)
+            shards[name] = {"file": f"model-{tag}.safetensors", "offsets": list(spec.offsets),
+                            "shape": list(p.shape), "global_shape": list(spec.global_shape), "dtype": str(p.dtype)}
+        write(params, tmp / f"model-{tag}.safetensors")
+        (tmp / f"shards-{tag}.json").write_text(json.dumps(shards))
+        bad = [name for name, p in params.items() if not bool(torch.isfinite(p).all())]
+        if bad:
+            (tmp / f"nonfinite-{tag}.json").write_text(json.dumps(bad))
+    if writes_params if writes_optim is None else writes_optim:
+        save_optim(tmp, tag, model, optimizer, whole_shards(model) if optim_shards is None else optim_shards,
+                   shard_of, write)
+    return tmp
+
+
+def commit_checkpoint(root: Path, step: int, *, rank: int, barrier: Callable[[], None], extra: dict,
+                      keep: int = 2) -> Path:
+    """Once every rank's files are written (collective): rank 0 merges the listings into
+    metadata.json, renames .tmp-step_N to step_N, points `latest` at it and rotates old ones."""
+    final = step_dir(root, step)
+    barrier()
+    if rank == 0:
+        _commit(root, root / f".tmp-{final.name}", final, step, extra, keep)
+    barrier()
+    return final
+
+
 def save_checkpoint(root: str | Path, step: int, *, model: nn.Module, optimizer: torch.optim.Optimizer,
                     rank: int, writes_params: bool, barrier: Callable[[], None], extra: dict,
                     shard_of: ShardOf | None = None, keep: int = 2,
@@ -77,36 +126,12 @@ def save_checkpoint(root: str | Path, step: int, *, model: nn.Module, optimizer:
     `writes_optim`: this rank writes them (default `writes_params`; every rank under ZeRO-1).
     `extra`: JSON-able run state (data position, config) stored in metadata.json by rank 0.
     The `keep` newest complete checkpoints are kept; older ones are deleted after the new one lands.
+    (fivefold.checkpoint.async_save writes the same files from a background thread.)
     """
     root = Path(root)
-    shard_of = shard_of or placed_by_meta(model)
-    final, tmp = step_dir(root, step), root / f".tmp-{step_dir(root, step).name}"
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    barrier()
-    tag = f"{rank:05d}"
-    _save(rng_state(), tmp / f"rng-{tag}.safetensors")
-    if writes_params:
-        params, shards = {}, {}
-        for name, p in model.named_parameters():
-            params[name] = p
-            spec = shard_of(name, p)
-            shards[name] = {"file": f"model-{tag}.safetensors", "offsets": list(spec.offsets),
-                            "shape": list(p.shape), "global_shape": list(spec.global_shape), "dtype": str(p.dtype)}
-        _save(params, tmp / f"model-{tag}.safetensors")
-        (tmp / f"shards-{tag}.json").write_text(json.dumps(shards))
-        bad = [name for name, p in params.items() if not bool(torch.isfinite(p).all())]
-        if bad:
-            (tmp / f"nonfinite-{tag}.json").write_text(json.dumps(bad))
-    if writes_params if writes_optim is None else writes_optim:
-        save_optim(tmp, tag, model, optimizer, whole_shards(model) if optim_shards is None else optim_shards,
-                   shard_of, _save)
-    barrier()
-    if rank == 0:
-        _commit(root, tmp, final, step, extra, keep)
-    barrier()
-    return final
+    write_rank_files(root, step, model=model, optimizer=optimizer, rank=rank, writes_params=writes_params,
+                     barrier=barrier, shard_of=shard_of, optim_shards=optim_shards, writes_optim=writes_optim)
+    return commit_checkpoint(root, step, rank=rank, barrier=barrier, extra=extra, keep=keep)
 
 
 def _commit(root: Path, tmp: Path, final: Path, step: int, extra: dict, keep: int) -> None:

@@ -134,6 +134,7 @@ FLAGS: dict[str, Flag] = {
     "--save": _v("checkpoint.save"),
     "--load": _v("checkpoint.load"),
     "--save-interval": _v("checkpoint.save_interval"),
+    "--async-save": _on("checkpoint.async_save"),
     "--log-interval": _v("logging.log_interval"),
     "--profile": _on("logging.profile"),
     "--profile-ranks": Flag("logging.profile_ranks", LIST),

@@ -303,6 +303,9 @@ class CheckpointConfig:
     """Checkpoint folder to resume from. Default None."""
     save_interval: int | None = None
     """Steps between saves; None = only at the end. Default None."""
+    async_save: bool = False
+    """Write checkpoints from a background thread while training goes on (Megatron --async-save);
+    committed (renamed, `latest` moved) at the next save or the end. Default False."""
 
 
 @dataclass(kw_only=True)

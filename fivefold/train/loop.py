@@ -14,6 +14,7 @@ import torch
 from tqdm import tqdm
 
 from fivefold.checkpoint import io as ckpt
+from fivefold.checkpoint.async_save import AsyncSaver
 from fivefold.checkpoint.names import gather_names
 from fivefold.config.schema import Config, to_dict
 from fivefold.data.dataset import DocumentDataset, PackedDataset, load_splits
@@ -68,19 +69,32 @@ def _loaders(config: Config, ctx: RankContext, data_dir: Path) -> tuple[BatchLoa
     return BatchLoader(train_ds, seed=t.seed, **kw), eval_loader
 
 
-def _save(config: Config, ctx: RankContext, root: Path, step: int, parts: Parts) -> Path:
+def _save(config: Config, ctx: RankContext, root: Path, step: int, parts: Parts,
+          saver: AsyncSaver | None = None) -> Path | None:
+    """Checkpoint `step`; returns the folder committed now (with `saver`: the previous async one, if any)."""
     # DP x CP replica 0 writes the dense parameters, EDP replica 0 the experts it holds; a rank that
     # is one but not the other writes copies equal to the owner's, which the checkpoint lists once.
     writes = ctx.dp_group.rank == 0 or (config.model.is_moe and ctx.mesh.edp.rank == 0)
     dp = parts.dp
-    with dp.full_params():  # ZeRO-3: the parameters whole while they are written
-        return ckpt.save_checkpoint(
-            root, step, model=parts.model, optimizer=dp, rank=ctx.rank, writes_params=writes,
-            optim_shards=dp.optim_shards(), writes_optim=dp.shards_state or writes,
-            barrier=lambda: comm.barrier(ctx.world_group),
-            extra={"optimizer_step": step, "world_size": ctx.world_size, "data": {"next_step": step,
-                   "consumed_samples": step * config.training.global_batch_size}, "config": to_dict(config),
-                   **({"loss_scaler": dp.scaler.state_dict()} if dp.scaler is not None else {})})
+    kw = dict(model=parts.model, optimizer=dp, writes_params=writes, optim_shards=dp.optim_shards(),
+              writes_optim=dp.shards_state or writes,
+              extra={"optimizer_step": step, "world_size": ctx.world_size, "data": {"next_step": step,
+                     "consumed_samples": step * config.training.global_batch_size}, "config": to_dict(config),
+                     **({"loss_scaler": dp.scaler.state_dict()} if dp.scaler is not None else {})})
+    with dp.full_params():  # ZeRO-3: the parameters whole while they are written (or copied, async)
+        if saver is not None:
+            return saver.start(root, step, **kw)
+        return ckpt.save_checkpoint(root, step, rank=ctx.rank, barrier=lambda: comm.barrier(ctx.world_group), **kw)
+
+
+def _async_saver(config: Config, ctx: RankContext) -> AsyncSaver | None:
+    if not config.checkpoint.async_save:
+        return None
+
+    def all_ok(mine: bool) -> bool:
+        flag = torch.tensor([1.0 if mine else 0.0])
+        return bool(comm.all_reduce_(flag, ctx.world_group, tag="checkpoint", op="min") > 0)
+    return AsyncSaver(rank=ctx.rank, barrier=lambda: comm.barrier(ctx.world_group), all_ok=all_ok)
 
 
 def _step(config: Config, ctx: RankContext, step: int, parts: Parts, train_loader):
@@ -124,6 +138,7 @@ def train(config: Config, ctx: RankContext, data_dir: Path, *, progress: bool = 
         if dp.scaler is not None and "loss_scaler" in meta:
             dp.scaler.load_state_dict(meta["loss_scaler"])
     save_root = Path(config.checkpoint.save or ctx.out_dir / "checkpoints")
+    saver = _async_saver(config, ctx)
     log = MetricsLog(ctx.out_dir, config.logging.tensorboard, resume_from=start) if ctx.is_main else None
     fpt = flops_per_token(config.model, t.seq_length)
     result = TrainResult()
@@ -168,14 +183,18 @@ def train(config: Config, ctx: RankContext, data_dir: Path, *, progress: bool = 
             log.write(record)
         if stops:  # before this step's checkpoint: the last one written stays the last good one
             bar.close()
+            if saver is not None:
+                result.checkpoint = saver.finish() or result.checkpoint
             raise nonfinite_error(step, r.loss, r.grad_norm, model, ctx.world_group,
                                   result.checkpoint or config.checkpoint.load)
         bar.set_postfix(loss=f"{r.loss:.4f}", lr=f"{record['lr']:.2e}", tok_s=f"{record['tokens_per_s']:.0f}")
         bar.update(1)
         interval = config.checkpoint.save_interval
         if (interval and (step + 1) % interval == 0) or last:
-            result.checkpoint = _save(config, ctx, save_root, step + 1, parts)
+            result.checkpoint = _save(config, ctx, save_root, step + 1, parts, saver) or result.checkpoint
     bar.close()
+    if saver is not None:
+        result.checkpoint = saver.finish() or result.checkpoint
     result.optimizer_state_bytes = state_bytes(dp)
     steady = times[1:] or times  # the first step pays for warm-up (allocations, thread pools)
     result.tokens_per_s = sum(n for n, _ in steady) / max(1e-9, sum(dt for _, dt in steady))
