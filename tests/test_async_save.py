@@ -9,6 +9,8 @@ import subprocess
 import sys
 import threading
 
+import pytest
+
 from _train_util import corpus, one_process_context, tiny_config
 from fivefold.checkpoint import io
 from fivefold.checkpoint.layout import resolve
@@ -16,6 +18,13 @@ from fivefold.cli.train import prepare
 from fivefold.config.schema import to_dict
 from fivefold.runtime import heartbeat
 from fivefold.train.loop import train
+from test_moe import _one_thread
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    with _one_thread():  # as every worker rank: default threads ran these runs 15x slower on 2 shared cores (measured)
+        yield
 
 
 def _cfg(tmp_path, **ckpt):
@@ -60,6 +69,8 @@ def test_async_save_overlaps_the_next_steps_and_equals_sync(tmp_path, monkeypatc
 
 KILLED_RUN = """
 import os, signal, sys
+import torch
+torch.set_num_threads(1)
 from pathlib import Path
 from safetensors.torch import save
 from fivefold.checkpoint import io

@@ -3,7 +3,7 @@ of PP (uneven split, VPP), CP, EP / ETP, TP (with the vocabulary padded to anoth
 heads replicated), ZeRO-1 / ZeRO-2 / ZeRO-3 and no ZeRO, bf16 and fp32. One MoE model (a dense first
 layer, then 4 experts top-2: test_moe's, whose routing margins are far above fp32 noise) for all.
 Each source layout trains 4 steps saving at step 2 and is saved once; several layouts load it and
-train steps 2 and 3."""
+train steps 2 and 3. One source saves asynchronously."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -41,6 +41,7 @@ LAYOUTS = {
                    dict(use_distributed_optimizer=True, data_parallel_sharding_strategy=Z2)),
 }
 
+ASYNC = {"cp2-dp2-z1"}  # saved with --async-save (4 ranks, ZeRO-1 chunks written by a background thread)
 SOURCES = ["one", "pp2-vpp2-tp2", "tp2sp-ep2-etp1-z1", "cp2-dp2-z1", "pp2-first1-bf16"]
 PAIRS = [  # (saved in, loaded in)
     ("one", "one"), ("one", "pp2-vpp2-tp2"), ("one", "tp2sp-ep2-etp1-z1"), ("one", "cp2-dp2-z1"),
@@ -78,6 +79,7 @@ def runs(tmp_path_factory, workers):
     for src in SOURCES:
         cfg = _config(data, src)
         cfg.checkpoint.save_interval = 2
+        cfg.checkpoint.async_save = src in ASYNC
         losses[src] = _run(workers, cfg, root / f"save-{src}", data_dir)
     for src, dst in PAIRS:
         cfg = _config(data, dst)
