@@ -13,6 +13,7 @@ import pytest
 import test_moe
 from _tol import close
 from _train_util import corpus, one_process_context
+from fivefold.checkpoint.convert import convert
 from fivefold.cli.train import prepare
 from fivefold.config.schema import to_dict
 from fivefold.train.loop import train
@@ -41,6 +42,7 @@ LAYOUTS = {
                    dict(use_distributed_optimizer=True, data_parallel_sharding_strategy=Z2)),
 }
 
+CONVERTED = "tp2sp-ep2-etp1-z1"
 ASYNC = {"cp2-dp2-z1"}  # saved with --async-save (4 ranks, ZeRO-1 chunks written by a background thread)
 SOURCES = ["one", "pp2-vpp2-tp2", "tp2sp-ep2-etp1-z1", "cp2-dp2-z1", "pp2-first1-bf16"]
 PAIRS = [  # (saved in, loaded in)
@@ -81,6 +83,12 @@ def runs(tmp_path_factory, workers):
         cfg.checkpoint.save_interval = 2
         cfg.checkpoint.async_save = src in ASYNC
         losses[src] = _run(workers, cfg, root / f"save-{src}", data_dir)
+    # offline: the one-process checkpoint rewritten as TP2+SP x EP2 (ETP1) ranks write it, loaded there
+    conv = convert(root / "save-one" / "checkpoints" / "step_00000002", root / "converted",
+                   _config(data, CONVERTED), log=lambda line: None)
+    cfg = _config(data, CONVERTED)
+    cfg.checkpoint.load = str(conv)
+    losses["converted"] = _run(workers, cfg, root / "load-converted", data_dir)
     for src, dst in PAIRS:
         cfg = _config(data, dst)
         cfg.checkpoint.load = str(root / f"save-{src}" / "checkpoints" / "step_00000002")
@@ -110,3 +118,8 @@ def test_resumes_on_the_uninterrupted_losses(runs, src, dst):
     close(list(got.values()), want, rtol=1e-6, site="reshard.losses", case=f"{src}->{dst}")
     close(list(got.values()), [runs["one"][s] for s in (2, 3)], rtol=1e-5, site="reshard.losses.ref",
           case=f"{src}->{dst}")
+
+
+def test_converted_offline_loads_as_the_original(runs):
+    # `fivefold convert` copies values: the same losses, bit for bit, as loading the original
+    assert runs["converted"] == runs["one", CONVERTED]

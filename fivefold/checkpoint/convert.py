@@ -1,0 +1,168 @@
+"""Reshard a checkpoint offline into the files another layout's ranks would write, one destination
+rank at a time and tensor by tensor (bounded memory: one destination rank's parameters, plus one
+tensor's optimizer range at a time; never the whole model unless one rank holds it).
+
+For each rank of the destination layout that writes (DP x CP replica 0; for MoE also EDP replica 0,
+as the training loop's save), its parameters are built on a *paper mesh* (the rank's groups, with no
+process group behind them: building a model runs no collective), filled from the source's pieces
+(fivefold.checkpoint.reshard: only the overlapping byte ranges are read), and written with a
+streaming safetensors writer. The optimizer state (AdamW moments, fp32 main copies when the source
+has them) is written per destination shard whole (the layout a run without ZeRO writes): every
+ZeRO stage loads it, as it loads any saved ranges. RNG states are copied when the world size is
+unchanged (a run at another world size starts fresh RNG streams, as --load does).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import struct
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import torch
+
+from fivefold.checkpoint.io import check_fits, placed_by_meta, read_metadata
+from fivefold.checkpoint.layout import FORMAT, ShardSpec, step_dir
+from fivefold.checkpoint.optim_state import MAIN, MOMENTS
+from fivefold.checkpoint.reshard import Reader, checkpoint_source, fill, fill_flat, spec_of, tied_aliases
+from fivefold.config.schema import Config, to_dict
+from fivefold.config.validate import layout_of
+from fivefold.errors import UserError
+from fivefold.parallel.param_meta import named_metas
+from fivefold.runtime.mesh import OWN_COMMUNICATOR, Group, Mesh
+from fivefold.topology import Layout
+
+_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64"}
+
+
+def paper_mesh(layout: Layout, rank: int) -> Mesh:
+    """Rank `rank`'s mesh of `layout` without process groups: enough to build its model's parameters
+    (and their ParamMeta), not to run collectives."""
+    named = dict(layout.named_groups())
+    named["world"] = [list(range(layout.world_size))]
+    named.update({name: named[of] for name, of in OWN_COMMUNICATOR.items()})
+    groups = {name: Group(name, tuple(ranks), None, me=rank) for name, lists in named.items()
+              for ranks in lists if rank in ranks}
+    return Mesh(layout, rank, torch.device("cpu"), groups)
+
+
+def write_streaming(path: Path, entries: list[tuple[str, torch.dtype, tuple[int, ...]]],
+                    produce: Callable[[str], torch.Tensor]) -> None:
+    """A safetensors file written tensor by tensor: the header from `entries` (name, dtype, shape)
+    first, then `produce(name)` for each in turn, so only one tensor is in memory at a time."""
+    header, offset = {}, 0
+    for name, dtype, shape in entries:
+        n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        header[name] = {"dtype": _DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)))
+        f.write(text)
+        for name, dtype, shape in entries:
+            t = produce(name).to(dtype).contiguous()
+            if tuple(t.shape) != tuple(shape):
+                raise ValueError(f"{name}: produced {tuple(t.shape)}, header says {shape}")
+            f.write(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+
+
+def _writes(config: Config, mesh: Mesh) -> bool:
+    """Whether this rank writes its parameters in a save (the training loop's rule)."""
+    return mesh.dp_cp.rank == 0 or (config.model.is_moe and mesh.edp.rank == 0)
+
+
+def _rank_params(config: Config, mesh: Mesh) -> Iterable[tuple[str, torch.Tensor]]:
+    from fivefold.model import build_decoder
+    from fivefold.pipeline.stages import build_pipeline
+    from fivefold.train.pipeline_step import microbatches_per_step
+    if mesh.layout.pp > 1:
+        return build_pipeline(config, mesh, microbatches_per_step(config, mesh.dp.size), device=torch.device("cpu")).module
+    return build_decoder(config, mesh)
+
+
+def convert(src: str | Path, dst: str | Path, config: Config, *, log: Callable[[str], None] = print) -> Path:
+    """Write checkpoint `src` (a folder or a root) as the ranks of `config`'s layout would, into the
+    root `dst` (its step_N folder, `latest`); returns the new folder."""
+    folder, meta = read_metadata(src)
+    layout = layout_of(config)
+    out = step_dir(Path(dst), meta["step"])
+    if out.exists():
+        raise UserError(f"convert: {out} exists; give an empty destination root")
+    tmp = out.parent / f".tmp-{out.name}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    aliases = tied_aliases(meta)
+    weights = checkpoint_source(folder, meta)
+    moments = {m: checkpoint_source(folder, meta, "optim_shards", f".{m}") for m in (*MOMENTS, MAIN)}
+    listing: dict[str, dict] = {}
+    has_optim = bool(meta.get("optimizer_step"))
+    with Reader() as reader, torch.no_grad():
+        for rank in range(layout.world_size):
+            mesh = paper_mesh(layout, rank)
+            if not _writes(config, mesh):
+                continue
+            model = _rank_params(config, mesh)
+            metas = named_metas(model)
+            specs = {n: spec_of(metas[n], p) for n, p in model.named_parameters()}
+            # a block another destination rank already wrote (TP-replicated norms, dense weights on EDP ranks) is listed once
+            params = {n: p for n, p in model.named_parameters() if not any(
+                s["offsets"] == list(specs[n].offsets) and s["shape"] == list(p.shape)
+                for s in listing.get(n, {}).get("shards", []))}
+            if not params:
+                continue
+            check_fits(meta, model, placed_by_meta(model), folder, whole_names=set(meta["params"]))
+            keys = {n: n if n in weights else aliases.get(n, n) for n in params}
+            tag = f"{rank:05d}"
+            for n, p in params.items():
+                if not fill(p.data, specs[n], weights[keys[n]], reader):
+                    raise UserError(f"convert: the shards of {folder} do not cover {n}")
+                e = listing.setdefault(n, {"global_shape": list(specs[n].global_shape), "dtype": str(p.dtype),
+                                           "shards": []})
+                e["shards"].append({"file": f"model-{tag}.safetensors", "offsets": list(specs[n].offsets),
+                                    "shape": list(p.shape)})
+            write_streaming(tmp / f"model-{tag}.safetensors", [(n, p.dtype, tuple(p.shape)) for n, p in params.items()],
+                            lambda n: params[n].data)
+            if has_optim:
+                _write_optim(tmp / f"optim-{tag}.safetensors", params, specs, keys, moments, reader, listing)
+            model = params = None  # freed before the next destination rank's are built
+            log(f"destination rank {rank}: written")
+    extra = [n for n in meta["params"] if n not in listing and aliases.get(n) not in listing]
+    if extra:
+        raise UserError(f"checkpoint {folder} was saved from another model: {extra[0]} is in the checkpoint but no "
+                        "rank of the destination layout holds it (keep the model settings; change only the layout)")
+    if meta.get("world_size") == layout.world_size:
+        for rng in folder.glob("rng-*.safetensors"):
+            shutil.copyfile(rng, tmp / rng.name)
+    kept = {k: v for k, v in meta.items() if k not in ("params", "format", "config", "world_size")}
+    (tmp / "metadata.json").write_text(json.dumps(
+        {"format": FORMAT, **kept, "world_size": layout.world_size, "params": listing, "config": to_dict(config),
+         "converted_from": str(folder)}, indent=1))
+    tmp.rename(out)
+    (out.parent / ".latest.tmp").write_text(out.name)
+    os.replace(out.parent / ".latest.tmp", out.parent / "latest")
+    return out
+
+
+def _write_optim(path: Path, params: dict[str, torch.Tensor], specs: dict[str, ShardSpec], keys: dict[str, str],
+                 moments: dict[str, dict], reader: Reader, listing: dict[str, dict]) -> None:
+    """Each parameter's moments (and fp32 main copy, where the source has one) as one flat range
+    covering the destination shard, computed when the streaming writer reaches it."""
+    entries, plan = [], {}
+    for n, p in params.items():
+        kinds = [*MOMENTS] + ([MAIN] if any(reader.has(q) for q in moments[MAIN][keys[n]].pieces) else [])
+        for m in kinds:
+            entries.append((f"{n}.{m}", torch.float32, (p.numel(),)))
+            plan[f"{n}.{m}"] = (n, m)
+        listing[n].setdefault("optim_shards", []).append(
+            {"file": path.name, "offsets": list(specs[n].offsets), "shape": list(p.shape), "flat": [0, p.numel()]})
+
+    def produce(key: str) -> torch.Tensor:
+        n, m = plan[key]
+        t = fill_flat(tuple(params[n].shape), specs[n], (0, params[n].numel()), moments[m][keys[n]], reader)
+        if t is None:
+            raise UserError(f"convert: optimizer state {m} of {n} is not covered by the source's ranges")
+        return t
+    write_streaming(path, entries, produce)

@@ -1,0 +1,77 @@
+"""`fivefold convert SRC DST [layout flags]`: a one-process checkpoint rewritten as TP2 x PP2 ranks
+write it (each file holds only its rank's shards), which loads back bit-exactly and resumes on the
+uninterrupted losses; a layout that changes the model is refused."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from _train_util import corpus, one_process_context, tiny_config
+from fivefold.checkpoint import io
+from fivefold.checkpoint.convert import write_streaming
+from fivefold.cli import main
+from fivefold.cli.train import prepare
+from fivefold.model import Decoder
+from fivefold.train.loop import train
+from test_moe import _one_thread
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    root = tmp_path_factory.mktemp("convert")
+    cfg = tiny_config(corpus(root / "corpus"), steps=4)
+    cfg.checkpoint.save_interval = 2
+    data_dir = prepare(cfg, root)
+    (root / "full").mkdir()
+    with _one_thread():
+        full = train(cfg, one_process_context(root / "full"), data_dir, progress=False)
+    return root, cfg, data_dir, full
+
+
+def test_convert_to_tp2_pp2_round_trips_and_resumes(saved, tmp_path):
+    root, cfg, data_dir, full = saved
+    src = root / "full" / "checkpoints" / "step_00000002"
+    dst = tmp_path / "tp2pp2"
+    assert main(["convert", str(src), str(dst), "--tensor-model-parallel-size", "2",
+                 "--pipeline-model-parallel-size", "2", "--world-size", "4"]) == 0
+    meta = json.loads((dst / "step_00000002" / "metadata.json").read_text())
+    assert meta["world_size"] == 4 and meta["config"]["parallel"]["tensor_model_parallel_size"] == 2
+    qkv = meta["params"]["layers.0.attn.q_proj.weight"]["shards"]
+    assert sorted(s["file"] for s in qkv) == ["model-00000.safetensors", "model-00001.safetensors"]  # stage 0, TP2
+    with safe_open(str(dst / "step_00000002" / "model-00002.safetensors"), framework="pt") as f:
+        assert not any(k.startswith("layers.0.") for k in f.keys())  # stage 1 holds layer 1 only
+    mine, theirs = Decoder(cfg.model), Decoder(cfg.model)
+    opt_a = torch.optim.AdamW(mine.parameters())
+    opt_b = torch.optim.AdamW(theirs.parameters())
+    io.load_checkpoint(dst, model=mine, optimizer=opt_a, rank=0, world_size=1)
+    io.load_checkpoint(src, model=theirs, optimizer=opt_b, rank=0, world_size=1)
+    for (n, a), b in zip(mine.named_parameters(), theirs.parameters()):
+        assert torch.equal(a, b), n
+        for m in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(opt_a.state[a][m], opt_b.state[b][m]), (n, m)
+    cfg.checkpoint.load = str(dst)
+    (tmp_path / "resumed").mkdir()
+    with _one_thread():
+        resumed = train(cfg, one_process_context(tmp_path / "resumed"), data_dir, progress=False)
+    assert resumed.losses == {s: full.losses[s] for s in (2, 3)}  # bit-exact: the same values
+
+
+def test_convert_refuses_another_model(saved, tmp_path, capsys):
+    root = saved[0]
+    assert main(["convert", str(root / "full" / "checkpoints"), str(tmp_path / "x"), "--num-layers", "3"]) == 2
+    assert "was saved from another model:\n  layers.2.attn_norm.weight is not in the checkpoint" in capsys.readouterr().err
+    assert main(["convert", str(root / "full" / "checkpoints"), str(tmp_path / "y"), "--num-layers", "1"]) == 2
+    assert "layers.1.attn_norm.weight is in the checkpoint but no rank of the destination layout holds it" \
+        in capsys.readouterr().err
+
+
+def test_streaming_writer_matches_safetensors(tmp_path):
+    tensors = {"a": torch.randn(3, 5), "b": torch.arange(7, dtype=torch.bfloat16), "c": torch.zeros(0)}
+    write_streaming(tmp_path / "s.safetensors", [(k, v.dtype, tuple(v.shape)) for k, v in tensors.items()],
+                    lambda k: tensors[k])
+    with safe_open(str(tmp_path / "s.safetensors"), framework="pt") as f:
+        for k, v in tensors.items():
+            assert torch.equal(f.get_tensor(k), v)
