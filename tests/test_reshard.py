@@ -86,3 +86,47 @@ def test_hf_folder_with_an_index_and_a_fused_tensor(tmp_path):
     load_params({"qkv": qkv, "norm": norm}, specs_of({"qkv": qkv, "norm": norm}, metas), source, "hf")
     assert torch.equal(qkv, torch.cat([q, k, v])[6:])
     assert torch.equal(norm, torch.ones(4))
+
+
+def _boxes(full_shape, dim, cuts):
+    """Blocks of a tensor of `full_shape` split along `dim` at `cuts`: [(offsets, shape)]."""
+    edges = [0, *cuts, full_shape[dim]]
+    out = []
+    for a, b in zip(edges, edges[1:]):
+        off = tuple(a if d == dim else 0 for d in range(len(full_shape)))
+        shp = tuple(b - a if d == dim else n for d, n in enumerate(full_shape))
+        out.append((off, shp))
+    return out
+
+
+def test_fill_flat_equals_slicing_the_full_tensor_for_random_layouts(tmp_path):
+    """Saved: split along a random dim, each block whole or as two flat ranges (ZeRO); wanted: a
+    random flat range of a block of another split. Both paths (one contiguous copy, and the
+    element-wise window) against slicing the full tensor."""
+    g = torch.Generator().manual_seed(0)
+    full = torch.randn(6, 5, generator=g)
+    for case in range(60):
+        r = lambda n: int(torch.randint(n, (), generator=g))  # noqa: E731
+        pieces = []
+        for i, (off, shp) in enumerate(_boxes((6, 5), r(2), sorted({1 + r(4), 1 + r(4)}))):
+            block = full[off[0]: off[0] + shp[0], off[1]: off[1] + shp[1]].contiguous()
+            n = block.numel()
+            if r(2):
+                cut = r(n + 1)
+                for j, (lo, hi) in enumerate(((0, cut), (cut, n))):
+                    f = tmp_path / f"c{case}-{i}-{j}.safetensors"
+                    save_file({"t": block.reshape(-1)[lo:hi].clone()}, str(f))
+                    pieces.append(Piece(f, "t", off, shp, (lo, hi)))
+            else:
+                f = tmp_path / f"c{case}-{i}.safetensors"
+                save_file({"t": block}, str(f))
+                pieces.append(Piece(f, "t", off, shp))
+        saved = Saved((6, 5), "torch.float32", tuple(pieces))
+        off, shp = _boxes((6, 5), r(2), [2])[r(2)]
+        n = shp[0] * shp[1]
+        lo = r(n)
+        hi = lo + 1 + r(n - lo)
+        with Reader() as reader:
+            got = fill_flat(shp, ShardSpec((6, 5), off), (lo, hi), saved, reader)
+        want = full[off[0]: off[0] + shp[0], off[1]: off[1] + shp[1]].reshape(-1)[lo:hi]
+        assert torch.equal(got, want), case

@@ -122,38 +122,71 @@ def _flat_index(box: tuple[int, ...], src: tuple[slice, ...]) -> torch.Tensor:
     return idx
 
 
+def _contiguous(box: tuple[int, ...], sub: tuple[slice, ...]) -> tuple[int, int] | None:
+    """[first, last + 1) flat index of sub-block `sub` of a block `box` when the sub-block is one
+    contiguous run of the flattened block (extent 1 before some dim, whole dims after it), else None."""
+    ext = [s.stop - s.start for s in sub]
+    k = 0
+    while k < len(box) - 1 and ext[k] == 1:
+        k += 1
+    if any(ext[d] != box[d] for d in range(k + 1, len(box))):
+        return None
+    first = sum(s.start * math.prod(box[d + 1:]) for d, s in enumerate(sub))
+    return first, first + math.prod(ext)
+
+
 def fill_flat(shape: tuple[int, ...], spec: ShardSpec, flat: tuple[int, int], saved: Saved,
               reader: Reader) -> torch.Tensor | None:
     """Elements [lo, hi) of the flattened destination block (at spec.offsets, of `shape`), fp32, or
-    None when the pieces do not cover them. A flat-saved piece is read only over the window of its
-    range that can meet the destination block; elements past the saved global shape are padding:
-    zero, not required."""
-    out = torch.zeros(shape)
-    have = torch.zeros(shape, dtype=torch.bool)
+    None when the pieces do not cover them. Where the overlap is one contiguous run in both blocks
+    (the same box, or boxes split along dim 0 only) it is one 1-D copy of the needed window;
+    otherwise a flat-saved piece is read only over the window of its range that can meet the
+    destination block. Elements past the saved global shape are padding: zero, not required."""
+    lo, hi = flat
+    out = torch.zeros(hi - lo)
+    have = torch.zeros(hi - lo, dtype=torch.bool)
     for piece in saved.pieces:
         where = overlap(spec.offsets, shape, piece.offsets, piece.shape)
         if where is None or not reader.has(piece):
             continue
         src, dst = where
+        plo, phi = piece.flat or (0, math.prod(piece.shape))
+        runs = _contiguous(piece.shape, src), _contiguous(shape, dst)
+        if runs[0] is not None and runs[1] is not None:  # overlap = src run [s0, ..) = dst run [d0, ..)
+            (s0, s1), (d0, _) = runs
+            a = max(s0, plo, lo - d0 + s0)  # in the piece's flat coordinates
+            b = min(s1, phi, hi - d0 + s0)
+            if a < b:
+                window = reader.read(piece, (slice(a - plo, b - plo),)) if piece.flat else \
+                    reader.read(piece, src).reshape(-1)[a - s0: b - s0]
+                out[a - s0 + d0 - lo: b - s0 + d0 - lo] = window.float()
+                have[a - s0 + d0 - lo: b - s0 + d0 - lo] = True
+            continue
+        block = torch.zeros(shape)
+        got = torch.zeros(shape, dtype=torch.bool)
         if piece.flat is None:
-            out[dst] = reader.read(piece, src).float()
-            have[dst] = True
-            continue
-        idx = _flat_index(piece.shape, src)  # (overlap block): where each element is in the piece
-        lo, hi = piece.flat
-        a, b = max(int(idx.min()), lo), min(int(idx.max()) + 1, hi)
-        if a >= b:
-            continue
-        window = reader.read(piece, (slice(a - lo, b - lo),)).float()  # only the bytes that can meet us
-        held = (idx >= a) & (idx < b)
-        values = window[(idx - a).clamp(0, b - a - 1)]
-        out[dst] = torch.where(held, values, out[dst])
-        have[dst] |= held
-    required = torch.zeros(shape, dtype=torch.bool)
-    required[inside(spec.offsets, shape, saved.global_shape)] = True
-    if not bool(have.view(-1)[flat[0]: flat[1]][required.view(-1)[flat[0]: flat[1]]].all()):
-        return None
-    return out.view(-1)[flat[0]: flat[1]].clone()
+            block[dst] = reader.read(piece, src).float()
+            got[dst] = True
+        else:
+            idx = _flat_index(piece.shape, src)  # (overlap block): where each element is in the piece
+            a, b = max(int(idx.min()), plo), min(int(idx.max()) + 1, phi)
+            if a >= b:
+                continue
+            window = reader.read(piece, (slice(a - plo, b - plo),)).float()  # only the bytes that can meet us
+            held = (idx >= a) & (idx < b)
+            block[dst] = torch.where(held, window[(idx - a).clamp(0, b - a - 1)], block[dst])
+            got[dst] = held
+        got = got.view(-1)[lo:hi]
+        out[got] = block.view(-1)[lo:hi][got]
+        have |= got
+    box = inside(spec.offsets, shape, saved.global_shape)
+    if all(s.stop - s.start == n for s, n in zip(box, shape)):
+        complete = bool(have.all())
+    else:  # vocabulary padding the checkpoint did not have: only the real rows are required
+        required = torch.zeros(shape, dtype=torch.bool)
+        required[box] = True
+        complete = bool(have[required.view(-1)[lo:hi]].all())
+    return out if complete else None
 
 
 def specs_of(tensors: Mapping[str, torch.Tensor], metas: Mapping[str, ParamMeta]) -> dict[str, ShardSpec]:
