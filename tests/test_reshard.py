@@ -130,3 +130,28 @@ def test_fill_flat_equals_slicing_the_full_tensor_for_random_layouts(tmp_path):
             got = fill_flat(shp, ShardSpec((6, 5), off), (lo, hi), saved, reader)
         want = full[off[0]: off[0] + shp[0], off[1]: off[1] + shp[1]].reshape(-1)[lo:hi]
         assert torch.equal(got, want), case
+
+
+def test_a_bf16_checkpoint_loads_fp32_weights_from_its_main_copies(tmp_path):
+    """A 16-bit run saves its fp32 main copies; an fp32 run loading it takes those, not the rounded
+    bf16 weights (and a run without main copies to read takes the bf16 values)."""
+    from torch import nn
+
+    from fivefold.checkpoint import io
+    from fivefold.checkpoint.optim_state import OptimShard
+
+    torch.manual_seed(0)
+    bf16 = nn.Linear(4, 3).to(torch.bfloat16)
+    mains = {n: p.detach().float() + 1e-4 * torch.randn(p.shape) for n, p in bf16.named_parameters()}
+    for m in mains.values():
+        m.grad = torch.ones_like(m)
+    opt = torch.optim.AdamW(list(mains.values()))
+    opt.step()
+    shards = [OptimShard(n, m, (0, m.numel())) for n, m in mains.items()]
+    io.save_checkpoint(tmp_path, 1, model=bf16, optimizer=opt, rank=0, writes_params=True, barrier=lambda: None,
+                       extra={"optimizer_step": 1, "world_size": 1}, optim_shards=shards)
+    fp32 = nn.Linear(4, 3)
+    io.load_checkpoint(tmp_path, model=fp32, optimizer=None, rank=0, world_size=1)
+    for n, p in fp32.named_parameters():
+        assert torch.equal(p, mains[n]), n
+        assert not torch.equal(p, dict(bf16.named_parameters())[n].float())  # the rounding was real
