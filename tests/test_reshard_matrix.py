@@ -59,6 +59,7 @@ def _config(data: Path, name: str):
     world, parallel, training = LAYOUTS[name]
     cfg = test_moe._config(data, world, parallel)
     cfg.training.train_iters = STEPS
+    cfg.training.global_batch_size = 4  # 4 microbatches of 1: enough for PP2 x VPP2, half test_moe's cost
     for k, v in training.items():
         setattr(cfg.training, k, v)
     return cfg
@@ -108,17 +109,15 @@ def test_resumes_on_the_uninterrupted_losses(runs, src, dst):
     if "bf16" in src:
         # bf16 -> fp32: the fp32 run takes the checkpoint's fp32 main weights and moments; its steps
         # then differ from the bf16 run's by bf16 rounding of activations and gradients: measured
-        # 3.0e-4 relative; bound 3e-3 (10x).
-        close(list(got.values()), want, rtol=3e-3, site="reshard.losses.bf16", case=f"{src}->{dst}")
+        # 3.7e-4 relative; bound 4e-3 (11x).
+        close(list(got.values()), want, rtol=4e-3, site="reshard.losses.bf16", case=f"{src}->{dst}")
         return
-    # fp32 layouts reorder sums (row-parallel partial sums, expert batches, reductions). Against the
-    # source layout's own steps: measured worst 6.7e-8 relative (tp2sp-ep2-etp1-z1 -> any); bound 1e-6
-    # (15x). Against the one-process run (the source's own drift included, as in test_moe): measured
-    # worst 9.4e-7 (same source); bound 1e-5 (10x).
+    # fp32 layouts reorder sums (row-parallel partial sums, expert batches, reductions), against the
+    # source layout's own steps and against the one-process run: measured worst 7.9e-8 relative
+    # (one -> tp2sp-ep2-etp1-z1, both); bound 1e-6 (12x).
     close(list(got.values()), want, rtol=1e-6, site="reshard.losses", case=f"{src}->{dst}")
-    close(list(got.values()), [runs["one"][s] for s in (2, 3)], rtol=1e-5, site="reshard.losses.ref",
+    close(list(got.values()), [runs["one"][s] for s in (2, 3)], rtol=1e-6, site="reshard.losses.ref",
           case=f"{src}->{dst}")
-
 
 def test_converted_offline_loads_as_the_original(runs):
     # `fivefold convert` copies values: the same losses, bit for bit, as loading the original
