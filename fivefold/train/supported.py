@@ -51,10 +51,6 @@ def _combinations(config: Config) -> list[str]:
               if size > 1]
     if config.training.num_distributed_optimizer_instances > 1 and config.model.is_moe:
         return ["HSDP (num_distributed_optimizer_instances > 1) with MoE (dense models run it)"]
-    zero3 = config.training.sharding_strategy == "optim_grads_params"
-    if zero3 and p.pipeline_model_parallel_size > 1:
-        return ["ZeRO-3 (data_parallel_sharding_strategy=optim_grads_params) with pipeline parallelism "
-                "(TP, SP, CP, EP and DP layouts run it; optim_grads, ZeRO-2, runs with PP)"]
     if config.training.compile and inside:
         return [f"training.compile=True with {', '.join(inside)} (compiled layers would trace the TP/CP/EP "
                 "collectives inside them; DP, ZeRO and PP layouts compile)"]
