@@ -54,9 +54,9 @@ def test_per_microbatch_reduce_scatter_equals_zero1_and_frees_buffers(workers):
     for rank, r in enumerate(workers(2).run(_reducers_rank)):
         for a, b in zip(r["zero2"]["shards"], r["zero1"]["shards"]):
             # Same sums, another order (per microbatch over ranks, then over microbatches): fp32 ulps.
-            # Measured worst 9.5e-7 absolute on gradients of O(1-10): 8% of the bound (12x); a lost
-            # microbatch is off by ~30%.
-            close(a, b, rtol=5e-6, atol=1e-6, site="zero2.reducer", case=f"rank {rank}")
+            # Measured worst over the CPU kernel settings (docs/tolerances.md) 1.9e-6 absolute / 3.7e-6
+            # relative on gradients of O(1-10): 7% of the bound (14x); a lost microbatch is off by ~30%.
+            close(a, b, rtol=1e-5, atol=2e-6, site="zero2.reducer", case=f"rank {rank}")
         assert r["zero2"]["rs_calls"] == MICROBATCHES * 4 and r["zero1"]["rs_calls"] == 4  # 4 buckets
         assert r["zero2"]["freed"]  # between steps only the 1/DP accumulators exist
         # During backward at most the bucket being filled and the one whose reduce-scatter is in

@@ -61,7 +61,7 @@ def prepare(config: Config, out: Path) -> Path:
     tok = make_tokenizer(config.data.tokenizer)
     data_dir = prepare_data(config.data, tok, out / "data", config.training.seed)
     meta = data_meta(data_dir)
-    if meta["kind"] == "tokens":
+    if meta["kind"] in ("tokens", "indexed"):
         if meta["max_id"] >= config.model.vocab_size:
             raise UserError(f"{config.data.path}: holds token id {meta['max_id']} >= model.vocab_size="
                             f"{config.model.vocab_size} (set model.vocab_size={meta['max_id'] + 1} or more)")

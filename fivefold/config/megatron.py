@@ -127,7 +127,10 @@ FLAGS: dict[str, Flag] = {
     "--distributed-timeout-minutes": _v("training.distributed_timeout_minutes"),
     "--distributed-timeout-seconds": Flag("training.distributed_timeout_seconds", ours=True),
     # data, checkpoint, logging
-    "--data-path": _v("data.path"),
+    "--data-path": Flag("data.path", LIST),
+    "--split": _v("data.split"),
+    "--tokenizer-type": _v("data.tokenizer_type"),
+    "--tokenizer-model": _v("data.tokenizer"),
     "--reset-position-ids": _on("data.reset_position_ids"),
     "--reset-attention-mask": _on("data.reset_attention_mask"),
     "--eod-mask-loss": _on("data.eod_mask_loss"),

@@ -269,9 +269,17 @@ class TrainingConfig:
 @dataclass(kw_only=True)
 class DataConfig:
     path: str | None = None
-    """A text file, a folder of files, a .jsonl, or a token file (.bin/.npy); None = Python's stdlib sources."""
+    """A text file, a folder of files, a .jsonl, a token file (.bin/.npy), a Megatron indexed dataset's
+    prefix (PREFIX.bin + PREFIX.idx), or a blend `0.3 PREFIX_A 0.7 PREFIX_B` (a YAML list is joined);
+    None = Python's stdlib sources."""
     format: str = "auto"
-    """auto, text, jsonl or tokens. Default auto (from the suffix)."""
+    """auto, text, jsonl, tokens or indexed. Default auto (from the path)."""
+    split: str | None = None
+    """Indexed datasets: Megatron's --split (train, validation, test proportions by sequence, e.g.
+    969,30,1); None = 1 - eval_fraction, eval_fraction, 0. Default None."""
+    tokenizer_type: str | None = None
+    """Megatron's --tokenizer-type: HuggingFaceTokenizer (data.tokenizer = its local folder); None = from
+    data.tokenizer. Default None."""
     jsonl_field: str = "text"
     """The JSONL field holding the text. Default text."""
     token_dtype: str = "uint16"

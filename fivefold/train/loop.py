@@ -15,7 +15,7 @@ from tqdm import tqdm
 
 from fivefold.checkpoint import io as ckpt
 from fivefold.config.schema import Config, to_dict
-from fivefold.data.dataset import DocumentDataset, PackedDataset, load_splits
+from fivefold.data.dataset import dataset_of, load_splits
 from fivefold.data.documents import document_rules
 from fivefold.data.loader import BatchLoader
 from fivefold.errors import UserError
@@ -50,16 +50,15 @@ class TrainResult:
 def _loaders(config: Config, ctx: RankContext, data_dir: Path) -> tuple[BatchLoader, BatchLoader | None]:
     d, t = config.data, config.training
     train_split, eval_split = load_splits(data_dir, d.eval_fraction)
-    make = PackedDataset if d.packing else DocumentDataset
     kw = dict(global_batch_size=t.global_batch_size, micro_batch_size=t.micro_batch_size,
               dp_rank=ctx.dp_rank, dp_size=ctx.dp_size, documents=document_rules(d, Path(data_dir)))
-    train_ds = make(train_split, t.seq_length)
+    train_ds = dataset_of(train_split, t.seq_length, d.packing)
     if len(train_ds) < ctx.dp_size:
         raise UserError(f"data: the training split has {len(train_ds)} samples of seq_length={t.seq_length}; "
                         f"need at least {ctx.dp_size} (give more data or a shorter training.seq_length)")
     eval_loader = None
     if t.eval_interval:
-        eval_ds = make(eval_split, t.seq_length)
+        eval_ds = dataset_of(eval_split, t.seq_length, d.packing)
         if len(eval_ds) < ctx.dp_size:
             raise UserError(f"data: the eval split has {len(eval_ds)} samples of seq_length={t.seq_length}; raise "
                             "data.eval_fraction or unset training.eval_interval")
