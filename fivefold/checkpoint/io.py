@@ -22,8 +22,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from fivefold.checkpoint.layout import (FORMAT, ShardSpec, complete_checkpoints, inside, overlap, resolve, step_dir,
-                                        whole)
+from fivefold.checkpoint.layout import (FORMAT, ShardSpec, complete_checkpoints, inside, overlap, resolve, source_name,
+                                        step_dir, whole)
 from fivefold.checkpoint.optim_state import OptimShard, ShardOf, load_optim, merge_listings, save_optim, whole_shards
 from fivefold.errors import UserError
 from fivefold.parallel.param_meta import named_metas
@@ -163,20 +163,39 @@ def _fits(saved: list[int], mine: list[int], real: int | None) -> bool:
     return saved == mine or (real is not None and saved[1:] == mine[1:] and min(saved[0], mine[0]) >= real)
 
 
-def check_fits(meta: dict, model: nn.Module, shard_of: ShardOf, where: Path) -> None:
-    """UserError listing every parameter whose global shape differs (beyond vocabulary padding), or
-    that is missing on either side."""
+PARAMETER_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+                    "kv_channels", "vocab_size", "normalization", "tie_word_embeddings", "multi_latent_attention",
+                    "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "num_experts",
+                    "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "moe_first_k_dense_layers")
+"""The model fields that decide which parameters the one-process model has and their shapes (the rest,
+e.g. norm epsilon, RoPE base, router and loss coefficients, change no parameter)."""
+
+
+def check_fits(meta: dict, model: nn.Module, shard_of: ShardOf, where: Path, model_config: dict | None = None) -> None:
+    """UserError listing every way the checkpoint holds another model: a parameter of this rank
+    missing from it or of another global shape (beyond vocabulary padding), or, given this run's
+    `model_config` (the canonical `model` section) and a checkpoint that stored its own, a
+    parameter-deciding field that differs. The checkpoint's parameters this rank does not hold are
+    another pipeline stage's (any layout loads any other): without `model_config` (or a checkpoint
+    without its config), they are compared by name, which only holds when this rank holds the whole
+    model."""
     saved = meta["params"]
     problems = []
+    theirs = meta.get("config", {}).get("model")
+    if model_config is not None and theirs is not None:  # first: they say why the shapes below differ
+        problems += [f"model.{f} is {theirs.get(f)!r} in the checkpoint, {model_config.get(f)!r} here"
+                     for f in PARAMETER_FIELDS if theirs.get(f) != model_config.get(f)]
+    else:
+        mine = {n for n, _ in model.named_parameters()}
+        problems += [f"{n} is in the checkpoint but not in this model" for n in saved if n not in mine]
     metas = named_metas(model)
     for name, p in model.named_parameters():
         g = list(shard_of(name, p).global_shape)
-        if name not in saved:
+        src = source_name(name, saved)
+        if src not in saved:
             problems.append(f"{name} is not in the checkpoint")
-        elif not _fits(saved[name]["global_shape"], g, metas[name].vocab_rows):
-            problems.append(f"{name} has shape {saved[name]['global_shape']} in the checkpoint, {g} in this model")
-    mine = {n for n, _ in model.named_parameters()}
-    problems += [f"{n} is in the checkpoint but not in this model" for n in saved if n not in mine]
+        elif not _fits(saved[src]["global_shape"], g, metas[name].vocab_rows):
+            problems.append(f"{name} has shape {saved[src]['global_shape']} in the checkpoint, {g} in this model")
     if problems:
         shown = "\n  ".join(problems[:8]) + (f"\n  ... and {len(problems) - 8} more" if len(problems) > 8 else "")
         raise UserError(f"checkpoint {where} was saved from another model:\n  {shown}\n"
@@ -206,19 +225,22 @@ def _assemble(folder: Path, entry: dict, key: str, out: torch.Tensor, spec: Shar
 
 def load_checkpoint(path: str | Path, *, model: nn.Module, optimizer: torch.optim.Optimizer | None, rank: int,
                     world_size: int, shard_of: ShardOf | None = None,
-                    optim_shards: list[OptimShard] | None = None) -> dict:
+                    optim_shards: list[OptimShard] | None = None, model_config: dict | None = None) -> dict:
     """Load parameters, AdamW moments (for `optim_shards`, default every parameter whole; any saved
-    sharding) and (same world size) this rank's RNG; returns the metadata."""
+    sharding) and (same world size) this rank's RNG; returns the metadata. `model_config`: this run's
+    canonical model section, which decides "another model" (`check_fits`) on a rank that holds part of
+    the model (a pipeline stage)."""
     folder, meta = read_metadata(path)
     shard_of = shard_of or placed_by_meta(model)
-    check_fits(meta, model, shard_of, folder)
+    check_fits(meta, model, shard_of, folder, model_config)
     if (folder / NONFINITE).exists() and rank == 0:
         print(f"warning: loading {folder}, whose parameters hold non-finite values (listed in its {NONFINITE})",
               file=sys.stderr, flush=True)
     with torch.no_grad():
         for name, p in model.named_parameters():
             spec = shard_of(name, p)
-            if not _assemble(folder, meta["params"][name], name, p.data, spec):
+            src = source_name(name, meta["params"])
+            if not _assemble(folder, meta["params"][src], src, p.data, spec):
                 raise UserError(f"checkpoint {folder}: its shards do not cover parameter {name}")
         if optimizer is not None and meta.get("optimizer_step"):
             load_optim(folder, meta, model, optimizer, whole_shards(model) if optim_shards is None else optim_shards,

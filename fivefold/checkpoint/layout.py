@@ -75,3 +75,16 @@ def resolve(path: str | Path) -> Path | None:
             return named
     found = complete_checkpoints(p)
     return found[-1] if found else None
+
+
+TIED = {"head.weight": "embedding.weight"}
+"""A pipeline's last stage holds its own copy of a tied output layer, `head.weight`; a one-process
+model ties it to the embedding, and its checkpoint has only `embedding.weight`."""
+
+
+def source_name(name: str, saved) -> str:
+    """The checkpoint entry parameter `name` is read from: itself, or the tied weight it copies (a
+    checkpoint without `head.weight` but with `embedding.weight` was saved from a tied model)."""
+    if name not in saved and TIED.get(name) in saved:
+        return TIED[name]
+    return name

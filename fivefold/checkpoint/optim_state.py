@@ -28,7 +28,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from fivefold.checkpoint.layout import ShardSpec, inside, overlap
+from fivefold.checkpoint.layout import ShardSpec, inside, overlap, source_name
 from fivefold.errors import UserError
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -134,16 +134,17 @@ def load_optim(folder: Path, meta: dict, model: nn.Module, optimizer, shards: li
     for s in shards:
         p = params[s.name]
         spec = shard_of(s.name, p)
+        src = source_name(s.name, meta["params"])  # a pipeline's tied head copy: the embedding's state
         state = {}
         for m in MOMENTS:
-            t = _assemble_range(folder, meta["params"][s.name], f"{s.name}.{m}", spec, tuple(p.shape), s.flat)
+            t = _assemble_range(folder, meta["params"][src], f"{src}.{m}", spec, tuple(p.shape), s.flat)
             if t is None:
                 raise UserError(f"checkpoint {folder}: optimizer state {m} of {s.name} is missing")
             state[m] = t.to(device=s.key.device, dtype=s.key.dtype).view_as(s.key)
         state["step"] = torch.tensor(float(meta["optimizer_step"]))
         optimizer.state[s.key] = state
         if _is_copy(s.key, p):
-            main = _assemble_range(folder, meta["params"][s.name], f"{s.name}.{MAIN}", spec, tuple(p.shape), s.flat)
+            main = _assemble_range(folder, meta["params"][src], f"{src}.{MAIN}", spec, tuple(p.shape), s.flat)
             if main is None:
                 main = p.detach().reshape(-1)[s.flat[0]: s.flat[1]]
             s.key.data.copy_(main.view_as(s.key))

@@ -115,7 +115,8 @@ def train(config: Config, ctx: RankContext, data_dir: Path, *, progress: bool = 
     if config.checkpoint.load:
         with dp.full_params(writes=True):
             meta = ckpt.load_checkpoint(config.checkpoint.load, model=model, optimizer=dp, rank=ctx.rank,
-                                        world_size=ctx.world_size, optim_shards=dp.optim_shards())
+                                        world_size=ctx.world_size, optim_shards=dp.optim_shards(),
+                                        model_config=to_dict(config)["model"])
         start = int(meta["data"]["next_step"])
         if dp.scaler is not None and "loss_scaler" in meta:
             dp.scaler.load_state_dict(meta["loss_scaler"])
