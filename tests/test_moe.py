@@ -25,7 +25,7 @@ from fivefold.runtime.mesh import Mesh
 from fivefold.topology import Layout
 from fivefold.train.context import RankContext
 from fivefold.train.loop import train
-from fivefold.train.worker import config_from_dict
+from fivefold.config.schema import config_from_dict
 
 STEPS, E, K, H = 3, 4, 2, 64
 

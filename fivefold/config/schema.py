@@ -343,6 +343,11 @@ SECTIONS = {name: type(section) for name, section in vars(Config()).items()}
 """Section name -> its dataclass."""
 
 
+def config_from_dict(d: dict) -> Config:
+    """The Config `to_dict` wrote (a run spec, a checkpoint's metadata)."""
+    return Config(**{name: cls(**d.get(name, {})) for name, cls in SECTIONS.items()})
+
+
 def to_dict(obj) -> dict:
     """Nested plain dict of a config (for YAML output and comparisons)."""
     if is_dataclass(obj):
