@@ -65,6 +65,10 @@ def prepare(config: Config, out: Path) -> Path:
         if meta["max_id"] >= config.model.vocab_size:
             raise UserError(f"{config.data.path}: holds token id {meta['max_id']} >= model.vocab_size="
                             f"{config.model.vocab_size} (set model.vocab_size={meta['max_id'] + 1} or more)")
+    elif config.checkpoint.load_hf:  # the model's vocabulary is the checkpoint's
+        if tok.vocab_size > config.model.vocab_size:
+            raise UserError(f"data.tokenizer has {tok.vocab_size} tokens, the model of checkpoint.load_hf "
+                            f"{config.model.vocab_size}: set data.tokenizer to that model's tokenizer folder")
     elif config.model.vocab_size != tok.vocab_size:
         print(f"note: model.vocab_size set to {tok.vocab_size} from the tokenizer", file=sys.stderr)
         config.model.vocab_size = tok.vocab_size

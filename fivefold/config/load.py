@@ -60,14 +60,32 @@ def load_config(path: str | None, words: list[str] = (), *, world_size: int | No
         if value is not None:
             set_value(config, dotted, value, explicit)
     _check_cluster(config, explicit)
+    warnings = _model_from_hf(config, explicit) if config.checkpoint.load_hf else []
     if "allocation_mode" in special:
         dialects.append(AREAL)
     dialect = combine(dialects)
     loaded = Loaded(config, dialect, explicit=explicit)
+    loaded.warnings += warnings
     if special:
         from fivefold.allocation import attach
         attach(loaded, special)
     return loaded
+
+
+def _model_from_hf(config: Config, explicit: set[str]) -> list:
+    """--load-hf DIR: the model section is the HF config.json's (our padding multiple stays); a model
+    field the user set to something else is replaced, with a warning."""
+    from dataclasses import fields
+
+    from fivefold.model.hf import config_from_hf  # torch: only for this key
+
+    hf = config_from_hf(config.checkpoint.load_hf)
+    hf.make_vocab_size_divisible_by = config.model.make_vocab_size_divisible_by
+    warnings = [Problem(f"model.{f.name}", getattr(config.model, f.name), f"checkpoint.load_hf's config.json says "
+                        f"{getattr(hf, f.name)!r}; this value is replaced", "drop it", "warning")
+                for f in fields(hf) if f"model.{f.name}" in explicit and getattr(config.model, f.name) != getattr(hf, f.name)]
+    config.model = hf
+    return warnings
 
 
 def is_file(path: str) -> bool:

@@ -311,6 +311,12 @@ class CheckpointConfig:
     """Checkpoint folder to resume from. Default None."""
     save_interval: int | None = None
     """Steps between saves; None = only at the end. Default None."""
+    load_hf: str | None = None
+    """A Hugging Face folder (config.json + safetensors) to start from, in any layout: weights only, a
+    fresh optimizer at step 0 (Megatron's --finetune); the model section is read from its config.json.
+    Default None."""
+    save_hf: str | None = None
+    """Also write the final model here as a Hugging Face folder (fivefold.model.hf_export). Default None."""
 
 
 @dataclass(kw_only=True)

@@ -222,6 +222,41 @@ def _read(by_file: dict[Path, list[str]], shapes: dict, cfg: ModelConfig) -> dic
     return out
 
 
+def read_hf_shards(model: torch.nn.Module, path: str | Path, cfg: ModelConfig) -> None:
+    """Fill every parameter of `model` (this rank's TP / EP / PP share of it, placed by its
+    ParamMeta) from the HF folder, reading only the rows and columns it holds (safetensors slices);
+    padded vocabulary rows zero."""
+    from safetensors import safe_open
+
+    from fivefold.checkpoint.io import placed_by_meta
+
+    d = _dir(path)
+    files = _weight_files(d)
+    shard_of = placed_by_meta(model)
+    shapes = _expected_shapes(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            theirs = hf_name(name, cfg)
+            if theirs not in files:
+                raise UserError(f"{d}: no tensor {theirs!r} (needed for our {name}); do config.json and the "
+                                "weights belong together?")
+            spec = shard_of(name, p)
+            full = shapes[name]
+            rows = [(o, min(o + n, g)) for o, n, g in zip(spec.offsets, p.shape, full)]  # padding is past g
+            try:
+                with safe_open(str(files[theirs]), framework="pt") as f:
+                    if list(f.get_slice(theirs).get_shape()) != list(full):
+                        raise UserError(f"{files[theirs]}: {theirs} has shape {f.get_slice(theirs).get_shape()}, "
+                                        f"config.json implies {list(full)}")
+                    part = f.get_slice(theirs)[tuple(slice(a, b) for a, b in rows)]
+            except UserError:
+                raise
+            except Exception as e:  # a damaged file: safetensors' own error types
+                raise UserError(f"{files[theirs]}: not a readable safetensors file ({e})") from e
+            p.zero_()
+            p[tuple(slice(0, b - a) for a, b in rows)].copy_(part)
+
+
 def load_hf(path: str | Path, **kw) -> Decoder:
     """Decoder(config_from_hf(path), **kw) with the checkpoint's weights (only the tensors the given
     layers / embedding / head need are read)."""

@@ -358,6 +358,14 @@ class DataParallel:
             stack.enter_context(s.full_params(writes))
         return stack
 
+    def reload_mains(self) -> None:
+        """After weights were written into the model (inside `full_params(writes=True)`): the main
+        parameters copy them (a fresh start from loaded weights, no optimizer state)."""
+        for d in self.domains:
+            mains = d.zero.mains if d.zero is not None else d.mains
+            if mains is not None:
+                mains.read_params()
+
     def held_tensors(self) -> list[torch.Tensor]:
         """Every tensor this mode allocated besides the model's parameters and AdamW's state: gradient
         buffers and accumulators, flat parameter buffers and chunks, main parameters (memory

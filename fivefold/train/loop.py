@@ -16,6 +16,8 @@ from tqdm import tqdm
 from fivefold.checkpoint import io as ckpt
 from fivefold.config.schema import Config, to_dict
 from fivefold.data.dataset import dataset_of, load_splits
+from fivefold.model.hf import read_hf_shards
+from fivefold.model.hf_export import export_hf
 from fivefold.data.documents import document_rules
 from fivefold.data.loader import BatchLoader
 from fivefold.errors import UserError
@@ -120,6 +122,10 @@ def train(config: Config, ctx: RankContext, data_dir: Path, *, progress: bool = 
         start = int(meta["data"]["next_step"])
         if dp.scaler is not None and "loss_scaler" in meta:
             dp.scaler.load_state_dict(meta["loss_scaler"])
+    elif config.checkpoint.load_hf:  # weights only: AdamW starts fresh at step 0 (Megatron's --finetune)
+        with dp.full_params(writes=True):
+            read_hf_shards(model, config.checkpoint.load_hf, config.model)
+        dp.reload_mains()
     save_root = Path(config.checkpoint.save or ctx.out_dir / "checkpoints")
     log = MetricsLog(ctx.out_dir, config.logging.tensorboard, resume_from=start) if ctx.is_main else None
     fpt = flops_per_token(config.model, t.seq_length)
@@ -173,6 +179,10 @@ def train(config: Config, ctx: RankContext, data_dir: Path, *, progress: bool = 
         if (interval and (step + 1) % interval == 0) or last:
             result.checkpoint = _save(config, ctx, save_root, step + 1, parts)
     bar.close()
+    if config.checkpoint.save_hf and result.checkpoint is not None:
+        if ctx.is_main:
+            export_hf(result.checkpoint, config.checkpoint.save_hf)
+        comm.barrier(ctx.world_group)  # every rank returns once the folder is complete
     result.optimizer_state_bytes = state_bytes(dp)
     steady = times[1:] or times  # the first step pays for warm-up (allocations, thread pools)
     result.tokens_per_s = sum(n for n, _ in steady) / max(1e-9, sum(dt for _, dt in steady))
