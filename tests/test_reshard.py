@@ -121,3 +121,31 @@ def test_another_model_is_named_by_its_config(runs):
     cfg.checkpoint.load = str(runs / "tp2dp2-zero1" / "checkpoints" / "step_00000002")
     with pytest.raises(UserError, match=r"model\.hidden_size is 64 in the checkpoint, 96 here"):
         train(cfg, one_process_context(runs / "other-model"), runs / "data", progress=False)
+
+
+def test_foreign_and_damaged_checkpoints_are_refused_with_the_way_through(runs, tmp_path):
+    from fivefold.checkpoint.io import load_checkpoint
+    from fivefold.model.decoder import Decoder
+
+    model = Decoder(_config(runs / "corpus", 1, {}, {}).model)
+    megatron = tmp_path / "megatron"  # a torch_dist save root
+    (megatron / "iter_0000100").mkdir(parents=True)
+    (megatron / "latest_checkpointed_iteration.txt").write_text("100")
+    (megatron / "iter_0000100" / ".metadata").write_bytes(b"\x80\x04pickle")
+    (megatron / "iter_0000100" / "__0_0.distcp").write_bytes(b"")
+    pickled = tmp_path / "hf-bin"
+    pickled.mkdir()
+    (pickled / "pytorch_model.bin").write_bytes(b"\x80\x04pickle")
+    for folder, says in ((megatron, "metadata is pickled.*--load-hf"), (pickled, "pickles.*safe_serialization")):
+        with pytest.raises(UserError, match=says):
+            load_checkpoint(folder, model=model, optimizer=None, rank=0, world_size=1)
+    import shutil
+    damaged = tmp_path / "damaged"
+    shutil.copytree(runs / "tp2dp2-zero1" / "checkpoints" / "step_00000002", damaged)
+    data = (damaged / "model-00000.safetensors").read_bytes()
+    (damaged / "model-00000.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(UserError, match="model-00000.safetensors is truncated or damaged"):
+        load_checkpoint(damaged, model=model, optimizer=None, rank=0, world_size=1)
+    (damaged / "model-00000.safetensors").unlink()
+    with pytest.raises(UserError, match="model-00000.safetensors is missing"):
+        load_checkpoint(damaged, model=model, optimizer=None, rank=0, world_size=1)

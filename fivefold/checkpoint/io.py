@@ -18,12 +18,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from fivefold.checkpoint.layout import (FORMAT, ShardSpec, complete_checkpoints, inside, overlap, resolve, source_name,
-                                        step_dir, whole)
+from fivefold.checkpoint.layout import (FORMAT, ShardSpec, complete_checkpoints, inside, open_shard, overlap, resolve,
+                                        source_name, step_dir, whole)
 from fivefold.checkpoint.optim_state import OptimShard, ShardOf, load_optim, merge_listings, save_optim, whole_shards
 from fivefold.errors import UserError
 from fivefold.parallel.param_meta import named_metas
@@ -152,8 +151,33 @@ def read_metadata(path: str | Path) -> tuple[Path, dict]:
     found = resolve(path)
     if found is None:
         raise UserError(f"--load {path}: no complete checkpoint there (a folder with metadata.json, or a root "
-                        "with step_* folders)")
-    return found, json.loads((found / "metadata.json").read_text())
+                        f"with step_* folders){foreign_format(Path(path))}")
+    try:
+        return found, json.loads((found / "metadata.json").read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"{found / 'metadata.json'}: not valid JSON ({e}); the checkpoint is damaged: load the one "
+                        "before it") from None
+
+
+def foreign_format(path: Path) -> str:
+    """Why a folder that is not ours cannot be loaded, and the way through, or ''."""
+    if not path.is_dir():
+        return ""
+    latest = path / "latest_checkpointed_iteration.txt"  # a Megatron-LM save root
+    inner = [path] + sorted(p for p in path.glob("iter_*") if p.is_dir())[-1:]
+    if latest.is_file() or any((p / ".metadata").is_file() or any(p.glob("*.distcp")) or any(p.glob("mp_rank_*"))
+                               for p in inner):
+        return ("; it is a Megatron-LM (torch_dist / legacy) or PyTorch DCP checkpoint, whose metadata is pickled, "
+                "and fivefold never unpickles files: convert it to a Hugging Face folder (Megatron-Bridge's "
+                "export, or Megatron's checkpoint converter) and start from it with --load-hf DIR")
+    pickled = sorted(p.name for p in path.glob("*.bin")) + sorted(p.name for p in path.glob("*.pt"))
+    if pickled:
+        return (f"; it holds {', '.join(pickled[:3])}, pickles (they can run code when loaded): re-save as "
+                "safetensors, e.g. a Hugging Face folder with save_pretrained(..., safe_serialization=True), "
+                "and start from it with --load-hf DIR")
+    if (path / "config.json").is_file():
+        return "; it looks like a Hugging Face folder: start from it with --load-hf DIR"
+    return ""
 
 
 def _fits(saved: list[int], mine: list[int], real: int | None) -> bool:
@@ -213,7 +237,7 @@ def _assemble(folder: Path, entry: dict, key: str, out: torch.Tensor, spec: Shar
         where = overlap(spec.offsets, out.shape, s["offsets"], s["shape"])
         if where is None:
             continue
-        with safe_open(str(folder / s["file"]), framework="pt") as f:
+        with open_shard(folder, s["file"]) as f:
             if key not in f.keys():
                 return False
             src = f.get_slice(key)[where[0]]
@@ -247,7 +271,7 @@ def load_checkpoint(path: str | Path, *, model: nn.Module, optimizer: torch.opti
                        shard_of)
     rng = folder / f"rng-{rank:05d}.safetensors"
     if meta.get("world_size") == world_size and rng.is_file():
-        with safe_open(str(rng), framework="pt") as f:
+        with open_shard(folder, rng.name) as f:
             torch.set_rng_state(f.get_tensor("torch_cpu"))
             if "torch_cuda" in f.keys() and torch.cuda.is_available():
                 torch.cuda.set_rng_state(f.get_tensor("torch_cuda"))

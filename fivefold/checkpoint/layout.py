@@ -12,8 +12,11 @@ run killed during a save leaves the previous checkpoint as `latest`.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path
+
+from fivefold.errors import UserError
 
 FORMAT = "fivefold-checkpoint-1"
 
@@ -88,3 +91,21 @@ def source_name(name: str, saved) -> str:
     if name not in saved and TIED.get(name) in saved:
         return TIED[name]
     return name
+
+
+@contextlib.contextmanager
+def open_shard(folder: Path, file: str):
+    """safetensors' safe_open on a checkpoint's file; UserError naming a missing or damaged one."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(folder / file), framework="pt") as f:
+            yield f
+    except FileNotFoundError:
+        raise UserError(f"checkpoint {folder}: {file} is missing (a rank's file; copy the whole checkpoint "
+                        "folder)") from None
+    except UserError:
+        raise
+    except Exception as e:  # noqa: BLE001 (safetensors' own errors for a truncated or damaged file)
+        raise UserError(f"checkpoint {folder}: {file} is truncated or damaged ({e}); load the checkpoint before "
+                        "it") from None

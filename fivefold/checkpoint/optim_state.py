@@ -25,10 +25,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from torch import nn
 
-from fivefold.checkpoint.layout import ShardSpec, inside, overlap, source_name
+from fivefold.checkpoint.layout import ShardSpec, inside, open_shard, overlap, source_name
 from fivefold.errors import UserError
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -110,7 +109,7 @@ def _assemble_range(folder: Path, entry: dict, key: str, spec: ShardSpec, shape:
         where = overlap(spec.offsets, shape, s["offsets"], s["shape"])
         if where is None:
             continue
-        with safe_open(str(folder / s["file"]), framework="pt") as f:
+        with open_shard(folder, s["file"]) as f:
             if key not in f.keys():
                 continue
             values = f.get_tensor(key).reshape(-1)
