@@ -65,7 +65,8 @@ def rng_state() -> dict[str, torch.Tensor]:
 def save_checkpoint(root: str | Path, step: int, *, model: nn.Module, optimizer: torch.optim.Optimizer,
                     rank: int, writes_params: bool, barrier: Callable[[], None], extra: dict,
                     shard_of: ShardOf | None = None, keep: int = 2,
-                    optim_shards: list[OptimShard] | None = None, writes_optim: bool | None = None) -> Path:
+                    optim_shards: list[OptimShard] | None = None, writes_optim: bool | None = None,
+                    defer: Callable[[dict, Path], None] | None = None) -> Path:
     """Write checkpoint `step` under `root` on every rank (collective: all ranks call it); returns its folder.
 
     `writes_params`: this rank writes its parameter shards (False on DP replicas > 0).
@@ -74,16 +75,20 @@ def save_checkpoint(root: str | Path, step: int, *, model: nn.Module, optimizer:
     `writes_optim`: this rank writes them (default `writes_params`; every rank under ZeRO-1).
     `extra`: JSON-able run state (data position, config) stored in metadata.json by rank 0.
     The `keep` newest complete checkpoints are kept; older ones are deleted after the new one lands.
+    `defer` (async save, fivefold.checkpoint.async_save): each tensor file is handed to it as host
+    copies instead of written, and the checkpoint is not committed: the caller writes the files, then
+    calls `commit_checkpoint` on every rank.
     """
     root = Path(root)
     shard_of = shard_of or placed_by_meta(model)
-    final, tmp = step_dir(root, step), root / f".tmp-{step_dir(root, step).name}"
+    final, tmp = step_dir(root, step), _tmp_dir(root, step)
+    write = _save if defer is None else (lambda tensors, path: defer(_host_copies(tensors), path))
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     barrier()
     tag = f"{rank:05d}"
-    _save(rng_state(), tmp / f"rng-{tag}.safetensors")
+    write(rng_state(), tmp / f"rng-{tag}.safetensors")
     if writes_params:
         params, shards = {}, {}
         for name, p in model.named_parameters():
@@ -91,19 +96,38 @@ def save_checkpoint(root: str | Path, step: int, *, model: nn.Module, optimizer:
             spec = shard_of(name, p)
             shards[name] = {"file": f"model-{tag}.safetensors", "offsets": list(spec.offsets),
                             "shape": list(p.shape), "global_shape": list(spec.global_shape), "dtype": str(p.dtype)}
-        _save(params, tmp / f"model-{tag}.safetensors")
+        write(params, tmp / f"model-{tag}.safetensors")
         (tmp / f"shards-{tag}.json").write_text(json.dumps(shards))
         bad = [name for name, p in params.items() if not bool(torch.isfinite(p).all())]
         if bad:
             (tmp / f"nonfinite-{tag}.json").write_text(json.dumps(bad))
     if writes_params if writes_optim is None else writes_optim:
         save_optim(tmp, tag, model, optimizer, whole_shards(model) if optim_shards is None else optim_shards,
-                   shard_of, _save)
+                   shard_of, write)
+    if defer is None:
+        commit_checkpoint(root, step, rank=rank, barrier=barrier, extra=extra, keep=keep)
+    return final
+
+
+def commit_checkpoint(root: str | Path, step: int, *, rank: int, barrier: Callable[[], None], extra: dict,
+                      keep: int = 2) -> Path:
+    """Once every rank's files of checkpoint `step` are written (collective): rank 0 writes the metadata
+    and renames the folder into place (`latest` names it from then on)."""
+    root = Path(root)
     barrier()
     if rank == 0:
-        _commit(root, tmp, final, step, extra, keep)
+        _commit(root, _tmp_dir(root, step), step_dir(root, step), step, extra, keep)
     barrier()
-    return final
+    return step_dir(root, step)
+
+
+def _tmp_dir(root: Path, step: int) -> Path:
+    return root / f".tmp-{step_dir(root, step).name}"
+
+
+def _host_copies(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Copies a background writer may hold while training changes the originals."""
+    return {k: v.detach().to("cpu", copy=True) for k, v in tensors.items()}
 
 
 def _commit(root: Path, tmp: Path, final: Path, step: int, extra: dict, keep: int) -> None:

@@ -137,6 +137,7 @@ FLAGS: dict[str, Flag] = {
     "--save": _v("checkpoint.save"),
     "--load": _v("checkpoint.load"),
     "--save-interval": _v("checkpoint.save_interval"),
+    "--async-save": _on("checkpoint.async_save"),
     "--load-hf": Flag("checkpoint.load_hf", ours=True),
     "--save-hf": Flag("checkpoint.save_hf", ours=True),
     "--log-interval": _v("logging.log_interval"),

@@ -311,6 +311,9 @@ class CheckpointConfig:
     """Checkpoint folder to resume from. Default None."""
     save_interval: int | None = None
     """Steps between saves; None = only at the end. Default None."""
+    async_save: bool = False
+    """Write checkpoints from a background thread while training goes on (Megatron's --async-save;
+    fivefold.checkpoint.async_save): committed at the next save or the end. Default False."""
     load_hf: str | None = None
     """A Hugging Face folder (config.json + safetensors) to start from, in any layout: weights only, a
     fresh optimizer at step 0 (Megatron's --finetune); the model section is read from its config.json.

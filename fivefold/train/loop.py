@@ -15,6 +15,7 @@ from tqdm import tqdm
 
 from fivefold.checkpoint import io as ckpt
 from fivefold.config.schema import Config, to_dict
+from fivefold.checkpoint.async_save import AsyncSaver
 from fivefold.data.dataset import dataset_of, load_splits
 from fivefold.model.hf import read_hf_shards
 from fivefold.model.hf_export import export_hf
@@ -68,19 +69,20 @@ def _loaders(config: Config, ctx: RankContext, data_dir: Path) -> tuple[BatchLoa
     return BatchLoader(train_ds, seed=t.seed, **kw), eval_loader
 
 
-def _save(config: Config, ctx: RankContext, root: Path, step: int, parts: Parts) -> Path:
+def _save(config: Config, ctx: RankContext, root: Path, step: int, parts: Parts, saver: AsyncSaver | None) -> Path:
     # DP x CP replica 0 writes the dense parameters, EDP replica 0 the experts it holds; a rank that
     # is one but not the other writes copies equal to the owner's, which the checkpoint lists once.
     writes = ctx.dp_group.rank == 0 or (config.model.is_moe and ctx.mesh.edp.rank == 0)
     dp = parts.dp
-    with dp.full_params():  # ZeRO-3: the parameters whole while they are written
-        return ckpt.save_checkpoint(
-            root, step, model=parts.model, optimizer=dp, rank=ctx.rank, writes_params=writes,
-            optim_shards=dp.optim_shards(), writes_optim=dp.shards_state or writes,
-            barrier=lambda: comm.barrier(ctx.world_group),
-            extra={"optimizer_step": step, "world_size": ctx.world_size, "data": {"next_step": step,
-                   "consumed_samples": step * config.training.global_batch_size}, "config": to_dict(config),
-                   **({"loss_scaler": dp.scaler.state_dict()} if dp.scaler is not None else {})})
+    extra = {"optimizer_step": step, "world_size": ctx.world_size, "data": {"next_step": step,
+             "consumed_samples": step * config.training.global_batch_size}, "config": to_dict(config),
+             **({"loss_scaler": dp.scaler.state_dict()} if dp.scaler is not None else {})}
+    kw = dict(model=parts.model, optimizer=dp, writes_params=writes, optim_shards=dp.optim_shards(),
+              writes_optim=dp.shards_state or writes, extra=extra)
+    with dp.full_params():  # ZeRO-3: the parameters whole while they are written (async: copied)
+        if saver is not None:
+            return saver.save(root, step, **kw)
+        return ckpt.save_checkpoint(root, step, rank=ctx.rank, barrier=lambda: comm.barrier(ctx.world_group), **kw)
 
 
 def _step(config: Config, ctx: RankContext, step: int, parts: Parts, train_loader):
@@ -127,6 +129,7 @@ def train(config: Config, ctx: RankContext, data_dir: Path, *, progress: bool = 
             read_hf_shards(model, config.checkpoint.load_hf, config.model)
         dp.reload_mains()
     save_root = Path(config.checkpoint.save or ctx.out_dir / "checkpoints")
+    saver = AsyncSaver(ctx.rank, lambda: comm.barrier(ctx.world_group)) if config.checkpoint.async_save else None
     log = MetricsLog(ctx.out_dir, config.logging.tensorboard, resume_from=start) if ctx.is_main else None
     fpt = flops_per_token(config.model, t.seq_length)
     result = TrainResult()
@@ -171,14 +174,18 @@ def train(config: Config, ctx: RankContext, data_dir: Path, *, progress: bool = 
             log.write(record)
         if stops:  # before this step's checkpoint: the last one written stays the last good one
             bar.close()
+            if saver is not None:
+                saver.finish()
             raise nonfinite_error(step, r.loss, r.grad_norm, model, ctx.world_group,
                                   result.checkpoint or config.checkpoint.load)
         bar.set_postfix(loss=f"{r.loss:.4f}", lr=f"{record['lr']:.2e}", tok_s=f"{record['tokens_per_s']:.0f}")
         bar.update(1)
         interval = config.checkpoint.save_interval
         if (interval and (step + 1) % interval == 0) or last:
-            result.checkpoint = _save(config, ctx, save_root, step + 1, parts)
+            result.checkpoint = _save(config, ctx, save_root, step + 1, parts, saver)
     bar.close()
+    if saver is not None:
+        saver.finish()  # the last checkpoint committed before anything reads it
     if config.checkpoint.save_hf and result.checkpoint is not None:
         if ctx.is_main:
             export_hf(result.checkpoint, config.checkpoint.save_hf)
