@@ -1,6 +1,6 @@
 """Hugging Face export (`fivefold export`): a checkpoint of any layout -> a save_pretrained folder that
 `transformers` loads with logits equal to ours; HF -> import -> export gives back the same tensors, bit
-for bit (Llama untied and tied, Mixtral, dense DeepSeek-V3)."""
+for bit (Llama untied and tied, Qwen2, Qwen3, Mixtral, dense DeepSeek-V3)."""
 from __future__ import annotations
 
 import warnings
@@ -29,6 +29,8 @@ def _hf_models():
     return {
         "llama": transformers.LlamaConfig(**small, num_key_value_heads=2),
         "llama-tied": transformers.LlamaConfig(**small, num_key_value_heads=2, tie_word_embeddings=True),
+        "qwen2": transformers.Qwen2Config(**small, num_key_value_heads=2, use_sliding_window=False),
+        "qwen3": transformers.Qwen3Config(**small, num_key_value_heads=2, head_dim=32, use_sliding_window=False),
         "mixtral": transformers.MixtralConfig(**small, num_key_value_heads=2, num_local_experts=4,
                                               num_experts_per_tok=2),
         "deepseek-v3-dense": transformers.DeepseekV3Config(**small, num_key_value_heads=4, q_lora_rank=32,

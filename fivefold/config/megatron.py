@@ -68,6 +68,8 @@ FLAGS: dict[str, Flag] = {
     "--rotary-base": _v("model.rotary_base"),
     "--untie-embeddings-and-output-weights": _on("model.tie_word_embeddings", False),
     "--init-method-std": _v("model.init_method_std"),
+    "--add-qkv-bias": _on("model.add_qkv_bias"),
+    "--qk-layernorm": _on("model.qk_layernorm"),
     "--multi-latent-attention": _on("model.multi_latent_attention"),
     "--q-lora-rank": _v("model.q_lora_rank"),
     "--kv-lora-rank": _v("model.kv_lora_rank"),

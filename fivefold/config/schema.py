@@ -100,6 +100,10 @@ class ModelConfig:
     init_method_std: float = 0.02
     """Std of the normal weight initialisation. Default 0.02."""
     # Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2, Moonlight).
+    add_qkv_bias: bool = False
+    """Biases on the query, key and value projections (Qwen2; Megatron's --add-qkv-bias). Default False."""
+    qk_layernorm: bool = False
+    """Normalise queries and keys per head before RoPE (Qwen3; Megatron's --qk-layernorm). Default False."""
     multi_latent_attention: bool = False
     """MLA instead of GQA. Default False."""
     q_lora_rank: int | None = None

@@ -11,7 +11,7 @@ same tensors, bit for bit) and written in the checkpoint's dtype, one tensor at 
 output shard (at most `max_shard_bytes`) and one parameter. A tied output layer is not written (HF ties
 it to `model.embed_tokens.weight`).
 
-Families: Llama (RMSNorm, SwiGLU, RoPE, no biases), Mixtral (its MoE layers: softmax router, top-k
+Families: Llama (RMSNorm, SwiGLU, RoPE, no biases), Qwen2 (QKV biases), Qwen3 (q / k norms), Mixtral (its MoE layers: softmax router, top-k
 renormalised, no shared expert, every layer MoE) and dense DeepSeek-V3 (MLA) — the ones `load_hf`
 imports. Anything else is refused naming what HF's config could not say.
 """
@@ -60,6 +60,14 @@ def hf_config(cfg: ModelConfig, dtype: torch.dtype) -> dict:
                 "first_k_dense_replace": cfg.num_layers, "n_shared_experts": 1, "num_experts_per_tok": 1,
                 "moe_intermediate_size": cfg.ffn_size, "rms_norm_eps": cfg.norm_epsilon}
     out.update(num_key_value_heads=cfg.num_query_groups or cfg.num_attention_heads, head_dim=cfg.head_dim)
+    if cfg.add_qkv_bias or cfg.qk_layernorm:
+        if cfg.is_moe or (cfg.add_qkv_bias and cfg.qk_layernorm):
+            raise NotImplementedYet("Hugging Face export of QKV biases with q/k norms or with MoE (Qwen2: biases, "
+                                    "Qwen3: q/k norms, dense)")
+        kind, arch = ("qwen2", "Qwen2ForCausalLM") if cfg.add_qkv_bias else ("qwen3", "Qwen3ForCausalLM")
+        out.pop("attention_bias")
+        return {**out, "model_type": kind, "architectures": [arch], "use_sliding_window": False,
+                **({"attention_bias": False} if kind == "qwen3" else {})}
     if not cfg.is_moe:
         return {**out, "model_type": "llama", "architectures": ["LlamaForCausalLM"], "mlp_bias": False}
     if (cfg.moe_shared_expert_intermediate_size or cfg.moe_first_k_dense_layers
