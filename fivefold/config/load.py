@@ -54,7 +54,8 @@ def load_config(path: str | None, words: list[str] = (), *, world_size: int | No
                 raise UserError(f"{p}: {e} (a .txt config is one shell-like command line)") from None
         else:
             _apply_yaml(config, p, text, explicit, dialects, special)
-    _apply_words(config, words, explicit, dialects, special)
+    notes: list[Problem] = []
+    _apply_words(config, words, explicit, dialects, special, notes)
     for dotted, value in (("cluster.world_size", world_size), ("cluster.num_nodes", nodes),
                           ("cluster.gpus_per_node", gpus_per_node)):
         if value is not None:
@@ -65,7 +66,7 @@ def load_config(path: str | None, words: list[str] = (), *, world_size: int | No
         dialects.append(AREAL)
     dialect = combine(dialects)
     loaded = Loaded(config, dialect, explicit=explicit)
-    loaded.warnings += warnings
+    loaded.warnings += notes + warnings
     if special:
         from fivefold.allocation import attach
         attach(loaded, special)
@@ -205,7 +206,8 @@ def _apply_yaml(config: Config, p: Path, text: str, explicit: set, dialects: lis
         set_value(config, dotted, value, explicit)
 
 
-def _apply_words(config: Config, words: list[str], explicit: set, dialects: list, special: dict) -> None:
+def _apply_words(config: Config, words: list[str], explicit: set, dialects: list, special: dict,
+                 notes: list[Problem]) -> None:
     words = _strip_launcher(config, words, explicit)
     i = 0
     while i < len(words):
@@ -213,9 +215,12 @@ def _apply_words(config: Config, words: list[str], explicit: set, dialects: list
             j = i + 1
             while j < len(words) and (is_flag(words[j]) or "=" not in words[j]):
                 j += 1
-            pairs, megatron = parse_flags(words[i:j])
+            pairs, megatron, taken = parse_flags(words[i:j])
             if megatron:
                 dialects.append(MEGATRON)
+            if taken:
+                notes.append(Problem("megatron flags", len(taken), "accepted without effect here: "
+                                     + "; ".join(taken), "nothing to do", "warning"))
             for _, dotted, value in pairs:
                 set_value(config, dotted, value, explicit)
             i = j
