@@ -185,6 +185,18 @@ class TrainingConfig:
     """Peak learning rate. Default 1e-3."""
     min_lr: float = 0.0
     """Floor of the decay. Default 0."""
+    train_samples: int | None = None
+    """Megatron's --train-samples: train for this many samples (train_iters = train_samples // global batch)
+    and run the schedule in samples. Default None (iterations)."""
+    lr_decay_iters: int | None = None
+    """Steps over which the LR decays to min_lr (Megatron's --lr-decay-iters). Default None = train_iters."""
+    lr_decay_samples: int | None = None
+    """The same in samples (--lr-decay-samples, with train_samples). Default None = train_samples."""
+    lr_warmup_samples: int = 0
+    """Warm-up in samples (--lr-warmup-samples, with train_samples). Default 0."""
+    lr_warmup_fraction: float | None = None
+    """Warm-up as a fraction of the decay span (--lr-warmup-fraction); overrides the other warm-ups.
+    Default None."""
     lr_warmup_iters: int = 0
     """Linear warm-up steps. Default 0."""
     lr_decay_style: str = "cosine"

@@ -54,6 +54,8 @@ def validate(config: Config, dialect: str = "fivefold", *, raise_errors: bool = 
     if not broken:
         warnings += _soft_warnings(s)
         _write_back(config, s)
+        if config.training.train_samples is not None:  # Megatron: train_iters = train_samples // global batch
+            config.training.train_iters = config.training.train_samples // config.training.global_batch_size
     if problems and raise_errors:
         raise ConfigError(problems + warnings)
     return problems + warnings
