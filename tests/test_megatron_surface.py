@@ -41,7 +41,7 @@ def test_llama3_8b_fp8_script_refuses_only_what_is_not_built():
              "--exit-duration-in-mins 235 --fp8-format hybrid --fp8-amax-history-len 1024 --fp8-amax-compute-algo max "
              "--fp8-param-gather --tensor-model-parallel-size 2 --context-parallel-size 1 --sequence-parallel "
              "--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather --mock-data "
-             "--tokenizer-type NullTokenizer --vocab-size 128256 --data-cache-path /tmp/cache --split 99,1,0 "
+             "--tokenizer-type NullTokenizer --vocab-size 128256 --data-cache-path cache --split 99,1,0 "
              "--no-create-attention-mask-in-dataloader --no-mmap-bin-files --num-workers 1 --log-interval 1 "
              "--eval-iters 32").split()
     with pytest.raises(NotImplementedYet) as e:
