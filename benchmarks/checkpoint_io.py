@@ -75,11 +75,11 @@ def _rank(rank: int, world: int, folder: str, repeats: int) -> dict:
     def ours_load(i):
         io.load_checkpoint(root / "ours", model=model, optimizer=opt, rank=rank, world_size=world)
 
-    saver = AsyncSaver(rank=rank, barrier=barrier, all_ok=lambda ok: ok)
+    saver = AsyncSaver(rank, barrier)
 
     def ours_async_start(i):
-        saver.start(root / "async", i, extra={"optimizer_step": 1, "world_size": world}, keep=1, model=model,
-                    optimizer=opt, writes_params=mesh.dp.rank == 0)
+        saver.save(root / "async", i, extra={"optimizer_step": 1, "world_size": world}, keep=1, model=model,
+                   optimizer=opt, writes_params=mesh.dp.rank == 0)
 
     def flat_state():
         names = {id(p): n for n, p in model.named_parameters()}

@@ -104,6 +104,9 @@ CASES = [
     Case("TP2 SP x DP2 mbs1 GA2 bf16 ZeRO-3", 4, 1, 4, parallel={"tensor_model_parallel_size": 2,
                                                                  "sequence_parallel": True},
          training={"precision": "bf16", "data_parallel_sharding_strategy": "optim_grads_params"}),
+    Case("PP2 x DP2 mbs1 GA2 ZeRO-3 tied", 4, 1, 4, model={"tie_word_embeddings": True},
+         parallel={"pipeline_model_parallel_size": 2},
+         training={"data_parallel_sharding_strategy": "optim_grads_params"}),
 ]
 
 

@@ -1,118 +1,102 @@
-"""--async-save: the loop goes on while a background thread writes; the checkpoints and the losses
-are a synchronous run's; a kill while the thread writes a file leaves the previous checkpoint as
-`latest`, loadable, resuming on the uninterrupted losses."""
+"""Asynchronous checkpoint saves (--async-save): the same checkpoints as synchronous saves, training
+goes on while the writer runs, and a job killed while its writer is mid-file keeps the previous
+checkpoint as `latest`, loadable."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
-import threading
+import time
+from pathlib import Path
 
-import pytest
+import torch
+from safetensors.torch import load_file
 
 from _train_util import corpus, one_process_context, tiny_config
-from fivefold.checkpoint import io
-from fivefold.checkpoint.layout import resolve
+from fivefold.checkpoint.io import load_checkpoint, read_metadata
 from fivefold.cli.train import prepare
+from fivefold.config.load import load_config
 from fivefold.config.schema import to_dict
-from fivefold.runtime import heartbeat
+from fivefold.model.decoder import Decoder
 from fivefold.train.loop import train
-from test_moe import _one_thread
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    with _one_thread():  # as every worker rank: default threads ran these runs 15x slower on 2 shared cores (measured)
-        yield
-
-
-def _cfg(tmp_path, **ckpt):
+def _config(tmp_path, **checkpoint):
     cfg = tiny_config(corpus(tmp_path / "corpus"), steps=4)
-    cfg.checkpoint.save_interval = 2
-    for k, v in ckpt.items():
+    cfg.checkpoint.save_interval = 1
+    for k, v in checkpoint.items():
         setattr(cfg.checkpoint, k, v)
     return cfg
 
 
-def test_async_save_overlaps_the_next_steps_and_equals_sync(tmp_path, monkeypatch):
-    cfg = _cfg(tmp_path)
-    data_dir = prepare(cfg, tmp_path)
-    (tmp_path / "sync").mkdir()
-    sync = train(cfg, one_process_context(tmp_path / "sync"), data_dir, progress=False)
-    step3 = threading.Event()
-    seen = []
-    real_at_step, real_save = heartbeat.at_step, io._save
-
-    def at_step(step):
-        if step == 3:
-            step3.set()
-        real_at_step(step)
-
-    def slow_save(tensors, path):  # step 2's files wait until the loop has started step 3
-        if "step_00000002" in str(path):
-            seen.append(step3.wait(timeout=60))
-        real_save(tensors, path)
-    monkeypatch.setattr(heartbeat, "at_step", at_step)
-    monkeypatch.setattr(io, "_save", slow_save)
-    cfg.checkpoint.async_save = True
-    (tmp_path / "async").mkdir()
-    result = train(cfg, one_process_context(tmp_path / "async"), data_dir, progress=False)
-    assert seen and all(seen)  # the loop ran step 3 while step 2's files were being written
-    assert result.losses == sync.losses
-    assert result.checkpoint == tmp_path / "async" / "checkpoints" / "step_00000004"
-    for step in ("step_00000002", "step_00000004"):
-        for f in sorted((tmp_path / "sync" / "checkpoints" / step).glob("*.safetensors")):
-            if not f.name.startswith("rng"):
-                assert (tmp_path / "async" / "checkpoints" / step / f.name).read_bytes() == f.read_bytes()
+def test_async_checkpoints_equal_sync_ones(tmp_path):
+    assert load_config(None, ["--async-save"]).config.checkpoint.async_save  # Megatron's flag
+    runs = {}
+    for name, async_save in (("sync", False), ("async", True)):
+        cfg = _config(tmp_path, async_save=async_save)
+        data_dir = prepare(cfg, tmp_path)
+        (tmp_path / name).mkdir()
+        runs[name] = train(cfg, one_process_context(tmp_path / name), data_dir, progress=False)
+    assert runs["async"].losses == runs["sync"].losses
+    for step in (3, 4):  # the two kept; each committed with its metadata
+        a, s = (tmp_path / n / "checkpoints" / f"step_{step:08d}" for n in ("async", "sync"))
+        for file in ("model-00000.safetensors", "optim-00000.safetensors"):
+            got, want = load_file(str(a / file)), load_file(str(s / file))
+            assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+        assert read_metadata(a)[1]["params"] == read_metadata(s)[1]["params"]
+    assert (tmp_path / "async" / "checkpoints" / "latest").read_text() == "step_00000004"
 
 
-KILLED_RUN = """
-import os, signal, sys
-import torch
-torch.set_num_threads(1)
+_KILLED_RUN = r"""
+import json, sys, time
 from pathlib import Path
 from safetensors.torch import save
-from fivefold.checkpoint import io
+import fivefold.checkpoint.async_save as async_save
+from fivefold.config.schema import config_from_dict
 from fivefold.train.context import RankContext
 from fivefold.train.loop import train
-from fivefold.train.worker import config_from_dict
-import json
 
-def half_then_die(tensors, path):
-    if "step_00000004" in str(path) and path.name.startswith("model"):
+spec = json.loads(sys.argv[1])
+real = async_save._save
+def stuck_mid_file(tensors, path):  # the writer of checkpoint 2 dies half way through its model file
+    if path.parent.name == ".tmp-step_00000002" and path.name.startswith("model-"):
         data = save({k: v.contiguous() for k, v in tensors.items()})
-        with open(path, "wb") as f:
-            f.write(data[: len(data) // 2])
-            f.flush()
-            os.fsync(f.fileno())
-        os.kill(os.getpid(), signal.SIGKILL)  # the writer thread kills the run mid-file
+        path.write_bytes(data[: len(data) // 2])
+        Path(spec["marker"]).touch()
+        time.sleep(600)
     real(tensors, path)
-
-real = io._save
-io._save = half_then_die
-spec = json.loads(Path(sys.argv[1]).read_text())
+async_save._save = stuck_mid_file
 train(config_from_dict(spec["config"]), RankContext.single(Path(spec["out"])), Path(spec["data"]), progress=False)
 """
 
 
-def test_kill_mid_file_leaves_the_previous_checkpoint_latest_and_loadable(tmp_path):
-    cfg = _cfg(tmp_path, async_save=True)
+def test_a_kill_while_the_writer_is_mid_file_leaves_the_previous_checkpoint(tmp_path):
+    cfg = _config(tmp_path, async_save=True)
     data_dir = prepare(cfg, tmp_path)
-    (tmp_path / "killed").mkdir()
-    spec = tmp_path / "spec.json"
-    spec.write_text(json.dumps({"config": to_dict(cfg), "out": str(tmp_path / "killed"), "data": str(data_dir)}))
-    run = subprocess.run([sys.executable, "-c", KILLED_RUN, str(spec)], capture_output=True, text=True, timeout=300)
-    assert run.returncode == -signal.SIGKILL, run.stderr[-2000:]
-    root = tmp_path / "killed" / "checkpoints"
-    partial = root / ".tmp-step_00000004" / "model-00000.safetensors"
-    assert partial.is_file() and partial.stat().st_size > 0  # killed mid-file
-    assert (root / "latest").read_text() == "step_00000002" and resolve(root) == root / "step_00000002"
-    cfg.checkpoint.async_save = False
-    cfg.checkpoint.load = str(root)
-    (tmp_path / "resumed").mkdir()
-    resumed = train(cfg, one_process_context(tmp_path / "resumed"), data_dir, progress=False)
-    cfg.checkpoint.load = None
-    (tmp_path / "full").mkdir()
-    full = train(cfg, one_process_context(tmp_path / "full"), data_dir, progress=False)
-    assert resumed.losses == {s: full.losses[s] for s in (2, 3)}  # bit-exact: same layout
+    out, marker = tmp_path / "run", tmp_path / "writer-stuck"
+    out.mkdir()
+    spec = {"config": to_dict(cfg), "out": str(out), "data": str(data_dir), "marker": str(marker)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.Popen([sys.executable, "-c", _KILLED_RUN, json.dumps(spec)], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert marker.exists(), proc.stderr.read().decode()[-2000:] if proc.poll() is not None else "no writer started"
+    # training goes on while the writer is stuck: step 3 (index 2) runs and is logged, then its save
+    # waits for the writer
+    while len((out / "metrics.jsonl").read_text().splitlines()) < 3 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 3
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    root = out / "checkpoints"
+    assert (root / "latest").read_text() == "step_00000001"
+    assert (root / ".tmp-step_00000002").is_dir() and not (root / "step_00000002").exists()
+    model = Decoder(cfg.model)
+    meta = load_checkpoint(root, model=model, optimizer=None, rank=0, world_size=1)
+    assert meta["step"] == 1

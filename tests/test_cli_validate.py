@@ -71,3 +71,12 @@ def test_every_unknown_megatron_flag_is_named_at_once():
     for name, hint in (("--tensor-model-paralel-size", "--tensor-model-parallel-size"), ("--frobnicate", None),
                        ("--seq-lenght", "--seq-length")):
         assert name in msg and (hint is None or hint in msg), msg
+
+
+@pytest.mark.parametrize("config", ["examples/multi_model.yaml", "examples/areal_allocation.txt"])
+def test_train_refuses_several_models_before_any_rank_starts(config, capsys, tmp_path):
+    """`train` runs one model; a config naming several is refused (exit 2), never trained in part."""
+    assert main(["train", config, "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "several models" in err and "not implemented yet" in err
+    assert not (tmp_path / "out").exists()  # nothing started, nothing written

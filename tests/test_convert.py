@@ -62,11 +62,7 @@ def test_convert_to_tp2_pp2_round_trips_and_resumes(saved, tmp_path):
 def test_convert_refuses_another_model(saved, tmp_path, capsys):
     root = saved[0]
     assert main(["convert", str(root / "full" / "checkpoints"), str(tmp_path / "x"), "--num-layers", "3"]) == 2
-    assert "was saved from another model:\n  layers.2.attn_norm.weight is not in the checkpoint" in capsys.readouterr().err
-    assert main(["convert", str(root / "full" / "checkpoints"), str(tmp_path / "y"), "--num-layers", "1"]) == 2
-    assert "layers.1.attn_norm.weight is in the checkpoint but no rank of the destination layout holds it" \
-        in capsys.readouterr().err
-
+    assert "was saved from another model:\n  model.num_layers is 2 in the checkpoint, 3 here" in capsys.readouterr().err
 
 def test_streaming_writer_matches_safetensors(tmp_path):
     tensors = {"a": torch.randn(3, 5), "b": torch.arange(7, dtype=torch.bfloat16), "c": torch.zeros(0)}

@@ -22,7 +22,7 @@ from fivefold.ops.attention import Documents, attention
 from fivefold.train.context import RankContext
 from fivefold.train.loop import train
 from fivefold.train.loss import cp_tokens
-from fivefold.train.worker import config_from_dict
+from fivefold.config.schema import config_from_dict
 from fivefold.parallel.parallelize import apply_context_parallel
 from fivefold.parallel.ring_attention import ring_attention
 from fivefold.planner.cp_memory import attention_peak_bytes, ring_pieces

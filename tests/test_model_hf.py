@@ -71,3 +71,46 @@ def test_logprobs_match_hf_log_softmax():
     with torch.no_grad():
         total, count = ours.loss(ids, labels)
     close(-got.sum(), total, rtol=1e-5, atol=1e-4, site="hf_llama.logprob_sum")  # sum of 46 terms ~5.6 each
+
+
+QWEN = {  # our config -> the HF class it must equal, with its extra attention parameters
+    "qwen2-qkv-bias": (ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                                   vocab_size=256, add_qkv_bias=True), "Qwen2"),
+    "qwen3-qk-norm": (ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                                  kv_channels=32, vocab_size=256, qk_layernorm=True, tie_word_embeddings=True), "Qwen3"),
+}
+
+
+@pytest.mark.parametrize("name", QWEN)
+def test_qwen_attention_variants_match_hf(name):
+    """QKV biases (Qwen2) and per-head q / k RMSNorm (Qwen3) against transformers' own classes; biases
+    and gains set away from their zero / one init so that a missing term shows."""
+    import transformers
+
+    from fivefold.model.hf import hf_name
+    cfg, family = QWEN[name]
+    ours = Decoder(cfg, seed=7)
+    with torch.no_grad():
+        for n, p in ours.named_parameters():
+            if n.endswith(".bias") or "q_norm" in n or "k_norm" in n:
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(n))) * 0.1)
+    hf_cfg = getattr(transformers, f"{family}Config")(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.ffn_size,
+        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.kv_heads,
+        head_dim=cfg.head_dim, rms_norm_eps=cfg.norm_epsilon, rope_theta=cfg.rotary_base,
+        tie_word_embeddings=cfg.tie_word_embeddings, max_position_embeddings=cfg.max_position_embeddings,
+        use_sliding_window=False, attn_implementation="eager")
+    theirs = getattr(transformers, f"{family}ForCausalLM")(hf_cfg).float().eval()
+    params = dict(theirs.named_parameters(remove_duplicate=False))
+    with torch.no_grad():
+        for n, p in ours.state_dict().items():
+            target = params[hf_name(n, cfg)]
+            target.copy_(p[: cfg.vocab_size] if target.shape != p.shape else p)
+    ids, labels = _batch(cfg)
+    out = theirs(input_ids=ids, labels=ids)
+    total, count = ours.loss(ids, labels)
+    # the Llama bounds above (same kernels; measured in docs/tolerances.md under hf_qwen.*)
+    close(ours(ids)[..., : cfg.vocab_size], out.logits, rtol=RTOL, atol=ATOL, site="hf_qwen.logits", case=name)
+    (total / count).backward()
+    out.loss.backward()
+    assert_grads_match_hf(ours, theirs, atol=1e-6, rtol=RTOL, site="hf_qwen.grads")

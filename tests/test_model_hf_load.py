@@ -108,7 +108,7 @@ def test_bad_checkpoint_directories_are_user_errors(saved, tmp_path):
     with pytest.raises(UserError, match="model.safetensors: not a readable safetensors file"):
         load_hf(damaged)
 
-    for key, value, message in [("model_type", "qwen2", "model_type='qwen2'"),
+    for key, value, message in [("model_type", "gpt2", "model_type='gpt2'"),
                                 ("attention_bias", True, "attention_bias=True"),
                                 ("rope_parameters", {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0},
                                  "rope_type='yarn'")]:

@@ -21,7 +21,7 @@ from fivefold.runtime.mesh import Mesh
 from fivefold.train.context import RankContext
 from fivefold.train.loop import build, train
 from fivefold.train.step import train_step
-from fivefold.train.worker import config_from_dict
+from fivefold.config.schema import config_from_dict
 
 STEPS = 4
 

@@ -188,7 +188,7 @@ def test_nan_stops_the_run_at_that_step_and_the_last_good_checkpoint_loads(tmp_p
     # the last good checkpoint loads into the model and holds finite parameters only
     from fivefold.model import build_decoder
     from fivefold.train.context import RankContext
-    from fivefold.train.worker import config_from_dict
+    from fivefold.config.schema import config_from_dict
 
     config = config_from_dict(json.loads((out / "run.json").read_text())["config"])
     ctx = RankContext.single(tmp_path / "load")

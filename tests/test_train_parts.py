@@ -85,3 +85,39 @@ def test_log_interval_writes_every_nth_step_the_last_and_eval_steps(tmp_path):
     assert all(len(r["peak_memory_mib"]) == 1 for r in rows)
     assert sorted(result.losses) == list(range(7))  # every step is still trained and returned
     assert len(result.peak_memory) == 1 and result.peak_memory[0] > 0
+
+
+@pytest.mark.parametrize("style", ["cosine", "linear"])
+@pytest.mark.parametrize("samples", [False, True])
+def test_decay_equals_megatrons_scheduler(style, samples):
+    """After the warm-up, the LR of every step is megatron-core's OptimizerParamScheduler's (iterations,
+    or samples: --train-samples / --lr-decay-samples / --lr-warmup-samples / --lr-warmup-fraction)."""
+    import types
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    from fivefold.config.load import load_config
+
+    if samples:
+        words = ["--train-samples", "960", "--lr-decay-samples", "800", "--lr-warmup-fraction", "0.1",
+                 "--global-batch-size", "16", "--micro-batch-size", "2"]
+    else:
+        words = ["--train-iters", "60", "--lr-decay-iters", "50", "--lr-warmup-iters", "5"]
+    from fivefold.config.validate import validate
+
+    cfg = load_config(None, words + ["--lr", "1.0", "--min-lr", "0.1", "--lr-decay-style", style]).config
+    validate(cfg)
+    t = cfg.training
+    unit = t.global_batch_size if samples else 1
+    decay = t.lr_decay_samples if samples else t.lr_decay_iters
+    warmup = int(t.lr_warmup_fraction * decay) if samples else t.lr_warmup_iters
+    assert t.train_iters == 60  # with samples: 960 // 16 per step
+    sched = OptimizerParamScheduler(types.SimpleNamespace(param_groups=[{}]), init_lr=0.0, max_lr=1.0, min_lr=0.1,
+                                    lr_warmup_steps=warmup, lr_decay_steps=decay, lr_decay_style=style,
+                                    start_wd=0.0, end_wd=0.0, wd_incr_steps=1, wd_incr_style="constant")
+    for s in range(t.train_iters):
+        sched.num_steps = s * unit
+        if s * unit >= warmup:  # Python floats: the same formula, another operation order
+            close(lr_at(s, t), sched.get_lr({}), rtol=1e-12, site="lr_schedule.megatron", case=f"{style} {s}")

@@ -27,7 +27,7 @@ from fivefold.topology import Layout
 from fivefold.train.context import RankContext
 from fivefold.train.loop import train
 from fivefold.parallel.optimizer import build_optimizer
-from fivefold.train.worker import config_from_dict
+from fivefold.config.schema import config_from_dict
 
 STEPS = 4
 

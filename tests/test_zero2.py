@@ -1,7 +1,7 @@
 """ZeRO-2 (--data-parallel-sharding-strategy optim_grads): gradients reduce-scattered after every
 microbatch into a 1/DP accumulator, full-size bucket buffers only while backward fills them; the
-one-process trajectory with TP, PP, CP and EP; ZeRO-3 (parameters gathered per unit) with TP, CP, EP
-and recompute; HSDP; checkpoints."""
+one-process trajectory with TP, PP, CP and EP; ZeRO-3 (parameters gathered per unit) with TP, CP, EP,
+PP and recompute; HSDP; checkpoints."""
 from __future__ import annotations
 
 import json
@@ -15,13 +15,11 @@ from _tol import close
 from _train_util import corpus, one_process_context
 from fivefold.cli.train import prepare
 from fivefold.config.schema import to_dict
-from fivefold.errors import NotImplementedYet
 from fivefold.parallel.data import GradReducer
 from fivefold.runtime import traffic
 from fivefold.runtime.mesh import Mesh
 from fivefold.topology import Layout
 from fivefold.train.loop import train
-from fivefold.train.supported import check_supported
 import test_moe
 import test_zero
 
@@ -56,9 +54,9 @@ def test_per_microbatch_reduce_scatter_equals_zero1_and_frees_buffers(workers):
     for rank, r in enumerate(workers(2).run(_reducers_rank)):
         for a, b in zip(r["zero2"]["shards"], r["zero1"]["shards"]):
             # Same sums, another order (per microbatch over ranks, then over microbatches): fp32 ulps.
-            # Measured worst 9.5e-7 absolute on gradients of O(1-10): 8% of the bound (12x); a lost
-            # microbatch is off by ~30%.
-            close(a, b, rtol=5e-6, atol=1e-6, site="zero2.reducer", case=f"rank {rank}")
+            # Measured worst over the CPU kernel settings (docs/tolerances.md) 1.9e-6 absolute / 3.7e-6
+            # relative on gradients of O(1-10): 7% of the bound (14x); a lost microbatch is off by ~30%.
+            close(a, b, rtol=1e-5, atol=2e-6, site="zero2.reducer", case=f"rank {rank}")
         assert r["zero2"]["rs_calls"] == MICROBATCHES * 4 and r["zero1"]["rs_calls"] == 4  # 4 buckets
         assert r["zero2"]["freed"]  # between steps only the 1/DP accumulators exist
         # During backward at most the bucket being filled and the one whose reduce-scatter is in
@@ -80,6 +78,10 @@ ZERO3 = {  # name: (world, parallel, recompute)
                                       "recompute_num_layers": 1}),
     "z3-tp2dp2": (4, {"tensor_model_parallel_size": 2, "sequence_parallel": True}, {"recompute_granularity": "selective"}),
     "z3-cp2dp2": (4, {"context_parallel_size": 2}, {}),
+    # under PP the units stay whole from their first forward to the step's end (TorchTitan's policy);
+    # zb-h1 splits each backward into B and W passes, tied embedding copies on the first and last stage
+    "z3-pp2dp2": (4, {"pipeline_model_parallel_size": 2}, {}),
+    "z3-pp2dp2-zbh1": (4, {"pipeline_model_parallel_size": 2, "pipeline_schedule": "zb-h1"}, {}),
 }
 
 
@@ -145,14 +147,6 @@ def test_zero3_checkpoint_resumes_in_one_process(runs, tmp_path):
     result = train(cfg, one_process_context(tmp_path), runs / "data", progress=False)
     ref = _metrics(runs / "ref")
     close([result.losses[2], result.losses[3]], [ref[2]["loss"], ref[3]["loss"]], rtol=1e-5, site="zero3.resume")
-
-
-def test_zero3_with_pp_is_refused_until_built(tmp_path):
-    cfg = test_zero._config(tmp_path, dp=4, data_parallel_sharding_strategy="optim_grads_params")
-    check_supported(cfg)  # DP (and TP, CP) run
-    cfg.parallel.pipeline_model_parallel_size = 2
-    with pytest.raises(NotImplementedYet, match="ZeRO-3"):
-        check_supported(cfg)
 
 
 HSDP = {  # name: (world, instances, strategy)

@@ -1,79 +1,63 @@
-"""Asynchronous checkpoints (Megatron's --async-save): the training loop goes on while a background
-thread writes this rank's files.
+"""Asynchronous checkpoint saves (Megatron's --async-save, `checkpoint.async_save`).
 
-`start` copies what the rank writes (parameters, optimizer ranges, RNG) to CPU memory, which costs a
-copy of the rank's state and no disk time, and hands the copies to a thread that writes them into
-the checkpoint's .tmp folder. `finish` (collective) waits for the thread, asks every rank whether its
-files landed, and only if all did commits the checkpoint as a synchronous save does (rank 0 writes
-metadata.json, renames .tmp-step_N to step_N, moves `latest`). Until then `latest` names the
-previous checkpoint, so a run killed while the thread writes (mid-file) resumes from the previous
-one. The loop calls `finish` before the next save and at the end; collectives stay on the main
-thread (the background thread only writes files).
+At a save point every rank copies what it writes (parameter shards, AdamW state, RNG) to host memory
+and returns to training; a background thread writes those copies into the checkpoint's temporary
+folder. The checkpoint is committed — metadata written, folder renamed, `latest` pointed at it, by
+rank 0 after a barrier — at the next save point or at the end of training, once every rank's writer
+has finished. Until then `latest` names the previous checkpoint, so a job killed while a writer runs
+(mid-file) leaves the previous checkpoint as `latest`, loadable; the half-written temporary folder is
+replaced by the next save. The writer thread makes no collective call: only the commit does, from
+the training thread, where every rank calls it at the same step.
 """
 from __future__ import annotations
 
 import threading
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from fivefold.checkpoint import io
-from fivefold.errors import UserError
+from fivefold.checkpoint.io import _save, commit_checkpoint, save_checkpoint
 
 
 class AsyncSaver:
-    """One checkpoint in flight at a time, written by a background thread."""
+    """One rank's pending checkpoint: `save(...)` (as save_checkpoint's arguments) stages and starts
+    the writer; `finish()` waits for it and commits (collective; a no-op with nothing pending)."""
 
-    def __init__(self, *, rank: int, barrier: Callable[[], None], all_ok: Callable[[bool], bool],
-                 write: io.Write | None = None):
-        """`barrier`: over every rank; `all_ok(mine)`: whether every rank's `mine` is True (a collective);
-        `write`: the file writer (default io._save, looked up when writing: tests stand in another)."""
-        self.rank, self.barrier, self.all_ok, self.write = rank, barrier, all_ok, write
-        self._pending: tuple[threading.Thread, Path, int, dict, int] | None = None
-        self._error: str | None = None
+    def __init__(self, rank: int, barrier: Callable[[], None]):
+        self.rank, self.barrier = rank, barrier
+        self._writer: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._commit: dict | None = None
 
-    def start(self, root: str | Path, step: int, *, extra: dict, keep: int = 2, **rank_files) -> Path | None:
-        """Begin checkpoint `step` (collective); first finishes the one in flight, whose folder it
-        returns (None if none). `rank_files`: as io.write_rank_files takes them (model, optimizer,
-        writes_params, shard_of, optim_shards, writes_optim)."""
-        previous = self.finish()
-        root = Path(root)
+    def save(self, root: str | Path, step: int, *, extra: dict, keep: int = 2, **kw) -> Path:
+        """Commit the previous checkpoint, then stage this one and write it in the background;
+        returns the folder it will have once committed."""
+        self.finish()
         files: list[tuple[dict[str, torch.Tensor], Path]] = []
+        final = save_checkpoint(root, step, rank=self.rank, barrier=self.barrier, extra=extra, keep=keep,
+                                defer=lambda tensors, path: files.append((tensors, path)), **kw)
+        self._commit = {"root": root, "step": step, "extra": extra, "keep": keep}
+        self._writer = threading.Thread(target=self._write, args=(files,), name=f"checkpoint-writer-{step}",
+                                        daemon=True)
+        self._writer.start()
+        return final
 
-        def snapshot(tensors: dict[str, torch.Tensor], path: Path) -> None:
-            files.append(({k: v.detach().to("cpu", copy=True) for k, v in tensors.items()}, path))
-
-        io.write_rank_files(root, step, rank=self.rank, barrier=self.barrier, write=snapshot, **rank_files)
-        self._error = None
-        thread = threading.Thread(target=self._write_all, args=(files,), name=f"checkpoint-{step}")
-        thread.start()
-        self._pending = (thread, root, step, extra, keep)
-        return previous
-
-    def _write_all(self, files: list[tuple[dict[str, torch.Tensor], Path]]) -> None:
+    def _write(self, files) -> None:
         try:
-            write = self.write or io._save
             for tensors, path in files:
-                write(tensors, path)
-        except BaseException:  # noqa: BLE001 - reported by finish() on the main thread
-            self._error = traceback.format_exc()
-
-    @property
-    def in_flight(self) -> bool:
-        return self._pending is not None
+                _save(tensors, path)
+        except BaseException as e:  # noqa: BLE001 (re-raised on the training thread by finish())
+            self._error = e
 
     def finish(self) -> Path | None:
-        """Wait for the checkpoint in flight and commit it (collective); its folder, or None when none
-        was in flight. UserError on every rank when any rank failed to write (nothing is committed)."""
-        if self._pending is None:
+        """Wait for the writer and commit its checkpoint (every rank calls it at the same point)."""
+        if self._writer is None:
             return None
-        thread, root, step, extra, keep = self._pending
-        self._pending = None
-        thread.join()
-        if not self.all_ok(self._error is None):
-            mine = f": on this rank\n{self._error}" if self._error else " on another rank"
-            raise UserError(f"async save of step {step} under {root} failed{mine}\nthe previous checkpoint stays "
-                            "`latest`; check the disk (space, permissions) or run without --async-save")
-        return io.commit_checkpoint(root, step, rank=self.rank, barrier=self.barrier, extra=extra, keep=keep)
+        self._writer.join()
+        self._writer, pending = None, self._commit
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+        return commit_checkpoint(pending["root"], pending["step"], rank=self.rank, barrier=self.barrier,
+                                 extra=pending["extra"], keep=pending["keep"])

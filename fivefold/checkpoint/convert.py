@@ -24,9 +24,9 @@ from pathlib import Path
 import torch
 
 from fivefold.checkpoint.io import check_fits, placed_by_meta, read_metadata
-from fivefold.checkpoint.layout import FORMAT, ShardSpec, step_dir
+from fivefold.checkpoint.layout import FORMAT, TIED, ShardSpec, source_name, step_dir
 from fivefold.checkpoint.optim_state import MAIN, MOMENTS
-from fivefold.checkpoint.reshard import Reader, checkpoint_source, fill, fill_flat, spec_of, tied_aliases
+from fivefold.checkpoint.reshard import Reader, checkpoint_source, fill, fill_flat, spec_of
 from fivefold.config.schema import Config, to_dict
 from fivefold.config.validate import layout_of
 from fivefold.errors import UserError
@@ -94,7 +94,6 @@ def convert(src: str | Path, dst: str | Path, config: Config, *, log: Callable[[
     tmp = out.parent / f".tmp-{out.name}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    aliases = tied_aliases(meta)
     weights = checkpoint_source(folder, meta)
     moments = {m: checkpoint_source(folder, meta, "optim_shards", f".{m}") for m in (*MOMENTS, MAIN)}
     listing: dict[str, dict] = {}
@@ -113,8 +112,8 @@ def convert(src: str | Path, dst: str | Path, config: Config, *, log: Callable[[
                 for s in listing.get(n, {}).get("shards", []))}
             if not params:
                 continue
-            check_fits(meta, model, placed_by_meta(model), folder, whole_names=set(meta["params"]))
-            keys = {n: n if n in weights else aliases.get(n, n) for n in params}
+            check_fits(meta, model, placed_by_meta(model), folder, model_config=to_dict(config)["model"])
+            keys = {n: source_name(n, meta["params"]) for n in params}
             tag = f"{rank:05d}"
             for n, p in params.items():
                 if not fill(p.data, specs[n], weights[keys[n]], reader):
@@ -129,10 +128,9 @@ def convert(src: str | Path, dst: str | Path, config: Config, *, log: Callable[[
                 _write_optim(tmp / f"optim-{tag}.safetensors", params, specs, keys, moments, reader, listing)
             model = params = None  # freed before the next destination rank's are built
             log(f"destination rank {rank}: written")
-    extra = [n for n in meta["params"] if n not in listing and aliases.get(n) not in listing]
-    if extra:
-        raise UserError(f"checkpoint {folder} was saved from another model: {extra[0]} is in the checkpoint but no "
-                        "rank of the destination layout holds it (keep the model settings; change only the layout)")
+    extra = [n for n in meta["params"] if n not in listing and TIED.get(n) not in listing]
+    if extra:  # the model config matched (check_fits): a parameter no destination rank holds is a bug to report
+        raise UserError(f"convert: {extra[0]} of {folder} is held by no rank of the destination layout")
     if meta.get("world_size") == layout.world_size:
         for rng in folder.glob("rng-*.safetensors"):
             shutil.copyfile(rng, tmp / rng.name)

@@ -18,15 +18,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from fivefold.checkpoint.layout import FORMAT, ShardSpec, complete_checkpoints, resolve, step_dir, whole
+from fivefold.checkpoint.layout import (FORMAT, ShardSpec, complete_checkpoints, open_shard, resolve,
+                                        source_name, step_dir, whole)
 from fivefold.checkpoint.optim_state import (MAIN, OptimShard, ShardOf, load_optim, merge_listings, save_optim,
                                              whole_shards)
-from fivefold.checkpoint.refusals import check_files, check_safetensors, why_not_a_checkpoint
-from fivefold.checkpoint.reshard import Reader, checkpoint_source, fill_flat, load_params, tied_aliases
+from fivefold.checkpoint.reshard import Reader, checkpoint_source, entry_source, fill, fill_flat
 from fivefold.errors import UserError
 from fivefold.parallel.param_meta import named_metas
 
@@ -65,19 +64,27 @@ def rng_state() -> dict[str, torch.Tensor]:
     return state
 
 
-Write = Callable[[dict[str, torch.Tensor], Path], None]
-"""Writes a dict of tensors as one safetensors file (`_save`; the async saver's collects a copy)."""
+def save_checkpoint(root: str | Path, step: int, *, model: nn.Module, optimizer: torch.optim.Optimizer,
+                    rank: int, writes_params: bool, barrier: Callable[[], None], extra: dict,
+                    shard_of: ShardOf | None = None, keep: int = 2,
+                    optim_shards: list[OptimShard] | None = None, writes_optim: bool | None = None,
+                    defer: Callable[[dict, Path], None] | None = None) -> Path:
+    """Write checkpoint `step` under `root` on every rank (collective: all ranks call it); returns its folder.
 
-
-def write_rank_files(root: Path, step: int, *, model: nn.Module, optimizer: torch.optim.Optimizer, rank: int,
-                     writes_params: bool, barrier: Callable[[], None], shard_of: ShardOf | None = None,
-                     optim_shards: list[OptimShard] | None = None, writes_optim: bool | None = None,
-                     write: Write = _save) -> Path:
-    """This rank's part of checkpoint `step` (collective: rank 0 makes the .tmp folder first): its
-    RNG, parameter shards and optimizer ranges through `write`, their listings as JSON. Returns the
-    .tmp folder (see save_checkpoint for the arguments)."""
+    `writes_params`: this rank writes its parameter shards (False on DP replicas > 0).
+    `shard_of`: where a parameter sits in the global tensor (default: from its ParamMeta).
+    `optim_shards`: the ranges the optimizer keeps state for (default: every parameter whole);
+    `writes_optim`: this rank writes them (default `writes_params`; every rank under ZeRO-1).
+    `extra`: JSON-able run state (data position, config) stored in metadata.json by rank 0.
+    The `keep` newest complete checkpoints are kept; older ones are deleted after the new one lands.
+    `defer` (async save, fivefold.checkpoint.async_save): each tensor file is handed to it as host
+    copies instead of written, and the checkpoint is not committed: the caller writes the files, then
+    calls `commit_checkpoint` on every rank.
+    """
+    root = Path(root)
     shard_of = shard_of or placed_by_meta(model)
-    tmp = root / f".tmp-{step_dir(root, step).name}"
+    final, tmp = step_dir(root, step), _tmp_dir(root, step)
+    write = _save if defer is None else (lambda tensors, path: defer(_host_copies(tensors), path))
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
@@ -99,39 +106,30 @@ def write_rank_files(root: Path, step: int, *, model: nn.Module, optimizer: torc
     if writes_params if writes_optim is None else writes_optim:
         save_optim(tmp, tag, model, optimizer, whole_shards(model) if optim_shards is None else optim_shards,
                    shard_of, write)
-    return tmp
-
-
-def commit_checkpoint(root: Path, step: int, *, rank: int, barrier: Callable[[], None], extra: dict,
-                      keep: int = 2) -> Path:
-    """Once every rank's files are written (collective): rank 0 merges the listings into
-    metadata.json, renames .tmp-step_N to step_N, points `latest` at it and rotates old ones."""
-    final = step_dir(root, step)
-    barrier()
-    if rank == 0:
-        _commit(root, root / f".tmp-{final.name}", final, step, extra, keep)
-    barrier()
+    if defer is None:
+        commit_checkpoint(root, step, rank=rank, barrier=barrier, extra=extra, keep=keep)
     return final
 
 
-def save_checkpoint(root: str | Path, step: int, *, model: nn.Module, optimizer: torch.optim.Optimizer,
-                    rank: int, writes_params: bool, barrier: Callable[[], None], extra: dict,
-                    shard_of: ShardOf | None = None, keep: int = 2,
-                    optim_shards: list[OptimShard] | None = None, writes_optim: bool | None = None) -> Path:
-    """Write checkpoint `step` under `root` on every rank (collective: all ranks call it); returns its folder.
-
-    `writes_params`: this rank writes its parameter shards (False on DP replicas > 0).
-    `shard_of`: where a parameter sits in the global tensor (default: from its ParamMeta).
-    `optim_shards`: the ranges the optimizer keeps state for (default: every parameter whole);
-    `writes_optim`: this rank writes them (default `writes_params`; every rank under ZeRO-1).
-    `extra`: JSON-able run state (data position, config) stored in metadata.json by rank 0.
-    The `keep` newest complete checkpoints are kept; older ones are deleted after the new one lands.
-    (fivefold.checkpoint.async_save writes the same files from a background thread.)
-    """
+def commit_checkpoint(root: str | Path, step: int, *, rank: int, barrier: Callable[[], None], extra: dict,
+                      keep: int = 2) -> Path:
+    """Once every rank's files of checkpoint `step` are written (collective): rank 0 writes the metadata
+    and renames the folder into place (`latest` names it from then on)."""
     root = Path(root)
-    write_rank_files(root, step, model=model, optimizer=optimizer, rank=rank, writes_params=writes_params,
-                     barrier=barrier, shard_of=shard_of, optim_shards=optim_shards, writes_optim=writes_optim)
-    return commit_checkpoint(root, step, rank=rank, barrier=barrier, extra=extra, keep=keep)
+    barrier()
+    if rank == 0:
+        _commit(root, _tmp_dir(root, step), step_dir(root, step), step, extra, keep)
+    barrier()
+    return step_dir(root, step)
+
+
+def _tmp_dir(root: Path, step: int) -> Path:
+    return root / f".tmp-{step_dir(root, step).name}"
+
+
+def _host_copies(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Copies a background writer may hold while training changes the originals."""
+    return {k: v.detach().to("cpu", copy=True) for k, v in tensors.items()}
 
 
 def _commit(root: Path, tmp: Path, final: Path, step: int, extra: dict, keep: int) -> None:
@@ -178,10 +176,34 @@ def read_metadata(path: str | Path) -> tuple[Path, dict]:
     """(checkpoint folder, its metadata) for a folder or a root; UserError when there is none."""
     found = resolve(path)
     if found is None:
-        raise UserError(why_not_a_checkpoint(Path(path)))
-    meta = json.loads((found / "metadata.json").read_text())
-    check_files(found, meta)
-    return found, meta
+        raise UserError(f"--load {path}: no complete checkpoint there (a folder with metadata.json, or a root "
+                        f"with step_* folders){foreign_format(Path(path))}")
+    try:
+        return found, json.loads((found / "metadata.json").read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"{found / 'metadata.json'}: not valid JSON ({e}); the checkpoint is damaged: load the one "
+                        "before it") from None
+
+
+def foreign_format(path: Path) -> str:
+    """Why a folder that is not ours cannot be loaded, and the way through, or ''."""
+    if not path.is_dir():
+        return ""
+    latest = path / "latest_checkpointed_iteration.txt"  # a Megatron-LM save root
+    inner = [path] + sorted(p for p in path.glob("iter_*") if p.is_dir())[-1:]
+    if latest.is_file() or any((p / ".metadata").is_file() or any(p.glob("*.distcp")) or any(p.glob("mp_rank_*"))
+                               for p in inner):
+        return ("; it is a Megatron-LM (torch_dist / legacy) or PyTorch DCP checkpoint, whose metadata is pickled, "
+                "and fivefold never unpickles files: convert it to a Hugging Face folder (Megatron-Bridge's "
+                "export, or Megatron's checkpoint converter) and start from it with --load-hf DIR")
+    pickled = sorted(p.name for p in path.glob("*.bin")) + sorted(p.name for p in path.glob("*.pt"))
+    if pickled:
+        return (f"; it holds {', '.join(pickled[:3])}, pickles (they can run code when loaded): re-save as "
+                "safetensors, e.g. a Hugging Face folder with save_pretrained(..., safe_serialization=True), "
+                "and start from it with --load-hf DIR")
+    if (path / "config.json").is_file():
+        return "; it looks like a Hugging Face folder: start from it with --load-hf DIR"
+    return ""
 
 
 def _fits(saved: list[int], mine: list[int], real: int | None) -> bool:
@@ -191,71 +213,91 @@ def _fits(saved: list[int], mine: list[int], real: int | None) -> bool:
     return saved == mine or (real is not None and saved[1:] == mine[1:] and min(saved[0], mine[0]) >= real)
 
 
-def check_fits(meta: dict, model: nn.Module, shard_of: ShardOf, where: Path,
-               whole_names: set[str] | None = None) -> None:
-    """UserError listing every parameter whose global shape differs (beyond vocabulary padding), that
-    this rank holds and the checkpoint lacks, or that the checkpoint holds and no rank of the model
-    does (`whole_names`: every rank's parameter names, fivefold.checkpoint.names; default this
-    model's, for a model held whole)."""
+PARAMETER_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+                    "kv_channels", "vocab_size", "normalization", "tie_word_embeddings", "multi_latent_attention",
+                    "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "num_experts",
+                    "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "moe_first_k_dense_layers")
+"""The model fields that decide which parameters the one-process model has and their shapes (the rest,
+e.g. norm epsilon, RoPE base, router and loss coefficients, change no parameter)."""
+
+
+def check_fits(meta: dict, model: nn.Module, shard_of: ShardOf, where: Path, model_config: dict | None = None) -> None:
+    """UserError listing every way the checkpoint holds another model: a parameter of this rank
+    missing from it or of another global shape (beyond vocabulary padding), or, given this run's
+    `model_config` (the canonical `model` section) and a checkpoint that stored its own, a
+    parameter-deciding field that differs. The checkpoint's parameters this rank does not hold are
+    another pipeline stage's (any layout loads any other): without `model_config` (or a checkpoint
+    without its config), they are compared by name, which only holds when this rank holds the whole
+    model."""
     saved = meta["params"]
-    aliases = tied_aliases(meta)
     problems = []
+    theirs = meta.get("config", {}).get("model")
+    if model_config is not None and theirs is not None:  # first: they say why the shapes below differ
+        problems += [f"model.{f} is {theirs.get(f)!r} in the checkpoint, {model_config.get(f)!r} here"
+                     for f in PARAMETER_FIELDS if theirs.get(f) != model_config.get(f)]
+    else:
+        mine = {n for n, _ in model.named_parameters()}
+        problems += [f"{n} is in the checkpoint but not in this model" for n in saved if n not in mine]
     metas = named_metas(model)
     for name, p in model.named_parameters():
         g = list(shard_of(name, p).global_shape)
-        key = name if name in saved else aliases.get(name, name)
-        if key not in saved:
+        src = source_name(name, saved)
+        if src not in saved:
             problems.append(f"{name} is not in the checkpoint")
-        elif not _fits(saved[key]["global_shape"], g, metas[name].vocab_rows):
-            problems.append(f"{name} has shape {saved[key]['global_shape']} in the checkpoint, {g} in this model")
-    mine = whole_names if whole_names is not None else {n for n, _ in model.named_parameters()}
-    problems += [f"{n} is in the checkpoint but not in this model" for n in saved
-                 if n not in mine and aliases.get(n) not in mine]
+        elif not _fits(saved[src]["global_shape"], g, metas[name].vocab_rows):
+            problems.append(f"{name} has shape {saved[src]['global_shape']} in the checkpoint, {g} in this model")
     if problems:
         shown = "\n  ".join(problems[:8]) + (f"\n  ... and {len(problems) - 8} more" if len(problems) > 8 else "")
         raise UserError(f"checkpoint {where} was saved from another model:\n  {shown}\n"
                         "load it with the model settings it was saved with, or start without --load")
 
 
+def _assemble(folder: Path, entry: dict, key: str, out: torch.Tensor, spec: ShardSpec) -> bool:
+    """Fill `out` (at spec.offsets of the global tensor) from one parameter entry's shards: whether
+    they cover it (fivefold.checkpoint.reshard.fill, for callers reading one parameter at a time)."""
+    with Reader() as reader, torch.no_grad():
+        return fill(out, spec, entry_source(folder, key, entry), reader)
+
+
 def _load_params(folder: Path, meta: dict, model: nn.Module, shard_of: ShardOf) -> None:
-    """Each parameter from the saved shards that overlap it (only those byte ranges are read). A
-    16-bit checkpoint loaded into fp32 parameters takes the fp32 main copies it saved, where it has them."""
-    aliases = tied_aliases(meta)
-    params = dict(model.named_parameters())
-    specs = {n: shard_of(n, p) for n, p in params.items()}
-    load_params(params, specs, checkpoint_source(folder, meta), f"checkpoint {folder}", aliases=aliases)
+    """Each parameter from the saved shards that overlap it, reading only the overlaps
+    (fivefold.checkpoint.reshard.fill; each file opened once). A 16-bit checkpoint loaded into fp32
+    parameters takes the fp32 main copies it saved, where it has them, not its rounded weights."""
+    weights = checkpoint_source(folder, meta)
     mains = checkpoint_source(folder, meta, "optim_shards", f".{MAIN}")
     with Reader() as reader, torch.no_grad():
-        for name, p in params.items():
-            key = name if name in mains else aliases.get(name, name)
-            if p.dtype != torch.float32 or meta["params"][key]["dtype"] == "torch.float32":
-                continue
-            main = fill_flat(tuple(p.shape), specs[name], (0, p.numel()), mains[key], reader)
-            if main is not None:
-                p.copy_(main.view_as(p))
+        for name, p in model.named_parameters():
+            spec = shard_of(name, p)
+            src = source_name(name, meta["params"])
+            if not fill(p.data, spec, weights[src], reader):
+                raise UserError(f"checkpoint {folder}: its shards do not cover parameter {name}")
+            if p.dtype == torch.float32 and meta["params"][src]["dtype"] != str(torch.float32):
+                main = fill_flat(tuple(p.shape), spec, (0, p.numel()), mains[src], reader)
+                if main is not None:
+                    p.copy_(main.view_as(p))
 
 
 def load_checkpoint(path: str | Path, *, model: nn.Module, optimizer: torch.optim.Optimizer | None, rank: int,
                     world_size: int, shard_of: ShardOf | None = None,
-                    optim_shards: list[OptimShard] | None = None, whole_names: set[str] | None = None) -> dict:
+                    optim_shards: list[OptimShard] | None = None, model_config: dict | None = None) -> dict:
     """Load parameters, AdamW moments (for `optim_shards`, default every parameter whole; any saved
-    sharding) and (same world size) this rank's RNG; returns the metadata. `whole_names`: the
-    parameter names of the whole model when this rank holds a part (see check_fits)."""
+    sharding) and (same world size) this rank's RNG; returns the metadata. `model_config`: this run's
+    canonical model section, which decides "another model" (`check_fits`) on a rank that holds part of
+    the model (a pipeline stage)."""
     folder, meta = read_metadata(path)
     shard_of = shard_of or placed_by_meta(model)
-    check_fits(meta, model, shard_of, folder, whole_names)
+    check_fits(meta, model, shard_of, folder, model_config)
     if (folder / NONFINITE).exists() and rank == 0:
         print(f"warning: loading {folder}, whose parameters hold non-finite values (listed in its {NONFINITE})",
               file=sys.stderr, flush=True)
     _load_params(folder, meta, model, shard_of)
-    if optimizer is not None and meta.get("optimizer_step"):
-        with torch.no_grad():
+    with torch.no_grad():
+        if optimizer is not None and meta.get("optimizer_step"):
             load_optim(folder, meta, model, optimizer, whole_shards(model) if optim_shards is None else optim_shards,
                        shard_of)
     rng = folder / f"rng-{rank:05d}.safetensors"
     if meta.get("world_size") == world_size and rng.is_file():
-        check_safetensors(rng)
-        with safe_open(str(rng), framework="pt") as f:
+        with open_shard(folder, rng.name) as f:
             torch.set_rng_state(f.get_tensor("torch_cpu"))
             if "torch_cuda" in f.keys() and torch.cuda.is_available():
                 torch.cuda.set_rng_state(f.get_tensor("torch_cuda"))

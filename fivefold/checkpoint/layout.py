@@ -12,8 +12,11 @@ run killed during a save leaves the previous checkpoint as `latest`.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path
+
+from fivefold.errors import UserError
 
 FORMAT = "fivefold-checkpoint-1"
 
@@ -75,3 +78,34 @@ def resolve(path: str | Path) -> Path | None:
             return named
     found = complete_checkpoints(p)
     return found[-1] if found else None
+
+
+TIED = {"head.weight": "embedding.weight"}
+"""A pipeline's last stage holds its own copy of a tied output layer, `head.weight`; a one-process
+model ties it to the embedding, and its checkpoint has only `embedding.weight`."""
+
+
+def source_name(name: str, saved) -> str:
+    """The checkpoint entry parameter `name` is read from: itself, or the tied weight it copies (a
+    checkpoint without `head.weight` but with `embedding.weight` was saved from a tied model)."""
+    if name not in saved and TIED.get(name) in saved:
+        return TIED[name]
+    return name
+
+
+@contextlib.contextmanager
+def open_shard(folder: Path, file: str):
+    """safetensors' safe_open on a checkpoint's file; UserError naming a missing or damaged one."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(folder / file), framework="pt") as f:
+            yield f
+    except FileNotFoundError:
+        raise UserError(f"checkpoint {folder}: {file} is missing (a rank's file; copy the whole checkpoint "
+                        "folder)") from None
+    except UserError:
+        raise
+    except Exception as e:  # noqa: BLE001 (safetensors' own errors for a truncated or damaged file)
+        raise UserError(f"checkpoint {folder}: {file} is truncated or damaged ({e}); load the checkpoint before "
+                        "it") from None

@@ -26,8 +26,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from fivefold.checkpoint.layout import ShardSpec
-from fivefold.checkpoint.reshard import Reader, checkpoint_source, fill_flat, tied_aliases
+from fivefold.checkpoint.layout import ShardSpec, source_name
+from fivefold.checkpoint.reshard import Reader, checkpoint_source, fill_flat
 from fivefold.errors import UserError
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -93,26 +93,26 @@ def merge_listings(folder: Path, prefix: str, params: dict[str, dict], key: str)
 def load_optim(folder: Path, meta: dict, model: nn.Module, optimizer, shards: list[OptimShard],
                shard_of: ShardOf) -> None:
     """Set optimizer.state[key] = {exp_avg, exp_avg_sq, step} for every range in `shards`, each read
-    from the saved ranges that overlap it (fivefold.checkpoint.reshard.fill_flat)."""
+    from the saved ranges that overlap it, only over the window of each that can meet it
+    (fivefold.checkpoint.reshard.fill_flat)."""
     params = dict(model.named_parameters())
     sources = {m: checkpoint_source(folder, meta, "optim_shards", f".{m}") for m in (*MOMENTS, MAIN)}
     weights = checkpoint_source(folder, meta)
-    aliases = tied_aliases(meta)
     with Reader() as reader:
         for s in shards:
             p = params[s.name]
             spec = shard_of(s.name, p)
-            key = s.name if s.name in meta["params"] else aliases.get(s.name, s.name)
+            src = source_name(s.name, meta["params"])  # a pipeline's tied head copy: the embedding's state
             state = {}
             for m in MOMENTS:
-                t = fill_flat(tuple(p.shape), spec, s.flat, sources[m][key], reader)
+                t = fill_flat(tuple(p.shape), spec, s.flat, sources[m][src], reader)
                 if t is None:
                     raise UserError(f"checkpoint {folder}: optimizer state {m} of {s.name} is missing")
                 state[m] = t.to(device=s.key.device, dtype=s.key.dtype).view_as(s.key)
             state["step"] = torch.tensor(float(meta["optimizer_step"]))
             optimizer.state[s.key] = state
             if _is_copy(s.key, p):  # the fp32 main copy: saved, else the saved weights (fp32 when saved in fp32)
-                main = fill_flat(tuple(p.shape), spec, s.flat, sources[MAIN][key], reader)
+                main = fill_flat(tuple(p.shape), spec, s.flat, sources[MAIN][src], reader)
                 if main is None:
-                    main = fill_flat(tuple(p.shape), spec, s.flat, weights[key], reader)
+                    main = fill_flat(tuple(p.shape), spec, s.flat, weights[src], reader)
                 s.key.data.copy_(main.view_as(s.key))

@@ -28,8 +28,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from fivefold.checkpoint.layout import ShardSpec, inside, overlap
-from fivefold.checkpoint.refusals import check_safetensors
+from fivefold.checkpoint.layout import ShardSpec, inside, open_shard, overlap
 from fivefold.errors import UserError
 from fivefold.parallel.param_meta import PLAIN, ParamMeta
 
@@ -74,9 +73,8 @@ class Reader:
         self._open.clear()
 
     def file(self, path: Path):
-        if path not in self._open:
-            check_safetensors(path)
-            self._open[path] = self._stack.enter_context(safe_open(str(path), framework="pt"))
+        if path not in self._open:  # a missing or damaged file: UserError naming it (layout.open_shard)
+            self._open[path] = self._stack.enter_context(open_shard(path.parent, path.name))
         return self._open[path]
 
     def has(self, piece: Piece) -> bool:
@@ -211,26 +209,21 @@ def load_params(tensors: Mapping[str, torch.Tensor], specs: Mapping[str, ShardSp
                                 "or was written in part: load an earlier checkpoint)")
 
 
-def tied_aliases(meta: dict) -> dict[str, str]:
-    """A checkpoint of a model with tied embeddings may hold the output layer only as embedding.weight
-    (one process) or also as head.weight (a pipeline's last stage keeps a copy): either reads the other."""
-    tied = meta.get("config", {}).get("model", {}).get("tie_word_embeddings", False)
-    return {"head.weight": "embedding.weight", "embedding.weight": "head.weight"} if tied else {}
-
-
 def checkpoint_source(folder: Path, meta: dict, kind: str = "shards", suffix: str = "") -> dict[str, Saved]:
     """Our checkpoint's tensors: `kind` "shards" (parameters) or "optim_shards" (optimizer ranges,
     the tensor `<name><suffix>`, e.g. ".exp_avg")."""
-    out = {}
-    for name, entry in meta["params"].items():
-        listed = entry.get(kind)
-        if listed is None and kind == "optim_shards":  # before optim_shards: moments shaped like the shard
-            listed = [{"file": s["optim_file"], "offsets": s["offsets"], "shape": s["shape"]}
-                      for s in entry["shards"] if "optim_file" in s]
-        pieces = tuple(Piece(folder / s["file"], name + suffix, tuple(s["offsets"]), tuple(s["shape"]),
-                             tuple(s["flat"]) if "flat" in s else None) for s in listed or [])
-        out[name] = Saved(tuple(entry["global_shape"]), entry["dtype"], pieces)
-    return out
+    return {name: entry_source(folder, name + suffix, entry, kind) for name, entry in meta["params"].items()}
+
+
+def entry_source(folder: Path, key: str, entry: dict, kind: str = "shards") -> Saved:
+    """Where tensor `key` of one metadata.json parameter entry is stored."""
+    listed = entry.get(kind)
+    if listed is None and kind == "optim_shards":  # before optim_shards: moments shaped like the shard
+        listed = [{"file": s["optim_file"], "offsets": s["offsets"], "shape": s["shape"]}
+                  for s in entry["shards"] if "optim_file" in s]
+    pieces = tuple(Piece(folder / s["file"], key, tuple(s["offsets"]), tuple(s["shape"]),
+                         tuple(s["flat"]) if "flat" in s else None) for s in listed or [])
+    return Saved(tuple(entry["global_shape"]), entry["dtype"], pieces)
 
 
 HFName = str | list[tuple[str, int]]

@@ -33,9 +33,24 @@ def _load(path: str, words: list[str], world_size: int | None) -> Config:
     loaded = load_config(path, words, world_size=world_size)
     for w in loaded.warnings:
         print(w, file=sys.stderr)
+    _check_one_model(loaded.allocation)
     for w in validate(loaded.config, loaded.dialect):  # raises ConfigError listing every error
         print(w, file=sys.stderr)
     return loaded.config
+
+
+def _check_one_model(allocation) -> None:
+    """`train` runs one model on the whole world: a config naming several (`models:`, an allocation
+    mode with an inference engine beside the trainer) is refused before any rank starts, never
+    trained in part."""
+    from fivefold.errors import NotImplementedYet
+
+    if allocation is None or len(allocation.components) == 1:
+        return
+    names = ", ".join(f"{c.name} ({c.role}) on GPUs {c.ranks[0]}-{c.ranks[-1]}" for c in allocation.components)
+    raise NotImplementedYet(f"training several models in one world ({names}; RL post-training with actor / critic / "
+                            "reference / rollout roles); `fivefold layout` shows each model's ranks, and `train` "
+                            "runs one model: give its layout without `models:` / `allocation_mode`")
 
 
 def prepare(config: Config, out: Path) -> Path:
@@ -46,10 +61,14 @@ def prepare(config: Config, out: Path) -> Path:
     tok = make_tokenizer(config.data.tokenizer)
     data_dir = prepare_data(config.data, tok, out / "data", config.training.seed)
     meta = data_meta(data_dir)
-    if meta["kind"] == "tokens":
+    if meta["kind"] in ("tokens", "indexed"):
         if meta["max_id"] >= config.model.vocab_size:
             raise UserError(f"{config.data.path}: holds token id {meta['max_id']} >= model.vocab_size="
                             f"{config.model.vocab_size} (set model.vocab_size={meta['max_id'] + 1} or more)")
+    elif config.checkpoint.load_hf:  # the model's vocabulary is the checkpoint's
+        if tok.vocab_size > config.model.vocab_size:
+            raise UserError(f"data.tokenizer has {tok.vocab_size} tokens, the model of checkpoint.load_hf "
+                            f"{config.model.vocab_size}: set data.tokenizer to that model's tokenizer folder")
     elif config.model.vocab_size != tok.vocab_size:
         print(f"note: model.vocab_size set to {tok.vocab_size} from the tokenizer", file=sys.stderr)
         config.model.vocab_size = tok.vocab_size

@@ -87,8 +87,8 @@ def coerce(dotted: str, raw: object):
             return int(str(raw).strip()) if isinstance(raw, str) else int(raw)
         if base == "float":
             return float(raw)
-        if base == "str":
-            return str(raw)
+        if base == "str":  # a list (a YAML list, a command-line flag's values) as its words
+            return " ".join(str(v) for v in raw) if isinstance(raw, (list, tuple)) else str(raw)
         if base == "list[int]":
             if isinstance(raw, str):
                 raw = [w for w in raw.strip().strip("[]()").replace(",", " ").split()]

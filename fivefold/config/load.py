@@ -54,20 +54,39 @@ def load_config(path: str | None, words: list[str] = (), *, world_size: int | No
                 raise UserError(f"{p}: {e} (a .txt config is one shell-like command line)") from None
         else:
             _apply_yaml(config, p, text, explicit, dialects, special)
-    _apply_words(config, words, explicit, dialects, special)
+    notes: list[Problem] = []
+    _apply_words(config, words, explicit, dialects, special, notes)
     for dotted, value in (("cluster.world_size", world_size), ("cluster.num_nodes", nodes),
                           ("cluster.gpus_per_node", gpus_per_node)):
         if value is not None:
             set_value(config, dotted, value, explicit)
     _check_cluster(config, explicit)
+    warnings = _model_from_hf(config, explicit) if config.checkpoint.load_hf else []
     if "allocation_mode" in special:
         dialects.append(AREAL)
     dialect = combine(dialects)
     loaded = Loaded(config, dialect, explicit=explicit)
+    loaded.warnings += notes + warnings
     if special:
         from fivefold.allocation import attach
         attach(loaded, special)
     return loaded
+
+
+def _model_from_hf(config: Config, explicit: set[str]) -> list:
+    """--load-hf DIR: the model section is the HF config.json's (our padding multiple stays); a model
+    field the user set to something else is replaced, with a warning."""
+    from dataclasses import fields
+
+    from fivefold.model.hf import config_from_hf  # torch: only for this key
+
+    hf = config_from_hf(config.checkpoint.load_hf)
+    hf.make_vocab_size_divisible_by = config.model.make_vocab_size_divisible_by
+    warnings = [Problem(f"model.{f.name}", getattr(config.model, f.name), f"checkpoint.load_hf's config.json says "
+                        f"{getattr(hf, f.name)!r}; this value is replaced", "drop it", "warning")
+                for f in fields(hf) if f"model.{f.name}" in explicit and getattr(config.model, f.name) != getattr(hf, f.name)]
+    config.model = hf
+    return warnings
 
 
 def is_file(path: str) -> bool:
@@ -187,7 +206,8 @@ def _apply_yaml(config: Config, p: Path, text: str, explicit: set, dialects: lis
         set_value(config, dotted, value, explicit)
 
 
-def _apply_words(config: Config, words: list[str], explicit: set, dialects: list, special: dict) -> None:
+def _apply_words(config: Config, words: list[str], explicit: set, dialects: list, special: dict,
+                 notes: list[Problem]) -> None:
     words = _strip_launcher(config, words, explicit)
     i = 0
     while i < len(words):
@@ -195,9 +215,12 @@ def _apply_words(config: Config, words: list[str], explicit: set, dialects: list
             j = i + 1
             while j < len(words) and (is_flag(words[j]) or "=" not in words[j]):
                 j += 1
-            pairs, megatron = parse_flags(words[i:j])
+            pairs, megatron, taken = parse_flags(words[i:j])
             if megatron:
                 dialects.append(MEGATRON)
+            if taken:
+                notes.append(Problem("megatron flags", len(taken), "accepted without effect here: "
+                                     + "; ".join(taken), "nothing to do", "warning"))
             for _, dotted, value in pairs:
                 set_value(config, dotted, value, explicit)
             i = j

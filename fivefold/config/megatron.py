@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fivefold.errors import UserError
+from fivefold.config.megatron_surface import SURFACE, VALUE_OK, no_effect
+from fivefold.errors import NotImplementedYet, UserError
 
 VALUE, SWITCH, LIST = "value", "switch", "list"
 
@@ -68,6 +69,8 @@ FLAGS: dict[str, Flag] = {
     "--rotary-base": _v("model.rotary_base"),
     "--untie-embeddings-and-output-weights": _on("model.tie_word_embeddings", False),
     "--init-method-std": _v("model.init_method_std"),
+    "--add-qkv-bias": _on("model.add_qkv_bias"),
+    "--qk-layernorm": _on("model.qk_layernorm"),
     "--multi-latent-attention": _on("model.multi_latent_attention"),
     "--q-lora-rank": _v("model.q_lora_rank"),
     "--kv-lora-rank": _v("model.kv_lora_rank"),
@@ -93,6 +96,11 @@ FLAGS: dict[str, Flag] = {
     "--lr": _v("training.lr"),
     "--min-lr": _v("training.min_lr"),
     "--lr-warmup-iters": _v("training.lr_warmup_iters"),
+    "--lr-warmup-samples": _v("training.lr_warmup_samples"),
+    "--lr-warmup-fraction": _v("training.lr_warmup_fraction"),
+    "--lr-decay-iters": _v("training.lr_decay_iters"),
+    "--lr-decay-samples": _v("training.lr_decay_samples"),
+    "--train-samples": _v("training.train_samples"),
     "--lr-decay-style": _v("training.lr_decay_style"),
     "--weight-decay": _v("training.weight_decay"),
     "--adam-beta1": _v("training.adam_beta1"),
@@ -127,7 +135,10 @@ FLAGS: dict[str, Flag] = {
     "--distributed-timeout-minutes": _v("training.distributed_timeout_minutes"),
     "--distributed-timeout-seconds": Flag("training.distributed_timeout_seconds", ours=True),
     # data, checkpoint, logging
-    "--data-path": _v("data.path"),
+    "--data-path": Flag("data.path", LIST),
+    "--split": _v("data.split"),
+    "--tokenizer-type": _v("data.tokenizer_type"),
+    "--tokenizer-model": _v("data.tokenizer"),
     "--reset-position-ids": _on("data.reset_position_ids"),
     "--reset-attention-mask": _on("data.reset_attention_mask"),
     "--eod-mask-loss": _on("data.eod_mask_loss"),
@@ -135,6 +146,8 @@ FLAGS: dict[str, Flag] = {
     "--load": _v("checkpoint.load"),
     "--save-interval": _v("checkpoint.save_interval"),
     "--async-save": _on("checkpoint.async_save"),
+    "--load-hf": Flag("checkpoint.load_hf", ours=True),
+    "--save-hf": Flag("checkpoint.save_hf", ours=True),
     "--log-interval": _v("logging.log_interval"),
     "--profile": _on("logging.profile"),
     "--profile-ranks": Flag("logging.profile_ranks", LIST),
@@ -145,15 +158,17 @@ def is_flag(word: str) -> bool:
     return word.startswith("--")
 
 
-def parse_flags(words: list[str]) -> tuple[list[tuple[str, str, object]], bool]:
-    """Words of a Megatron-LM command line -> ([(flag, dotted field, raw value)], any Megatron flag?).
+def parse_flags(words: list[str]) -> tuple[list[tuple[str, str, object]], bool, list[str]]:
+    """Words of a Megatron-LM command line -> ([(flag, dotted field, raw value)], any Megatron flag?,
+    [how each flag without effect here was taken]) — see fivefold.config.megatron_surface.
 
-    Unknown flags raise one UserError naming every one of them, each with the closest known flag.
+    Unknown flags and Megatron flags that are not built are all refused in one message (unknown ones
+    each with the closest known flag; not-built ones as "not implemented yet").
     """
-    from fivefold.config.fields import did_you_mean
-
     out: list[tuple[str, str, object]] = []
     unknown: list[str] = []
+    not_built: list[str] = []
+    notes: list[str] = []
     megatron = False
     i = 0
     while i < len(words):
@@ -162,11 +177,16 @@ def parse_flags(words: list[str]) -> tuple[list[tuple[str, str, object]], bool]:
             raise UserError(f"{word!r} follows no flag that takes a value")
         name, eq, inline = word.partition("=")
         flag = FLAGS.get(name)
-        if flag is None:  # noted, and its values skipped: the rest of the line is still read
-            unknown.append(f"{name}{did_you_mean(name, FLAGS)}")
+        if flag is None:  # noted, with its values: the rest of the line is still read
             i += 1
-            while i < len(words) and not is_flag(words[i]):
+            values = [inline] if eq else []
+            while not eq and i < len(words) and not is_flag(words[i]) and SURFACE.get(name) != "switch":
+                values.append(words[i])
                 i += 1
+                if SURFACE.get(name) == "value":
+                    break
+            _classify(name, values, unknown, not_built, notes)
+            megatron |= name in SURFACE
             continue
         megatron |= not flag.ours
         i += 1
@@ -190,9 +210,31 @@ def parse_flags(words: list[str]) -> tuple[list[tuple[str, str, object]], bool]:
             i += 1
         if flag.field is not None:
             out.append((name, flag.field, value))
-    if unknown:
-        raise UserError(f"unknown flag{'s' if len(unknown) > 1 else ''} " + "; ".join(unknown))
-    return out, megatron
+    built = f"Megatron-LM flag{'s' if len(not_built) > 1 else ''} {', '.join(not_built)} (they change what is trained)"
+    if unknown:  # a typo first; what is not built comes along
+        unknown_text = f"unknown flag{'s' if len(unknown) > 1 else ''} " + "; ".join(unknown)
+        raise UserError(unknown_text + (f" | {built}: not implemented yet" if not_built else ""))
+    if not_built:
+        raise NotImplementedYet(built)
+    return out, megatron, notes
+
+
+def _classify(name: str, values: list[str], unknown: list[str], not_built: list[str], notes: list[str]) -> None:
+    """A flag that maps to no field: no effect here (noted), not built, or not Megatron-LM's."""
+    from fivefold.config.fields import did_you_mean
+
+    if name not in SURFACE:
+        unknown.append(f"{name}{did_you_mean(name, list(FLAGS) + list(SURFACE))}")
+    elif name in VALUE_OK:
+        allowed, why = VALUE_OK[name]
+        if all(v in allowed for v in values):
+            notes.append(f"{name} {' '.join(values)}: {why}")
+        else:
+            not_built.append(f"{name} {' '.join(values)} (accepted: {', '.join(sorted(allowed))})")
+    elif (why := no_effect(name)) is not None:
+        notes.append(f"{name}: {why}")
+    else:
+        not_built.append(name)
 
 
 def _is_number(word: str) -> bool:

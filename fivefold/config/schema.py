@@ -100,6 +100,10 @@ class ModelConfig:
     init_method_std: float = 0.02
     """Std of the normal weight initialisation. Default 0.02."""
     # Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2, Moonlight).
+    add_qkv_bias: bool = False
+    """Biases on the query, key and value projections (Qwen2; Megatron's --add-qkv-bias). Default False."""
+    qk_layernorm: bool = False
+    """Normalise queries and keys per head before RoPE (Qwen3; Megatron's --qk-layernorm). Default False."""
     multi_latent_attention: bool = False
     """MLA instead of GQA. Default False."""
     q_lora_rank: int | None = None
@@ -181,6 +185,18 @@ class TrainingConfig:
     """Peak learning rate. Default 1e-3."""
     min_lr: float = 0.0
     """Floor of the decay. Default 0."""
+    train_samples: int | None = None
+    """Megatron's --train-samples: train for this many samples (train_iters = train_samples // global batch)
+    and run the schedule in samples. Default None (iterations)."""
+    lr_decay_iters: int | None = None
+    """Steps over which the LR decays to min_lr (Megatron's --lr-decay-iters). Default None = train_iters."""
+    lr_decay_samples: int | None = None
+    """The same in samples (--lr-decay-samples, with train_samples). Default None = train_samples."""
+    lr_warmup_samples: int = 0
+    """Warm-up in samples (--lr-warmup-samples, with train_samples). Default 0."""
+    lr_warmup_fraction: float | None = None
+    """Warm-up as a fraction of the decay span (--lr-warmup-fraction); overrides the other warm-ups.
+    Default None."""
     lr_warmup_iters: int = 0
     """Linear warm-up steps. Default 0."""
     lr_decay_style: str = "cosine"
@@ -269,9 +285,17 @@ class TrainingConfig:
 @dataclass(kw_only=True)
 class DataConfig:
     path: str | None = None
-    """A text file, a folder of files, a .jsonl, or a token file (.bin/.npy); None = Python's stdlib sources."""
+    """A text file, a folder of files, a .jsonl, a token file (.bin/.npy), a Megatron indexed dataset's
+    prefix (PREFIX.bin + PREFIX.idx), or a blend `0.3 PREFIX_A 0.7 PREFIX_B` (a YAML list is joined);
+    None = Python's stdlib sources."""
     format: str = "auto"
-    """auto, text, jsonl or tokens. Default auto (from the suffix)."""
+    """auto, text, jsonl, tokens or indexed. Default auto (from the path)."""
+    split: str | None = None
+    """Indexed datasets: Megatron's --split (train, validation, test proportions by sequence, e.g.
+    969,30,1); None = 1 - eval_fraction, eval_fraction, 0. Default None."""
+    tokenizer_type: str | None = None
+    """Megatron's --tokenizer-type: HuggingFaceTokenizer (data.tokenizer = its local folder); None = from
+    data.tokenizer. Default None."""
     jsonl_field: str = "text"
     """The JSONL field holding the text. Default text."""
     token_dtype: str = "uint16"
@@ -304,8 +328,14 @@ class CheckpointConfig:
     save_interval: int | None = None
     """Steps between saves; None = only at the end. Default None."""
     async_save: bool = False
-    """Write checkpoints from a background thread while training goes on (Megatron --async-save);
-    committed (renamed, `latest` moved) at the next save or the end. Default False."""
+    """Write checkpoints from a background thread while training goes on (Megatron's --async-save;
+    fivefold.checkpoint.async_save): committed at the next save or the end. Default False."""
+    load_hf: str | None = None
+    """A Hugging Face folder (config.json + safetensors) to start from, in any layout: weights only, a
+    fresh optimizer at step 0 (Megatron's --finetune); the model section is read from its config.json.
+    Default None."""
+    save_hf: str | None = None
+    """Also write the final model here as a Hugging Face folder (fivefold.model.hf_export). Default None."""
 
 
 @dataclass(kw_only=True)
@@ -336,6 +366,11 @@ class Config:
 
 SECTIONS = {name: type(section) for name, section in vars(Config()).items()}
 """Section name -> its dataclass."""
+
+
+def config_from_dict(d: dict) -> Config:
+    """The Config `to_dict` wrote (a run spec, a checkpoint's metadata)."""
+    return Config(**{name: cls(**d.get(name, {})) for name, cls in SECTIONS.items()})
 
 
 def to_dict(obj) -> dict:

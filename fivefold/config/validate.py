@@ -48,17 +48,27 @@ def validate(config: Config, dialect: str = "fivefold", *, raise_errors: bool = 
     broken = errors(s)
     fixes = search(base, broken, dialect) if broken else {}
     problems = [Problem(r.field, r.value, r.rule, first_that_holds(config, fixes.get(i, []), dialect))
-                for i, r in enumerate(broken)] + _training_problems(config.training, None if broken else dp_of(s) * s["cp"])
+                for i, r in enumerate(broken)] + _training_problems(config.training, None if broken else dp_of(s) * s["cp"]) \
+        + _data_problems(config.data)
     warnings = [Problem(r.field, r.value, r.rule, "applied", "warning") for r in warned]
     if not broken:
         warnings += _soft_warnings(s)
         _write_back(config, s)
+        if config.training.train_samples is not None:  # Megatron: train_iters = train_samples // global batch
+            config.training.train_iters = config.training.train_samples // config.training.global_batch_size
     if problems and raise_errors:
         raise ConfigError(problems + warnings)
     return problems + warnings
 
 
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+
+
+def _data_problems(d) -> list[Problem]:
+    if d.tokenizer_type == "HuggingFaceTokenizer" and d.tokenizer == "byte":
+        return [Problem("data.tokenizer", d.tokenizer, "tokenizer_type HuggingFaceTokenizer needs the tokenizer's "
+                        "local folder (--tokenizer-model DIR, holding tokenizer.json)", "data.tokenizer=DIR")]
+    return []
 
 
 def _training_problems(t, dp_cp: int | None) -> list[Problem]:

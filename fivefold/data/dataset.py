@@ -2,8 +2,10 @@
 
 `prepare_data` tokenizes the documents once (in the launcher, before ranks start), splits them into a
 train and a held-out eval part, and writes each part as one memory-mapped token stream plus the
-offsets where its documents start. Pre-tokenized token files (uint16/uint32, as Megatron and nanoGPT
-write them) are mapped directly and split by position. Ranks only map these files.
+offsets where its documents start. Pre-tokenized token files (uint16/uint32, as nanoGPT writes them)
+are mapped directly and split by position; Megatron's indexed datasets (PREFIX.bin + .idx, and
+weighted blends of them) are mapped directly and split by sequence (fivefold.data.indexed). Ranks only
+map these files.
 
 Samples:
   packed (default): sample i = stream[i*S : i*S + S + 1], S = seq_length; documents are concatenated,
@@ -22,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from fivefold.config.schema import DataConfig
+from fivefold.data.indexed import blend_order, open_corpus, parse_blend, split_ranges
 from fivefold.data.sources import read_documents, resolve_format
 from fivefold.data.tokenizer import ByteTokenizer, HFTokenizer
 from fivefold.errors import UserError
@@ -36,6 +39,14 @@ class Split:
     tokens: np.ndarray
     doc_starts: np.ndarray | None
     """Offsets of document starts plus the stream end (len = documents + 1); None for token files."""
+
+
+@dataclass(frozen=True)
+class Blend:
+    """Weighted parts (Megatron's `--data-path 0.3 A 0.7 B`), one Split per indexed dataset."""
+
+    weights: list[float]
+    parts: list[Split]
 
 
 def load_token_file(path: str, dtype: str) -> np.ndarray:
@@ -80,6 +91,9 @@ def prepare_data(data: DataConfig, tokenizer: ByteTokenizer | HFTokenizer, cache
         stream = load_token_file(str(Path(data.path).resolve()), data.token_dtype)
         meta.update(source=str(Path(data.path).resolve()), dtype=data.token_dtype, num_tokens=int(len(stream)),
                     max_id=int(stream.max()) if len(stream) else 0)
+    elif kind == "indexed":
+        meta.update(sources=[_indexed_source(weight, prefix, data) for weight, prefix in parse_blend(data.path)])
+        meta.update(max_id=max(src["max_id"] for src in meta["sources"]))
     else:
         docs = [tokenizer.encode(text) for text in read_documents(data.path, data.format, data.jsonl_field,
                                                                   data.max_documents)]
@@ -94,6 +108,20 @@ def prepare_data(data: DataConfig, tokenizer: ByteTokenizer | HFTokenizer, cache
     shutil.rmtree(cache, ignore_errors=True)
     os.replace(tmp, cache)
     return cache
+
+
+def _indexed_source(weight: float, prefix: str, data: DataConfig) -> dict:
+    """One indexed dataset of a (possibly one-part) blend: its train and eval sequence ranges."""
+    corpus = open_corpus(prefix)
+    split = data.split if data.split is not None else f"{1 - data.eval_fraction},{data.eval_fraction},0"
+    train, valid, _ = split_ranges(split, len(corpus.starts) - 1)
+    return {"weight": weight, "prefix": str(Path(prefix).resolve()), "train": train, "eval": valid,
+            "max_id": int(max((chunk.max() for chunk in _chunks(corpus.tokens)), default=0))}
+
+
+def _chunks(tokens: np.ndarray, size: int = 1 << 24):
+    for i in range(0, len(tokens), size):
+        yield np.asarray(tokens[i: i + size])
 
 
 def _split_documents(docs: list[np.ndarray], fraction: float, seed: int) -> tuple[list, list]:
@@ -119,10 +147,17 @@ def _write_split(folder: Path, name: str, docs: list[np.ndarray], eod: int, dtyp
     np.save(folder / f"{name}_docs.npy", starts)
 
 
-def load_splits(cache_dir: str | Path, eval_fraction: float) -> tuple[Split, Split]:
+def load_splits(cache_dir: str | Path, eval_fraction: float) -> tuple[Split | Blend, Split | Blend]:
     """(train, eval) memory-mapped from a folder written by `prepare_data`."""
     cache = Path(cache_dir)
     meta = json.loads((cache / "meta.json").read_text())
+    if meta["kind"] == "indexed":
+        corpora = [open_corpus(src["prefix"]) for src in meta["sources"]]
+        out = []
+        for part in ("train", "eval"):
+            splits = [_range_split(c, *src[part]) for c, src in zip(corpora, meta["sources"])]
+            out.append(splits[0] if len(splits) == 1 else Blend([src["weight"] for src in meta["sources"]], splits))
+        return out[0], out[1]
     if meta["kind"] == "tokens":
         stream = load_token_file(meta["source"], meta["dtype"])
         cut = int(len(stream) * (1 - eval_fraction))
@@ -133,6 +168,12 @@ def load_splits(cache_dir: str | Path, eval_fraction: float) -> tuple[Split, Spl
             if (cache / f"{name}.bin").stat().st_size else np.zeros(0, dtype=meta["dtype"])
         parts.append(Split(tokens, np.load(cache / f"{name}_docs.npy")))
     return parts[0], parts[1]
+
+
+def _range_split(corpus, begin: int, end: int) -> Split:
+    """Sequences [begin, end) of an indexed corpus as one stream (a document per sequence)."""
+    lo, hi = int(corpus.starts[begin]), int(corpus.starts[end])
+    return Split(corpus.tokens[lo:hi], corpus.starts[begin: end + 1] - lo)
 
 
 def data_meta(cache_dir: str | Path) -> dict:
@@ -176,3 +217,29 @@ class DocumentDataset:
 
     def target_tokens(self, i: int) -> int:
         return int(self.lengths[i]) - 1
+
+
+class BlendedDataset(PackedDataset):
+    """Packed samples drawn from several sources by weight (Megatron's BlendedDataset rule,
+    fivefold.data.indexed.blend_order), as many as the sources hold without repeating a sample."""
+
+    def __init__(self, blend: Blend, seq_length: int):
+        self.parts = [PackedDataset(s, seq_length) for s in blend.parts]
+        self.seq_length = seq_length
+        size = min(int(len(p) / w) for w, p in zip(blend.weights, self.parts) if w > 0)
+        self.source, self.within = blend_order(blend.weights, size)
+        short = np.nonzero(self.within >= np.array([len(p) for p in self.parts])[self.source])[0]
+        self.num_samples = int(short[0]) if len(short) else size
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        return self.parts[int(self.source[i])][int(self.within[i])]
+
+
+def dataset_of(split: Split | Blend, seq_length: int, packing: bool) -> PackedDataset | DocumentDataset:
+    """The training or eval dataset of a split (a blend is packed)."""
+    if isinstance(split, Blend):
+        if not packing:
+            raise UserError("data.packing=false with a blend of datasets: not implemented yet (pack them, or "
+                            "give one dataset)")
+        return BlendedDataset(split, seq_length)
+    return (PackedDataset if packing else DocumentDataset)(split, seq_length)

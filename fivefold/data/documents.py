@@ -45,7 +45,7 @@ def document_rules(data_config, data_dir: Path) -> DocumentRules | None:
     file read with the byte tokenizer has no known EOD id: refused rather than cut at token 0."""
     meta = json.loads((data_dir / "meta.json").read_text())
     rules = DocumentRules.of(data_config, meta["eod_id"])
-    if rules is not None and meta["kind"] == "tokens" and data_config.tokenizer == "byte":
+    if rules is not None and meta["kind"] in ("tokens", "indexed") and data_config.tokenizer == "byte":
         raise UserError(f"data.reset_position_ids / reset_attention_mask / eod_mask_loss need the end-of-document "
                         f"id of the tokenizer that wrote {data_config.path}: set data.tokenizer to that Hugging "
                         "Face tokenizer's folder (its EOS id is used), or turn the three flags off")

@@ -10,11 +10,12 @@ import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
 
+from fivefold.data.indexed import parse_blend
 from fivefold.errors import UserError
 
 TOKEN_SUFFIXES = (".bin", ".npy")
 JSONL_SUFFIXES = (".jsonl", ".json")
-FORMATS = ("auto", "text", "jsonl", "tokens")
+FORMATS = ("auto", "text", "jsonl", "tokens", "indexed")
 
 
 def stdlib_folder() -> Path:
@@ -28,6 +29,10 @@ def resolve_format(path: str | None, fmt: str) -> str:
         raise UserError(f"data.format={fmt!r}: must be one of {', '.join(FORMATS)}")
     if path is None:
         return "stdlib"
+    if fmt in ("auto", "indexed") and parse_blend(path) is not None:
+        return "indexed"  # Megatron's PREFIX (.bin + .idx), or a weighted blend of prefixes
+    if fmt == "indexed":
+        raise UserError(f"data.path={path!r}: no Megatron indexed dataset there (need {path}.bin and {path}.idx)")
     p = Path(path)
     if not p.exists():
         raise UserError(f"data.path={path!r}: no such file or folder (give a text file, a folder, a .jsonl "
@@ -70,8 +75,8 @@ def read_documents(path: str | None, fmt: str, jsonl_field: str = "text",
                    max_documents: int | None = None) -> Iterator[str]:
     """Documents in a fixed order (sorted file names, file order within a file)."""
     kind = resolve_format(path, fmt)
-    if kind == "tokens":
-        raise ValueError("token files hold no documents; use fivefold.data.dataset.load_token_file")
+    if kind in ("tokens", "indexed"):
+        raise ValueError("token files hold no documents; use fivefold.data.dataset.load_token_file / load_splits")
     if kind == "stdlib":
         stream = (p.read_text(encoding="utf-8", errors="replace") for p in _files_top(stdlib_folder(), ".py"))
     elif kind == "jsonl":

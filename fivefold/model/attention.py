@@ -4,6 +4,10 @@ a query heads share g key/value heads (a % g == 0); query head i reads KV head i
 same grouping as HF's repeat_kv. head_dim d is independent of h/a:
     q = x W_q (h -> a*d), k = x W_k (h -> g*d), v = x W_v (h -> g*d)
     o = softmax(rope(q) rope(k)^T / sqrt(d) + causal) v,   y = o W_o (a*d -> h)
+Variants: `add_qkv_bias` (Qwen2, Megatron's --add-qkv-bias): q, k, v get biases (column-parallel:
+sharded with their rows); `qk_layernorm` (Qwen3, Megatron's --qk-layernorm): q and k are normalised
+per head over d (the model's norm type) before RoPE — under TP each rank normalises its own heads,
+and the gains' gradients are summed over TP (each rank saw only its heads).
 """
 from __future__ import annotations
 
@@ -14,12 +18,13 @@ from torch import nn
 
 from fivefold.config.schema import ModelConfig
 from fivefold.ops.attention import Documents, attention
+from fivefold.model.norm import make_norm
 from fivefold.model.recompute import maybe_checkpoint
 from fivefold.model.rope import apply_rope
 from fivefold.parallel.context import ContextParallel
 from fivefold.parallel.heads import split_heads
 from fivefold.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, TPMode, column_linears,
-                                      mark_kv_replica)
+                                      mark_kv_replica, mark_sequence_sharded)
 
 
 def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cp: ContextParallel | None = None,
@@ -47,21 +52,27 @@ class Attention(nn.Module):
         """Selective recompute: keep q, k, v and recompute the core attention in backward."""
         self.context_parallel: ContextParallel | None = None
         """Context parallelism (set by the Decoder): attention over the sequence split across CP."""
+        bias = cfg.add_qkv_bias
+        self.q_norm = make_norm(cfg, d) if cfg.qk_layernorm else None
+        self.k_norm = make_norm(cfg, d) if cfg.qk_layernorm else None
         if tp is None:
-            self.q_proj = nn.Linear(h, a * d, bias=False)
-            self.k_proj = nn.Linear(h, g * d, bias=False)
-            self.v_proj = nn.Linear(h, g * d, bias=False)
+            self.q_proj = nn.Linear(h, a * d, bias=bias)
+            self.k_proj = nn.Linear(h, g * d, bias=bias)
+            self.v_proj = nn.Linear(h, g * d, bias=bias)
             self.o_proj = nn.Linear(a * d, h, bias=False)
             return
         split = split_heads(a, g, tp.size, tp.rank)
         kv_rows = range(split.kv_heads.start * d, split.kv_heads.stop * d)
-        self.q_proj = ColumnParallelLinear(h, a * d, group=tp, mode=mode)
-        self.k_proj = ColumnParallelLinear(h, g * d, group=tp, mode=mode, rows=kv_rows)
-        self.v_proj = ColumnParallelLinear(h, g * d, group=tp, mode=mode, rows=kv_rows)
+        self.q_proj = ColumnParallelLinear(h, a * d, group=tp, mode=mode, bias=bias)
+        self.k_proj = ColumnParallelLinear(h, g * d, group=tp, mode=mode, rows=kv_rows, bias=bias)
+        self.v_proj = ColumnParallelLinear(h, g * d, group=tp, mode=mode, rows=kv_rows, bias=bias)
         self.o_proj = RowParallelLinear(a * d, h, group=tp, mode=mode)
         if split.kv_replicas > 1:
             for m in (self.k_proj, self.v_proj):
                 mark_kv_replica(m, split, g)
+        for norm in (self.q_norm, self.k_norm):
+            if norm is not None:  # replicated gains, each rank's gradient from its heads only
+                mark_sequence_sharded(norm)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, docs: Documents | None = None
                 ) -> torch.Tensor:
@@ -70,6 +81,8 @@ class Attention(nn.Module):
         q = q.view(b, s, -1, self.d).transpose(1, 2)  # (b, a/tp, s, d)
         k = k.view(b, s, -1, self.d).transpose(1, 2)  # (b, g/tp, s, d)
         v = v.view(b, s, -1, self.d).transpose(1, 2)  # (b, g/tp, s, d)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         o = maybe_checkpoint(partial(core_attention, cp=self.context_parallel, docs=docs), self.recompute_core,
                              q, k, v)  # (b, a/tp, s, d)

@@ -1,5 +1,5 @@
-"""Import a local Hugging Face Llama / Mistral / Mixtral or DeepSeek-V3 checkpoint directory (config.json +
-safetensors) — no network.
+"""Import a local Hugging Face Llama / Mistral / Mixtral / Qwen2 / Qwen3 or DeepSeek-V3 checkpoint directory
+(config.json + safetensors) — no network.
 
     config_from_hf(dir)            config.json -> ModelConfig (refuses what our model cannot express)
     state_dict_from_hf(dir, cfg)   safetensors (single file or sharded index) -> our parameter names
@@ -9,7 +9,8 @@ Only safetensors are read: pickled `pytorch_model.bin` files can run code when l
 Name map (ours <- HF):
     embedding.weight               <- model.embed_tokens.weight
     layers.i.attn_norm.weight      <- model.layers.i.input_layernorm.weight
-    layers.i.attn.{q,k,v,o}_proj   <- model.layers.i.self_attn.{q,k,v,o}_proj
+    layers.i.attn.{q,k,v,o}_proj   <- model.layers.i.self_attn.{q,k,v,o}_proj (Qwen2: q/k/v .bias too)
+    layers.i.attn.{q,k}_norm       <- model.layers.i.self_attn.{q,k}_norm (Qwen3)
     layers.i.mlp_norm.weight       <- model.layers.i.post_attention_layernorm.weight
     layers.i.mlp.{gate,up,down}_proj <- model.layers.i.mlp.{gate,up,down}_proj
     final_norm.weight              <- model.norm.weight
@@ -43,7 +44,8 @@ from fivefold.planner.hf import load_hf_config
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 _MIXTRAL_PROJ = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
-_QK_NORM_MOE = {"qwen3_moe": "self_attn.q_norm / k_norm", "olmoe": "self_attn.q_norm / k_norm"}
+_NOT_YET = {"qwen3_moe": "Qwen3-MoE's MoE layers (mlp.gate, mlp.experts.*; dense qwen3 is imported)",
+            "olmoe": "OLMoE's q / k norms over the whole projection (not per head) and its MoE layers"}
 _LAYER_RENAMES = (("attn_norm.", "input_layernorm."), ("attn.", "self_attn."),
                   ("mlp_norm.", "post_attention_layernorm."), ("mlp.", "mlp."))
 
@@ -63,18 +65,20 @@ def config_from_hf(path: str | Path) -> ModelConfig:
     raw = json.loads((d / "config.json").read_text())
     where = d / "config.json"
     kind = raw.get("model_type")
-    if kind in _QK_NORM_MOE:
-        raise NotImplementedYet(f"{where}: model_type={kind!r} has per-head q/k RMSNorm ({_QK_NORM_MOE[kind]}), "
-                                "which our attention does not build yet; Mixtral-style MoE (mixtral) is imported")
-    if kind not in ("llama", "mistral", "mixtral", *DEEPSEEK):
-        raise UserError(f"{where}: model_type={kind!r}; only Llama-style models (llama, mistral, mixtral) and "
-                        f"DeepSeek-V3-style MLA models ({', '.join(DEEPSEEK)}) are imported")
+    if kind in _NOT_YET:
+        raise NotImplementedYet(f"{where}: model_type={kind!r}: importing {_NOT_YET[kind]}")
+    if kind not in ("llama", "mistral", "mixtral", "qwen2", "qwen3", *DEEPSEEK):
+        raise UserError(f"{where}: model_type={kind!r}; only Llama-style models (llama, mistral, mixtral, qwen2, "
+                        f"qwen3) and DeepSeek-V3-style MLA models ({', '.join(DEEPSEEK)}) are imported")
     if kind in DEEPSEEK:
         cfg = _deepseek(raw, cfg, where)
+    if kind in QWEN:  # Qwen2: biases on q, k, v (always); Qwen3: per-head q / k RMSNorm
+        cfg = replace(cfg, **QWEN[kind])
+    window = raw.get("sliding_window") if raw.get("use_sliding_window", kind not in QWEN) else None
     checks = {"hidden_act": (raw.get("hidden_act", "silu"), "silu"),
               "attention_bias": (bool(raw.get("attention_bias", False)), False),
               "mlp_bias": (bool(raw.get("mlp_bias", False)), False),
-              "sliding_window": (raw.get("sliding_window"), None)}
+              "sliding_window": (window, None)}
     for key, (value, wanted) in checks.items():
         if value != wanted:
             raise UserError(f"{where}: {key}={value!r} is not supported (our decoder needs {wanted!r})")
@@ -98,6 +102,9 @@ def _moe_name(rest: str, index: str) -> str | None:
         return f"model.layers.{index}.block_sparse_moe.experts.{parts[2]}.{_MIXTRAL_PROJ[parts[3]]}.weight"
     return None
 
+
+QWEN = {"qwen2": {"add_qkv_bias": True}, "qwen3": {"qk_layernorm": True}}
+"""Llama-like model_types and what their attention adds."""
 
 DEEPSEEK = ("deepseek_v3", "kimi_k2")
 """model_types with DeepseekV3's MLA layout."""
@@ -220,6 +227,41 @@ def _read(by_file: dict[Path, list[str]], shapes: dict, cfg: ModelConfig) -> dic
         except Exception as e:  # a damaged file: safetensors' own error types
             raise UserError(f"{file}: not a readable safetensors file ({e})") from e
     return out
+
+
+def read_hf_shards(model: torch.nn.Module, path: str | Path, cfg: ModelConfig) -> None:
+    """Fill every parameter of `model` (this rank's TP / EP / PP share of it, placed by its
+    ParamMeta) from the HF folder, reading only the rows and columns it holds (safetensors slices);
+    padded vocabulary rows zero."""
+    from safetensors import safe_open
+
+    from fivefold.checkpoint.io import placed_by_meta
+
+    d = _dir(path)
+    files = _weight_files(d)
+    shard_of = placed_by_meta(model)
+    shapes = _expected_shapes(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            theirs = hf_name(name, cfg)
+            if theirs not in files:
+                raise UserError(f"{d}: no tensor {theirs!r} (needed for our {name}); do config.json and the "
+                                "weights belong together?")
+            spec = shard_of(name, p)
+            full = shapes[name]
+            rows = [(o, min(o + n, g)) for o, n, g in zip(spec.offsets, p.shape, full)]  # padding is past g
+            try:
+                with safe_open(str(files[theirs]), framework="pt") as f:
+                    if list(f.get_slice(theirs).get_shape()) != list(full):
+                        raise UserError(f"{files[theirs]}: {theirs} has shape {f.get_slice(theirs).get_shape()}, "
+                                        f"config.json implies {list(full)}")
+                    part = f.get_slice(theirs)[tuple(slice(a, b) for a, b in rows)]
+            except UserError:
+                raise
+            except Exception as e:  # a damaged file: safetensors' own error types
+                raise UserError(f"{files[theirs]}: not a readable safetensors file ({e})") from e
+            p.zero_()
+            p[tuple(slice(0, b - a) for a, b in rows)].copy_(part)
 
 
 def load_hf(path: str | Path, **kw) -> Decoder:

@@ -2,7 +2,7 @@
 
 So Decoder(cfg, layers=[2, 3]) holds bit-exactly the weights of layers 2 and 3 of Decoder(cfg), and
 a tensor-parallel shard can be cut from `initial_value(...)` of the full weight. Rules:
-  norm gains: ones;  norm biases (LayerNorm): zeros;  every other weight: normal(0, init_method_std)
+  norm gains: ones;  biases (norms, linears): zeros;  every other weight: normal(0, init_method_std)
   from a torch.Generator seeded by sha256(f"{seed}/{name}");  vocabulary matrices: the real vocab_size rows are drawn, padded rows
   are zero (so the draw does not depend on the padding, hence not on TP).
 """
@@ -29,7 +29,7 @@ def initial_value(name: str, shape: tuple[int, ...], *, seed: int, std: float, v
     """The full fp32 initial value of parameter `name` (its name in the one-process Decoder)."""
     if name.endswith("norm.weight"):
         return torch.ones(shape)
-    if name.endswith("norm.bias"):
+    if name.endswith(".bias"):
         return torch.zeros(shape)
     rows = min(vocab_size, shape[0]) if name in VOCAB_PARAMS else shape[0]
     gen = torch.Generator().manual_seed(name_seed(seed, name))

@@ -47,11 +47,9 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from fivefold.parallel.precision import DEFAULT_BUCKET_BYTES
 from fivefold.runtime import comm
 from fivefold.runtime.mesh import Group
-
-DEFAULT_BUCKET_BYTES = 25 * 2**20
-"""Bucket capacity in bytes of gradient (PyTorch DDP's default 25 MiB)."""
 
 
 def grad_target(p: nn.Parameter) -> torch.Tensor | None:
@@ -214,22 +212,30 @@ class GradReducer:
             b.work = comm.all_reduce_async(b.buffer, self.group, tag=self.tag)
 
     def finish(self) -> None:
-        """Launch the buckets whose parameters got no gradient (unused in this step), then wait for all."""
+        """Launch the buckets whose parameters got no gradient (unused in this step, or all of them
+        under PP), at most two of those in flight at a time, then wait for all."""
+        pending = [b for b in self.buckets if b.work is not None]  # launched during backward
         for b in self.buckets:
             if b.work is None:
                 self._launch(b)
+                pending.append(b)
+                if not self.per_microbatch and len(pending) > 2:  # (ZeRO-2 drains its own)
+                    self._complete(pending.pop(0))
         if self.per_microbatch:
             self._drain()
-        for b in self.buckets:
-            b.work.wait()
-            if self.shard and not self.per_microbatch:  # the chunk into the buffer's own range (as
-                lo, hi = self.shard_range(b)          # Megatron): no second 1/n buffer between steps
-                b.buffer[lo:hi].copy_(b.grad_shard)
-                b.grad_shard = b.buffer[lo:hi]
+        for b in pending:
+            self._complete(b)
         if self.replicate is not None:  # HSDP: every instance's chunk summed (after the step's last
             for b in self.buckets:      # reduce-scatter; not overlapped with the backward)
                 comm.all_reduce_(b.grad_shard, self.replicate, tag=self.tag)
         self._sync = False
+
+    def _complete(self, b: _Bucket) -> None:
+        b.work.wait()
+        if self.shard and not self.per_microbatch:  # the chunk into the buffer's own range (as
+            lo, hi = self.shard_range(b)          # Megatron): no second 1/n buffer between steps
+            b.buffer[lo:hi].copy_(b.grad_shard)
+            b.grad_shard = b.buffer[lo:hi]
 
     def _drain(self) -> None:
         """ZeRO-2: complete the in-flight reduce-scatters: add each chunk into its bucket's

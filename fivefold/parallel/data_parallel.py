@@ -14,7 +14,8 @@ Modes (`DPMode`, Megatron's --data-parallel-sharding-strategy names):
             MoE layer during backward (below), per microbatch too.
   optim_grads_params  ZeRO-3: as optim_grads, and the parameters sharded too, each unit (embedding,
             decoder layer, output layer) gathered before use with the next prefetched, freed after
-            (fivefold.parallel.fsdp); not with PP yet (refused before any rank starts).
+            (fivefold.parallel.fsdp); under PP a unit stays whole from its first forward to the end
+            of the step (TorchTitan's policy with PP), the gradients reduce-scattered once as above.
 
 Gradient domains (ParamMeta.domain; Megatron's MoE folding puts the EP ranks inside TP x CP x DP):
   dense           summed over DP x CP (tag dp-grad);
@@ -87,7 +88,7 @@ class DPMode(enum.Enum):
     """ZeRO-2: gradients too, reduce-scattered after every microbatch into a 1/d accumulator; a bucket's
     full-size buffer exists only while backward fills it (see fivefold.parallel.data)."""
     OPTIM_GRADS_PARAMS = "optim_grads_params"
-    """ZeRO-3: parameters too, gathered per unit (fivefold.parallel.fsdp); not with PP yet."""
+    """ZeRO-3: parameters too, gathered per unit (fivefold.parallel.fsdp)."""
 
     @classmethod
     def of(cls, training: TrainingConfig) -> "DPMode":
@@ -167,9 +168,6 @@ class DataParallel:
         self.not_counted = list(not_counted)
         self.metas: dict[int, ParamMeta] = metas_of(model)
         zero3 = self.mode is DPMode.OPTIM_GRADS_PARAMS
-        if zero3 and pipelined:
-            raise NotImplementedError("ZeRO-3 with pipeline parallelism is not built yet "
-                                      "(fivefold.train.supported refuses it)")
         shard = self.mode is not DPMode.NO_SHARD
         self._per_microbatch = self.mode in (DPMode.OPTIM_GRADS, DPMode.OPTIM_GRADS_PARAMS) and not pipelined
         grads = dict(grad_dtype=self.precision.grad_dtype, per_microbatch=self._per_microbatch)
@@ -198,7 +196,8 @@ class DataParallel:
             self.domains = [_Domain(GradDomain.DENSE, params, reducer_cls(params, dense_group, shard=shard, **grads),
                                     mesh.group("model-parallel"))]
             self.norm_over = None
-        self.shardings = [ParamSharding(model, d.reducer, "edp-param" if d.kind is GradDomain.EXPERT else "dp-param")
+        self.shardings = [ParamSharding(model, d.reducer, "edp-param" if d.kind is GradDomain.EXPERT else "dp-param",
+                                        reshard_after_forward=not pipelined)
                           for d in self.domains if d.params] if zero3 else []
         """ZeRO-3: the parameters' gather / free cycle per domain (fivefold.parallel.fsdp)."""
         if shard:
@@ -358,6 +357,27 @@ class DataParallel:
         for s in self.shardings:
             stack.enter_context(s.full_params(writes))
         return stack
+
+    def reload_mains(self) -> None:
+        """After weights were written into the model (inside `full_params(writes=True)`): the main
+        parameters copy them (a fresh start from loaded weights, no optimizer state)."""
+        for d in self.domains:
+            mains = d.zero.mains if d.zero is not None else d.mains
+            if mains is not None:
+                mains.read_params()
+
+    def held_tensors(self) -> list[torch.Tensor]:
+        """Every tensor this mode allocated besides the model's parameters and AdamW's state: gradient
+        buffers and accumulators, flat parameter buffers and chunks, main parameters (memory
+        accounting: fivefold.testing.measure)."""
+        out = []
+        for d in self.domains:
+            for b in d.reducer.buckets:
+                out += [t for t in (b.buffer, b.grad_shard, b.param_buffer, getattr(b, "param_shard", None))
+                        if t is not None]
+            mains = d.zero.mains if d.zero is not None else d.mains
+            out += mains.mains if mains is not None else []
+        return out
 
     def offloaded(self) -> list[torch.Tensor]:
         """The main parameters kept and stepped in host memory (--optimizer-cpu-offload)."""

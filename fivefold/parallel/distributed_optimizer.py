@@ -27,6 +27,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from fivefold.checkpoint.optim_state import OptimShard
@@ -123,17 +124,24 @@ class DistributedOptimizer:
         all-gathered into the parameters."""
         self.optimizer.step()
         self.mains.write_back()
-        launched = []
+        in_flight = []  # at most two all-gathers: each output is a bucket's full size
         for b in self.reducer.buckets:
             if getattr(b, "param_shard", None) is not None:
                 continue  # ZeRO-3: the next forward gathers
             lo, hi = self.reducer.shard_range(b)
-            launched.append((b, *comm.all_gather(b.param_buffer[lo:hi], 0, self.group, self.tag, async_op=True)))
-        for b, gathered, work in launched:  # gathered: (buffer numel,) = every rank's chunk, in rank order
-            work.wait()
-            if gathered.data_ptr() != b.param_buffer.data_ptr():
-                b.param_buffer.copy_(gathered)
+            in_flight.append((b, *comm.all_gather(b.param_buffer[lo:hi], 0, self.group, self.tag, async_op=True)))
+            if len(in_flight) == 2:
+                _land(*in_flight.pop(0))
+        for gather in in_flight:
+            _land(*gather)
 
     def optim_shards(self) -> list[OptimShard]:
         """What this rank's state covers, for checkpoints: each piece's range of its parameter."""
         return [OptimShard(pc.name, pc.tensor, pc.flat) for pc in self.pieces]
+
+
+def _land(b, gathered: torch.Tensor, work) -> None:
+    """Wait for bucket b's all-gather; `gathered` (buffer numel,) = every rank's chunk in rank order."""
+    work.wait()
+    if gathered.data_ptr() != b.param_buffer.data_ptr():
+        b.param_buffer.copy_(gathered)

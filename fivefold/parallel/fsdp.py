@@ -21,7 +21,13 @@ buffers of ZeRO-2. The optimizer steps the chunks (fivefold.parallel.distributed
 anything else that reads whole parameters use `full_params()`.
 With MoE the routed experts are their own domain (reduced over expert-DP): a second ParamSharding over
 the expert reducer, whose units are the MoE layers, gathers and frees them with their layer.
-Not built yet: ZeRO-3 with pipeline parallelism (refused by fivefold.train.supported).
+With pipeline parallelism (`reshard_after_forward=False`, TorchTitan's default policy under PP): a
+unit is gathered by its first forward of the step and stays whole until the step's gradients are
+reduced. A pipeline schedule interleaves the forwards and backwards (B and W passes) of many
+microbatches on a stage, so freeing after each forward would gather every unit again per microbatch
+and pass, with nothing to hide it behind; what ZeRO-3 still saves under PP is the parameters between
+steps and the sharded main parameters, gradients' reduction and AdamW state. The units of a rank's
+stages (VPP) are listed stage after stage.
 """
 from __future__ import annotations
 
@@ -34,13 +40,16 @@ from fivefold.parallel.data import GradReducer, _Bucket
 from fivefold.runtime import comm
 
 
-def units_of(decoder: nn.Module) -> list[tuple[list[nn.Module], list[nn.Parameter]]]:
-    """(modules, parameters) per unit of a Decoder, in forward order; each parameter in one unit."""
+def units_of(model: nn.Module) -> list[tuple[list[nn.Module], list[nn.Parameter]]]:
+    """(modules, parameters) per unit of a Decoder, or of a pipeline rank's stages (a StageStack:
+    stage after stage), in forward order; each parameter in one unit."""
+    decoders = list(model.stages.values()) if hasattr(model, "stages") else [model]
+    groups = []
+    for d in decoders:
+        groups += ([[d.embedding]] if d.embedding is not None else []) + [[layer] for layer in d.layers.values()] + \
+            ([[m for m in (d.final_norm, d.head) if m is not None]] if d.head is not None else [])
     seen: set[int] = set()
     out = []
-    groups = ([[decoder.embedding]] if decoder.embedding is not None else []) + \
-        [[layer] for layer in decoder.layers.values()] + \
-        ([[m for m in (decoder.final_norm, decoder.head) if m is not None]] if decoder.head is not None else [])
     for modules in groups:
         params = [p for m in modules for p in m.parameters() if id(p) not in seen]
         seen.update(id(p) for p in params)
@@ -49,13 +58,17 @@ def units_of(decoder: nn.Module) -> list[tuple[list[nn.Module], list[nn.Paramete
 
 
 class ParamSharding:
-    """The gather / free cycle of ZeRO-3 over `reducer`'s buckets (one per unit of `decoder`)."""
+    """The gather / free cycle of ZeRO-3 over `reducer`'s buckets (one per unit of `model`).
+    `reshard_after_forward=False` (pipeline parallelism): units stay whole from their first forward
+    to the end of the step (see the module docstring)."""
 
-    def __init__(self, decoder: nn.Module, reducer: GradReducer, tag: str = "dp-param"):
+    def __init__(self, model: nn.Module, reducer: GradReducer, tag: str = "dp-param", *,
+                 reshard_after_forward: bool = True):
         self.reducer, self.group, self.tag = reducer, reducer.group, tag
+        self.reshard_after_forward = reshard_after_forward
         bucket_of = {id(p): b for b in reducer.buckets for p in b.params}
         self.units: list[tuple[list[nn.Module], list[_Bucket]]] = []
-        for modules, _ in units_of(decoder):
+        for modules, _ in units_of(model):
             # a module's buckets: of every parameter it uses that this reducer holds (a tied head uses
             # the embedding's too; with MoE the dense and the expert reducer each have a ParamSharding)
             buckets = list({id(bucket_of[id(p)]): bucket_of[id(p)] for m in modules for p in m.parameters()
@@ -99,7 +112,7 @@ class ParamSharding:
                 self._launch_gather(b)
 
     def _after_forward(self, i: int, out) -> None:
-        if i in self._in_backward:  # recompute inside backward: the unit stays gathered for its backward
+        if not self.reshard_after_forward or i in self._in_backward:  # recompute inside backward: the unit stays gathered for its backward
             return
         for b in self.units[i][1]:
             self._free(b)

@@ -33,6 +33,12 @@ class MainParams:
             self.mains.append(main)
             self.offloaded.append(host)
 
+    def read_params(self) -> None:
+        """Each copy refreshed from its tensor (after weights were loaded into the model)."""
+        for t, main in zip(self.tensors, self.mains):
+            if main is not t:
+                main.detach().copy_(t.detach())
+
     def attach(self, grads: list[torch.Tensor]) -> None:
         """Each main's .grad: the reduced gradient of its tensor, a view when dtype and device agree,
         else an fp32 copy where the main lives."""

@@ -31,6 +31,10 @@ from dataclasses import dataclass, field
 from fivefold.config.schema import TrainingConfig
 
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+DEFAULT_BUCKET_BYTES = 25 * 2**20
+"""Gradient bucket capacity in bytes of parameters (PyTorch DDP's default 25 MiB;
+fivefold.parallel.data; the planner sizes ZeRO's all-gather outputs by it)."""
 """Bytes per element of each dtype name. The policy is plain Python (the planner reads it without
 torch); `Precision.param_dtype` / `grad_dtype` give the torch dtypes."""
 
@@ -148,6 +152,12 @@ class Precision:
         sharded = {"no_shard": 0, "optim": 1, "optim_grads": 2, "optim_grads_params": 3}[mode]
         p, g, o = BYTES[self.param], BYTES[self.grad], (4 if self.has_main else 0) + 8
         return p / (d if sharded >= 3 else 1), g / (d if sharded >= 2 else 1), o / d
+
+    def main_grad_copy_bytes(self, dp_shards: int = 1, mode: str = "optim") -> float:
+        """Bytes per parameter alive while the optimizer steps, beyond `state_bytes`: with 16-bit
+        gradients (bf16 gradients, fp16) each main parameter's gradient is an fp32 copy of its
+        reduced 16-bit gradient (fivefold.parallel.main_params), sharded as the main parameters are."""
+        return 0.0 if self.grad == "fp32" else 4 / (1 if mode == "no_shard" else dp_shards)
 
     def bytes_per_param(self, dp_shards: int = 1, mode: str = "optim") -> float:
         return sum(self.state_bytes(dp_shards, mode))

@@ -140,14 +140,17 @@ class ColumnParallelLinear(nn.Module):
     Several column layers reading the same input share one communication via `column_linears`."""
 
     def __init__(self, in_features: int, out_features: int, *, group: Group, mode: TPMode = TPMode.ALL_REDUCE,
-                 rows: range | None = None, dtype=None, device=None):
+                 rows: range | None = None, bias: bool = False, dtype=None, device=None):
         super().__init__()
         self.group, self.mode = group, mode
-        self.weight = _weight(self, group, (out_features, in_features), 0, rows or even(out_features, group), dtype, device)
+        rows = rows or even(out_features, group)
+        self.weight = _weight(self, group, (out_features, in_features), 0, rows, dtype, device)
+        self.bias = new_param(self, "bias", (len(rows),), dtype=dtype, device=device,
+                              shard=Shard((out_features,), 0, rows.start, len(rows), group.name)) if bias else None
+        """The bias rows of this rank's output rows (Megatron's column-parallel bias: sharded, added locally)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        (y,) = column_parallel(x, [self.weight], self.group, self.mode)  # (b, s, out/tp)
-        return y
+        return column_linears(x, [self])[0]  # (b, s, out/tp)
 
 
 class RowParallelLinear(nn.Module):
@@ -169,7 +172,8 @@ def column_linears(x: torch.Tensor, linears: Sequence[nn.Module]) -> list[torch.
     through one fused call (one gather forward, one all-reduce / reduce-scatter of dL/dX backward)."""
     if all(isinstance(m, ColumnParallelLinear) for m in linears):
         first = linears[0]
-        return list(column_parallel(x, [m.weight for m in linears], first.group, first.mode))
+        ys = column_parallel(x, [m.weight for m in linears], first.group, first.mode)
+        return [y if m.bias is None else y + m.bias for y, m in zip(ys, linears)]
     return [m(x) for m in linears]
 
 
@@ -212,8 +216,10 @@ def shard_state_dict(model: nn.Module, full_state: dict[str, torch.Tensor]) -> d
 
 
 def mark_kv_replica(module: nn.Module, split: HeadSplit, kv_heads: int) -> None:
-    """`module.weight` is a whole KV head held by `split.kv_replicas` TP ranks (TP > KV heads)."""
-    set_meta(module, "weight", kv_replica=KVReplica(split.kv_heads.start, kv_heads, split.kv_replicas))
+    """`module.weight` (and bias) is a whole KV head held by `split.kv_replicas` TP ranks (TP > KV heads)."""
+    for name in ("weight", "bias"):
+        if getattr(module, name, None) is not None:
+            set_meta(module, name, kv_replica=KVReplica(split.kv_heads.start, kv_heads, split.kv_replicas))
 
 
 def mark_sequence_sharded(module: nn.Module, *, replicated_only: bool = False) -> None:

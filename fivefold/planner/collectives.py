@@ -287,8 +287,9 @@ def step_collectives(plan: Plan, pp_rank: int) -> list[Collective]:
         if mode != "no_shard":
             # ZeRO-2/3 without PP reduce-scatter the dense gradients after every microbatch; ZeRO-3
             # all-gathers every unit before its forward and again before its backward, per microbatch
+            # (under PP once a step: the units stay whole until the step's end)
             times = plan.microbatches if mode != "optim" and plan.pp == 1 and group == "dp" else 1
-            gathers = 2 * plan.microbatches if mode == "optim_grads_params" else 1
+            gathers = 2 * plan.microbatches if mode == "optim_grads_params" and plan.pp == 1 else 1
             out += [Collective("reduce_scatter", f"{group}-grad", group, grad * count * times, "step", "backward"),
                     Collective("all_gather", f"{group}-param", group, weight * count * gathers, "step", "forward")]
             if group == "dp" and _instances(plan) > 1:  # HSDP: each reduced chunk summed over the instances

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from fivefold.config.schema import TrainingConfig
-from fivefold.parallel.precision import Precision
+from fivefold.parallel.precision import DEFAULT_BUCKET_BYTES, Precision
 from fivefold.planner.activations import (EAGER_TRAITS, ArchTraits, Sharding, backward_transient, full_recompute_transient,
                                           layer_activation_bytes, weight_grad_join_bytes)
 from fivefold.planner.layout import Plan
@@ -102,22 +102,29 @@ _PARAMS: dict[tuple, tuple[float, float]] = {}
 
 
 def zero2_full_buffers(plan: Plan, dense: float, expert: float) -> float:
-    """ZeRO-2's full-size gradient buffers during a step (fivefold.parallel.data), on top of the 1/d
-    accumulators: every dense bucket under PP (the schedule accumulates the gradients itself, one
-    reduce-scatter after it), else none at the peak: that is at the end of the forward (the logits and
-    every activation live, no gradient buffer yet); during backward the activations are freed faster
-    than the one or two buckets being filled / reduced grow (measured: DP2 GA2 fp32 ZeRO-2, planner /
-    measured 0.999); the expert buckets likewise (reduced per MoE layer during backward)."""
-    full = Precision.of(plan.config.training, plan.precision).state_bytes(1, "no_shard")[1]
-    return (dense + expert if plan.pp > 1 else 0.0) * full
+    """What ZeRO-2/3's gradients hold during a step (fivefold.parallel.data) beyond the 1/d accumulators
+    of `state_bytes_per_param`, bytes: under PP the schedule accumulates the gradients itself, so every
+    bucket keeps its full-size buffer for the step and is reduce-scattered into its own range once,
+    as ZeRO-1 (no separate accumulator); without PP none at the peak: that is at the end of the
+    forward (the logits and every activation live, no gradient buffer yet); during backward the
+    activations are freed faster than the one or two buckets being filled / reduced grow (measured: DP2
+    GA2 fp32 ZeRO-2, planner / measured 0.999); the expert buckets likewise (reduced per MoE layer
+    during backward)."""
+    if plan.pp == 1:
+        return 0.0
+    training = plan.config.training
+    full = state_bytes_per_param(training, plan.precision, 1)[1]
+    sharded = (state_bytes_per_param(training, plan.precision, d)[1] for d in (plan.dp * plan.cp, plan.edp))
+    return sum(n * (full - g) for n, g in zip((dense, expert), sharded))
 
 
-def zero3_gathered(plan: Plan) -> float:
-    """ZeRO-3's whole parameters at the peak (fivefold.parallel.fsdp; no PP), elements: at the end of
-    the forward the output layer's unit is in use (the output layer or, tied, the embedding it shares,
-    and the final norm) and nothing is prefetched after it."""
+def zero3_gathered(plan: Plan, held: float) -> float:
+    """ZeRO-3's whole parameters at the peak (fivefold.parallel.fsdp), elements, of the `held` this
+    rank holds: without PP, at the end of the forward the output layer's unit is in use (the output
+    layer or, tied, the embedding it shares, and the final norm) and nothing is prefetched after it;
+    under PP every unit stays whole from its first forward to the step's end."""
     m = plan.config.model
-    return embedding_params(m, plan.tp) / plan.tp + m.hidden_size
+    return held if plan.pp > 1 else embedding_params(m, plan.tp) / plan.tp + m.hidden_size
 
 
 def rank_params(plan: Plan, rank: int) -> tuple[float, float]:
@@ -142,6 +149,25 @@ def _rank_params(plan: Plan, rank: int) -> tuple[float, float]:
     if rank == plan.pp - 1:
         dense += m.hidden_size + (0 if (m.tie_word_embeddings and plan.pp == 1) else emb)
     return dense, expert
+
+
+def optimizer_phase(plan: Plan, dense: float, expert: float, largest: float, traits: ArchTraits) -> float:
+    """Bytes allocated after backward, on top of the model state: while AdamW steps, its eager
+    temporaries (`optimizer_scratch_bytes` per element of the largest parameter) and, with 16-bit
+    gradients, the fp32 copies of the main gradients (`Precision.main_grad_copy_bytes`); then ZeRO-1/2's
+    all-gathers of the updated parameters, at most two buckets' full outputs at once
+    (fivefold.parallel.distributed_optimizer). The larger phase counts."""
+    training = plan.config.training
+    prec, mode = Precision.of(training, plan.precision), training.sharding_strategy
+    copies = (dense * prec.main_grad_copy_bytes(plan.dp * plan.cp, mode)
+              + expert * prec.main_grad_copy_bytes(plan.edp, mode))
+    stepping = traits.optimizer_scratch_bytes * largest + copies
+    gathering = 0.0
+    if mode in ("optim", "optim_grads"):
+        weight = prec.state_bytes(1, "no_shard")[0]
+        gathering = sum(min(2 * DEFAULT_BUCKET_BYTES, n * weight) for n, d in ((dense, plan.dp * plan.cp), (expert, plan.edp))
+                        if n and d > 1)
+    return max(stepping, gathering)
 
 
 def largest_param(plan: Plan, rank: int) -> float:
@@ -211,7 +237,7 @@ class _Ranks:
         if training.sharding_strategy in ("optim_grads", "optim_grads_params"):
             rm.grads += zero2_full_buffers(plan, dense, expert)
         if training.sharding_strategy == "optim_grads_params":  # ZeRO-3: the units in use, whole
-            rm.weights += zero3_gathered(plan) * Precision.of(training, prec).state_bytes(1, "no_shard")[0]
+            rm.weights += zero3_gathered(plan, dense + expert) * Precision.of(training, prec).state_bytes(1, "no_shard")[0]
         rm.detail = dict(detail)
         rm.inflight = prof.inflight_microbatches(r)
         rm.activations = per_mb * rm.inflight + transient
@@ -235,8 +261,8 @@ class _Ranks:
         if m.is_moe and plan.ep > 1:
             buffers += 2 * m.moe_router_topk * tokens / plan.tp * plan.etp * m.hidden_size * B  # dispatch + combine
         rm.buffers = buffers
-        scratch = traits.optimizer_scratch_bytes * largest_param(plan, r)
-        rm.scratch = max(0.0, scratch - (rm.activations + rm.logits + rm.buffers))
+        rm.scratch = max(0.0, optimizer_phase(plan, dense, expert, largest_param(plan, r), traits)
+                         - (rm.activations + rm.logits + rm.buffers))
         tensors = rm.weights + rm.grads + rm.optimizer + rm.activations + rm.logits + rm.buffers + rm.scratch
         rm.overhead = assume.allocator_overhead * tensors
         rm.reserve = assume.runtime_reserve

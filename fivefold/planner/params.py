@@ -52,7 +52,7 @@ def attention_params(m: ModelConfig) -> int:
         kv = h * (r_kv + dr) + r_kv + r_kv * a * (dn + dv)
         return q + kv + a * dv * h
     d, g = m.head_dim, m.kv_heads
-    return 2 * h * a * d + 2 * h * g * d
+    return 2 * h * a * d + 2 * h * g * d + ((a + 2 * g) * d if m.add_qkv_bias else 0)
 
 
 def latent_params(m: ModelConfig) -> int:
@@ -87,13 +87,14 @@ def _layer_params(m: ModelConfig, index: int) -> LayerParams:
     h = m.hidden_size
     latent = latent_params(m)
     attn = attention_params(m) - latent
+    norms = 2 * h + (2 * m.head_dim if m.qk_layernorm else 0)  # + the per-head q / k norm gains
     if not is_moe_layer(m, index):
-        return LayerParams(attention=attn, norms=2 * h, dense_mlp=3 * h * m.ffn_size, experts=0, active_experts=0,
+        return LayerParams(attention=attn, norms=norms, dense_mlp=3 * h * m.ffn_size, experts=0, active_experts=0,
                            latent=latent)
     f_e = m.moe_ffn_hidden_size or m.ffn_size
     shared = 3 * h * (m.moe_shared_expert_intermediate_size or 0)
     per_expert = 3 * h * f_e
-    return LayerParams(attention=attn, norms=2 * h + h * m.num_experts, dense_mlp=shared,
+    return LayerParams(attention=attn, norms=norms + h * m.num_experts, dense_mlp=shared,
                        experts=m.num_experts * per_expert, active_experts=m.moe_router_topk * per_expert, latent=latent)
 
 

@@ -123,7 +123,11 @@ def measure_step(rank: int, world: int, config: Config) -> RankMeasurement:
     step(0)
     traffic.reset()
     tracker = _tracker()
-    tracker.track_external(parts.model, *parts.dp.optimizers)  # the AdamW(s) the data-parallel mode steps
+    # the data-parallel mode's buffers and main parameters as "Other" (a 16-bit run's fp32 gradient
+    # buffers and copies; tensors created before the tracker are invisible to it otherwise), then the
+    # model and the AdamW(s) it steps, whose kinds replace "Other" where they share a storage
+    tracker.track_external(*parts.dp.held_tensors())
+    tracker.track_external(parts.model, *parts.dp.optimizers)
     with tracker:
         result = step(1)
     snap = {getattr(k, "value", k): v for k, v in tracker.get_tracker_snapshot("peak").get(device, {}).items()}

@@ -14,10 +14,11 @@ import torch
 from tqdm import tqdm
 
 from fivefold.checkpoint import io as ckpt
-from fivefold.checkpoint.async_save import AsyncSaver
-from fivefold.checkpoint.names import gather_names
 from fivefold.config.schema import Config, to_dict
-from fivefold.data.dataset import DocumentDataset, PackedDataset, load_splits
+from fivefold.checkpoint.async_save import AsyncSaver
+from fivefold.data.dataset import dataset_of, load_splits
+from fivefold.model.hf import read_hf_shards
+from fivefold.model.hf_export import export_hf
 from fivefold.data.documents import document_rules
 from fivefold.data.loader import BatchLoader
 from fivefold.errors import UserError
@@ -52,16 +53,15 @@ class TrainResult:
 def _loaders(config: Config, ctx: RankContext, data_dir: Path) -> tuple[BatchLoader, BatchLoader | None]:
     d, t = config.data, config.training
     train_split, eval_split = load_splits(data_dir, d.eval_fraction)
-    make = PackedDataset if d.packing else DocumentDataset
     kw = dict(global_batch_size=t.global_batch_size, micro_batch_size=t.micro_batch_size,
               dp_rank=ctx.dp_rank, dp_size=ctx.dp_size, documents=document_rules(d, Path(data_dir)))
-    train_ds = make(train_split, t.seq_length)
+    train_ds = dataset_of(train_split, t.seq_length, d.packing)
     if len(train_ds) < ctx.dp_size:
         raise UserError(f"data: the training split has {len(train_ds)} samples of seq_length={t.seq_length}; "
                         f"need at least {ctx.dp_size} (give more data or a shorter training.seq_length)")
     eval_loader = None
     if t.eval_interval:
-        eval_ds = make(eval_split, t.seq_length)
+        eval_ds = dataset_of(eval_split, t.seq_length, d.packing)
         if len(eval_ds) < ctx.dp_size:
             raise UserError(f"data: the eval split has {len(eval_ds)} samples of seq_length={t.seq_length}; raise "
                             "data.eval_fraction or unset training.eval_interval")
@@ -69,32 +69,20 @@ def _loaders(config: Config, ctx: RankContext, data_dir: Path) -> tuple[BatchLoa
     return BatchLoader(train_ds, seed=t.seed, **kw), eval_loader
 
 
-def _save(config: Config, ctx: RankContext, root: Path, step: int, parts: Parts,
-          saver: AsyncSaver | None = None) -> Path | None:
-    """Checkpoint `step`; returns the folder committed now (with `saver`: the previous async one, if any)."""
+def _save(config: Config, ctx: RankContext, root: Path, step: int, parts: Parts, saver: AsyncSaver | None) -> Path:
     # DP x CP replica 0 writes the dense parameters, EDP replica 0 the experts it holds; a rank that
     # is one but not the other writes copies equal to the owner's, which the checkpoint lists once.
     writes = ctx.dp_group.rank == 0 or (config.model.is_moe and ctx.mesh.edp.rank == 0)
     dp = parts.dp
+    extra = {"optimizer_step": step, "world_size": ctx.world_size, "data": {"next_step": step,
+             "consumed_samples": step * config.training.global_batch_size}, "config": to_dict(config),
+             **({"loss_scaler": dp.scaler.state_dict()} if dp.scaler is not None else {})}
     kw = dict(model=parts.model, optimizer=dp, writes_params=writes, optim_shards=dp.optim_shards(),
-              writes_optim=dp.shards_state or writes,
-              extra={"optimizer_step": step, "world_size": ctx.world_size, "data": {"next_step": step,
-                     "consumed_samples": step * config.training.global_batch_size}, "config": to_dict(config),
-                     **({"loss_scaler": dp.scaler.state_dict()} if dp.scaler is not None else {})})
-    with dp.full_params():  # ZeRO-3: the parameters whole while they are written (or copied, async)
+              writes_optim=dp.shards_state or writes, extra=extra)
+    with dp.full_params():  # ZeRO-3: the parameters whole while they are written (async: copied)
         if saver is not None:
-            return saver.start(root, step, **kw)
+            return saver.save(root, step, **kw)
         return ckpt.save_checkpoint(root, step, rank=ctx.rank, barrier=lambda: comm.barrier(ctx.world_group), **kw)
-
-
-def _async_saver(config: Config, ctx: RankContext) -> AsyncSaver | None:
-    if not config.checkpoint.async_save:
-        return None
-
-    def all_ok(mine: bool) -> bool:
-        flag = torch.tensor([1.0 if mine else 0.0])
-        return bool(comm.all_reduce_(flag, ctx.world_group, tag="checkpoint", op="min") > 0)
-    return AsyncSaver(rank=ctx.rank, barrier=lambda: comm.barrier(ctx.world_group), all_ok=all_ok)
 
 
 def _step(config: Config, ctx: RankContext, step: int, parts: Parts, train_loader):
@@ -132,13 +120,16 @@ def train(config: Config, ctx: RankContext, data_dir: Path, *, progress: bool = 
         with dp.full_params(writes=True):
             meta = ckpt.load_checkpoint(config.checkpoint.load, model=model, optimizer=dp, rank=ctx.rank,
                                         world_size=ctx.world_size, optim_shards=dp.optim_shards(),
-                                        whole_names=gather_names((n for n, _ in model.named_parameters()),
-                                                                 ctx.world_group))
+                                        model_config=to_dict(config)["model"])
         start = int(meta["data"]["next_step"])
         if dp.scaler is not None and "loss_scaler" in meta:
             dp.scaler.load_state_dict(meta["loss_scaler"])
+    elif config.checkpoint.load_hf:  # weights only: AdamW starts fresh at step 0 (Megatron's --finetune)
+        with dp.full_params(writes=True):
+            read_hf_shards(model, config.checkpoint.load_hf, config.model)
+        dp.reload_mains()
     save_root = Path(config.checkpoint.save or ctx.out_dir / "checkpoints")
-    saver = _async_saver(config, ctx)
+    saver = AsyncSaver(ctx.rank, lambda: comm.barrier(ctx.world_group)) if config.checkpoint.async_save else None
     log = MetricsLog(ctx.out_dir, config.logging.tensorboard, resume_from=start) if ctx.is_main else None
     fpt = flops_per_token(config.model, t.seq_length)
     result = TrainResult()
@@ -184,17 +175,21 @@ def train(config: Config, ctx: RankContext, data_dir: Path, *, progress: bool = 
         if stops:  # before this step's checkpoint: the last one written stays the last good one
             bar.close()
             if saver is not None:
-                result.checkpoint = saver.finish() or result.checkpoint
+                saver.finish()
             raise nonfinite_error(step, r.loss, r.grad_norm, model, ctx.world_group,
                                   result.checkpoint or config.checkpoint.load)
         bar.set_postfix(loss=f"{r.loss:.4f}", lr=f"{record['lr']:.2e}", tok_s=f"{record['tokens_per_s']:.0f}")
         bar.update(1)
         interval = config.checkpoint.save_interval
         if (interval and (step + 1) % interval == 0) or last:
-            result.checkpoint = _save(config, ctx, save_root, step + 1, parts, saver) or result.checkpoint
+            result.checkpoint = _save(config, ctx, save_root, step + 1, parts, saver)
     bar.close()
     if saver is not None:
-        result.checkpoint = saver.finish() or result.checkpoint
+        saver.finish()  # the last checkpoint committed before anything reads it
+    if config.checkpoint.save_hf and result.checkpoint is not None:
+        if ctx.is_main:
+            export_hf(result.checkpoint, config.checkpoint.save_hf)
+        comm.barrier(ctx.world_group)  # every rank returns once the folder is complete
     result.optimizer_state_bytes = state_bytes(dp)
     steady = times[1:] or times  # the first step pays for warm-up (allocations, thread pools)
     result.tokens_per_s = sum(n for n, _ in steady) / max(1e-9, sum(dt for _, dt in steady))

@@ -33,6 +33,9 @@ RUNTIME_KNOBS: list[Knob] = [
          "sinkhorn load balancing (aux_loss, seq_aux_loss and none run)"),
     Knob("training.precision", _is("fp32", "bf16", "fp16"), "fp8 (the planner models it; the runtime trains fp32, bf16, fp16)"),
     Knob("training.optimizer", _is("adamw"), "optimizers other than adamw"),
+    Knob("data.tokenizer_type", _is(None, "HuggingFaceTokenizer"),
+         "Megatron tokenizer types other than HuggingFaceTokenizer (give --tokenizer-type HuggingFaceTokenizer "
+         "--tokenizer-model DIR with a local tokenizer.json)"),
 
 ]
 
@@ -49,12 +52,11 @@ def _combinations(config: Config) -> list[str]:
                                                    ("context_parallel_size", p.context_parallel_size),
                                                    ("expert_model_parallel_size", p.expert_model_parallel_size))
               if size > 1]
+    m = config.model
+    if m.multi_latent_attention and (m.add_qkv_bias or m.qk_layernorm):
+        return ["add_qkv_bias / qk_layernorm with multi_latent_attention (they apply to grouped-query attention)"]
     if config.training.num_distributed_optimizer_instances > 1 and config.model.is_moe:
         return ["HSDP (num_distributed_optimizer_instances > 1) with MoE (dense models run it)"]
-    zero3 = config.training.sharding_strategy == "optim_grads_params"
-    if zero3 and p.pipeline_model_parallel_size > 1:
-        return ["ZeRO-3 (data_parallel_sharding_strategy=optim_grads_params) with pipeline parallelism "
-                "(TP, SP, CP, EP and DP layouts run it; optim_grads, ZeRO-2, runs with PP)"]
     if config.training.compile and inside:
         return [f"training.compile=True with {', '.join(inside)} (compiled layers would trace the TP/CP/EP "
                 "collectives inside them; DP, ZeRO and PP layouts compile)"]

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from fivefold.config.schema import SECTIONS, Config
+from fivefold.config.schema import Config, config_from_dict
 from fivefold.config.validate import layout_of
 from fivefold.errors import UserError
 from fivefold.runtime import heartbeat
@@ -33,10 +33,6 @@ from fivefold.watchdog import self_watch, tick_for, timeout_of
 PG_SLACK_S = 60.0
 """The process group's own timeout is the watchdog's plus this: the watchdog, which names the stuck
 rank, fires first; torch's timeout remains a backstop."""
-
-
-def config_from_dict(d: dict) -> Config:
-    return Config(**{name: cls(**d.get(name, {})) for name, cls in SECTIONS.items()})
 
 
 def init_rank(config: Config, out_dir: Path) -> RankContext:

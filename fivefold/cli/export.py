@@ -1,0 +1,21 @@
+"""`fivefold export CHECKPOINT OUT_DIR [--max-shard-size 5GB]`: a fivefold checkpoint (any layout) as a
+Hugging Face `save_pretrained` folder (fivefold.model.hf_export)."""
+from __future__ import annotations
+
+import argparse
+
+HELP = "write a checkpoint (any layout) as a Hugging Face folder: config.json + safetensors (+ index, tokenizer)"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("checkpoint", help="a step_* folder, or a checkpoints root (its latest)")
+    p.add_argument("out_dir", help="the folder to write (replaced when it exists)")
+    p.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB, as transformers)")
+
+
+def run(args, extra: list[str]) -> int:
+    from fivefold.model.hf_export import export_hf
+
+    out = export_hf(args.checkpoint, args.out_dir, max_shard_size=args.max_shard_size)
+    print(f"wrote {out} (load with transformers: AutoModelForCausalLM.from_pretrained({str(out)!r}))")
+    return 0

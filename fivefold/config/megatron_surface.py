@@ -1,0 +1,79 @@
+"""Every Megatron-LM flag, classified: how a Megatron command line is taken here.
+
+The surface (`megatron_surface.txt`, ~880 flags at the pinned commit, written by
+scripts/megatron_surface.py from Megatron's own parser: the explicit `add_argument` flags and those
+generated from its config dataclasses) says how each flag takes values. Each flag is then one of:
+
+  1. mapped       a canonical field (fivefold.config.megatron.FLAGS);
+  2. no effect    accepted, and `validate` lists it with the reason: switches that change speed or
+                  memory but not the math (overlap, fusion, kernel choice, CUDA graphs), logging,
+                  profiling, checkpoint I/O tuning, and flags that say what fivefold already does
+                  (`--swiglu`, `--disable-bias-linear`, rotary positions);
+  3. not built    changes the math or the run here, not built yet: refused, all such flags in one
+                  message ("not implemented yet");
+  4. unknown      not Megatron-LM's at that commit: refused with the closest flags.
+Some flags are "no effect" for the values fivefold computes anyway (`--attention-dropout 0`,
+`--position-embedding-type rope`) and "not built" for the others (`VALUE_OK`).
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+SURFACE_FILE = Path(__file__).with_name("megatron_surface.txt")
+
+
+def _read_surface() -> dict[str, str]:
+    kinds = {}
+    for line in SURFACE_FILE.read_text().splitlines():
+        if line.startswith("--"):
+            flag, kind = line.split()
+            kinds[flag] = kind
+    return kinds
+
+
+SURFACE: dict[str, str] = _read_surface()
+"""Megatron-LM flag -> switch, value or list."""
+
+NO_EFFECT: list[tuple[str, str]] = [  # (regular expression over the flag, why it changes no math here)
+    (r"--(no-|disable-)?(overlap|tp-comm|align-grad|align-param|delay-wgrad|defer-embedding)[-a-z0-9]*",
+     "communication overlap: a schedule choice, the same sums"),
+    (r"--(no-)?[-a-z0-9]*-fusion(-impl|-into-hybridep)?|--(no-)?(bias-[a-z]+|masked-softmax|rope|gradient-accumulation)-fusion",
+     "kernel fusion: the same math"),
+    (r"--(use-flash-attn|flash-attention-version|attention-backend|transformer-impl|use-mcore-models|"
+     r"moe-grouped-gemm|use-grouped-gemm-for-[-a-z]+|moe-token-dispatcher-type|moe-flex-dispatcher-[-a-z]+|"
+     r"moe-shared-expert-overlap|mla-down-proj-fusion|use-cpu-initialization|ddp-bucket-size|ddp-num-buckets|"
+     r"ddp-pad-buckets-for-high-nccl-busbw|ddp-average-in-collective|distributed-backend|local-rank|"
+     r"num-workers|dataloader-[-a-z]+|data-cache-path|no-mmap-bin-files|mmap-bin-files|"
+     r"(no-)?create-attention-mask-in-dataloader|empty-unused-memory-level|deterministic-mode|group-query-attention)",
+     "kernel, dispatcher or runtime choice: fivefold runs its own, with the same math"),
+    (r"--[-a-z0-9]*cuda-graph[-a-z0-9]*|--enable-cuda-graph|--external-cuda-graph",
+     "CUDA graphs: a launch optimisation"),
+    (r"--(no-)?(log|tensorboard|wandb|timing|nvtx|profile|pytorch-profiler|use-pytorch-profiler|record-memory|"
+     r"straggler|disable-straggler|check-weight-hash|barrier-with|manual-gc|disable-manual-gc|exit-signal|"
+     r"log-straggler|indexer-log)[-a-z0-9]*",
+     "logging, profiling or housekeeping (fivefold writes metrics.jsonl and TensorBoard; --profile is mapped)"),
+    (r"--(async-ckpt|ckpt|dist-ckpt|non-persistent|use-persistent-ckpt|use-dist-ckpt|auto-detect-ckpt|"
+     r"no-ckpt|disable-ckpt|no-save-tokenizer)[-a-z0-9]*",
+     "checkpoint format and I/O: fivefold writes its own safetensors checkpoints (any layout loads any other)"),
+    (r"--(swiglu|disable-bias-linear|use-rotary-position-embeddings|no-position-embedding|"
+     r"calculate-per-token-loss|no-save-optim|no-save-rng)",
+     "what fivefold does already (SwiGLU, no linear biases, rotary positions, a per-token loss over the global "
+     "batch, checkpoints that also hold optimizer and RNG state)"),
+]
+_NO_EFFECT = [(re.compile(pattern), why) for pattern, why in NO_EFFECT]
+
+VALUE_OK: dict[str, tuple[set[str], str]] = {
+    "--attention-dropout": ({"0", "0.0"}, "dropout is not built: 0 is what fivefold computes"),
+    "--hidden-dropout": ({"0", "0.0"}, "dropout is not built: 0 is what fivefold computes"),
+    "--position-embedding-type": ({"rope"}, "rotary positions are fivefold's"),
+    "--rotary-percent": ({"1", "1.0"}, "the whole head is rotated"),
+    "--moe-token-dispatcher-type": ({"alltoall", "allgather", "flex", "alltoall_seq"}, "the same routing"),
+    "--ckpt-format": ({"torch_dist", "torch", "zarr", "fsdp_dtensor", "torch_dcp"}, "fivefold's own format"),
+}
+"""Flags accepted for the values fivefold computes anyway; other values are not built."""
+
+
+def no_effect(flag: str) -> str | None:
+    """Why `flag` changes no math here, or None."""
+    return next((why for pattern, why in _NO_EFFECT if pattern.fullmatch(flag)), None)

@@ -1,0 +1,162 @@
+"""Export a fivefold checkpoint (any layout) as a Hugging Face `save_pretrained` folder.
+
+    export_hf(checkpoint, out_dir)   config.json, generation_config.json, model.safetensors (or
+                                     model-0000k-of-0000n.safetensors + model.safetensors.index.json),
+                                     and the run's tokenizer files when it used a Hugging Face tokenizer
+
+Each parameter is assembled whole from the checkpoint's shards (every TP / PP / EP / ZeRO layout wrote
+its slices at their offsets in the one-process tensor; `fivefold.checkpoint.io`), its padded vocabulary
+rows dropped, renamed by `fivefold.model.hf.hf_name` (the importer's map, so import -> export gives the
+same tensors, bit for bit) and written in the checkpoint's dtype, one tensor at a time: memory holds one
+output shard (at most `max_shard_bytes`) and one parameter. A tied output layer is not written (HF ties
+it to `model.embed_tokens.weight`).
+
+Families: Llama (RMSNorm, SwiGLU, RoPE, no biases), Qwen2 (QKV biases), Qwen3 (q / k norms), Mixtral (its MoE layers: softmax router, top-k
+renormalised, no shared expert, every layer MoE) and dense DeepSeek-V3 (MLA) — the ones `load_hf`
+imports. Anything else is refused naming what HF's config could not say.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from fivefold.checkpoint.io import _assemble, read_metadata
+from fivefold.checkpoint.layout import ShardSpec, source_name
+from fivefold.config.schema import ModelConfig, config_from_dict
+from fivefold.errors import NotImplementedYet, UserError
+from fivefold.model.hf import INDEX, SINGLE, _expected_shapes, hf_name
+from fivefold.model.init import VOCAB_PARAMS
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt")
+DTYPES = {"torch.float32": torch.float32, "torch.bfloat16": torch.bfloat16, "torch.float16": torch.float16}
+_HF_DTYPE = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def hf_config(cfg: ModelConfig, dtype: torch.dtype) -> dict:
+    """config.json for `cfg` in the family HF calls it (see the module docstring)."""
+    if cfg.normalization != "RMSNorm":
+        raise NotImplementedYet(f"Hugging Face export of normalization={cfg.normalization!r} (Llama-family "
+                                "exports need RMSNorm)")
+    out = {"vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "intermediate_size": cfg.ffn_size,
+           "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_attention_heads,
+           "max_position_embeddings": cfg.max_position_embeddings, "rms_norm_eps": cfg.norm_epsilon,
+           "rope_theta": cfg.rotary_base, "tie_word_embeddings": cfg.tie_word_embeddings,
+           "initializer_range": cfg.init_method_std, "hidden_act": "silu", "attention_bias": False,
+           "torch_dtype": _HF_DTYPE[dtype], "bos_token_id": None, "eos_token_id": None}
+    if cfg.multi_latent_attention:
+        if cfg.is_moe:
+            raise NotImplementedYet("Hugging Face export of DeepSeek-V3 MoE layers (dense MLA models export)")
+        return {**out, "model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"],
+                "num_key_value_heads": cfg.num_attention_heads, "q_lora_rank": cfg.q_lora_rank,
+                "kv_lora_rank": cfg.kv_lora_rank, "qk_nope_head_dim": cfg.qk_head_dim,
+                "qk_rope_head_dim": cfg.qk_pos_emb_head_dim, "v_head_dim": cfg.v_head_dim,
+                "head_dim": cfg.qk_pos_emb_head_dim, "rope_interleave": True, "n_routed_experts": 1,
+                "first_k_dense_replace": cfg.num_layers, "n_shared_experts": 1, "num_experts_per_tok": 1,
+                "moe_intermediate_size": cfg.ffn_size, "rms_norm_eps": cfg.norm_epsilon}
+    out.update(num_key_value_heads=cfg.num_query_groups or cfg.num_attention_heads, head_dim=cfg.head_dim)
+    if cfg.add_qkv_bias or cfg.qk_layernorm:
+        if cfg.is_moe or (cfg.add_qkv_bias and cfg.qk_layernorm):
+            raise NotImplementedYet("Hugging Face export of QKV biases with q/k norms or with MoE (Qwen2: biases, "
+                                    "Qwen3: q/k norms, dense)")
+        kind, arch = ("qwen2", "Qwen2ForCausalLM") if cfg.add_qkv_bias else ("qwen3", "Qwen3ForCausalLM")
+        out.pop("attention_bias")
+        return {**out, "model_type": kind, "architectures": [arch], "use_sliding_window": False,
+                **({"attention_bias": False} if kind == "qwen3" else {})}
+    if not cfg.is_moe:
+        return {**out, "model_type": "llama", "architectures": ["LlamaForCausalLM"], "mlp_bias": False}
+    if (cfg.moe_shared_expert_intermediate_size or cfg.moe_first_k_dense_layers
+            or cfg.moe_router_score_function != "softmax" or cfg.moe_router_pre_softmax):
+        raise NotImplementedYet("Hugging Face export of this MoE (Mixtral's layout needs every layer MoE, no shared "
+                                "expert and a softmax router over the top-k)")
+    return {**out, "model_type": "mixtral", "architectures": ["MixtralForCausalLM"],
+            "num_local_experts": cfg.num_experts, "num_experts_per_tok": cfg.moe_router_topk,
+            "intermediate_size": cfg.moe_ffn_hidden_size or cfg.ffn_size, "router_aux_loss_coef": cfg.moe_aux_loss_coeff}
+
+
+def _whole(folder: Path, meta: dict, name: str, cfg: ModelConfig, shape: tuple[int, ...]) -> torch.Tensor:
+    """Parameter `name` of the one-process model, assembled from the checkpoint's shards, unpadded."""
+    src = source_name(name, meta["params"])
+    entry = meta["params"].get(src)
+    if entry is None:
+        raise UserError(f"checkpoint {folder}: no parameter {name} (was it saved by this model?)")
+    padded = tuple(entry["global_shape"])
+    out = torch.empty(padded, dtype=DTYPES.get(entry["dtype"], torch.float32))
+    if not _assemble(folder, entry, src, out, ShardSpec(padded, (0,) * len(padded))):
+        raise UserError(f"checkpoint {folder}: its shards do not cover parameter {name} (a rank's files missing?)")
+    return out[: shape[0]].contiguous() if name in VOCAB_PARAMS else out
+
+
+def _size_bytes(text: str) -> int:
+    units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "B": 1}
+    t = text.strip().upper()
+    for u in sorted(units, key=len, reverse=True):
+        if t.endswith(u):
+            try:
+                return int(float(t[: -len(u)]) * units[u])
+            except ValueError:
+                break
+    if t.isdigit():
+        return int(t)
+    raise UserError(f"--max-shard-size {text!r}: give a size such as 5GB, 500MB or 2GiB")
+
+
+def export_hf(checkpoint: str | Path, out_dir: str | Path, *, max_shard_size: str = "5GB") -> Path:
+    """Write `checkpoint` (a step folder or a root with `latest`) as a save_pretrained folder."""
+    folder, meta = read_metadata(checkpoint)
+    if "config" not in meta:
+        raise UserError(f"checkpoint {folder}: its metadata has no config (not written by fivefold train)")
+    config = config_from_dict(meta["config"])
+    cfg = config.model
+    names = [n for n in _expected_shapes(cfg) if not (n == "head.weight" and cfg.tie_word_embeddings)]
+    first = meta["params"].get(source_name(names[0], meta["params"]), {})
+    dtype = DTYPES.get(first.get("dtype"), torch.float32)
+    hf = hf_config(cfg, dtype)
+    out, limit = Path(out_dir), _size_bytes(max_shard_size)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    shapes, shards, current, size = _expected_shapes(cfg), [], {}, 0
+    for name in names:
+        t = _whole(folder, meta, name, cfg, shapes[name])
+        if current and size + t.nbytes > limit:
+            shards.append(current)
+            current, size = {}, 0
+        current[hf_name(name, cfg)] = t
+        size += t.nbytes
+    shards.append(current)
+    _write_shards(tmp, shards)
+    (tmp / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+    (tmp / "generation_config.json").write_text(json.dumps({"_from_model_config": True}, indent=2) + "\n")
+    _copy_tokenizer(config.data.tokenizer, tmp)
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+    return out
+
+
+def _write_shards(folder: Path, shards: list[dict[str, torch.Tensor]]) -> None:
+    if len(shards) == 1:
+        save_file(shards[0], str(folder / SINGLE), metadata={"format": "pt"})
+        return
+    weight_map, total = {}, 0
+    for k, shard in enumerate(shards, 1):
+        file = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(folder / file), metadata={"format": "pt"})
+        weight_map.update({name: file for name in shard})
+        total += sum(t.nbytes for t in shard.values())
+    (folder / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+
+
+def _copy_tokenizer(tokenizer: str, folder: Path) -> None:
+    """The run's Hugging Face tokenizer files (its data.tokenizer folder); nothing for the byte tokenizer."""
+    src = Path(tokenizer)
+    if tokenizer == "byte" or not src.is_dir():
+        return
+    for name in TOKENIZER_FILES:
+        if (src / name).is_file():
+            shutil.copy2(src / name, folder / name)

@@ -1,0 +1,129 @@
+"""Megatron indexed datasets (`--data-path PREFIX`, blends, `--split`) read against megatron-core's own
+reader and helpers, `fivefold preprocess`, and the refusals of broken corpora."""
+from __future__ import annotations
+
+import json
+import warnings
+
+import numpy as np
+import pytest
+
+from _train_util import one_process_context
+from fivefold.cli import main
+from fivefold.cli.train import prepare
+from fivefold.config.load import load_config
+from fivefold.data.dataset import Blend, BlendedDataset, dataset_of, load_splits
+from fivefold.data.indexed import blend_order, open_corpus, split_ranges
+from fivefold.errors import UserError
+from fivefold.train.loop import train
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")  # megatron-core on CPU: "Transformer Engine and Apex are not installed"
+    from megatron.core.datasets import helpers_cpp
+    from megatron.core.datasets.blended_megatron_dataset_config import (convert_split_vector_to_split_matrix,
+                                                                        parse_and_normalize_split)
+    from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
+
+
+def _write(prefix, docs: list[np.ndarray], dtype=np.uint16) -> str:
+    """A corpus as megatron-core's builder writes it (one sequence per document)."""
+    builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=dtype)
+    for d in docs:
+        builder.add_document(d, [len(d)])
+    builder.finalize(f"{prefix}.idx")
+    return str(prefix)
+
+
+def _docs(seed: int, n: int, vocab: int = 200) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [np.append(rng.integers(1, vocab, int(rng.integers(5, 90))), 0) for _ in range(n)]
+
+
+@pytest.mark.parametrize("split", ["969, 30, 1", "7,2,1", "90,10", "1,1,1", "100"])
+@pytest.mark.parametrize("n", [1, 3, 10, 157])
+def test_split_ranges_follow_megatron(split, n):
+    bounds = convert_split_vector_to_split_matrix(parse_and_normalize_split(split))
+    want = [(int(round(b[0] * n)), int(round(b[1] * n))) if b is not None else None for b in bounds]
+    got = split_ranges(split, n)
+    assert [g if w is not None else None for g, w in zip(got, want)] == want
+    assert all(g[0] == g[1] for g, w in zip(got, want) if w is None)  # an empty part is empty here too
+
+
+def test_blend_order_is_megatrons():
+    rng = np.random.default_rng(0)
+    for _ in range(10):
+        k = int(rng.integers(1, 5))
+        w = rng.random(k)
+        w /= w.sum()
+        size = int(rng.integers(1, 400))
+        source, within = np.zeros(size, dtype=np.int16), np.zeros(size, dtype=np.int64)
+        helpers_cpp.build_blending_indices(source, within, w, k, size, False)
+        got = blend_order(list(w), size)
+        assert np.array_equal(got[0], source) and np.array_equal(got[1], within)
+
+
+def test_token_streams_equal_megatrons_reader(tmp_path):
+    """The train and eval streams of `--data-path PREFIX --split 7,2,1` are the sequences Megatron's
+    IndexedDataset yields for those ranges, concatenated; a blend keeps each source's."""
+    a = _write(tmp_path / "a", _docs(0, 40))
+    b = _write(tmp_path / "b", _docs(1, 25), dtype=np.int32)
+    loaded = load_config(None, ["--data-path", "0.25", a, "0.75", b, "--split", "7,2,1", "--seq-length", "32"])
+    cfg = loaded.config
+    assert cfg.data.split == "7,2,1" and cfg.data.path == f"0.25 {a} 0.75 {b}"
+    data_dir = prepare(cfg, tmp_path / "out")
+    train_part, eval_part = load_splits(data_dir, cfg.data.eval_fraction)
+    assert isinstance(train_part, Blend) and train_part.weights == [0.25, 0.75]
+    for prefix, got_train, got_eval in zip((a, b), train_part.parts, eval_part.parts):
+        reader = IndexedDataset(prefix)
+        (t0, t1), (e0, e1), _ = split_ranges("7,2,1", len(reader))
+        assert np.array_equal(got_train.tokens, np.concatenate([reader[i] for i in range(t0, t1)]))
+        assert np.array_equal(got_eval.tokens, np.concatenate([reader[i] for i in range(e0, e1)]))
+        assert np.array_equal(np.diff(got_train.doc_starts), reader.sequence_lengths[t0:t1])
+    ds = dataset_of(train_part, 32, packing=True)
+    assert isinstance(ds, BlendedDataset) and len(ds) > 0
+    counts = np.bincount(ds.source[: len(ds)], minlength=2)
+    assert abs(counts[0] / len(ds) - 0.25) < 0.05  # the weights, as Megatron draws them
+    sample = ds[0]
+    part = ds.parts[int(ds.source[0])]
+    assert np.array_equal(sample, part[int(ds.within[0])]) and len(sample) == 33
+
+
+def test_preprocess_then_train_through_data_path(tmp_path, capsys):
+    """`fivefold preprocess` (Megatron's preprocess_data flags) writes PREFIX_text_document.bin/.idx,
+    which megatron-core reads back, and a Megatron command line trains on it."""
+    src = tmp_path / "docs.jsonl"
+    src.write_text("".join(json.dumps({"text": f"doc {i} " + "abc def " * (i % 9 + 3)}) + "\n" for i in range(60)))
+    prefix = str(tmp_path / "corpus")
+    assert main(["preprocess", "--input", str(src), "--output-prefix", prefix, "--append-eod", "--workers", "4"]) == 0
+    corpus = open_corpus(prefix + "_text_document")
+    reader = IndexedDataset(prefix + "_text_document")
+    assert len(reader) == 60 and int(reader[0][-1]) == 0  # one sequence per record, ending in EOD (byte: 0)
+    assert np.array_equal(corpus.tokens, np.concatenate([reader[i] for i in range(len(reader))]))
+    words = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
+             "--max-position-embeddings", "32", "--micro-batch-size", "1", "--global-batch-size", "4",
+             "--train-iters", "2", "--lr", "1e-3", "--data-path", prefix + "_text_document", "--split", "9,1,0"]
+    cfg = load_config(None, words).config
+    data_dir = prepare(cfg, tmp_path / "out")
+    result = train(cfg, one_process_context(tmp_path / "out"), data_dir, progress=False)
+    assert sorted(result.losses) == [0, 1] and all(np.isfinite(list(result.losses.values())))
+
+
+def test_broken_corpora_are_refused_naming_the_file(tmp_path):
+    good = _write(tmp_path / "good", _docs(2, 10))
+    idx, binary = (tmp_path / "good.idx").read_bytes(), (tmp_path / "good.bin").read_bytes()
+    for name, idx_bytes, bin_bytes, says in (("short-idx", idx[:30], binary, "short-idx.idx: not a readable"),
+                                             ("bad-header", b"x" * 40, binary, "bad-header.idx: not a readable"),
+                                             ("short-bin", idx, binary[:20], "short-bin.bin: 20 bytes"),
+                                             ("empty-bin", idx, b"", "empty-bin.bin is empty")):
+        (tmp_path / f"{name}.idx").write_bytes(idx_bytes)
+        (tmp_path / f"{name}.bin").write_bytes(bin_bytes)
+        with pytest.raises(UserError, match=says.replace(".", r"\.")):
+            open_corpus(str(tmp_path / name))
+    for path, says in ((f"0.5 {good} 0.5", "even number"), (f"half {good} 0.5 {good}", "not a weight"),
+                       (f"0.5 {good} 0.5 {tmp_path / 'missing'}", "no indexed dataset")):
+        cfg = load_config(None, ["--data-path", *path.split()]).config
+        with pytest.raises(UserError, match=says):
+            prepare(cfg, tmp_path / "out")
+    with pytest.raises(UserError, match="data.split"):
+        split_ranges("a,b", 10)
+    assert main(["validate", "--data-path", good, "--tokenizer-type", "HuggingFaceTokenizer"]) == 2

@@ -1,0 +1,66 @@
+"""Megatron-LM's whole argument surface (pinned, generated from its parser) classified: mapped, no
+effect here (listed by `validate`), not built (all refused at once), or unknown."""
+from __future__ import annotations
+
+import pytest
+
+from fivefold.config.load import load_config
+from fivefold.config.megatron import FLAGS, parse_flags
+from fivefold.config.megatron_surface import SURFACE, SURFACE_FILE, no_effect
+from fivefold.errors import NotImplementedYet, UserError
+
+LEGACY = {"--virtual-pipeline-model-parallel-size"}
+"""Flags of older Megatron-LM versions kept in the map (the pinned commit names them otherwise)."""
+
+
+def test_the_surface_is_megatrons_and_every_mapped_flag_is_in_it():
+    assert SURFACE_FILE.read_text().startswith("# Megatron-LM argument surface at commit d98e8a64dd")
+    assert len(SURFACE) > 800 and SURFACE["--swiglu"] == "switch" and SURFACE["--data-path"] == "list"
+    assert {f for f, flag in FLAGS.items() if not flag.ours and f not in SURFACE} == LEGACY
+
+
+@pytest.mark.parametrize("flag", ["--apply-layernorm-1p", "--fp8-format", "--exit-interval", "--no-load-optim",
+                                  "--moe-router-enable-expert-bias", "--mock-data", "--finetune"])
+def test_math_changing_flags_are_not_taken_as_no_effect(flag):
+    assert flag in SURFACE and flag not in FLAGS and no_effect(flag) is None
+
+
+def test_llama3_8b_fp8_script_refuses_only_what_is_not_built():
+    """Megatron-LM's examples/llama/train_llama3_8b_h100_fp8.sh, its flags scaled to a tiny model: the
+    speed and logging flags are accepted (and listed), every flag not built is named in one message."""
+    words = ("--use-mcore-models --num-layers 2 --hidden-size 64 --ffn-hidden-size 128 --num-attention-heads 4 "
+             "--group-query-attention --num-query-groups 2 --kv-channels 16 --seq-length 64 "
+             "--max-position-embeddings 64 --position-embedding-type rope --rotary-base 1000000 --rotary-percent 1.0 "
+             "--attention-dropout 0.0 --hidden-dropout 0.0 --swiglu --normalization RMSNorm --init-method-std 0.0134 "
+             "--attention-backend fused --apply-layernorm-1p --untie-embeddings-and-output-weights "
+             "--disable-bias-linear --micro-batch-size 1 --global-batch-size 8 --train-samples 1953125000 "
+             "--lr-decay-samples 1949218748 --lr-warmup-samples 3906252 --lr 0.00015 --min-lr 0.00001 "
+             "--decoupled-lr 5.0e-4 --decoupled-min-lr 4.5e-5 --lr-decay-style cosine --clip-grad 1.0 "
+             "--weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 --bf16 --grad-reduce-in-bf16 "
+             "--cross-entropy-loss-fusion --calculate-per-token-loss --manual-gc --empty-unused-memory-level 1 "
+             "--exit-duration-in-mins 235 --fp8-format hybrid --fp8-amax-history-len 1024 --fp8-amax-compute-algo max "
+             "--fp8-param-gather --tensor-model-parallel-size 2 --context-parallel-size 1 --sequence-parallel "
+             "--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather --mock-data "
+             "--tokenizer-type NullTokenizer --vocab-size 128256 --data-cache-path cache --split 99,1,0 "
+             "--no-create-attention-mask-in-dataloader --no-mmap-bin-files --num-workers 1 --log-interval 1 "
+             "--eval-iters 32").split()
+    with pytest.raises(NotImplementedYet) as e:
+        parse_flags(words)
+    named = str(e.value).split("Megatron-LM flags ")[1].split(" (they change")[0].split(", ")
+    assert named == ["--apply-layernorm-1p", "--decoupled-lr", "--decoupled-min-lr", "--exit-duration-in-mins", "--fp8-format",
+                     "--fp8-amax-history-len", "--fp8-amax-compute-algo", "--fp8-param-gather", "--mock-data"]
+    kept = [w for w in words if w not in set(named)]  # without them (and their values) it is read
+    drop_values = {"5.0e-4", "4.5e-5", "235", "hybrid", "1024", "max"}
+    loaded = load_config(None, [w for w in kept if w not in drop_values])
+    notes = " ".join(str(w) for w in loaded.warnings)
+    for flag in ("--use-mcore-models", "--swiglu", "--overlap-grad-reduce", "--attention-dropout 0.0", "--manual-gc",
+                 "--position-embedding-type rope", "--num-workers"):
+        assert flag in notes
+
+
+def test_unknown_and_unbuilt_flags_are_reported_together():
+    with pytest.raises(UserError, match=r"unknown flag --swigluu \(did you mean --swiglu\?\) \| Megatron-LM flag "
+                                        r"--fp8-format \(they change what is trained\): not implemented yet"):
+        parse_flags(["--swigluu", "--fp8-format", "hybrid"])
+    with pytest.raises(NotImplementedYet, match=r"--attention-dropout 0.1 \(accepted: 0, 0.0\)"):
+        parse_flags(["--attention-dropout", "0.1"])
