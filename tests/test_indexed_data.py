@@ -127,3 +127,24 @@ def test_broken_corpora_are_refused_naming_the_file(tmp_path):
     with pytest.raises(UserError, match="data.split"):
         split_ranges("a,b", 10)
     assert main(["validate", "--data-path", good, "--tokenizer-type", "HuggingFaceTokenizer"]) == 2
+
+
+def test_mock_data_is_megatrons_mock_corpus(tmp_path):
+    """--mock-data: the sequences of megatron-core's MockGPTLowLevelDataset (same seeded lengths and
+    tokens), Megatron's --split over its 100000 sequences, only the ones the run reads made."""
+    import types
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from megatron.core.datasets.gpt_dataset import MockGPTLowLevelDataset
+    cfg = load_config(None, ["--mock-data", "--split", "98,2,0", "--vocab-size", "512", "--seq-length", "64",
+                             "--global-batch-size", "8", "--train-iters", "3", "--eval-interval", "3",
+                             "--eval-iters", "1"]).config
+    assert cfg.data.mock_data
+    train_part, eval_part = load_splits(prepare(cfg, tmp_path), cfg.data.eval_fraction)
+    theirs = MockGPTLowLevelDataset(types.SimpleNamespace(vocab_size=512, eod=0))  # the byte tokenizer's EOD
+    (t0, _), (e0, _), _ = split_ranges("98,2,0", len(theirs))
+    for part, first in ((train_part, t0), (eval_part, e0)):
+        n = len(part.doc_starts) - 1
+        assert np.array_equal(part.tokens, np.concatenate([theirs[first + i] for i in range(n)]))
+        assert len(part.tokens) >= 8 * 64 + 65  # enough for the run's samples

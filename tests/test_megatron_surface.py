@@ -20,7 +20,7 @@ def test_the_surface_is_megatrons_and_every_mapped_flag_is_in_it():
 
 
 @pytest.mark.parametrize("flag", ["--apply-layernorm-1p", "--fp8-format", "--exit-interval", "--no-load-optim",
-                                  "--moe-router-enable-expert-bias", "--mock-data", "--finetune"])
+                                  "--moe-router-enable-expert-bias", "--finetune"])
 def test_math_changing_flags_are_not_taken_as_no_effect(flag):
     assert flag in SURFACE and flag not in FLAGS and no_effect(flag) is None
 
@@ -48,7 +48,7 @@ def test_llama3_8b_fp8_script_refuses_only_what_is_not_built():
         parse_flags(words)
     named = str(e.value).split("Megatron-LM flags ")[1].split(" (they change")[0].split(", ")
     assert named == ["--apply-layernorm-1p", "--decoupled-lr", "--decoupled-min-lr", "--exit-duration-in-mins", "--fp8-format",
-                     "--fp8-amax-history-len", "--fp8-amax-compute-algo", "--fp8-param-gather", "--mock-data"]
+                     "--fp8-amax-history-len", "--fp8-amax-compute-algo", "--fp8-param-gather"]
     kept = [w for w in words if w not in set(named)]  # without them (and their values) it is read
     drop_values = {"5.0e-4", "4.5e-5", "235", "hybrid", "1024", "max"}
     loaded = load_config(None, [w for w in kept if w not in drop_values])

@@ -64,7 +64,8 @@ def runs(tmp_path_factory, workers):
     ref = _config(data, 1, {}, {})
     data_dir = prepare(ref, root)
     (root / "ref").mkdir()
-    train(ref, one_process_context(root / "ref"), data_dir, progress=False)
+    with test_moe._one_thread():  # as every worker rank runs
+        train(ref, one_process_context(root / "ref"), data_dir, progress=False)
     for name, (world, parallel, training) in SAVED.items():
         cfg = _config(data, world, parallel, training)
         cfg.checkpoint.save_interval = 2
@@ -73,7 +74,8 @@ def runs(tmp_path_factory, workers):
         workers(world).run(test_zero._train_rank, to_dict(cfg), str(root / name), str(data_dir))
     moe_ref = test_moe._config(data)
     (root / "moe-ref").mkdir()
-    train(moe_ref, one_process_context(root / "moe-ref"), data_dir, progress=False)
+    with test_moe._one_thread():
+        train(moe_ref, one_process_context(root / "moe-ref"), data_dir, progress=False)
     for name, (world, parallel) in MOE_SAVED.items():
         cfg = test_moe._config(data, world, parallel)
         cfg.checkpoint.save_interval = 2

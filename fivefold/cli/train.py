@@ -59,9 +59,14 @@ def prepare(config: Config, out: Path) -> Path:
     from fivefold.data.tokenizer import make_tokenizer
 
     tok = make_tokenizer(config.data.tokenizer)
-    data_dir = prepare_data(config.data, tok, out / "data", config.training.seed)
+    t = config.training
+    mock = (0, 0)
+    if config.data.mock_data:  # the (train, eval) tokens the run reads
+        window = (t.global_batch_size or t.micro_batch_size) * t.seq_length
+        mock = (t.train_iters * window + t.seq_length + 1, (t.eval_iters * window + t.seq_length + 1) if t.eval_interval else 0)
+    data_dir = prepare_data(config.data, tok, out / "data", t.seed, mock_tokens=mock, vocab_size=config.model.vocab_size)
     meta = data_meta(data_dir)
-    if meta["kind"] in ("tokens", "indexed"):
+    if meta["kind"] in ("tokens", "indexed", "mock"):
         if meta["max_id"] >= config.model.vocab_size:
             raise UserError(f"{config.data.path}: holds token id {meta['max_id']} >= model.vocab_size="
                             f"{config.model.vocab_size} (set model.vocab_size={meta['max_id'] + 1} or more)")

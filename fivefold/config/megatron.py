@@ -137,6 +137,7 @@ FLAGS: dict[str, Flag] = {
     # data, checkpoint, logging
     "--data-path": Flag("data.path", LIST),
     "--split": _v("data.split"),
+    "--mock-data": _on("data.mock_data"),
     "--tokenizer-type": _v("data.tokenizer_type"),
     "--tokenizer-model": _v("data.tokenizer"),
     "--reset-position-ids": _on("data.reset_position_ids"),

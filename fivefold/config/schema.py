@@ -290,8 +290,11 @@ class DataConfig:
     None = Python's stdlib sources."""
     format: str = "auto"
     """auto, text, jsonl, tokens or indexed. Default auto (from the path)."""
+    mock_data: bool = False
+    """Megatron's --mock-data: megatron-core's mock corpus (seeded random-length sequences of
+    1, 2, ... mod vocab, each ending in the end-of-document id) instead of data.path. Default False."""
     split: str | None = None
-    """Indexed datasets: Megatron's --split (train, validation, test proportions by sequence, e.g.
+    """Indexed datasets and mock data: Megatron's --split (train, validation, test proportions by sequence, e.g.
     969,30,1); None = 1 - eval_fraction, eval_fraction, 0. Default None."""
     tokenizer_type: str | None = None
     """Megatron's --tokenizer-type: HuggingFaceTokenizer (data.tokenizer = its local folder); None = from

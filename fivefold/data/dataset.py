@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from fivefold.config.schema import DataConfig
-from fivefold.data.indexed import blend_order, open_corpus, parse_blend, split_ranges
+from fivefold.data.indexed import blend_order, mock_corpus, open_corpus, parse_blend, split_ranges
 from fivefold.data.sources import read_documents, resolve_format
 from fivefold.data.tokenizer import ByteTokenizer, HFTokenizer
 from fivefold.errors import UserError
@@ -71,15 +71,15 @@ def _fingerprint(data: DataConfig, tokenizer_name: str, seed: int) -> str:
 
 
 def prepare_data(data: DataConfig, tokenizer: ByteTokenizer | HFTokenizer, cache_dir: str | Path,
-                 seed: int) -> Path:
+                 seed: int, *, mock_tokens: tuple[int, int] = (0, 0), vocab_size: int | None = None) -> Path:
     """Tokenize and split the corpus into `cache_dir` (reused when the data config is unchanged).
 
     The eval part: each document is held out with probability `eval_fraction` (seeded), at least one
     document on each side when there are two or more; a single document is split by position.
     """
     cache = Path(cache_dir)
-    kind = resolve_format(data.path, data.format)
-    fp = _fingerprint(data, tokenizer.name, seed)
+    kind = "mock" if data.mock_data else resolve_format(data.path, data.format)
+    fp = _fingerprint(data, f"{tokenizer.name}/{mock_tokens}/{vocab_size}", seed)
     meta_path = cache / "meta.json"
     if meta_path.exists() and json.loads(meta_path.read_text()).get("fingerprint") == fp:
         return cache
@@ -91,6 +91,8 @@ def prepare_data(data: DataConfig, tokenizer: ByteTokenizer | HFTokenizer, cache
         stream = load_token_file(str(Path(data.path).resolve()), data.token_dtype)
         meta.update(source=str(Path(data.path).resolve()), dtype=data.token_dtype, num_tokens=int(len(stream)),
                     max_id=int(stream.max()) if len(stream) else 0)
+    elif kind == "mock":  # `mock_tokens` (train, eval) tokens of the model's vocabulary, made by every rank
+        meta.update(vocab_size=vocab_size, split=_split_of(data), tokens=list(mock_tokens), max_id=vocab_size - 1)
     elif kind == "indexed":
         meta.update(sources=[_indexed_source(weight, prefix, data) for weight, prefix in parse_blend(data.path)])
         meta.update(max_id=max(src["max_id"] for src in meta["sources"]))
@@ -113,10 +115,13 @@ def prepare_data(data: DataConfig, tokenizer: ByteTokenizer | HFTokenizer, cache
 def _indexed_source(weight: float, prefix: str, data: DataConfig) -> dict:
     """One indexed dataset of a (possibly one-part) blend: its train and eval sequence ranges."""
     corpus = open_corpus(prefix)
-    split = data.split if data.split is not None else f"{1 - data.eval_fraction},{data.eval_fraction},0"
-    train, valid, _ = split_ranges(split, len(corpus.starts) - 1)
+    train, valid, _ = split_ranges(_split_of(data), len(corpus.starts) - 1)
     return {"weight": weight, "prefix": str(Path(prefix).resolve()), "train": train, "eval": valid,
             "max_id": int(max((chunk.max() for chunk in _chunks(corpus.tokens)), default=0))}
+
+
+def _split_of(data: DataConfig) -> str:
+    return data.split if data.split is not None else f"{1 - data.eval_fraction},{data.eval_fraction},0"
 
 
 def _chunks(tokens: np.ndarray, size: int = 1 << 24):
@@ -151,6 +156,9 @@ def load_splits(cache_dir: str | Path, eval_fraction: float) -> tuple[Split | Bl
     """(train, eval) memory-mapped from a folder written by `prepare_data`."""
     cache = Path(cache_dir)
     meta = json.loads((cache / "meta.json").read_text())
+    if meta["kind"] == "mock":
+        corpus, ranges = mock_corpus(meta["vocab_size"], meta["eod_id"], meta["split"], tuple(meta["tokens"]))
+        return _range_split(corpus, *ranges[0]), _range_split(corpus, *ranges[1])
     if meta["kind"] == "indexed":
         corpora = [open_corpus(src["prefix"]) for src in meta["sources"]]
         out = []

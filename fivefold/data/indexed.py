@@ -155,3 +155,26 @@ def blend_order(weights: list[float], size: int) -> tuple[np.ndarray, np.ndarray
         source[i], within[i] = k, counts[k]
         counts[k] += 1
     return source, within
+
+
+MOCK_SEQUENCES, MOCK_MAX_LENGTH, MOCK_SEED = 100_000, 4096, 0
+"""megatron-core's MockGPTLowLevelDataset: its corpus size, sequence length bound and seed."""
+
+
+def mock_corpus(vocab_size: int, eod: int, split: str, tokens: tuple[int, int]) -> tuple[Corpus, list[tuple[int, int]]]:
+    """Megatron's --mock-data corpus (megatron-core's MockGPTLowLevelDataset): sequence i has a seeded
+    random length L_i in [1, 4096) and holds (1, 2, ..., L_i - 1) mod vocab then the end-of-document
+    id. Only the sequences the run reads are made: of the train and validation ranges of `split`
+    (over the 100000 sequences, Megatron's rule), the first ones holding `tokens` (train, eval)
+    tokens. Returns the corpus of those sequences and their (begin, end) in it, train then eval."""
+    lengths = np.random.default_rng(MOCK_SEED).integers(1, MOCK_MAX_LENGTH, size=MOCK_SEQUENCES, dtype=np.int32)
+    picked, ranges = [], []
+    for (begin, end), need in zip(split_ranges(split, MOCK_SEQUENCES)[:2], tokens):
+        cum = np.cumsum(lengths[begin:end], dtype=np.int64)
+        count = min(end - begin, int(np.searchsorted(cum, need)) + 1) if need > 0 else 0
+        ranges.append((len(picked), len(picked) + count))
+        picked += [int(n) for n in lengths[begin: begin + count]]
+    parts = [np.concatenate([(np.arange(n - 1, dtype=np.int64) + 1) % vocab_size, [eod]]) for n in picked]
+    stream = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+    starts = np.concatenate([[0], np.cumsum(picked)]).astype(np.int64)
+    return Corpus("mock", stream, starts), ranges
