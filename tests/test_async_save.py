@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -100,3 +101,17 @@ def test_a_kill_while_the_writer_is_mid_file_leaves_the_previous_checkpoint(tmp_
     model = Decoder(cfg.model)
     meta = load_checkpoint(root, model=model, optimizer=None, rank=0, world_size=1)
     assert meta["step"] == 1
+
+
+def test_a_writer_that_fails_on_one_rank_stops_every_rank_before_the_commit(tmp_path):
+    """Every rank agrees before committing: a failed writer anywhere means no rank commits."""
+    from fivefold.checkpoint.async_save import AsyncSaver
+    from fivefold.errors import UserError
+
+    saver = AsyncSaver(0, lambda: None, all_ok=lambda ok: False)  # another rank's writer failed
+    model = Decoder(tiny_config(tmp_path).model)
+    saver.save(tmp_path / "ckpt", 1, model=model, optimizer=torch.optim.AdamW(model.parameters()),
+               writes_params=True, extra={})
+    with pytest.raises(UserError, match="another rank's writer failed"):
+        saver.finish()
+    assert not (tmp_path / "ckpt" / "latest").exists() and not (tmp_path / "ckpt" / "step_00000001").exists()

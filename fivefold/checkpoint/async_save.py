@@ -18,14 +18,16 @@ from pathlib import Path
 import torch
 
 from fivefold.checkpoint.io import _save, commit_checkpoint, save_checkpoint
+from fivefold.errors import UserError
 
 
 class AsyncSaver:
     """One rank's pending checkpoint: `save(...)` (as save_checkpoint's arguments) stages and starts
     the writer; `finish()` waits for it and commits (collective; a no-op with nothing pending)."""
 
-    def __init__(self, rank: int, barrier: Callable[[], None]):
-        self.rank, self.barrier = rank, barrier
+    def __init__(self, rank: int, barrier: Callable[[], None], all_ok: Callable[[bool], bool] = lambda ok: ok):
+        """`all_ok(ok)`: whether every rank's writer succeeded (a collective over the world)."""
+        self.rank, self.barrier, self.all_ok = rank, barrier, all_ok
         self._writer: threading.Thread | None = None
         self._error: BaseException | None = None
         self._commit: dict | None = None
@@ -56,8 +58,9 @@ class AsyncSaver:
             return None
         self._writer.join()
         self._writer, pending = None, self._commit
-        if self._error is not None:
-            error, self._error = self._error, None
-            raise error
+        error, self._error = self._error, None
+        if not self.all_ok(error is None):  # every rank stops here, none commits a partial checkpoint
+            raise error or UserError(f"checkpoint {pending['step']}: another rank's writer failed (its log says why); "
+                                     "the previous checkpoint stays latest")
         return commit_checkpoint(pending["root"], pending["step"], rank=self.rank, barrier=self.barrier,
                                  extra=pending["extra"], keep=pending["keep"])

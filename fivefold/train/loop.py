@@ -85,6 +85,12 @@ def _save(config: Config, ctx: RankContext, root: Path, step: int, parts: Parts,
         return ckpt.save_checkpoint(root, step, rank=ctx.rank, barrier=lambda: comm.barrier(ctx.world_group), **kw)
 
 
+def _all_ok(ok: bool, ctx: RankContext) -> bool:
+    bad = torch.tensor([0.0 if ok else 1.0], dtype=torch.float64)
+    comm.all_reduce_(bad, ctx.world_group, tag="checkpoint")
+    return float(bad) == 0
+
+
 def _step(config: Config, ctx: RankContext, step: int, parts: Parts, train_loader):
     """Train step `step`: forward/backward per microbatch, or through the pipeline schedule (PP > 1)."""
     t = config.training
@@ -129,7 +135,8 @@ def train(config: Config, ctx: RankContext, data_dir: Path, *, progress: bool = 
             read_hf_shards(model, config.checkpoint.load_hf, config.model)
         dp.reload_mains()
     save_root = Path(config.checkpoint.save or ctx.out_dir / "checkpoints")
-    saver = AsyncSaver(ctx.rank, lambda: comm.barrier(ctx.world_group)) if config.checkpoint.async_save else None
+    saver = AsyncSaver(ctx.rank, lambda: comm.barrier(ctx.world_group), lambda ok: _all_ok(ok, ctx)) \
+        if config.checkpoint.async_save else None
     log = MetricsLog(ctx.out_dir, config.logging.tensorboard, resume_from=start) if ctx.is_main else None
     fpt = flops_per_token(config.model, t.seq_length)
     result = TrainResult()
