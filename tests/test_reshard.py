@@ -22,6 +22,7 @@ SAVED = {  # name: (world, parallel, training): layouts saved at step 2
     "pp2-vpp2": (2, {"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2,
                   "pipeline_schedule": "interleaved"}, {}),
     "cp2-tp2sp": (4, {"context_parallel_size": 2, "tensor_model_parallel_size": 2, "sequence_parallel": True}, {}),
+    "tp2dp2-bf16": (4, {"tensor_model_parallel_size": 2}, {"precision": "bf16", "zero": True}),
 }
 LOADED = {  # (saved, into): (world, parallel, training)
     ("tp2dp2-zero1", "pp2"): (2, {"pipeline_model_parallel_size": 2}, {}),  # the reported TP2 x DP2 -> PP2 case
@@ -35,6 +36,7 @@ LOADED = {  # (saved, into): (world, parallel, training)
     ("cp2-tp2sp", "tp4-zero1"): (4, {"tensor_model_parallel_size": 4}, {"zero": True}),  # vocab padded 256 -> 512
     ("pp2-vpp2", "cp2-a2a"): (2, {"context_parallel_size": 2, "cp_comm_type": "a2a"}, {}),
     ("tp2dp2-zero1", "one-process"): (1, {}, {}),
+    ("tp2dp2-bf16", "pp2-fp32"): (2, {"pipeline_model_parallel_size": 2}, {}),  # precision changes too
 }
 MOE_SAVED = {"moe-ep2dp2": (4, {"expert_model_parallel_size": 2})}
 MOE_LOADED = {  # (saved, into): (world, parallel)
@@ -98,6 +100,10 @@ def test_a_checkpoint_continues_in_another_layout(runs, workers, pair):
     # over 2 + 2 steps, the AdamW state carried through the checkpoint. Measured worst over these
     # pairs 8.9e-8 relative (cp2-tp2sp -> tp4-zero1, AVX-512); bound 1e-5, the layouts' own bound in
     # test_zero2 (112x).
+    if saved.endswith("bf16"):  # two bf16 steps before the checkpoint: bf16 rounding, not layout noise
+        # measured 1.3e-4 relative (the fp32 main parameters and moments continue in fp32); bound 4e-3 (30x)
+        close(got, ref[2:], rtol=4e-3, site="reshard.bf16_to_fp32", case=f"{saved}->{into}")
+        return
     close(got, ref[2:], rtol=1e-5, site="reshard.losses", case=f"{saved}->{into}")
 
 
