@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from math import prod
 
-from fivefold.config.schema import CP_COMM_TYPES, DIM_NAMES, NORMALIZATIONS, Config, default_ffn_size
+from fivefold.config.schema import (ACTIVATIONS, CP_COMM_TYPES, DIM_NAMES, NORMALIZATIONS, POSITION_EMBEDDINGS, Config,
+                                    default_ffn_size)
 from fivefold.config.split import layers_per_stage
 from fivefold.pipeline.rules import SCHEDULES, microbatch_problem
 
@@ -36,6 +37,7 @@ KNOB_FIELDS = {
     "rgran": "training.recompute_granularity", "rmethod": "training.recompute_method",
     "rnum": "training.recompute_num_layers", "world": "cluster.world_size",
     "log": "logging.log_interval",
+    "act": "model.activation", "pos": "model.position_embedding_type", "maxpos": "model.max_position_embeddings",
 }
 
 
@@ -126,7 +128,8 @@ def _positive(s: dict) -> list[Rule]:
 def _choices(s: dict) -> list[Rule]:
     out = []
     for k, allowed in (("schedule", SCHEDULES), ("cp_comm", CP_COMM_TYPES), ("norm", NORMALIZATIONS),
-                       ("rgran", (None, "selective", "full")), ("rmethod", (None, "uniform", "block"))):
+                       ("rgran", (None, "selective", "full")), ("rmethod", (None, "uniform", "block")),
+                       ("act", ACTIVATIONS), ("pos", POSITION_EMBEDDINGS)):
         if s[k] not in allowed:
             out.append(Rule(KNOB_FIELDS[k], s[k], f"must be one of {', '.join(map(str, allowed))}", (k,)))
     dims = s["order"].split("-") if isinstance(s["order"], str) else []
@@ -185,6 +188,10 @@ def errors(s: dict) -> list[Rule]:
                             f"per TP rank divisible by the all-to-all size {h[0]}", ("hcp", "cp_comm")))
     out += _pipeline(s, dp)
     out += _moe(s, dp)
+    if s["pos"] == "learned_absolute" and seq > s["maxpos"]:
+        out.append(Rule(KNOB_FIELDS["maxpos"], s["maxpos"], f"learned absolute positions need "
+                        f"max_position_embeddings >= seq_length={seq} (one table row per position)",
+                        ("maxpos", "seq")))
     if s["gbs"] % (s["mbs"] * dp):
         out.append(Rule(KNOB_FIELDS["gbs"], s["gbs"], f"global batch must be a multiple of "
                         f"micro_batch_size*DP = {s['mbs']}*{dp} = {s['mbs'] * dp}", ("gbs", "mbs")))
@@ -201,7 +208,9 @@ def errors(s: dict) -> list[Rule]:
 
 
 def ffn_of(s: dict) -> int:
-    return s["ffn"] or default_ffn_size(s["hidden"])
+    if s["ffn"]:
+        return s["ffn"]
+    return 4 * s["hidden"] if s["act"] == "gelu" else default_ffn_size(s["hidden"])
 
 
 def _widths(s: dict) -> list[Rule]:
@@ -213,7 +222,8 @@ def _widths(s: dict) -> list[Rule]:
                         ("hidden", "heads")))
     ffn = ffn_of(s)
     if ffn % tp:
-        given = "" if s["ffn"] else f" (unset: 8*hidden/3 rounded to 64 = {ffn})"
+        unset = "4*hidden" if s["act"] == "gelu" else "8*hidden/3 rounded to 64"
+        given = "" if s["ffn"] else f" (unset: {unset} = {ffn})"
         out.append(Rule(KNOB_FIELDS["ffn"], ffn, f"the MLP width{given} must divide evenly over "
                         f"tensor_model_parallel_size={tp}", ("ffn", "tp")))
     if s["experts"] and s["shared"] and s["shared"] % tp:

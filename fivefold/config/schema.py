@@ -11,6 +11,8 @@ from dataclasses import dataclass, field, fields, is_dataclass
 
 CP_COMM_TYPES = ("p2p", "a2a", "a2a+p2p")
 NORMALIZATIONS = ("RMSNorm", "LayerNorm")
+ACTIVATIONS = ("swiglu", "gelu")
+POSITION_EMBEDDINGS = ("rope", "learned_absolute", "none")
 DIM_NAMES = ("tp", "cp", "ep", "dp", "pp")
 
 
@@ -99,6 +101,23 @@ class ModelConfig:
     """Share the input embedding and the output layer. Default False (Megatron's untied)."""
     init_method_std: float = 0.02
     """Std of the normal weight initialisation. Default 0.02."""
+    activation: str = "swiglu"
+    """Dense MLP: swiglu (gate/up/down) or gelu (fc1 -> exact GeLU -> fc2, Megatron's default MLP
+    without --swiglu; ffn_hidden_size then defaults to 4h). Default swiglu."""
+    add_bias_linear: bool = False
+    """Biases on QKV, attention output, MLP in and out (Megatron's default; --disable-bias-linear
+    turns them off). Default False."""
+    position_embedding_type: str = "rope"
+    """rope, learned_absolute (a table of max_position_embeddings rows added to the token embedding,
+    Megatron's default) or none. Default rope."""
+    apply_layernorm_1p: bool = False
+    """LayerNorm gain stored as g with weight 1 + g, g initialised to 0 (--apply-layernorm-1p).
+    Default False."""
+    attention_dropout: float = 0.0
+    """Dropout on attention probabilities (Megatron's default 0.1). Default 0."""
+    hidden_dropout: float = 0.0
+    """Dropout on the attention and MLP outputs before each residual add (Megatron's default 0.1).
+    Default 0."""
     # Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2, Moonlight).
     add_qkv_bias: bool = False
     """Biases on the query, key and value projections (Qwen2; Megatron's --add-qkv-bias). Default False."""
@@ -156,7 +175,9 @@ class ModelConfig:
 
     @property
     def ffn_size(self) -> int:
-        return self.ffn_hidden_size or default_ffn_size(self.hidden_size)
+        if self.ffn_hidden_size:
+            return self.ffn_hidden_size
+        return 4 * self.hidden_size if self.activation == "gelu" else default_ffn_size(self.hidden_size)
 
     def padded_vocab_size(self, tp: int = 1) -> int:
         multiple = self.make_vocab_size_divisible_by * tp

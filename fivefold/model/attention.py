@@ -8,6 +8,8 @@ Variants: `add_qkv_bias` (Qwen2, Megatron's --add-qkv-bias): q, k, v get biases 
 sharded with their rows); `qk_layernorm` (Qwen3, Megatron's --qk-layernorm): q and k are normalised
 per head over d (the model's norm type) before RoPE — under TP each rank normalises its own heads,
 and the gains' gradients are summed over TP (each rank saw only its heads).
+`add_bias_linear` (Megatron's default): q, k, v and o all biased; o_proj's row-parallel bias is added
+once, after the reduction. With learned absolute (or no) positions cos/sin are None: no rotation.
 """
 from __future__ import annotations
 
@@ -23,8 +25,7 @@ from fivefold.model.recompute import maybe_checkpoint
 from fivefold.model.rope import apply_rope
 from fivefold.parallel.context import ContextParallel
 from fivefold.parallel.heads import split_heads
-from fivefold.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, TPMode, column_linears,
-                                      mark_kv_replica, mark_sequence_sharded)
+from fivefold.parallel.tensor import TPMode, column_linears, linear, mark_kv_replica, mark_sequence_sharded
 
 
 def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cp: ContextParallel | None = None,
@@ -52,25 +53,20 @@ class Attention(nn.Module):
         """Selective recompute: keep q, k, v and recompute the core attention in backward."""
         self.context_parallel: ContextParallel | None = None
         """Context parallelism (set by the Decoder): attention over the sequence split across CP."""
-        bias = cfg.add_qkv_bias
+        qkv_bias = cfg.add_bias_linear or cfg.add_qkv_bias  # Megatron: linear biases, or Qwen2's QKV-only
         self.q_norm = make_norm(cfg, d) if cfg.qk_layernorm else None
         self.k_norm = make_norm(cfg, d) if cfg.qk_layernorm else None
-        if tp is None:
-            self.q_proj = nn.Linear(h, a * d, bias=bias)
-            self.k_proj = nn.Linear(h, g * d, bias=bias)
-            self.v_proj = nn.Linear(h, g * d, bias=bias)
-            self.o_proj = nn.Linear(a * d, h, bias=False)
-            return
-        split = split_heads(a, g, tp.size, tp.rank)
-        kv_rows = range(split.kv_heads.start * d, split.kv_heads.stop * d)
-        self.q_proj = ColumnParallelLinear(h, a * d, group=tp, mode=mode, bias=bias)
-        self.k_proj = ColumnParallelLinear(h, g * d, group=tp, mode=mode, rows=kv_rows, bias=bias)
-        self.v_proj = ColumnParallelLinear(h, g * d, group=tp, mode=mode, rows=kv_rows, bias=bias)
-        self.o_proj = RowParallelLinear(a * d, h, group=tp, mode=mode)
-        if split.kv_replicas > 1:
+        split = split_heads(a, g, tp.size, tp.rank) if tp is not None else None
+        kv_rows = range(split.kv_heads.start * d, split.kv_heads.stop * d) if split else None
+        column = partial(linear, tp=tp, split="column", mode=mode, bias=qkv_bias)
+        self.q_proj = column(h, a * d)
+        self.k_proj = column(h, g * d, rows=kv_rows)
+        self.v_proj = column(h, g * d, rows=kv_rows)
+        self.o_proj = linear(a * d, h, tp=tp, split="row", mode=mode, bias=cfg.add_bias_linear)
+        if split is not None and split.kv_replicas > 1:
             for m in (self.k_proj, self.v_proj):
                 mark_kv_replica(m, split, g)
-        for norm in (self.q_norm, self.k_norm):
+        for norm in (self.q_norm, self.k_norm) if tp is not None else ():
             if norm is not None:  # replicated gains, each rank's gradient from its heads only
                 mark_sequence_sharded(norm)
 
@@ -83,7 +79,8 @@ class Attention(nn.Module):
         v = v.view(b, s, -1, self.d).transpose(1, 2)  # (b, g/tp, s, d)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cos is not None:  # RoPE; learned absolute positions were added to the embedding instead
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         o = maybe_checkpoint(partial(core_attention, cp=self.context_parallel, docs=docs), self.recompute_core,
                              q, k, v)  # (b, a/tp, s, d)
         return self.o_proj(o.transpose(1, 2).reshape(b, s, -1))  # (b, s, a/tp*d) -> (b, s, h) or (b, s/tp, h)

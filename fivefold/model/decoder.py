@@ -21,6 +21,7 @@ from fivefold.model.block import DecoderLayer, rotary_dim
 from fivefold.model.init import init_parameters_
 from fivefold.model.moe import MoEGroups, check_moe_supported, set_aux_loss_scale
 from fivefold.model.norm import make_norm
+from fivefold.model.positions import check_positions_supported, learned_positions
 from fivefold.model.recompute import Recompute, maybe_checkpoint
 from fivefold.model.rope import rope_tables
 from fivefold.parallel.context import local_document_positions, local_positions
@@ -32,6 +33,10 @@ from fivefold.parallel.tensor import ColumnParallelLinear, TPMode, VocabParallel
 def _check_supported(cfg: ModelConfig) -> None:
     if cfg.is_moe:
         check_moe_supported(cfg)
+    check_positions_supported(cfg)
+    if cfg.multi_latent_attention and (cfg.add_bias_linear or cfg.add_qkv_bias):
+        raise NotImplementedYet("model.add_bias_linear / add_qkv_bias with multi_latent_attention: MLA's "
+                                "projections are built without biases (not implemented yet)")
     if not cfg.multi_latent_attention and cfg.num_attention_heads % cfg.kv_heads:
         raise UserError(f"num_attention_heads={cfg.num_attention_heads} must be a multiple of "
                         f"num_query_groups={cfg.kv_heads}")
@@ -67,6 +72,7 @@ class Decoder(nn.Module):
                 self.embedding = VocabParallelEmbedding(vp, h, group=tp, mode=mode) if embedding else None
                 self.head = ColumnParallelLinear(h, vp, group=tp, mode=mode) if head else None
             moe = MoEGroups.of(mesh) if cfg.is_moe else None
+            self.position_embedding = learned_positions(cfg, tp, mode) if embedding else None
             self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, tp, mode, layer=i, moe=moe) for i in ids})
             self.final_norm = make_norm(cfg, h) if head else None
         if head and mode is TPMode.SEQUENCE_PARALLEL:
@@ -115,7 +121,11 @@ class Decoder(nn.Module):
         s = x.shape[1] * (self.tp.size if sp and not self.has_embedding else 1)  # this CP rank's s/cp
         hidden = self.embedding(x) if self.has_embedding else x  # (b, s/cp, h) or (b, s/cp/tp, h)
         positions = self._positions(s, hidden.device, docs)  # (s,) or (b, s)
-        cos, sin = rope_tables(positions, rotary_dim(self.cfg), self.cfg.rotary_base)  # ([b,] s, d)
+        if self.position_embedding is not None:
+            hidden = hidden + self.position_embedding(positions)  # (b, s, h) or (b, s/tp, h)
+        cos = sin = None  # learned_absolute / none: attention applies no rotation
+        if self.cfg.position_embedding_type == "rope":
+            cos, sin = rope_tables(positions, rotary_dim(self.cfg), self.cfg.rotary_base)  # ([b,] s, d)
         bounds = None if docs is None or docs.attention is None else \
             docs.attention.padded_to(s * (1 if self.cp is None else self.cp.size))
         layers = list(self.layers.values())

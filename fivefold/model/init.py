@@ -2,7 +2,7 @@
 
 So Decoder(cfg, layers=[2, 3]) holds bit-exactly the weights of layers 2 and 3 of Decoder(cfg), and
 a tensor-parallel shard can be cut from `initial_value(...)` of the full weight. Rules:
-  norm gains: ones;  biases (norms, linears): zeros;  every other weight: normal(0, init_method_std)
+  norm gains: ones (zeros when stored zero-centred, --apply-layernorm-1p);  biases: zeros;  every other weight: normal(0, init_method_std)
   from a torch.Generator seeded by sha256(f"{seed}/{name}");  vocabulary matrices: the real vocab_size rows are drawn, padded rows
   are zero (so the draw does not depend on the padding, hence not on TP).
 """
@@ -25,11 +25,13 @@ def name_seed(seed: int, name: str) -> int:
     return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
 
-def initial_value(name: str, shape: tuple[int, ...], *, seed: int, std: float, vocab_size: int) -> torch.Tensor:
-    """The full fp32 initial value of parameter `name` (its name in the one-process Decoder)."""
+def initial_value(name: str, shape: tuple[int, ...], *, seed: int, std: float, vocab_size: int,
+                  zero_centered: bool = False) -> torch.Tensor:
+    """The full fp32 initial value of parameter `name` (its name in the one-process Decoder);
+    `zero_centered`: a norm gain stored as w - 1."""
     if name.endswith("norm.weight"):
-        return torch.ones(shape)
-    if name.endswith(".bias"):
+        return torch.zeros(shape) if zero_centered else torch.ones(shape)
+    if name.endswith(".bias"):  # norm and linear biases (Megatron zero-initialises both)
         return torch.zeros(shape)
     rows = min(vocab_size, shape[0]) if name in VOCAB_PARAMS else shape[0]
     gen = torch.Generator().manual_seed(name_seed(seed, name))
@@ -45,8 +47,10 @@ def init_parameters_(model: nn.Module, *, seed: int, std: float, vocab_size: int
     it must hold (a tied output layer on the last pipeline stage holds 'embedding.weight')."""
     aliases = aliases or {}
     metas = named_metas(model)
+    zero_centered = {f"{n}.weight" for n, m in model.named_modules() if getattr(m, "zero_centered", False)}
     for name, p in model.named_parameters():
         key = aliases.get(name, name)
         spec = metas[name].shard  # a tensor-parallel shard: cut from the full value
-        full = initial_value(key, spec.full_shape if spec else tuple(p.shape), seed=seed, std=std, vocab_size=vocab_size)
+        full = initial_value(key, spec.full_shape if spec else tuple(p.shape), seed=seed, std=std, vocab_size=vocab_size,
+                             zero_centered=name in zero_centered)
         p.copy_(spec.of(full) if spec else full)

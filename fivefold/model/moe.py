@@ -22,7 +22,7 @@ from torch import nn
 
 from fivefold.config.schema import Config, ModelConfig
 from fivefold.errors import NotImplementedYet, UserError
-from fivefold.model.mlp import SwiGLU
+from fivefold.model.mlp import SwiGLU, dense_mlp
 from fivefold.model.router import AttachAuxLoss, Router
 from fivefold.parallel.experts import local_experts, moe_forward
 from fivefold.parallel.param_meta import GradDomain, mark_all
@@ -107,7 +107,7 @@ def build_mlp(cfg: ModelConfig, layer: int, tp: Group | None, mode: TPMode, grou
     moe_first_k_dense_layers layers of a MoE model."""
     if is_moe_layer(cfg, layer):
         return MoE(cfg, tp, mode, groups or MoEGroups())
-    return SwiGLU(cfg.hidden_size, cfg.ffn_size, tp, mode)
+    return dense_mlp(cfg, tp, mode)
 
 
 def aux_loss_term(model: nn.Module) -> torch.Tensor | None:

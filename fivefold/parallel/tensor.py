@@ -135,9 +135,10 @@ def _weight(module: nn.Module, group: Group, full_shape: tuple[int, ...], dim: i
 
 
 class ColumnParallelLinear(nn.Module):
-    """Y = X A^T with A (out, in) split by output rows over `group`: this rank holds rows `rows`
-    (default its even share; attention passes its heads' rows) and returns Y split (b, s, out/tp).
-    Several column layers reading the same input share one communication via `column_linears`."""
+    """Y = X A^T (+ b) with A (out, in) split by output rows over `group`: this rank holds rows `rows`
+    (default its even share; attention passes its heads' rows), b's same entries, and returns Y
+    split (b, s, out/tp). Several column layers reading the same input share one communication via
+    `column_linears`."""
 
     def __init__(self, in_features: int, out_features: int, *, group: Group, mode: TPMode = TPMode.ALL_REDUCE,
                  rows: range | None = None, bias: bool = False, dtype=None, device=None):
@@ -154,22 +155,29 @@ class ColumnParallelLinear(nn.Module):
 
 
 class RowParallelLinear(nn.Module):
-    """Y = X B^T with B (out, in) split by input columns over `group`: X arrives split
-    (b, s, in/tp), Y leaves whole (ALL_REDUCE) or sequence-sharded (SEQUENCE_PARALLEL)."""
+    """Y = X B^T (+ b) with B (out, in) split by input columns over `group`: X arrives split
+    (b, s, in/tp), Y leaves whole (ALL_REDUCE) or sequence-sharded (SEQUENCE_PARALLEL). The bias b is
+    replicated and added once, after the reduction; under SP each rank adds it to its s/tp rows, so
+    its gradient is summed over TP (tp_grad_sum)."""
 
     def __init__(self, in_features: int, out_features: int, *, group: Group, mode: TPMode = TPMode.ALL_REDUCE,
-                 dtype=None, device=None):
+                 bias: bool = False, dtype=None, device=None):
         super().__init__()
         self.group, self.mode = group, mode
         self.weight = _weight(self, group, (out_features, in_features), 1, even(in_features, group), dtype, device)
+        self.bias = new_param(self, "bias", (out_features,), dtype=dtype, device=device) if bias else None
+        if bias and mode is TPMode.SEQUENCE_PARALLEL:
+            set_meta(self, "bias", tp_grad_sum=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return row_parallel(x, self.weight, self.group, self.mode)
+        y = row_parallel(x, self.weight, self.group, self.mode)  # (b, s, out) or (b, s/tp, out)
+        return y if self.bias is None else y + self.bias
 
 
 def column_linears(x: torch.Tensor, linears: Sequence[nn.Module]) -> list[torch.Tensor]:
     """Apply several linears to the same x: plain `nn.Linear`s one by one, ColumnParallelLinears
-    through one fused call (one gather forward, one all-reduce / reduce-scatter of dL/dX backward)."""
+    through one fused call (one gather forward, one all-reduce / reduce-scatter of dL/dX backward);
+    their biases (this rank's output entries) are added after it."""
     if all(isinstance(m, ColumnParallelLinear) for m in linears):
         first = linears[0]
         ys = column_parallel(x, [m.weight for m in linears], first.group, first.mode)
@@ -250,3 +258,13 @@ def reduce_tp_grads(params: Iterable[tuple[torch.Tensor, ParamMeta]], group: Gro
         buf[rep.slot] = p.grad
         comm.all_reduce_(buf, group, "tp-grad")
         p.grad.copy_(buf[rep.slot])
+
+
+def linear(in_features: int, out_features: int, *, tp: Group | None, split: str, mode: TPMode = TPMode.ALL_REDUCE,
+           bias: bool = False, rows: range | None = None) -> nn.Module:
+    """A plain nn.Linear without `tp`, else the `split` ("column" or "row") parallel linear over it."""
+    if tp is None:
+        return nn.Linear(in_features, out_features, bias=bias)
+    if split == "column":
+        return ColumnParallelLinear(in_features, out_features, group=tp, mode=mode, rows=rows, bias=bias)
+    return RowParallelLinear(in_features, out_features, group=tp, mode=mode, bias=bias)
