@@ -30,6 +30,8 @@ class Microbatch:
     """Target tokens (labels != IGNORE_INDEX)."""
     docs: PackedDocs | None = None
     """Packed documents (data.reset_attention_mask / reset_position_ids), or None."""
+    sample_ids: torch.Tensor | None = None
+    """(b,) int64 dataset index of each row (dropout masks are a function of it), or None."""
 
 
 @dataclass
@@ -39,6 +41,8 @@ class StepBatch:
     """Target tokens in the whole global batch, over all DP ranks."""
     sample_ids: np.ndarray
     """This rank's sample ids (for tests and debugging)."""
+    step: int | None = None
+    """The optimizer step this batch is for (dropout masks are a function of it), or None."""
 
 
 def collate(samples: list[np.ndarray], rules: DocumentRules | None = None) -> Microbatch:
@@ -92,4 +96,6 @@ class BatchLoader:
         mbs = self.micro_batch_size
         micro = [collate([self.dataset[int(i)] for i in mine[k: k + mbs]], self.documents)
                  for k in range(0, len(mine), mbs)]
-        return StepBatch(micro, global_tokens, mine)
+        for k, mb in zip(range(0, len(mine), mbs), micro):
+            mb.sample_ids = torch.as_tensor(np.asarray(mine[k: k + mbs], dtype=np.int64))
+        return StepBatch(micro, global_tokens, mine, step)

@@ -20,6 +20,7 @@ from torch import nn
 
 from fivefold.config.schema import ModelConfig
 from fivefold.ops.attention import Documents, attention
+from fivefold.model.dropout import Noise, explicit_attention
 from fivefold.model.norm import make_norm
 from fivefold.model.recompute import maybe_checkpoint
 from fivefold.model.rope import apply_rope
@@ -57,6 +58,10 @@ class Attention(nn.Module):
         self.q_norm = make_norm(cfg, d) if cfg.qk_layernorm else None
         self.k_norm = make_norm(cfg, d) if cfg.qk_layernorm else None
         split = split_heads(a, g, tp.size, tp.rank) if tp is not None else None
+        self.layer = 0
+        """Global layer index (set by DecoderLayer): a coordinate of the attention dropout masks."""
+        self.head_range = range(a) if split is None else split.q_heads
+        """Global indices of this rank's query heads (attention dropout masks)."""
         kv_rows = range(split.kv_heads.start * d, split.kv_heads.stop * d) if split else None
         column = partial(linear, tp=tp, split="column", mode=mode, bias=qkv_bias)
         self.q_proj = column(h, a * d)
@@ -70,8 +75,10 @@ class Attention(nn.Module):
             if norm is not None:  # replicated gains, each rank's gradient from its heads only
                 mark_sequence_sharded(norm)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, docs: Documents | None = None
-                ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, docs: Documents | None = None,
+                noise: Noise | None = None) -> torch.Tensor:
+        """`noise`: this forward's dropout (fivefold.model.dropout); attention dropout then runs the
+        explicit softmax path, the probabilities masked by global (sample, head, q, k)."""
         q, k, v = column_linears(x, [self.q_proj, self.k_proj, self.v_proj])  # (b, s, (a|g)/tp * d)
         b, s = q.shape[:2]
         q = q.view(b, s, -1, self.d).transpose(1, 2)  # (b, a/tp, s, d)
@@ -81,6 +88,11 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if cos is not None:  # RoPE; learned absolute positions were added to the embedding instead
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        o = maybe_checkpoint(partial(core_attention, cp=self.context_parallel, docs=docs), self.recompute_core,
-                             q, k, v)  # (b, a/tp, s, d)
+        if noise is not None and noise.attention_p > 0:
+            heads = torch.arange(self.head_range.start, self.head_range.stop)
+            drop = partial(noise.probs, layer=self.layer, heads=heads)
+            core = partial(explicit_attention, scale=self.d ** -0.5, docs=docs, drop=drop)
+        else:
+            core = partial(core_attention, cp=self.context_parallel, docs=docs)
+        o = maybe_checkpoint(core, self.recompute_core, q, k, v)  # (b, a/tp, s, d)
         return self.o_proj(o.transpose(1, 2).reshape(b, s, -1))  # (b, s, a/tp*d) -> (b, s, h) or (b, s/tp, h)

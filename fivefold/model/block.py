@@ -11,6 +11,7 @@ from torch import nn
 
 from fivefold.config.schema import ModelConfig
 from fivefold.model.attention import Attention
+from fivefold.model.dropout import ATTENTION_OUT, MLP_OUT, dropped
 from fivefold.model.mla import MLAttention
 from fivefold.model.moe import MoEGroups, build_mlp
 from fivefold.model.norm import make_norm
@@ -31,13 +32,15 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.attn_norm = make_norm(cfg, cfg.hidden_size)
         self.attn = MLAttention(cfg, tp, mode) if cfg.multi_latent_attention else Attention(cfg, tp, mode)
+        self.attn.layer = self.layer = layer
         self.mlp_norm = make_norm(cfg, cfg.hidden_size)
         self.mlp = build_mlp(cfg, layer, tp, mode, moe)  # dense SwiGLU, or MoE (layer >= first_k_dense)
         if tp is not None and mode is TPMode.SEQUENCE_PARALLEL:
             for norm in (self.attn_norm, self.mlp_norm):
                 mark_sequence_sharded(norm)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, docs=None) -> torch.Tensor:
-        """`docs`: the batch's document boundaries (fivefold.ops.attention.Documents) or None."""
-        x = x + self.attn(self.attn_norm(x), cos, sin, docs)  # (b, s, h)
-        return x + self.mlp(self.mlp_norm(x))  # (b, s, h)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, docs=None, noise=None) -> torch.Tensor:
+        """`docs`: the batch's document boundaries (fivefold.ops.attention.Documents) or None;
+        `noise`: this forward's dropout (fivefold.model.dropout.Noise) or None."""
+        x = x + dropped(noise, self.attn(self.attn_norm(x), cos, sin, docs, noise), self.layer, ATTENTION_OUT)  # (b, s, h)
+        return x + dropped(noise, self.mlp(self.mlp_norm(x)), self.layer, MLP_OUT)  # (b, s, h)

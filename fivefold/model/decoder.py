@@ -20,6 +20,7 @@ from fivefold.errors import NotImplementedYet, UserError
 from fivefold.model.block import DecoderLayer, rotary_dim
 from fivefold.model.init import init_parameters_
 from fivefold.model.moe import MoEGroups, check_moe_supported, set_aux_loss_scale
+from fivefold.model.dropout import EMBEDDING, DropoutKey, Noise, dropped
 from fivefold.model.norm import make_norm
 from fivefold.model.positions import check_positions_supported, learned_positions
 from fivefold.model.recompute import Recompute, maybe_checkpoint
@@ -108,7 +109,21 @@ class Decoder(nn.Module):
             return local_document_positions(docs.positions, s, n, r).to(device)
         return torch.arange(s, device=device) if n == 1 else local_positions(s, n, r, device)
 
-    def forward(self, x: torch.Tensor, docs=None) -> torch.Tensor:
+    def _noise(self, key: DropoutKey | None, s: int, device) -> Noise | None:
+        """This forward's dropout (training with a key and a rate > 0), with the global positions of
+        this rank's tokens: its CP chunks, and of the residual stream its SP slice."""
+        cfg = self.cfg
+        if key is None or not self.training or not (cfg.hidden_dropout or cfg.attention_dropout):
+            return None
+        n, r = (1, 0) if self.cp is None else (self.cp.size, self.cp.rank)
+        positions = torch.arange(s, device=device) if n == 1 else local_positions(s, n, r, device)  # (s,)
+        rows = positions
+        if self.mode is TPMode.SEQUENCE_PARALLEL:
+            part = s // self.tp.size
+            rows = positions[self.tp.rank * part:(self.tp.rank + 1) * part]  # (s/tp,)
+        return Noise(self.seed, key, cfg.hidden_dropout, cfg.attention_dropout, positions, rows)
+
+    def forward(self, x: torch.Tensor, docs=None, noise: DropoutKey | None = None) -> torch.Tensor:
         """x: ids (b, s) with an embedding, else hidden (b, s, h). Returns logits (b, s, V_padded)
         with a head (padded columns are 0: their rows are zero), else hidden (b, s, h).
         Context-parallel: s is this CP rank's s/cp tokens (parallel.context.split_tokens: chunks r and
@@ -116,13 +131,17 @@ class Decoder(nn.Module):
         Tensor-parallel: logits are this rank's vocabulary slice (b, s, V_padded/tp); under sequence
         parallelism hidden states in and out are this rank's (b, s/tp, h).
         `docs` (fivefold.data.documents.PackedDocs of the whole batch, or None): packed documents,
-        each attending to itself and/or with RoPE positions restarting per document."""
+        each attending to itself and/or with RoPE positions restarting per document.
+        `noise` (training): the micro-batch's dropout key (fivefold.model.dropout); None = no dropout."""
         sp = self.mode is TPMode.SEQUENCE_PARALLEL
         s = x.shape[1] * (self.tp.size if sp and not self.has_embedding else 1)  # this CP rank's s/cp
         hidden = self.embedding(x) if self.has_embedding else x  # (b, s/cp, h) or (b, s/cp/tp, h)
         positions = self._positions(s, hidden.device, docs)  # (s,) or (b, s)
         if self.position_embedding is not None:
             hidden = hidden + self.position_embedding(positions)  # (b, s, h) or (b, s/tp, h)
+        drop = self._noise(noise, s, hidden.device)
+        if self.has_embedding:
+            hidden = dropped(drop, hidden, -1, EMBEDDING)  # Megatron's embedding dropout (hidden_dropout)
         cos = sin = None  # learned_absolute / none: attention applies no rotation
         if self.cfg.position_embedding_type == "rope":
             cos, sin = rope_tables(positions, rotary_dim(self.cfg), self.cfg.rotary_base)  # ([b,] s, d)
@@ -132,7 +151,7 @@ class Decoder(nn.Module):
         for start, end, recompute in self.recompute.spans(len(layers)):
             def span(x, chunk=layers[start:end]):
                 for layer in chunk:
-                    x = layer(x, cos, sin, bounds)  # (b, s, h)
+                    x = layer(x, cos, sin, bounds, drop)  # (b, s, h)
                 return x
             hidden = maybe_checkpoint(span, recompute, hidden)  # (b, s, h)
         if not self.has_head:
@@ -152,28 +171,28 @@ class Decoder(nn.Module):
         (the CP split pads a batch to 2*CP times this, parallel.context.split_tokens)."""
         return self.tp.size if self.mode is TPMode.SEQUENCE_PARALLEL else 1
 
-    def _head_logits(self, x: torch.Tensor, docs=None) -> torch.Tensor:
+    def _head_logits(self, x: torch.Tensor, docs=None, noise=None) -> torch.Tensor:
         """This TP rank's (b, s, V_padded/tp) logits; the full vocabulary is never gathered."""
         if not self.has_head:
             raise UserError("Decoder.loss/logprobs need the output layer (head=True)")
-        return self.forward(x, docs)
+        return self.forward(x, docs, noise)
 
-    def _vocab_logits(self, x: torch.Tensor, docs=None) -> torch.Tensor:
+    def _vocab_logits(self, x: torch.Tensor, docs=None, noise=None) -> torch.Tensor:
         """fp32 logits over the real vocabulary (b, s, V). Dropping the padded columns is the same as
         masking them to -inf: exp(-inf) = 0 adds nothing to the softmax and they get no gradient."""
         if not self.has_head:
             raise UserError("Decoder.loss/logprobs need the output layer (head=True)")
-        return self.forward(x, docs)[..., : self.vocab_size].float()
+        return self.forward(x, docs, noise)[..., : self.vocab_size].float()
 
-    def loss(self, x: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100, docs=None
+    def loss(self, x: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100, docs=None, noise=None
              ) -> tuple[torch.Tensor, torch.Tensor]:
         """(sum over target tokens of -log p(label) in fp32, number of target tokens): tokens whose
         label is ignore_index count in neither. The caller divides by the global token count."""
         if self.tp is not None:
-            losses, _ = vocab_parallel_cross_entropy(self._head_logits(x, docs), labels, self.tp, self.vocab_size,
-                                                     ignore_index)
+            losses, _ = vocab_parallel_cross_entropy(self._head_logits(x, docs, noise), labels, self.tp,
+                                                     self.vocab_size, ignore_index)
             return losses.sum(), (labels != ignore_index).sum()
-        logits = self._vocab_logits(x, docs)  # (b, s, V)
+        logits = self._vocab_logits(x, docs, noise)  # (b, s, V)
         total = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=ignore_index, reduction="sum")
         return total, (labels != ignore_index).sum()
 

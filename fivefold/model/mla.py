@@ -99,10 +99,11 @@ class MLAttention(nn.Module):
             return comm.gather(k_pe, SEQ_DIM, self.tp, "sp")  # (b, s/tp, dr) -> (b, s, dr)
         return comm.copy_to(k_pe, self.tp, "tp")
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, docs: Documents | None = None
-                ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, docs: Documents | None = None,
+                noise=None) -> torch.Tensor:
         """x (b, s, h) [or (b, s/tp, h)]; cos/sin (s, dr) or (b, s, dr) -> (b, s, h) [or (b, s/tp, h)];
-        `docs`: document boundaries of the batch (each document attends to itself)."""
+        `docs`: document boundaries of the batch (each document attends to itself). `noise` is not
+        read: attention dropout with MLA is refused (train.supported); hidden dropout is the layer's."""
         dn, dr, dv = self.dn, self.dr, self.dv
         if self.q_lora_rank is None:
             q = self.q_proj(x)  # (b, s, a/tp*(dn+dr))

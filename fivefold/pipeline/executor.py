@@ -88,13 +88,14 @@ class PipelineExecutor:
         return [p for p in self.stages[stage].parameters() if p.requires_grad]
 
     def run(self, input_ids: Sequence[torch.Tensor], labels: Sequence[torch.Tensor] | None = None, *,
-            loss_scale: float = 1.0, mode: str = "train", trace: bool = False, docs: Sequence | None = None
-            ) -> RunResult:
+            loss_scale: float = 1.0, mode: str = "train", trace: bool = False, docs: Sequence | None = None,
+            noise: Sequence | None = None) -> RunResult:
         """Run every action of this rank for one step. `input_ids[mb]` is needed on every rank (its
         shape sizes the receive buffers), `labels[mb]` on the rank of the last stage. Mode 'train'
         accumulates dL/dtheta (L = sum of losses * loss_scale) into .grad; 'loss' and 'logprobs' run
         the forward-only schedule without building a graph. `docs[mb]`: the microbatch's packed
-        documents (fivefold.data.documents.PackedDocs), handed to every stage's forward."""
+        documents (fivefold.data.documents.PackedDocs), handed to every stage's forward; `noise[mb]`
+        its dropout key (fivefold.model.dropout.DropoutKey) or None, likewise."""
         if mode not in MODES:
             raise ValueError(f"mode {mode!r}: one of {MODES}")
         if len(input_ids) != self.schedule.num_microbatches:
@@ -109,6 +110,7 @@ class PipelineExecutor:
         state = _StepState(list(input_ids), list(labels) if labels is not None else None, loss_scale, mode,
                            policy)
         state.docs = list(docs) if docs is not None else [None] * len(input_ids)
+        state.noise = list(noise) if noise is not None else [None] * len(input_ids)
         actions = schedule.ranks[self.rank]
         grad_ctx = torch.enable_grad() if mode == "train" else torch.no_grad()
         with grad_ctx:
@@ -221,6 +223,8 @@ class PipelineExecutor:
             x = st.inputs[key]
         st.inputs[key] = x
         docs = {} if st.docs[mb] is None else {"docs": st.docs[mb]}  # packed documents, when the batch has them
+        if st.noise[mb] is not None:  # the micro-batch's dropout key
+            docs["noise"] = st.noise[mb]
         if s < self.last:
             y = module(x, **docs)  # (b, s, h)
         elif st.mode == "logprobs":

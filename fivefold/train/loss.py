@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from fivefold.data.loader import IGNORE_INDEX, Microbatch
+from fivefold.model.dropout import DropoutKey
 from fivefold.parallel.context import split_tokens
 from fivefold.runtime import comm
 from fivefold.runtime.mesh import Group
@@ -23,11 +24,21 @@ def cp_tokens(model: nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> tupl
     return (ids, labels) if cp is None else split_tokens(ids, labels, cp, model.sequence_multiple)
 
 
-def loss_sum(model: nn.Module, mb: Microbatch, device: torch.device) -> torch.Tensor:
+def dropout_kwargs(step: int | None, mb: Microbatch) -> dict:
+    """{"noise": DropoutKey} for a training forward of `mb` at `step` (fivefold.model.dropout), or {}
+    when the batch does not say where it came from (the model then applies no dropout)."""
+    if step is None or mb.sample_ids is None:
+        return {}
+    return {"noise": DropoutKey(step, mb.sample_ids)}
+
+
+def loss_sum(model: nn.Module, mb: Microbatch, device: torch.device, step: int | None = None) -> torch.Tensor:
     """Sum of next-token cross-entropies over the microbatch's target tokens (fp32): Decoder.loss.
-    Under CP over this rank's s/cp tokens: the sums over DP x CP add up to the global batch's."""
+    Under CP over this rank's s/cp tokens: the sums over DP x CP add up to the global batch's.
+    `step` (training): dropout, if the model has any, keyed by it and the micro-batch's samples."""
     ids, labels = cp_tokens(model, mb.input_ids, mb.labels)
-    total, _ = model.loss(ids.to(device), labels.to(device), ignore_index=IGNORE_INDEX, docs=mb.docs)
+    total, _ = model.loss(ids.to(device), labels.to(device), ignore_index=IGNORE_INDEX, docs=mb.docs,
+                          **dropout_kwargs(step, mb))
     return total
 
 

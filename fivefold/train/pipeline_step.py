@@ -23,7 +23,7 @@ from fivefold.pipeline.simulate import simulate
 from fivefold.pipeline.trace import measured_result, stage_costs
 from fivefold.pipeline.stages import PipelineModel, build_pipeline  # noqa: F401 (the loop builds through here)
 from fivefold.runtime import comm
-from fivefold.train.loss import cp_tokens, global_mean
+from fivefold.train.loss import cp_tokens, dropout_kwargs, global_mean
 
 
 def microbatches_per_step(config: Config, dp_size: int) -> int:
@@ -57,7 +57,8 @@ def pipeline_forward_backward(pipe: PipelineModel, dp, batch: StepBatch, *, mesh
     if trace:
         comm.barrier(mesh.pp)  # a common start, so the ranks' timings line up
     run = pipe.executor.run(ids, labels, loss_scale=dp.loss_scale / batch.global_tokens, trace=trace,
-                            docs=[mb.docs for mb in batch.microbatches])
+                            docs=[mb.docs for mb in batch.microbatches],
+                            noise=[dropout_kwargs(batch.step, mb).get("noise") for mb in batch.microbatches])
     pipe.sync_tied_grads()  # before the DP reduction (the sums commute): with ZeRO-1 it reduce-scatters
     local = torch.zeros((), dtype=torch.float64)
     for s in run.loss_sums.values():

@@ -49,7 +49,7 @@ def _forward_backward(model: nn.Module, dp: DataParallel, batch: StepBatch,
     n = len(batch.microbatches)
     for i, mb in enumerate(batch.microbatches):
         dp.prepare(last=i == n - 1)
-        s = loss_sum(model, mb, device)
+        s = loss_sum(model, mb, device, batch.step)
         term = aux_loss_term(model) if aux is not None else None  # read before backward (recompute reruns forward)
         if term is not None:
             aux += term

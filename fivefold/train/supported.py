@@ -57,6 +57,12 @@ def _combinations(config: Config) -> list[str]:
         return ["add_qkv_bias / qk_layernorm with multi_latent_attention (they apply to grouped-query attention)"]
     if config.training.num_distributed_optimizer_instances > 1 and config.model.is_moe:
         return ["HSDP (num_distributed_optimizer_instances > 1) with MoE (dense models run it)"]
+    m = config.model
+    if m.attention_dropout and (p.context_parallel_size > 1 or m.multi_latent_attention):
+        return [f"model.attention_dropout={m.attention_dropout} with "
+                f"{'context_parallel_size>1' if p.context_parallel_size > 1 else 'multi_latent_attention'} "
+                "(attention dropout runs in the explicit softmax path of GQA attention without CP; hidden "
+                "dropout runs everywhere; set attention_dropout=0)"]
     if config.training.compile and inside:
         return [f"training.compile=True with {', '.join(inside)} (compiled layers would trace the TP/CP/EP "
                 "collectives inside them; DP, ZeRO and PP layouts compile)"]
