@@ -4,6 +4,7 @@ import textwrap
 import pytest
 
 from fivefold.config.load import load_config
+from fivefold.config.megatron_defaults import DEFAULTS
 from fivefold.config.schema import to_dict
 from fivefold.config.validate import ConfigError, layout_of, validate
 
@@ -166,6 +167,16 @@ def bridge(**sizes):
     return [f"cfg.model.{k}={v}" for k, v in sizes.items()]
 
 
+def _ours_where_megatron_defaults(mega_cfg, ours_cfg) -> dict:
+    """A Megatron command line's config with Megatron's defaults (config.megatron_defaults) put back
+    to ours: the rest must be the same config."""
+    ours, mega = to_dict(ours_cfg), to_dict(mega_cfg)
+    for dotted in [*DEFAULTS, "model.max_position_embeddings"]:
+        section, name = dotted.split(".")
+        mega[section][name] = ours[section][name]
+    return mega
+
+
 def test_bridge_3d_is_the_same_config_as_megatron_flags_and_skyrl():
     a, _, lay = resolved(words=bridge(tensor_model_parallel_size=4, pipeline_model_parallel_size=4,
                                       sequence_parallel=True) + ["model.num_layers=80"], world_size=64)
@@ -175,7 +186,10 @@ def test_bridge_3d_is_the_same_config_as_megatron_flags_and_skyrl():
                                      "trainer.policy.megatron_config.pipeline_model_parallel_size=4",
                                      "trainer.megatron.num_layers=80"], world_size=64)
     assert (a.dialect, b.dialect, c.dialect) == ("megatron-bridge", "megatron", "skyrl")
-    assert to_dict(a.config) == to_dict(b.config) == to_dict(c.config)
+    assert to_dict(a.config) == to_dict(c.config)
+    # Megatron flags mean Megatron's defaults for what they leave out (config.megatron_defaults);
+    # with those set back to ours, the three are the same config.
+    assert to_dict(a.config) == _ours_where_megatron_defaults(b.config, a.config)
     assert lay.dp == 4
     assert "SkyRL turns sequence parallelism on" in warnings[0].rule
 
@@ -186,7 +200,7 @@ def test_rlinf_and_megatron_sizing_are_the_same_config(tmp_path):
                                            "    context_parallel_size: 2\n"))
     b, _, _ = resolved(words="torchrun --nproc_per_node=8 --nnodes=16 train.py --tensor-model-parallel-size 2 "
                              "--pipeline-model-parallel-size 2 --context-parallel-size 2".split())
-    assert to_dict(a.config) == to_dict(b.config)
+    assert to_dict(a.config) == _ours_where_megatron_defaults(b.config, a.config)
 
 
 def test_bridge_4d_on_256():

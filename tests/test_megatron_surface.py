@@ -19,7 +19,7 @@ def test_the_surface_is_megatrons_and_every_mapped_flag_is_in_it():
     assert {f for f, flag in FLAGS.items() if not flag.ours and f not in SURFACE} == LEGACY
 
 
-@pytest.mark.parametrize("flag", ["--apply-layernorm-1p", "--fp8-format", "--exit-interval", "--no-load-optim",
+@pytest.mark.parametrize("flag", ["--fp8-format", "--exit-interval", "--no-load-optim",
                                   "--moe-router-enable-expert-bias", "--finetune"])
 def test_math_changing_flags_are_not_taken_as_no_effect(flag):
     assert flag in SURFACE and flag not in FLAGS and no_effect(flag) is None
@@ -47,20 +47,23 @@ def test_llama3_8b_fp8_script_refuses_only_what_is_not_built():
     with pytest.raises(NotImplementedYet) as e:
         parse_flags(words)
     named = str(e.value).split("Megatron-LM flags ")[1].split(" (they change")[0].split(", ")
-    assert named == ["--apply-layernorm-1p", "--decoupled-lr", "--decoupled-min-lr", "--exit-duration-in-mins", "--fp8-format",
+    assert named == ["--decoupled-lr", "--decoupled-min-lr", "--exit-duration-in-mins", "--fp8-format",
                      "--fp8-amax-history-len", "--fp8-amax-compute-algo", "--fp8-param-gather"]
     kept = [w for w in words if w not in set(named)]  # without them (and their values) it is read
     drop_values = {"5.0e-4", "4.5e-5", "235", "hybrid", "1024", "max"}
     loaded = load_config(None, [w for w in kept if w not in drop_values])
     notes = " ".join(str(w) for w in loaded.warnings)
-    for flag in ("--use-mcore-models", "--swiglu", "--overlap-grad-reduce", "--attention-dropout 0.0", "--manual-gc",
-                 "--position-embedding-type rope", "--num-workers"):
+    for flag in ("--use-mcore-models", "--overlap-grad-reduce", "--manual-gc", "--num-workers"):
         assert flag in notes
+    m = loaded.config.model  # the model flags are mapped (config.megatron_defaults fills the rest)
+    assert (m.activation, m.normalization, m.add_bias_linear, m.position_embedding_type, m.apply_layernorm_1p,
+            m.attention_dropout, m.hidden_dropout, m.tie_word_embeddings) == \
+        ("swiglu", "RMSNorm", False, "rope", True, 0.0, 0.0, False)
 
 
 def test_unknown_and_unbuilt_flags_are_reported_together():
     with pytest.raises(UserError, match=r"unknown flag --swigluu \(did you mean --swiglu\?\) \| Megatron-LM flag "
                                         r"--fp8-format \(they change what is trained\): not implemented yet"):
         parse_flags(["--swigluu", "--fp8-format", "hybrid"])
-    with pytest.raises(NotImplementedYet, match=r"--attention-dropout 0.1 \(accepted: 0, 0.0\)"):
-        parse_flags(["--attention-dropout", "0.1"])
+    with pytest.raises(NotImplementedYet, match=r"--rotary-percent 0.5 \(accepted: 1, 1.0\)"):
+        parse_flags(["--rotary-percent", "0.5"])

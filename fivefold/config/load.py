@@ -20,6 +20,7 @@ import yaml
 from fivefold.config.dialects import AREAL, MEGATRON, combine, route
 from fivefold.config.fields import set_value
 from fivefold.config.megatron import is_flag, parse_flags
+from fivefold.config.megatron_defaults import apply_megatron_defaults
 from fivefold.config.schema import SECTIONS, Config
 from fivefold.config.validate import Problem
 from fivefold.errors import UserError
@@ -61,6 +62,12 @@ def load_config(path: str | None, words: list[str] = (), *, world_size: int | No
         if value is not None:
             set_value(config, dotted, value, explicit)
     _check_cluster(config, explicit)
+    if dialects and set(dialects) == {MEGATRON}:  # a Megatron command line: what it leaves out is Megatron's default
+        changed = apply_megatron_defaults(config, explicit)
+        if changed:
+            notes.append(Problem("megatron defaults", len(changed), "not given, so Megatron-LM's: " + ", ".join(
+                f"{d}={getattr(getattr(config, d.split('.')[0]), d.split('.')[1])!r}" for d in changed),
+                "set the flag to choose otherwise", "warning"))
     warnings = _model_from_hf(config, explicit) if config.checkpoint.load_hf else []
     if "allocation_mode" in special:
         dialects.append(AREAL)

@@ -70,6 +70,14 @@ FLAGS: dict[str, Flag] = {
     "--untie-embeddings-and-output-weights": _on("model.tie_word_embeddings", False),
     "--init-method-std": _v("model.init_method_std"),
     "--add-qkv-bias": _on("model.add_qkv_bias"),
+    "--swiglu": _on("model.activation", "swiglu"),
+    "--disable-bias-linear": _on("model.add_bias_linear", False),
+    "--position-embedding-type": _v("model.position_embedding_type"),
+    "--use-rotary-position-embeddings": _on("model.position_embedding_type", "rope"),
+    "--no-position-embedding": _on("model.position_embedding_type", "none"),
+    "--apply-layernorm-1p": _on("model.apply_layernorm_1p"),
+    "--attention-dropout": _v("model.attention_dropout"),
+    "--hidden-dropout": _v("model.hidden_dropout"),
     "--qk-layernorm": _on("model.qk_layernorm"),
     "--multi-latent-attention": _on("model.multi_latent_attention"),
     "--q-lora-rank": _v("model.q_lora_rank"),
@@ -225,7 +233,7 @@ def _classify(name: str, values: list[str], unknown: list[str], not_built: list[
     from fivefold.config.fields import did_you_mean
 
     if name not in SURFACE:
-        unknown.append(f"{name}{did_you_mean(name, list(FLAGS) + list(SURFACE))}")
+        unknown.append(f"{name}{did_you_mean(name, list(dict.fromkeys([*FLAGS, *SURFACE])))}")
     elif name in VALUE_OK:
         allowed, why = VALUE_OK[name]
         if all(v in allowed for v in values):

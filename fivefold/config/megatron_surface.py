@@ -8,12 +8,14 @@ generated from its config dataclasses) says how each flag takes values. Each fla
   2. no effect    accepted, and `validate` lists it with the reason: switches that change speed or
                   memory but not the math (overlap, fusion, kernel choice, CUDA graphs), logging,
                   profiling, checkpoint I/O tuning, and flags that say what fivefold already does
-                  (`--swiglu`, `--disable-bias-linear`, rotary positions);
+                  (a per-token loss, checkpoints with optimizer and RNG state);
   3. not built    changes the math or the run here, not built yet: refused, all such flags in one
                   message ("not implemented yet");
   4. unknown      not Megatron-LM's at that commit: refused with the closest flags.
-Some flags are "no effect" for the values fivefold computes anyway (`--attention-dropout 0`,
-`--position-embedding-type rope`) and "not built" for the others (`VALUE_OK`).
+Some flags are "no effect" for the values fivefold computes anyway (`--rotary-percent 1.0`) and
+"not built" for the others (`VALUE_OK`). Model-variant flags (`--swiglu`, `--disable-bias-linear`,
+`--position-embedding-type`, dropout, `--apply-layernorm-1p`) are mapped, and what a command line
+leaves out is Megatron's default (fivefold.config.megatron_defaults).
 """
 from __future__ import annotations
 
@@ -56,17 +58,13 @@ NO_EFFECT: list[tuple[str, str]] = [  # (regular expression over the flag, why i
     (r"--(async-ckpt|ckpt|dist-ckpt|non-persistent|use-persistent-ckpt|use-dist-ckpt|auto-detect-ckpt|"
      r"no-ckpt|disable-ckpt|no-save-tokenizer)[-a-z0-9]*",
      "checkpoint format and I/O: fivefold writes its own safetensors checkpoints (any layout loads any other)"),
-    (r"--(swiglu|disable-bias-linear|use-rotary-position-embeddings|no-position-embedding|"
-     r"calculate-per-token-loss|no-save-optim|no-save-rng)",
-     "what fivefold does already (SwiGLU, no linear biases, rotary positions, a per-token loss over the global "
-     "batch, checkpoints that also hold optimizer and RNG state)"),
+    (r"--(calculate-per-token-loss|no-save-optim|no-save-rng)",
+     "what fivefold does already (a per-token loss over the global batch, checkpoints that also hold "
+     "optimizer and RNG state)"),
 ]
 _NO_EFFECT = [(re.compile(pattern), why) for pattern, why in NO_EFFECT]
 
 VALUE_OK: dict[str, tuple[set[str], str]] = {
-    "--attention-dropout": ({"0", "0.0"}, "dropout is not built: 0 is what fivefold computes"),
-    "--hidden-dropout": ({"0", "0.0"}, "dropout is not built: 0 is what fivefold computes"),
-    "--position-embedding-type": ({"rope"}, "rotary positions are fivefold's"),
     "--rotary-percent": ({"1", "1.0"}, "the whole head is rotated"),
     "--moe-token-dispatcher-type": ({"alltoall", "allgather", "flex", "alltoall_seq"}, "the same routing"),
     "--ckpt-format": ({"torch_dist", "torch", "zarr", "fsdp_dtensor", "torch_dcp"}, "fivefold's own format"),

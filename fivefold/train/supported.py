@@ -58,6 +58,9 @@ def _combinations(config: Config) -> list[str]:
     if config.training.num_distributed_optimizer_instances > 1 and config.model.is_moe:
         return ["HSDP (num_distributed_optimizer_instances > 1) with MoE (dense models run it)"]
     m = config.model
+    if m.is_moe and (m.activation != "swiglu" or m.add_bias_linear):
+        return [f"model.activation={m.activation!r} with add_bias_linear={m.add_bias_linear} in a MoE model (experts "
+                "are SwiGLU without biases: Megatron's --swiglu --disable-bias-linear run)"]
     if m.attention_dropout and (p.context_parallel_size > 1 or m.multi_latent_attention):
         return [f"model.attention_dropout={m.attention_dropout} with "
                 f"{'context_parallel_size>1' if p.context_parallel_size > 1 else 'multi_latent_attention'} "

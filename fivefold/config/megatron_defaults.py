@@ -1,0 +1,54 @@
+"""Megatron-LM's defaults, for what a Megatron command line leaves out.
+
+A config in the Megatron dialect (any Megatron-LM flag in it) means what Megatron-LM would build:
+a field no source set takes Megatron's default, not our canonical one. Megatron's GPT without
+--swiglu / --normalization / --disable-bias-linear / --untie-embeddings-and-output-weights /
+--position-embedding-type is GPT-2-like: GeLU MLP of 4h, LayerNorm, linear biases, tied
+embeddings, learned absolute positions, dropout 0.1 on attention probabilities and hidden states;
+its Adam has beta2 0.999 and its LR decays linearly (megatron/training/arguments.py).
+Our canonical defaults (YAML, other dialects) stay as they are.
+
+Two rules Megatron applies after parsing are applied here too: --swiglu without --ffn-hidden-size
+gives int(8h/3 / 64) * 64 (rounded down, where our canonical default rounds up), and learned
+absolute positions without --max-position-embeddings (which Megatron requires) use seq_length.
+"""
+from __future__ import annotations
+
+from fivefold.config.schema import Config
+
+DEFAULTS: dict[str, object] = {
+    "model.tie_word_embeddings": True,
+    "model.normalization": "LayerNorm",
+    "model.activation": "gelu",
+    "model.add_bias_linear": True,
+    "model.position_embedding_type": "learned_absolute",
+    "model.attention_dropout": 0.1,
+    "model.hidden_dropout": 0.1,
+    "training.adam_beta2": 0.999,
+    "training.lr_decay_style": "linear",
+}
+"""Canonical field -> Megatron-LM's default, where it differs from ours."""
+
+
+def megatron_swiglu_ffn(hidden_size: int) -> int:
+    """Megatron's --swiglu MLP width when --ffn-hidden-size is not given."""
+    return int(4 * hidden_size * 2 / 3 / 64) * 64
+
+
+def apply_megatron_defaults(config: Config, explicit: set[str]) -> list[str]:
+    """Set every field of DEFAULTS that no source set (not in `explicit`) to Megatron's value; then
+    the two derived widths. Returns the dotted fields changed."""
+    changed = []
+    for dotted, value in DEFAULTS.items():
+        if dotted not in explicit:
+            section, name = dotted.split(".")
+            setattr(getattr(config, section), name, value)
+            changed.append(dotted)
+    m = config.model
+    if m.activation == "swiglu" and "model.ffn_hidden_size" not in explicit:
+        m.ffn_hidden_size = megatron_swiglu_ffn(m.hidden_size)
+        changed.append("model.ffn_hidden_size")
+    if m.position_embedding_type == "learned_absolute" and "model.max_position_embeddings" not in explicit:
+        m.max_position_embeddings = config.training.seq_length
+        changed.append("model.max_position_embeddings")
+    return changed
