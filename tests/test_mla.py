@@ -189,7 +189,9 @@ def test_example_and_megatron_flags_reach_mla_and_layernorm():
     flags = ["--multi-latent-attention", "--q-lora-rank", "48", "--kv-lora-rank", "32", "--qk-head-dim", "16",
              "--qk-pos-emb-head-dim", "8", "--v-head-dim", "16", "--normalization", "LayerNorm",
              "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-             "--tensor-model-parallel-size", "2", "--sequence-parallel"]
+             "--tensor-model-parallel-size", "2", "--sequence-parallel",
+             "--position-embedding-type", "rope", "--attention-dropout", "0",  # MLA: RoPE, no biases, no
+             "--disable-bias-linear"]  # attention dropout (Megatron's defaults otherwise: config.megatron_defaults)
     loaded = load_config(None, flags, world_size=4)
     validate(loaded.config, loaded.dialect)
     check_supported(loaded.config)

@@ -61,6 +61,10 @@ def _combinations(config: Config) -> list[str]:
     if m.is_moe and (m.activation != "swiglu" or m.add_bias_linear):
         return [f"model.activation={m.activation!r} with add_bias_linear={m.add_bias_linear} in a MoE model (experts "
                 "are SwiGLU without biases: Megatron's --swiglu --disable-bias-linear run)"]
+    if m.multi_latent_attention and (m.add_bias_linear or m.add_qkv_bias or m.position_embedding_type != "rope"):
+        return [f"model.multi_latent_attention with add_bias_linear={m.add_bias_linear}, position_embedding_type="
+                f"{m.position_embedding_type!r} (MLA is built with RoPE and without biases: Megatron's "
+                "--disable-bias-linear --position-embedding-type rope)"]
     if m.attention_dropout and (p.context_parallel_size > 1 or m.multi_latent_attention):
         return [f"model.attention_dropout={m.attention_dropout} with "
                 f"{'context_parallel_size>1' if p.context_parallel_size > 1 else 'multi_latent_attention'} "
