@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
@@ -15,6 +16,7 @@ from fivefold.config.schema import ModelConfig
 from fivefold.model import Decoder
 from fivefold.model.hf import hf_name
 from fivefold.model.init import VOCAB_PARAMS
+from fivefold.planner.params import count_params
 
 # Same bounds as test_model_hf.py (fp32, different kernels and summation orders): measured worst
 # logits 2.1e-7 abs (0.009 of the bound, >100x), grads 1.4e-8 abs (0.009 of 1e-6 + 1e-4 |g|), loss 0;
@@ -175,3 +177,15 @@ def test_layernorm_1p_is_layernorm_with_one_plus_gain():
     plain.load_state_dict({n: (v + 1 if n in gains else v) for n, v in state.items()})
     ids, labels = _batch(cfg_1p)
     assert torch.equal(one_p(ids), plain(ids))
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(add_bias_linear=True, num_query_groups=2),
+                                dict(normalization="LayerNorm", qk_layernorm=True, add_bias_linear=True)],
+                         ids=["megatron-gpt", "swiglu-biases-gqa", "layernorm-qk-norm"])
+def test_planner_counts_the_parameters_each_variant_builds(kw):
+    """The planner's count (memory model, FLOPs) equals the built model's, biases, GeLU's two
+    matrices, LayerNorm biases and the position table included."""
+    cfg = replace(MEGATRON_GPT, **kw) if not kw or "normalization" in kw else replace(
+        ModelConfig(vocab_size=256, hidden_size=64, num_attention_heads=4), **kw)
+    built = sum(p.numel() for p in Decoder(cfg).parameters())
+    assert built == count_params(cfg).total

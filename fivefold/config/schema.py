@@ -162,6 +162,11 @@ class ModelConfig:
     1 (Mixtral, Megatron's default). Default False."""
 
     @property
+    def mlp_matrices(self) -> int:
+        """Weight matrices of the dense MLP: 3 for SwiGLU (gate, up, down), 2 for GeLU (fc1, fc2)."""
+        return 3 if self.activation == "swiglu" else 2
+
+    @property
     def is_moe(self) -> bool:
         return bool(self.num_experts)
 

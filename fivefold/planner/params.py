@@ -52,7 +52,8 @@ def attention_params(m: ModelConfig) -> int:
         kv = h * (r_kv + dr) + r_kv + r_kv * a * (dn + dv)
         return q + kv + a * dv * h
     d, g = m.head_dim, m.kv_heads
-    return 2 * h * a * d + 2 * h * g * d + ((a + 2 * g) * d if m.add_qkv_bias else 0)
+    biases = (a + 2 * g) * d if m.add_qkv_bias or m.add_bias_linear else 0  # QKV, + o_proj's below
+    return 2 * h * a * d + 2 * h * g * d + biases + (h if m.add_bias_linear else 0)
 
 
 def latent_params(m: ModelConfig) -> int:
@@ -87,9 +88,12 @@ def _layer_params(m: ModelConfig, index: int) -> LayerParams:
     h = m.hidden_size
     latent = latent_params(m)
     attn = attention_params(m) - latent
-    norms = 2 * h + (2 * m.head_dim if m.qk_layernorm else 0)  # + the per-head q / k norm gains
+    per_head = norm_params(m) // h * m.head_dim  # a q / k norm (gain, and LayerNorm's bias) over d
+    norms = 2 * norm_params(m) + (2 * per_head if m.qk_layernorm else 0)  # + the per-head q / k norms
     if not is_moe_layer(m, index):
-        return LayerParams(attention=attn, norms=norms, dense_mlp=3 * h * m.ffn_size, experts=0, active_experts=0,
+        f, k = m.ffn_size, m.mlp_matrices
+        mlp_biases = (k - 1) * f + h if m.add_bias_linear else 0  # column biases (f each) + the row bias (h)
+        return LayerParams(attention=attn, norms=norms, dense_mlp=k * h * f + mlp_biases, experts=0, active_experts=0,
                            latent=latent)
     f_e = m.moe_ffn_hidden_size or m.ffn_size
     shared = 3 * h * (m.moe_shared_expert_intermediate_size or 0)
@@ -104,9 +108,19 @@ def embedding_params(m: ModelConfig, tp: int | None = None) -> int:
     return v * m.hidden_size
 
 
+def position_params(m: ModelConfig) -> int:
+    """The learned absolute position table (max_position_embeddings x h, replicated), or 0."""
+    return m.max_position_embeddings * m.hidden_size if m.position_embedding_type == "learned_absolute" else 0
+
+
+def norm_params(m: ModelConfig) -> int:
+    """One norm of width h: its gain, and LayerNorm's bias."""
+    return m.hidden_size * (2 if m.normalization == "LayerNorm" else 1)
+
+
 def output_params(m: ModelConfig, tp: int | None = None) -> int:
     """Final norm + output layer (0 for the output layer when tied to the embedding)."""
-    return m.hidden_size + (0 if m.tie_word_embeddings else embedding_params(m, tp))
+    return norm_params(m) + (0 if m.tie_word_embeddings else embedding_params(m, tp))
 
 
 @dataclass(frozen=True)
@@ -122,7 +136,7 @@ class ParamCount:
 def count_params(m: ModelConfig) -> ParamCount:
     """Total and per-token-active parameters (unpadded vocabulary, as authors publish them)."""
     layers = [layer_params(m, i) for i in range(m.num_layers)]
-    emb = embedding_params(m) + output_params(m) - m.hidden_size
-    ends = embedding_params(m) + output_params(m)
+    emb = embedding_params(m) + output_params(m) - norm_params(m) + position_params(m)
+    ends = embedding_params(m) + output_params(m) + position_params(m)
     return ParamCount(total=ends + sum(x.total for x in layers), active=ends + sum(x.active for x in layers),
                       embedding=emb, experts=sum(x.experts for x in layers))

@@ -27,7 +27,7 @@ def matmul_params(model: ModelConfig, tp: int = 1) -> int:
     """N: weights of the decoder's matrix multiplies plus the output layer (dense model)."""
     h, d, a, kv = model.hidden_size, model.head_dim, model.num_attention_heads, model.kv_heads
     attn = h * a * d + 2 * h * kv * d + a * d * h
-    mlp = 3 * h * model.ffn_size
+    mlp = model.mlp_matrices * h * model.ffn_size
     return model.num_layers * (attn + mlp) + model.padded_vocab_size(tp) * h
 
 
