@@ -75,6 +75,17 @@ class Attention(nn.Module):
             if norm is not None:  # replicated gains, each rank's gradient from its heads only
                 mark_sequence_sharded(norm)
 
+    def _dropout_attention(self, q, k, v, *, noise: Noise, docs) -> torch.Tensor:
+        """Attention with dropout on the probabilities, masks by global (sample, head, q, k); under CP
+        the keys and values of the whole sequence are gathered first (each rank's queries see all)."""
+        cp, k_pos = self.context_parallel, noise.positions
+        if cp is not None and cp.size > 1:
+            (k, k_pos), (v, _) = cp.whole_sequence(k), cp.whole_sequence(v)  # (b, g/tp, s, d)
+        heads = torch.arange(self.head_range.start, self.head_range.stop)
+        drop = partial(noise.probs, layer=self.layer, heads=heads, k_positions=k_pos)
+        return explicit_attention(q, k, v, scale=self.d ** -0.5, docs=docs, drop=drop, q_pos=noise.positions,
+                                  k_pos=k_pos)
+
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, docs: Documents | None = None,
                 noise: Noise | None = None) -> torch.Tensor:
         """`noise`: this forward's dropout (fivefold.model.dropout); attention dropout then runs the
@@ -89,9 +100,7 @@ class Attention(nn.Module):
         if cos is not None:  # RoPE; learned absolute positions were added to the embedding instead
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if noise is not None and noise.attention_p > 0:
-            heads = torch.arange(self.head_range.start, self.head_range.stop)
-            drop = partial(noise.probs, layer=self.layer, heads=heads)
-            core = partial(explicit_attention, scale=self.d ** -0.5, docs=docs, drop=drop)
+            core = partial(self._dropout_attention, noise=noise, docs=docs)
         else:
             core = partial(core_attention, cp=self.context_parallel, docs=docs)
         o = maybe_checkpoint(core, self.recompute_core, q, k, v)  # (b, a/tp, s, d)

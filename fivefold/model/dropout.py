@@ -76,15 +76,16 @@ class Noise:
                          self.hidden_p)
         return x * keep.to(x.dtype) * (1.0 / (1.0 - self.hidden_p))
 
-    def probs(self, probs: torch.Tensor, layer: int, heads: torch.Tensor) -> torch.Tensor:
-        """Attention probabilities (b, a', s, s) of global heads `heads` (a',) with dropout."""
+    def probs(self, probs: torch.Tensor, layer: int, heads: torch.Tensor, k_positions: torch.Tensor) -> torch.Tensor:
+        """Attention probabilities (b, a', s, s_k) of global heads `heads` (a',), queries at
+        self.positions and keys at global `k_positions` (s_k,), with dropout."""
         if self.attention_p == 0:
             return probs
         dev = probs.device
-        pos = self.positions.to(dev)
         keep = keep_mask((self.seed, self.key.step, layer, PROBS),
                          [self.key.samples.to(dev).view(-1, 1, 1, 1), heads.to(dev).view(1, -1, 1, 1),
-                          pos.view(1, 1, -1, 1), pos.view(1, 1, 1, -1)], self.attention_p)
+                          self.positions.to(dev).view(1, 1, -1, 1), k_positions.to(dev).view(1, 1, 1, -1)],
+                         self.attention_p)
         return probs * keep.to(probs.dtype) * (1.0 / (1.0 - self.attention_p))
 
 
@@ -93,19 +94,21 @@ def dropped(noise: Noise | None, x: torch.Tensor, layer: int, site: int) -> torc
     return x if noise is None else noise.hidden(x, layer, site)
 
 
-def explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, docs,
-                       drop) -> torch.Tensor:
+def explicit_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, docs, drop,
+                       q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
     """softmax(q k^T * scale + causal [+ documents]) with `drop` applied to the probabilities, times v:
-    q (b, a, s, d), k/v (b, g, s, d) -> (b, a, s, d). The probabilities are materialised (what the
-    fused kernels avoid): used only when attention dropout is on."""
-    a, g, s = q.shape[1], k.shape[1], q.shape[2]
+    q (b, a, s_q, d), k/v (b, g, s_k, d) -> (b, a, s_q, d); queries and keys at global positions
+    q_pos (s_q,) and k_pos (s_k,) (under CP: this rank's chunks, and the whole gathered sequence).
+    The probabilities are materialised (what the fused kernels avoid): used only with attention dropout."""
+    a, g = q.shape[1], k.shape[1]
     k, v = k.repeat_interleave(a // g, dim=1), v.repeat_interleave(a // g, dim=1)  # query head i reads KV i // (a/g)
-    scores = (q @ k.transpose(-1, -2)).float() * scale  # (b, a, s, s)
-    allowed = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
+    scores = (q @ k.transpose(-1, -2)).float() * scale  # (b, a, s_q, s_k)
+    q_pos, k_pos = q_pos.to(q.device), k_pos.to(q.device)
+    allowed = k_pos.view(1, -1) <= q_pos.view(-1, 1)  # (s_q, s_k) causal
     if docs is not None:  # each document attends only to itself
-        pos = torch.arange(s, device=q.device)
-        ids = torch.stack([torch.searchsorted(torch.tensor(c[1:-1], device=q.device), pos, right=True)
-                           for c in docs.bounds])  # (b, s) document of each position
-        allowed = allowed & (ids[:, None, :, None] == ids[:, None, None, :])
+        cuts = [torch.tensor(c[1:-1], device=q.device, dtype=torch.int64) for c in docs.bounds]
+        doc_q = torch.stack([torch.searchsorted(c, q_pos, right=True) for c in cuts])  # (b, s_q)
+        doc_k = torch.stack([torch.searchsorted(c, k_pos, right=True) for c in cuts])  # (b, s_k)
+        allowed = allowed & (doc_q[:, None, :, None] == doc_k[:, None, None, :])
     probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1).to(q.dtype)
-    return drop(probs) @ v  # (b, a, s, d)
+    return drop(probs) @ v  # (b, a, s_q, d)

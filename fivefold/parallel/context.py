@@ -137,6 +137,16 @@ class ContextParallel:
         return o  # (b, a, s/cp, dv)
 
 
+    def whole_sequence(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (b, heads, s/cp, d) of this rank's chunks -> (b, heads, s, d) of every rank's, in CP-index
+        order (all-gather over a2a, then ring; backward reduce-scatters), and their global positions
+        (s,). For attention that needs all keys at once (attention dropout's explicit path)."""
+        s_local = x.shape[2]
+        x = comm.gather(comm.gather(x, 2, self.a2a, self.tag), 2, self.ring, self.tag)
+        positions = torch.cat([local_positions(s_local, self.size, j, x.device) for j in range(self.size)])
+        return x, positions
+
+
 def context_parallel_of(mesh, heads_per_rank: int) -> ContextParallel | None:
     """The mesh's CP attention groups ("cp-a2a", "cp-ring"), or None without CP. `heads_per_rank`:
     the query heads of this TP rank, which the all-to-all splits over the a2a group."""

@@ -65,11 +65,10 @@ def _combinations(config: Config) -> list[str]:
         return [f"model.multi_latent_attention with add_bias_linear={m.add_bias_linear}, position_embedding_type="
                 f"{m.position_embedding_type!r} (MLA is built with RoPE and without biases: Megatron's "
                 "--disable-bias-linear --position-embedding-type rope)"]
-    if m.attention_dropout and (p.context_parallel_size > 1 or m.multi_latent_attention):
-        return [f"model.attention_dropout={m.attention_dropout} with "
-                f"{'context_parallel_size>1' if p.context_parallel_size > 1 else 'multi_latent_attention'} "
-                "(attention dropout runs in the explicit softmax path of GQA attention without CP; hidden "
-                "dropout runs everywhere; set attention_dropout=0)"]
+    if m.attention_dropout and m.multi_latent_attention:
+        return [f"model.attention_dropout={m.attention_dropout} with multi_latent_attention (attention dropout "
+                "runs in GQA attention's explicit softmax path; hidden dropout runs everywhere; set "
+                "attention_dropout=0)"]
     if config.training.compile and inside:
         return [f"training.compile=True with {', '.join(inside)} (compiled layers would trace the TP/CP/EP "
                 "collectives inside them; DP, ZeRO and PP layouts compile)"]
