@@ -30,3 +30,43 @@ def test_tensorboard_events_written_when_installed(tmp_path, capsys):
     log.close()
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
     assert "note:" not in capsys.readouterr().err
+
+
+def test_tensorboard_dir_and_megatron_logging_flags(tmp_path):
+    pytest.importorskip("tensorboard", reason="not installed here; `make setup` installs it (pyproject.toml)")
+    from fivefold.config.load import load_config
+
+    loaded = load_config(None, ["--num-layers", "2", "--tensorboard-dir", str(tmp_path / "tb"),
+                                "--wandb-project", "p", "--wandb-exp-name", "e"])
+    lg = loaded.config.logging
+    assert (lg.tensorboard_dir, lg.wandb_project, lg.wandb_exp_name) == (str(tmp_path / "tb"), "p", "e")
+    log = MetricsLog(tmp_path, tensorboard=True, tensorboard_dir=lg.tensorboard_dir)
+    log.write({"step": 0, "loss": 1.5})
+    log.close()
+    assert any((tmp_path / "tb").glob("events.out.tfevents.*"))
+
+
+def test_wandb_without_the_package_is_refused_with_the_fix(tmp_path, monkeypatch):
+    from fivefold.errors import UserError
+    from fivefold.train.metrics import check_wandb
+
+    monkeypatch.setitem(sys.modules, "wandb", None)  # not installed
+    check_wandb(None)  # off: nothing to check
+    with pytest.raises(UserError, match=r"wandb_project='p'.*pip install wandb"):
+        check_wandb("p")
+
+
+def test_wandb_runs_offline_and_gets_every_scalar(tmp_path, monkeypatch):
+    """Our side of W&B's API (init / log / finish), recorded by a stand-in module: offline mode, the
+    run's folder under OUT, each numeric metric at its step."""
+    import types
+
+    calls = []
+    run = types.SimpleNamespace(log=lambda d, step: calls.append(("log", d, step)), finish=lambda: calls.append(("finish",)))
+    fake = types.SimpleNamespace(init=lambda **kw: calls.append(("init", kw)) or run)
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    log = MetricsLog(tmp_path, tensorboard=False, wandb_project="p", wandb_exp_name="e")
+    log.write({"step": 3, "loss": 1.5, "note": "x"})
+    log.close()
+    assert calls == [("init", {"project": "p", "name": "e", "dir": str(tmp_path), "mode": "offline"}),
+                     ("log", {"loss": 1.5}, 3), ("finish",)]

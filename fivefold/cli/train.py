@@ -82,6 +82,7 @@ def prepare(config: Config, out: Path) -> Path:
 
 def run(args, extra: list[str]) -> int:
     from fivefold.launch import launch
+    from fivefold.train.metrics import check_wandb
     from fivefold.train.supported import check_supported
     from fivefold.watchdog import timeout_of
 
@@ -91,6 +92,7 @@ def run(args, extra: list[str]) -> int:
     if args.trace_schedule:
         config.logging.trace_schedule = True
     check_supported(config)
+    check_wandb(config.logging.wandb_project)
     timeout_s = timeout_of(config.training)
     nproc = config.cluster.resolved_world_size if world is None else world
     config.cluster.world_size = nproc

@@ -158,6 +158,9 @@ FLAGS: dict[str, Flag] = {
     "--load-hf": Flag("checkpoint.load_hf", ours=True),
     "--save-hf": Flag("checkpoint.save_hf", ours=True),
     "--log-interval": _v("logging.log_interval"),
+    "--tensorboard-dir": _v("logging.tensorboard_dir"),
+    "--wandb-project": _v("logging.wandb_project"),
+    "--wandb-exp-name": _v("logging.wandb_exp_name"),
     "--profile": _on("logging.profile"),
     "--profile-ranks": Flag("logging.profile_ranks", LIST),
 }

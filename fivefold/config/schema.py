@@ -373,6 +373,13 @@ class LoggingConfig:
     """Steps between metric lines. Default 1."""
     tensorboard: bool = True
     """Write TensorBoard logs when the package is installed. Default True."""
+    tensorboard_dir: str | None = None
+    """Where TensorBoard logs go (Megatron's --tensorboard-dir). Default None = OUT/tensorboard."""
+    wandb_project: str | None = None
+    """Also log to Weights & Biases, offline (files under OUT/wandb; `wandb sync` uploads them), in this
+    project (--wandb-project). Needs the wandb package. Default None = off."""
+    wandb_exp_name: str | None = None
+    """The W&B run name (--wandb-exp-name). Default None = W&B's own."""
     profile: bool = False
     """Profile the first iterations (Megatron --profile). Default False."""
     profile_ranks: list[int] = field(default_factory=lambda: [0])

@@ -137,7 +137,9 @@ def train(config: Config, ctx: RankContext, data_dir: Path, *, progress: bool = 
     save_root = Path(config.checkpoint.save or ctx.out_dir / "checkpoints")
     saver = AsyncSaver(ctx.rank, lambda: comm.barrier(ctx.world_group), lambda ok: _all_ok(ok, ctx)) \
         if config.checkpoint.async_save else None
-    log = MetricsLog(ctx.out_dir, config.logging.tensorboard, resume_from=start) if ctx.is_main else None
+    lg = config.logging
+    log = MetricsLog(ctx.out_dir, lg.tensorboard, resume_from=start, tensorboard_dir=lg.tensorboard_dir,
+                     wandb_project=lg.wandb_project, wandb_exp_name=lg.wandb_exp_name) if ctx.is_main else None
     fpt = flops_per_token(config.model, t.seq_length)
     result = TrainResult()
     bar = tqdm(total=t.train_iters, initial=start, disable=not (progress and ctx.is_main), desc="train",

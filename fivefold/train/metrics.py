@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from fivefold.config.schema import ModelConfig
+from fivefold.errors import UserError
 
 
 def matmul_params(model: ModelConfig, tp: int = 1) -> int:
@@ -54,8 +55,10 @@ def peak_memory_bytes(device: torch.device) -> int:
 class MetricsLog:
     """Rank 0's sink: one JSON object per line in OUT/metrics.jsonl, and TensorBoard when installed."""
 
-    def __init__(self, out_dir: str | Path, tensorboard: bool, resume_from: int = 0):
-        """Starts a new file, or on resume keeps the rows of steps before `resume_from`."""
+    def __init__(self, out_dir: str | Path, tensorboard: bool, resume_from: int = 0, *,
+                 tensorboard_dir: str | None = None, wandb_project: str | None = None, wandb_exp_name: str | None = None):
+        """Starts a new file, or on resume keeps the rows of steps before `resume_from`. TensorBoard
+        logs go to `tensorboard_dir` (default OUT/tensorboard); with `wandb_project`, W&B offline too."""
         self.path = Path(out_dir) / "metrics.jsonl"
         kept = [r for r in read_metrics(self.path) if r["step"] < resume_from] \
             if resume_from and self.path.is_file() else []
@@ -63,28 +66,55 @@ class MetricsLog:
         for r in kept:
             self.file.write(json.dumps(r) + "\n")
         self.tb = None
+        self.wandb = open_wandb(out_dir, wandb_project, wandb_exp_name) if wandb_project else None
+        tb_dir = Path(tensorboard_dir) if tensorboard_dir else Path(out_dir) / "tensorboard"
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
 
-                self.tb = SummaryWriter(str(Path(out_dir) / "tensorboard"))
+                self.tb = SummaryWriter(str(tb_dir))
             except ImportError:  # said once, not skipped silently: `make setup` installs tensorboard
                 print("note: logging.tensorboard is on but the tensorboard package is not importable, so no "
-                      f"TensorBoard logs are written to {Path(out_dir) / 'tensorboard'} (fix: pip install "
+                      f"TensorBoard logs are written to {tb_dir} (fix: pip install "
                       "tensorboard, or logging.tensorboard=false); metrics.jsonl is written", file=sys.stderr, flush=True)
 
     def write(self, record: dict) -> None:
         self.file.write(json.dumps(json_safe(record), allow_nan=False) + "\n")
         self.file.flush()
+        scalars = {k: v for k, v in record.items() if k != "step" and isinstance(v, (int, float))}
         if self.tb is not None:
-            for k, v in record.items():
-                if k != "step" and isinstance(v, (int, float)):
-                    self.tb.add_scalar(k, v, record["step"])
+            for k, v in scalars.items():
+                self.tb.add_scalar(k, v, record["step"])
+        if self.wandb is not None:
+            self.wandb.log(scalars, step=record["step"])
 
     def close(self) -> None:
         self.file.close()
         if self.tb is not None:
             self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def check_wandb(project: str | None) -> None:
+    """Refuse a W&B project when the wandb package is missing (before any rank starts)."""
+    if project is None:
+        return
+    try:
+        import wandb  # noqa: F401
+    except ImportError:
+        raise UserError(f"logging.wandb_project={project!r} (--wandb-project) needs the wandb package, which is not "
+                        "installed (fix: pip install wandb, or drop the W&B project; metrics.jsonl and TensorBoard "
+                        "are written either way)") from None
+
+
+def open_wandb(out_dir: str | Path, project: str, name: str | None):
+    """A W&B run in offline mode: it writes under OUT/wandb and never reaches the network
+    (`wandb sync OUT/wandb/offline-run-*` uploads it later)."""
+    check_wandb(project)
+    import wandb
+
+    return wandb.init(project=project, name=name, dir=str(out_dir), mode="offline")
 
 
 def json_safe(value):
