@@ -111,8 +111,8 @@ def test_megatron_mixtral_tp_ep_without_sp_warns_and_turns_sp_on():
     assert (lay.dp, lay.ep, lay.etp, lay.edp) == (4, 4, 2, 1)
 
 
-LLAMA70B = "--num-layers 80 --hidden-size 8192 --num-attention-heads 64 --num-query-groups 8".split()
-LLAMA405B = ("--num-layers 126 --hidden-size 16384 --num-attention-heads 128 --num-query-groups 8 "
+LLAMA70B = "--num-layers 80 --hidden-size 8192 --num-attention-heads 64 --group-query-attention --num-query-groups 8".split()
+LLAMA405B = ("--num-layers 126 --hidden-size 16384 --num-attention-heads 128 --group-query-attention --num-query-groups 8 "
              "--decoder-first-pipeline-num-layers 15 --decoder-last-pipeline-num-layers 15").split()
 DSV3 = ("--num-layers 61 --hidden-size 7168 --num-attention-heads 128 --num-experts 256 --moe-router-topk 8 "
         "--decoder-first-pipeline-num-layers 3 --decoder-last-pipeline-num-layers 2").split()

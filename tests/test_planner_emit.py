@@ -1,10 +1,11 @@
-"""What `fivefold plan --emit` prints is a config our own loader reads back to the same layout."""
+"""What `fivefold plan --emit` prints is a config our own loader reads back to the same layout and model."""
 import pytest
 
 from fivefold.config.load import load_config
+from fivefold.config.schema import to_dict
 from fivefold.config.validate import validate
 from fivefold.planner.emit import emit
-from fivefold.planner.presets import hardware, model_preset
+from fivefold.planner.presets import MODEL_PRESETS, hardware, model_preset
 from fivefold.planner.search import search
 
 SIZES = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
@@ -31,3 +32,32 @@ def test_emitted_config_reads_back_to_the_same_layout(fmt, planned, tmp_path):
             assert getattr(back.parallel, name) == getattr(cfg.parallel, name), (fmt, name, path.read_text())
         assert back.training.micro_batch_size == cfg.training.micro_batch_size
         assert back.training.global_batch_size == cfg.training.global_batch_size
+
+
+def _first_plan(name: str):
+    """The best layout of preset `name` on the fewest of 64 / 256 / 512 H100s that fit it."""
+    for gpus in (64, 256, 512):
+        r = search(model_preset(name).model, hardware("h100-sxm"), gpus, 8, 4096, 1024)
+        if r.ranked:
+            return r.ranked[0].config, gpus
+    raise AssertionError(f"{name}: no layout fits 512 GPUs")
+
+
+@pytest.fixture(scope="module")
+def every_preset():
+    return {name: _first_plan(name) for name in MODEL_PRESETS}
+
+
+@pytest.mark.parametrize("fmt", sorted(SUFFIX))
+def test_every_preset_reads_back_to_the_same_model_layout_and_training(fmt, every_preset, tmp_path):
+    """The whole model, parallel and training sections come back, not just the sizes: a Megatron-LM
+    line that left out --swiglu / --normalization / --disable-bias-linear / --position-embedding-type /
+    --group-query-attention would be read (as Megatron reads it) as another model."""
+    for name, (cfg, gpus) in every_preset.items():
+        path = tmp_path / f"{name}{SUFFIX[fmt]}"
+        path.write_text(emit(cfg, fmt))
+        loaded = load_config(str(path), world_size=gpus, gpus_per_node=8)
+        validate(loaded.config, loaded.dialect)
+        for section in ("model", "parallel", "training"):
+            want, got = to_dict(getattr(cfg, section)), to_dict(getattr(loaded.config, section))
+            assert got == want, (name, fmt, section, {k: (want[k], got[k]) for k in want if want[k] != got[k]})

@@ -20,7 +20,7 @@ import yaml
 from fivefold.config.dialects import AREAL, MEGATRON, combine, route
 from fivefold.config.fields import set_value
 from fivefold.config.megatron import is_flag, parse_flags
-from fivefold.config.megatron_defaults import apply_megatron_defaults
+from fivefold.config.megatron_defaults import WHY, apply_megatron_defaults
 from fivefold.config.schema import SECTIONS, Config
 from fivefold.config.validate import Problem
 from fivefold.errors import UserError
@@ -42,6 +42,7 @@ class Loaded:
 def load_config(path: str | None, words: list[str] = (), *, world_size: int | None = None,
                 nodes: int | None = None, gpus_per_node: int | None = None) -> Loaded:
     config, explicit, dialects, special = Config(), set(), [], {}
+    switches: set[str] = set()  # table flags that set no field
     words = list(words)
     if path is not None:
         p = Path(path)
@@ -56,17 +57,17 @@ def load_config(path: str | None, words: list[str] = (), *, world_size: int | No
         else:
             _apply_yaml(config, p, text, explicit, dialects, special)
     notes: list[Problem] = []
-    _apply_words(config, words, explicit, dialects, special, notes)
+    _apply_words(config, words, explicit, dialects, special, notes, switches)
     for dotted, value in (("cluster.world_size", world_size), ("cluster.num_nodes", nodes),
                           ("cluster.gpus_per_node", gpus_per_node)):
         if value is not None:
             set_value(config, dotted, value, explicit)
     _check_cluster(config, explicit)
     if dialects and set(dialects) == {MEGATRON}:  # a Megatron command line: what it leaves out is Megatron's default
-        changed = apply_megatron_defaults(config, explicit)
+        changed = apply_megatron_defaults(config, explicit, switches)
         if changed:
             notes.append(Problem("megatron defaults", len(changed), "not given, so Megatron-LM's: " + ", ".join(
-                f"{d}={getattr(getattr(config, d.split('.')[0]), d.split('.')[1])!r}" for d in changed),
+                _taken(config, d) for d in changed),
                 "set the flag to choose otherwise", "warning"))
     warnings = _model_from_hf(config, explicit) if config.checkpoint.load_hf else []
     if "allocation_mode" in special:
@@ -78,6 +79,12 @@ def load_config(path: str | None, words: list[str] = (), *, world_size: int | No
         from fivefold.allocation import attach
         attach(loaded, special)
     return loaded
+
+
+def _taken(config: Config, dotted: str) -> str:
+    section, name = dotted.split(".")
+    why = WHY.get(dotted)
+    return f"{dotted}={getattr(getattr(config, section), name)!r}" + (f" ({why})" if why else "")
 
 
 def _model_from_hf(config: Config, explicit: set[str]) -> list:
@@ -214,7 +221,7 @@ def _apply_yaml(config: Config, p: Path, text: str, explicit: set, dialects: lis
 
 
 def _apply_words(config: Config, words: list[str], explicit: set, dialects: list, special: dict,
-                 notes: list[Problem]) -> None:
+                 notes: list[Problem], switches: set[str]) -> None:
     words = _strip_launcher(config, words, explicit)
     i = 0
     while i < len(words):
@@ -228,8 +235,11 @@ def _apply_words(config: Config, words: list[str], explicit: set, dialects: list
             if taken:
                 notes.append(Problem("megatron flags", len(taken), "accepted without effect here: "
                                      + "; ".join(taken), "nothing to do", "warning"))
-            for _, dotted, value in pairs:
-                set_value(config, dotted, value, explicit)
+            for name, dotted, value in pairs:
+                if dotted is None:
+                    switches.add(name)
+                else:
+                    set_value(config, dotted, value, explicit)
             i = j
             continue
         key, eq, value = words[i].partition("=")

@@ -58,7 +58,7 @@ FLAGS: dict[str, Flag] = {
     "--hidden-size": _v("model.hidden_size"),
     "--ffn-hidden-size": _v("model.ffn_hidden_size"),
     "--num-attention-heads": _v("model.num_attention_heads"),
-    "--group-query-attention": Flag(None, SWITCH),  # GQA is on whenever --num-query-groups is given
+    "--group-query-attention": Flag(None, SWITCH),  # without it Megatron-LM ignores --num-query-groups
     "--num-query-groups": _v("model.num_query_groups"),
     "--kv-channels": _v("model.kv_channels"),
     "--vocab-size": _v("model.vocab_size"),
@@ -170,9 +170,10 @@ def is_flag(word: str) -> bool:
     return word.startswith("--")
 
 
-def parse_flags(words: list[str]) -> tuple[list[tuple[str, str, object]], bool, list[str]]:
+def parse_flags(words: list[str]) -> tuple[list[tuple[str, str | None, object]], bool, list[str]]:
     """Words of a Megatron-LM command line -> ([(flag, dotted field, raw value)], any Megatron flag?,
-    [how each flag without effect here was taken]) — see fivefold.config.megatron_surface.
+    [how each flag without effect here was taken]) — see fivefold.config.megatron_surface. A flag of
+    the table that sets no field (--group-query-attention) comes with field None.
 
     Unknown flags and Megatron flags that are not built are all refused in one message (unknown ones
     each with the closest known flag; not-built ones as "not implemented yet").
@@ -220,8 +221,7 @@ def parse_flags(words: list[str]) -> tuple[list[tuple[str, str, object]], bool, 
                 raise UserError(f"{name} needs a value")
             value = words[i]
             i += 1
-        if flag.field is not None:
-            out.append((name, flag.field, value))
+        out.append((name, flag.field, value))
     built = f"Megatron-LM flag{'s' if len(not_built) > 1 else ''} {', '.join(not_built)} (they change what is trained)"
     if unknown:  # a typo first; what is not built comes along
         unknown_text = f"unknown flag{'s' if len(unknown) > 1 else ''} " + "; ".join(unknown)

@@ -8,9 +8,11 @@ embeddings, learned absolute positions, dropout 0.1 on attention probabilities a
 its Adam has beta2 0.999 and its LR decays linearly (megatron/training/arguments.py).
 Our canonical defaults (YAML, other dialects) stay as they are.
 
-Two rules Megatron applies after parsing are applied here too: --swiglu without --ffn-hidden-size
-gives int(8h/3 / 64) * 64 (rounded down, where our canonical default rounds up), and learned
-absolute positions without --max-position-embeddings (which Megatron requires) use seq_length.
+Three rules Megatron applies after parsing are applied here too: --swiglu without --ffn-hidden-size
+gives int(8h/3 / 64) * 64 (rounded down, where our canonical default rounds up); learned absolute
+positions without --max-position-embeddings (which Megatron requires) use seq_length; and
+--num-query-groups counts only with --group-query-attention (megatron/training/argument_utils.py:
+without the switch the model has as many K/V heads as query heads).
 """
 from __future__ import annotations
 
@@ -35,9 +37,15 @@ def megatron_swiglu_ffn(hidden_size: int) -> int:
     return int(4 * hidden_size * 2 / 3 / 64) * 64
 
 
-def apply_megatron_defaults(config: Config, explicit: set[str]) -> list[str]:
+GQA_SWITCH = "--group-query-attention"
+WHY = {"model.num_query_groups": f"{GQA_SWITCH} not given: Megatron-LM ignores --num-query-groups"}
+"""Why a field changed, where it is not simply "not given"."""
+
+
+def apply_megatron_defaults(config: Config, explicit: set[str], switches: set[str] = frozenset()) -> list[str]:
     """Set every field of DEFAULTS that no source set (not in `explicit`) to Megatron's value; then
-    the two derived widths. Returns the dotted fields changed."""
+    the derived widths and Megatron's GQA rule (`switches`: the fieldless flags given). Returns the
+    dotted fields changed."""
     changed = []
     for dotted, value in DEFAULTS.items():
         if dotted not in explicit:
@@ -51,4 +59,7 @@ def apply_megatron_defaults(config: Config, explicit: set[str]) -> list[str]:
     if m.position_embedding_type == "learned_absolute" and "model.max_position_embeddings" not in explicit:
         m.max_position_embeddings = config.training.seq_length
         changed.append("model.max_position_embeddings")
+    if m.num_query_groups is not None and GQA_SWITCH not in switches:
+        m.num_query_groups = None
+        changed.append("model.num_query_groups")
     return changed

@@ -3,56 +3,83 @@ overrides, a torchrun command line. Each form loads back (`fivefold.config.load.
 the same canonical config."""
 from __future__ import annotations
 
+from dataclasses import fields
+
 import yaml
 
-from fivefold.config.schema import Config, ModelConfig, to_dict
+from fivefold.config.megatron import FLAGS, LIST, VALUE
+from fivefold.config.megatron_defaults import DEFAULTS, GQA_SWITCH
+from fivefold.config.schema import Config, to_dict
 
 FORMATS = ("fivefold", "megatron", "rlinf", "skyrl", "torchrun")
-_PARALLEL = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
-             "context_parallel_size", "cp_comm_type", "expert_model_parallel_size", "expert_tensor_parallel_size",
-             "sequence_parallel", "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
-             "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split")
-_TRAINING = ("seq_length", "global_batch_size", "micro_batch_size", "recompute_granularity", "recompute_method",
-             "recompute_num_layers", "use_distributed_optimizer")
-_MODEL = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
-          "vocab_size", "max_position_embeddings", "rotary_base", "norm_epsilon", "multi_latent_attention",
-          "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "num_experts",
-          "moe_router_topk", "moe_router_score_function", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size")
+_SECTIONS = ("parallel", "model", "training")
 
 
-def _items(obj, names) -> list[tuple[str, object]]:
+def _changed(cfg: Config, section: str) -> dict[str, object]:
+    """The section's fields whose value is not the canonical default (what our YAML, RLinf and SkyRL
+    keys mean when left out), plus those of _REQUIRED."""
+    obj = getattr(cfg, section)
     default = type(obj)()
-    out = []
-    for n in names:
-        v = getattr(obj, n)
-        if v is not None and v != getattr(default, n):
-            out.append((n, v))
-    return out
+    return {f.name: getattr(obj, f.name) for f in fields(obj)
+            if getattr(obj, f.name) != getattr(default, f.name)
+            or f"{section}.{f.name}" in _REQUIRED and getattr(obj, f.name) is not None}
 
 
-def _model_items(m: ModelConfig) -> list[tuple[str, object]]:
-    items = _items(m, _MODEL)
-    if not m.multi_latent_attention:
-        items = [(k, v) for k, v in items if k not in ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")]
-    return items
+_REQUIRED = ("model.num_layers", "model.hidden_size", "model.ffn_hidden_size", "model.num_attention_heads",
+             "model.vocab_size", "model.max_position_embeddings", "training.seq_length", "training.micro_batch_size",
+             "training.global_batch_size", "training.train_iters", "training.lr")
+"""Given on every emitted Megatron-LM line, default or not (Megatron requires most of them)."""
 
 
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
+def _get(cfg: Config, dotted: str):
+    section, name = dotted.split(".")
+    if dotted == "model.ffn_hidden_size":
+        return cfg.model.ffn_size  # as built: our canonical rounding is not Megatron's
+    return getattr(getattr(cfg, section), name)
+
+
+def _megatron_default(dotted: str):
+    """What a Megatron command line that leaves the field out means (fivefold.config.megatron_defaults)."""
+    if dotted in DEFAULTS:
+        return DEFAULTS[dotted]
+    section, name = dotted.split(".")
+    return getattr(type(getattr(Config(), section))(), name)
+
+
+def _flag_words(cfg: Config, dotted: str, value) -> list[str]:
+    """The flag words that set `dotted` to `value`: its value flag (Megatron-LM's before ours), else the
+    switch that stores `value`; [] when only a switch exists and `value` is what leaving it out means."""
+    if dotted == "model.moe_first_k_dense_layers":  # Megatron-LM says it per layer
+        return ["--moe-layer-freq", f"([0]*{value}+[1]*{cfg.model.num_layers - value})"]
+    flags = sorted((f.ours, name) for name, f in FLAGS.items() if f.field == dotted)
+    for _, name in flags:
+        f = FLAGS[name]
+        if f.kind == VALUE:
+            return [name, _scalar(value)]
+        if f.kind == LIST:
+            return [name, *map(str, value)]
+    for _, name in flags:
+        if FLAGS[name].const == value:
+            return [name]
+    if value == _megatron_default(dotted):
+        return []
+    raise ValueError(f"{dotted}={value!r} has no Megatron-LM flag")
 
 
 def megatron_words(cfg: Config) -> list[str]:
-    """Megatron-LM flags (booleans as switches; the model untied as our configs are)."""
-    words = []
-    for n, v in _items(cfg.parallel, _PARALLEL) + _items(cfg.training, _TRAINING) + _model_items(cfg.model):
-        if v is True:
-            words.append(_flag(n))
-        elif v is not False:
-            words += [_flag(n), str(v)]
-    if not cfg.model.tie_word_embeddings:
-        words.append("--untie-embeddings-and-output-weights")
-    if cfg.training.precision in ("bf16", "fp16"):
-        words.append(f"--{cfg.training.precision}")
+    """Megatron-LM flags that build `cfg` as Megatron-LM would read them: the fields of _REQUIRED, and
+    every other field whose value is not what leaving its flag out means under Megatron's defaults
+    (so --swiglu, --normalization RMSNorm, --disable-bias-linear, --position-embedding-type rope, ...
+    appear). `fivefold.config.load` reads the words back to `cfg` (tests/test_planner_emit.py)."""
+    words: list[str] = []
+    for section in _SECTIONS:
+        for f in fields(getattr(cfg, section)):
+            dotted = f"{section}.{f.name}"
+            value = _get(cfg, dotted)
+            if dotted in _REQUIRED and value is not None or value != _megatron_default(dotted):
+                if dotted == "model.num_query_groups" and value is not None:
+                    words.append(GQA_SWITCH)  # without it Megatron-LM ignores --num-query-groups
+                words += _flag_words(cfg, dotted, value)
     return words
 
 
@@ -60,26 +87,24 @@ def emit(cfg: Config, fmt: str, model_ref: str | None = None) -> str:
     """`cfg` as text in `fmt` (one of FORMATS)."""
     c = cfg.cluster
     if fmt == "fivefold":
-        data = {"cluster": {"num_nodes": c.num_nodes, "gpus_per_node": c.gpus_per_node},
-                "parallel": dict(_items(cfg.parallel, _PARALLEL)),
-                "model": dict(_model_items(cfg.model)) | {"tie_word_embeddings": cfg.model.tie_word_embeddings},
-                "training": dict(_items(cfg.training, _TRAINING)) | {"precision": cfg.training.precision}}
+        data = {"cluster": {"num_nodes": c.num_nodes, "gpus_per_node": c.gpus_per_node}}
+        data |= {section: _changed(cfg, section) for section in _SECTIONS}
         head = f"# fivefold plan: {model_ref}\n" if model_ref else ""
         return head + yaml.safe_dump(data, sort_keys=False)
     if fmt == "megatron":
-        return " \\\n  ".join(_pairs(megatron_words(cfg)))
+        launcher = f"torchrun --nproc_per_node={c.gpus_per_node} --nnodes={c.num_nodes} pretrain_gpt.py"
+        return launcher + " \\\n  " + " \\\n  ".join(_pairs(megatron_words(cfg)))
     if fmt == "torchrun":
         launcher = f"torchrun --nproc_per_node={c.gpus_per_node} --nnodes={c.num_nodes} -m fivefold train"
         return launcher + " \\\n  " + " \\\n  ".join(_pairs(megatron_words(cfg)))
     if fmt == "rlinf":
-        model = (dict(_items(cfg.parallel, _PARALLEL)) | dict(_items(cfg.training, _TRAINING))
-                 | dict(_model_items(cfg.model)))
+        model = {k: v for section in _SECTIONS for k, v in _changed(cfg, section).items()}
         data = {"cluster": {"num_nodes": c.num_nodes, "num_gpus_per_node": c.gpus_per_node},
                 "actor": {"model": model}}
         return yaml.safe_dump(data, sort_keys=False)
     if fmt == "skyrl":
-        pairs = _items(cfg.parallel, _PARALLEL) + _items(cfg.training, _TRAINING) + _model_items(cfg.model)
-        return "\n".join(f"trainer.policy.megatron_config.{n}={_scalar(v)}" for n, v in pairs)
+        return "\n".join(f"trainer.policy.megatron_config.{k}={_scalar(v)}"
+                         for section in _SECTIONS for k, v in _changed(cfg, section).items())
     raise ValueError(f"unknown format {fmt!r}; use one of {FORMATS}")
 
 
