@@ -279,9 +279,11 @@ def _load_params(folder: Path, meta: dict, model: nn.Module, shard_of: ShardOf) 
 
 def load_checkpoint(path: str | Path, *, model: nn.Module, optimizer: torch.optim.Optimizer | None, rank: int,
                     world_size: int, shard_of: ShardOf | None = None,
-                    optim_shards: list[OptimShard] | None = None, model_config: dict | None = None) -> dict:
+                    optim_shards: list[OptimShard] | None = None, model_config: dict | None = None,
+                    load_rng: bool = True) -> dict:
     """Load parameters, AdamW moments (for `optim_shards`, default every parameter whole; any saved
-    sharding) and (same world size) this rank's RNG; returns the metadata. `model_config`: this run's
+    sharding; none when `optimizer` is None) and (same world size, `load_rng`) this rank's RNG; returns
+    the metadata. `model_config`: this run's
     canonical model section, which decides "another model" (`check_fits`) on a rank that holds part of
     the model (a pipeline stage)."""
     folder, meta = read_metadata(path)
@@ -296,7 +298,7 @@ def load_checkpoint(path: str | Path, *, model: nn.Module, optimizer: torch.opti
             load_optim(folder, meta, model, optimizer, whole_shards(model) if optim_shards is None else optim_shards,
                        shard_of)
     rng = folder / f"rng-{rank:05d}.safetensors"
-    if meta.get("world_size") == world_size and rng.is_file():
+    if load_rng and meta.get("world_size") == world_size and rng.is_file():
         with open_shard(folder, rng.name) as f:
             torch.set_rng_state(f.get_tensor("torch_cpu"))
             if "torch_cuda" in f.keys() and torch.cuda.is_available():

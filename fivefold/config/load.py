@@ -69,6 +69,9 @@ def load_config(path: str | None, words: list[str] = (), *, world_size: int | No
             notes.append(Problem("megatron defaults", len(changed), "not given, so Megatron-LM's: " + ", ".join(
                 _taken(config, d) for d in changed),
                 "set the flag to choose otherwise", "warning"))
+    if "--no-position-embedding" in switches and config.model.position_embedding_type != "rope":
+        raise UserError("--no-position-embedding is deprecated in Megatron-LM and only accepted (and ignored) with "
+                        "rope positions; for no position embedding give --position-embedding-type none")
     warnings = _model_from_hf(config, explicit) if config.checkpoint.load_hf else []
     if "allocation_mode" in special:
         dialects.append(AREAL)

@@ -74,7 +74,7 @@ FLAGS: dict[str, Flag] = {
     "--disable-bias-linear": _on("model.add_bias_linear", False),
     "--position-embedding-type": _v("model.position_embedding_type"),
     "--use-rotary-position-embeddings": _on("model.position_embedding_type", "rope"),
-    "--no-position-embedding": _on("model.position_embedding_type", "none"),
+    "--no-position-embedding": Flag(None, SWITCH),  # deprecated: ignored with rope, refused otherwise (load.py)
     "--apply-layernorm-1p": _on("model.apply_layernorm_1p"),
     "--attention-dropout": _v("model.attention_dropout"),
     "--hidden-dropout": _v("model.hidden_dropout"),
@@ -155,6 +155,8 @@ FLAGS: dict[str, Flag] = {
     "--load": _v("checkpoint.load"),
     "--save-interval": _v("checkpoint.save_interval"),
     "--async-save": _on("checkpoint.async_save"),
+    "--no-load-optim": _on("checkpoint.load_optim", False),
+    "--no-load-rng": _on("checkpoint.load_rng", False),
     "--load-hf": Flag("checkpoint.load_hf", ours=True),
     "--save-hf": Flag("checkpoint.save_hf", ours=True),
     "--log-interval": _v("logging.log_interval"),

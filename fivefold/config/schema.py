@@ -365,6 +365,13 @@ class CheckpointConfig:
     Default None."""
     save_hf: str | None = None
     """Also write the final model here as a Hugging Face folder (fivefold.model.hf_export). Default None."""
+    load_optim: bool = True
+    """With `load`: also restore the optimizer (AdamW moments, fp32 main parameters, the loss scale);
+    False (Megatron's --no-load-optim) starts AdamW fresh from the loaded weights at the saved step.
+    Default True."""
+    load_rng: bool = True
+    """With `load`: also restore each rank's torch RNG state (same world size); False = Megatron's
+    --no-load-rng. Dropout masks do not use it (fivefold.model.dropout). Default True."""
 
 
 @dataclass(kw_only=True)

@@ -122,17 +122,20 @@ def train(config: Config, ctx: RankContext, data_dir: Path, *, progress: bool = 
     model, pipe, dp = parts.model, parts.pipe, parts.dp
     train_loader, eval_loader = _loaders(config, ctx, data_dir)
     start = 0
-    if config.checkpoint.load:
+    c = config.checkpoint
+    if c.load:
         with dp.full_params(writes=True):
-            meta = ckpt.load_checkpoint(config.checkpoint.load, model=model, optimizer=dp, rank=ctx.rank,
+            meta = ckpt.load_checkpoint(c.load, model=model, optimizer=dp if c.load_optim else None, rank=ctx.rank,
                                         world_size=ctx.world_size, optim_shards=dp.optim_shards(),
-                                        model_config=to_dict(config)["model"])
+                                        model_config=to_dict(config)["model"], load_rng=c.load_rng)
         start = int(meta["data"]["next_step"])
-        if dp.scaler is not None and "loss_scaler" in meta:
+        if not c.load_optim:  # --no-load-optim: AdamW fresh; main parameters from the loaded weights
+            dp.reload_mains()
+        elif dp.scaler is not None and "loss_scaler" in meta:
             dp.scaler.load_state_dict(meta["loss_scaler"])
-    elif config.checkpoint.load_hf:  # weights only: AdamW starts fresh at step 0 (Megatron's --finetune)
+    elif c.load_hf:  # weights only: AdamW starts fresh at step 0 (Megatron's --finetune)
         with dp.full_params(writes=True):
-            read_hf_shards(model, config.checkpoint.load_hf, config.model)
+            read_hf_shards(model, c.load_hf, config.model)
         dp.reload_mains()
     save_root = Path(config.checkpoint.save or ctx.out_dir / "checkpoints")
     saver = AsyncSaver(ctx.rank, lambda: comm.barrier(ctx.world_group), lambda ok: _all_ok(ok, ctx)) \
