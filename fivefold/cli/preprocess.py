@@ -1,5 +1,6 @@
 """`fivefold preprocess --input DATA --output-prefix P [--tokenizer-type HuggingFaceTokenizer
---tokenizer-model DIR] [--json-keys text] [--append-eod]`: a Megatron indexed dataset from text.
+--tokenizer-model DIR | --vocab-file V --merge-file M] [--json-keys text] [--append-eod]`: a Megatron
+indexed dataset from text.
 
 The flags are those of Megatron-LM's `tools/preprocess_data.py`, and so is the result: for each JSON
 key, `P_{key}_document.bin` + `.idx`, one document per JSONL record (or per file of a folder, or the
@@ -25,8 +26,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--input", required=True, help="a .jsonl, a text file or a folder of them")
     p.add_argument("--output-prefix", required=True, help="writes OUTPUT_PREFIX_{key}_document.bin/.idx")
     p.add_argument("--json-keys", nargs="+", default=["text"], help="JSONL fields to write, one dataset each")
-    p.add_argument("--tokenizer-type", default=None, help="HuggingFaceTokenizer (default: fivefold's byte tokenizer)")
+    p.add_argument("--tokenizer-type", default=None,
+                   help="HuggingFaceTokenizer or GPT2BPETokenizer (default: fivefold's byte tokenizer; GPT2BPETokenizer "
+                        "when --vocab-file is given)")
     p.add_argument("--tokenizer-model", default=None, help="the Hugging Face tokenizer's local folder")
+    p.add_argument("--vocab-file", default=None, help="GPT-2's vocab.json (GPT2BPETokenizer)")
+    p.add_argument("--merge-file", default=None, help="GPT-2's merges.txt (GPT2BPETokenizer)")
     p.add_argument("--append-eod", action="store_true", help="end every document with the end-of-document id")
     p.add_argument("--workers", type=int, default=1, help="accepted for Megatron's command lines; one process")
     p.add_argument("--log-interval", type=int, default=None, help="accepted for Megatron's command lines")
@@ -49,15 +54,17 @@ def run(args, extra: list[str]) -> int:
     from fivefold.data.sources import read_documents, resolve_format
     from fivefold.data.tokenizer import make_tokenizer
 
-    if args.tokenizer_type not in (None, "HuggingFaceTokenizer"):
+    kind = args.tokenizer_type or ("GPT2BPETokenizer" if args.vocab_file else None)
+    if kind not in (None, "HuggingFaceTokenizer", "GPT2BPETokenizer"):
         raise UserError(f"--tokenizer-type {args.tokenizer_type}: not implemented yet (HuggingFaceTokenizer with "
-                        "--tokenizer-model DIR, or leave it out for the byte tokenizer)")
-    if args.tokenizer_type and not args.tokenizer_model:
+                        "--tokenizer-model DIR, GPT2BPETokenizer with --vocab-file / --merge-file, or leave it out for "
+                        "the byte tokenizer)")
+    if kind == "HuggingFaceTokenizer" and not args.tokenizer_model:
         raise UserError("--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model DIR (a folder with tokenizer.json)")
     kind = resolve_format(args.input, "auto")
     if kind in ("tokens", "indexed", "stdlib"):
         raise UserError(f"--input {args.input}: give text, a .jsonl or a folder of them (it is {kind} data)")
-    tok = make_tokenizer(args.tokenizer_model or "byte")
+    tok = make_tokenizer(args.tokenizer_model or "byte", kind, vocab_file=args.vocab_file, merge_file=args.merge_file)
     dtype = np.uint16 if tok.vocab_size < 65500 else np.int32  # as Megatron's DType.optimal_dtype
     builder_cls = _builder_class()
     for key in args.json_keys:

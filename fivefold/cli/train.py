@@ -56,9 +56,13 @@ def _check_one_model(allocation) -> None:
 def prepare(config: Config, out: Path) -> Path:
     """Tokenize the corpus into OUT/data and fit the model's vocabulary to the tokenizer."""
     from fivefold.data.dataset import data_meta, prepare_data
-    from fivefold.data.tokenizer import make_tokenizer
+    from fivefold.data.tokenizer import NullTokenizer, tokenizer_of
 
-    tok = make_tokenizer(config.data.tokenizer)
+    tok = tokenizer_of(config.data, config.model.vocab_size)
+    if isinstance(tok, NullTokenizer):  # Megatron's: --vocab-size ids and one more for the end of document
+        print(f"note: model.vocab_size set to {tok.vocab_size} (NullTokenizer: {tok.eod_id} ids + the "
+              "end-of-document id)", file=sys.stderr)
+        config.model.vocab_size = tok.vocab_size
     t = config.training
     mock = (0, 0)
     if config.data.mock_data:  # the (train, eval) tokens the run reads

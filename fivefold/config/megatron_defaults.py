@@ -5,7 +5,8 @@ a field no source set takes Megatron's default, not our canonical one. Megatron'
 --swiglu / --normalization / --disable-bias-linear / --untie-embeddings-and-output-weights /
 --position-embedding-type is GPT-2-like: GeLU MLP of 4h, LayerNorm, linear biases, tied
 embeddings, learned absolute positions, dropout 0.1 on attention probabilities and hidden states;
-its Adam has beta2 0.999 and its LR decays linearly (megatron/training/arguments.py).
+its Adam has beta2 0.999 and its LR decays linearly (megatron/training/arguments.py); a --load folder
+without a checkpoint starts the run from scratch (megatron/training/checkpointing.py).
 Our canonical defaults (YAML, other dialects) stay as they are.
 
 Three rules Megatron applies after parsing are applied here too: --swiglu without --ffn-hidden-size
@@ -28,6 +29,7 @@ DEFAULTS: dict[str, object] = {
     "model.hidden_dropout": 0.1,
     "training.adam_beta2": 0.999,
     "training.lr_decay_style": "linear",
+    "checkpoint.exit_on_missing_checkpoint": False,
 }
 """Canonical field -> Megatron-LM's default, where it differs from ours."""
 

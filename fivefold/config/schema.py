@@ -323,8 +323,14 @@ class DataConfig:
     """Indexed datasets and mock data: Megatron's --split (train, validation, test proportions by sequence, e.g.
     969,30,1); None = 1 - eval_fraction, eval_fraction, 0. Default None."""
     tokenizer_type: str | None = None
-    """Megatron's --tokenizer-type: HuggingFaceTokenizer (data.tokenizer = its local folder); None = from
-    data.tokenizer. Default None."""
+    """Megatron's --tokenizer-type: HuggingFaceTokenizer (data.tokenizer = its local folder),
+    GPT2BPETokenizer (vocab_file + merge_file; what a Megatron line with --vocab-file means when it names
+    no type, as pretrain_gpt.py's default), NullTokenizer (ids below model.vocab_size, which then grows
+    by one for the end-of-document id, as Megatron's); None = from data.tokenizer. Default None."""
+    vocab_file: str | None = None
+    """GPT-2's vocab.json for GPT2BPETokenizer (Megatron's --vocab-file). Default None."""
+    merge_file: str | None = None
+    """GPT-2's merges.txt for GPT2BPETokenizer (Megatron's --merge-file). Default None."""
     jsonl_field: str = "text"
     """The JSONL field holding the text. Default text."""
     token_dtype: str = "uint16"
@@ -365,6 +371,11 @@ class CheckpointConfig:
     Default None."""
     save_hf: str | None = None
     """Also write the final model here as a Hugging Face folder (fivefold.model.hf_export). Default None."""
+    exit_on_missing_checkpoint: bool = True
+    """With `load`: a folder holding no checkpoint stops the run (UserError); False starts from step 0
+    with a warning, as Megatron-LM does without --exit-on-missing-checkpoint (its scripts pass the save
+    folder as --load to resume when there is something to resume). Megatron dialect default False.
+    Default True."""
     load_optim: bool = True
     """With `load`: also restore the optimizer (AdamW moments, fp32 main parameters, the loss scale);
     False (Megatron's --no-load-optim) starts AdamW fresh from the loaded weights at the saved step.

@@ -68,6 +68,9 @@ def _data_problems(d) -> list[Problem]:
     if d.tokenizer_type == "HuggingFaceTokenizer" and d.tokenizer == "byte":
         return [Problem("data.tokenizer", d.tokenizer, "tokenizer_type HuggingFaceTokenizer needs the tokenizer's "
                         "local folder (--tokenizer-model DIR, holding tokenizer.json)", "data.tokenizer=DIR")]
+    if d.tokenizer_type == "GPT2BPETokenizer" and not (d.vocab_file and d.merge_file):
+        return [Problem("data.tokenizer_type", d.tokenizer_type, "GPT2BPETokenizer needs GPT-2's vocab.json and "
+                        "merges.txt", "--vocab-file FILE --merge-file FILE")]
     return []
 
 

@@ -1,6 +1,7 @@
-"""Tokenizers: a byte-level one that needs nothing, or a Hugging Face tokenizer from a local folder.
+"""Tokenizers: a byte-level one that needs nothing, a Hugging Face tokenizer from a local folder, and
+Megatron-LM's GPT2BPETokenizer (--vocab-file + --merge-file) and NullTokenizer (--vocab-size).
 
-Both give `encode(text) -> np.ndarray` of ids, `vocab_size`, and `eod_id`: the end-of-document
+Each gives `encode(text) -> np.ndarray` of ids, `vocab_size`, and `eod_id`: the end-of-document
 token appended after each document when documents are packed into sequences.
 """
 from __future__ import annotations
@@ -56,6 +57,71 @@ class HFTokenizer:
         return self._tok.decode([int(i) for i in ids])
 
 
-def make_tokenizer(spec: str) -> ByteTokenizer | HFTokenizer:
-    """'byte' -> ByteTokenizer; anything else is a local Hugging Face tokenizer folder."""
+class GPT2BPETokenizer:
+    """Megatron-LM's GPT2BPETokenizer: GPT-2's byte-level BPE from a vocab.json and a merges.txt
+    (--vocab-file, --merge-file), read with the `tokenizers` library; end of document = <|endoftext|>."""
+
+    EOD = "<|endoftext|>"
+
+    def __init__(self, vocab_file: str, merge_file: str):
+        from tokenizers import ByteLevelBPETokenizer
+
+        for flag, path in (("--vocab-file", vocab_file), ("--merge-file", merge_file)):
+            if not path or not Path(path).is_file():
+                raise UserError(f"GPT2BPETokenizer needs {flag} FILE (GPT-2's vocab.json / merges.txt); "
+                                f"{path!r} is not a file")
+        try:
+            self._tok = ByteLevelBPETokenizer(vocab_file, merge_file)
+        except Exception as e:  # the library's own errors for a broken JSON / merges file
+            raise UserError(f"--vocab-file {vocab_file} / --merge-file {merge_file}: not a GPT-2 BPE vocabulary ({e})") \
+                from None
+        eod = self._tok.token_to_id(self.EOD)
+        if eod is None:
+            raise UserError(f"--vocab-file {vocab_file}: has no {self.EOD} token to mark document ends")
+        self.vocab_size, self.eod_id = self._tok.get_vocab_size(), int(eod)
+        self.name = f"gpt2bpe:{Path(vocab_file).resolve()}:{Path(merge_file).resolve()}"
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.asarray(self._tok.encode(text).ids, dtype=np.uint32)
+
+    def decode(self, ids) -> str:
+        return self._tok.decode([int(i) for i in ids])
+
+
+class NullTokenizer:
+    """Megatron-LM's NullTokenizer: ids 0..V-1 for --vocab-size V and one more, V, as end of document
+    (so the model's vocabulary is V + 1); for token data and --mock-data, it reads no text."""
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size, self.eod_id, self.name = vocab_size + 1, vocab_size, f"null:{vocab_size}"
+
+    def encode(self, text: str) -> np.ndarray:
+        raise UserError("--tokenizer-type NullTokenizer reads no text: give pre-tokenized data (--data-path PREFIX "
+                        "of an indexed dataset) or --mock-data, or a tokenizer (HuggingFaceTokenizer / GPT2BPETokenizer)")
+
+    def decode(self, ids) -> str:
+        return " ".join(str(int(i)) for i in ids)
+
+
+Tokenizer = ByteTokenizer | HFTokenizer | GPT2BPETokenizer | NullTokenizer
+TYPES = (None, "HuggingFaceTokenizer", "GPT2BPETokenizer", "NullTokenizer")
+"""Megatron-LM --tokenizer-type values built here (None: data.tokenizer says which)."""
+
+
+def make_tokenizer(spec: str, kind: str | None = None, *, vocab_file: str | None = None,
+                   merge_file: str | None = None, vocab_size: int | None = None) -> Tokenizer:
+    """`kind` (a Megatron --tokenizer-type) if given; else 'byte' -> ByteTokenizer and anything else a
+    local Hugging Face tokenizer folder."""
+    if kind == "GPT2BPETokenizer":
+        return GPT2BPETokenizer(vocab_file, merge_file)
+    if kind == "NullTokenizer":
+        return NullTokenizer(vocab_size)
     return ByteTokenizer() if spec == "byte" else HFTokenizer(spec)
+
+
+def tokenizer_of(data, vocab_size: int) -> Tokenizer:
+    """The tokenizer a run's data section names (`vocab_size`: the model's, NullTokenizer's V); a
+    vocab_file without a type is GPT2BPETokenizer, as in Megatron's pretrain_gpt.py."""
+    kind = data.tokenizer_type or ("GPT2BPETokenizer" if data.vocab_file else None)
+    return make_tokenizer(data.tokenizer, kind, vocab_file=data.vocab_file,
+                          merge_file=data.merge_file, vocab_size=vocab_size)

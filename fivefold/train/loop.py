@@ -6,6 +6,7 @@ with exactly the losses of an uninterrupted run.
 """
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -116,6 +117,18 @@ def build(config: Config, ctx: RankContext, *, reducer_cls: type[GradReducer] = 
     return parallelize(model, ctx.mesh, config, reducer_cls=reducer_cls)
 
 
+def nothing_to_load(c, warn: bool) -> bool:
+    """--load names a folder without any checkpoint and the run may start fresh (Megatron's rule, unless
+    --exit-on-missing-checkpoint); a folder in a format we cannot read is never "nothing"."""
+    path = Path(c.load)
+    if c.exit_on_missing_checkpoint or ckpt.resolve(path) is not None or ckpt.foreign_format(path):
+        return False
+    if warn:
+        print(f"warning: --load {c.load}: no checkpoint there yet; training starts from step 0 (give "
+              "--exit-on-missing-checkpoint to stop instead)", file=sys.stderr, flush=True)
+    return True
+
+
 def train(config: Config, ctx: RankContext, data_dir: Path, *, progress: bool = True) -> TrainResult:
     t = config.training
     parts = build(config, ctx)
@@ -123,7 +136,7 @@ def train(config: Config, ctx: RankContext, data_dir: Path, *, progress: bool = 
     train_loader, eval_loader = _loaders(config, ctx, data_dir)
     start = 0
     c = config.checkpoint
-    if c.load:
+    if c.load and not nothing_to_load(c, ctx.is_main):
         with dp.full_params(writes=True):
             meta = ckpt.load_checkpoint(c.load, model=model, optimizer=dp if c.load_optim else None, rank=ctx.rank,
                                         world_size=ctx.world_size, optim_shards=dp.optim_shards(),

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from fivefold.config.schema import Config
+from fivefold.data.tokenizer import TYPES as TOKENIZER_TYPES
 from fivefold.errors import NotImplementedYet
 
 
@@ -33,9 +34,9 @@ RUNTIME_KNOBS: list[Knob] = [
          "sinkhorn load balancing (aux_loss, seq_aux_loss and none run)"),
     Knob("training.precision", _is("fp32", "bf16", "fp16"), "fp8 (the planner models it; the runtime trains fp32, bf16, fp16)"),
     Knob("training.optimizer", _is("adamw"), "optimizers other than adamw"),
-    Knob("data.tokenizer_type", _is(None, "HuggingFaceTokenizer"),
-         "Megatron tokenizer types other than HuggingFaceTokenizer (give --tokenizer-type HuggingFaceTokenizer "
-         "--tokenizer-model DIR with a local tokenizer.json)"),
+    Knob("data.tokenizer_type", _is(*TOKENIZER_TYPES),
+         "Megatron tokenizer types other than HuggingFaceTokenizer, GPT2BPETokenizer and NullTokenizer (give "
+         "--tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR with a local tokenizer.json)"),
 
 ]
 
