@@ -56,18 +56,24 @@ def _check_one_model(allocation) -> None:
 def prepare(config: Config, out: Path) -> Path:
     """Tokenize the corpus into OUT/data and fit the model's vocabulary to the tokenizer."""
     from fivefold.data.dataset import data_meta, prepare_data
-    from fivefold.data.tokenizer import NullTokenizer, tokenizer_of
+    from fivefold.data.tokenizer import tokenizer_of
 
-    tok = tokenizer_of(config.data, config.model.vocab_size)
-    if isinstance(tok, NullTokenizer):  # Megatron's: --vocab-size ids and one more for the end of document
-        print(f"note: model.vocab_size set to {tok.vocab_size} (NullTokenizer: {tok.eod_id} ids + the "
-              "end-of-document id)", file=sys.stderr)
+    d = config.data
+    tok = tokenizer_of(d, config.model.vocab_size)
+    if (d.tokenizer_type or d.vocab_file) and not config.checkpoint.load_hf and config.model.vocab_size != tok.vocab_size:
+        print(f"note: model.vocab_size set to {tok.vocab_size} from {d.tokenizer_type or 'GPT2BPETokenizer'} (as "
+              "Megatron sizes the model by its tokenizer; NullTokenizer: --vocab-size ids + end of document)",
+              file=sys.stderr)
         config.model.vocab_size = tok.vocab_size
     t = config.training
     mock = (0, 0)
     if config.data.mock_data:  # the (train, eval) tokens the run reads
+        from fivefold.train.batch_sizes import BatchSizes
+
         window = (t.global_batch_size or t.micro_batch_size) * t.seq_length
-        mock = (t.train_iters * window + t.seq_length + 1, (t.eval_iters * window + t.seq_length + 1) if t.eval_interval else 0)
+        train_tokens = BatchSizes.of(t).start(t.train_iters) * t.seq_length if t.step_batch_size_schedule \
+            else t.train_iters * window
+        mock = (train_tokens + t.seq_length + 1, (t.eval_iters * window + t.seq_length + 1) if t.eval_interval else 0)
     data_dir = prepare_data(config.data, tok, out / "data", t.seed, mock_tokens=mock, vocab_size=config.model.vocab_size)
     meta = data_meta(data_dir)
     if meta["kind"] in ("tokens", "indexed", "mock"):

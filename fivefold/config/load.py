@@ -69,6 +69,10 @@ def load_config(path: str | None, words: list[str] = (), *, world_size: int | No
             notes.append(Problem("megatron defaults", len(changed), "not given, so Megatron-LM's: " + ", ".join(
                 _taken(config, d) for d in changed),
                 "set the flag to choose otherwise", "warning"))
+    if config.training.step_batch_size_schedule and "training.global_batch_size" in explicit:
+        raise UserError("training.step_batch_size_schedule and training.global_batch_size are both given (Megatron-LM "
+                        "refuses --step-batch-size-schedule with --global-batch-size): drop --global-batch-size, the "
+                        "schedule's last entry is the batch the run grows to")
     if "--no-position-embedding" in switches and config.model.position_embedding_type != "rope":
         raise UserError("--no-position-embedding is deprecated in Megatron-LM and only accepted (and ignored) with "
                         "rope positions; for no position embedding give --position-embedding-type none")

@@ -99,6 +99,7 @@ FLAGS: dict[str, Flag] = {
     "--seq-length": _v("training.seq_length"),
     "--global-batch-size": _v("training.global_batch_size"),
     "--micro-batch-size": _v("training.micro_batch_size"),
+    "--step-batch-size-schedule": _v("training.step_batch_size_schedule"),
     "--train-iters": _v("training.train_iters"),
     "--optimizer": _v("training.optimizer"),
     "--lr": _v("training.lr"),

@@ -201,6 +201,9 @@ class TrainingConfig:
     global_batch_size: int | None = None
     """Sequences per optimizer step, over all DP ranks. Default None = micro_batch_size x DP (Megatron);
     validation writes the resolved number back."""
+    step_batch_size_schedule: str | None = None
+    """Megatron's --step-batch-size-schedule "0:16 2.4B:320 ...": the global batch grows with the tokens
+    consumed (fivefold.train.batch_sizes); global_batch_size may not be given with it. Default None."""
     micro_batch_size: int = 1
     """Sequences per microbatch per DP rank. Default 1."""
     train_iters: int = 10

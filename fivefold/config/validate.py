@@ -11,6 +11,7 @@ from fivefold.config.fixes import first_that_holds, search
 from fivefold.config.rules import KNOB_FIELDS, adjust, dp_of, errors, sizes_of
 from fivefold.config.schema import Config
 from fivefold.errors import UserError
+from fivefold.train.batch_sizes import BatchSizes
 from fivefold.topology import Layout
 
 
@@ -54,14 +55,30 @@ def validate(config: Config, dialect: str = "fivefold", *, raise_errors: bool = 
     if not broken:
         warnings += _soft_warnings(s)
         _write_back(config, s)
-        if config.training.train_samples is not None:  # Megatron: train_iters = train_samples // global batch
-            config.training.train_iters = config.training.train_samples // config.training.global_batch_size
+        problems += _schedule_problems(config.training, s)
+        if config.training.train_samples is not None and not problems:  # Megatron's iteration count
+            t = config.training
+            t.train_iters = BatchSizes.of(t).steps_for_samples(t.train_samples)
     if problems and raise_errors:
         raise ConfigError(problems + warnings)
     return problems + warnings
 
 
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+
+
+def _schedule_problems(t, s: dict) -> list[Problem]:
+    """Each batch of a step batch-size schedule obeys the global batch's rules (divisible by micro batch x
+    DP; the pipeline schedule's microbatch count), checked as if it were the global batch."""
+    if not t.step_batch_size_schedule:
+        return []
+    out = []
+    for _, batch in BatchSizes.of(t).entries:
+        for r in errors(dict(s, gbs=batch)):
+            out.append(Problem("training.step_batch_size_schedule", t.step_batch_size_schedule,
+                               f"its batch {batch}: {r.rule}", "make every batch of the schedule a multiple of "
+                               f"micro batch x DP = {s['mbs'] * dp_of(s)}"))
+    return out
 
 
 def _data_problems(d) -> list[Problem]:

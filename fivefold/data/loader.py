@@ -14,6 +14,7 @@ import torch
 
 from fivefold.data.dataset import DocumentDataset, PackedDataset
 from fivefold.data.documents import DocumentRules, PackedDocs, mask_eod_targets, packed_docs
+from fivefold.train.batch_sizes import BatchSizes
 from fivefold.data.sampler import balanced_partition, even_share, global_batch_indices
 
 IGNORE_INDEX = -100
@@ -43,6 +44,8 @@ class StepBatch:
     """This rank's sample ids (for tests and debugging)."""
     step: int | None = None
     """The optimizer step this batch is for (dropout masks are a function of it), or None."""
+    global_samples: int = 0
+    """Samples in the whole global batch, over all DP ranks (0: not known, a hand-made batch)."""
 
 
 def collate(samples: list[np.ndarray], rules: DocumentRules | None = None) -> Microbatch:
@@ -72,16 +75,21 @@ class BatchLoader:
 
     def __init__(self, dataset: PackedDataset | DocumentDataset, *, global_batch_size: int,
                  micro_batch_size: int, dp_rank: int, dp_size: int, seed: int, shuffle: bool = True,
-                 documents: DocumentRules | None = None):
+                 documents: DocumentRules | None = None, sizes: BatchSizes | None = None):
+        """`sizes`: each step's global batch under a batch-size schedule (default: global_batch_size)."""
         if len(dataset) == 0:
             raise ValueError("empty dataset")
         self.dataset, self.seed, self.shuffle = dataset, seed, shuffle
         self.global_batch_size, self.micro_batch_size = global_batch_size, micro_batch_size
         self.dp_rank, self.dp_size = dp_rank, dp_size
-        self.documents = documents
+        self.documents, self.sizes = documents, sizes
 
     def step_batch(self, step: int) -> StepBatch:
-        ids = global_batch_indices(step, self.global_batch_size, len(self.dataset), self.seed, self.shuffle)
+        if self.sizes is None:
+            ids = global_batch_indices(step, self.global_batch_size, len(self.dataset), self.seed, self.shuffle)
+        else:
+            ids = global_batch_indices(step, self.sizes.size(step), len(self.dataset), self.seed, self.shuffle,
+                                       start=self.sizes.start(step))
         if isinstance(self.dataset, PackedDataset):
             mine = ids[even_share(len(ids), self.dp_rank, self.dp_size)]
             global_tokens = len(ids) * self.dataset.seq_length
@@ -98,4 +106,4 @@ class BatchLoader:
                  for k in range(0, len(mine), mbs)]
         for k, mb in zip(range(0, len(mine), mbs), micro):
             mb.sample_ids = torch.as_tensor(np.asarray(mine[k: k + mbs], dtype=np.int64))
-        return StepBatch(micro, global_tokens, mine, step)
+        return StepBatch(micro, global_tokens, mine, step, len(ids))

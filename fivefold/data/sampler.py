@@ -18,11 +18,13 @@ def epoch_order(num_samples: int, seed: int, epoch: int) -> np.ndarray:
 
 
 def global_batch_indices(step: int, global_batch_size: int, num_samples: int, seed: int,
-                         shuffle: bool = True) -> np.ndarray:
-    """Sample ids of global batch `step` (epochs wrap around; the order restarts reshuffled)."""
+                         shuffle: bool = True, *, start: int | None = None) -> np.ndarray:
+    """Sample ids of global batch `step` (epochs wrap around; the order restarts reshuffled); `start`:
+    the samples consumed before it when batches differ in size (default step x global_batch_size)."""
     if num_samples < 1:
         raise ValueError("no samples")
-    positions = np.arange(step * global_batch_size, (step + 1) * global_batch_size, dtype=np.int64)
+    first = step * global_batch_size if start is None else start
+    positions = np.arange(first, first + global_batch_size, dtype=np.int64)
     if not shuffle:
         return positions % num_samples
     out = np.empty_like(positions)

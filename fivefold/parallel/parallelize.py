@@ -106,9 +106,8 @@ def parallelize(model: Decoder | PipelineModel, mesh, config: Config, *,
         if config.training.compile:
             compile_layers(decoder)
     dtype = Precision.of(config.training).param_dtype
-    module.to(dtype)  # in place: the Parameter objects (and their metadata) stay
-    if pipe is not None:
-        pipe.executor.dtype = dtype  # the activations the stages send
+    module.to(dtype)  # in place: the Parameter objects (and their metadata) stay; the pipeline's executors
+    # send activations in this dtype (fivefold.pipeline.stages.build_pipeline)
     dp = DataParallel(module, mesh, config.training, moe=config.model.is_moe, reducer_cls=reducer_cls,
                       not_counted=pipe.uncounted_parameters() if pipe is not None else (), pipelined=pipe is not None)
     return Parts(module, pipe, dp, mesh)

@@ -16,7 +16,8 @@ counts the copy on the last stage's rank zero times.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -32,6 +33,7 @@ from fivefold.pipeline.layers import stage_layers
 from fivefold.pipeline.lowering import lower
 from fivefold.pipeline.verify import verify
 from fivefold.parallel.data import grad_target
+from fivefold.parallel.precision import Precision
 from fivefold.runtime import comm
 
 
@@ -83,6 +85,17 @@ class PipelineModel:
     """Tied embedding copies on this rank whose gradients are summed over the embedding group."""
     embedding_group: object | None
     """The mesh's embedding Group when `tied` copies live on two ranks, else None."""
+    make_executor: Callable[[int], PipelineExecutor] | None = None
+    """The executor of the same schedule kind for another microbatch count (a step batch-size schedule)."""
+    _others: dict[int, PipelineExecutor] = field(default_factory=dict)
+
+    def executor_for(self, num_microbatches: int) -> PipelineExecutor:
+        """The executor that runs `num_microbatches` (built once per count, over the same stages)."""
+        if num_microbatches == self.schedule.num_microbatches:
+            return self.executor
+        if num_microbatches not in self._others:
+            self._others[num_microbatches] = self.make_executor(num_microbatches)
+        return self._others[num_microbatches]
 
     @property
     def module(self) -> StageStack:
@@ -134,6 +147,11 @@ def build_pipeline(config: Config, mesh, num_microbatches: int, *, device: torch
                             f"{pp.size - 1} (or both on one rank); schedule {schedule.name} puts them on "
                             f"{first_rank} and {last_rank}")
     boundary = next(iter(stages.values())).hidden_shape  # (b, s/tp, h) under SP, else (b, s, h)
-    executor = PipelineExecutor(schedule, stages, pp.rank, peer_rank=pp.global_rank, send_recv=comm.send_recv,
-                                hidden_size=cfg.hidden_size, activation_shape=boundary, device=device)
-    return PipelineModel(schedule, stages, executor, tied, group)
+
+    def executor(sched: Schedule) -> PipelineExecutor:
+        return PipelineExecutor(sched, stages, pp.rank, peer_rank=pp.global_rank, send_recv=comm.send_recv,
+                                hidden_size=cfg.hidden_size, activation_shape=boundary, device=device,
+                                dtype=Precision.of(config.training).param_dtype)  # the activations sent
+
+    return PipelineModel(schedule, stages, executor(schedule), tied, group,
+                         lambda n: executor(schedule_for(config, n)))

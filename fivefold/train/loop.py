@@ -32,6 +32,7 @@ from fivefold.train.metrics import MetricsLog, flops_per_token, peak_memory_byte
 from fivefold.train.nonfinite import is_finite, nonfinite_error
 from fivefold.train.optim import state_bytes
 from fivefold.train.profile import StepProfiler, profile_steps
+from fivefold.train.batch_sizes import BatchSizes
 from fivefold.train.schedule import lr_at
 from fivefold.train.pipeline_step import build_pipeline, microbatches_per_step, pipeline_evaluate, trace_report
 from fivefold.train.step import evaluate, train_step
@@ -67,7 +68,7 @@ def _loaders(config: Config, ctx: RankContext, data_dir: Path) -> tuple[BatchLoa
             raise UserError(f"data: the eval split has {len(eval_ds)} samples of seq_length={t.seq_length}; raise "
                             "data.eval_fraction or unset training.eval_interval")
         eval_loader = BatchLoader(eval_ds, seed=t.seed, shuffle=False, **kw)
-    return BatchLoader(train_ds, seed=t.seed, **kw), eval_loader
+    return BatchLoader(train_ds, seed=t.seed, sizes=BatchSizes.of(t), **kw), eval_loader
 
 
 def _save(config: Config, ctx: RankContext, root: Path, step: int, parts: Parts, saver: AsyncSaver | None) -> Path:
@@ -76,7 +77,7 @@ def _save(config: Config, ctx: RankContext, root: Path, step: int, parts: Parts,
     writes = ctx.dp_group.rank == 0 or (config.model.is_moe and ctx.mesh.edp.rank == 0)
     dp = parts.dp
     extra = {"optimizer_step": step, "world_size": ctx.world_size, "data": {"next_step": step,
-             "consumed_samples": step * config.training.global_batch_size}, "config": to_dict(config),
+             "consumed_samples": BatchSizes.of(config.training).start(step)}, "config": to_dict(config),
              **({"loss_scaler": dp.scaler.state_dict()} if dp.scaler is not None else {})}
     kw = dict(model=parts.model, optimizer=dp, writes_params=writes, optim_shards=dp.optim_shards(),
               writes_optim=dp.shards_state or writes, extra=extra)

@@ -32,12 +32,11 @@ def microbatches_per_step(config: Config, dp_size: int) -> int:
     return t.global_batch_size // (t.micro_batch_size * dp_size)
 
 
-def _inputs(pipe: PipelineModel, batch: StepBatch) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    n = len(batch.microbatches)
-    if n != pipe.schedule.num_microbatches:
-        raise UserError(f"schedule {pipe.schedule.name} runs {pipe.schedule.num_microbatches} microbatches per "
-                        f"step; this DP rank got {n} (pipeline parallelism needs every DP rank to get "
-                        "global_batch_size / DP samples: keep data.packing on)")
+def _inputs(pipe: PipelineModel, batch: StepBatch, dp_size: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    if batch.global_samples and len(batch.sample_ids) * dp_size != batch.global_samples:
+        raise UserError(f"schedule {pipe.schedule.name}: this DP rank got {len(batch.sample_ids)} of the step's "
+                        f"{batch.global_samples} samples (pipeline parallelism needs every DP rank to get "
+                        "global_batch_size / DP samples, so that all run as many microbatches: keep data.packing on)")
     return _cp_split(pipe, [mb.input_ids for mb in batch.microbatches], [mb.labels for mb in batch.microbatches])
 
 
@@ -52,11 +51,11 @@ def pipeline_forward_backward(pipe: PipelineModel, dp, batch: StepBatch, *, mesh
     """Run the step's schedule with `dp` (fivefold.parallel.data_parallel.DataParallel) holding the
     gradients; returns this rank's float64 loss sum (non-zero on the last stage's rank only) and the
     executor's result (its action log and, with `trace`, timings)."""
-    ids, labels = _inputs(pipe, batch)
+    ids, labels = _inputs(pipe, batch, mesh.dp.size)
     dp.prepare(last=False)  # no reduction during the schedule: finish() reduces every bucket
     if trace:
         comm.barrier(mesh.pp)  # a common start, so the ranks' timings line up
-    run = pipe.executor.run(ids, labels, loss_scale=dp.loss_scale / batch.global_tokens, trace=trace,
+    run = pipe.executor_for(len(ids)).run(ids, labels, loss_scale=dp.loss_scale / batch.global_tokens, trace=trace,
                             docs=[mb.docs for mb in batch.microbatches],
                             noise=[dropout_kwargs(batch.step, mb).get("noise") for mb in batch.microbatches])
     pipe.sync_tied_grads()  # before the DP reduction (the sums commute): with ZeRO-1 it reduce-scatters
@@ -71,8 +70,8 @@ def pipeline_evaluate(pipe: PipelineModel, batches: list[StepBatch], *, mesh) ->
     """Per-token mean loss over the eval batches, through the forward-only schedule (all ranks)."""
     local = torch.zeros((), dtype=torch.float64)
     for batch in batches:
-        ids, labels = _inputs(pipe, batch)
-        run = pipe.executor.run(ids, labels, mode="loss", docs=[mb.docs for mb in batch.microbatches])
+        ids, labels = _inputs(pipe, batch, mesh.dp.size)
+        run = pipe.executor_for(len(ids)).run(ids, labels, mode="loss", docs=[mb.docs for mb in batch.microbatches])
         local += sum(float(s) for s in run.loss_sums.values())
     return global_mean(local, sum(b.global_tokens for b in batches), mesh.pp, mesh.dp_cp)
 

@@ -9,7 +9,9 @@ s = 0, 1, ..., with x = s (iterations) or s * B (samples, B = global batch), u =
   x >= W: r = min(1, (x - W) / max(u, D - W)),  lr = min_lr + f(r) * (lr_max - min_lr)
           cosine f(r) = (1 + cos(pi r)) / 2,  linear f(r) = 1 - r,  constant f(r) = 1
 The decay is Megatron's (OptimizerParamScheduler; min_lr past D; tests/test_train_parts.py checks it
-against megatron-core's). Difference: Megatron's step s uses (x / W) during warm-up, so its first
+against megatron-core's). Under a step batch-size schedule (fivefold.train.batch_sizes) x is the
+samples consumed before the step, u its batch, and iteration spans count training.global_batch_size
+samples each, as Megatron's scheduler. Difference: Megatron's step s uses (x / W) during warm-up, so its first
 step runs at lr 0; fivefold's first step already uses lr_max * u / W.
 """
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import math
 
 from fivefold.config.schema import TrainingConfig
+from fivefold.train.batch_sizes import BatchSizes
 from fivefold.errors import UserError
 
 DECAY_STYLES = ("cosine", "linear", "constant")
@@ -27,11 +30,15 @@ def lr_at(step: int, training: TrainingConfig) -> float:
     if t.lr_decay_style not in DECAY_STYLES:
         raise UserError(f"training.lr_decay_style={t.lr_decay_style!r}: must be one of {', '.join(DECAY_STYLES)}")
     samples = t.train_samples is not None
-    u = t.global_batch_size if samples else 1
-    x = step * u
-    decay = (t.lr_decay_samples or t.train_samples) if samples else (t.lr_decay_iters or t.train_iters)
+    if t.step_batch_size_schedule:  # samples, each step its own batch; iteration spans x global_batch_size
+        sizes = BatchSizes.of(t)
+        x, u, span = sizes.start(step), sizes.size(step), (1 if samples else t.global_batch_size)
+    else:
+        u = t.global_batch_size if samples else 1
+        x, span = step * u, 1
+    decay = (t.lr_decay_samples or t.train_samples) if samples else (t.lr_decay_iters or t.train_iters) * span
     warmup = t.lr_warmup_fraction * decay if t.lr_warmup_fraction is not None else \
-        (t.lr_warmup_samples if samples else t.lr_warmup_iters)
+        (t.lr_warmup_samples if samples else t.lr_warmup_iters * span)
     if x < warmup:
         return t.lr * (x + u) / warmup
     r = min(1.0, (x - warmup) / max(u, decay - warmup))
