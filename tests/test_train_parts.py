@@ -121,3 +121,11 @@ def test_decay_equals_megatrons_scheduler(style, samples):
         sched.num_steps = s * unit
         if s * unit >= warmup:  # Python floats: the same formula, another operation order
             close(lr_at(s, t), sched.get_lr({}), rtol=1e-12, site="lr_schedule.megatron", case=f"{style} {s}")
+
+
+def test_warmup_starts_from_lr_warmup_init():
+    """Megatron's --lr-warmup-init: the warm-up rises from it (fivefold's step s uses (s + 1) / W)."""
+    from fivefold.config.schema import TrainingConfig
+
+    t = TrainingConfig(lr=1.0, lr_warmup_init=0.1, lr_warmup_iters=5, train_iters=20)
+    assert [round(lr_at(s, t), 12) for s in range(5)] == [0.28, 0.46, 0.64, 0.82, 1.0]

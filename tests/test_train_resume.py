@@ -47,3 +47,32 @@ def test_no_load_optim_resumes_the_weights_with_a_fresh_optimizer(tmp_path):
     resumed = train(cfg, one_process_context(part_out), data_dir, progress=False)
     assert list(resumed.losses) == [4, 5] and resumed.losses[4] == full.losses[4]
     assert abs(resumed.losses[5] - full.losses[5]) > 1e-6, (resumed.losses, full.losses)
+
+
+def test_exit_interval_and_duration_stop_after_a_checkpoint_and_finetune_restarts_at_step_0(tmp_path):
+    """Megatron's --exit-interval 2 stops after step 2 with a checkpoint there, and the same command
+    resumes and stops at 4; --exit-duration-in-mins 0 stops after the first step. --finetune loads the
+    weights only: it starts at step 0 with a fresh optimizer, on the trained weights (a lower loss
+    than the untrained model's on the same first batch)."""
+    cfg = tiny_config(corpus(tmp_path / "corpus"), steps=6)
+    data_dir = prepare(cfg, tmp_path)
+    cfg.training.exit_interval = 2
+    cfg.checkpoint.save = str(tmp_path / "ckpt")
+    first = train(cfg, one_process_context(_out(tmp_path, "a")), data_dir, progress=False)
+    assert list(first.losses) == [0, 1] and first.checkpoint.name == "step_00000002"
+    cfg.checkpoint.load = cfg.checkpoint.save
+    second = train(cfg, one_process_context(_out(tmp_path, "b")), data_dir, progress=False)
+    assert list(second.losses) == [2, 3] and second.checkpoint.name == "step_00000004"
+    cfg.training.exit_interval, cfg.training.exit_duration_in_mins = None, 0.0
+    cfg.checkpoint.load = cfg.checkpoint.save = None
+    once = train(cfg, one_process_context(_out(tmp_path, "c")), data_dir, progress=False)
+    assert list(once.losses) == [0]
+    cfg.training.exit_duration_in_mins, cfg.training.exit_interval = None, 1
+    cfg.checkpoint.load, cfg.checkpoint.finetune = str(tmp_path / "ckpt"), True
+    tuned = train(cfg, one_process_context(_out(tmp_path, "d")), data_dir, progress=False)
+    assert list(tuned.losses) == [0] and tuned.losses[0] < once.losses[0] - 0.05, (tuned.losses, once.losses)
+
+
+def _out(root, name):
+    (root / name).mkdir()
+    return root / name

@@ -58,9 +58,11 @@ NO_EFFECT: list[tuple[str, str]] = [  # (regular expression over the flag, why i
     (r"--(async-ckpt|ckpt|dist-ckpt|non-persistent|use-persistent-ckpt|use-dist-ckpt|auto-detect-ckpt|"
      r"no-ckpt|disable-ckpt|no-save-tokenizer)[-a-z0-9]*",
      "checkpoint format and I/O: fivefold writes its own safetensors checkpoints (any layout loads any other)"),
-    (r"--(calculate-per-token-loss|no-save-optim|no-save-rng)",
-     "what fivefold does already (a per-token loss over the global batch, checkpoints that also hold "
-     "optimizer and RNG state)"),
+    (r"--calculate-per-token-loss", "what fivefold does already (a per-token loss over the global batch)"),
+    (r"--(no-save-optim|no-save-rng)", "checkpoints here hold the optimizer and RNG state anyway (larger files, "
+     "the same training)"),
+    (r"--rampup-batch-size", "deprecated: Megatron-LM ignores it (megatron/core/num_microbatches_calculator.py); "
+     "--step-batch-size-schedule is its replacement"),
 ]
 _NO_EFFECT = [(re.compile(pattern), why) for pattern, why in NO_EFFECT]
 

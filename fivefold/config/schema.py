@@ -201,6 +201,12 @@ class TrainingConfig:
     global_batch_size: int | None = None
     """Sequences per optimizer step, over all DP ranks. Default None = micro_batch_size x DP (Megatron);
     validation writes the resolved number back."""
+    exit_interval: int | None = None
+    """Stop (after saving a checkpoint) once the step count is a multiple of this (Megatron's
+    --exit-interval). Default None."""
+    exit_duration_in_mins: float | None = None
+    """Stop (after saving a checkpoint) at the first step that ends this many minutes after training
+    started, on every rank at the same step (Megatron's --exit-duration-in-mins). Default None."""
     step_batch_size_schedule: str | None = None
     """Megatron's --step-batch-size-schedule "0:16 2.4B:320 ...": the global batch grows with the tokens
     consumed (fivefold.train.batch_sizes); global_batch_size may not be given with it. Default None."""
@@ -226,6 +232,8 @@ class TrainingConfig:
     lr_warmup_fraction: float | None = None
     """Warm-up as a fraction of the decay span (--lr-warmup-fraction); overrides the other warm-ups.
     Default None."""
+    lr_warmup_init: float = 0.0
+    """The learning rate the warm-up starts from (Megatron's --lr-warmup-init). Default 0."""
     lr_warmup_iters: int = 0
     """Linear warm-up steps. Default 0."""
     lr_decay_style: str = "cosine"
@@ -379,6 +387,9 @@ class CheckpointConfig:
     with a warning, as Megatron-LM does without --exit-on-missing-checkpoint (its scripts pass the save
     folder as --load to resume when there is something to resume). Megatron dialect default False.
     Default True."""
+    finetune: bool = False
+    """With `load`: the weights only — step 0, a fresh optimizer, no RNG state (Megatron's --finetune).
+    Default False."""
     load_optim: bool = True
     """With `load`: also restore the optimizer (AdamW moments, fp32 main parameters, the loss scale);
     False (Megatron's --no-load-optim) starts AdamW fresh from the loaded weights at the saved step.

@@ -118,6 +118,18 @@ def build(config: Config, ctx: RankContext, *, reducer_cls: type[GradReducer] = 
     return parallelize(model, ctx.mesh, config, reducer_cls=reducer_cls)
 
 
+def _exits(t, step: int, began: float, ctx: RankContext) -> bool:
+    """Megatron's --exit-interval / --exit-duration-in-mins after `step`: the same answer on every rank
+    (the elapsed time is the slowest rank's)."""
+    if t.exit_interval and (step + 1) % t.exit_interval == 0:
+        return True
+    if t.exit_duration_in_mins is None:
+        return False
+    elapsed = torch.tensor([time.monotonic() - began], dtype=torch.float64)
+    comm.all_reduce_(elapsed, ctx.world_group, tag="exit-duration", op="max")
+    return float(elapsed) / 60 > t.exit_duration_in_mins
+
+
 def nothing_to_load(c, warn: bool) -> bool:
     """--load names a folder without any checkpoint and the run may start fresh (Megatron's rule, unless
     --exit-on-missing-checkpoint); a folder in a format we cannot read is never "nothing"."""
@@ -138,12 +150,13 @@ def train(config: Config, ctx: RankContext, data_dir: Path, *, progress: bool = 
     start = 0
     c = config.checkpoint
     if c.load and not nothing_to_load(c, ctx.is_main):
+        optim = c.load_optim and not c.finetune
         with dp.full_params(writes=True):
-            meta = ckpt.load_checkpoint(c.load, model=model, optimizer=dp if c.load_optim else None, rank=ctx.rank,
+            meta = ckpt.load_checkpoint(c.load, model=model, optimizer=dp if optim else None, rank=ctx.rank,
                                         world_size=ctx.world_size, optim_shards=dp.optim_shards(),
-                                        model_config=to_dict(config)["model"], load_rng=c.load_rng)
-        start = int(meta["data"]["next_step"])
-        if not c.load_optim:  # --no-load-optim: AdamW fresh; main parameters from the loaded weights
+                                        model_config=to_dict(config)["model"], load_rng=c.load_rng and not c.finetune)
+        start = 0 if c.finetune else int(meta["data"]["next_step"])
+        if not optim:  # --no-load-optim / --finetune: AdamW fresh; main parameters from the loaded weights
             dp.reload_mains()
         elif dp.scaler is not None and "loss_scaler" in meta:
             dp.scaler.load_state_dict(meta["loss_scaler"])
@@ -164,6 +177,7 @@ def train(config: Config, ctx: RankContext, data_dir: Path, *, progress: bool = 
     times = []
     profiler = StepProfiler(config.logging.profile and ctx.rank in config.logging.profile_ranks,
                             profile_steps(start, t.train_iters), ctx.out_dir, ctx.rank, ctx.device)
+    began = time.monotonic()
     for step in range(start, t.train_iters):
         heartbeat.at_step(step)
         t0 = time.perf_counter()
@@ -172,7 +186,7 @@ def train(config: Config, ctx: RankContext, data_dir: Path, *, progress: bool = 
         dt = time.perf_counter() - t0
         times.append((r.tokens, dt))
         result.losses[step] = r.loss
-        last = step + 1 == t.train_iters
+        last = step + 1 == t.train_iters or _exits(t, step, began, ctx)
         # Same values on every rank (see train/nonfinite.py): every rank stops at this step.
         # An fp16 step skipped for overflow is not an error: the loss scaler backs off and training goes on.
         stops = t.check_for_nan_in_loss_and_grad and not (is_finite(r.loss) and (r.skipped or is_finite(r.grad_norm)))
@@ -209,6 +223,8 @@ def train(config: Config, ctx: RankContext, data_dir: Path, *, progress: bool = 
         interval = config.checkpoint.save_interval
         if (interval and (step + 1) % interval == 0) or last:
             result.checkpoint = _save(config, ctx, save_root, step + 1, parts, saver)
+        if last:
+            break
     bar.close()
     if saver is not None:
         saver.finish()  # the last checkpoint committed before anything reads it

@@ -5,7 +5,7 @@ samples-based schedule: its scheduler advances by the global batch per step). Fo
 s = 0, 1, ..., with x = s (iterations) or s * B (samples, B = global batch), u = 1 or B one step:
   W = warm-up (lr_warmup_iters / lr_warmup_samples, or lr_warmup_fraction * D),
   D = decay span (lr_decay_iters / lr_decay_samples, default train_iters / train_samples)
-  x < W:  lr = lr_max * (x + u) / W
+  x < W:  lr = lr_init + (lr_max - lr_init) * (x + u) / W   (lr_init: lr_warmup_init, default 0)
   x >= W: r = min(1, (x - W) / max(u, D - W)),  lr = min_lr + f(r) * (lr_max - min_lr)
           cosine f(r) = (1 + cos(pi r)) / 2,  linear f(r) = 1 - r,  constant f(r) = 1
 The decay is Megatron's (OptimizerParamScheduler; min_lr past D; tests/test_train_parts.py checks it
@@ -40,7 +40,7 @@ def lr_at(step: int, training: TrainingConfig) -> float:
     warmup = t.lr_warmup_fraction * decay if t.lr_warmup_fraction is not None else \
         (t.lr_warmup_samples if samples else t.lr_warmup_iters * span)
     if x < warmup:
-        return t.lr * (x + u) / warmup
+        return t.lr_warmup_init + (t.lr - t.lr_warmup_init) * (x + u) / warmup
     r = min(1.0, (x - warmup) / max(u, decay - warmup))
     f = {"cosine": 0.5 * (1 + math.cos(math.pi * r)), "linear": 1 - r, "constant": 1.0}[t.lr_decay_style]
     return t.min_lr + f * (t.lr - t.min_lr)
