@@ -6,6 +6,8 @@ table but do not make a command line "Megatron dialect" (they do not change Mega
 """
 from __future__ import annotations
 
+import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from fivefold.config.megatron_surface import SURFACE, VALUE_OK, no_effect
@@ -23,6 +25,29 @@ class Flag:
     """What a SWITCH stores."""
     ours: bool = False
     """fivefold's own flag (not Megatron-LM's)."""
+    convert: Callable[[str], object] | None = None
+    """Turns the flag's text into the field's value, where they differ."""
+
+
+def first_dense_layers(text: str) -> int:
+    """--moe-layer-freq as the count of leading dense layers: 1 (every layer MoE), or a pattern of
+    K zeros then ones, written as Megatron's "([0]*3+[1]*58)" or as a list "[0,0,0,1,1]". Other
+    patterns (MoE every other layer, dense layers later) are not built."""
+    t = text.strip().strip("()").replace(" ", "")
+    if t == "1":
+        return 0
+    if re.fullmatch(r"\[[01](,[01])*\]", t):
+        bits = [int(b) for b in t[1:-1].split(",")]
+    elif re.fullmatch(r"\[[01]\]\*\d+(\+\[[01]\]\*\d+)*", t):
+        bits = [int(b) for bit, n in re.findall(r"\[([01])\]\*(\d+)", t) for b in bit * int(n)]
+    else:
+        raise NotImplementedYet(f"--moe-layer-freq {text}: only 1 or a pattern of dense layers first (e.g. "
+                                "\"([0]*3+[1]*58)\") is built")
+    k = bits.index(1) if 1 in bits else len(bits)
+    if any(b == 0 for b in bits[k:]):
+        raise NotImplementedYet(f"--moe-layer-freq {text}: dense layers after MoE layers; only the first layers "
+                                "dense is built")
+    return k
 
 
 def _v(field: str) -> Flag:
@@ -94,6 +119,7 @@ FLAGS: dict[str, Flag] = {
     "--moe-z-loss-coeff": _v("model.moe_z_loss_coeff"),
     "--moe-expert-capacity-factor": _v("model.moe_expert_capacity_factor"),
     "--moe-ffn-hidden-size": _v("model.moe_ffn_hidden_size"),
+    "--moe-layer-freq": Flag("model.moe_first_k_dense_layers", convert=first_dense_layers),
     "--moe-shared-expert-intermediate-size": _v("model.moe_shared_expert_intermediate_size"),
     # training
     "--seq-length": _v("training.seq_length"),
@@ -231,7 +257,7 @@ def parse_flags(words: list[str]) -> tuple[list[tuple[str, str | None, object]],
                 raise UserError(f"{name} needs a value")
             value = words[i]
             i += 1
-        out.append((name, flag.field, value))
+        out.append((name, flag.field, flag.convert(value) if flag.convert else value))
     built = f"Megatron-LM flag{'s' if len(not_built) > 1 else ''} {', '.join(not_built)} (they change what is trained)"
     if unknown:  # a typo first; what is not built comes along
         unknown_text = f"unknown flag{'s' if len(unknown) > 1 else ''} " + "; ".join(unknown)

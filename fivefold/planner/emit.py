@@ -3,6 +3,7 @@ overrides, a torchrun command line. Each form loads back (`fivefold.config.load.
 the same canonical config."""
 from __future__ import annotations
 
+import shlex
 from dataclasses import fields
 
 import yaml
@@ -113,9 +114,9 @@ def _scalar(v) -> str:
 
 
 def _pairs(words: list[str]) -> list[str]:
-    """Group flags with their value for one flag per line."""
+    """Group flags with their value for one flag per line, quoted for a shell."""
     out: list[str] = []
-    for w in words:
+    for w in map(shlex.quote, words):
         if w.startswith("--") or not out:
             out.append(w)
         else:
