@@ -447,7 +447,7 @@ def test_cp2_checkpoint_resumes_at_cp1(train_runs, tmp_path):
 
 # --- multi-head latent attention under CP: v head dim != q/k head dim, one key for all heads -----------
 
-MLA_CFG = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=256, multi_latent_attention=True,
+MLA_CFG = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=256, multi_latent_attention=True, qk_layernorm=True,
                       kv_lora_rank=32, q_lora_rank=48, qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=12)
 MLA_LAYOUTS = {"p2p-cp2": dict(cp=2, dp=2), "a2a+p2p-cp4": dict(cp=4, cp_a2a=2)}
 

@@ -81,7 +81,7 @@ def test_rules_follow_megatron():
 
 
 def _tiny(mla: bool = False) -> ModelConfig:
-    extra = dict(multi_latent_attention=True, q_lora_rank=None, kv_lora_rank=16, qk_head_dim=8,
+    extra = dict(multi_latent_attention=True, qk_layernorm=True, q_lora_rank=None, kv_lora_rank=16, qk_head_dim=8,
                  qk_pos_emb_head_dim=4, v_head_dim=12) if mla else {}
     return ModelConfig(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
                        num_query_groups=2, vocab_size=64, **extra)

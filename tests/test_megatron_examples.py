@@ -57,6 +57,133 @@ GPT3 = """torchrun --nproc_per_node 4 --nnodes 1 --master_addr localhost --maste
  --tensorboard-dir {tb}"""
 
 
+# examples/megatron_fsdp/sbatch_mfsdp_deepseek_v3.sh with USE_MEGATRON_FSDP=1 (its default), PROFILE=0 and
+# WANDB=0 (its default 1 adds --wandb-project, which needs the wandb package: without it `fivefold train`
+# refuses before any rank starts, tests/test_logging.py)
+DSV3 = """--distributed-timeout-minutes 60 --tensor-model-parallel-size 1 --expert-model-parallel-size 2
+ --expert-tensor-parallel-size 1 --context-parallel-size 1 --use-distributed-optimizer --overlap-grad-reduce
+ --overlap-param-gather --use-mcore-models --sequence-parallel --use-flash-attn --disable-bias-linear
+ --micro-batch-size 1 --global-batch-size 8 --train-samples 24 --exit-duration-in-mins 220
+ --no-check-for-nan-in-loss-and-grad --manual-gc --manual-gc-interval 10 --recompute-granularity selective
+ --recompute-modules mlp moe mla_up_proj layernorm --transformer-impl transformer_engine --seq-length 32
+ --data-cache-path {out}/cache --tokenizer-type NullTokenizer --vocab-size 255 --mock-data
+ --split 99,1,0 --no-mmap-bin-files --no-create-attention-mask-in-dataloader --num-workers 6
+ --num-layers 4 --hidden-size 64 --ffn-hidden-size 160 --num-attention-heads 4 --kv-channels 16
+ --max-position-embeddings 32 --position-embedding-type rope --rotary-base 10000
+ --make-vocab-size-divisible-by 32 --normalization RMSNorm --norm-epsilon 1e-6 --swiglu
+ --untie-embeddings-and-output-weights --multi-latent-attention --attention-dropout 0.0 --hidden-dropout 0.0
+ --clip-grad 1.0 --weight-decay 0.1 --qk-layernorm --lr-decay-samples 20 --lr-warmup-samples 8
+ --lr-warmup-init 3.9e-7 --lr 3.9e-6 --min-lr 3.9e-7 --lr-decay-style cosine --adam-beta1 0.9 --adam-beta2 0.95
+ --num-experts 8 --moe-layer-freq [0]*1+[1]*3 --moe-ffn-hidden-size 32 --moe-shared-expert-intermediate-size 32
+ --moe-router-load-balancing-type seq_aux_loss --moe-router-topk 2 --moe-token-dispatcher-type flex
+ --moe-flex-dispatcher-backend hybridep --moe-router-pre-softmax --moe-grouped-gemm --moe-aux-loss-coeff 1e-4
+ --moe-router-group-topk 2 --moe-router-num-groups 4 --moe-router-topk-scaling-factor 2.5
+ --moe-router-score-function sigmoid --moe-router-enable-expert-bias --moe-router-bias-update-rate 1e-3
+ --moe-router-dtype fp32 --moe-permute-fusion --moe-router-force-load-balancing
+ --q-lora-rank 32 --kv-lora-rank 16 --qk-head-dim 16 --qk-pos-emb-head-dim 8 --v-head-dim 16
+ --rotary-scaling-factor 40 --mscale 1.0 --mscale-all-dim 1.0 --mtp-num-layers 1 --mtp-loss-scaling-factor 0.1
+ --eval-iters 32 --eval-interval 100 --auto-detect-ckpt-format --load {out}/checkpoints --save {out}/checkpoints
+ --save-interval 100 --dist-ckpt-strictness log_all --init-method-std 0.02 --log-timers-to-tensorboard
+ --log-memory-to-tensorboard --log-num-zeros-in-grad --log-params-norm --log-validation-ppl-to-tensorboard
+ --log-throughput --log-interval 1 --logging-level 40 --tensorboard-dir {out}/tensorboard --bf16
+ --enable-experimental
+ --use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params --no-gradient-accumulation-fusion
+ --use-distributed-optimizer --calculate-per-token-loss --init-model-with-meta-device --ckpt-format fsdp_dtensor
+ --fsdp-double-buffer --use-nccl-ub --megatron-fsdp-grad-comm-dtype bf16 --megatron-fsdp-main-grads-dtype bf16"""
+
+# examples/rl/model_configs/qwen3_30b_a3b_moe.sh: common.sh's COMMON_OPTIONS, then ENV_DEPENDENT and MODEL_OPTIONS
+QWEN3 = """--tensor-model-parallel-size 2 --pipeline-model-parallel-size 1 --use-mcore-models
+ --transformer-impl transformer_engine --bf16 --te-rng-tracker --inference-dynamic-batching-buffer-size-gb 20
+ --data-parallel-random-init --attention-backend flash --timing-log-level 1 --log-timers-to-tensorboard
+ --save-retain-interval 160 --inference-dynamic-batching-num-cuda-graphs 1
+ --inference-dynamic-batching-unified-memory-level 1 --adam-beta1 0.9 --adam-beta2 0.95 --adam-eps 1e-8
+ --cuda-graph-impl=local --rl-persist-cuda-graphs
+ --micro-batch-size 1 --global-batch-size 8 --grpo-group-size 16 --grpo-prompts-per-step 64 --grpo-iterations 1
+ --grpo-clamp-eps-lower 0.2 --grpo-clamp-eps-upper 0.2 --grpo-kl-beta 0.0 --langrl-env-config {out}/env.yaml
+ --seq-length 32 --inference-max-seq-length 32 --inference-max-requests 32 --pretrained-checkpoint {out}/ckpt
+ --no-use-tokenizer-model-from-checkpoint-args --bf16 --tensor-model-parallel-size 2 --pipeline-model-parallel-size 1
+ --expert-model-parallel-size 2 --attention-backend flash --transformer-impl transformer_engine --te-rng-tracker
+ --tokenizer-type NullTokenizer --vocab-size 255 --mock-data --tokenizer-hf-include-special-tokens
+ --untie-embeddings-and-output-weights --num-layers 2 --hidden-size 64 --ffn-hidden-size 192
+ --num-attention-heads 4 --kv-channels 16 --max-position-embeddings 32 --group-query-attention --num-query-groups 2
+ --normalization RMSNorm --norm-epsilon 1e-6 --position-embedding-type rope --rotary-percent 1.0
+ --rotary-base 1000000 --use-rotary-position-embeddings --swiglu --disable-bias-linear --num-experts 8
+ --moe-router-topk 2 --moe-ffn-hidden-size 32 --moe-aux-loss-coeff 0.001 --moe-router-load-balancing-type aux_loss
+ --attention-dropout 0.0 --hidden-dropout 0.0 --no-masked-softmax-fusion --attention-softmax-in-fp32
+ --vocab-size 255 --make-vocab-size-divisible-by 128 --dist-ckpt-strictness log_unexpected --qk-layernorm
+ --moe-token-dispatcher-type alltoall --moe-layer-freq 1 --optimizer adam --adam-beta1 0.9 --adam-beta2 0.999
+ --adam-eps 1e-8 --lr 1e-6 --min-lr 1e-7 --lr-warmup-samples 0 --clip-grad 1.0 --weight-decay 0.01
+ --no-load-optim --ckpt-format torch_dist --train-iters 2"""
+
+
+DSV3_REFUSED = ["--recompute-modules", "--moe-router-group-topk", "--moe-router-num-groups",
+                "--moe-router-topk-scaling-factor", "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate",
+                "--moe-router-dtype", "--moe-router-force-load-balancing", "--rotary-scaling-factor", "--mscale",
+                "--mscale-all-dim", "--mtp-num-layers", "--mtp-loss-scaling-factor", "--enable-experimental",
+                "--init-model-with-meta-device", "--fsdp-double-buffer", "--use-nccl-ub",
+                "--megatron-fsdp-grad-comm-dtype", "--megatron-fsdp-main-grads-dtype"]
+"""DeepSeek-V3's routing (group-limited, expert bias, scaling), YaRN RoPE scaling, MTP, per-module
+recompute and Megatron-FSDP's buffer / dtype switches."""
+QWEN3_UNKNOWN = ["--tokenizer-hf-include-special-tokens"]
+"""Not a flag of Megatron-LM at the pinned commit either (it has only --tokenizer-hf-no-include-special-tokens,
+and its parser does not abbreviate): Megatron refuses this script's line too."""
+QWEN3_REFUSED = ["--te-rng-tracker", "--inference-dynamic-batching-buffer-size-gb", "--data-parallel-random-init",
+                 "--save-retain-interval", "--inference-dynamic-batching-unified-memory-level", "--grpo-group-size",
+                 "--grpo-prompts-per-step", "--grpo-iterations", "--grpo-clamp-eps-lower", "--grpo-clamp-eps-upper",
+                 "--grpo-kl-beta", "--langrl-env-config", "--inference-max-seq-length", "--inference-max-requests",
+                 "--pretrained-checkpoint", "--no-use-tokenizer-model-from-checkpoint-args",
+                 "--attention-softmax-in-fp32"]
+"""Megatron's RL loop (GRPO, its inference engine), its TE RNG tracker, a random init per DP rank and
+fp32 softmax for bf16 attention (the CPU kernels already compute softmax in fp32, but a GPU run would not)."""
+
+
+def _without(words: list[str], flags: list[str]) -> list[str]:
+    """`words` less `flags` and their values."""
+    out, i = [], 0
+    while i < len(words):
+        name = words[i].split("=")[0]
+        i += 1
+        if name in flags:
+            while "=" not in words[i - 1] and i < len(words) and not words[i].startswith("--"):
+                i += 1
+        else:
+            out.append(words[i - 1])
+    return out
+
+
+def _refused(words: list[str]) -> tuple[list[str], list[str]]:
+    """(unknown flags, flags not built) named in the refusal of `words`."""
+    with pytest.raises(UserError) as e:
+        load_config(None, words)
+    text = str(e.value)
+    unknown = [part.split()[0] for part in text.split(" | ")[0].removeprefix("unknown flags ")
+               .removeprefix("unknown flag ").split("; ")] if text.startswith("unknown") else []
+    built = text.split("Megatron-LM flag")[1].split(" (they change")[0].lstrip("s ").split(", ")
+    return unknown, built
+
+
+@pytest.mark.parametrize("name", ["dsv3", "qwen3"])
+def test_script_refuses_what_is_not_built_and_trains_without_it(name, tmp_path, workers):
+    """The refusal names every flag not built in one message (DeepSeek-V3's list, Qwen3-30B-A3B's
+    unknown flag and its list); without those flags the line validates and trains 3 / 2 steps on 4
+    ranks (DeepSeek-V3: MLA with its latent norms, first layer dense, sigmoid routing, EP2 under
+    Megatron-FSDP ZeRO-3; Qwen3: q/k norms, GQA, TP2+SP x EP2)."""
+    text, unknown, refused = {"dsv3": (DSV3, [], DSV3_REFUSED), "qwen3": (QWEN3, QWEN3_UNKNOWN, QWEN3_REFUSED)}[name]
+    words = _words(text, out=tmp_path)
+    assert _refused(words) == (unknown, refused)
+    loaded = load_config(None, _without(words, unknown + refused), world_size=4)
+    validate(loaded.config, loaded.dialect)
+    cfg = loaded.config
+    if name == "dsv3":
+        m = cfg.model
+        assert (m.multi_latent_attention, m.qk_layernorm, m.moe_first_k_dense_layers, m.moe_router_score_function,
+                cfg.training.data_parallel_sharding_strategy, cfg.training.train_iters) == \
+            (True, True, 1, "sigmoid", "optim_grads_params", 3)
+    data_dir = prepare(cfg, tmp_path / "run")
+    losses = _run(cfg, tmp_path / "run", data_dir, workers)
+    assert len(losses) == cfg.training.train_iters and all(np.isfinite(losses))
+
+
 def _words(text: str, **paths) -> list[str]:
     return shlex.split(text.replace("\n", " ").format(**paths))
 

@@ -37,7 +37,7 @@ from fivefold.topology import Layout
 from fivefold.train.step import train_step
 
 STEPS, GBS, MBS, SEQ, LR = 3, 8, 2, 64, 3e-3
-MLA = dict(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=256, multi_latent_attention=True,
+MLA = dict(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=256, multi_latent_attention=True, qk_layernorm=True,
            kv_lora_rank=32, qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=16)
 MODELS = {"mla-q48": ModelConfig(**MLA, q_lora_rank=48),
           "mla-q-none": ModelConfig(**MLA, q_lora_rank=None),
@@ -186,7 +186,7 @@ def test_example_and_megatron_flags_reach_mla_and_layernorm():
     loaded = load_config("examples/mla.yaml")
     validate(loaded.config, loaded.dialect)
     check_supported(loaded.config)  # MLA with TP x SP x DP runs
-    flags = ["--multi-latent-attention", "--q-lora-rank", "48", "--kv-lora-rank", "32", "--qk-head-dim", "16",
+    flags = ["--multi-latent-attention", "--qk-layernorm", "--q-lora-rank", "48", "--kv-lora-rank", "32", "--qk-head-dim", "16",
              "--qk-pos-emb-head-dim", "8", "--v-head-dim", "16", "--normalization", "LayerNorm",
              "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
              "--tensor-model-parallel-size", "2", "--sequence-parallel",
@@ -197,4 +197,4 @@ def test_example_and_megatron_flags_reach_mla_and_layernorm():
     check_supported(loaded.config)
     m = loaded.config.model
     assert (m.multi_latent_attention, m.q_lora_rank, m.kv_lora_rank, m.qk_head_dim, m.qk_pos_emb_head_dim,
-            m.v_head_dim, m.normalization) == (True, 48, 32, 16, 8, 16, "LayerNorm")
+            m.v_head_dim, m.normalization, m.qk_layernorm) == (True, 48, 32, 16, 8, 16, "LayerNorm", True)

@@ -27,7 +27,7 @@ from fivefold.model.hf import config_from_hf, hf_name, load_hf
 from tests._model_util import assert_grads_match_hf, hf_config
 
 MLA = dict(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=300, ffn_hidden_size=96,
-           multi_latent_attention=True, kv_lora_rank=32, qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=16,
+           multi_latent_attention=True, qk_layernorm=True, kv_lora_rank=32, qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=16,
            norm_epsilon=1e-6, rotary_base=5000.0)
 """norm_epsilon 1e-6: HF's latent norms (q_a_layernorm, kv_a_layernorm) always use 1e-6."""
 CONFIGS = {"mla-q-uncompressed": ModelConfig(**MLA, q_lora_rank=None),

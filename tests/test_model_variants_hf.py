@@ -179,9 +179,15 @@ def test_layernorm_1p_is_layernorm_with_one_plus_gain():
     assert torch.equal(one_p(ids), plain(ids))
 
 
+MLA = dict(multi_latent_attention=True, q_lora_rank=32, kv_lora_rank=16, qk_head_dim=8, qk_pos_emb_head_dim=8,
+           v_head_dim=8)
+
+
 @pytest.mark.parametrize("kw", [dict(), dict(add_bias_linear=True, num_query_groups=2),
-                                dict(normalization="LayerNorm", qk_layernorm=True, add_bias_linear=True)],
-                         ids=["megatron-gpt", "swiglu-biases-gqa", "layernorm-qk-norm"])
+                                dict(normalization="LayerNorm", qk_layernorm=True, add_bias_linear=True),
+                                dict(MLA, qk_layernorm=True), dict(MLA)],
+                         ids=["megatron-gpt", "swiglu-biases-gqa", "layernorm-qk-norm", "mla-latent-norms",
+                              "mla-no-latent-norms"])
 def test_planner_counts_the_parameters_each_variant_builds(kw):
     """The planner's count (memory model, FLOPs) equals the built model's, biases, GeLU's two
     matrices, LayerNorm biases and the position table included."""

@@ -136,7 +136,7 @@ def test_pending_weight_gradients_come_from_the_schedule():
 def test_mla_attention_moves_the_latents(sp, r_q):
     # fivefold/model/mla.py under TP: the column-parallel up-projections take the query latent (r_q,
     # or x itself, h) and the KV latent (r); the one rope key (dr) goes through a plain gather / copy
-    mla = replace(DENSE, num_query_groups=None, multi_latent_attention=True, q_lora_rank=r_q, kv_lora_rank=64,
+    mla = replace(DENSE, num_query_groups=None, multi_latent_attention=True, qk_layernorm=True, q_lora_rank=r_q, kv_lora_rank=64,
                   qk_head_dim=64, qk_pos_emb_head_dim=32, v_head_dim=64, num_layers=2)
     p = plan(world=2, model=mla, tensor_model_parallel_size=2, sequence_parallel=sp)
     per = 2 * 512 * 4  # b s tokens x fp32

@@ -127,7 +127,8 @@ FLAGS: dict[str, Flag] = {
     "--micro-batch-size": _v("training.micro_batch_size"),
     "--step-batch-size-schedule": _v("training.step_batch_size_schedule"),
     "--train-iters": _v("training.train_iters"),
-    "--optimizer": _v("training.optimizer"),
+    "--optimizer": Flag("training.optimizer", convert=lambda v: "adamw" if v == "adam" else v),  # Megatron's
+    # adam decouples weight decay (--decoupled-weight-decay, on by default): AdamW
     "--lr": _v("training.lr"),
     "--min-lr": _v("training.min_lr"),
     "--lr-warmup-iters": _v("training.lr_warmup_iters"),
@@ -258,6 +259,7 @@ def parse_flags(words: list[str]) -> tuple[list[tuple[str, str | None, object]],
             value = words[i]
             i += 1
         out.append((name, flag.field, flag.convert(value) if flag.convert else value))
+    not_built = list(dict.fromkeys(not_built))  # a flag given twice is named once
     built = f"Megatron-LM flag{'s' if len(not_built) > 1 else ''} {', '.join(not_built)} (they change what is trained)"
     if unknown:  # a typo first; what is not built comes along
         unknown_text = f"unknown flag{'s' if len(unknown) > 1 else ''} " + "; ".join(unknown)

@@ -122,7 +122,9 @@ class ModelConfig:
     add_qkv_bias: bool = False
     """Biases on the query, key and value projections (Qwen2; Megatron's --add-qkv-bias). Default False."""
     qk_layernorm: bool = False
-    """Normalise queries and keys per head before RoPE (Qwen3; Megatron's --qk-layernorm). Default False."""
+    """Normalise queries and keys per head before RoPE (Qwen3; Megatron's --qk-layernorm); with
+    multi_latent_attention: the RMSNorms of the query and KV latents (DeepSeek's q_a_layernorm /
+    kv_a_layernorm, which Megatron builds only with --qk-layernorm). Default False."""
     multi_latent_attention: bool = False
     """MLA instead of GQA. Default False."""
     q_lora_rank: int | None = None

@@ -52,6 +52,9 @@ def hf_config(cfg: ModelConfig, dtype: torch.dtype) -> dict:
     if cfg.multi_latent_attention:
         if cfg.is_moe:
             raise NotImplementedYet("Hugging Face export of DeepSeek-V3 MoE layers (dense MLA models export)")
+        if not cfg.qk_layernorm:
+            raise NotImplementedYet("Hugging Face export of MLA without the latent norms (qk_layernorm=False): HF's "
+                                    "DeepseekV3 always has q_a_layernorm / kv_a_layernorm")
         return {**out, "model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"],
                 "num_key_value_heads": cfg.num_attention_heads, "q_lora_rank": cfg.q_lora_rank,
                 "kv_lora_rank": cfg.kv_lora_rank, "qk_nope_head_dim": cfg.qk_head_dim,

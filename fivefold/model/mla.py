@@ -8,6 +8,9 @@ dv = v_head_dim; r = kv_lora_rank, r_q = q_lora_rank. Names follow HF DeepseekV3
               [k_nope, v] = W_kvb RMSNorm(c)   (r -> a (dn+dv))
     q = [q_nope, rope(q_pe)], k = [k_nope, rope(k_pe)] per head (dn+dr wide), v dv wide
     o = softmax(q k^T / sqrt(dn+dr) + causal) v,   y = o W_o   (a dv -> h)
+The two latent RMSNorms exist with `qk_layernorm` (Megatron-Core builds them into the up-projections'
+LayerNormLinear only with --qk-layernorm; without it the latents go to W_qb / W_kvb unnormalised). HF's
+DeepseekV3 always has them (q_a_layernorm, kv_a_layernorm): its import sets qk_layernorm.
 RoPE runs on the dr-wide parts in DeepSeek's layout: the weights put each rotated pair side by side,
 (x0, x1), (x2, x3), ... (HF `rope_interleave=True`, Megatron's MLA rotary path), so the pairs are
 first gathered into halves [x0, x2, ...; x1, x3, ...] and then rotated with rotate_half (rope.py);
@@ -82,10 +85,10 @@ class MLAttention(nn.Module):
             self.q_proj = _column(h, a, dn + dr, tp, mode)
         else:
             self.q_a_proj = nn.Linear(h, r_q, bias=False)
-            self.q_a_layernorm = RMSNorm(r_q, cfg.norm_epsilon)
+            self.q_a_layernorm = RMSNorm(r_q, cfg.norm_epsilon) if cfg.qk_layernorm else nn.Identity()
             self.q_b_proj = _column(r_q, a, dn + dr, tp, mode)
         self.kv_a_proj_with_mqa = nn.Linear(h, r + dr, bias=False)
-        self.kv_a_layernorm = RMSNorm(r, cfg.norm_epsilon)
+        self.kv_a_layernorm = RMSNorm(r, cfg.norm_epsilon) if cfg.qk_layernorm else nn.Identity()
         self.kv_b_proj = _column(r, a, dn + dv, tp, mode)
         self.o_proj = nn.Linear(a * dv, h, bias=False) if tp is None else RowParallelLinear(a * dv, h, group=tp, mode=mode)
         if tp is not None and mode is TPMode.SEQUENCE_PARALLEL:

@@ -39,7 +39,7 @@ def model_from_hf_dict(cfg: dict, path: str = "config.json") -> ModelConfig:
     if "kv_lora_rank" in cfg:  # DeepSeek-V2/V3, Kimi-K2, Moonlight: multi-head latent attention
         kw.update(multi_latent_attention=True, q_lora_rank=cfg.get("q_lora_rank"), kv_lora_rank=int(cfg["kv_lora_rank"]),
                   qk_head_dim=int(cfg["qk_nope_head_dim"]), qk_pos_emb_head_dim=int(cfg["qk_rope_head_dim"]),
-                  v_head_dim=int(cfg["v_head_dim"]), num_query_groups=None,
+                  v_head_dim=int(cfg["v_head_dim"]), num_query_groups=None, qk_layernorm=True,  # the latent norms
                   kv_channels=int(cfg["qk_nope_head_dim"]) + int(cfg["qk_rope_head_dim"]))
     experts = cfg.get("num_local_experts") or cfg.get("n_routed_experts") or cfg.get("num_experts")
     if experts:

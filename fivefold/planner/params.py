@@ -48,8 +48,9 @@ def attention_params(m: ModelConfig) -> int:
     h, a = m.hidden_size, m.num_attention_heads
     if m.multi_latent_attention:
         dn, dr, dv, r_kv = m.qk_head_dim, m.qk_pos_emb_head_dim, m.v_head_dim, m.kv_lora_rank
-        q = h * a * (dn + dr) if not m.q_lora_rank else h * m.q_lora_rank + m.q_lora_rank + m.q_lora_rank * a * (dn + dr)
-        kv = h * (r_kv + dr) + r_kv + r_kv * a * (dn + dv)
+        n = m.qk_layernorm  # the latent norms' gains
+        q = h * a * (dn + dr) if not m.q_lora_rank else h * m.q_lora_rank + m.q_lora_rank * n + m.q_lora_rank * a * (dn + dr)
+        kv = h * (r_kv + dr) + r_kv * n + r_kv * a * (dn + dv)
         return q + kv + a * dv * h
     d, g = m.head_dim, m.kv_heads
     biases = (a + 2 * g) * d if m.add_qkv_bias or m.add_bias_linear else 0  # QKV, + o_proj's below
@@ -62,7 +63,8 @@ def latent_params(m: ModelConfig) -> int:
     if not m.multi_latent_attention:
         return 0
     h, r_kv, r_q = m.hidden_size, m.kv_lora_rank, m.q_lora_rank
-    return h * (r_kv + m.qk_pos_emb_head_dim) + r_kv + (h * r_q + r_q if r_q else 0)
+    norms = m.qk_layernorm  # the latent norms (Megatron's --qk-layernorm with MLA)
+    return h * (r_kv + m.qk_pos_emb_head_dim) + r_kv * norms + (h * r_q + r_q * norms if r_q else 0)
 
 
 def is_moe_layer(m: ModelConfig, index: int) -> bool:
@@ -89,7 +91,8 @@ def _layer_params(m: ModelConfig, index: int) -> LayerParams:
     latent = latent_params(m)
     attn = attention_params(m) - latent
     per_head = norm_params(m) // h * m.head_dim  # a q / k norm (gain, and LayerNorm's bias) over d
-    norms = 2 * norm_params(m) + (2 * per_head if m.qk_layernorm else 0)  # + the per-head q / k norms
+    per_head_norms = m.qk_layernorm and not m.multi_latent_attention  # + GQA's per-head q / k norms
+    norms = 2 * norm_params(m) + (2 * per_head if per_head_norms else 0)
     if not is_moe_layer(m, index):
         f, k = m.ffn_size, m.mlp_matrices
         mlp_biases = (k - 1) * f + h if m.add_bias_linear else 0  # column biases (f each) + the row bias (h)

@@ -54,8 +54,8 @@ def _combinations(config: Config) -> list[str]:
                                                    ("expert_model_parallel_size", p.expert_model_parallel_size))
               if size > 1]
     m = config.model
-    if m.multi_latent_attention and (m.add_qkv_bias or m.qk_layernorm):
-        return ["add_qkv_bias / qk_layernorm with multi_latent_attention (they apply to grouped-query attention)"]
+    if m.multi_latent_attention and m.add_qkv_bias:
+        return ["add_qkv_bias with multi_latent_attention (it applies to grouped-query attention)"]
     if config.training.num_distributed_optimizer_instances > 1 and config.model.is_moe:
         return ["HSDP (num_distributed_optimizer_instances > 1) with MoE (dense models run it)"]
     m = config.model

@@ -43,7 +43,7 @@ def _llama(layers, h, ffn, heads, kv, vocab=128256, theta=500000.0) -> ModelConf
 def _deepseek(layers, h, ffn, heads, q_lora, experts, topk, moe_ffn, shared, first_dense, vocab,
               score="softmax") -> ModelConfig:
     return ModelConfig(num_layers=layers, hidden_size=h, ffn_hidden_size=ffn, num_attention_heads=heads,
-                       vocab_size=vocab, multi_latent_attention=True, q_lora_rank=q_lora, kv_lora_rank=512,
+                       vocab_size=vocab, multi_latent_attention=True, qk_layernorm=True, q_lora_rank=q_lora, kv_lora_rank=512,
                        qk_head_dim=128, qk_pos_emb_head_dim=64, v_head_dim=128, kv_channels=192,
                        num_experts=experts, moe_router_topk=topk, moe_ffn_hidden_size=moe_ffn,
                        moe_shared_expert_intermediate_size=shared * moe_ffn, moe_first_k_dense_layers=first_dense,
