@@ -11,6 +11,7 @@
 """
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from transformers import DeepseekV3Config, MixtralConfig, MixtralForCausalLM, OlmoeConfig
@@ -197,3 +198,30 @@ def test_moe_block_sigmoid_with_shared_experts_matches_deepseek_v3():
     _check_block(ours, theirs, "experts.", {"router.weight": "gate.weight",
                                              **{f"shared_experts.{p}.weight": f"shared_experts.{p}.weight"
                                                 for p in ("gate_proj", "up_proj", "down_proj")}}, "deepseek-v3")
+
+
+@pytest.mark.parametrize("norm_topk_prob", [True, False])
+def test_qwen3_moe_checkpoint_imports_with_hf_logits(norm_topk_prob, tmp_path):
+    """A Qwen3-MoE folder written by transformers (per-expert tensors, q / k norms) loads into our
+    decoder with HF's logits: norm_topk_prob renormalises the top-k (else moe_router_pre_softmax)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from fivefold.model.hf import load_hf
+
+    torch.manual_seed(0)
+    theirs = Qwen3MoeForCausalLM(Qwen3MoeConfig(
+        vocab_size=300, hidden_size=64, intermediate_size=96, moe_intermediate_size=F_MOE, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=E, num_experts_per_tok=K,
+        norm_topk_prob=norm_topk_prob, max_position_embeddings=64, attn_implementation="eager")).float().eval()
+    with torch.no_grad():  # norms away from 1, so a gain read into the wrong place shows
+        for name, p in theirs.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    theirs.save_pretrained(tmp_path)
+    ours = load_hf(tmp_path)
+    assert (ours.cfg.qk_layernorm, ours.cfg.moe_router_pre_softmax) == (True, not norm_topk_prob)
+    ids, _ = _batch(ours.cfg)
+    assert _min_margin(ours, ids) > 1e-5
+    with torch.no_grad():
+        close(ours(ids)[..., :300], theirs(input_ids=ids).logits, rtol=RTOL, atol=ATOL, site="hf_mixtral.logits",
+              case=f"qwen3_moe norm_topk_prob={norm_topk_prob}")

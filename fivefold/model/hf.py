@@ -1,4 +1,4 @@
-"""Import a local Hugging Face Llama / Mistral / Mixtral / Qwen2 / Qwen3 or DeepSeek-V3 checkpoint directory
+"""Import a local Hugging Face Llama / Mistral / Mixtral / Qwen2 / Qwen3 / Qwen3-MoE or DeepSeek-V3 checkpoint directory
 (config.json + safetensors) — no network.
 
     config_from_hf(dir)            config.json -> ModelConfig (refuses what our model cannot express)
@@ -18,6 +18,10 @@ Name map (ours <- HF):
 Mixtral's MoE layers, as its checkpoints store them (transformers fuses the experts in memory only):
     layers.i.mlp.router.weight                 <- model.layers.i.block_sparse_moe.gate.weight
     layers.i.mlp.experts.e.{gate,up,down}_proj <- model.layers.i.block_sparse_moe.experts.e.{w1,w3,w2}
+Qwen3-MoE's (model_type qwen3_moe; q / k norms as Qwen3; norm_topk_prob false = no top-k renormalisation,
+our moe_router_pre_softmax):
+    layers.i.mlp.router.weight                 <- model.layers.i.mlp.gate.weight
+    layers.i.mlp.experts.e.{gate,up,down}_proj <- model.layers.i.mlp.experts.e.{gate,up,down}_proj
 DeepSeek-V3 (model_type deepseek_v3, also Moonlight; kimi_k2) keeps HF's attention names, so its
 MLA weights map the same way: layers.i.attn.{q_proj | q_a_proj, q_a_layernorm, q_b_proj},
 layers.i.attn.{kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj} <- model.layers.i.self_attn.*
@@ -44,8 +48,7 @@ from fivefold.planner.hf import load_hf_config
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 _MIXTRAL_PROJ = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
-_NOT_YET = {"qwen3_moe": "Qwen3-MoE's MoE layers (mlp.gate, mlp.experts.*; dense qwen3 is imported)",
-            "olmoe": "OLMoE's q / k norms over the whole projection (not per head) and its MoE layers"}
+_NOT_YET = {"olmoe": "OLMoE's q / k norms over the whole projection (not per head) and its MoE layers"}
 _LAYER_RENAMES = (("attn_norm.", "input_layernorm."), ("attn.", "self_attn."),
                   ("mlp_norm.", "post_attention_layernorm."), ("mlp.", "mlp."))
 
@@ -67,9 +70,9 @@ def config_from_hf(path: str | Path) -> ModelConfig:
     kind = raw.get("model_type")
     if kind in _NOT_YET:
         raise NotImplementedYet(f"{where}: model_type={kind!r}: importing {_NOT_YET[kind]}")
-    if kind not in ("llama", "mistral", "mixtral", "qwen2", "qwen3", *DEEPSEEK):
+    if kind not in ("llama", "mistral", "mixtral", *QWEN, *DEEPSEEK):
         raise UserError(f"{where}: model_type={kind!r}; only Llama-style models (llama, mistral, mixtral, qwen2, "
-                        f"qwen3) and DeepSeek-V3-style MLA models ({', '.join(DEEPSEEK)}) are imported")
+                        f"qwen3, qwen3_moe) and DeepSeek-V3-style MLA models ({', '.join(DEEPSEEK)}) are imported")
     if kind in DEEPSEEK:
         cfg = _deepseek(raw, cfg, where)
     if kind in QWEN:  # Qwen2: biases on q, k, v (always); Qwen3: per-head q / k RMSNorm
@@ -90,20 +93,31 @@ def config_from_hf(path: str | Path) -> ModelConfig:
         raise UserError(f"{where}: RoPE scaling rope_type={rope_type!r} is not supported (only plain RoPE)")
     if kind == "mixtral":  # softmax over all experts, top-k renormalised (no norm_topk_prob switch)
         cfg = replace(cfg, moe_router_score_function="softmax", moe_router_pre_softmax=False)
+    if kind == "qwen3_moe":  # softmax over all experts, top-k; renormalised only with norm_topk_prob
+        cfg = replace(cfg, moe_router_score_function="softmax",
+                      moe_router_pre_softmax=not raw.get("norm_topk_prob", False))
     return cfg
 
 
-def _moe_name(rest: str, index: str) -> str | None:
-    """Mixtral names of our MoE parameters (`rest` after `layers.<i>.`), None for other parameters."""
+def moe_family(cfg: ModelConfig) -> str:
+    """The HF family an MoE config is stored as: Qwen3-MoE (per-head q / k norms), else Mixtral."""
+    return "qwen3_moe" if cfg.qk_layernorm else "mixtral"
+
+
+def _moe_name(rest: str, index: str, cfg: ModelConfig) -> str | None:
+    """HF names of our MoE parameters (`rest` after `layers.<i>.`), None for other parameters."""
+    mixtral = moe_family(cfg) == "mixtral"
+    block = "block_sparse_moe" if mixtral else "mlp"
     if rest == "mlp.router.weight":
-        return f"model.layers.{index}.block_sparse_moe.gate.weight"
+        return f"model.layers.{index}.{block}.gate.weight"
     parts = rest.split(".")  # mlp.experts.<e>.<proj>.weight
     if parts[:2] == ["mlp", "experts"] and len(parts) == 5:
-        return f"model.layers.{index}.block_sparse_moe.experts.{parts[2]}.{_MIXTRAL_PROJ[parts[3]]}.weight"
+        proj = _MIXTRAL_PROJ[parts[3]] if mixtral else parts[3]
+        return f"model.layers.{index}.{block}.experts.{parts[2]}.{proj}.weight"
     return None
 
 
-QWEN = {"qwen2": {"add_qkv_bias": True}, "qwen3": {"qk_layernorm": True}}
+QWEN = {"qwen2": {"add_qkv_bias": True}, "qwen3": {"qk_layernorm": True}, "qwen3_moe": {"qk_layernorm": True}}
 """Llama-like model_types and what their attention adds."""
 
 DEEPSEEK = ("deepseek_v3", "kimi_k2")
@@ -141,7 +155,7 @@ def hf_name(name: str, cfg: ModelConfig) -> str:
     if name.startswith("final_norm."):  # weight (and bias with LayerNorm)
         return "model.norm." + name.removeprefix("final_norm.")
     _, index, rest = name.split(".", 2)  # layers.<i>.<rest>
-    moe = _moe_name(rest, index)
+    moe = _moe_name(rest, index, cfg)
     if moe is not None:
         return moe
     for ours, theirs in _LAYER_RENAMES:

@@ -12,7 +12,8 @@ output shard (at most `max_shard_bytes`) and one parameter. A tied output layer 
 it to `model.embed_tokens.weight`).
 
 Families: Llama (RMSNorm, SwiGLU, RoPE, no biases), Qwen2 (QKV biases), Qwen3 (q / k norms), Mixtral (its MoE layers: softmax router, top-k
-renormalised, no shared expert, every layer MoE) and dense DeepSeek-V3 (MLA) — the ones `load_hf`
+renormalised, no shared expert, every layer MoE), Qwen3-MoE (Qwen3's q / k norms with Mixtral-like MoE
+layers, top-k renormalised or not: norm_topk_prob) and dense DeepSeek-V3 (MLA) — the ones `load_hf`
 imports. Anything else is refused naming what HF's config could not say.
 """
 from __future__ import annotations
@@ -63,20 +64,28 @@ def hf_config(cfg: ModelConfig, dtype: torch.dtype) -> dict:
                 "first_k_dense_replace": cfg.num_layers, "n_shared_experts": 1, "num_experts_per_tok": 1,
                 "moe_intermediate_size": cfg.ffn_size, "rms_norm_eps": cfg.norm_epsilon}
     out.update(num_key_value_heads=cfg.num_query_groups or cfg.num_attention_heads, head_dim=cfg.head_dim)
+    if cfg.is_moe and (cfg.moe_shared_expert_intermediate_size or cfg.moe_first_k_dense_layers
+                       or cfg.moe_router_score_function != "softmax" or cfg.add_qkv_bias):
+        raise NotImplementedYet("Hugging Face export of this MoE (Mixtral's and Qwen3-MoE's layouts need every layer "
+                                "MoE, no shared expert, no QKV bias and a softmax router)")
+    if cfg.is_moe and cfg.qk_layernorm:
+        return {**out, "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "attention_bias": False,
+                "num_experts": cfg.num_experts, "num_experts_per_tok": cfg.moe_router_topk,
+                "moe_intermediate_size": cfg.moe_ffn_hidden_size or cfg.ffn_size,
+                "norm_topk_prob": not cfg.moe_router_pre_softmax, "decoder_sparse_step": 1, "mlp_only_layers": [],
+                "use_sliding_window": False, "router_aux_loss_coef": cfg.moe_aux_loss_coeff}
     if cfg.add_qkv_bias or cfg.qk_layernorm:
-        if cfg.is_moe or (cfg.add_qkv_bias and cfg.qk_layernorm):
-            raise NotImplementedYet("Hugging Face export of QKV biases with q/k norms or with MoE (Qwen2: biases, "
-                                    "Qwen3: q/k norms, dense)")
+        if cfg.add_qkv_bias and cfg.qk_layernorm:
+            raise NotImplementedYet("Hugging Face export of QKV biases with q/k norms (Qwen2: biases, Qwen3: q/k norms)")
         kind, arch = ("qwen2", "Qwen2ForCausalLM") if cfg.add_qkv_bias else ("qwen3", "Qwen3ForCausalLM")
         out.pop("attention_bias")
         return {**out, "model_type": kind, "architectures": [arch], "use_sliding_window": False,
                 **({"attention_bias": False} if kind == "qwen3" else {})}
     if not cfg.is_moe:
         return {**out, "model_type": "llama", "architectures": ["LlamaForCausalLM"], "mlp_bias": False}
-    if (cfg.moe_shared_expert_intermediate_size or cfg.moe_first_k_dense_layers
-            or cfg.moe_router_score_function != "softmax" or cfg.moe_router_pre_softmax):
-        raise NotImplementedYet("Hugging Face export of this MoE (Mixtral's layout needs every layer MoE, no shared "
-                                "expert and a softmax router over the top-k)")
+    if cfg.moe_router_pre_softmax:
+        raise NotImplementedYet("Hugging Face export of an MoE without top-k renormalisation and without q/k norms "
+                                "(Mixtral renormalises; Qwen3-MoE's norm_topk_prob=false needs its q/k norms)")
     return {**out, "model_type": "mixtral", "architectures": ["MixtralForCausalLM"],
             "num_local_experts": cfg.num_experts, "num_experts_per_tok": cfg.moe_router_topk,
             "intermediate_size": cfg.moe_ffn_hidden_size or cfg.ffn_size, "router_aux_loss_coef": cfg.moe_aux_loss_coeff}
