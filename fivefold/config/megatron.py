@@ -126,6 +126,7 @@ FLAGS: dict[str, Flag] = {
     "--global-batch-size": _v("training.global_batch_size"),
     "--micro-batch-size": _v("training.micro_batch_size"),
     "--step-batch-size-schedule": _v("training.step_batch_size_schedule"),
+    "--calculate-per-token-loss": _on("training.calculate_per_token_loss"),
     "--train-iters": _v("training.train_iters"),
     "--optimizer": Flag("training.optimizer", convert=lambda v: "adamw" if v == "adam" else v),  # Megatron's
     # adam decouples weight decay (--decoupled-weight-decay, on by default): AdamW

@@ -6,7 +6,8 @@ a field no source set takes Megatron's default, not our canonical one. Megatron'
 --position-embedding-type is GPT-2-like: GeLU MLP of 4h, LayerNorm, linear biases, tied
 embeddings, learned absolute positions, dropout 0.1 on attention probabilities and hidden states;
 its Adam has beta2 0.999 and its LR decays linearly (megatron/training/arguments.py); a --load folder
-without a checkpoint starts the run from scratch (megatron/training/checkpointing.py).
+without a checkpoint starts the run from scratch (megatron/training/checkpointing.py); without
+--calculate-per-token-loss its loss is the mean of per-microbatch means (megatron/core/pipeline_parallel/schedules.py).
 Our canonical defaults (YAML, other dialects) stay as they are.
 
 Three rules Megatron applies after parsing are applied here too: --swiglu without --ffn-hidden-size
@@ -30,6 +31,7 @@ DEFAULTS: dict[str, object] = {
     "training.adam_beta2": 0.999,
     "training.lr_decay_style": "linear",
     "checkpoint.exit_on_missing_checkpoint": False,
+    "training.calculate_per_token_loss": False,
 }
 """Canonical field -> Megatron-LM's default, where it differs from ours."""
 

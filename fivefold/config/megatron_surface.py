@@ -8,7 +8,7 @@ generated from its config dataclasses) says how each flag takes values. Each fla
   2. no effect    accepted, and `validate` lists it with the reason: switches that change speed or
                   memory but not the math (overlap, fusion, kernel choice, CUDA graphs), logging,
                   profiling, checkpoint I/O tuning, and flags that say what fivefold already does
-                  (a per-token loss, checkpoints with optimizer and RNG state);
+                  (checkpoints with optimizer and RNG state);
   3. not built    changes the math or the run here, not built yet: refused, all such flags in one
                   message ("not implemented yet");
   4. unknown      not Megatron-LM's at that commit: refused with the closest flags.
@@ -58,7 +58,6 @@ NO_EFFECT: list[tuple[str, str]] = [  # (regular expression over the flag, why i
     (r"--(async-ckpt|ckpt|dist-ckpt|non-persistent|use-persistent-ckpt|use-dist-ckpt|auto-detect-ckpt|"
      r"no-ckpt|disable-ckpt|no-save-tokenizer)[-a-z0-9]*",
      "checkpoint format and I/O: fivefold writes its own safetensors checkpoints (any layout loads any other)"),
-    (r"--calculate-per-token-loss", "what fivefold does already (a per-token loss over the global batch)"),
     (r"--(no-save-optim|no-save-rng)", "checkpoints here hold the optimizer and RNG state anyway (larger files, "
      "the same training)"),
     (r"--rampup-batch-size", "deprecated: Megatron-LM ignores it (megatron/core/num_microbatches_calculator.py); "

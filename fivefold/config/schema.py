@@ -209,6 +209,12 @@ class TrainingConfig:
     exit_duration_in_mins: float | None = None
     """Stop (after saving a checkpoint) at the first step that ends this many minutes after training
     started, on every rank at the same step (Megatron's --exit-duration-in-mins). Default None."""
+    calculate_per_token_loss: bool = True
+    """The loss is the per-token mean over the whole global batch (Megatron's --calculate-per-token-loss);
+    False: Megatron's default, the mean over the global batch's microbatches of each microbatch's
+    per-token mean (they differ when microbatches hold different numbers of target tokens: padded
+    variable-length samples, --eod-mask-loss). Megatron dialect default False. Evaluation is per token
+    either way. Default True."""
     step_batch_size_schedule: str | None = None
     """Megatron's --step-batch-size-schedule "0:16 2.4B:320 ...": the global batch grows with the tokens
     consumed (fivefold.train.batch_sizes); global_batch_size may not be given with it. Default None."""

@@ -46,6 +46,17 @@ class StepBatch:
     """The optimizer step this batch is for (dropout masks are a function of it), or None."""
     global_samples: int = 0
     """Samples in the whole global batch, over all DP ranks (0: not known, a hand-made batch)."""
+    global_microbatches: int = 0
+    """Microbatches of the whole global batch, over all DP ranks (0: this rank's, a hand-made batch)."""
+
+    def loss_divisors(self, per_token: bool) -> list[float]:
+        """What each microbatch's loss sum is divided by: the global batch's target tokens (the
+        per-token mean; Megatron's --calculate-per-token-loss), or Megatron's default, its own target
+        tokens times the global batch's microbatches (the mean of per-microbatch means)."""
+        if per_token:
+            return [self.global_tokens] * len(self.microbatches)
+        m = self.global_microbatches or len(self.microbatches)
+        return [max(1, mb.num_tokens) * m for mb in self.microbatches]
 
 
 def collate(samples: list[np.ndarray], rules: DocumentRules | None = None) -> Microbatch:
@@ -90,8 +101,10 @@ class BatchLoader:
         else:
             ids = global_batch_indices(step, self.sizes.size(step), len(self.dataset), self.seed, self.shuffle,
                                        start=self.sizes.start(step))
+        mbs = self.micro_batch_size
         if isinstance(self.dataset, PackedDataset):
             mine = ids[even_share(len(ids), self.dp_rank, self.dp_size)]
+            global_microbatches = -(-len(mine) // mbs) * self.dp_size
             global_tokens = len(ids) * self.dataset.seq_length
             if self.documents is not None and self.documents.eod_mask_loss:  # the real targets left
                 global_tokens -= sum(_eod_targets(self.dataset[int(i)], self.documents) for i in ids)
@@ -101,9 +114,9 @@ class BatchLoader:
             bounds = balanced_partition(targets, self.dp_size)
             mine = ids[bounds[self.dp_rank]: bounds[self.dp_rank + 1]]
             global_tokens = sum(targets)
-        mbs = self.micro_batch_size
+            global_microbatches = sum(-(-(b - a) // mbs) for a, b in zip(bounds, bounds[1:]))
         micro = [collate([self.dataset[int(i)] for i in mine[k: k + mbs]], self.documents)
                  for k in range(0, len(mine), mbs)]
         for k, mb in zip(range(0, len(mine), mbs), micro):
             mb.sample_ids = torch.as_tensor(np.asarray(mine[k: k + mbs], dtype=np.int64))
-        return StepBatch(micro, global_tokens, mine, step, len(ids))
+        return StepBatch(micro, global_tokens, mine, step, len(ids), global_microbatches)

@@ -88,11 +88,11 @@ class PipelineExecutor:
         return [p for p in self.stages[stage].parameters() if p.requires_grad]
 
     def run(self, input_ids: Sequence[torch.Tensor], labels: Sequence[torch.Tensor] | None = None, *,
-            loss_scale: float = 1.0, mode: str = "train", trace: bool = False, docs: Sequence | None = None,
+            loss_scale: float | Sequence[float] = 1.0, mode: str = "train", trace: bool = False, docs: Sequence | None = None,
             noise: Sequence | None = None) -> RunResult:
         """Run every action of this rank for one step. `input_ids[mb]` is needed on every rank (its
         shape sizes the receive buffers), `labels[mb]` on the rank of the last stage. Mode 'train'
-        accumulates dL/dtheta (L = sum of losses * loss_scale) into .grad; 'loss' and 'logprobs' run
+        accumulates dL/dtheta (L = sum of losses * loss_scale, one scale per microbatch when a sequence) into .grad; 'loss' and 'logprobs' run
         the forward-only schedule without building a graph. `docs[mb]`: the microbatch's packed
         documents (fivefold.data.documents.PackedDocs), handed to every stage's forward; `noise[mb]`
         its dropout key (fivefold.model.dropout.DropoutKey) or None, likewise."""
@@ -239,7 +239,8 @@ class PipelineExecutor:
             st.result.loss_sums[mb] = loss_sum.detach().float()
             st.result.token_counts[mb] = torch.as_tensor(count).detach()
             if st.mode == "train":
-                st.outputs[key] = loss_sum * st.loss_scale
+                scale = st.loss_scale if isinstance(st.loss_scale, float | int) else st.loss_scale[mb]
+                st.outputs[key] = loss_sum * scale
         if st.mode != "train":
             st.inputs.pop(key)
 

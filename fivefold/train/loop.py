@@ -98,7 +98,7 @@ def _step(config: Config, ctx: RankContext, step: int, parts: Parts, train_loade
     t = config.training
     trace = parts.pipe is not None and config.logging.trace_schedule and step + 1 == t.train_iters
     r = train_step(parts, train_loader.step_batch(step), lr=lr_at(step, t), clip_grad=t.clip_grad,
-                   device=ctx.device, trace=trace)
+                   device=ctx.device, trace=trace, per_token_loss=t.calculate_per_token_loss)
     if trace:
         report = trace_report(parts.pipe, r.run, ctx.mesh, ctx.out_dir / "schedule_trace.png")
         if ctx.is_main:

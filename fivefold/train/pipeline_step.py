@@ -47,7 +47,8 @@ def _cp_split(pipe: PipelineModel, input_ids, labels) -> tuple[list[torch.Tensor
     return [ids for ids, _ in split], [lab for _, lab in split]
 
 
-def pipeline_forward_backward(pipe: PipelineModel, dp, batch: StepBatch, *, mesh, trace: bool = False) -> tuple[torch.Tensor, RunResult]:
+def pipeline_forward_backward(pipe: PipelineModel, dp, batch: StepBatch, *, mesh, trace: bool = False,
+                              divisors: list[float] | None = None) -> tuple[torch.Tensor, RunResult]:
     """Run the step's schedule with `dp` (fivefold.parallel.data_parallel.DataParallel) holding the
     gradients; returns this rank's float64 loss sum (non-zero on the last stage's rank only) and the
     executor's result (its action log and, with `trace`, timings)."""
@@ -55,13 +56,14 @@ def pipeline_forward_backward(pipe: PipelineModel, dp, batch: StepBatch, *, mesh
     dp.prepare(last=False)  # no reduction during the schedule: finish() reduces every bucket
     if trace:
         comm.barrier(mesh.pp)  # a common start, so the ranks' timings line up
-    run = pipe.executor_for(len(ids)).run(ids, labels, loss_scale=dp.loss_scale / batch.global_tokens, trace=trace,
+    scale = dp.loss_scale / batch.global_tokens if divisors is None else [dp.loss_scale / d for d in divisors]
+    run = pipe.executor_for(len(ids)).run(ids, labels, loss_scale=scale, trace=trace,
                             docs=[mb.docs for mb in batch.microbatches],
                             noise=[dropout_kwargs(batch.step, mb).get("noise") for mb in batch.microbatches])
     pipe.sync_tied_grads()  # before the DP reduction (the sums commute): with ZeRO-1 it reduce-scatters
     local = torch.zeros((), dtype=torch.float64)
-    for s in run.loss_sums.values():
-        local += s.double().cpu()
+    for mb, s in run.loss_sums.items():
+        local += s.double().cpu() if divisors is None else s.double().cpu() / divisors[mb]
     return local, run
 
 

@@ -39,10 +39,11 @@ class StepResult:
     """fp16: the gradients overflowed on some rank, so no rank stepped (fivefold.parallel.precision)."""
 
 
-def _forward_backward(model: nn.Module, dp: DataParallel, batch: StepBatch,
-                      device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _forward_backward(model: nn.Module, dp: DataParallel, batch: StepBatch, device: torch.device,
+                      divisors: list[float] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Each microbatch forward and backward in turn; the last one's backward reduces the dense
-    buckets as they complete. Returns this rank's float64 loss sum and aux-loss sum (MoE, else None)."""
+    buckets as they complete. Returns this rank's float64 loss sum and aux-loss sum (MoE, else None);
+    with `divisors` (Megatron's per-microbatch mean) each microbatch's sum divided by its divisor."""
     local = torch.zeros((), dtype=torch.float64, device=device)  # on the device: no host sync per microbatch
     moe = getattr(getattr(model, "cfg", None), "is_moe", False)
     aux = torch.zeros((), dtype=torch.float64, device=device) if moe else None
@@ -53,26 +54,30 @@ def _forward_backward(model: nn.Module, dp: DataParallel, batch: StepBatch,
         term = aux_loss_term(model) if aux is not None else None  # read before backward (recompute reruns forward)
         if term is not None:
             aux += term
-        (s * (dp.loss_scale / batch.global_tokens)).backward()
-        local += s.detach().double()
+        (s * (dp.loss_scale / (batch.global_tokens if divisors is None else divisors[i]))).backward()
+        local += s.detach().double() if divisors is None else s.detach().double() / divisors[i]
     if n == 0:
         dp.prepare(last=True)
     return local.cpu(), None if aux is None else aux.cpu()
 
 
 def train_step(parts: Parts, batch: StepBatch, *, lr: float, clip_grad: float, device: torch.device,
-               trace: bool = False) -> StepResult:
+               trace: bool = False, per_token_loss: bool = True) -> StepResult:
     """One step of `parts` (fivefold.parallel.parallelize) on this rank's share of the global batch.
-    `trace` (PP only): time every action of the schedule (StepResult.run.times)."""
+    `trace` (PP only): time every action of the schedule (StepResult.run.times). `per_token_loss`
+    False: Megatron's default loss, the mean over the global batch's microbatches of each one's
+    per-token mean (StepBatch.loss_divisors); the same as the per-token mean when every microbatch has
+    as many target tokens."""
+    divisors = None if per_token_loss else batch.loss_divisors(per_token=False)
     dp, mesh = parts.dp, parts.mesh
     dp.set_lr(lr)
     dp.zero_grad()
     run, aux = None, None
     if parts.pipe is None:
-        local, aux = _forward_backward(parts.model, dp, batch, device)
+        local, aux = _forward_backward(parts.model, dp, batch, device, divisors)
         loss_groups: tuple[Group, ...] = (mesh.dp_cp,)
     else:
-        local, run = pipeline_forward_backward(parts.pipe, dp, batch, mesh=mesh, trace=trace)
+        local, run = pipeline_forward_backward(parts.pipe, dp, batch, mesh=mesh, trace=trace, divisors=divisors)
         loss_groups = (mesh.pp, mesh.dp_cp)  # only the last stage's rank holds a loss sum
     dp.finish()
     skipped = not dp.unscale_grads()  # fp16: an overflow on any rank skips the step on every rank
@@ -80,7 +85,8 @@ def train_step(parts: Parts, batch: StepBatch, *, lr: float, clip_grad: float, d
     if not skipped:
         dp.step()
     aux_loss = global_mean(aux, 1, mesh.dp_cp, mesh.group("model-parallel")) if aux is not None else None
-    return StepResult(global_mean(local, batch.global_tokens, *loss_groups), norm, batch.global_tokens, aux_loss,
+    loss = global_mean(local, batch.global_tokens if divisors is None else 1, *loss_groups)
+    return StepResult(loss, norm, batch.global_tokens, aux_loss,
                       run, skipped)
 
 
