@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from fivefold.config.schema import ModelConfig
-from fivefold.ops.attention import Documents, attention
+from fivefold.ops.attention import Documents, attention, cached_attention
 from fivefold.model.dropout import Noise, explicit_attention
 from fivefold.model.norm import make_norm
 from fivefold.model.recompute import maybe_checkpoint
@@ -87,9 +87,10 @@ class Attention(nn.Module):
                                   k_pos=k_pos)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, docs: Documents | None = None,
-                noise: Noise | None = None) -> torch.Tensor:
+                noise: Noise | None = None, cache: list | None = None) -> torch.Tensor:
         """`noise`: this forward's dropout (fivefold.model.dropout); attention dropout then runs the
-        explicit softmax path, the probabilities masked by global (sample, head, q, k)."""
+        explicit softmax path, the probabilities masked by global (sample, head, q, k). `cache`
+        (generation, fivefold.model.generate): [k, v] of the positions before x's, extended in place."""
         q, k, v = column_linears(x, [self.q_proj, self.k_proj, self.v_proj])  # (b, s, (a|g)/tp * d)
         b, s = q.shape[:2]
         q = q.view(b, s, -1, self.d).transpose(1, 2)  # (b, a/tp, s, d)
@@ -99,7 +100,12 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if cos is not None:  # RoPE; learned absolute positions were added to the embedding instead
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if noise is not None and noise.attention_p > 0:
+        if cache is not None:  # decoding: this rank's heads' keys and values of every earlier position
+            if cache:
+                k, v = torch.cat([cache[0], k], dim=2), torch.cat([cache[1], v], dim=2)
+            cache[:] = [k, v]
+            core = cached_attention
+        elif noise is not None and noise.attention_p > 0:
             core = partial(self._dropout_attention, noise=noise, docs=docs)
         else:
             core = partial(core_attention, cp=self.context_parallel, docs=docs)

@@ -39,8 +39,11 @@ class DecoderLayer(nn.Module):
             for norm in (self.attn_norm, self.mlp_norm):
                 mark_sequence_sharded(norm)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, docs=None, noise=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, docs=None, noise=None,
+                cache: list | None = None) -> torch.Tensor:
         """`docs`: the batch's document boundaries (fivefold.ops.attention.Documents) or None;
-        `noise`: this forward's dropout (fivefold.model.dropout.Noise) or None."""
-        x = x + dropped(noise, self.attn(self.attn_norm(x), cos, sin, docs, noise), self.layer, ATTENTION_OUT)  # (b, s, h)
+        `noise`: this forward's dropout (fivefold.model.dropout.Noise) or None; `cache`: the
+        attention's key / value cache when generating (fivefold.model.generate), else None."""
+        attn = self.attn(self.attn_norm(x), cos, sin, docs, noise, **({"cache": cache} if cache is not None else {}))
+        x = x + dropped(noise, attn, self.layer, ATTENTION_OUT)  # (b, s, h)
         return x + dropped(noise, self.mlp(self.mlp_norm(x)), self.layer, MLP_OUT)  # (b, s, h)

@@ -123,7 +123,7 @@ class Decoder(nn.Module):
             rows = positions[self.tp.rank * part:(self.tp.rank + 1) * part]  # (s/tp,)
         return Noise(self.seed, key, cfg.hidden_dropout, cfg.attention_dropout, positions, rows)
 
-    def forward(self, x: torch.Tensor, docs=None, noise: DropoutKey | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, docs=None, noise: DropoutKey | None = None, cache=None) -> torch.Tensor:
         """x: ids (b, s) with an embedding, else hidden (b, s, h). Returns logits (b, s, V_padded)
         with a head (padded columns are 0: their rows are zero), else hidden (b, s, h).
         Context-parallel: s is this CP rank's s/cp tokens (parallel.context.split_tokens: chunks r and
@@ -132,11 +132,14 @@ class Decoder(nn.Module):
         parallelism hidden states in and out are this rank's (b, s/tp, h).
         `docs` (fivefold.data.documents.PackedDocs of the whole batch, or None): packed documents,
         each attending to itself and/or with RoPE positions restarting per document.
-        `noise` (training): the micro-batch's dropout key (fivefold.model.dropout); None = no dropout."""
+        `noise` (training): the micro-batch's dropout key (fivefold.model.dropout); None = no dropout.
+        `cache` (generation, fivefold.model.generate.KVCache): x continues the cached positions."""
         sp = self.mode is TPMode.SEQUENCE_PARALLEL
         s = x.shape[1] * (self.tp.size if sp and not self.has_embedding else 1)  # this CP rank's s/cp
         hidden = self.embedding(x) if self.has_embedding else x  # (b, s/cp, h) or (b, s/cp/tp, h)
         positions = self._positions(s, hidden.device, docs)  # (s,) or (b, s)
+        if cache is not None:
+            positions = positions + cache.length
         if self.position_embedding is not None:
             hidden = hidden + self.position_embedding(positions)  # (b, s, h) or (b, s/tp, h)
         drop = self._noise(noise, s, hidden.device)
@@ -148,6 +151,11 @@ class Decoder(nn.Module):
         bounds = None if docs is None or docs.attention is None else \
             docs.attention.padded_to(s * (1 if self.cp is None else self.cp.size))
         layers = list(self.layers.values())
+        if cache is not None:  # generation: forward-only, each layer extends its keys and values
+            for i, layer in enumerate(layers):
+                hidden = layer(hidden, cos, sin, cache=cache.layers[i])
+            cache.length += s
+            return self.head(self.final_norm(hidden))
         for start, end, recompute in self.recompute.spans(len(layers)):
             def span(x, chunk=layers[start:end]):
                 for layer in chunk:

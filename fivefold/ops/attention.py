@@ -109,6 +109,18 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float
     return o[..., :dv]
 
 
+def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None) -> torch.Tensor:
+    """Causal attention of the last s_q positions over all s_k >= s_q keys (decoding with a KV
+    cache: query i sits at position s_k - s_q + i and sees keys 0 .. s_k - s_q + i), forward-only:
+    (b, a, s_q, d), (b, g, s_k, d), (b, g, s_k, dv) -> (b, a, s_q, dv)."""
+    s_q, s_k = q.shape[2], k.shape[2]
+    if s_q == s_k:
+        return attention(q, k, v, scale=scale)
+    sees = torch.arange(s_k, device=q.device) <= torch.arange(s_k - s_q, s_k, device=q.device)[:, None]  # (s_q, s_k)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=sees, scale=q.shape[-1] ** -0.5 if scale is None else scale,
+                                          enable_gqa=q.shape[1] != k.shape[1])
+
+
 def _pad_to(t: torch.Tensor, w: int) -> torch.Tensor:
     """t (.., x) -> (.., w) with zero columns; the kernels want q, k and v equally wide."""
     return t if t.shape[-1] == w else F.pad(t, (0, w - t.shape[-1]))
