@@ -1,0 +1,1 @@
+"""RL post-training pieces: a verifiable toy task (fivefold.rl.tasks)."""
