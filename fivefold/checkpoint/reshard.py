@@ -10,17 +10,17 @@ tensor `key` of the safetensors file `file`, optionally only a flat range [lo, h
 
 A *destination* is a tensor held the way its `ParamMeta` says (`meta.placement`: a TP / ETP shard at
 its offsets, or the whole tensor). `fill` copies into it the part of every piece that overlaps it:
-`safe_open(...).get_slice(key)[slices]` reads those bytes from the file (memory-mapped), never the
-whole tensor. Rows at or past the destination's `vocab_rows` that the source does not have
+the rows of the piece that the overlap spans are read from the file with positioned reads
+(`_File`), never the whole tensor unless the overlap needs every row. Rows at or past the destination's `vocab_rows` that the source does not have
 (vocabulary padded to another multiple) are padding: zero. `fill_flat` does the same for a flat range
 of the destination (a ZeRO chunk of optimizer state), reading of each flat-saved piece only the
 window that can meet it.
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import math
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,31 +58,68 @@ Source = Mapping[str, Saved]
 """Name -> where it is stored."""
 
 
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+           "BOOL": torch.bool}
+
+
+class _File:
+    """One safetensors file read with positioned reads (os.pread) of just the bytes asked for: the
+    pages are this process's own buffers, freed with them, not memory-mapped pages of the whole file
+    that stay resident while it is open. The header is checked by safetensors once (open_shard)."""
+
+    def __init__(self, path: Path):
+        with open_shard(path.parent, path.name) as f:  # a missing or damaged file: UserError naming it
+            self.keys = set(f.keys())
+        self.fd = os.open(path, os.O_RDONLY)
+        n = int.from_bytes(os.pread(self.fd, 8, 0), "little")
+        self.header = json.loads(os.pread(self.fd, n, 8))
+        self.base = 8 + n
+
+    def read(self, key: str, slices: tuple[slice, ...]) -> torch.Tensor:
+        """tensor[slices]: the rows of dim 0 that `slices` spans are read whole, the rest cut from them."""
+        entry = self.header[key]
+        dtype, shape = _DTYPES[entry["dtype"]], list(entry["shape"])
+        begin = entry["data_offsets"][0]
+        if not shape:
+            return torch.frombuffer(bytearray(os.pread(self.fd, dtype.itemsize, self.base + begin)), dtype=dtype)[0]
+        first = slices[0] if slices else slice(None)
+        lo, hi, _ = first.indices(shape[0])
+        row = math.prod(shape[1:]) * dtype.itemsize
+        data = bytearray(os.pread(self.fd, (hi - lo) * row, self.base + begin + lo * row)) if hi > lo else bytearray()
+        rows = torch.frombuffer(data, dtype=dtype).view(hi - lo, *shape[1:]) if data else \
+            torch.empty(0, *shape[1:], dtype=dtype)
+        return rows[(slice(None), *slices[1:])]
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
 class Reader:
-    """Open safetensors files, each opened once (memory-mapped) however many pieces are read from it."""
+    """Open safetensors files, each opened once however many pieces are read from it (`_File`)."""
 
     def __init__(self):
-        self._open: dict[Path, object] = {}
-        self._stack = contextlib.ExitStack()
+        self._open: dict[Path, _File] = {}
 
     def __enter__(self) -> Reader:
         return self
 
     def __exit__(self, *exc) -> None:
-        self._stack.close()
+        for f in self._open.values():
+            f.close()
         self._open.clear()
 
-    def file(self, path: Path):
-        if path not in self._open:  # a missing or damaged file: UserError naming it (layout.open_shard)
-            self._open[path] = self._stack.enter_context(open_shard(path.parent, path.name))
+    def file(self, path: Path) -> _File:
+        if path not in self._open:
+            self._open[path] = _File(path)
         return self._open[path]
 
     def has(self, piece: Piece) -> bool:
-        return piece.key in self.file(piece.file).keys()
+        return piece.key in self.file(piece.file).keys
 
     def read(self, piece: Piece, slices: tuple[slice, ...]) -> torch.Tensor:
         """The elements `slices` of the piece (of its flat range, with `flat`), read from the file."""
-        return self.file(piece.file).get_slice(piece.key)[slices]
+        return self.file(piece.file).read(piece.key, slices)
 
 
 def spec_of(meta: ParamMeta, t: torch.Tensor) -> ShardSpec:
