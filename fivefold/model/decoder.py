@@ -123,7 +123,8 @@ class Decoder(nn.Module):
             rows = positions[self.tp.rank * part:(self.tp.rank + 1) * part]  # (s/tp,)
         return Noise(self.seed, key, cfg.hidden_dropout, cfg.attention_dropout, positions, rows)
 
-    def forward(self, x: torch.Tensor, docs=None, noise: DropoutKey | None = None, cache=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, docs=None, noise: DropoutKey | None = None, cache=None,
+                head: bool = True) -> torch.Tensor:
         """x: ids (b, s) with an embedding, else hidden (b, s, h). Returns logits (b, s, V_padded)
         with a head (padded columns are 0: their rows are zero), else hidden (b, s, h).
         Context-parallel: s is this CP rank's s/cp tokens (parallel.context.split_tokens: chunks r and
@@ -133,7 +134,8 @@ class Decoder(nn.Module):
         `docs` (fivefold.data.documents.PackedDocs of the whole batch, or None): packed documents,
         each attending to itself and/or with RoPE positions restarting per document.
         `noise` (training): the micro-batch's dropout key (fivefold.model.dropout); None = no dropout.
-        `cache` (generation, fivefold.model.generate.KVCache): x continues the cached positions."""
+        `cache` (generation, fivefold.model.generate.KVCache): x continues the cached positions.
+        `head` False: the last layer's hidden states, for `head_logits` on chunks of them."""
         sp = self.mode is TPMode.SEQUENCE_PARALLEL
         s = x.shape[1] * (self.tp.size if sp and not self.has_embedding else 1)  # this CP rank's s/cp
         hidden = self.embedding(x) if self.has_embedding else x  # (b, s/cp, h) or (b, s/cp/tp, h)
@@ -162,9 +164,13 @@ class Decoder(nn.Module):
                     x = layer(x, cos, sin, bounds, drop)  # (b, s, h)
                 return x
             hidden = maybe_checkpoint(span, recompute, hidden)  # (b, s, h)
-        if not self.has_head:
+        if not self.has_head or not head:
             return hidden
         return self.head(self.final_norm(hidden))  # (b, s, V_padded)
+
+    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The output layer on the last layer's hidden states (forward(x, head=False)): (b, s, V_padded[/tp])."""
+        return self.head(self.final_norm(hidden))
 
     def hidden_shape(self, ids_shape: Sequence[int]) -> tuple[int, int, int]:
         """Shape of the hidden states between layers (a pipeline stage boundary) for token ids of

@@ -58,6 +58,21 @@ class _VocabParallelLogProb(torch.autograd.Function):
         return grad.to(ctx.in_dtype), None, None, None, None
 
 
+def vocab_parallel_entropy(logits_shard: torch.Tensor, group: Group, vocab_size: int) -> torch.Tensor:
+    """Entropy of each token's softmax over the whole vocabulary (fp32, the logits' leading shape) from
+    this rank's (..., V_padded/tp) columns, differentiable: with m the global max, S = sum exp(z - m)
+    and E = sum exp(z - m) z over all columns (one all-reduce of both, identity backward: the entropy
+    is then the same on every TP rank), H = m + log S - E / S."""
+    cols = logits_shard.shape[-1]
+    real = max(0, min(cols, vocab_size - group.rank * cols))
+    z = logits_shard.float()[..., :real]  # padding columns are not part of the vocabulary
+    m = z.detach().max(dim=-1).values if real else torch.full(z.shape[:-1], float("-inf"), device=z.device)
+    comm.all_reduce_(m, group, "tp-loss", op="max")
+    e = torch.exp(z - m.unsqueeze(-1))
+    stats = comm.reduce_from(torch.stack([e.sum(-1), (e * z).sum(-1)]), group, tag="tp-loss")
+    return m + torch.log(stats[0]) - stats[1] / stats[0]
+
+
 def vocab_parallel_logprobs(logits_shard: torch.Tensor, labels: torch.Tensor, group: Group, vocab_size: int,
                             ignore_index: int = -100) -> torch.Tensor:
     """log p(label) per token (fp32, or fp64 for fp64 logits; shape of `labels`; 0 where label == ignore_index), from this

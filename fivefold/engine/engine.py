@@ -1,0 +1,195 @@
+"""The training engine an RL framework drives (AReaL's `TrainEngine`, verl's engine, SkyRL's and RLinf's
+Megatron workers): one model on one layout, fed right-padded batches of whole sequences.
+
+    engine = Engine(config, mesh)                       # this rank's part of the model (train.loop.build)
+    stats = engine.forward(batch)                       # per-token log-probs and entropy, no graph
+    metrics = engine.train_batch(batch, loss_fn)        # one optimizer step on the caller's loss
+    for bucket in engine.export_weights(bucket_bytes):  # HF-named full tensors, for an inference copy
+        ...
+
+A `Batch` holds token ids (n, s), right-padded, and `loss_mask` (n, s): 1 on the tokens whose
+log-probability counts (the response). Position t's log-prob is log p(ids[t] | ids[<t]) (0 at t = 0), so
+masks, log-probs and rollout tensors line up with the tokens. The n sequences are this rank's DP share
+(`split` cuts a global batch); `loss_fn(stats, mb, scale)` returns the micro-batch's share of the loss,
+where `scale` carries the global normalisation (fivefold.engine.losses.aggregate's denominator is the
+global token or sequence count, which `train_batch` computes over every DP rank before the step).
+
+Layouts: DP (replicate or ZeRO), TP with or without SP, EP; pipeline and context parallelism are refused
+("not implemented yet"). Full-vocabulary fp32 logits never exist at once: log-probs and entropy are
+computed in sequence chunks of `chunk` tokens from the last layer's hidden states, vocab-parallel
+under TP (fivefold.parallel.cross_entropy).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from fivefold.config.schema import Config
+from fivefold.errors import NotImplementedYet
+from fivefold.model.hf import hf_name
+from fivefold.parallel.cross_entropy import vocab_parallel_entropy, vocab_parallel_logprobs
+from fivefold.parallel.tensor import TPMode
+from fivefold.runtime import comm
+from fivefold.train.context import RankContext
+
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor
+    """(n, s) int64, right-padded."""
+    loss_mask: torch.Tensor
+    """(n, s) 1 where a token's log-probability counts; 0 on prompts and padding."""
+    extra: dict[str, torch.Tensor] | None = None
+    """Per-token or per-sequence tensors the loss reads (old log-probs, advantages, ...), sliced with the batch."""
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    def rows(self, index) -> Batch:
+        return Batch(self.input_ids[index], self.loss_mask[index],
+                     {k: v[index] for k, v in (self.extra or {}).items()})
+
+
+@dataclass
+class TokenStats:
+    logprobs: torch.Tensor
+    """(n, s) fp32 log p(ids[t] | ids[<t]); 0 at t = 0."""
+    entropy: torch.Tensor
+    """(n, s) fp32 entropy of the distribution that predicted ids[t]; 0 at t = 0."""
+
+
+def split(batch: Batch, dp_size: int, dp_rank: int) -> Batch:
+    """This DP rank's contiguous share of a global batch (n divisible by dp_size)."""
+    n = len(batch) // dp_size
+    return batch.rows(slice(dp_rank * n, (dp_rank + 1) * n))
+
+
+class Engine:
+    def __init__(self, config: Config, ctx: RankContext, *, chunk: int = 1024):
+        from fivefold.train.loop import build
+
+        if ctx.layout.pp > 1 or ctx.layout.cp > 1:
+            raise NotImplementedYet("the RL engine with pipeline or context parallelism (DP, TP/SP and EP run)")
+        self.config, self.ctx, self.chunk = config, ctx, chunk
+        self.parts = build(config, ctx)
+        self.model = self.parts.model
+
+    # ---- forward ----
+    def _token_stats(self, ids: torch.Tensor) -> TokenStats:
+        """Log-probs and entropy of every position (differentiable when grad is on), in chunks."""
+        model = self.model
+        normed = model.final_norm(model(ids, head=False))  # (n, s, h); under SP (n, s/tp, h)
+        head = model.head
+        if model.mode is TPMode.SEQUENCE_PARALLEL:  # gather the positions here (reduce-scatter backward):
+            normed = comm.gather(normed, 1, model.tp, tag="engine-sp")  # the head then takes them as they are
+            head = partial(F.linear, weight=model.head.weight)
+        labels = torch.cat([ids[:, 1:], torch.zeros_like(ids[:, :1])], dim=1)  # position t predicts ids[t + 1]
+        logps, ents = [], []
+        for t0 in range(0, ids.shape[1], self.chunk):
+            logits = head(normed[:, t0:t0 + self.chunk])  # (n, chunk, V_padded[/tp])
+            lab = labels[:, t0:t0 + self.chunk]
+            if model.tp is not None:
+                logps.append(vocab_parallel_logprobs(logits, lab, model.tp, model.vocab_size))
+                ents.append(vocab_parallel_entropy(logits, model.tp, model.vocab_size))
+            else:
+                logp_all = torch.log_softmax(logits[..., : model.vocab_size].float(), -1)
+                logps.append(logp_all.gather(-1, lab.unsqueeze(-1)).squeeze(-1))
+                ents.append(-(logp_all.exp() * logp_all).sum(-1))
+        zero = torch.zeros_like(ids[:, :1], dtype=torch.float32)
+        return TokenStats(*(torch.cat([zero, torch.cat(parts, 1)[:, :-1]], 1) for parts in (logps, ents)))
+
+    @torch.no_grad()
+    def forward(self, batch: Batch, micro_batch_size: int | None = None) -> TokenStats:
+        """Per-token log-probs and entropy of this rank's sequences, forward-only."""
+        was = self.model.training
+        self.model.eval()
+        mbs = micro_batch_size or len(batch)
+        out = [self._token_stats(batch.input_ids[i:i + mbs]) for i in range(0, len(batch), mbs)]
+        self.model.train(was)
+        return TokenStats(torch.cat([o.logprobs for o in out]), torch.cat([o.entropy for o in out]))
+
+    # ---- training ----
+    def train_batch(self, batch: Batch, loss_fn: Callable[[TokenStats, Batch, dict], torch.Tensor], *,
+                    lr: float, micro_batch_size: int | None = None) -> dict[str, float]:
+        """One optimizer step: `loss_fn(stats, micro_batch, totals)` returns the micro-batch's share of
+        the loss, dividing by the global totals it is given ({"tokens": masked tokens, "sequences":
+        sequences, over every DP rank}); the loss summed over micro-batches and DP ranks is the loss of
+        the whole global batch. Returns the loss and the gradient norm."""
+        dp, mesh = self.parts.dp, self.parts.mesh
+        totals = torch.tensor([float(batch.loss_mask.sum()), float(len(batch))], dtype=torch.float64)
+        comm.all_reduce_(totals, mesh.dp_cp, tag="engine-totals")
+        norms = {"tokens": float(totals[0]), "sequences": float(totals[1])}
+        mbs = micro_batch_size or len(batch)
+        starts = list(range(0, len(batch), mbs))
+        dp.set_lr(lr)
+        dp.zero_grad()
+        local = torch.zeros((), dtype=torch.float64)
+        for i, start in enumerate(starts):
+            mb = batch.rows(slice(start, start + mbs))
+            dp.prepare(last=i == len(starts) - 1)
+            loss = loss_fn(self._token_stats(mb.input_ids), mb, norms)
+            (loss * dp.loss_scale).backward()
+            local += loss.detach().double()
+        dp.finish()
+        skipped = not dp.unscale_grads()
+        norm = None if skipped else dp.clip_grads(self.config.training.clip_grad)
+        if not skipped:
+            dp.step()
+        comm.all_reduce_(local, mesh.dp_cp, tag="engine-loss")
+        return {"loss": float(local), "grad_norm": float("nan") if norm is None else float(norm)}
+
+    # ---- weights ----
+    def export_weights(self, bucket_bytes: int = 512 * 2**20) -> Iterator[dict[str, torch.Tensor]]:
+        """The whole model under Hugging Face names (fivefold.model.hf.hf_name), each tensor gathered whole
+        from its TP / EP shards (and ZeRO-3 chunks), yielded in buckets of at most `bucket_bytes` (a
+        tensor larger than that is a bucket of its own). Every rank of the model gets every bucket."""
+        from fivefold.parallel.param_meta import named_metas
+
+        model, cfg = self.model, self.model.cfg
+        if self.ctx.layout.ep > 1:
+            raise NotImplementedYet("export_weights with expert parallelism (each EP rank holds other experts)")
+        bucket, size = {}, 0
+        with self.parts.dp.full_params(writes=False):
+            metas = named_metas(model)
+            for name, p in model.named_parameters():
+                full = _gather_whole(p.detach(), metas[name], self.parts.mesh)
+                if name == "head.weight" and cfg.tie_word_embeddings:
+                    continue
+                full = full[: cfg.vocab_size] if name in ("embedding.weight", "head.weight") else full
+                if bucket and size + full.nbytes > bucket_bytes:
+                    yield bucket
+                    bucket, size = {}, 0
+                bucket[hf_name(name, cfg)] = full
+                size += full.nbytes
+        if bucket:
+            yield bucket
+
+    def save(self, folder: str | Path, step: int) -> Path:
+        from fivefold.train.loop import _save
+
+        return _save(self.config, self.ctx, Path(folder), step, self.parts, None)
+
+
+def _gather_whole(t: torch.Tensor, meta, mesh) -> torch.Tensor:
+    """The one-process tensor from the shards of its group (uneven or replicated slices placed at their
+    offsets; the same result on every rank)."""
+    shard = meta.shard
+    if shard is None or mesh.group(shard.group).size == 1:
+        return t.clone()
+    group = mesh.group(shard.group)
+    width = shard.full_shape[shard.dim]  # no slice is wider
+    padded = F.pad(t, [0, 0] * (t.dim() - 1 - shard.dim) + [0, width - shard.length])
+    slices = comm.all_gather(padded.unsqueeze(0), 0, group, tag="engine-export")  # (tp, ...)
+    starts = comm.all_gather(torch.tensor([[shard.start, shard.length]]), 0, group, tag="engine-export")
+    full = torch.empty(shard.full_shape, dtype=t.dtype)
+    for piece, (start, length) in zip(slices, starts.tolist()):
+        full.narrow(shard.dim, start, length).copy_(piece.narrow(shard.dim, 0, length))
+    return full
+
+
+__all__ = ["Batch", "Engine", "TokenStats", "split"]
