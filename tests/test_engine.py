@@ -145,3 +145,46 @@ def test_loss_formulas():
     assert L.value_loss(v, v_old, ret, clip=0.5).tolist() == [0.5 * max(1.0, 2.25), 0.5 * max(1.0, 2.25)]
     w = L.truncated_is_weights(torch.tensor([0.0, 2.0]), torch.tensor([0.0, 0.0]), cap=2.0)
     assert w.tolist() == [1.0, 2.0]
+
+
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+from fivefold.engine.batching import plan  # noqa: E402
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(st.lists(st.lists(st.integers(1, 300), min_size=1, max_size=20), min_size=1, max_size=8),
+       st.integers(16, 600))
+def test_micro_batches_have_one_count_on_every_rank_and_keep_the_budget(lengths_per_rank, max_tokens):
+    bins = plan(lengths_per_rank, max_tokens)
+    assert len({len(b) for b in bins}) == 1  # the same number of micro-batches on every DP rank
+    for lengths, rank_bins in zip(lengths_per_rank, bins):
+        placed = sorted(i for b in rank_bins for i in b)
+        assert placed == list(range(len(lengths)))  # every sequence once
+        for b in rank_bins:
+            assert len(b) <= 1 or len(b) * max(lengths[i] for i in b) <= max_tokens
+
+
+def _budget_rank(rank: int, world: int, config: dict) -> dict:
+    import tempfile
+    from pathlib import Path
+
+    cfg = config_from_dict(config)
+    torch.manual_seed(0)
+    engine = Engine(cfg, RankContext(Mesh.build(layout_of(cfg)), Path(tempfile.mkdtemp())))
+    batch = split(_batch(), engine.ctx.dp_size, engine.ctx.dp_rank)
+    batch.lengths = batch.loss_mask.sum(1).long() + 6  # the prompt and the response: padding after it
+    counts = [len(engine.micro_batches(batch, 40))]
+    return {"counts": counts, "metrics": engine.train_batch(batch, grpo_loss, lr=1e-3, max_tokens=40)}
+
+
+def test_token_budget_step_equals_fixed_micro_batches(workers, one_process):
+    """Micro-batches cut by a 40-token budget (right padding trimmed) give the step of fixed micro-batches:
+    the loss is normalised globally, so how sequences are grouped does not change it."""
+    results = workers(2).run(_budget_rank, to_dict(_config(2)))
+    assert len({r["counts"][0] for r in results}) == 1
+    for r in results:
+        close(r["metrics"]["loss"], one_process["metrics"][0]["loss"], rtol=5e-6, atol=2e-7, site="engine.layout_loss",
+              case="token budget")
+        close(r["metrics"]["grad_norm"], one_process["metrics"][0]["grad_norm"], rtol=5e-6,
+              site="engine.layout_grad_norm", case="token budget")

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from fivefold.config.schema import Config
+from fivefold.engine.batching import plan
 from fivefold.errors import NotImplementedYet
 from fivefold.model.hf import hf_name
 from fivefold.parallel.cross_entropy import vocab_parallel_entropy, vocab_parallel_logprobs
@@ -46,13 +47,23 @@ class Batch:
     """(n, s) 1 where a token's log-probability counts; 0 on prompts and padding."""
     extra: dict[str, torch.Tensor] | None = None
     """Per-token or per-sequence tensors the loss reads (old log-probs, advantages, ...), sliced with the batch."""
+    lengths: torch.Tensor | None = None
+    """(n,) tokens before the padding (default: every position counts); token-budget micro-batches
+    are cut to their longest sequence."""
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
-    def rows(self, index) -> Batch:
-        return Batch(self.input_ids[index], self.loss_mask[index],
-                     {k: v[index] for k, v in (self.extra or {}).items()})
+    def lengths_list(self) -> list[int]:
+        return self.lengths.tolist() if self.lengths is not None else [self.input_ids.shape[1]] * len(self)
+
+    def rows(self, index, width: int | None = None) -> Batch:
+        """Sequences `index` (a slice or a list), their positions cut to `width`."""
+        cut = (lambda t: t[:, :width] if width is not None and t.dim() == 2 else t)  # noqa: E731
+        idx = index if isinstance(index, slice) else torch.as_tensor(index, dtype=torch.long)
+        return Batch(cut(self.input_ids[idx]), cut(self.loss_mask[idx]),
+                     {k: cut(v[idx]) for k, v in (self.extra or {}).items()},
+                     None if self.lengths is None else self.lengths[idx])
 
 
 @dataclass
@@ -114,8 +125,20 @@ class Engine:
         return TokenStats(torch.cat([o.logprobs for o in out]), torch.cat([o.entropy for o in out]))
 
     # ---- training ----
+    def micro_batches(self, batch: Batch, max_tokens: int) -> list[Batch]:
+        """This rank's sequences in micro-batches of at most `max_tokens` padded tokens, as many as on
+        every other DP rank (fivefold.engine.batching; some may be empty), each cut to its longest."""
+        lengths = batch.lengths_list()
+        group = self.parts.mesh.dp_cp
+        n = torch.tensor([len(lengths)])
+        comm.all_reduce_(n, group, tag="engine-batching", op="max")
+        mine = torch.tensor([lengths + [-1] * (int(n) - len(lengths))])
+        every = comm.all_gather(mine, 0, group, tag="engine-batching").tolist()  # (dp, n)
+        bins = plan([[x for x in row if x >= 0] for row in every], max_tokens)[group.rank]
+        return [batch.rows(b, width=max((lengths[i] for i in b), default=0)) for b in bins]
+
     def train_batch(self, batch: Batch, loss_fn: Callable[[TokenStats, Batch, dict], torch.Tensor], *,
-                    lr: float, micro_batch_size: int | None = None) -> dict[str, float]:
+                    lr: float, micro_batch_size: int | None = None, max_tokens: int | None = None) -> dict[str, float]:
         """One optimizer step: `loss_fn(stats, micro_batch, totals)` returns the micro-batch's share of
         the loss, dividing by the global totals it is given ({"tokens": masked tokens, "sequences":
         sequences, over every DP rank}); the loss summed over micro-batches and DP ranks is the loss of
@@ -124,14 +147,18 @@ class Engine:
         totals = torch.tensor([float(batch.loss_mask.sum()), float(len(batch))], dtype=torch.float64)
         comm.all_reduce_(totals, mesh.dp_cp, tag="engine-totals")
         norms = {"tokens": float(totals[0]), "sequences": float(totals[1])}
-        mbs = micro_batch_size or len(batch)
-        starts = list(range(0, len(batch), mbs))
+        if max_tokens is not None:
+            mbs_list = self.micro_batches(batch, max_tokens)
+        else:
+            mbs = micro_batch_size or len(batch)
+            mbs_list = [batch.rows(slice(start, start + mbs)) for start in range(0, len(batch), mbs)]
         dp.set_lr(lr)
         dp.zero_grad()
         local = torch.zeros((), dtype=torch.float64)
-        for i, start in enumerate(starts):
-            mb = batch.rows(slice(start, start + mbs))
-            dp.prepare(last=i == len(starts) - 1)
+        for i, mb in enumerate(mbs_list):
+            dp.prepare(last=i == len(mbs_list) - 1)
+            if len(mb) == 0:  # another DP rank has more micro-batches: nothing to add here
+                continue
             loss = loss_fn(self._token_stats(mb.input_ids), mb, norms)
             (loss * dp.loss_scale).backward()
             local += loss.detach().double()
