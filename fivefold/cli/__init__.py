@@ -15,7 +15,7 @@ import sys
 
 from fivefold.errors import UserError
 
-COMMANDS = ["validate", "layout", "train", "schedule", "plan", "estimate", "preprocess", "export", "convert"]
+COMMANDS = ["validate", "layout", "train", "schedule", "plan", "estimate", "preprocess", "export", "convert", "rl"]
 
 
 def _load(name: str):

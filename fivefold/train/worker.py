@@ -73,13 +73,20 @@ def summary(result: TrainResult, ctx: RankContext, config: Config, first_loss: f
     return "\n".join(lines)
 
 
-def run_rank(config: Config, out_dir: Path, data_dir: Path) -> int:
-    """Train as this rank; on failure write the error file. Returns the exit code."""
+def run_rank(config: Config, out_dir: Path, data_dir: Path, job=None) -> int:
+    """Train as this rank (or run `job(config, ctx) -> summary text`, e.g. fivefold.rl); on failure write
+    the error file. Returns the exit code."""
     rank = int(os.environ.get("RANK", 0))
     err = out_dir / "logs" / f"rank-{rank}.error"
     try:
         start_heartbeat(config, out_dir / "logs", rank)
         ctx = init_rank(config, out_dir)
+        if job is not None:
+            text = job(config, ctx)
+            if ctx.is_main:
+                print(text, flush=True)
+            dist.destroy_process_group()
+            return 0
         result = train(config, ctx, data_dir)
         if ctx.is_main:
             from fivefold.train.metrics import read_metrics
@@ -119,7 +126,12 @@ def start_heartbeat(config: Config, log_dir: Path, rank: int) -> None:
 
 def main(argv: list[str]) -> int:
     spec = json.loads(Path(argv[0]).read_text())
-    return run_rank(config_from_dict(spec["config"]), Path(spec["out"]), Path(spec["data_dir"]))
+    job = None
+    if spec.get("job") == "rl":
+        from fivefold.rl.cli_job import grpo_job
+
+        job = grpo_job(spec["grpo"], Path(spec["out"]))
+    return run_rank(config_from_dict(spec["config"]), Path(spec["out"]), Path(spec["data_dir"]), job)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,54 @@
+"""`fivefold rl CONFIG.yaml [--nproc N] [--out DIR]`: GRPO on a verifiable toy task (fivefold.rl.grpo).
+
+CONFIG is a fivefold YAML config (the actor's model, layout and training sections) with a `grpo:`
+section (fivefold.rl.grpo.GRPOConfig: steps, prompts_per_step, group_size, lr, kl_coef, ...).
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import yaml
+
+from fivefold.errors import UserError
+
+HELP = "GRPO post-training on a verifiable toy task (actor, rollout and reference on every rank)"
+
+
+def add_arguments(p) -> None:
+    p.add_argument("config", help="a fivefold YAML config with a grpo: section")
+    p.add_argument("--nproc", type=int, default=None, help="local ranks (default: the config's world size)")
+    p.add_argument("--out", default="runs/rl", help="output folder (metrics.jsonl, rl.png, logs)")
+
+
+def run(args, extra: list[str]) -> int:
+    from fivefold.config.load import load_config
+    from fivefold.config.schema import to_dict
+    from fivefold.config.validate import validate
+    from fivefold.launch import launch
+    from fivefold.rl.grpo import GRPOConfig
+    from fivefold.watchdog import timeout_of
+
+    path = Path(args.config)
+    if not path.is_file():
+        raise UserError(f"config file {args.config} not found")
+    raw = yaml.safe_load(path.read_text())
+    if not isinstance(raw, dict) or not isinstance(raw.get("grpo"), dict):
+        raise UserError(f"{path}: needs a grpo: section (see examples/grpo.yaml)")
+    grpo = raw.pop("grpo")
+    GRPOConfig.of(grpo)  # unknown keys refused before any rank starts
+    out = Path(args.out)
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    actor = out / "actor.yaml"
+    actor.write_text(yaml.safe_dump(raw))
+    loaded = load_config(str(actor), extra, world_size=args.nproc)
+    validate(loaded.config, loaded.dialect)
+    config = loaded.config
+    nproc = config.cluster.resolved_world_size
+    config.cluster.world_size = nproc
+    spec = out / "run.json"
+    spec.write_text(json.dumps({"job": "rl", "config": to_dict(config), "grpo": grpo, "out": str(out),
+                                "data_dir": str(out)}, indent=1))
+    print(f"fivefold rl: {nproc} local ranks, output in {out}", file=sys.stderr)
+    return launch(nproc, [str(spec)], out / "logs", timeout_s=timeout_of(config.training))

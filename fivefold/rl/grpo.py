@@ -1,0 +1,208 @@
+"""GRPO on the toy addition task (fivefold.rl.tasks), every rank of one job: `fivefold rl examples/grpo.yaml`.
+
+Roles and layouts on the same ranks (colocated, as verl's and SkyRL's default):
+  actor      the trained policy, the `actor:` config's layout (e.g. TP2 x DP4 on 8 ranks), driven
+             through fivefold.engine.Engine;
+  rollout    a whole copy of the policy on every rank (TP1 x DP = world), generating with a KV cache
+             (fivefold.model.generate); after each actor step the actor's weights reach it through
+             Engine.export_weights (HF-named full tensors, gathered from the actor's TP shards) —
+             the bytes are counted;
+  reference  the warmed-up policy, frozen, also whole on every rank: KL(actor || reference).
+A step: every rank takes its share of the prompts, samples `group_size` answers each, scores them
+exactly, and computes group-normalised advantages and the reference's log-probs; the ranks of one
+actor TP group then pool their rollouts (each actor DP rank trains on its TP group's rollouts), and
+the actor takes one PPO step on GRPO's loss (clipped surrogate around the rollout's log-probs,
+k3 KL, token-mean). Before RL, a short supervised warm-up teaches the answer format (a random model
+earns reward ~0, and all-zero rewards give all-zero advantages).
+
+Logged per step (metrics.jsonl, and rl.png): mean reward, exact-answer rate, KL to the reference, entropy,
+response length, the train/rollout log-prob mismatch (|actor - rollout| on the sampled tokens: the two
+layouts compute the same model in different orders), bytes synced, seconds.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from fivefold.config.schema import Config
+from fivefold.engine import Batch, Engine
+from fivefold.engine import losses as L
+from fivefold.errors import UserError
+from fivefold.model.decoder import Decoder
+from fivefold.model.generate import generate
+from fivefold.model.hf import hf_name
+from fivefold.rl.tasks import END, Addition
+from fivefold.runtime import comm
+from fivefold.train.context import RankContext
+
+
+@dataclass
+class GRPOConfig:
+    steps: int = 20
+    """GRPO steps."""
+    prompts_per_step: int = 16
+    """Prompts per step over all ranks (a multiple of the world size)."""
+    group_size: int = 8
+    """Answers sampled per prompt."""
+    lr: float = 1e-3
+    kl_coef: float = 0.02
+    clip: float = 0.2
+    temperature: float = 1.0
+    digits: int = 1
+    """Operand digits of the addition task."""
+    warmup_steps: int = 60
+    warmup_batch: int = 32
+    """Solved examples per warm-up step over all ranks."""
+    warmup_lr: float = 3e-3
+    seed: int = 0
+
+    @classmethod
+    def of(cls, raw: dict) -> GRPOConfig:
+        known = {f.name for f in fields(cls)}
+        bad = sorted(set(raw) - known)
+        if bad:
+            raise UserError(f"grpo: unknown key{'s' if len(bad) > 1 else ''} {', '.join(bad)}; known: {', '.join(sorted(known))}")
+        return cls(**raw)
+
+
+def _ids(texts: list[str]) -> torch.Tensor:
+    return torch.tensor([list(t.encode()) for t in texts], dtype=torch.int64)
+
+
+def _text(ids) -> str:
+    return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
+
+
+class _Rollout:
+    """A whole copy of the policy on this rank, refreshed from the actor by HF names."""
+
+    def __init__(self, cfg, seed: int):
+        self.model = Decoder(cfg, seed=seed).eval()
+        self.by_hf = {hf_name(n, cfg): n for n in self.model.state_dict()}
+
+    @torch.no_grad()
+    def load(self, engine: Engine) -> int:
+        state, sent = self.model.state_dict(), 0
+        for bucket in engine.export_weights():
+            for name, t in bucket.items():
+                ours = state[self.by_hf[name]]
+                ours[: t.shape[0]].copy_(t)  # vocabulary rows: ours may be padded
+                sent += t.nbytes
+        return sent
+
+
+def _warmup(engine: Engine, task: Addition, g: GRPOConfig, ctx: RankContext, rng: np.random.Generator) -> list[float]:
+    """Supervised steps on solved examples: next-token loss on the answer, token-mean."""
+    per_rank = g.warmup_batch // ctx.dp_size
+    losses = []
+    for _ in range(g.warmup_steps):
+        pairs = task.sample(rng, g.warmup_batch)[ctx.dp_rank * per_rank:(ctx.dp_rank + 1) * per_rank]
+        texts = [task.prompt(a, b) + task.answer(a, b).ljust(task.answer_length, END) for a, b in pairs]
+        ids = _ids(texts)
+        mask = torch.zeros_like(ids, dtype=torch.float32)
+        mask[:, task.prompt_length:] = 1
+        nll = lambda stats, mb, totals: L.aggregate(-stats.logprobs, mb.loss_mask, "token-mean", totals["tokens"])  # noqa: E731
+        losses.append(engine.train_batch(Batch(ids, mask), nll, lr=g.warmup_lr)["loss"])
+    return losses
+
+
+def _response_mask(completions: torch.Tensor) -> torch.Tensor:
+    """1 on the answer's tokens up to and including its first end mark."""
+    end = completions == ord(END)
+    after = (torch.cumsum(end.int(), 1) - end.int()) > 0  # positions past the first end mark
+    return (~after).float()
+
+
+def run(cfg: Config, g: GRPOConfig, ctx: RankContext) -> list[dict]:
+    task = Addition(g.digits)
+    world, rank = ctx.world_size, ctx.rank
+    if g.prompts_per_step % world:
+        raise UserError(f"grpo.prompts_per_step={g.prompts_per_step} must be a multiple of the {world} ranks")
+    if cfg.training.seq_length < task.prompt_length + task.answer_length:
+        raise UserError(f"training.seq_length={cfg.training.seq_length}: the task needs "
+                        f"{task.prompt_length + task.answer_length} tokens")
+    torch.manual_seed(g.seed)
+    engine = Engine(cfg, ctx)
+    rng = np.random.default_rng(g.seed)
+    warm = _warmup(engine, task, g, ctx, rng)
+    rollout, reference = _Rollout(cfg.model, seed=1), _Rollout(cfg.model, seed=2)
+    reference.load(engine)
+    rows = []
+    for step in range(g.steps):
+        t0 = time.perf_counter()
+        synced = rollout.load(engine)
+        pairs = task.sample(rng, g.prompts_per_step)[rank::world]
+        prompts = _ids([task.prompt(a, b) for a, b in pairs]).repeat_interleave(g.group_size, 0)
+        out = generate(rollout.model, prompts, task.answer_length, temperature=g.temperature,
+                       seed=g.seed * 100_003 + step * 1009 + rank)
+        rewards = torch.tensor([task.reward(a, b, _text(c)) for (a, b), c in
+                                zip([p for p in pairs for _ in range(g.group_size)], out.tokens)])
+        ids = torch.cat([prompts, out.tokens], 1)
+        p = task.prompt_length
+        mask = torch.zeros_like(ids, dtype=torch.float32)
+        mask[:, p:] = _response_mask(out.tokens)
+        rollout_logp = torch.zeros_like(mask)
+        rollout_logp[:, p:] = out.logprobs
+        with torch.no_grad():
+            ref_logp = torch.log_softmax(reference.model(ids)[..., : cfg.model.vocab_size].float(), -1)
+        ref = torch.zeros_like(mask)
+        ref[:, 1:] = ref_logp[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)
+        local = Batch(ids, mask, {"advantages": L.grpo_advantages(rewards, g.group_size), "old_logprobs": rollout_logp,
+                                  "ref_logprobs": ref, "rewards": rewards})
+        batch = _pool(local, engine)  # this actor DP rank's rollouts: its TP group's
+        stats = {}
+
+        def loss_fn(s, mb, totals):
+            x = mb.extra
+            kl = L.kl_penalty(s.logprobs, x["ref_logprobs"], "k3")
+            per_token = L.ppo_policy_loss(s.logprobs, x["old_logprobs"], x["advantages"], clip_low=g.clip,
+                                          clip_high=g.clip) + g.kl_coef * kl
+            for key, v in (("kl", kl), ("entropy", s.entropy),
+                           ("mismatch", (s.logprobs - x["old_logprobs"]).abs())):
+                stats[key] = stats.get(key, 0.0) + float(L.aggregate(v.detach(), mb.loss_mask, "token-mean", totals["tokens"]))
+            return L.aggregate(per_token, mb.loss_mask, "token-mean", totals["tokens"])
+
+        m = engine.train_batch(batch, loss_fn, lr=g.lr)
+        summary = torch.tensor([float(rewards.sum()), float((rewards == 1).sum()), float(mask.sum()), len(rewards),
+                                stats["kl"], stats["entropy"], stats["mismatch"]], dtype=torch.float64)
+        comm.all_reduce_(summary, ctx.mesh.world, tag="rl-metrics")
+        n, tp = summary[3], ctx.layout.tp  # the loss statistics were summed over every TP rank too
+        rows.append({"step": step, "reward": float(summary[0] / n), "exact": float(summary[1] / n),
+                     "response_length": float(summary[2] / n), "kl": float(summary[4] / tp),
+                     "entropy": float(summary[5] / tp), "logprob_mismatch": float(summary[6] / tp),
+                     "loss": m["loss"], "grad_norm": m["grad_norm"], "sync_bytes": synced,
+                     "seconds": time.perf_counter() - t0, "warmup_loss": warm[-1] if warm else None})
+    return rows
+
+
+def _pool(local: Batch, engine: Engine) -> Batch:
+    """The rollouts of this rank's actor TP group, concatenated in rank order."""
+    tp = engine.parts.mesh.tp
+    if tp.size == 1:
+        return local
+    gather = lambda t: comm.all_gather(t.contiguous(), 0, tp, tag="rl-rollouts")  # noqa: E731
+    return Batch(gather(local.input_ids), gather(local.loss_mask), {k: gather(v) for k, v in local.extra.items()})
+
+
+def write(rows: list[dict], out: Path) -> Path:
+    """metrics.jsonl and rl.png (reward, KL, entropy, mismatch over steps)."""
+    (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 4, figsize=(16, 3.2))
+    for ax, key in zip(axes, ("reward", "kl", "entropy", "logprob_mismatch")):
+        ax.plot([r["step"] for r in rows], [r[key] for r in rows], marker="o")
+        ax.set_title(key)
+        ax.set_xlabel("GRPO step")
+    fig.tight_layout()
+    fig.savefig(out / "rl.png", dpi=80)
+    plt.close(fig)
+    return out / "rl.png"
