@@ -88,7 +88,9 @@ def test_logprobs_match_log_softmax_of_the_logits(one_process):
     close(one_process["entropy"][:, 1:], ent[:, :-1], rtol=0, atol=1e-5, site="engine.entropy")
 
 
+MOE = dict(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=64)
 LAYOUTS = {"dp2": (2, {}), "tp2": (2, dict(tensor_model_parallel_size=2)),
+           "moe-ep2-dp2": (2, dict(expert_model_parallel_size=2, model=MOE)),
            "tp2-sp-dp2": (4, dict(tensor_model_parallel_size=2, sequence_parallel=True)),
            "tp2-zero1-dp2": (4, dict(tensor_model_parallel_size=2))}
 
@@ -98,19 +100,23 @@ def test_layouts_equal_one_process(one_process, workers, name):
     """Measured worst: log-probs 9.5e-7 absolute (of ~5; bound 1e-5), losses 1.7e-8 absolute (of ~0.02, with
     cancelling terms; bound 2e-7), grad norms 2.7e-7 relative (bound 5e-6): >= 10x."""
     world, parallel = LAYOUTS[name]
-    cfg = _config(world, **parallel)
+    cfg = _config(world, **dict(parallel))
+    reference = one_process if "model" not in parallel else \
+        _engine_rank(0, 1, to_dict(_config(model=parallel["model"])), 1024)
     if name == "tp2-zero1-dp2":
         cfg.training.use_distributed_optimizer = True
     results = workers(world).run(_engine_rank, to_dict(cfg), 1024)
     dp = world // parallel.get("tensor_model_parallel_size", 1)
     logp = torch.cat([r["logprobs"] for r in results[:: world // dp]])  # one rank per DP share, in order
-    close(logp, one_process["logprobs"], rtol=0, atol=1e-5, site="engine.layout_logprobs", case=name)
+    close(logp, reference["logprobs"], rtol=0, atol=1e-5, site="engine.layout_logprobs", case=name)
     for r in results:
-        for got, want in zip(r["metrics"], one_process["metrics"]):
+        for got, want in zip(r["metrics"], reference["metrics"]):
             close(got["loss"], want["loss"], rtol=5e-6, atol=2e-7, site="engine.layout_loss", case=name)
             close(got["grad_norm"], want["grad_norm"], rtol=5e-6, site="engine.layout_grad_norm", case=name)
-        assert sorted(r["weights"]) == sorted(one_process["weights"])
-        for k, v in one_process["weights"].items():
+        if not r["weights"]:  # export_weights under EP is refused (not built)
+            continue
+        assert sorted(r["weights"]) == sorted(reference["weights"])
+        for k, v in reference["weights"].items():
             # After two AdamW steps (lr 1e-3): its normalised first updates turn rounding noise in
             # near-zero gradients into weight differences of a fraction of lr; a misplaced shard is ~1e-2.
             # Measured worst 1.7e-5; bound 2e-4 (12x), 100x below a shard in the wrong place.
@@ -188,3 +194,29 @@ def test_token_budget_step_equals_fixed_micro_batches(workers, one_process):
               case="token budget")
         close(r["metrics"]["grad_norm"], one_process["metrics"][0]["grad_norm"], rtol=5e-6,
               site="engine.layout_grad_norm", case="token budget")
+
+
+def test_offload_frees_the_storage_and_onload_trains_identically(tmp_path):
+    """Parameters, gradient buffers, main copies and AdamW state leave (their storage resized to 0) and
+    come back into the same storages: the next step equals the step without offloading, bit for bit."""
+    def engine(bf16: bool):
+        cfg = _config()
+        if bf16:
+            cfg.training.precision = "bf16"
+        torch.manual_seed(0)
+        from fivefold.train.context import RankContext as Ctx
+        return Engine(cfg, Ctx.single(tmp_path))
+
+    for bf16 in (False, True):
+        a, b = engine(bf16), engine(bf16)
+        batch = _batch()
+        for e in (a, b):
+            e.train_batch(batch, grpo_loss, lr=1e-3, micro_batch_size=4)
+        held = b.device_bytes()
+        moved = b.offload()
+        assert moved == held > 0 and b.device_bytes() == 0
+        b.onload()
+        assert b.device_bytes() == held
+        ma, mb = (e.train_batch(batch, grpo_loss, lr=1e-3, micro_batch_size=4) for e in (a, b))
+        assert ma == mb, bf16
+        assert all(torch.equal(p, q) for p, q in zip(a.model.parameters(), b.model.parameters()))

@@ -170,6 +170,44 @@ class Engine:
         comm.all_reduce_(local, mesh.dp_cp, tag="engine-loss")
         return {"loss": float(local), "grad_norm": float("nan") if norm is None else float(norm)}
 
+    # ---- memory between phases ----
+    def _tensors(self) -> list[torch.Tensor]:
+        """Every tensor the engine holds: parameters, gradient buffers and main parameters, AdamW state."""
+        dp = self.parts.dp
+        state = [t for opt in dp.optimizers for st in opt.state.values() for t in st.values()
+                 if isinstance(t, torch.Tensor)]
+        return list(self.model.parameters()) + dp.held_tensors() + state
+
+    def offload(self) -> int:
+        """Parameters, gradients and optimizer state to host memory, their device storage freed (set to
+        0 bytes, as FSDP frees a parameter); returns the bytes moved. The engine cannot run until `onload`."""
+        if getattr(self, "_host", None):
+            raise RuntimeError("the engine is offloaded already")
+        self._host = {}
+        for t in self._tensors():
+            storage = t.untyped_storage()
+            key = storage.data_ptr()
+            if key in self._host or storage.nbytes() == 0:
+                continue  # shared by several views (flat buffers): moved once
+            host = torch.empty(storage.nbytes(), dtype=torch.uint8, device="cpu",
+                               pin_memory=storage.device.type == "cuda")
+            host.untyped_storage().copy_(storage)
+            self._host[key] = (storage, host)
+            storage.resize_(0)
+        return sum(h.numel() for _, h in self._host.values())
+
+    def onload(self) -> None:
+        """Back to the device, into the same storages (every view and optimizer reference stays valid)."""
+        for storage, host in self._host.values():
+            storage.resize_(host.numel())
+            storage.copy_(host.untyped_storage())
+        self._host = {}
+
+    def device_bytes(self) -> int:
+        """Bytes the engine's tensors hold on their device now (0 when offloaded)."""
+        seen = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in self._tensors()}
+        return sum(seen.values())
+
     # ---- weights ----
     def export_weights(self, bucket_bytes: int = 512 * 2**20) -> Iterator[dict[str, torch.Tensor]]:
         """The whole model under Hugging Face names (fivefold.model.hf.hf_name), each tensor gathered whole
