@@ -5,8 +5,8 @@ Roles and layouts on the same ranks (colocated, as verl's and SkyRL's default):
              through fivefold.engine.Engine;
   rollout    a whole copy of the policy on every rank (TP1 x DP = world), generating with a KV cache
              (fivefold.model.generate); after each actor step the actor's weights reach it through
-             Engine.export_weights (HF-named full tensors, gathered from the actor's TP shards) —
-             the bytes are counted;
+             fivefold.engine.sync (each rank receives the slices its actor rank does not hold: the
+             other TP ranks' — the bytes are counted);
   reference  the warmed-up policy, frozen, also whole on every rank: KL(actor || reference).
 A step: every rank takes its share of the prompts, samples `group_size` answers each, scores them
 exactly, and computes group-normalised advantages and the reference's log-probs; the ranks of one
@@ -35,7 +35,7 @@ from fivefold.engine import losses as L
 from fivefold.errors import UserError
 from fivefold.model.decoder import Decoder
 from fivefold.model.generate import generate
-from fivefold.model.hf import hf_name
+from fivefold.engine.sync import sync_weights
 from fivefold.rl.tasks import END, Addition
 from fivefold.runtime import comm
 from fivefold.train.context import RankContext
@@ -79,21 +79,17 @@ def _text(ids) -> str:
 
 
 class _Rollout:
-    """A whole copy of the policy on this rank, refreshed from the actor by HF names."""
+    """A whole copy of the policy on this rank (TP1 x DP = world), refreshed from the actor's shards
+    (fivefold.engine.sync: each rank receives only the slices its actor rank does not hold)."""
 
     def __init__(self, cfg, seed: int):
         self.model = Decoder(cfg, seed=seed).eval()
-        self.by_hf = {hf_name(n, cfg): n for n in self.model.state_dict()}
 
-    @torch.no_grad()
     def load(self, engine: Engine) -> int:
-        state, sent = self.model.state_dict(), 0
-        for bucket in engine.export_weights():
-            for name, t in bucket.items():
-                ours = state[self.by_hf[name]]
-                ours[: t.shape[0]].copy_(t)  # vocabulary rows: ours may be padded
-                sent += t.nbytes
-        return sent
+        """Bytes sent over all ranks."""
+        sent = torch.tensor([float(sync_weights(engine.model, self.model))], dtype=torch.float64)
+        comm.all_reduce_(sent, engine.parts.mesh.world, tag="rl-metrics")
+        return int(sent)
 
 
 def _warmup(engine: Engine, task: Addition, g: GRPOConfig, ctx: RankContext, rng: np.random.Generator) -> list[float]:
