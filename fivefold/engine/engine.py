@@ -34,7 +34,7 @@ from fivefold.engine.batching import plan
 from fivefold.errors import NotImplementedYet
 from fivefold.model.hf import hf_name
 from fivefold.parallel.cross_entropy import vocab_parallel_entropy, vocab_parallel_logprobs
-from fivefold.parallel.tensor import TPMode
+from fivefold.parallel.tensor import TPMode, mark_sequence_sharded
 from fivefold.runtime import comm
 from fivefold.train.context import RankContext
 
@@ -72,6 +72,9 @@ class TokenStats:
     """(n, s) fp32 log p(ids[t] | ids[<t]); 0 at t = 0."""
     entropy: torch.Tensor
     """(n, s) fp32 entropy of the distribution that predicted ids[t]; 0 at t = 0."""
+    values: torch.Tensor | None = None
+    """(n, s) fp32 the value head's estimate at the state before ids[t] (a critic); 0 at t = 0; None
+    without a value head."""
 
 
 def split(batch: Batch, dp_size: int, dp_rank: int) -> Batch:
@@ -81,13 +84,26 @@ def split(batch: Batch, dp_size: int, dp_rank: int) -> Batch:
 
 
 class Engine:
-    def __init__(self, config: Config, ctx: RankContext, *, chunk: int = 1024):
-        from fivefold.train.loop import build
+    def __init__(self, config: Config, ctx: RankContext, *, chunk: int = 1024, value_head: bool = False):
+        """`value_head`: a critic — a Linear(hidden, 1) on the last layer's normalised hidden states,
+        replicated over TP (fed every position), trained with the model; TokenStats.values."""
+        from fivefold.model.decoder import build_decoder
+        from fivefold.parallel.parallelize import parallelize
 
         if ctx.layout.pp > 1 or ctx.layout.cp > 1:
             raise NotImplementedYet("the RL engine with pipeline or context parallelism (DP, TP/SP and EP run)")
         self.config, self.ctx, self.chunk = config, ctx, chunk
-        self.parts = build(config, ctx)
+        model = build_decoder(config, ctx.mesh).to(ctx.device)
+        if value_head:
+            h = config.model.hidden_size
+            gen = torch.Generator().manual_seed(config.training.seed + 1)
+            model.value_head = torch.nn.Linear(h, 1, bias=False)
+            with torch.no_grad():
+                model.value_head.weight.copy_(torch.randn(1, h, generator=gen) * config.model.init_method_std)
+            model.value_head.to(ctx.device)
+            if model.mode is TPMode.SEQUENCE_PARALLEL:  # it sees this rank's positions only
+                mark_sequence_sharded(model.value_head)
+        self.parts = parallelize(model, ctx.mesh, config)
         self.model = self.parts.model
 
     # ---- forward ----
@@ -95,10 +111,13 @@ class Engine:
         """Log-probs and entropy of every position (differentiable when grad is on), in chunks."""
         model = self.model
         normed = model.final_norm(model(ids, head=False))  # (n, s, h); under SP (n, s/tp, h)
-        head = model.head
+        head, critic = model.head, getattr(model, "value_head", None)
+        values = None if critic is None else critic(normed).squeeze(-1).float()  # (n, s[/tp])
         if model.mode is TPMode.SEQUENCE_PARALLEL:  # gather the positions here (reduce-scatter backward):
             normed = comm.gather(normed, 1, model.tp, tag="engine-sp")  # the head then takes them as they are
             head = partial(F.linear, weight=model.head.weight)
+            if values is not None:  # each rank's own positions (the head's gradient is summed over TP)
+                values = comm.gather_split(values, 1, model.tp, tag="engine-sp")
         labels = torch.cat([ids[:, 1:], torch.zeros_like(ids[:, :1])], dim=1)  # position t predicts ids[t + 1]
         logps, ents = [], []
         for t0 in range(0, ids.shape[1], self.chunk):
@@ -112,7 +131,8 @@ class Engine:
                 logps.append(logp_all.gather(-1, lab.unsqueeze(-1)).squeeze(-1))
                 ents.append(-(logp_all.exp() * logp_all).sum(-1))
         zero = torch.zeros_like(ids[:, :1], dtype=torch.float32)
-        return TokenStats(*(torch.cat([zero, torch.cat(parts, 1)[:, :-1]], 1) for parts in (logps, ents)))
+        at_tokens = lambda parts: torch.cat([zero, torch.cat(parts, 1)[:, :-1]], 1)  # noqa: E731 (position t-1 -> t)
+        return TokenStats(at_tokens(logps), at_tokens(ents), None if values is None else at_tokens([values]))
 
     @torch.no_grad()
     def forward(self, batch: Batch, micro_batch_size: int | None = None) -> TokenStats:
@@ -122,7 +142,8 @@ class Engine:
         mbs = micro_batch_size or len(batch)
         out = [self._token_stats(batch.input_ids[i:i + mbs]) for i in range(0, len(batch), mbs)]
         self.model.train(was)
-        return TokenStats(torch.cat([o.logprobs for o in out]), torch.cat([o.entropy for o in out]))
+        values = torch.cat([o.values for o in out]) if out[0].values is not None else None
+        return TokenStats(torch.cat([o.logprobs for o in out]), torch.cat([o.entropy for o in out]), values)
 
     # ---- training ----
     def micro_batches(self, batch: Batch, max_tokens: int) -> list[Batch]:
