@@ -1,8 +1,10 @@
 """Every configuration example of seeds 000-003, in its own dialect, and every case of NOTES.md."""
+import copy
 import textwrap
 
 import pytest
 
+from fivefold.config.bridge import apply_defaults as apply_bridge_defaults
 from fivefold.config.load import load_config
 from fivefold.config.megatron_defaults import DEFAULTS
 from fivefold.config.schema import to_dict
@@ -186,10 +188,13 @@ def test_bridge_3d_is_the_same_config_as_megatron_flags_and_skyrl():
                                      "trainer.policy.megatron_config.pipeline_model_parallel_size=4",
                                      "trainer.megatron.num_layers=80"], world_size=64)
     assert (a.dialect, b.dialect, c.dialect) == ("megatron-bridge", "megatron", "skyrl")
-    assert to_dict(a.config) == to_dict(c.config)
-    # Megatron flags mean Megatron's defaults for what they leave out (config.megatron_defaults);
-    # with those set back to ours, the three are the same config.
-    assert to_dict(a.config) == _ours_where_megatron_defaults(b.config, a.config)
+    # Megatron flags mean Megatron's defaults for what they leave out (config.megatron_defaults), Bridge
+    # keys Bridge's (config.bridge.apply_defaults); SkyRL builds from the HF model, so ours stay. With
+    # each tool's defaults applied to SkyRL's config, the three are the same config.
+    bridged = copy.deepcopy(c.config)
+    apply_bridge_defaults(bridged, c.explicit)
+    assert to_dict(a.config) == to_dict(bridged)
+    assert to_dict(c.config) == _ours_where_megatron_defaults(b.config, c.config)
     assert lay.dp == 4
     assert "SkyRL turns sequence parallelism on" in warnings[0].rule
 
@@ -213,7 +218,7 @@ def test_bridge_4d_on_256():
 def test_bridge_deepseek_v2_on_128():
     _, _, lay = resolved(words=bridge(tensor_model_parallel_size=1, pipeline_model_parallel_size=4,
                                       expert_model_parallel_size=32, sequence_parallel=False,
-                                      num_experts=160, num_layers=60), world_size=128)
+                                      num_moe_experts=160, num_layers=60), world_size=128)
     assert (lay.dp, lay.ep, lay.etp, lay.edp) == (32, 32, 1, 1)
 
 
@@ -221,7 +226,7 @@ def test_bridge_deepseek_v2_on_128():
 def test_bridge_deepseek_v3_on_256_is_invalid(etp):
     extra = [] if etp is None else [f"cfg.model.expert_tensor_parallel_size={etp}"]
     e = refused(words=bridge(tensor_model_parallel_size=2, pipeline_model_parallel_size=16,
-                             expert_model_parallel_size=64, sequence_parallel=True, num_experts=256,
+                             expert_model_parallel_size=64, sequence_parallel=True, num_moe_experts=256,
                              num_layers=64) + extra, world_size=256)
     assert "must divide TP*CP*DP = 2*1*8 = 16" in str(e)
 

@@ -6,8 +6,10 @@
 The file is YAML (our sections, or RLinf's `actor.model` / `cluster`), or a `.txt` file of words
 (one Megatron-LM command line, SkyRL / Megatron-Bridge overrides, an AReaL `allocation_mode=...`;
 `#` starts a comment, a trailing backslash continues a line). Words are `key=value` overrides or
-`--flags`; a leading `torchrun --nproc_per_node=G --nnodes=N script.py` sets the cluster and is
-skipped. Later sources win: file, then words, then the keyword arguments.
+`--flags`; a leading `torchrun --nproc_per_node=G --nnodes=N script.py` sets the cluster (its other
+options are noted; fivefold.config.torchrun). Keys of Megatron-Bridge, RLinf and SkyRL go through their
+tools' tables (fivefold.config.tool_keys): unknown and not-built keys are refused together, after all
+sources are read. Later sources win: file, then words, then the keyword arguments.
 """
 from __future__ import annotations
 
@@ -17,11 +19,15 @@ from pathlib import Path
 
 import yaml
 
-from fivefold.config.dialects import AREAL, MEGATRON, combine, route
+from fivefold.config.dialects import AREAL, BRIDGE, MEGATRON, combine
+from fivefold.config import bridge
 from fivefold.config.fields import set_value
+from fivefold.config.keyed import Refusals
 from fivefold.config.megatron import is_flag, parse_flags
 from fivefold.config.megatron_defaults import WHY, apply_megatron_defaults
 from fivefold.config.schema import SECTIONS, Config
+from fivefold.config.tool_keys import take
+from fivefold.config.torchrun import strip_launcher
 from fivefold.config.validate import Problem
 from fivefold.errors import UserError
 
@@ -43,6 +49,7 @@ def load_config(path: str | None, words: list[str] = (), *, world_size: int | No
                 nodes: int | None = None, gpus_per_node: int | None = None) -> Loaded:
     config, explicit, dialects, special = Config(), set(), [], {}
     switches: set[str] = set()  # table flags that set no field
+    refusals, key_notes = Refusals(), []  # tool keys refused (all at once) / taken without effect
     words = list(words)
     if path is not None:
         p = Path(path)
@@ -55,9 +62,13 @@ def load_config(path: str | None, words: list[str] = (), *, world_size: int | No
             except ValueError as e:  # shlex: an unclosed quote
                 raise UserError(f"{p}: {e} (a .txt config is one shell-like command line)") from None
         else:
-            _apply_yaml(config, p, text, explicit, dialects, special)
+            _apply_yaml(config, p, text, explicit, dialects, special, refusals, key_notes)
     notes: list[Problem] = []
-    _apply_words(config, words, explicit, dialects, special, notes, switches)
+    _apply_words(config, words, explicit, dialects, special, notes, switches, refusals, key_notes)
+    refusals.raise_all()
+    if key_notes:
+        notes.append(Problem("tool keys", len(key_notes), "accepted without effect here: " + "; ".join(key_notes),
+                             "nothing to do", "warning"))
     for dotted, value in (("cluster.world_size", world_size), ("cluster.num_nodes", nodes),
                           ("cluster.gpus_per_node", gpus_per_node)):
         if value is not None:
@@ -69,6 +80,12 @@ def load_config(path: str | None, words: list[str] = (), *, world_size: int | No
             notes.append(Problem("megatron defaults", len(changed), "not given, so Megatron-LM's: " + ", ".join(
                 _taken(config, d) for d in changed),
                 "set the flag to choose otherwise", "warning"))
+    if dialects and set(dialects) == {BRIDGE}:  # a Megatron-Bridge config: what it leaves out is Bridge's default
+        changed = bridge.apply_defaults(config, explicit)
+        if changed:
+            notes.append(Problem("megatron-bridge defaults", len(changed), "not given, so Megatron-Bridge's: "
+                                 + ", ".join(_taken(config, d) for d in changed), "set the field to choose otherwise",
+                                 "warning"))
     if config.training.step_batch_size_schedule and "training.global_batch_size" in explicit:
         raise UserError("training.step_batch_size_schedule and training.global_batch_size are both given (Megatron-LM "
                         "refuses --step-batch-size-schedule with --global-batch-size): drop --global-batch-size, the "
@@ -201,7 +218,8 @@ def _nesting(text: str) -> int:
     return max(deepest, indent // 2)
 
 
-def _apply_yaml(config: Config, p: Path, text: str, explicit: set, dialects: list, special: dict) -> None:
+def _apply_yaml(config: Config, p: Path, text: str, explicit: set, dialects: list, special: dict,
+                refusals: Refusals, key_notes: list[str]) -> None:
     if _nesting(text) > MAX_DEPTH:
         raise UserError(f"{p}: nested deeper than {MAX_DEPTH} levels; a config is a few sections of keys")
     try:
@@ -222,14 +240,14 @@ def _apply_yaml(config: Config, p: Path, text: str, explicit: set, dialects: lis
     except RecursionError:
         raise UserError(f"{p}: nested too deeply to be a config") from None
     for key, value in flat:
-        dialect, dotted = route(key)
-        dialects.append(dialect)
-        set_value(config, dotted, value, explicit)
+        dialect, taken_notes = take(config, key, value, explicit, refusals)
+        dialects += [dialect] if dialect else []
+        key_notes += taken_notes
 
 
 def _apply_words(config: Config, words: list[str], explicit: set, dialects: list, special: dict,
-                 notes: list[Problem], switches: set[str]) -> None:
-    words = _strip_launcher(config, words, explicit)
+                 notes: list[Problem], switches: set[str], refusals: Refusals, key_notes: list[str]) -> None:
+    words = _strip_launcher(config, words, explicit, notes)
     i = 0
     while i < len(words):
         if is_flag(words[i]):
@@ -256,46 +274,18 @@ def _apply_words(config: Config, words: list[str], explicit: set, dialects: list
         if key.lstrip("+") in SPECIAL_KEYS:
             special[key.lstrip("+")] = value
         else:
-            dialect, dotted = route(key.lstrip("+"))  # Hydra's `+key=value` adds a key
-            dialects.append(dialect)
-            set_value(config, dotted, value, explicit)
+            dialect, taken_notes = take(config, key.lstrip("+"), value, explicit, refusals)  # Hydra's `+key=value` adds a key
+            dialects += [dialect] if dialect else []
+            key_notes += taken_notes
         i += 1
 
 
-def _launcher_value(name: str, value: str) -> str | None:
-    """torchrun's own forms of --nproc-per-node / --nnodes as a config value, or None (keep the
-    config's): `gpu` / `auto` / `cpu` mean "this node's devices" (the config's gpus_per_node), and an
-    elastic node range `MIN:MAX` plans the full job of MAX nodes (a run on fewer nodes then stops at the
-    world-size check, naming the sizes)."""
-    if name.startswith("--nproc") and value in ("gpu", "auto", "cpu", "xpu"):
-        return None
-    if name == "--nnodes" and ":" in value:
-        return value.partition(":")[2]
-    return value
-
-
-def _strip_launcher(config: Config, words: list[str], explicit: set) -> list[str]:
-    """Drop `torchrun [launcher flags] script.py` (or `python -m torch.distributed.run ...`, or
-    `-m module subcommand`), keeping --nproc_per_node and --nnodes."""
-    if len(words) > 2 and Path(words[0]).name.startswith("python") and words[1:3] == ["-m", "torch.distributed.run"]:
-        words = words[2:]
-    if not words or Path(words[0]).name not in ("torchrun", "torch.distributed.run"):
-        return words
-    i = 1
-    launcher = {"--nproc_per_node": "cluster.gpus_per_node", "--nproc-per-node": "cluster.gpus_per_node",
-                "--nnodes": "cluster.num_nodes"}
-    while i < len(words) and words[i].startswith("-"):
-        name, eq, value = words[i].partition("=")
-        if not eq and i + 1 < len(words) and not words[i + 1].startswith("-") \
-                and not words[i + 1].endswith(".py"):
-            value, i = words[i + 1], i + 1
-        if name in launcher and _launcher_value(name, value) is not None:
-            set_value(config, launcher[name], _launcher_value(name, value), explicit)
-        i += 1
-        if name == "-m":  # `-m fivefold train`: the module's own subcommand words are not config
-            while i < len(words) and not words[i].startswith("-") and "=" not in words[i]:
-                i += 1
-            return words[i:]
-    if i < len(words) and words[i].endswith(".py"):
-        i += 1
-    return words[i:]
+def _strip_launcher(config: Config, words: list[str], explicit: set, notes: list[Problem]) -> list[str]:
+    """Read and drop a leading `torchrun [options] script` (fivefold.config.torchrun)."""
+    words, settings, taken = strip_launcher(words)
+    for dotted, value in settings:
+        set_value(config, dotted, value, explicit)
+    if taken:
+        notes.append(Problem("torchrun options", len(taken), "accepted without effect here: " + "; ".join(taken),
+                             "nothing to do", "warning"))
+    return words
