@@ -1,5 +1,5 @@
 """The RL engine (fivefold.engine): per-token log-probs and entropy, a PPO/GRPO step on the caller's
-loss and the exported weights equal the one-process run's in DP, TP, TP+SP and EP layouts; chunked
+loss and the exported weights equal the one-process run's in DP, TP, TP+SP, CP, PP and EP layouts; chunked
 log-probs equal unchunked; the losses equal their formulas written out another way."""
 from __future__ import annotations
 
@@ -60,8 +60,9 @@ def _engine_rank(rank: int, world: int, config: dict, chunk: int) -> dict:
     stats = engine.forward(batch)
     metrics = [engine.train_batch(batch, grpo_loss, lr=1e-3, micro_batch_size=2) for _ in range(2)]
     weights = {k: v for bucket in engine.export_weights(bucket_bytes=64 * 1024) for k, v in bucket.items()} \
-        if engine.ctx.layout.ep == 1 else {}
-    return {"logprobs": stats.logprobs, "entropy": stats.entropy, "metrics": metrics, "weights": weights}
+        if engine.ctx.layout.ep == engine.ctx.layout.pp == 1 else {}
+    return {"logprobs": stats.logprobs, "entropy": stats.entropy, "metrics": metrics, "weights": weights,
+            "dp_rank": engine.ctx.dp_rank}
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +93,11 @@ MOE = dict(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=64)
 LAYOUTS = {"dp2": (2, {}), "tp2": (2, dict(tensor_model_parallel_size=2)),
            "moe-ep2-dp2": (2, dict(expert_model_parallel_size=2, model=MOE)),
            "tp2-sp-dp2": (4, dict(tensor_model_parallel_size=2, sequence_parallel=True)),
-           "tp2-zero1-dp2": (4, dict(tensor_model_parallel_size=2))}
+           "tp2-zero1-dp2": (4, dict(tensor_model_parallel_size=2)),
+           "cp2-dp2": (4, dict(context_parallel_size=2)),
+           "pp2-dp2": (4, dict(pipeline_model_parallel_size=2)),
+           "pp2-tp2-sp-cp2": (8, dict(pipeline_model_parallel_size=2, tensor_model_parallel_size=2,
+                                      sequence_parallel=True, context_parallel_size=2))}
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
@@ -106,14 +111,14 @@ def test_layouts_equal_one_process(one_process, workers, name):
     if name == "tp2-zero1-dp2":
         cfg.training.use_distributed_optimizer = True
     results = workers(world).run(_engine_rank, to_dict(cfg), 1024)
-    dp = world // parallel.get("tensor_model_parallel_size", 1)
-    logp = torch.cat([r["logprobs"] for r in results[:: world // dp]])  # one rank per DP share, in order
+    firsts = {r["dp_rank"]: r for r in reversed(results)}  # every rank of a DP share has its stats
+    logp = torch.cat([firsts[d]["logprobs"] for d in sorted(firsts)])
     close(logp, reference["logprobs"], rtol=0, atol=1e-5, site="engine.layout_logprobs", case=name)
     for r in results:
         for got, want in zip(r["metrics"], reference["metrics"]):
             close(got["loss"], want["loss"], rtol=5e-6, atol=2e-7, site="engine.layout_loss", case=name)
             close(got["grad_norm"], want["grad_norm"], rtol=5e-6, site="engine.layout_grad_norm", case=name)
-        if not r["weights"]:  # export_weights under EP is refused (not built)
+        if not r["weights"]:  # export_weights under EP or PP is refused (not built)
             continue
         assert sorted(r["weights"]) == sorted(reference["weights"])
         for k, v in reference["weights"].items():
@@ -237,18 +242,18 @@ def _critic_rank(rank: int, world: int, config: dict) -> dict:
     engine = Engine(cfg, RankContext(Mesh.build(layout_of(cfg)), Path(tempfile.mkdtemp())), value_head=True)
     batch = split(_batch(), engine.ctx.dp_size, engine.ctx.dp_rank)
     metrics = [engine.train_batch(batch, critic_loss, lr=1e-3, micro_batch_size=2) for _ in range(2)]
-    return {"values": engine.forward(batch).values, "metrics": metrics}
+    return {"values": engine.forward(batch).values, "metrics": metrics, "dp_rank": engine.ctx.dp_rank}
 
 
-@pytest.mark.parametrize("name", ["dp2", "tp2-sp-dp2"])
+@pytest.mark.parametrize("name", ["dp2", "tp2-sp-dp2", "pp2-tp2-sp-cp2"])
 def test_value_head_and_value_loss_equal_one_process(workers, name):
     """A critic (value head on the decoder): its values and its value-loss steps (loss, gradient norm)
     equal the one-process run's (measured worst 3e-7 relative; bounds as the policy's)."""
     one = _critic_rank(0, 1, to_dict(_config()))
     world, parallel = LAYOUTS[name]
     results = workers(world).run(_critic_rank, to_dict(_config(world, **dict(parallel))))
-    dp = world // parallel.get("tensor_model_parallel_size", 1)
-    values = torch.cat([r["values"] for r in results[:: world // dp]])
+    firsts = {r["dp_rank"]: r for r in reversed(results)}
+    values = torch.cat([firsts[d]["values"] for d in sorted(firsts)])
     close(values, one["values"], rtol=0, atol=1e-5, site="engine.values", case=name)
     assert one["values"].abs().max() > 0  # the head is there
     for r in results:

@@ -14,10 +14,13 @@ masks, log-probs and rollout tensors line up with the tokens. The n sequences ar
 where `scale` carries the global normalisation (fivefold.engine.losses.aggregate's denominator is the
 global token or sequence count, which `train_batch` computes over every DP rank before the step).
 
-Layouts: DP (replicate or ZeRO), TP with or without SP, EP; pipeline and context parallelism are refused
-("not implemented yet"). Full-vocabulary fp32 logits never exist at once: log-probs and entropy are
-computed in sequence chunks of `chunk` tokens from the last layer's hidden states, vocab-parallel
-under TP (fivefold.parallel.cross_entropy).
+Layouts: DP (replicate or ZeRO), TP with or without SP, CP, PP (any schedule; the caller's loss runs on
+the last stage's rank, fivefold.pipeline.executor's `tail`) and EP. Full-vocabulary fp32 logits never
+exist at once: log-probs and entropy are computed in sequence chunks of `chunk` tokens from the last
+layer's hidden states, vocab-parallel under TP (fivefold.parallel.cross_entropy). Under CP each rank
+computes its own positions' stats and every CP rank gets the whole sequence's (parallel.context.
+gather_tokens, whose backward keeps each rank's own positions), so a loss sees (n, s) tensors as
+without CP; the loss is then summed over DP only.
 """
 from __future__ import annotations
 
@@ -33,6 +36,7 @@ from fivefold.config.schema import Config
 from fivefold.engine.batching import plan
 from fivefold.errors import NotImplementedYet
 from fivefold.model.hf import hf_name
+from fivefold.parallel.context import gather_tokens, split_tokens
 from fivefold.parallel.cross_entropy import vocab_parallel_entropy, vocab_parallel_logprobs
 from fivefold.parallel.tensor import TPMode, mark_sequence_sharded
 from fivefold.runtime import comm
@@ -76,6 +80,25 @@ class TokenStats:
     """(n, s) fp32 the value head's estimate at the state before ids[t] (a critic); 0 at t = 0; None
     without a value head."""
 
+    @classmethod
+    def of(cls, stacked: torch.Tensor) -> TokenStats:
+        """From (n, s, 2 or 3): log-probs, entropy[, values] along the last dimension."""
+        return cls(*stacked.unbind(-1))
+
+    def stacked(self) -> torch.Tensor:
+        return torch.stack([self.logprobs, self.entropy] + ([] if self.values is None else [self.values]), -1)
+
+
+def _add_value_head(decoder, config: Config, device: torch.device) -> None:
+    h = config.model.hidden_size
+    gen = torch.Generator().manual_seed(config.training.seed + 1)
+    decoder.value_head = torch.nn.Linear(h, 1, bias=False)
+    with torch.no_grad():
+        decoder.value_head.weight.copy_(torch.randn(1, h, generator=gen) * config.model.init_method_std)
+    decoder.value_head.to(device)
+    if decoder.mode is TPMode.SEQUENCE_PARALLEL:  # it sees this rank's positions only
+        mark_sequence_sharded(decoder.value_head)
+
 
 def split(batch: Batch, dp_size: int, dp_rank: int) -> Batch:
     """This DP rank's contiguous share of a global batch (n divisible by dp_size)."""
@@ -89,68 +112,105 @@ class Engine:
         replicated over TP (fed every position), trained with the model; TokenStats.values."""
         from fivefold.model.decoder import build_decoder
         from fivefold.parallel.parallelize import parallelize
+        from fivefold.pipeline.stages import build_pipeline
 
-        if ctx.layout.pp > 1 or ctx.layout.cp > 1:
-            raise NotImplementedYet("the RL engine with pipeline or context parallelism (DP, TP/SP and EP run)")
-        self.config, self.ctx, self.chunk = config, ctx, chunk
-        model = build_decoder(config, ctx.mesh).to(ctx.device)
-        if value_head:
-            h = config.model.hidden_size
-            gen = torch.Generator().manual_seed(config.training.seed + 1)
-            model.value_head = torch.nn.Linear(h, 1, bias=False)
-            with torch.no_grad():
-                model.value_head.weight.copy_(torch.randn(1, h, generator=gen) * config.model.init_method_std)
-            model.value_head.to(ctx.device)
-            if model.mode is TPMode.SEQUENCE_PARALLEL:  # it sees this rank's positions only
-                mark_sequence_sharded(model.value_head)
-        self.parts = parallelize(model, ctx.mesh, config)
+        self.config, self.ctx, self.chunk, self.value_head = config, ctx, chunk, value_head
+        if ctx.layout.pp > 1:  # the stages this rank holds; any micro-batch count runs (executor_for)
+            built = build_pipeline(config, ctx.mesh, 1, device=ctx.device)
+            self.head_stage = built.stages.get(built.schedule.num_stages - 1)
+        else:
+            built = self.head_stage = build_decoder(config, ctx.mesh).to(ctx.device)
+        if value_head and self.head_stage is not None:
+            _add_value_head(self.head_stage, config, ctx.device)
+        self.parts = parallelize(built, ctx.mesh, config)
         self.model = self.parts.model
+        """The Decoder, or with PP the StageStack of this rank's stages."""
 
     # ---- forward ----
-    def _token_stats(self, ids: torch.Tensor) -> TokenStats:
-        """Log-probs and entropy of every position (differentiable when grad is on), in chunks."""
-        model = self.model
-        normed = model.final_norm(model(ids, head=False))  # (n, s, h); under SP (n, s/tp, h)
-        head, critic = model.head, getattr(model, "value_head", None)
+    def _stats(self, decoder, hidden: torch.Tensor, labels: torch.Tensor, width: int) -> torch.Tensor:
+        """(n, width, 2 or 3) fp32 at each token t: log-prob, entropy and (critic) value of the
+        prediction made at t - 1 (0 at t = 0), from the last layer's hidden states of this rank's
+        positions (`labels` the next tokens there); differentiable when grad is on."""
+        normed = decoder.final_norm(hidden)  # (n, s, h); under SP (n, s/tp, h); under CP this rank's s/cp
+        head, critic = decoder.head, getattr(decoder, "value_head", None)
         values = None if critic is None else critic(normed).squeeze(-1).float()  # (n, s[/tp])
-        if model.mode is TPMode.SEQUENCE_PARALLEL:  # gather the positions here (reduce-scatter backward):
-            normed = comm.gather(normed, 1, model.tp, tag="engine-sp")  # the head then takes them as they are
-            head = partial(F.linear, weight=model.head.weight)
+        if decoder.mode is TPMode.SEQUENCE_PARALLEL:  # gather the positions here (reduce-scatter backward):
+            normed = comm.gather(normed, 1, decoder.tp, tag="engine-sp")  # the head then takes them as they are
+            head = partial(F.linear, weight=decoder.head.weight)
             if values is not None:  # each rank's own positions (the head's gradient is summed over TP)
-                values = comm.gather_split(values, 1, model.tp, tag="engine-sp")
-        labels = torch.cat([ids[:, 1:], torch.zeros_like(ids[:, :1])], dim=1)  # position t predicts ids[t + 1]
+                values = comm.gather_split(values, 1, decoder.tp, tag="engine-sp")
         logps, ents = [], []
-        for t0 in range(0, ids.shape[1], self.chunk):
+        for t0 in range(0, labels.shape[1], self.chunk):
             logits = head(normed[:, t0:t0 + self.chunk])  # (n, chunk, V_padded[/tp])
             lab = labels[:, t0:t0 + self.chunk]
-            if model.tp is not None:
-                logps.append(vocab_parallel_logprobs(logits, lab, model.tp, model.vocab_size))
-                ents.append(vocab_parallel_entropy(logits, model.tp, model.vocab_size))
+            if decoder.tp is not None:
+                logps.append(vocab_parallel_logprobs(logits, lab, decoder.tp, decoder.vocab_size))
+                ents.append(vocab_parallel_entropy(logits, decoder.tp, decoder.vocab_size))
             else:
-                logp_all = torch.log_softmax(logits[..., : model.vocab_size].float(), -1)
+                logp_all = torch.log_softmax(logits[..., : decoder.vocab_size].float(), -1)
                 logps.append(logp_all.gather(-1, lab.unsqueeze(-1)).squeeze(-1))
                 ents.append(-(logp_all.exp() * logp_all).sum(-1))
-        zero = torch.zeros_like(ids[:, :1], dtype=torch.float32)
-        at_tokens = lambda parts: torch.cat([zero, torch.cat(parts, 1)[:, :-1]], 1)  # noqa: E731 (position t-1 -> t)
-        return TokenStats(at_tokens(logps), at_tokens(ents), None if values is None else at_tokens([values]))
+        per_position = torch.stack([torch.cat(logps, 1), torch.cat(ents, 1)] + ([] if values is None else [values]), -1)
+        if decoder.cp is not None:  # every CP rank: the whole sequence (backward: its own positions)
+            per_position = gather_tokens(per_position, decoder.cp, tag="engine-cp")
+        zero = per_position.new_zeros(per_position.shape[0], 1, per_position.shape[2])
+        return torch.cat([zero, per_position[:, : width - 1]], 1)  # position t - 1 -> token t
+
+    def _inputs(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's (n, s[/cp]) ids and next-token labels (0 past the end: that prediction is dropped)."""
+        labels = torch.cat([ids[:, 1:], torch.zeros_like(ids[:, :1])], dim=1)
+        first = self.parts.decoders[0]
+        if first.cp is None:
+            return ids, labels
+        ids, labels = split_tokens(ids, labels, first.cp, first.sequence_multiple)
+        return ids, labels.clamp(min=0)  # the CP split's padding: dropped with the positions past `width`
+
+    def _token_stats(self, ids: torch.Tensor) -> TokenStats:
+        """Without PP: log-probs, entropy (and values) of every token of `ids`, differentiable."""
+        local, labels = self._inputs(ids)
+        return TokenStats.of(self._stats(self.model, self.model(local, head=False), labels, ids.shape[1]))
+
+    def _tail(self, micro: list[torch.Tensor], labels: list[torch.Tensor], then=None):
+        """The pipeline's last-stage computation of micro-batch mb: its token stats (the forward), or
+        `then(stats, mb)` (the scaled loss, training)."""
+        def tail(module, x, mb):
+            stats = self._stats(module, module(x, head=False), labels[mb], micro[mb].shape[1])
+            return stats if then is None else then(TokenStats.of(stats), mb)
+        return tail
+
+    def _pipeline_run(self, micro: list[torch.Tensor], mode: str, then=None):
+        pipe = self.parts.pipe
+        local = [self._inputs(ids) for ids in micro]
+        return pipe.executor_for(len(micro)).run([ids for ids, _ in local], mode=mode,
+                                                 tail=self._tail(micro, [lab for _, lab in local], then))
 
     @torch.no_grad()
     def forward(self, batch: Batch, micro_batch_size: int | None = None) -> TokenStats:
         """Per-token log-probs and entropy of this rank's sequences, forward-only."""
         was = self.model.training
-        self.model.eval()
+        self.model.train(False)
         mbs = micro_batch_size or len(batch)
-        out = [self._token_stats(batch.input_ids[i:i + mbs]) for i in range(0, len(batch), mbs)]
+        micro = [batch.input_ids[i:i + mbs] for i in range(0, len(batch), mbs)]
+        if self.parts.pipe is None:
+            out = [self._token_stats(ids).stacked() for ids in micro]
+        else:  # the last stage's rank has them: broadcast over the pipeline group
+            run, pipe, mesh = self._pipeline_run(micro, "forward"), self.parts.pipe, self.parts.mesh
+            src = mesh.pp.global_rank(pipe.schedule.placement[-1])
+            out = []
+            for mb, ids in enumerate(micro):
+                t = run.tails.get(mb)
+                if t is None:
+                    t = torch.empty(*ids.shape, 2 + self.value_head, dtype=torch.float32, device=self.ctx.device)
+                out.append(comm.broadcast_(t.contiguous(), src, mesh.pp, tag="engine-pp"))
         self.model.train(was)
-        values = torch.cat([o.values for o in out]) if out[0].values is not None else None
-        return TokenStats(torch.cat([o.logprobs for o in out]), torch.cat([o.entropy for o in out]), values)
+        return TokenStats.of(torch.cat(out))
 
     # ---- training ----
     def micro_batches(self, batch: Batch, max_tokens: int) -> list[Batch]:
         """This rank's sequences in micro-batches of at most `max_tokens` padded tokens, as many as on
         every other DP rank (fivefold.engine.batching; some may be empty), each cut to its longest."""
         lengths = batch.lengths_list()
-        group = self.parts.mesh.dp_cp
+        group = self.parts.mesh.dp  # CP and pipeline ranks of a DP rank hold the same sequences
         n = torch.tensor([len(lengths)])
         comm.all_reduce_(n, group, tag="engine-batching", op="max")
         mine = torch.tensor([lengths + [-1] * (int(n) - len(lengths))])
@@ -166,7 +226,7 @@ class Engine:
         the whole global batch. Returns the loss and the gradient norm."""
         dp, mesh = self.parts.dp, self.parts.mesh
         totals = torch.tensor([float(batch.loss_mask.sum()), float(len(batch))], dtype=torch.float64)
-        comm.all_reduce_(totals, mesh.dp_cp, tag="engine-totals")
+        comm.all_reduce_(totals, mesh.dp, tag="engine-totals")
         norms = {"tokens": float(totals[0]), "sequences": float(totals[1])}
         if max_tokens is not None:
             mbs_list = self.micro_batches(batch, max_tokens)
@@ -176,19 +236,29 @@ class Engine:
         dp.set_lr(lr)
         dp.zero_grad()
         local = torch.zeros((), dtype=torch.float64)
-        for i, mb in enumerate(mbs_list):
-            dp.prepare(last=i == len(mbs_list) - 1)
-            if len(mb) == 0:  # another DP rank has more micro-batches: nothing to add here
-                continue
-            loss = loss_fn(self._token_stats(mb.input_ids), mb, norms)
-            (loss * dp.loss_scale).backward()
-            local += loss.detach().double()
+        if self.parts.pipe is None:
+            for i, mb in enumerate(mbs_list):
+                dp.prepare(last=i == len(mbs_list) - 1)
+                if len(mb) == 0:  # another DP rank has more micro-batches: nothing to add here
+                    continue
+                loss = loss_fn(self._token_stats(mb.input_ids), mb, norms)
+                (loss * dp.loss_scale).backward()
+                local += loss.detach().double().cpu()
+        else:  # the DP reduction runs after the schedule, so DP ranks may run different counts
+            mbs_list = [mb for mb in mbs_list if len(mb)]
+            dp.prepare(last=False)
+            if mbs_list:
+                run = self._pipeline_run([mb.input_ids for mb in mbs_list], "train",
+                                         lambda stats, i: loss_fn(stats, mbs_list[i], norms) * dp.loss_scale)
+                local += sum(float(s) for s in run.loss_sums.values()) / dp.loss_scale
+            self.parts.pipe.sync_tied_grads()
+            comm.all_reduce_(local, mesh.pp, tag="engine-loss")  # the last stage's rank holds it
         dp.finish()
         skipped = not dp.unscale_grads()
         norm = None if skipped else dp.clip_grads(self.config.training.clip_grad)
         if not skipped:
             dp.step()
-        comm.all_reduce_(local, mesh.dp_cp, tag="engine-loss")
+        comm.all_reduce_(local, mesh.dp, tag="engine-loss")  # each CP rank holds its DP rank's whole loss
         return {"loss": float(local), "grad_norm": float("nan") if norm is None else float(norm)}
 
     # ---- memory between phases ----
@@ -237,8 +307,9 @@ class Engine:
         from fivefold.parallel.param_meta import named_metas
 
         model, cfg = self.model, self.model.cfg
-        if self.ctx.layout.ep > 1:
-            raise NotImplementedYet("export_weights with expert parallelism (each EP rank holds other experts)")
+        if self.ctx.layout.ep > 1 or self.ctx.layout.pp > 1:
+            raise NotImplementedYet("export_weights with expert or pipeline parallelism (each rank holds part of "
+                                    "the experts or layers): fivefold.engine.sync.sync_weights copies them")
         bucket, size = {}, 0
         with self.parts.dp.full_params(writes=False):
             metas = named_metas(model)

@@ -77,6 +77,22 @@ def split_tokens(ids: torch.Tensor, labels: torch.Tensor, cp: Group | ContextPar
     return split_sequence(ids, 1, cp.size, cp.rank), split_sequence(labels, 1, cp.size, cp.rank)
 
 
+def gather_tokens(x: torch.Tensor, cp: Group | ContextParallel, tag: str = "cp") -> torch.Tensor:
+    """Per-token values of this CP rank's tokens (b, s/cp, ...) -> those of the whole (padded)
+    sequence (b, s, ...) in sequence order, on every CP rank; backward keeps this rank's tokens'
+    gradient (each rank then differentiates the same whole-sequence function). The inverse of
+    split_sequence over the CP ranks."""
+    if cp.size == 1:
+        return x
+    if isinstance(cp, ContextParallel):  # CP index = ring rank * a2a size + a2a rank
+        x = comm.gather_split(comm.gather_split(x, 1, cp.a2a, tag), 1, cp.ring, tag)
+    else:
+        x = comm.gather_split(x, 1, cp, tag)
+    s_local = x.shape[1] // cp.size
+    where = torch.cat([local_positions(s_local, cp.size, j) for j in range(cp.size)])
+    return x.index_select(1, torch.argsort(where).to(x.device))
+
+
 def _unit_order(a: int) -> list[int]:
     """After the a2a the sequence is cat_i [A_i, B_i] (member i's chunks, each a unit); the ring
     wants [A_0 .. A_{a-1}, B_{a-1} .. B_0] (two contiguous runs of the global order)."""

@@ -39,7 +39,10 @@ from fivefold.pipeline.ir import Action, Kind, Schedule
 from fivefold.pipeline.send_waits import SendPolicy, send_policy
 
 Key = tuple[int, int]  # (stage, microbatch)
-MODES = ("train", "loss", "logprobs")
+MODES = ("train", "loss", "logprobs", "forward")
+Tail = Callable[[nn.Module, torch.Tensor, int], object]
+"""The caller's last-stage computation: (last stage module, its input x, microbatch) -> the scaled
+loss to backpropagate (mode 'train') or anything to keep in RunResult.tails (mode 'forward')."""
 
 
 @dataclass
@@ -50,6 +53,8 @@ class RunResult:
     """mb -> target tokens counted by the loss: on the rank holding the last stage."""
     logprobs: dict[int, torch.Tensor] = field(default_factory=dict)
     """mb -> (b, s) log p(label) in mode 'logprobs': on the rank holding the last stage."""
+    tails: dict[int, object] = field(default_factory=dict)
+    """mb -> what the caller's `tail` returned in mode 'forward': on the rank holding the last stage."""
     log: list[Action] = field(default_factory=list)
     """The actions in the order this rank ran them (equals the schedule's list for this rank)."""
     times: list[tuple[float, float]] = field(default_factory=list)
@@ -89,15 +94,18 @@ class PipelineExecutor:
 
     def run(self, input_ids: Sequence[torch.Tensor], labels: Sequence[torch.Tensor] | None = None, *,
             loss_scale: float | Sequence[float] = 1.0, mode: str = "train", trace: bool = False, docs: Sequence | None = None,
-            noise: Sequence | None = None) -> RunResult:
+            noise: Sequence | None = None, tail: Tail | None = None) -> RunResult:
         """Run every action of this rank for one step. `input_ids[mb]` is needed on every rank (its
         shape sizes the receive buffers), `labels[mb]` on the rank of the last stage. Mode 'train'
         accumulates dL/dtheta (L = sum of losses * loss_scale, one scale per microbatch when a sequence) into .grad; 'loss' and 'logprobs' run
         the forward-only schedule without building a graph. `docs[mb]`: the microbatch's packed
         documents (fivefold.data.documents.PackedDocs), handed to every stage's forward; `noise[mb]`
-        its dropout key (fivefold.model.dropout.DropoutKey) or None, likewise."""
-        if mode not in MODES:
-            raise ValueError(f"mode {mode!r}: one of {MODES}")
+        its dropout key (fivefold.model.dropout.DropoutKey) or None, likewise. `tail` (a loss of the
+        caller's, as the RL engine's): the last stage runs `tail(module, x, mb)` instead of its own loss;
+        in mode 'train' that is the scaled loss to backpropagate (RunResult.loss_sums keeps its value),
+        in mode 'forward' (which needs a tail) any value, kept in RunResult.tails; labels are then unused."""
+        if mode not in MODES or (mode == "forward") != (tail is not None and mode != "train"):
+            raise ValueError(f"mode {mode!r} with tail {tail is not None}: one of {MODES}; 'forward' with a tail")
         if len(input_ids) != self.schedule.num_microbatches:
             raise ValueError(f"schedule {self.schedule.name} runs {self.schedule.num_microbatches} "
                              f"microbatches, got {len(input_ids)}")
@@ -111,6 +119,7 @@ class PipelineExecutor:
                            policy)
         state.docs = list(docs) if docs is not None else [None] * len(input_ids)
         state.noise = list(noise) if noise is not None else [None] * len(input_ids)
+        state.tail = tail
         actions = schedule.ranks[self.rank]
         grad_ctx = torch.enable_grad() if mode == "train" else torch.no_grad()
         with grad_ctx:
@@ -227,6 +236,13 @@ class PipelineExecutor:
             docs["noise"] = st.noise[mb]
         if s < self.last:
             y = module(x, **docs)  # (b, s, h)
+        elif st.tail is not None:
+            out = st.tail(module, x, mb)
+            if st.mode == "train":
+                st.result.loss_sums[mb] = out.detach().float()
+                st.outputs[key] = out
+            else:
+                st.result.tails[mb] = out
         elif st.mode == "logprobs":
             st.result.logprobs[mb] = module.logprobs(x, st.labels[mb].to(self.device), **docs)  # (b, s)
         else:
@@ -235,7 +251,7 @@ class PipelineExecutor:
             if y.dtype != self.dtype:
                 raise RuntimeError(f"stage {s} returned {y.dtype}; the pipeline sends {self.dtype} activations")
             st.outputs[key] = y
-        elif st.mode != "logprobs":
+        elif st.mode in ("train", "loss") and st.tail is None:
             st.result.loss_sums[mb] = loss_sum.detach().float()
             st.result.token_counts[mb] = torch.as_tensor(count).detach()
             if st.mode == "train":
@@ -281,6 +297,7 @@ class _StepState:
         self.done: set[Key] = set()
         """(stage, mb) whose backward has finished."""
         self.result = RunResult()
+        self.tail: Tail | None = None
 
     def grad_of(self, key: Key, last: int) -> torch.Tensor | None:
         """dL/d(output) of (stage, mb): None on the last stage (the output is the loss itself)."""
