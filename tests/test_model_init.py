@@ -56,6 +56,6 @@ def test_bad_requests_are_refused():
         Decoder(CFG, layers=[3, 2])
     with pytest.raises(UserError, match=r"layers=\[4\]"):
         Decoder(CFG, layers=[4])
-    with pytest.raises(NotImplementedYet, match="capacity_factor"):  # MoE runs dropless only
-        Decoder(ModelConfig(num_experts=4, moe_expert_capacity_factor=1.0))
+    with pytest.raises(NotImplementedYet, match="sinkhorn"):
+        Decoder(ModelConfig(num_experts=4, moe_router_load_balancing_type="sinkhorn"))
 

@@ -18,7 +18,7 @@ from itertools import combinations, product
 
 from fivefold.config.fields import resolve, set_value
 from fivefold.config.rules import KNOB_FIELDS, Rule, adjust, errors, etp_of, ffn_of, sizes_of
-from fivefold.config.schema import ACTIVATIONS, NORMALIZATIONS, POSITION_EMBEDDINGS, SECTIONS, Config
+from fivefold.config.schema import ACTIVATIONS, DROP_POLICIES, NORMALIZATIONS, POSITION_EMBEDDINGS, SECTIONS, Config
 
 WORLD_KNOBS = ("tp", "pp", "cp", "ep", "etp")
 _DEFAULTS = sizes_of(Config())
@@ -98,6 +98,12 @@ def candidates(knob: str, s: dict) -> list:
         return [None] + _divisors(layers)[:8]
     if knob == "maxpos":
         return [s["seq"]]
+    if knob == "capacity":
+        return [None, 1.0, 1.25, 1.5, 2.0]
+    if knob == "pad":
+        return [False, True]
+    if knob == "drop":
+        return list(DROP_POLICIES)
     if knob in ("act", "pos"):
         return list(ACTIVATIONS if knob == "act" else POSITION_EMBEDDINGS)
     return []

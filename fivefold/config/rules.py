@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from math import prod
 
-from fivefold.config.schema import (ACTIVATIONS, CP_COMM_TYPES, DIM_NAMES, NORMALIZATIONS, POSITION_EMBEDDINGS, Config,
+from fivefold.config.schema import (ACTIVATIONS, CP_COMM_TYPES, DIM_NAMES, DROP_POLICIES, NORMALIZATIONS, POSITION_EMBEDDINGS, Config,
                                     default_ffn_size)
 from fivefold.config.split import layers_per_stage
 from fivefold.pipeline.rules import SCHEDULES, microbatch_problem
@@ -33,6 +33,8 @@ KNOB_FIELDS = {
     "moe_ffn": "model.moe_ffn_hidden_size", "shared": "model.moe_shared_expert_intermediate_size",
     "mla": "model.multi_latent_attention", "norm": "model.normalization",
     "experts": "model.num_experts", "topk": "model.moe_router_topk",
+    "capacity": "model.moe_expert_capacity_factor", "drop": "model.moe_token_drop_policy",
+    "pad": "model.moe_pad_expert_input_to_capacity",
     "seq": "training.seq_length", "gbs": "training.global_batch_size", "mbs": "training.micro_batch_size",
     "rgran": "training.recompute_granularity", "rmethod": "training.recompute_method",
     "rnum": "training.recompute_num_layers", "world": "cluster.world_size",
@@ -129,7 +131,7 @@ def _choices(s: dict) -> list[Rule]:
     out = []
     for k, allowed in (("schedule", SCHEDULES), ("cp_comm", CP_COMM_TYPES), ("norm", NORMALIZATIONS),
                        ("rgran", (None, "selective", "full")), ("rmethod", (None, "uniform", "block")),
-                       ("act", ACTIVATIONS), ("pos", POSITION_EMBEDDINGS)):
+                       ("act", ACTIVATIONS), ("pos", POSITION_EMBEDDINGS), ("drop", DROP_POLICIES)):
         if s[k] not in allowed:
             out.append(Rule(KNOB_FIELDS[k], s[k], f"must be one of {', '.join(map(str, allowed))}", (k,)))
     dims = s["order"].split("-") if isinstance(s["order"], str) else []
@@ -276,6 +278,12 @@ def _moe(s: dict, dp: int) -> list[Rule]:
     if experts % ep:
         out.append(Rule(KNOB_FIELDS["ep"], ep, f"num_experts={experts} must be divisible by "
                         "expert_model_parallel_size", ("ep",)))
+    if s["capacity"] is not None and not s["capacity"] > 0:
+        out.append(Rule(KNOB_FIELDS["capacity"], s["capacity"], "must be > 0, or unset for dropless MoE",
+                        ("capacity",)))
+    if s["pad"] and s["capacity"] is None:
+        out.append(Rule(KNOB_FIELDS["pad"], True, "padding expert inputs to capacity needs a capacity: set "
+                        "moe_expert_capacity_factor (Megatron-LM requires the same)", ("capacity", "pad")))
     if s["topk"] < 1 or s["topk"] > experts:
         out.append(Rule(KNOB_FIELDS["topk"], s["topk"], f"must be >= 1; cannot route to more than "
                         f"num_experts={experts}", ("topk",)))

@@ -13,6 +13,7 @@ CP_COMM_TYPES = ("p2p", "a2a", "a2a+p2p")
 NORMALIZATIONS = ("RMSNorm", "LayerNorm")
 ACTIVATIONS = ("swiglu", "gelu")
 POSITION_EMBEDDINGS = ("rope", "learned_absolute", "none")
+DROP_POLICIES = ("probs", "position")
 DIM_NAMES = ("tp", "cp", "ep", "dp", "pp")
 
 
@@ -151,7 +152,15 @@ class ModelConfig:
     moe_z_loss_coeff: float | None = None
     """Router z-loss coefficient; None = off. Default None."""
     moe_expert_capacity_factor: float | None = None
-    """Tokens per expert cap as a multiple of the even share; None = dropless. Default None."""
+    """Token dropping: each expert takes at most ceil(k n / E x factor) of the n tokens one router call
+    sees (Megatron-Core's capacity: a rank's tokens of one micro-batch), the rest of its assignments
+    are dropped (those tokens keep their other experts and the residual); None = dropless. Default None."""
+    moe_token_drop_policy: str = "probs"
+    """Which assignments an over-full expert keeps: probs (the highest routing weights) or position
+    (the earliest tokens, sequence position first, as Megatron's [s, b] order). Default probs."""
+    moe_pad_expert_input_to_capacity: bool = False
+    """Every expert computes exactly its capacity of rows (zero rows fill it; static shapes, all-to-all
+    splits known in advance), the same math. Needs moe_expert_capacity_factor. Default False."""
     moe_ffn_hidden_size: int | None = None
     """Routed expert FFN width. Default None = ffn_hidden_size."""
     moe_shared_expert_intermediate_size: int | None = None

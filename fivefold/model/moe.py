@@ -22,6 +22,7 @@ from torch import nn
 
 from fivefold.config.schema import Config, ModelConfig
 from fivefold.errors import NotImplementedYet, UserError
+from fivefold.model.capacity import padded_size, within_capacity
 from fivefold.model.mlp import SwiGLU, dense_mlp
 from fivefold.model.router import AttachAuxLoss, Router
 from fivefold.parallel.experts import local_experts, moe_forward
@@ -71,6 +72,8 @@ class MoE(nn.Module):
         """Gradient of the aux loss per micro-batch (Decoder sets micro_batch / global_batch)."""
         self.last_aux_loss: torch.Tensor | None = None
         """This rank's aux + z loss term of the last forward (detached), for the training log."""
+        self.last_dropped: tuple[int, int] | None = None
+        """With a capacity: (assignments dropped, assignments made) on this rank in the last forward."""
         h, f = cfg.hidden_size, cfg.moe_ffn_hidden_size or cfg.ffn_size
         self.router = Router(cfg)
         if self.tp is not None:  # replicated over TP, but each rank routes only its own tokens
@@ -89,8 +92,16 @@ class MoE(nn.Module):
         b, s_r, h = x_own.shape
         tokens = x_own.reshape(b * s_r, h)  # (n, h)
         routing = self.router(tokens, b, self.groups.tokens)
+        keep = pad_to = None
+        cfg = self.cfg
+        if cfg.moe_expert_capacity_factor is not None:  # this rank's tokens compete (fivefold.model.capacity)
+            keep = within_capacity(routing.experts, routing.weights, cfg.num_experts, cfg.moe_expert_capacity_factor,
+                                   cfg.moe_token_drop_policy, b)
+            self.last_dropped = (int((~keep).sum()), keep.numel())
+            if cfg.moe_pad_expert_input_to_capacity:
+                pad_to = padded_size(len(tokens), cfg.moe_router_topk, cfg.num_experts, cfg.moe_expert_capacity_factor)
         y = moe_forward(tokens, routing.experts, routing.weights, list(self.experts.values()),
-                        self.cfg.num_experts, self.groups.ep, self.groups.etp)  # (n, h)
+                        cfg.num_experts, self.groups.ep, self.groups.etp, keep, pad_to)  # (n, h)
         if routing.loss is not None:
             self.last_aux_loss = routing.loss.detach()
             y = AttachAuxLoss.apply(y, routing.loss, self.aux_loss_scale)
@@ -117,6 +128,14 @@ def aux_loss_term(model: nn.Module) -> torch.Tensor | None:
     terms = [m.last_aux_loss * m.aux_loss_scale for m in model.modules()
              if isinstance(m, MoE) and m.last_aux_loss is not None]
     return torch.stack(terms).sum().double() if terms else None
+
+
+def dropped_term(model: nn.Module) -> torch.Tensor | None:
+    """(assignments dropped, assignments made) float64 over this rank's MoE layers in the last forward,
+    with a capacity (else None). Added over every rank (each routes its own tokens) and micro-batch:
+    the step's counts."""
+    counts = [m.last_dropped for m in model.modules() if isinstance(m, MoE) and m.last_dropped is not None]
+    return torch.tensor(counts, dtype=torch.float64).sum(0) if counts else None
 
 
 def set_aux_loss_scale(model: nn.Module, scale: float) -> None:

@@ -96,14 +96,28 @@ def run_experts(x: torch.Tensor, counts: torch.Tensor, experts: list[nn.Module],
 
 
 def moe_forward(x: torch.Tensor, experts_idx: torch.Tensor, weights: torch.Tensor, experts: list[nn.Module],
-                num_experts: int, ep: Group | None, etp: Group | None) -> torch.Tensor:
+                num_experts: int, ep: Group | None, etp: Group | None, keep: torch.Tensor | None = None,
+                pad_to: int | None = None) -> torch.Tensor:
     """y_t = sum_j weights[t, j] * expert_{experts_idx[t, j]}(x_t) for this rank's tokens x (t, h),
-    `experts` the local ones (local_experts(num_experts, ep)); see the module docstring."""
+    `experts` the local ones (local_experts(num_experts, ep)); see the module docstring. `keep` (t, k)
+    bool: only those assignments are computed (token dropping, fivefold.model.capacity), the others
+    add 0. `pad_to`: every expert gets exactly that many rows, zero rows filling (static shapes;
+    zero rows give zero outputs and gradients, so the result is the same)."""
     t, k = experts_idx.shape
     flat = experts_idx.reshape(-1)  # (t k,)
+    kept = None if keep is None else keep.reshape(-1).nonzero().squeeze(1)  # the computed assignments
+    if kept is not None:
+        flat = flat[kept]
     order = torch.argsort(flat, stable=True)  # assignments grouped by expert, tokens in order
-    rows = x[order // k]  # (t k, h)
+    rows = x[(order if kept is None else kept[order]) // k]  # (a, h)
     counts = torch.bincount(flat, minlength=num_experts)  # (E,)
+    slots = None
+    if pad_to is not None:  # row i of expert e goes to slot e * pad_to + i
+        starts = torch.cumsum(counts, 0) - counts
+        by_expert = flat[order]
+        slots = by_expert * pad_to + torch.arange(len(order), device=x.device) - starts[by_expert]
+        rows = rows.new_zeros(num_experts * pad_to, rows.shape[1]).index_copy(0, slots, rows)
+        counts = torch.full_like(counts, pad_to)
     n = ep.size if ep is not None else 1
     if n > 1:
         received = all_to_all_single(counts, ep, "ep").view(n, -1)  # (n, E_loc): from rank j, per local expert
@@ -113,8 +127,13 @@ def moe_forward(x: torch.Tensor, experts_idx: torch.Tensor, weights: torch.Tenso
         local_of_row = torch.arange(received.shape[1], device=x.device).repeat(n).repeat_interleave(received.reshape(-1))
         by_expert = torch.argsort(local_of_row, stable=True)
         y = run_experts(rows[by_expert], received.sum(0), experts, etp)[_inverse(by_expert)]  # (R, h)
-        y = all_to_all_v(y, ep, "ep", out_splits, in_splits)  # (t k, h), permuted order
+        y = all_to_all_v(y, ep, "ep", out_splits, in_splits)  # (a or E pad_to, h), permuted order
     else:
-        y = run_experts(rows, counts, experts, etp)  # (t k, h)
-    y = y[_inverse(order)].view(t, k, -1)  # (t, k, h): assignment (token, j)
+        y = run_experts(rows, counts, experts, etp)  # (a or E pad_to, h)
+    if slots is not None:
+        y = y[slots]  # (a, h): the real rows back
+    y = y[_inverse(order)]  # (a, h): assignment order
+    if kept is not None:
+        y = y.new_zeros(t * k, y.shape[1]).index_copy(0, kept, y)  # dropped assignments: 0
+    y = y.view(t, k, -1)  # (t, k, h): assignment (token, j)
     return (y * weights.to(y.dtype).unsqueeze(-1)).sum(1)  # (t, h)

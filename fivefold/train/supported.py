@@ -29,7 +29,6 @@ def _is(*ok):
 
 
 RUNTIME_KNOBS: list[Knob] = [
-    Knob("model.moe_expert_capacity_factor", _is(None), "MoE token dropping (expert capacity factor; MoE is dropless)"),
     Knob("model.moe_router_load_balancing_type", _is("aux_loss", "seq_aux_loss", "none"),
          "sinkhorn load balancing (aux_loss, seq_aux_loss and none run)"),
     Knob("training.precision", _is("fp32", "bf16", "fp16"), "fp8 (the planner models it; the runtime trains fp32, bf16, fp16)"),
