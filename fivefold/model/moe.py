@@ -70,10 +70,10 @@ class MoE(nn.Module):
         self.cfg, self.tp, self.mode, self.groups = cfg, _real(tp), mode, groups
         self.aux_loss_scale = 1.0
         """Gradient of the aux loss per micro-batch (Decoder sets micro_batch / global_batch)."""
-        self.last_aux_loss: torch.Tensor | None = None
-        """This rank's aux + z loss term of the last forward (detached), for the training log."""
-        self.last_dropped: tuple[int, int] | None = None
-        """With a capacity: (assignments dropped, assignments made) on this rank in the last forward."""
+        self.step_totals: torch.Tensor | None = None
+        """(aux loss x aux_loss_scale, assignments dropped, assignments made) float64 on the device,
+        summed over the forwards since `reset_step_totals` (a recompute during backward is not counted
+        again); None before the first."""
         h, f = cfg.hidden_size, cfg.moe_ffn_hidden_size or cfg.ffn_size
         self.router = Router(cfg)
         if self.tp is not None:  # replicated over TP, but each rank routes only its own tokens
@@ -97,14 +97,19 @@ class MoE(nn.Module):
         if cfg.moe_expert_capacity_factor is not None:  # this rank's tokens compete (fivefold.model.capacity)
             keep = within_capacity(routing.experts, routing.weights, cfg.num_experts, cfg.moe_expert_capacity_factor,
                                    cfg.moe_token_drop_policy, b)
-            self.last_dropped = (int((~keep).sum()), keep.numel())
             if cfg.moe_pad_expert_input_to_capacity:
                 pad_to = padded_size(len(tokens), cfg.moe_router_topk, cfg.num_experts, cfg.moe_expert_capacity_factor)
         y = moe_forward(tokens, routing.experts, routing.weights, list(self.experts.values()),
                         cfg.num_experts, self.groups.ep, self.groups.etp, keep, pad_to)  # (n, h)
         if routing.loss is not None:
-            self.last_aux_loss = routing.loss.detach()
             y = AttachAuxLoss.apply(y, routing.loss, self.aux_loss_scale)
+        if torch._C._current_graph_task_id() == -1:  # a forward, not its recompute during backward
+            term = torch.zeros(3, dtype=torch.float64, device=y.device)  # no host sync
+            if routing.loss is not None:
+                term[0] = routing.loss.detach().double() * self.aux_loss_scale
+            if keep is not None:
+                term[1], term[2] = (~keep).sum(), keep.numel()
+            self.step_totals = term if self.step_totals is None else self.step_totals + term
         y = y.view(b, s_r, h)
         if split:
             y = comm.gather_split(y, SEQ_DIM, self.tp, "tp")  # (b, s, h)
@@ -121,21 +126,21 @@ def build_mlp(cfg: ModelConfig, layer: int, tp: Group | None, mode: TPMode, grou
     return dense_mlp(cfg, tp, mode)
 
 
-def aux_loss_term(model: nn.Module) -> torch.Tensor | None:
-    """This rank's share of the step's aux loss from the last forward: the sum over its MoE layers
-    of (aux + z loss term) x aux_loss_scale. Added over every rank (TP / CP shards, DP micro-batches,
-    PP stages) it is the mean over the step's micro-batches of the aux loss summed over layers."""
-    terms = [m.last_aux_loss * m.aux_loss_scale for m in model.modules()
-             if isinstance(m, MoE) and m.last_aux_loss is not None]
-    return torch.stack(terms).sum().double() if terms else None
+def reset_step_totals(model: nn.Module) -> None:
+    for m in model.modules():
+        if isinstance(m, MoE):
+            m.step_totals = None
 
 
-def dropped_term(model: nn.Module) -> torch.Tensor | None:
-    """(assignments dropped, assignments made) float64 over this rank's MoE layers in the last forward,
-    with a capacity (else None). Added over every rank (each routes its own tokens) and micro-batch:
-    the step's counts."""
-    counts = [m.last_dropped for m in model.modules() if isinstance(m, MoE) and m.last_dropped is not None]
-    return torch.tensor(counts, dtype=torch.float64).sum(0) if counts else None
+def step_totals(model: nn.Module) -> torch.Tensor:
+    """(aux loss, assignments dropped, assignments made) float64 over this rank's MoE layers since
+    `reset_step_totals` (zeros on a rank without MoE layers). The aux term of each forward is its
+    aux + z loss x aux_loss_scale, so, added over every rank (TP / CP shards, DP micro-batches, PP
+    stages), the first is the mean over the step's micro-batches of the aux loss summed over layers;
+    the counts add up likewise (each rank routes its own tokens)."""
+    totals = [m.step_totals for m in model.modules() if isinstance(m, MoE) and m.step_totals is not None]
+    device = next(model.parameters()).device
+    return torch.stack(totals).sum(0) if totals else torch.zeros(3, dtype=torch.float64, device=device)
 
 
 def set_aux_loss_scale(model: nn.Module, scale: float) -> None:

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from fivefold.data.loader import StepBatch
-from fivefold.model.moe import aux_loss_term, dropped_term
+from fivefold.model.moe import reset_step_totals, step_totals
 from fivefold.runtime import comm
 from fivefold.parallel.data_parallel import DataParallel
 from fivefold.parallel.parallelize import Parts
@@ -33,10 +33,10 @@ class StepResult:
     tokens: int
     aux_loss: float | None = None
     """MoE: the step's load-balancing + z loss (mean over micro-batches, summed over layers); not in
-    `loss`. Not logged through the pipeline schedule yet (None with PP)."""
+    `loss`."""
     dropped: float | None = None
     """MoE with a capacity factor: the fraction of the step's expert assignments dropped (all layers,
-    micro-batches and ranks); None without a capacity, and with PP (as aux_loss)."""
+    micro-batches and ranks); None without a capacity."""
     run: RunResult | None = None
     """With PP: the executor's result (its action log and, when traced, timings)."""
     skipped: bool = False
@@ -44,30 +44,20 @@ class StepResult:
 
 
 def _forward_backward(model: nn.Module, dp: DataParallel, batch: StepBatch, device: torch.device,
-                      divisors: list[float] | None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+                      divisors: list[float] | None) -> torch.Tensor:
     """Each microbatch forward and backward in turn; the last one's backward reduces the dense
-    buckets as they complete. Returns this rank's float64 loss sum, aux-loss sum (MoE, else None) and
-    (dropped, made) expert assignments (MoE with a capacity, else None); with `divisors` (Megatron's
+    buckets as they complete. Returns this rank's float64 loss sum; with `divisors` (Megatron's
     per-microbatch mean) each microbatch's sum divided by its divisor."""
     local = torch.zeros((), dtype=torch.float64, device=device)  # on the device: no host sync per microbatch
-    moe = getattr(getattr(model, "cfg", None), "is_moe", False)
-    aux = torch.zeros((), dtype=torch.float64, device=device) if moe else None
-    capped = moe and model.cfg.moe_expert_capacity_factor is not None
-    drops = torch.zeros(2, dtype=torch.float64) if capped else None  # on every rank: the sum is a collective
     n = len(batch.microbatches)
     for i, mb in enumerate(batch.microbatches):
         dp.prepare(last=i == n - 1)
         s = loss_sum(model, mb, device, batch.step)
-        term = aux_loss_term(model) if aux is not None else None  # read before backward (recompute reruns forward)
-        if term is not None:
-            aux += term
-        if capped:
-            drops += dropped_term(model)
         (s * (dp.loss_scale / (batch.global_tokens if divisors is None else divisors[i]))).backward()
         local += s.detach().double() if divisors is None else s.detach().double() / divisors[i]
     if n == 0:
         dp.prepare(last=True)
-    return local.cpu(), None if aux is None else aux.cpu(), drops
+    return local.cpu()
 
 
 def train_step(parts: Parts, batch: StepBatch, *, lr: float, clip_grad: float, device: torch.device,
@@ -81,9 +71,11 @@ def train_step(parts: Parts, batch: StepBatch, *, lr: float, clip_grad: float, d
     dp, mesh = parts.dp, parts.mesh
     dp.set_lr(lr)
     dp.zero_grad()
-    run, aux, drops = None, None, None
+    run = None
+    cfg = parts.decoders[0].cfg
+    reset_step_totals(parts.model)
     if parts.pipe is None:
-        local, aux, drops = _forward_backward(parts.model, dp, batch, device, divisors)
+        local = _forward_backward(parts.model, dp, batch, device, divisors)
         loss_groups: tuple[Group, ...] = (mesh.dp_cp,)
     else:
         local, run = pipeline_forward_backward(parts.pipe, dp, batch, mesh=mesh, trace=trace, divisors=divisors)
@@ -93,13 +85,15 @@ def train_step(parts: Parts, batch: StepBatch, *, lr: float, clip_grad: float, d
     norm = None if skipped else dp.clip_grads(clip_grad)
     if not skipped:
         dp.step()
-    aux_loss = global_mean(aux, 1, mesh.dp_cp, mesh.group("model-parallel")) if aux is not None else None
     loss = global_mean(local, batch.global_tokens if divisors is None else 1, *loss_groups)
-    dropped = None
-    if drops is not None:
+    aux_loss = dropped = None
+    if cfg.is_moe:  # every rank's MoE layers' terms (a rank without any adds zeros)
+        totals = step_totals(parts.model)
         for group in (mesh.dp_cp, mesh.group("model-parallel")):
-            comm.all_reduce_(drops, group, tag="moe-dropped")
-        dropped = float(drops[0] / drops[1].clamp(min=1))
+            comm.all_reduce_(totals, group, tag="moe-metrics")
+        totals = totals.cpu()
+        aux_loss = float(totals[0])
+        dropped = float(totals[1] / totals[2].clamp(min=1)) if cfg.moe_expert_capacity_factor is not None else None
     return StepResult(loss, norm, batch.global_tokens, aux_loss=aux_loss, dropped=dropped, run=run, skipped=skipped)
 
 
