@@ -18,7 +18,7 @@ from itertools import combinations, product
 
 from fivefold.config.fields import resolve, set_value
 from fivefold.config.rules import KNOB_FIELDS, Rule, adjust, errors, etp_of, ffn_of, sizes_of
-from fivefold.config.schema import ACTIVATIONS, NORMALIZATIONS, POSITION_EMBEDDINGS, SECTIONS, Config
+from fivefold.config.schema import ACTIVATIONS, NORMALIZATIONS, POSITION_EMBEDDINGS, QK_NORM_SCOPES, SECTIONS, Config
 
 WORLD_KNOBS = ("tp", "pp", "cp", "ep", "etp")
 _DEFAULTS = sizes_of(Config())
@@ -98,6 +98,8 @@ def candidates(knob: str, s: dict) -> list:
         return [None] + _divisors(layers)[:8]
     if knob == "maxpos":
         return [s["seq"]]
+    if knob == "qk_scope":
+        return list(QK_NORM_SCOPES)
     if knob in ("act", "pos"):
         return list(ACTIVATIONS if knob == "act" else POSITION_EMBEDDINGS)
     return []
