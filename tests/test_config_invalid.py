@@ -59,6 +59,12 @@ CASES = [  # (words, world size, substring of the message)
     ("make_vocab_size_divisible_by=0", 8, "make_vocab_size_divisible_by=0: must be a whole number >= 1"),
     ("pp=2 num_layers=4 decoder_first_pipeline_num_layers=0", 8, "decoder_first_pipeline_num_layers=0: must be >= 1"),
     ("pp=4 num_layers=8 decoder_first_pipeline_num_layers=8", 8, "0 layers remain for the 3 middle stage(s)"),
+    ("qk_layernorm=true qk_layernorm_scope=model", 8, "qk_layernorm_scope='model': must be one of head, projection"),
+    ("qk_layernorm=true qk_layernorm_scope=projection normalization=LayerNorm", 8,
+     "q / k norms over the whole projection are OLMoE's RMSNorms over GQA's q and k, not built with "
+     "normalization=LayerNorm"),
+    ("qk_layernorm=true qk_layernorm_scope=projection multi_latent_attention=true", 8,
+     "not built with multi_latent_attention"),
 ]
 
 

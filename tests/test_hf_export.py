@@ -1,7 +1,7 @@
 """Hugging Face export (`fivefold export`): a checkpoint of any layout -> a save_pretrained folder that
 `transformers` loads with logits equal to ours; HF -> import -> export gives back the same tensors, bit
-for bit (Llama untied and tied, Qwen2, Qwen3, Mixtral, Qwen3-MoE with and without top-k renormalisation,
-dense DeepSeek-V3)."""
+for bit (Llama untied and tied, Qwen2, Qwen3, Mixtral, Qwen3-MoE and OLMoE with and without top-k
+renormalisation, dense DeepSeek-V3)."""
 from __future__ import annotations
 
 import warnings
@@ -37,6 +37,9 @@ def _hf_models():
         **{name: transformers.Qwen3MoeConfig(**small, num_key_value_heads=2, head_dim=16, num_experts=4,
                                              num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=norm)
            for name, norm in (("qwen3-moe", True), ("qwen3-moe-unnormalised", False))},
+        **{name: transformers.OlmoeConfig(**small, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+                                          norm_topk_prob=norm, pad_token_id=None, eos_token_id=None)
+           for name, norm in (("olmoe", False), ("olmoe-normalised", True))},
         "deepseek-v3-dense": transformers.DeepseekV3Config(**small, num_key_value_heads=4, q_lora_rank=32,
                                                            kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
                                                            v_head_dim=16, n_routed_experts=4, first_k_dense_replace=2,

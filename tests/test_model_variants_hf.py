@@ -185,9 +185,10 @@ MLA = dict(multi_latent_attention=True, q_lora_rank=32, kv_lora_rank=16, qk_head
 
 @pytest.mark.parametrize("kw", [dict(), dict(add_bias_linear=True, num_query_groups=2),
                                 dict(normalization="LayerNorm", qk_layernorm=True, add_bias_linear=True),
+                                dict(qk_layernorm=True, qk_layernorm_scope="projection", num_query_groups=2),
                                 dict(MLA, qk_layernorm=True), dict(MLA)],
-                         ids=["megatron-gpt", "swiglu-biases-gqa", "layernorm-qk-norm", "mla-latent-norms",
-                              "mla-no-latent-norms"])
+                         ids=["megatron-gpt", "swiglu-biases-gqa", "layernorm-qk-norm", "projection-qk-norm",
+                              "mla-latent-norms", "mla-no-latent-norms"])
 def test_planner_counts_the_parameters_each_variant_builds(kw):
     """The planner's count (memory model, FLOPs) equals the built model's, biases, GeLU's two
     matrices, LayerNorm biases and the position table included."""

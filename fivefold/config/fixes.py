@@ -18,7 +18,8 @@ from itertools import combinations, product
 
 from fivefold.config.fields import resolve, set_value
 from fivefold.config.rules import KNOB_FIELDS, Rule, adjust, errors, etp_of, ffn_of, sizes_of
-from fivefold.config.schema import ACTIVATIONS, DROP_POLICIES, NORMALIZATIONS, POSITION_EMBEDDINGS, SECTIONS, Config
+from fivefold.config.schema import (ACTIVATIONS, DROP_POLICIES, NORMALIZATIONS, POSITION_EMBEDDINGS, QK_NORM_SCOPES,
+                                    SECTIONS, Config)
 
 WORLD_KNOBS = ("tp", "pp", "cp", "ep", "etp")
 _DEFAULTS = sizes_of(Config())
@@ -104,6 +105,8 @@ def candidates(knob: str, s: dict) -> list:
         return [False, True]
     if knob == "drop":
         return list(DROP_POLICIES)
+    if knob == "qk_scope":
+        return list(QK_NORM_SCOPES)
     if knob in ("act", "pos"):
         return list(ACTIVATIONS if knob == "act" else POSITION_EMBEDDINGS)
     return []

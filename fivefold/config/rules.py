@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from math import prod
 
-from fivefold.config.schema import (ACTIVATIONS, CP_COMM_TYPES, DIM_NAMES, DROP_POLICIES, NORMALIZATIONS, POSITION_EMBEDDINGS, Config,
-                                    default_ffn_size)
+from fivefold.config.schema import (ACTIVATIONS, CP_COMM_TYPES, DIM_NAMES, DROP_POLICIES, NORMALIZATIONS,
+                                    POSITION_EMBEDDINGS, QK_NORM_SCOPES, Config, default_ffn_size)
 from fivefold.config.split import layers_per_stage
 from fivefold.pipeline.rules import SCHEDULES, microbatch_problem
 
@@ -40,6 +40,7 @@ KNOB_FIELDS = {
     "rnum": "training.recompute_num_layers", "world": "cluster.world_size",
     "log": "logging.log_interval",
     "act": "model.activation", "pos": "model.position_embedding_type", "maxpos": "model.max_position_embeddings",
+    "qk_scope": "model.qk_layernorm_scope",
 }
 
 
@@ -131,7 +132,8 @@ def _choices(s: dict) -> list[Rule]:
     out = []
     for k, allowed in (("schedule", SCHEDULES), ("cp_comm", CP_COMM_TYPES), ("norm", NORMALIZATIONS),
                        ("rgran", (None, "selective", "full")), ("rmethod", (None, "uniform", "block")),
-                       ("act", ACTIVATIONS), ("pos", POSITION_EMBEDDINGS), ("drop", DROP_POLICIES)):
+                       ("act", ACTIVATIONS), ("pos", POSITION_EMBEDDINGS), ("drop", DROP_POLICIES),
+                       ("qk_scope", QK_NORM_SCOPES)):
         if s[k] not in allowed:
             out.append(Rule(KNOB_FIELDS[k], s[k], f"must be one of {', '.join(map(str, allowed))}", (k,)))
     dims = s["order"].split("-") if isinstance(s["order"], str) else []
@@ -175,6 +177,10 @@ def errors(s: dict) -> list[Rule]:
         out.append(Rule(KNOB_FIELDS["kv"], kv, f"KV heads must be divisible by TP={tp} or TP "
                         "divisible by KV heads", ("tp", "kv")))
     out += _widths(s)
+    if s["qk_scope"] == "projection" and (s["mla"] or s["norm"] != "RMSNorm"):
+        what = "multi_latent_attention" if s["mla"] else f"normalization={s['norm']}"
+        out.append(Rule(KNOB_FIELDS["qk_scope"], "projection", f"q / k norms over the whole projection are "
+                        f"OLMoE's RMSNorms over GQA's q and k, not built with {what}", ("qk_scope", "norm")))
     if s["cp_comm"] == "a2a" and cp > 1 and heads % (cp * tp):
         out.append(Rule(KNOB_FIELDS["cp_comm"], "a2a", f"all-to-all context parallelism needs the "
                         f"{heads // tp if heads % tp == 0 else heads} heads per TP rank divisible by "

@@ -14,6 +14,7 @@ NORMALIZATIONS = ("RMSNorm", "LayerNorm")
 ACTIVATIONS = ("swiglu", "gelu")
 POSITION_EMBEDDINGS = ("rope", "learned_absolute", "none")
 DROP_POLICIES = ("probs", "position")
+QK_NORM_SCOPES = ("head", "projection")
 DIM_NAMES = ("tp", "cp", "ep", "dp", "pp")
 
 
@@ -123,9 +124,15 @@ class ModelConfig:
     add_qkv_bias: bool = False
     """Biases on the query, key and value projections (Qwen2; Megatron's --add-qkv-bias). Default False."""
     qk_layernorm: bool = False
-    """Normalise queries and keys per head before RoPE (Qwen3; Megatron's --qk-layernorm); with
-    multi_latent_attention: the RMSNorms of the query and KV latents (DeepSeek's q_a_layernorm /
-    kv_a_layernorm, which Megatron builds only with --qk-layernorm). Default False."""
+    """Normalise queries and keys before RoPE (per head: Qwen3, Megatron's --qk-layernorm; over the whole
+    projection: OLMoE, see qk_layernorm_scope); with multi_latent_attention: the RMSNorms of the query and
+    KV latents (DeepSeek's q_a_layernorm / kv_a_layernorm, which Megatron builds only with
+    --qk-layernorm). Default False."""
+    qk_layernorm_scope: str = "head"
+    """What qk_layernorm's q / k norms (GQA) normalise over, per token: head (each head's head_dim
+    features, gains of head_dim; Qwen3, Megatron) or projection (all a*head_dim query and g*head_dim key
+    features, before the split into heads, gains of that width; OLMoE; RMSNorm only, not with MLA; under
+    TP the sum of squares is all-reduced over TP). Default head."""
     multi_latent_attention: bool = False
     """MLA instead of GQA. Default False."""
     q_lora_rank: int | None = None

@@ -7,7 +7,10 @@ same grouping as HF's repeat_kv. head_dim d is independent of h/a:
 Variants: `add_qkv_bias` (Qwen2, Megatron's --add-qkv-bias): q, k, v get biases (column-parallel:
 sharded with their rows); `qk_layernorm` (Qwen3, Megatron's --qk-layernorm): q and k are normalised
 per head over d (the model's norm type) before RoPE — under TP each rank normalises its own heads,
-and the gains' gradients are summed over TP (each rank saw only its heads).
+and the gains' gradients are summed over TP (each rank saw only its heads). With
+qk_layernorm_scope "projection" (OLMoE) q is RMS-normalised over all its a*d features and k over its
+g*d, before the split into heads; under TP the gains are sharded with q_proj's / k_proj's rows and the
+sum of squares is all-reduced over TP (fivefold.model.norm.SplitRMSNorm).
 `add_bias_linear` (Megatron's default): q, k, v and o all biased; o_proj's row-parallel bias is added
 once, after the reduction. With learned absolute (or no) positions cos/sin are None: no rotation.
 """
@@ -21,11 +24,11 @@ from torch import nn
 from fivefold.config.schema import ModelConfig
 from fivefold.ops.attention import Documents, attention, cached_attention
 from fivefold.model.dropout import Noise, explicit_attention
-from fivefold.model.norm import make_norm
+from fivefold.model.norm import SplitRMSNorm, make_norm
 from fivefold.model.recompute import maybe_checkpoint
 from fivefold.model.rope import apply_rope
 from fivefold.parallel.context import ContextParallel
-from fivefold.parallel.heads import split_heads
+from fivefold.parallel.heads import HeadSplit, split_heads
 from fivefold.parallel.tensor import TPMode, column_linears, linear, mark_kv_replica, mark_sequence_sharded
 
 
@@ -38,6 +41,20 @@ def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cp: Con
     if cp is not None and cp.size > 1:
         return cp.attention(q, k, v, scale=scale, docs=docs)
     return attention(q, k, v, scale=scale, docs=docs)
+
+
+def _qk_norms(cfg: ModelConfig, tp=None, split: HeadSplit | None = None) -> tuple[nn.Module, nn.Module]:
+    """The q and k norms of `qk_layernorm`: per head, of width d (every rank holds them whole); or over
+    the whole projection (RMSNorm: the decoder refuses other norms), of widths a*d and g*d (one process)
+    or this rank's heads' rows of them (TP)."""
+    a, g, d = cfg.num_attention_heads, cfg.kv_heads, cfg.head_dim
+    if cfg.qk_layernorm_scope == "head":
+        return make_norm(cfg, d), make_norm(cfg, d)
+    if split is None:
+        return make_norm(cfg, a * d), make_norm(cfg, g * d)
+    norm = partial(SplitRMSNorm, eps=cfg.norm_epsilon, zero_centered=cfg.apply_layernorm_1p, group=tp)
+    return (norm(a * d, rows=range(split.q_heads.start * d, split.q_heads.stop * d)),
+            norm(g * d, rows=range(split.kv_heads.start * d, split.kv_heads.stop * d), replicas=split.kv_replicas))
 
 
 class Attention(nn.Module):
@@ -55,9 +72,10 @@ class Attention(nn.Module):
         self.context_parallel: ContextParallel | None = None
         """Context parallelism (set by the Decoder): attention over the sequence split across CP."""
         qkv_bias = cfg.add_bias_linear or cfg.add_qkv_bias  # Megatron: linear biases, or Qwen2's QKV-only
-        self.q_norm = make_norm(cfg, d) if cfg.qk_layernorm else None
-        self.k_norm = make_norm(cfg, d) if cfg.qk_layernorm else None
         split = split_heads(a, g, tp.size, tp.rank) if tp is not None else None
+        self.norm_per_head = cfg.qk_layernorm_scope == "head"
+        """q / k norms over each head's d features (Qwen3), else over the whole projection (OLMoE)."""
+        self.q_norm, self.k_norm = _qk_norms(cfg, tp, split) if cfg.qk_layernorm else (None, None)
         self.layer = 0
         """Global layer index (set by DecoderLayer): a coordinate of the attention dropout masks."""
         self.head_range = range(a) if split is None else split.q_heads
@@ -71,9 +89,11 @@ class Attention(nn.Module):
         if split is not None and split.kv_replicas > 1:
             for m in (self.k_proj, self.v_proj):
                 mark_kv_replica(m, split, g)
-        for norm in (self.q_norm, self.k_norm) if tp is not None else ():
+        for norm in (self.q_norm, self.k_norm) if tp is not None and self.norm_per_head else ():
             if norm is not None:  # replicated gains, each rank's gradient from its heads only
                 mark_sequence_sharded(norm)
+        if split is not None and split.kv_replicas > 1 and not self.norm_per_head and self.k_norm is not None:
+            mark_kv_replica(self.k_norm, split, g)  # the gains of a replicated KV head
 
     def _dropout_attention(self, q, k, v, *, noise: Noise, docs) -> torch.Tensor:
         """Attention with dropout on the probabilities, masks by global (sample, head, q, k); under CP
@@ -92,11 +112,13 @@ class Attention(nn.Module):
         explicit softmax path, the probabilities masked by global (sample, head, q, k). `cache`
         (generation, fivefold.model.generate): [k, v] of the positions before x's, extended in place."""
         q, k, v = column_linears(x, [self.q_proj, self.k_proj, self.v_proj])  # (b, s, (a|g)/tp * d)
+        if self.q_norm is not None and not self.norm_per_head:  # OLMoE: over all of q's (k's) features
+            q, k = self.q_norm(q), self.k_norm(k)
         b, s = q.shape[:2]
         q = q.view(b, s, -1, self.d).transpose(1, 2)  # (b, a/tp, s, d)
         k = k.view(b, s, -1, self.d).transpose(1, 2)  # (b, g/tp, s, d)
         v = v.view(b, s, -1, self.d).transpose(1, 2)  # (b, g/tp, s, d)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.norm_per_head:
             q, k = self.q_norm(q), self.k_norm(k)
         if cos is not None:  # RoPE; learned absolute positions were added to the embedding instead
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fivefold.config.schema import ModelConfig
+from fivefold.config.schema import QK_NORM_SCOPES, ModelConfig
 from fivefold.errors import NotImplementedYet, UserError
 from fivefold.model.block import DecoderLayer, rotary_dim
 from fivefold.model.init import init_parameters_
@@ -38,6 +38,13 @@ def _check_supported(cfg: ModelConfig) -> None:
     if cfg.multi_latent_attention and (cfg.add_bias_linear or cfg.add_qkv_bias):
         raise NotImplementedYet("model.add_bias_linear / add_qkv_bias with multi_latent_attention: MLA's "
                                 "projections are built without biases (not implemented yet)")
+    if cfg.qk_layernorm_scope not in QK_NORM_SCOPES:
+        raise UserError(f"model.qk_layernorm_scope={cfg.qk_layernorm_scope!r} is not one of "
+                        f"{', '.join(QK_NORM_SCOPES)} (try head)")
+    if cfg.qk_layernorm_scope == "projection" and (cfg.multi_latent_attention or cfg.normalization != "RMSNorm"):
+        what = "multi_latent_attention" if cfg.multi_latent_attention else f"normalization={cfg.normalization!r}"
+        raise UserError(f"model.qk_layernorm_scope='projection' with {what}: q / k norms over the whole "
+                        "projection are OLMoE's RMSNorms over GQA's q and k (use qk_layernorm_scope head)")
     if not cfg.multi_latent_attention and cfg.num_attention_heads % cfg.kv_heads:
         raise UserError(f"num_attention_heads={cfg.num_attention_heads} must be a multiple of "
                         f"num_query_groups={cfg.kv_heads}")

@@ -1,5 +1,5 @@
-"""Import a local Hugging Face Llama / Mistral / Mixtral / Qwen2 / Qwen3 / Qwen3-MoE or DeepSeek-V3 checkpoint directory
-(config.json + safetensors) — no network.
+"""Import a local Hugging Face Llama / Mistral / Mixtral / Qwen2 / Qwen3 / Qwen3-MoE / OLMoE or DeepSeek-V3 checkpoint
+directory (config.json + safetensors) — no network.
 
     config_from_hf(dir)            config.json -> ModelConfig (refuses what our model cannot express)
     state_dict_from_hf(dir, cfg)   safetensors (single file or sharded index) -> our parameter names
@@ -10,7 +10,8 @@ Name map (ours <- HF):
     embedding.weight               <- model.embed_tokens.weight
     layers.i.attn_norm.weight      <- model.layers.i.input_layernorm.weight
     layers.i.attn.{q,k,v,o}_proj   <- model.layers.i.self_attn.{q,k,v,o}_proj (Qwen2: q/k/v .bias too)
-    layers.i.attn.{q,k}_norm       <- model.layers.i.self_attn.{q,k}_norm (Qwen3)
+    layers.i.attn.{q,k}_norm       <- model.layers.i.self_attn.{q,k}_norm (Qwen3: per head, width head_dim;
+                                      OLMoE: over the whole projection, widths a*head_dim and g*head_dim)
     layers.i.mlp_norm.weight       <- model.layers.i.post_attention_layernorm.weight
     layers.i.mlp.{gate,up,down}_proj <- model.layers.i.mlp.{gate,up,down}_proj
     final_norm.weight              <- model.norm.weight
@@ -22,6 +23,9 @@ Qwen3-MoE's (model_type qwen3_moe; q / k norms as Qwen3; norm_topk_prob false = 
 our moe_router_pre_softmax):
     layers.i.mlp.router.weight                 <- model.layers.i.mlp.gate.weight
     layers.i.mlp.experts.e.{gate,up,down}_proj <- model.layers.i.mlp.experts.e.{gate,up,down}_proj
+OLMoE's (model_type olmoe): Qwen3-MoE's names and router (softmax, top-k, renormalised only with
+norm_topk_prob, no shared expert; intermediate_size is the experts' width), q / k norms over the whole
+projection (our qk_layernorm_scope "projection"); clip_qkv is refused.
 DeepSeek-V3 (model_type deepseek_v3, also Moonlight; kimi_k2) keeps HF's attention names, so its
 MLA weights map the same way: layers.i.attn.{q_proj | q_a_proj, q_a_layernorm, q_b_proj},
 layers.i.attn.{kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj} <- model.layers.i.self_attn.*
@@ -38,7 +42,7 @@ from pathlib import Path
 import torch
 
 from fivefold.config.schema import ModelConfig
-from fivefold.errors import NotImplementedYet, UserError
+from fivefold.errors import UserError
 from fivefold.model.block import DecoderLayer
 from fivefold.model.decoder import Decoder
 from fivefold.model.init import VOCAB_PARAMS
@@ -48,7 +52,6 @@ from fivefold.planner.hf import load_hf_config
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 _MIXTRAL_PROJ = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
-_NOT_YET = {"olmoe": "OLMoE's q / k norms over the whole projection (not per head) and its MoE layers"}
 _LAYER_RENAMES = (("attn_norm.", "input_layernorm."), ("attn.", "self_attn."),
                   ("mlp_norm.", "post_attention_layernorm."), ("mlp.", "mlp."))
 
@@ -68,15 +71,16 @@ def config_from_hf(path: str | Path) -> ModelConfig:
     raw = json.loads((d / "config.json").read_text())
     where = d / "config.json"
     kind = raw.get("model_type")
-    if kind in _NOT_YET:
-        raise NotImplementedYet(f"{where}: model_type={kind!r}: importing {_NOT_YET[kind]}")
-    if kind not in ("llama", "mistral", "mixtral", *QWEN, *DEEPSEEK):
-        raise UserError(f"{where}: model_type={kind!r}; only Llama-style models (llama, mistral, mixtral, qwen2, "
-                        f"qwen3, qwen3_moe) and DeepSeek-V3-style MLA models ({', '.join(DEEPSEEK)}) are imported")
+    if kind not in ("llama", "mistral", "mixtral", *ATTENTION_ADDS, *DEEPSEEK):
+        raise UserError(f"{where}: model_type={kind!r}; only Llama-style models (llama, mistral, mixtral, "
+                        f"{', '.join(ATTENTION_ADDS)}) and DeepSeek-V3-style MLA models ({', '.join(DEEPSEEK)}) "
+                        "are imported")
     if kind in DEEPSEEK:
         cfg = _deepseek(raw, cfg, where)
-    if kind in QWEN:  # Qwen2: biases on q, k, v (always); Qwen3: per-head q / k RMSNorm
-        cfg = replace(cfg, **QWEN[kind])
+    if kind in ATTENTION_ADDS:
+        cfg = replace(cfg, **ATTENTION_ADDS[kind])
+    if kind == "olmoe":
+        _check_olmoe(raw, cfg, where)
     window = raw.get("sliding_window") if raw.get("use_sliding_window", kind not in QWEN) else None
     checks = {"hidden_act": (raw.get("hidden_act", "silu"), "silu"),
               "attention_bias": (bool(raw.get("attention_bias", False)), False),
@@ -93,15 +97,30 @@ def config_from_hf(path: str | Path) -> ModelConfig:
         raise UserError(f"{where}: RoPE scaling rope_type={rope_type!r} is not supported (only plain RoPE)")
     if kind == "mixtral":  # softmax over all experts, top-k renormalised (no norm_topk_prob switch)
         cfg = replace(cfg, moe_router_score_function="softmax", moe_router_pre_softmax=False)
-    if kind == "qwen3_moe":  # softmax over all experts, top-k; renormalised only with norm_topk_prob
+    if kind in ("qwen3_moe", "olmoe"):  # softmax over all experts, top-k; renormalised only with norm_topk_prob
         cfg = replace(cfg, moe_router_score_function="softmax",
                       moe_router_pre_softmax=not raw.get("norm_topk_prob", False))
     return cfg
 
 
 def moe_family(cfg: ModelConfig) -> str:
-    """The HF family an MoE config is stored as: Qwen3-MoE (per-head q / k norms), else Mixtral."""
-    return "qwen3_moe" if cfg.qk_layernorm else "mixtral"
+    """The HF family an MoE config is stored as: Qwen3-MoE (per-head q / k norms), OLMoE (q / k norms
+    over the whole projection), else Mixtral."""
+    if not cfg.qk_layernorm:
+        return "mixtral"
+    return "olmoe" if cfg.qk_layernorm_scope == "projection" else "qwen3_moe"
+
+
+def _check_olmoe(raw: dict, cfg: ModelConfig, where: Path) -> None:
+    """What HF's OLMoE computes beyond our model: clipped q / k / v, and q / k norms whose widths
+    (hidden_size, and hidden_size / heads * KV heads) are the projections' only when head_dim = h / a."""
+    if raw.get("clip_qkv") is not None:
+        raise UserError(f"{where}: clip_qkv={raw['clip_qkv']} is not supported (our attention does not clamp "
+                        "q, k, v; OLMoE checkpoints have clip_qkv null)")
+    if cfg.head_dim * cfg.num_attention_heads != cfg.hidden_size:
+        raise UserError(f"{where}: head_dim={cfg.head_dim} with hidden_size={cfg.hidden_size} and "
+                        f"num_attention_heads={cfg.num_attention_heads}: OLMoE's q_norm has width hidden_size, "
+                        "which is the query projection's only when head_dim = hidden_size / num_attention_heads")
 
 
 def _moe_name(rest: str, index: str, cfg: ModelConfig) -> str | None:
@@ -117,8 +136,13 @@ def _moe_name(rest: str, index: str, cfg: ModelConfig) -> str | None:
     return None
 
 
-QWEN = {"qwen2": {"add_qkv_bias": True}, "qwen3": {"qk_layernorm": True}, "qwen3_moe": {"qk_layernorm": True}}
-"""Llama-like model_types and what their attention adds."""
+ATTENTION_ADDS = {"qwen2": {"add_qkv_bias": True}, "qwen3": {"qk_layernorm": True}, "qwen3_moe": {"qk_layernorm": True},
+                  "olmoe": {"qk_layernorm": True, "qk_layernorm_scope": "projection"}}
+"""Llama-like model_types and what their attention adds: Qwen2 biases on q, k, v (always); Qwen3 per-head
+q / k RMSNorm; OLMoE q / k RMSNorm over the whole projection."""
+
+QWEN = ("qwen2", "qwen3", "qwen3_moe")
+"""model_types whose config.json switches sliding_window with use_sliding_window (default off)."""
 
 DEEPSEEK = ("deepseek_v3", "kimi_k2")
 """model_types with DeepseekV3's MLA layout."""

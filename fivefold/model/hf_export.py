@@ -13,7 +13,8 @@ it to `model.embed_tokens.weight`).
 
 Families: Llama (RMSNorm, SwiGLU, RoPE, no biases), Qwen2 (QKV biases), Qwen3 (q / k norms), Mixtral (its MoE layers: softmax router, top-k
 renormalised, no shared expert, every layer MoE), Qwen3-MoE (Qwen3's q / k norms with Mixtral-like MoE
-layers, top-k renormalised or not: norm_topk_prob) and dense DeepSeek-V3 (MLA) — the ones `load_hf`
+layers, top-k renormalised or not: norm_topk_prob), OLMoE (Qwen3-MoE's layers with q / k norms over the
+whole projection: qk_layernorm_scope "projection") and dense DeepSeek-V3 (MLA) — the ones `load_hf`
 imports. Anything else is refused naming what HF's config could not say.
 """
 from __future__ import annotations
@@ -66,8 +67,10 @@ def hf_config(cfg: ModelConfig, dtype: torch.dtype) -> dict:
     out.update(num_key_value_heads=cfg.num_query_groups or cfg.num_attention_heads, head_dim=cfg.head_dim)
     if cfg.is_moe and (cfg.moe_shared_expert_intermediate_size or cfg.moe_first_k_dense_layers
                        or cfg.moe_router_score_function != "softmax" or cfg.add_qkv_bias):
-        raise NotImplementedYet("Hugging Face export of this MoE (Mixtral's and Qwen3-MoE's layouts need every layer "
+        raise NotImplementedYet("Hugging Face export of this MoE (Mixtral's, Qwen3-MoE's and OLMoE's layouts need every layer "
                                 "MoE, no shared expert, no QKV bias and a softmax router)")
+    if cfg.qk_layernorm and cfg.qk_layernorm_scope == "projection":
+        return _olmoe(cfg, out)
     if cfg.is_moe and cfg.qk_layernorm:
         return {**out, "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "attention_bias": False,
                 "num_experts": cfg.num_experts, "num_experts_per_tok": cfg.moe_router_topk,
@@ -89,6 +92,23 @@ def hf_config(cfg: ModelConfig, dtype: torch.dtype) -> dict:
     return {**out, "model_type": "mixtral", "architectures": ["MixtralForCausalLM"],
             "num_local_experts": cfg.num_experts, "num_experts_per_tok": cfg.moe_router_topk,
             "intermediate_size": cfg.moe_ffn_hidden_size or cfg.ffn_size, "router_aux_loss_coef": cfg.moe_aux_loss_coeff}
+
+
+def _olmoe(cfg: ModelConfig, out: dict) -> dict:
+    """OLMoE's config.json: every layer MoE, its q / k norms of widths hidden_size and
+    hidden_size / heads * KV heads (so head_dim must be h / a), no clipping, no pad token."""
+    if not cfg.is_moe:
+        raise NotImplementedYet("Hugging Face export of q / k norms over the whole projection without MoE layers "
+                                "(OLMoE, the family that has them, is MoE)")
+    if cfg.head_dim * cfg.num_attention_heads != cfg.hidden_size:
+        raise NotImplementedYet(f"Hugging Face export of OLMoE with head_dim={cfg.head_dim} != hidden_size / "
+                                f"num_attention_heads = {cfg.hidden_size // cfg.num_attention_heads} (HF's q_norm has "
+                                "width hidden_size)")
+    out = {k: v for k, v in out.items() if k != "head_dim"}  # OLMoE derives it: h / a
+    return {**out, "model_type": "olmoe", "architectures": ["OlmoeForCausalLM"], "num_experts": cfg.num_experts,
+            "num_experts_per_tok": cfg.moe_router_topk, "intermediate_size": cfg.moe_ffn_hidden_size or cfg.ffn_size,
+            "norm_topk_prob": not cfg.moe_router_pre_softmax, "router_aux_loss_coef": cfg.moe_aux_loss_coeff,
+            "clip_qkv": None, "pad_token_id": None}
 
 
 def _whole(folder: Path, meta: dict, name: str, cfg: ModelConfig, shape: tuple[int, ...]) -> torch.Tensor:

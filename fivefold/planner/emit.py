@@ -10,6 +10,7 @@ import yaml
 
 from fivefold.config.megatron import FLAGS, LIST, VALUE
 from fivefold.config.megatron_defaults import DEFAULTS, GQA_SWITCH
+from fivefold.errors import UserError
 from fivefold.config.schema import Config, to_dict
 
 FORMATS = ("fivefold", "megatron", "rlinf", "skyrl", "torchrun")
@@ -64,7 +65,8 @@ def _flag_words(cfg: Config, dotted: str, value) -> list[str]:
             return [name]
     if value == _megatron_default(dotted):
         return []
-    raise ValueError(f"{dotted}={value!r} has no Megatron-LM flag")
+    raise UserError(f"{dotted}={value!r} has no Megatron-LM flag, so a Megatron-LM command line cannot build this "
+                    "model: emit it as fivefold YAML (--emit fivefold) or RLinf YAML (--emit rlinf)")
 
 
 def megatron_words(cfg: Config) -> list[str]:

@@ -90,9 +90,10 @@ def _layer_params(m: ModelConfig, index: int) -> LayerParams:
     h = m.hidden_size
     latent = latent_params(m)
     attn = attention_params(m) - latent
-    per_head = norm_params(m) // h * m.head_dim  # a q / k norm (gain, and LayerNorm's bias) over d
-    per_head_norms = m.qk_layernorm and not m.multi_latent_attention  # + GQA's per-head q / k norms
-    norms = 2 * norm_params(m) + (2 * per_head if per_head_norms else 0)
+    norms = 2 * norm_params(m)
+    if m.qk_layernorm and not m.multi_latent_attention:  # + GQA's q / k norms (gain, and LayerNorm's bias)
+        width = 2 * m.head_dim if m.qk_layernorm_scope == "head" else (m.num_attention_heads + m.kv_heads) * m.head_dim
+        norms += norm_params(m) // h * width  # over d each, or over the q (a*d) and k (g*d) projections
     if not is_moe_layer(m, index):
         f, k = m.ffn_size, m.mlp_matrices
         mlp_biases = (k - 1) * f + h if m.add_bias_linear else 0  # column biases (f each) + the row bias (h)

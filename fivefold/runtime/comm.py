@@ -1,6 +1,7 @@
 """Differentiable collectives: each an autograd.Function whose backward is its dual.
 
     copy_to  <-> reduce_from     (Megatron-LM's f and g of tensor parallelism)
+    sum_shared                   (all-reduce both ways: a sum every rank then uses its own way)
     gather   <-> reduce_scatter  (Megatron's sequence-parallel g and g-bar)
     split    <-> gather_split    (keep own chunk / all-gather; Megatron's scatter/gather "to/from region")
     all_to_all <-> all_to_all with the scatter and gather dims swapped
@@ -64,6 +65,23 @@ class ReduceFrom(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        return grad, None, None
+
+
+class SumShared(torch.autograd.Function):
+    """Y = sum over the group of X_r forward (all-reduce), and every rank uses Y its own way (a statistic
+    of features split over TP: the sum of squares of a TP-split RMSNorm); so dL/dX_r = sum over the
+    group of dL/dY_q backward (all-reduce): Megatron's g applied after f, forward g's, backward f's."""
+
+    @staticmethod
+    def forward(ctx, x, group, tag):
+        ctx.group, ctx.tag = group, tag
+        return raw.all_reduce_(x.clone(memory_format=torch.contiguous_format), group, tag)
+
+    @staticmethod
+    def backward(ctx, grad):
+        with traffic.span("all_reduce", ctx.tag):
+            grad = raw.all_reduce_(grad.clone(memory_format=torch.contiguous_format), ctx.group, ctx.tag)
         return grad, None, None
 
 
@@ -156,6 +174,11 @@ def copy_to(x: torch.Tensor, group: Group, tag: str) -> torch.Tensor:
 def reduce_from(x: torch.Tensor, group: Group, tag: str) -> torch.Tensor:
     """Megatron g: all-reduce forward, identity backward."""
     return x if group.size == 1 else ReduceFrom.apply(x, group, tag)
+
+
+def sum_shared(x: torch.Tensor, group: Group, tag: str) -> torch.Tensor:
+    """All-reduce forward and backward: the group's sum, which each rank uses differently."""
+    return x if group.size == 1 else SumShared.apply(x, group, tag)
 
 
 def gather(x: torch.Tensor, dim: int, group: Group, tag: str) -> torch.Tensor:
