@@ -120,6 +120,16 @@ def test_olmoe_what_our_model_does_not_compute_is_refused(tmp_path, key, value, 
         config_from_hf(tmp_path)
 
 
+def test_projection_qk_norms_without_moe_are_not_exported():
+    """No HF family we export has these norms with dense MLPs (OLMo2 has them, but normalises each block's
+    output, not its input: a post-norm decoder, which ours is not)."""
+    from fivefold.errors import NotImplementedYet
+    from fivefold.model.hf_export import hf_config
+
+    with pytest.raises(NotImplementedYet, match="whole projection without MoE layers"):
+        hf_config(_tp_cfg(2), torch.float32)
+
+
 # --- the projection-wide norm under tensor parallelism ----------------------------------------------
 
 TP_CASES = {"tp2": (False, 2), "tp2-sp": (True, 2), "tp2-sp-kv-replicated": (True, 1)}

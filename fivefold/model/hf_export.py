@@ -99,7 +99,7 @@ def _olmoe(cfg: ModelConfig, out: dict) -> dict:
     hidden_size / heads * KV heads (so head_dim must be h / a), no clipping, no pad token."""
     if not cfg.is_moe:
         raise NotImplementedYet("Hugging Face export of q / k norms over the whole projection without MoE layers "
-                                "(OLMoE, the family that has them, is MoE)")
+                                "(OLMoE has them with MoE layers; OLMo2 with dense ones, but post-norm blocks)")
     if cfg.head_dim * cfg.num_attention_heads != cfg.hidden_size:
         raise NotImplementedYet(f"Hugging Face export of OLMoE with head_dim={cfg.head_dim} != hidden_size / "
                                 f"num_attention_heads = {cfg.hidden_size // cfg.num_attention_heads} (HF's q_norm has "
