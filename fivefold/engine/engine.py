@@ -33,6 +33,7 @@ from fivefold.config.schema import Config
 from fivefold.engine.batching import plan
 from fivefold.errors import NotImplementedYet
 from fivefold.model.hf import hf_name
+from fivefold.model.moe import update_expert_biases
 from fivefold.parallel.cross_entropy import vocab_parallel_entropy, vocab_parallel_logprobs
 from fivefold.parallel.tensor import TPMode, mark_sequence_sharded
 from fivefold.runtime import comm
@@ -184,6 +185,7 @@ class Engine:
             (loss * dp.loss_scale).backward()
             local += loss.detach().double()
         dp.finish()
+        update_expert_biases(self.parts.model, mesh.group("tp-cp-dp"))
         skipped = not dp.unscale_grads()
         norm = None if skipped else dp.clip_grads(self.config.training.clip_grad)
         if not skipped:
