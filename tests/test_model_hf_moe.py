@@ -30,8 +30,8 @@ from fivefold.model.init import init_parameters_
 # a few ulps per op). Routing is a discrete choice: the top-2 margins of these seeds are > 1e-3
 # (checked below), 100x the fp32 noise of scores ~0.25 (~1e-7), so both sides route every token identically.
 # Measured worst over the CPU kernel settings (docs/tolerances.md), as fractions of each bound: Mixtral
-# logits 0.0099, gradients 0.036 (28x); the MoE blocks' outputs 0.0092, gradients 0.22 (4.5x: the router
-# weight's gradient under DeepSeek-V3's routing, its largest values scaled by 2.5).
+# logits 0.0099, gradients 0.036 (28x); the MoE blocks' outputs 0.0092, gradients 0.22 (4.5x; the router
+# weight's gradient under DeepSeek-V3's routing, measured on this machine only).
 ATOL, RTOL = 1e-5, 1e-4
 E, K, F_MOE = 4, 2, 48
 
