@@ -2,8 +2,9 @@
 token by token, and DeepSeek-V3's router in transformers with the same weights and bias: score
 functions (softmax, sigmoid, sqrtsoftplus), top-k scaling, router dtype, group-limited routing, the
 expert bias (choice only, never the weights; its update from the step's load; recompute counted
-once), forced load balancing; the bias balances a skewed router; and DP2 / TP2+SP / EP2 / CP2 runs
-apply the one-process bias updates, with the bias saved in checkpoints so a resume is exact."""
+once), forced load balancing; the bias balances a skewed router; and DP2 / TP2+SP / EP2 / CP2 / PP2
+runs apply the one-process bias updates, with the bias saved in checkpoints (converted with them) so
+a resume is exact."""
 from __future__ import annotations
 
 import math
@@ -287,7 +288,8 @@ ROUTER = dict(moe_router_score_function="sigmoid", moe_router_num_groups=2, moe_
 rate 1e-2 so that the bias moves routing within the run."""
 STEPS = 4
 LAYOUTS = {"dp2": {}, "tp2sp": dict(tensor_model_parallel_size=2, sequence_parallel=True),
-           "ep2": dict(expert_model_parallel_size=2), "cp2": dict(context_parallel_size=2)}
+           "ep2": dict(expert_model_parallel_size=2), "cp2": dict(context_parallel_size=2),
+           "pp2": dict(pipeline_model_parallel_size=2)}
 
 
 def _router_config(data, world: int = 1, parallel: dict | None = None):
@@ -337,9 +339,10 @@ def test_layout_applies_the_one_process_bias_updates(biased_runs, name):
         # there with TP on AVX-512), measured worst here 4.2e-8 (tp2sp); bound 1e-5.
         close(list(r["losses"].values()), list(ref.losses.values()), rtol=1e-5, site="router.layout_losses",
               case=f"{name} rank {rank}")
-    # Same cause, measured worst 5.9e-7 (cp2); bound 5e-6 as test_moe's.
-    close([m["moe_aux_loss"] for m in _metrics(root / name)], [m["moe_aux_loss"] for m in _metrics(root / "ref")],
-          rtol=5e-6, site="router.layout_aux_loss", case=name)
+    if name != "pp2":  # the aux loss is not logged through the pipeline schedule yet
+        # Same cause, measured worst 5.9e-7 (cp2); bound 5e-6 as test_moe's.
+        close([m["moe_aux_loss"] for m in _metrics(root / name)], [m["moe_aux_loss"] for m in _metrics(root / "ref")],
+              rtol=5e-6, site="router.layout_aux_loss", case=name)
 
 
 def test_resume_continues_with_the_saved_bias(biased_runs):
@@ -355,3 +358,15 @@ def test_resume_continues_with_the_saved_bias(biased_runs):
     assert resumed.losses == {s: biased_runs["ref"].losses[s] for s in (2, 3)}
     want, got = _biases(root / "ref" / "checkpoints"), _biases(out / "checkpoints")
     assert all(torch.equal(got[n], want[n]) for n in want)
+
+
+def test_convert_carries_the_bias(biased_runs, tmp_path):
+    """`fivefold convert` to EP2 x PP2 writes each stage's biases (whole, no optimizer state); they load
+    back into one process equal to the source's."""
+    from fivefold.cli import main
+
+    src = biased_runs["root"] / "ref" / "checkpoints"
+    assert main(["convert", str(src), str(tmp_path), "--expert-model-parallel-size", "2",
+                 "--pipeline-model-parallel-size", "2", "--world-size", "4"]) == 0
+    want, got = _biases(src), _biases(tmp_path)
+    assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in want)

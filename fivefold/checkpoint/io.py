@@ -34,8 +34,9 @@ def buffers_saved(model: nn.Module) -> dict[str, torch.Tensor]:
     """The persistent buffers of `model` by name (the MoE routers' expert bias): state a resume needs
     that is not a parameter. Checkpoints hold them whole beside the parameters (no optimizer state);
     loading a checkpoint without one keeps its initial value, with a warning."""
-    return {f"{prefix}.{name}" if prefix else name: b for prefix, m in model.named_modules()
-            for name, b in m.named_buffers(recurse=False) if name not in m._non_persistent_buffers_set}
+    transient = {id(b) for m in model.modules() for name, b in m._buffers.items()
+                 if name in m._non_persistent_buffers_set}
+    return {name: b for name, b in model.named_buffers() if id(b) not in transient}
 
 
 def tensors_saved(model: nn.Module) -> dict[str, torch.Tensor]:
