@@ -370,3 +370,15 @@ def test_convert_carries_the_bias(biased_runs, tmp_path):
                  "--pipeline-model-parallel-size", "2", "--world-size", "4"]) == 0
     want, got = _biases(src), _biases(tmp_path)
     assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in want)
+
+
+def test_weight_sync_refuses_the_expert_bias():
+    """Engine weight sync copies parameters only: with an expert bias the inference copy would route
+    without it, so it is refused (not built yet) before any rank communicates."""
+    from fivefold.engine.sync import sync_weights
+    from fivefold.errors import NotImplementedYet
+
+    cfg = ModelConfig(num_layers=1, hidden_size=H, num_attention_heads=4, vocab_size=64, num_experts=E,
+                      moe_router_topk=K, moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True)
+    with pytest.raises(NotImplementedYet, match="layers.0.mlp.router.expert_bias"):
+        sync_weights(Decoder(cfg), Decoder(cfg))
