@@ -65,6 +65,19 @@ CASES = [  # (words, world size, substring of the message)
      "normalization=LayerNorm"),
     ("qk_layernorm=true qk_layernorm_scope=projection multi_latent_attention=true", 8,
      "not built with multi_latent_attention"),
+    # the router (Megatron's TransformerConfig checks, and group sizes its top-k fails or degenerates on)
+    ("num_experts=8 moe_router_score_function=tanh", 8, "moe_router_score_function='tanh': must be one of softmax"),
+    ("num_experts=8 moe_router_dtype=bf16", 8, "moe_router_dtype='bf16': must be one of None, fp32, fp64"),
+    ("num_experts=8 moe_router_group_topk=2", 8, "needs the number of expert groups"),
+    ("num_experts=8 moe_router_group_topk=1 moe_router_num_groups=3", 8, "num_experts=8 must split into"),
+    ("num_experts=8 moe_router_group_topk=4 moe_router_num_groups=2", 8, "cannot choose more groups than"),
+    ("num_experts=8 moe_router_topk=1 moe_router_group_topk=2 moe_router_num_groups=4", 8, "1//2 = 0 experts"),
+    ("num_experts=8 moe_router_topk=4 moe_router_group_topk=1 moe_router_num_groups=4", 8,
+     "the 1 chosen groups of 2 experts hold 2, fewer than moe_router_topk"),
+    ("num_experts=8 moe_router_enable_expert_bias=true", 8, "the expert bias needs moe_router_score_function sigmoid"),
+    ("num_experts=8 moe_router_score_function=sigmoid moe_router_bias_update_rate=-1e-3", 8,
+     "moe_router_bias_update_rate=-0.001: must be >= 0"),
+    ("num_experts=8 moe_router_topk_scaling_factor=0", 8, "moe_router_topk_scaling_factor=0.0: must be > 0"),
 ]
 
 

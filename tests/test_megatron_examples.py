@@ -116,14 +116,12 @@ QWEN3 = """--tensor-model-parallel-size 2 --pipeline-model-parallel-size 1 --use
  --no-load-optim --ckpt-format torch_dist --train-iters 2"""
 
 
-DSV3_REFUSED = ["--recompute-modules", "--moe-router-group-topk", "--moe-router-num-groups",
-                "--moe-router-topk-scaling-factor", "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate",
-                "--moe-router-dtype", "--moe-router-force-load-balancing", "--rotary-scaling-factor", "--mscale",
-                "--mscale-all-dim", "--mtp-num-layers", "--mtp-loss-scaling-factor", "--enable-experimental",
-                "--init-model-with-meta-device", "--fsdp-double-buffer", "--use-nccl-ub",
-                "--megatron-fsdp-grad-comm-dtype", "--megatron-fsdp-main-grads-dtype"]
-"""DeepSeek-V3's routing (group-limited, expert bias, scaling), YaRN RoPE scaling, MTP, per-module
-recompute and Megatron-FSDP's buffer / dtype switches."""
+DSV3_REFUSED = ["--recompute-modules", "--rotary-scaling-factor", "--mscale", "--mscale-all-dim", "--mtp-num-layers",
+                "--mtp-loss-scaling-factor", "--enable-experimental", "--init-model-with-meta-device",
+                "--fsdp-double-buffer", "--use-nccl-ub", "--megatron-fsdp-grad-comm-dtype",
+                "--megatron-fsdp-main-grads-dtype"]
+"""YaRN RoPE scaling, MTP, per-module recompute and Megatron-FSDP's buffer / dtype switches (DeepSeek-V3's
+routing — group-limited, expert bias, top-k scaling, router dtype, forced balance — is built)."""
 QWEN3_UNKNOWN = ["--tokenizer-hf-include-special-tokens"]
 """Not a flag of Megatron-LM at the pinned commit either (it has only --tokenizer-hf-no-include-special-tokens,
 and its parser does not abbreviate): Megatron refuses this script's line too."""
@@ -166,8 +164,9 @@ def _refused(words: list[str]) -> tuple[list[str], list[str]]:
 def test_script_refuses_what_is_not_built_and_trains_without_it(name, tmp_path, workers):
     """The refusal names every flag not built in one message (DeepSeek-V3's list, Qwen3-30B-A3B's
     unknown flag and its list); without those flags the line validates and trains 3 / 2 steps on 4
-    ranks (DeepSeek-V3: MLA with its latent norms, first layer dense, sigmoid routing, EP2 under
-    Megatron-FSDP ZeRO-3; Qwen3: q/k norms, GQA, TP2+SP x EP2)."""
+    ranks (DeepSeek-V3: MLA with its latent norms, first layer dense, sigmoid group-limited routing with
+    expert bias, top-k scaling and forced balance, EP2 under Megatron-FSDP ZeRO-3; Qwen3: q/k norms,
+    GQA, TP2+SP x EP2)."""
     text, unknown, refused = {"dsv3": (DSV3, [], DSV3_REFUSED), "qwen3": (QWEN3, QWEN3_UNKNOWN, QWEN3_REFUSED)}[name]
     words = _words(text, out=tmp_path)
     assert _refused(words) == (unknown, refused)
@@ -179,6 +178,10 @@ def test_script_refuses_what_is_not_built_and_trains_without_it(name, tmp_path, 
         assert (m.multi_latent_attention, m.qk_layernorm, m.moe_first_k_dense_layers, m.moe_router_score_function,
                 cfg.training.data_parallel_sharding_strategy, cfg.training.train_iters) == \
             (True, True, 1, "sigmoid", "optim_grads_params", 3)
+        # its --moe-router-pre-softmax is dropped: Megatron renormalises sigmoid top-k weights whatever it says
+        assert (m.moe_router_num_groups, m.moe_router_group_topk, m.moe_router_topk_scaling_factor,
+                m.moe_router_enable_expert_bias, m.moe_router_bias_update_rate, m.moe_router_dtype,
+                m.moe_router_force_load_balancing, m.moe_router_pre_softmax) == (4, 2, 2.5, True, 1e-3, "fp32", True, False)
     data_dir = prepare(cfg, tmp_path / "run")
     losses = _run(cfg, tmp_path / "run", data_dir, workers)
     assert len(losses) == cfg.training.train_iters and all(np.isfinite(losses))

@@ -5,9 +5,10 @@
   loss; with one layer HF's loss is k times Megatron's, so our coeff = k * HF's coef).
 - The MoE layer alone against two independent HF blocks whose math is one of our settings:
   OLMoE's OlmoeSparseMoeBlock (softmax, top-k NOT renormalised: moe_router_pre_softmax) and
-  DeepSeek-V3's DeepseekV3MoE with one group and routed_scaling_factor 1 (sigmoid scores, top-k
-  renormalised, shared experts always on and added) — Qwen2-MoE is not used: its shared expert
-  is multiplied by a sigmoid gate, which Megatron's shared experts (and ours) do not have.
+  DeepSeek-V3's DeepseekV3MoE (sigmoid scores, top-k renormalised, shared experts always on and
+  added), with one group and routed_scaling_factor 1, and with its own routing: groups, the
+  e_score_correction_bias (our expert bias) and routed_scaling_factor — Qwen2-MoE is not used: its
+  shared expert is multiplied by a sigmoid gate, which Megatron's shared experts (and ours) do not have.
 """
 from __future__ import annotations
 
@@ -29,7 +30,8 @@ from fivefold.model.init import init_parameters_
 # a few ulps per op). Routing is a discrete choice: the top-2 margins of these seeds are > 1e-3
 # (checked below), 100x the fp32 noise of scores ~0.25 (~1e-7), so both sides route every token identically.
 # Measured worst over the CPU kernel settings (docs/tolerances.md), as fractions of each bound: Mixtral
-# logits 0.0099, gradients 0.036 (28x); the MoE blocks' outputs 0.0092, gradients 0.072 (14x).
+# logits 0.0099, gradients 0.036 (28x); the MoE blocks' outputs 0.0092, gradients 0.22 (4.5x; the router
+# weight's gradient under DeepSeek-V3's routing, measured on this machine only).
 ATOL, RTOL = 1e-5, 1e-4
 E, K, F_MOE = 4, 2, 48
 
@@ -183,21 +185,32 @@ def test_moe_block_without_renormalisation_matches_olmoe():
     _check_block(ours, theirs, "experts.", {"router.weight": "gate.weight"}, "olmoe")
 
 
-def test_moe_block_sigmoid_with_shared_experts_matches_deepseek_v3():
-    cfg = _cfg(1, moe_router_score_function="sigmoid", moe_shared_expert_intermediate_size=2 * F_MOE)
+@pytest.mark.parametrize("routing", ["plain", "groups-bias-scaled"])
+def test_moe_block_sigmoid_with_shared_experts_matches_deepseek_v3(routing):
+    """plain: one group, no bias, scaling 1; groups-bias-scaled: DeepSeek-V3's routing (2 groups of 2,
+    the best one chosen by its top-2 sum, e_score_correction_bias = our expert bias, routed_scaling_factor
+    2.5), the bias large enough to change which group tokens take."""
+    grouped = routing != "plain"
+    router = dict(moe_router_num_groups=2, moe_router_group_topk=1, moe_router_enable_expert_bias=True,
+                  moe_router_topk_scaling_factor=2.5) if grouped else {}
+    cfg = _cfg(1, moe_router_score_function="sigmoid", moe_shared_expert_intermediate_size=2 * F_MOE, **router)
     ours = _our_block(cfg)
     theirs = DeepseekV3MoE(DeepseekV3Config(hidden_size=64, moe_intermediate_size=F_MOE, intermediate_size=F_MOE,
-                                            n_routed_experts=E, num_experts_per_tok=K, n_shared_experts=2, n_group=1,
-                                            topk_group=1, norm_topk_prob=True, routed_scaling_factor=1.0)).float()
+                                            n_routed_experts=E, num_experts_per_tok=K, n_shared_experts=2,
+                                            n_group=2 if grouped else 1, topk_group=1, norm_topk_prob=True,
+                                            routed_scaling_factor=2.5 if grouped else 1.0)).float()
     params = dict(theirs.named_parameters())
     with torch.no_grad():
+        if grouped:
+            ours.router.expert_bias.copy_(torch.tensor([0.3, -0.2, 0.1, -0.3]))
+            theirs.gate.e_score_correction_bias.copy_(ours.router.expert_bias)
         params["gate.weight"].copy_(ours.router.weight)
         _fuse_experts(ours, params, "experts.")
         for proj in ("gate_proj", "up_proj", "down_proj"):
             params[f"shared_experts.{proj}.weight"].copy_(getattr(ours.shared_experts, proj).weight)
     _check_block(ours, theirs, "experts.", {"router.weight": "gate.weight",
                                              **{f"shared_experts.{p}.weight": f"shared_experts.{p}.weight"
-                                                for p in ("gate_proj", "up_proj", "down_proj")}}, "deepseek-v3")
+                                                for p in ("gate_proj", "up_proj", "down_proj")}}, f"deepseek-v3 {routing}")
 
 
 @pytest.mark.parametrize("norm_topk_prob", [True, False])

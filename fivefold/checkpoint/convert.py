@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
-from fivefold.checkpoint.io import check_fits, placed_by_meta, read_metadata
-from fivefold.checkpoint.layout import FORMAT, TIED, ShardSpec, source_name, step_dir
+from fivefold.checkpoint.io import buffers_saved, check_fits, placed_by_meta, read_metadata, tensors_saved
+from fivefold.checkpoint.layout import FORMAT, TIED, ShardSpec, source_name, step_dir, whole
 from fivefold.checkpoint.optim_state import MAIN, MOMENTS
 from fivefold.checkpoint.reshard import Reader, checkpoint_source, fill, fill_flat, spec_of
 from fivefold.config.schema import Config, to_dict
@@ -105,9 +105,12 @@ def convert(src: str | Path, dst: str | Path, config: Config, *, log: Callable[[
                 continue
             model = _rank_params(config, mesh)
             metas = named_metas(model)
-            specs = {n: spec_of(metas[n], p) for n, p in model.named_parameters()}
+            # buffers (the MoE expert bias): whole, no optimizer state, left out where the source has none
+            buffers = buffers_saved(model)
+            held = {n: p for n, p in tensors_saved(model).items() if n not in buffers or n in meta["params"]}
+            specs = {n: spec_of(metas[n], p) if n in metas else whole(p.shape) for n, p in held.items()}
             # a block another destination rank already wrote (TP-replicated norms, dense weights on EDP ranks) is listed once
-            params = {n: p for n, p in model.named_parameters() if not any(
+            params = {n: p for n, p in held.items() if not any(
                 s["offsets"] == list(specs[n].offsets) and s["shape"] == list(p.shape)
                 for s in listing.get(n, {}).get("shards", []))}
             if not params:
@@ -119,16 +122,18 @@ def convert(src: str | Path, dst: str | Path, config: Config, *, log: Callable[[
                 if not fill(p.data, specs[n], weights[keys[n]], reader):
                     raise UserError(f"convert: the shards of {folder} do not cover {n}")
                 e = listing.setdefault(n, {"global_shape": list(specs[n].global_shape), "dtype": str(p.dtype),
-                                           "shards": []})
+                                           "shards": [], **({"buffer": True} if n in buffers else {})})
                 e["shards"].append({"file": f"model-{tag}.safetensors", "offsets": list(specs[n].offsets),
                                     "shape": list(p.shape)})
             write_streaming(tmp / f"model-{tag}.safetensors", [(n, p.dtype, tuple(p.shape)) for n, p in params.items()],
                             lambda n: params[n].data)
             if has_optim:
-                _write_optim(tmp / f"optim-{tag}.safetensors", params, specs, keys, moments, reader, listing)
+                _write_optim(tmp / f"optim-{tag}.safetensors", {n: p for n, p in params.items() if n not in buffers},
+                             specs, keys, moments, reader, listing)
             model = params = None  # freed before the next destination rank's are built
             log(f"destination rank {rank}: written")
-    extra = [n for n in meta["params"] if n not in listing and TIED.get(n) not in listing]
+    extra = [n for n, e in meta["params"].items() if n not in listing and TIED.get(n) not in listing
+             and not e.get("buffer")]
     if extra:  # the model config matched (check_fits): a parameter no destination rank holds is a bug to report
         raise UserError(f"convert: {extra[0]} of {folder} is held by no rank of the destination layout")
     if meta.get("world_size") == layout.world_size:

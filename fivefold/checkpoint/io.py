@@ -30,6 +30,20 @@ from fivefold.errors import UserError
 from fivefold.parallel.param_meta import named_metas
 
 
+def buffers_saved(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The persistent buffers of `model` by name (the MoE routers' expert bias): state a resume needs
+    that is not a parameter. Checkpoints hold them whole beside the parameters (no optimizer state);
+    loading a checkpoint without one keeps its initial value, with a warning."""
+    transient = {id(b) for m in model.modules() for name, b in m._buffers.items()
+                 if name in m._non_persistent_buffers_set}
+    return {name: b for name, b in model.named_buffers() if id(b) not in transient}
+
+
+def tensors_saved(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Everything a checkpoint holds of `model`: its parameters, then its persistent buffers."""
+    return {**dict(model.named_parameters()), **buffers_saved(model)}
+
+
 def placed_by_meta(model: nn.Module) -> ShardOf:
     """Where each parameter of `model` sits in the one-process tensor, from its metadata: TP / ETP
     shards at their offset, the rest whole (the default `shard_of`)."""
@@ -93,11 +107,13 @@ def save_checkpoint(root: str | Path, step: int, *, model: nn.Module, optimizer:
     write(rng_state(), tmp / f"rng-{tag}.safetensors")
     if writes_params:
         params, shards = {}, {}
-        for name, p in model.named_parameters():
+        buffers = buffers_saved(model)
+        for name, p in tensors_saved(model).items():
             params[name] = p
             spec = shard_of(name, p)
             shards[name] = {"file": f"model-{tag}.safetensors", "offsets": list(spec.offsets),
-                            "shape": list(p.shape), "global_shape": list(spec.global_shape), "dtype": str(p.dtype)}
+                            "shape": list(p.shape), "global_shape": list(spec.global_shape), "dtype": str(p.dtype),
+                            **({"buffer": True} if name in buffers else {})}
         write(params, tmp / f"model-{tag}.safetensors")
         (tmp / f"shards-{tag}.json").write_text(json.dumps(shards))
         bad = [name for name, p in params.items() if not bool(torch.isfinite(p).all())]
@@ -236,15 +252,18 @@ def check_fits(meta: dict, model: nn.Module, shard_of: ShardOf, where: Path, mod
         problems += [f"model.{f} is {theirs.get(f)!r} in the checkpoint, {model_config.get(f)!r} here"
                      for f in PARAMETER_FIELDS if theirs.get(f) != model_config.get(f)]
     else:
-        mine = {n for n, _ in model.named_parameters()}
-        problems += [f"{n} is in the checkpoint but not in this model" for n in saved if n not in mine]
+        mine = set(tensors_saved(model))
+        problems += [f"{n} is in the checkpoint but not in this model" for n, e in saved.items()
+                     if n not in mine and not e.get("buffer")]
     metas = named_metas(model)
-    for name, p in model.named_parameters():
+    buffers = buffers_saved(model)
+    for name, p in tensors_saved(model).items():
         g = list(shard_of(name, p).global_shape)
         src = source_name(name, saved)
         if src not in saved:
-            problems.append(f"{name} is not in the checkpoint")
-        elif not _fits(saved[src]["global_shape"], g, metas[name].vocab_rows):
+            if name not in buffers:  # a buffer the checkpoint lacks keeps its initial value (_load_params)
+                problems.append(f"{name} is not in the checkpoint")
+        elif not _fits(saved[src]["global_shape"], g, metas[name].vocab_rows if name in metas else None):
             problems.append(f"{name} has shape {saved[src]['global_shape']} in the checkpoint, {g} in this model")
     if problems:
         shown = "\n  ".join(problems[:8]) + (f"\n  ... and {len(problems) - 8} more" if len(problems) > 8 else "")
@@ -265,8 +284,14 @@ def _load_params(folder: Path, meta: dict, model: nn.Module, shard_of: ShardOf) 
     parameters takes the fp32 main copies it saved, where it has them, not its rounded weights."""
     weights = checkpoint_source(folder, meta)
     mains = checkpoint_source(folder, meta, "optim_shards", f".{MAIN}")
+    missing = [n for n in buffers_saved(model) if n not in meta["params"]]
+    if missing:
+        print(f"warning: checkpoint {folder} was saved without {len(missing)} buffer(s) of this model (first: "
+              f"{missing[0]}): they keep their initial value (the MoE expert bias: zero)", file=sys.stderr, flush=True)
     with Reader() as reader, torch.no_grad():
-        for name, p in model.named_parameters():
+        for name, p in tensors_saved(model).items():
+            if name in missing:
+                continue
             spec = shard_of(name, p)
             src = source_name(name, meta["params"])
             if not fill(p.data, spec, weights[src], reader):

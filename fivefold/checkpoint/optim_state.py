@@ -83,6 +83,8 @@ def merge_listings(folder: Path, prefix: str, params: dict[str, dict], key: str)
     for frag in sorted(folder.glob(f"{prefix}-*.json")):
         for name, s in json.loads(frag.read_text()).items():
             entry = params.setdefault(name, {"global_shape": s["global_shape"], "dtype": s["dtype"], "shards": []})
+            if s.get("buffer"):  # not a parameter (fivefold.checkpoint.io.buffers_saved)
+                entry["buffer"] = True
             listed = entry.setdefault(key, [])
             item = {k: s[k] for k in ("file", "offsets", "shape", "flat") if k in s}
             if not any({**x, "file": None} == {**item, "file": None} for x in listed):

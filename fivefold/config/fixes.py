@@ -19,7 +19,7 @@ from itertools import combinations, product
 from fivefold.config.fields import resolve, set_value
 from fivefold.config.rules import KNOB_FIELDS, Rule, adjust, errors, etp_of, ffn_of, sizes_of
 from fivefold.config.schema import (ACTIVATIONS, DROP_POLICIES, NORMALIZATIONS, POSITION_EMBEDDINGS, QK_NORM_SCOPES,
-                                    SECTIONS, Config)
+                                    ROUTER_DTYPES, ROUTER_SCORE_FUNCTIONS, SECTIONS, Config)
 
 WORLD_KNOBS = ("tp", "pp", "cp", "ep", "etp")
 _DEFAULTS = sizes_of(Config())
@@ -109,6 +109,14 @@ def candidates(knob: str, s: dict) -> list:
         return list(QK_NORM_SCOPES)
     if knob in ("act", "pos"):
         return list(ACTIVATIONS if knob == "act" else POSITION_EMBEDDINGS)
+    if knob in ("score", "rdtype"):
+        return list(ROUTER_SCORE_FUNCTIONS if knob == "score" else ROUTER_DTYPES)
+    if knob == "groups":
+        return [None] + _divisors(s["experts"] or 1)
+    if knob == "gtopk":
+        return [None] + list(range(1, min(s["groups"] or 1, 64) + 1))
+    if knob in ("ebias", "brate", "rscale"):
+        return {"ebias": [False, True], "brate": [1e-3], "rscale": [None]}[knob]
     return []
 
 

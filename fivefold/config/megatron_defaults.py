@@ -10,11 +10,13 @@ without a checkpoint starts the run from scratch (megatron/training/checkpointin
 --calculate-per-token-loss its loss is the mean of per-microbatch means (megatron/core/pipeline_parallel/schedules.py).
 Our canonical defaults (YAML, other dialects) stay as they are.
 
-Three rules Megatron applies after parsing are applied here too: --swiglu without --ffn-hidden-size
+Four rules Megatron applies after parsing are applied here too: --swiglu without --ffn-hidden-size
 gives int(8h/3 / 64) * 64 (rounded down, where our canonical default rounds up); learned absolute
-positions without --max-position-embeddings (which Megatron requires) use seq_length; and
+positions without --max-position-embeddings (which Megatron requires) use seq_length;
 --num-query-groups counts only with --group-query-attention (megatron/training/argument_utils.py:
-without the switch the model has as many K/V heads as query heads).
+without the switch the model has as many K/V heads as query heads); and --moe-router-pre-softmax
+counts only with softmax scores (megatron/core/transformer/moe/moe_utils.py renormalises sigmoid and
+sqrtsoftplus top-k weights whatever it says, where our field would keep them unnormalised).
 """
 from __future__ import annotations
 
@@ -42,7 +44,9 @@ def megatron_swiglu_ffn(hidden_size: int) -> int:
 
 
 GQA_SWITCH = "--group-query-attention"
-WHY = {"model.num_query_groups": f"{GQA_SWITCH} not given: Megatron-LM ignores --num-query-groups"}
+WHY = {"model.num_query_groups": f"{GQA_SWITCH} not given: Megatron-LM ignores --num-query-groups",
+       "model.moe_router_pre_softmax": "Megatron-LM applies --moe-router-pre-softmax to softmax scores only, and "
+                                       "renormalises sigmoid / sqrtsoftplus top-k weights"}
 """Why a field changed, where it is not simply "not given"."""
 
 
@@ -66,4 +70,7 @@ def apply_megatron_defaults(config: Config, explicit: set[str], switches: set[st
     if m.num_query_groups is not None and GQA_SWITCH not in switches:
         m.num_query_groups = None
         changed.append("model.num_query_groups")
+    if m.moe_router_pre_softmax and m.moe_router_score_function != "softmax":
+        m.moe_router_pre_softmax = False
+        changed.append("model.moe_router_pre_softmax")
     return changed

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from math import prod
 
 from fivefold.config.schema import (ACTIVATIONS, CP_COMM_TYPES, DIM_NAMES, DROP_POLICIES, NORMALIZATIONS,
-                                    POSITION_EMBEDDINGS, QK_NORM_SCOPES, Config, default_ffn_size)
+                                    POSITION_EMBEDDINGS, QK_NORM_SCOPES, ROUTER_DTYPES, ROUTER_SCORE_FUNCTIONS,
+                                    Config, default_ffn_size)
 from fivefold.config.split import layers_per_stage
 from fivefold.pipeline.rules import SCHEDULES, microbatch_problem
 
@@ -41,6 +42,10 @@ KNOB_FIELDS = {
     "log": "logging.log_interval",
     "act": "model.activation", "pos": "model.position_embedding_type", "maxpos": "model.max_position_embeddings",
     "qk_scope": "model.qk_layernorm_scope",
+    "score": "model.moe_router_score_function", "rdtype": "model.moe_router_dtype",
+    "groups": "model.moe_router_num_groups", "gtopk": "model.moe_router_group_topk",
+    "ebias": "model.moe_router_enable_expert_bias", "brate": "model.moe_router_bias_update_rate",
+    "rscale": "model.moe_router_topk_scaling_factor",
 }
 
 
@@ -122,7 +127,7 @@ def _positive(s: dict) -> list[Rule]:
         if not isinstance(s[k], int) or s[k] < 1:
             out.append(Rule(KNOB_FIELDS[k], s[k], "must be a whole number >= 1", (k,)))
     for k in ("vpp", "etp", "kv", "experts", "vpp_layers", "rnum", "ffn", "kvc", "moe_ffn", "shared", "first",
-              "last"):
+              "last", "groups", "gtopk"):
         if s[k] is not None and s[k] < 1:
             out.append(Rule(KNOB_FIELDS[k], s[k], "must be >= 1 or unset", (k,)))
     return out
@@ -133,7 +138,7 @@ def _choices(s: dict) -> list[Rule]:
     for k, allowed in (("schedule", SCHEDULES), ("cp_comm", CP_COMM_TYPES), ("norm", NORMALIZATIONS),
                        ("rgran", (None, "selective", "full")), ("rmethod", (None, "uniform", "block")),
                        ("act", ACTIVATIONS), ("pos", POSITION_EMBEDDINGS), ("drop", DROP_POLICIES),
-                       ("qk_scope", QK_NORM_SCOPES)):
+                       ("qk_scope", QK_NORM_SCOPES), ("score", ROUTER_SCORE_FUNCTIONS), ("rdtype", ROUTER_DTYPES)):
         if s[k] not in allowed:
             out.append(Rule(KNOB_FIELDS[k], s[k], f"must be one of {', '.join(map(str, allowed))}", (k,)))
     dims = s["order"].split("-") if isinstance(s["order"], str) else []
@@ -293,6 +298,7 @@ def _moe(s: dict, dp: int) -> list[Rule]:
     if s["topk"] < 1 or s["topk"] > experts:
         out.append(Rule(KNOB_FIELDS["topk"], s["topk"], f"must be >= 1; cannot route to more than "
                         f"num_experts={experts}", ("topk",)))
+    out += _router(s)
     etp, dense = etp_of(s), s["tp"] * s["cp"] * dp
     moe_ffn = s["moe_ffn"] or ffn_of(s)
     if moe_ffn % etp:
@@ -308,6 +314,37 @@ def _moe(s: dict, dp: int) -> list[Rule]:
             _pp_stride(s, {"tp": etp, "ep": ep, "dp": dense // (etp * ep)}):
         out.append(Rule(KNOB_FIELDS["order"], s["order"], "the dense and expert grids must share their "
                         "pipeline groups: with this order they do not (put pp last)", ("order",)))
+    return out
+
+
+def _router(s: dict) -> list[Rule]:
+    """Group-limited routing, expert bias and top-k scaling (Megatron's TransformerConfig checks, and
+    the two group sizes its top-k would fail or degenerate on)."""
+    out, experts, topk, groups, chosen = [], s["experts"], s["topk"], s["groups"], s["gtopk"]
+    if chosen and not groups:
+        out.append(Rule(KNOB_FIELDS["groups"], groups, f"group-limited routing (moe_router_group_topk={chosen}) "
+                        "needs the number of expert groups", ("groups", "gtopk")))
+    elif chosen and experts % groups:
+        out.append(Rule(KNOB_FIELDS["groups"], groups, f"num_experts={experts} must split into "
+                        "moe_router_num_groups equal groups", ("groups",)))
+    elif chosen and chosen > groups:
+        out.append(Rule(KNOB_FIELDS["gtopk"], chosen, f"cannot choose more groups than moe_router_num_groups="
+                        f"{groups}", ("gtopk", "groups")))
+    elif chosen and chosen > topk:
+        out.append(Rule(KNOB_FIELDS["gtopk"], chosen, f"a group scores the sum of its top moe_router_topk/"
+                        f"group_topk = {topk}//{chosen} = 0 experts: group_topk must be at most moe_router_topk",
+                        ("gtopk", "topk")))
+    elif chosen and topk > chosen * (experts // groups):
+        out.append(Rule(KNOB_FIELDS["topk"], topk, f"the {chosen} chosen groups of {experts // groups} experts "
+                        f"hold {chosen * (experts // groups)}, fewer than moe_router_topk", ("gtopk", "groups", "topk")))
+    if s["ebias"] and s["score"] == "softmax":
+        out.append(Rule(KNOB_FIELDS["ebias"], True, "the expert bias needs moe_router_score_function sigmoid or "
+                        "sqrtsoftplus (Megatron-LM refuses softmax)", ("score", "ebias")))
+    if not s["brate"] >= 0:
+        out.append(Rule(KNOB_FIELDS["brate"], s["brate"], "must be >= 0 (a negative rate pushes load toward the "
+                        "busiest experts)", ("brate",)))
+    if s["rscale"] is not None and not s["rscale"] > 0:
+        out.append(Rule(KNOB_FIELDS["rscale"], s["rscale"], "must be > 0, or unset for no scaling", ("rscale",)))
     return out
 
 

@@ -15,6 +15,8 @@ ACTIVATIONS = ("swiglu", "gelu")
 POSITION_EMBEDDINGS = ("rope", "learned_absolute", "none")
 DROP_POLICIES = ("probs", "position")
 QK_NORM_SCOPES = ("head", "projection")
+ROUTER_SCORE_FUNCTIONS = ("softmax", "sigmoid", "sqrtsoftplus")
+ROUTER_DTYPES = (None, "fp32", "fp64")
 DIM_NAMES = ("tp", "cp", "ep", "dp", "pp")
 
 
@@ -151,7 +153,8 @@ class ModelConfig:
     moe_router_topk: int = 2
     """Experts each token is routed to. Default 2."""
     moe_router_score_function: str = "softmax"
-    """softmax or sigmoid router scores. Default softmax."""
+    """Router scores of the logits z: softmax, sigmoid, or sqrtsoftplus (sqrt(softplus(z))).
+    Default softmax."""
     moe_router_load_balancing_type: str = "aux_loss"
     """aux_loss, seq_aux_loss, sinkhorn or none. Default aux_loss."""
     moe_aux_loss_coeff: float = 0.0
@@ -177,7 +180,29 @@ class ModelConfig:
     moe_router_pre_softmax: bool = False
     """Top-k routing weights as the scores are (softmax over all experts, then top-k; Megatron
     --moe-router-pre-softmax, HF norm_topk_prob=False); False renormalises the top-k weights to sum
-    1 (Mixtral, Megatron's default). Default False."""
+    1 (Mixtral, Megatron's default). With sigmoid / sqrtsoftplus scores True keeps them unnormalised
+    (HF DeepSeek-V3's norm_topk_prob=False; a Megatron command line cannot say this: Megatron-LM
+    renormalises those whatever the flag, and its dialect drops it). Default False."""
+    moe_router_topk_scaling_factor: float | None = None
+    """Multiplies the top-k weights (DeepSeek-V3's routed_scaling_factor); None = 1. Default None."""
+    moe_router_dtype: str | None = None
+    """fp32 or fp64: the router's linear, scores, top-k weights and the weighted sum of the experts'
+    outputs in that dtype; None = the linear in the parameters' dtype, scores in fp32, the weighted
+    sum in the parameters' dtype (Megatron's unset). Default None."""
+    moe_router_num_groups: int | None = None
+    """Group-limited routing: experts split into this many equal groups (DeepSeek-V3's n_group);
+    only with moe_router_group_topk. Default None."""
+    moe_router_group_topk: int | None = None
+    """Group-limited routing: each token's experts come from its best this-many groups (a group
+    scores the sum of its top k/group_topk scores); None = no group limit. Default None."""
+    moe_router_enable_expert_bias: bool = False
+    """Aux-loss-free balancing (DeepSeek-V3's e_score_correction_bias): a per-expert bias added to
+    the scores for the top-k choice only, updated after every step from the step's load. Default False."""
+    moe_router_bias_update_rate: float = 1e-3
+    """Expert bias step per optimizer step: bias_e += rate * sign(mean load - load_e). Default 1e-3."""
+    moe_router_force_load_balancing: bool = False
+    """Route by random normal logits (the router's gradient passes straight through): balanced
+    load whatever the weights, for benchmarks. Default False."""
 
     @property
     def mlp_matrices(self) -> int:

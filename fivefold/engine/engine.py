@@ -37,6 +37,7 @@ from fivefold.engine.batching import plan
 from fivefold.errors import NotImplementedYet
 from fivefold.model.hf import hf_name
 from fivefold.parallel.context import gather_tokens, split_tokens
+from fivefold.model.moe import update_expert_biases
 from fivefold.parallel.cross_entropy import vocab_parallel_entropy, vocab_parallel_logprobs
 from fivefold.parallel.tensor import TPMode, mark_sequence_sharded
 from fivefold.runtime import comm
@@ -254,6 +255,7 @@ class Engine:
             self.parts.pipe.sync_tied_grads()
             comm.all_reduce_(local, mesh.pp, tag="engine-loss")  # the last stage's rank holds it
         dp.finish()
+        update_expert_biases(self.parts.model, mesh.group("tp-cp-dp"))
         skipped = not dp.unscale_grads()
         norm = None if skipped else dp.clip_grads(self.config.training.clip_grad)
         if not skipped:

@@ -21,7 +21,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fivefold.checkpoint.io import buffers_saved
 from fivefold.checkpoint.layout import inside, overlap
+from fivefold.errors import NotImplementedYet
 from fivefold.parallel.param_meta import named_metas
 from fivefold.runtime import traffic
 
@@ -81,6 +83,9 @@ def planned_bytes(moves: list[Move], itemsize: int) -> int:
 def sync_weights(source: nn.Module, destination: nn.Module) -> int:
     """Copy `source`'s parameters into `destination`'s (the same model in another layout, same ranks);
     every rank calls it. Returns the bytes this rank sent."""
+    if buffers_saved(source):
+        raise NotImplementedYet(f"weight sync of a model with buffers ({next(iter(buffers_saved(source)))}: the MoE "
+                                "expert bias); the inference copy would route without it")
     rank = dist.get_rank()
     dtypes = {p.dtype for p in source.parameters()} | {p.dtype for p in destination.parameters()}
     if len(dtypes) > 1:

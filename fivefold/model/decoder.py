@@ -18,7 +18,7 @@ from torch import nn
 from fivefold.config.schema import QK_NORM_SCOPES, ModelConfig
 from fivefold.errors import NotImplementedYet, UserError
 from fivefold.model.block import DecoderLayer, rotary_dim
-from fivefold.model.init import init_parameters_
+from fivefold.model.init import init_buffers_, init_parameters_
 from fivefold.model.moe import MoEGroups, check_moe_supported, set_aux_loss_scale
 from fivefold.model.dropout import EMBEDDING, DropoutKey, Noise, dropped
 from fivefold.model.norm import make_norm
@@ -96,6 +96,7 @@ class Decoder(nn.Module):
             else:
                 aliases["head.weight"] = "embedding.weight"
         init_parameters_(self, seed=seed, std=cfg.init_method_std, vocab_size=cfg.vocab_size, aliases=aliases)
+        init_buffers_(self)
         self.cp = None
         """Context parallelism, set by fivefold.parallel.parallelize (apply_context_parallel): ids are
         then this CP rank's s/cp tokens (parallel.context.split_tokens)."""

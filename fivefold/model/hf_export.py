@@ -66,9 +66,11 @@ def hf_config(cfg: ModelConfig, dtype: torch.dtype) -> dict:
                 "moe_intermediate_size": cfg.ffn_size, "rms_norm_eps": cfg.norm_epsilon}
     out.update(num_key_value_heads=cfg.num_query_groups or cfg.num_attention_heads, head_dim=cfg.head_dim)
     if cfg.is_moe and (cfg.moe_shared_expert_intermediate_size or cfg.moe_first_k_dense_layers
-                       or cfg.moe_router_score_function != "softmax" or cfg.add_qkv_bias):
+                       or cfg.moe_router_score_function != "softmax" or cfg.add_qkv_bias
+                       or cfg.moe_router_group_topk or cfg.moe_router_topk_scaling_factor not in (None, 1.0)):
         raise NotImplementedYet("Hugging Face export of this MoE (Mixtral's, Qwen3-MoE's and OLMoE's layouts need every layer "
-                                "MoE, no shared expert, no QKV bias and a softmax router)")
+                                "MoE, no shared expert, no QKV bias and a softmax router without groups or top-k "
+                                "scaling)")
     if cfg.qk_layernorm and cfg.qk_layernorm_scope == "projection":
         return _olmoe(cfg, out)
     if cfg.is_moe and cfg.qk_layernorm:

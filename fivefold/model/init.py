@@ -5,6 +5,8 @@ a tensor-parallel shard can be cut from `initial_value(...)` of the full weight.
   norm gains: ones (zeros when stored zero-centred, --apply-layernorm-1p);  biases: zeros;  every other weight: normal(0, init_method_std)
   from a torch.Generator seeded by sha256(f"{seed}/{name}");  vocabulary matrices: the real vocab_size rows are drawn, padded rows
   are zero (so the draw does not depend on the padding, hence not on TP).
+Buffers (the MoE router's expert bias and load counts) start at zero: `init_buffers_`, after the
+model is materialised from the meta device (`to_empty` leaves them uninitialised).
 """
 from __future__ import annotations
 
@@ -54,3 +56,10 @@ def init_parameters_(model: nn.Module, *, seed: int, std: float, vocab_size: int
         full = initial_value(key, spec.full_shape if spec else tuple(p.shape), seed=seed, std=std, vocab_size=vocab_size,
                              zero_centered=name in zero_centered)
         p.copy_(spec.of(full) if spec else full)
+
+
+@torch.no_grad()
+def init_buffers_(model: nn.Module) -> None:
+    """Zero every buffer of `model` (each one fivefold registers starts at zero)."""
+    for b in model.buffers():
+        b.zero_()

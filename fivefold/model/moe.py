@@ -20,11 +20,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from fivefold.config.schema import Config, ModelConfig
+from fivefold.config.schema import ROUTER_SCORE_FUNCTIONS, Config, ModelConfig
 from fivefold.errors import NotImplementedYet, UserError
 from fivefold.model.capacity import padded_size, within_capacity
 from fivefold.model.mlp import SwiGLU, dense_mlp
-from fivefold.model.router import AttachAuxLoss, Router
+from fivefold.model.recompute import is_recomputing
+from fivefold.model.router import AttachAuxLoss, Router, count_load, update_expert_bias
 from fivefold.parallel.experts import local_experts, moe_forward
 from fivefold.parallel.param_meta import GradDomain, mark_all
 from fivefold.parallel.tensor import TPMode, mark_sequence_sharded
@@ -99,11 +100,12 @@ class MoE(nn.Module):
                                    cfg.moe_token_drop_policy, b)
             if cfg.moe_pad_expert_input_to_capacity:
                 pad_to = padded_size(len(tokens), cfg.moe_router_topk, cfg.num_experts, cfg.moe_expert_capacity_factor)
+        count_load(self.router, routing.experts if keep is None else routing.experts[keep])
         y = moe_forward(tokens, routing.experts, routing.weights, list(self.experts.values()),
                         cfg.num_experts, self.groups.ep, self.groups.etp, keep, pad_to)  # (n, h)
         if routing.loss is not None:
             y = AttachAuxLoss.apply(y, routing.loss, self.aux_loss_scale)
-        if torch._C._current_graph_task_id() == -1:  # a forward, not its recompute during backward
+        if not is_recomputing():  # a forward, not its rerun during backward
             term = torch.zeros(3, dtype=torch.float64, device=y.device)  # no host sync
             if routing.loss is not None:
                 term[0] = routing.loss.detach().double() * self.aux_loss_scale
@@ -150,11 +152,22 @@ def set_aux_loss_scale(model: nn.Module, scale: float) -> None:
             m.aux_loss_scale = scale
 
 
+def update_expert_biases(model: nn.Module, group: Group | None) -> None:
+    """After a training step's backward (collective over `group`, the TP x CP x DP ranks of this
+    pipeline stage): every MoE layer's expert bias moves by the step's load (router.update_expert_bias).
+    Megatron does it in finalize_model_grads, so also on a step that fp16 overflow then skips."""
+    update_expert_bias([m.router for m in model.modules() if isinstance(m, MoE)], group)
+
+
 def check_moe_supported(cfg: ModelConfig) -> None:
     """Refuse the MoE settings this runtime does not build (NotImplementedYet: exit 2): the model rows
     of fivefold.train.supported, the one table of unbuilt knobs."""
     problems = [p for p in unsupported(Config(model=cfg)) if p.startswith("model.")]
     if problems:
         raise NotImplementedYet("fivefold.model: " + "; ".join(problems))
-    if cfg.moe_router_score_function not in ("softmax", "sigmoid"):
-        raise UserError(f"moe_router_score_function={cfg.moe_router_score_function!r}: softmax or sigmoid")
+    if cfg.moe_router_score_function not in ROUTER_SCORE_FUNCTIONS:
+        raise UserError(f"moe_router_score_function={cfg.moe_router_score_function!r}: one of "
+                        f"{', '.join(ROUTER_SCORE_FUNCTIONS)}")
+    if cfg.moe_router_enable_expert_bias and cfg.moe_router_score_function == "softmax":
+        raise UserError("moe_router_enable_expert_bias needs moe_router_score_function sigmoid or sqrtsoftplus "
+                        "(Megatron-LM refuses softmax too)")

@@ -17,12 +17,32 @@ Recompute repeats the same operations on the same inputs, so losses and gradient
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
+_state = threading.local()
+
+
+def is_recomputing() -> bool:
+    """True while backward reruns a checkpointed span's forward: state a forward accumulates once per
+    micro-batch (the MoE router's expert load) must not count the rerun (as torch.is_grad_enabled,
+    this is a property of the running thread, not of a model)."""
+    return getattr(_state, "recomputing", False)
+
+
+@contextmanager
+def _recomputing() -> Iterator[None]:
+    before = is_recomputing()
+    _state.recomputing = True
+    try:
+        yield
+    finally:
+        _state.recomputing = before
 
 
 @dataclass(frozen=True)
@@ -60,5 +80,5 @@ def maybe_checkpoint(fn: Callable[..., torch.Tensor], on: bool, *args) -> torch.
     """fn(*args), keeping only the inputs for backward (recomputing fn there) when `on` and grad is
     enabled. use_reentrant=False: works with inputs that do not require grad and with autocast."""
     if on and torch.is_grad_enabled():
-        return checkpoint(fn, *args, use_reentrant=False)
+        return checkpoint(fn, *args, use_reentrant=False, context_fn=lambda: (nullcontext(), _recomputing()))
     return fn(*args)

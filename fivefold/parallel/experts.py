@@ -136,4 +136,6 @@ def moe_forward(x: torch.Tensor, experts_idx: torch.Tensor, weights: torch.Tenso
     if kept is not None:
         y = y.new_zeros(t * k, y.shape[1]).index_copy(0, kept, y)  # dropped assignments: 0
     y = y.view(t, k, -1)  # (t, k, h): assignment (token, j)
-    return (y * weights.to(y.dtype).unsqueeze(-1)).sum(1)  # (t, h)
+    # In the weights' dtype when it is wider (moe_router_dtype fp32 / fp64 under bf16, as Megatron's unpermute)
+    dtype = torch.promote_types(y.dtype, weights.dtype)
+    return (y.to(dtype) * weights.unsqueeze(-1)).sum(1).to(y.dtype)  # (t, h)

@@ -55,8 +55,8 @@ def schedule_for(config: Config, num_microbatches: int) -> Schedule:
 
 
 class StageStack(nn.Module):
-    """This rank's stages as one module whose parameters carry the one-process model's names
-    (`layers.5.mlp...`, `embedding.weight`), so checkpoints and optimizers see the global names."""
+    """This rank's stages as one module whose parameters and buffers carry the one-process model's
+    names (`layers.5.mlp...`, `embedding.weight`), so checkpoints and optimizers see the global names."""
 
     def __init__(self, stages: dict[int, Decoder]):
         super().__init__()
@@ -69,6 +69,10 @@ class StageStack(nn.Module):
                 if id(p) not in seen or not remove_duplicate:
                     seen.add(id(p))
                     yield name, p
+
+    def named_buffers(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        for stage in self.stages.values():
+            yield from stage.named_buffers(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
 
     def forward(self, *args):
         raise TypeError("a pipeline rank's stages run through its PipelineExecutor, not forward()")

@@ -1,7 +1,8 @@
 """One optimizer step on one rank, with or without pipeline parallelism:
 
     forward/backward of the step's microbatches (one by one, or through the pipeline schedule:
-    fivefold.train.pipeline_step) -> DataParallel.finish (gradients reduced over DP) -> fp16: unscale,
+    fivefold.train.pipeline_step) -> DataParallel.finish (gradients reduced over DP) -> MoE expert
+    biases moved by the step's load (aux-loss-free balancing, fivefold.model.router) -> fp16: unscale,
     and skip the step on every rank if any rank overflowed -> clip by the global norm -> AdamW on the
     main parameters (fivefold.parallel.data_parallel, fivefold.parallel.precision).
 
@@ -15,7 +16,7 @@ import torch
 from torch import nn
 
 from fivefold.data.loader import StepBatch
-from fivefold.model.moe import reset_step_totals, step_totals
+from fivefold.model.moe import reset_step_totals, step_totals, update_expert_biases
 from fivefold.runtime import comm
 from fivefold.parallel.data_parallel import DataParallel
 from fivefold.parallel.parallelize import Parts
@@ -81,6 +82,7 @@ def train_step(parts: Parts, batch: StepBatch, *, lr: float, clip_grad: float, d
         local, run = pipeline_forward_backward(parts.pipe, dp, batch, mesh=mesh, trace=trace, divisors=divisors)
         loss_groups = (mesh.pp, mesh.dp_cp)  # only the last stage's rank holds a loss sum
     dp.finish()
+    update_expert_biases(parts.model, mesh.group("tp-cp-dp"))
     skipped = not dp.unscale_grads()  # fp16: an overflow on any rank skips the step on every rank
     norm = None if skipped else dp.clip_grads(clip_grad)
     if not skipped:
