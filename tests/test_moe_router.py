@@ -220,7 +220,8 @@ def test_force_load_balancing_routes_by_random_logits_and_passes_the_gradient():
 def test_expert_bias_update_from_the_load_counted_once():
     """Two training micro-batches (one through activation recompute) count each routed token once;
     eval and no-grad forwards count nothing; the update is rate * sign(mean - load) per expert."""
-    cfg = _cfg(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True, moe_router_bias_update_rate=0.01)
+    cfg = _cfg(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+               moe_router_bias_update_rate=0.01)
     router = Router(cfg)
     with torch.no_grad():
         router.weight.normal_(0, 0.3, generator=torch.Generator().manual_seed(8))
@@ -248,7 +249,8 @@ def test_expert_bias_stays_fp32_and_zero_after_meta_build():
                       moe_router_topk=K, moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True)
     model = Decoder(cfg)  # built on the meta device, then materialised: buffers are set explicitly
     buffers = dict(model.named_buffers())
-    assert sorted(buffers) == [f"layers.{i}.mlp.router.{b}" for i in (0, 1) for b in ("expert_bias", "tokens_per_expert")]
+    assert sorted(buffers) == [f"layers.{i}.mlp.router.{b}" for i in (0, 1)
+                               for b in ("expert_bias", "tokens_per_expert")]
     assert all(int(b.abs().sum()) == 0 for b in buffers.values())
     model.get_submodule("layers.0.mlp.router").expert_bias.fill_(1e-3)
     model.to(torch.bfloat16)
