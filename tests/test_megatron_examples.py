@@ -181,7 +181,8 @@ def test_script_refuses_what_is_not_built_and_trains_without_it(name, tmp_path, 
         # its --moe-router-pre-softmax is dropped: Megatron renormalises sigmoid top-k weights whatever it says
         assert (m.moe_router_num_groups, m.moe_router_group_topk, m.moe_router_topk_scaling_factor,
                 m.moe_router_enable_expert_bias, m.moe_router_bias_update_rate, m.moe_router_dtype,
-                m.moe_router_force_load_balancing, m.moe_router_pre_softmax) == (4, 2, 2.5, True, 1e-3, "fp32", True, False)
+                m.moe_router_force_load_balancing, m.moe_router_pre_softmax) == \
+            (4, 2, 2.5, True, 1e-3, "fp32", True, False)
     data_dir = prepare(cfg, tmp_path / "run")
     losses = _run(cfg, tmp_path / "run", data_dir, workers)
     assert len(losses) == cfg.training.train_iters and all(np.isfinite(losses))

@@ -220,7 +220,8 @@ def test_force_load_balancing_routes_by_random_logits_and_passes_the_gradient():
 def test_expert_bias_update_from_the_load_counted_once():
     """Two training micro-batches (one through activation recompute) count each routed token once;
     eval and no-grad forwards count nothing; the update is rate * sign(mean - load) per expert."""
-    cfg = _cfg(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True, moe_router_bias_update_rate=0.01)
+    cfg = _cfg(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+               moe_router_bias_update_rate=0.01)
     router = Router(cfg)
     with torch.no_grad():
         router.weight.normal_(0, 0.3, generator=torch.Generator().manual_seed(8))
@@ -248,7 +249,8 @@ def test_expert_bias_stays_fp32_and_zero_after_meta_build():
                       moe_router_topk=K, moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True)
     model = Decoder(cfg)  # built on the meta device, then materialised: buffers are set explicitly
     buffers = dict(model.named_buffers())
-    assert sorted(buffers) == [f"layers.{i}.mlp.router.{b}" for i in (0, 1) for b in ("expert_bias", "tokens_per_expert")]
+    assert sorted(buffers) == [f"layers.{i}.mlp.router.{b}" for i in (0, 1)
+                               for b in ("expert_bias", "tokens_per_expert")]
     assert all(int(b.abs().sum()) == 0 for b in buffers.values())
     model.get_submodule("layers.0.mlp.router").expert_bias.fill_(1e-3)
     model.to(torch.bfloat16)
@@ -382,3 +384,24 @@ def test_weight_sync_refuses_the_expert_bias():
                       moe_router_topk=K, moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True)
     with pytest.raises(NotImplementedYet, match="layers.0.mlp.router.expert_bias"):
         sync_weights(Decoder(cfg), Decoder(cfg))
+
+
+def test_checkpoints_with_and_without_the_bias_load_both_ways(tmp_path, capsys):
+    """Switching the expert bias on at a resume: the checkpoint's parameters load and the bias starts at
+    zero, with a warning; a checkpoint with the bias loads into a model without it (the bias ignored)."""
+    plain = ModelConfig(num_layers=1, hidden_size=H, num_attention_heads=4, vocab_size=64, num_experts=E,
+                        moe_router_topk=K, moe_router_score_function="sigmoid")
+    biased = replace(plain, moe_router_enable_expert_bias=True)
+    for cfg, folder in ((plain, tmp_path / "plain"), (biased, tmp_path / "biased")):
+        model = Decoder(cfg, seed=1)
+        for b in model.buffers():
+            b.fill_(1)
+        ckpt.save_checkpoint(folder, 1, model=model, optimizer=torch.optim.AdamW(model.parameters()), rank=0,
+                             writes_params=True, barrier=lambda: None, extra={})
+    into_biased, into_plain = Decoder(biased, seed=2), Decoder(plain, seed=2)
+    ckpt.load_checkpoint(tmp_path / "plain", model=into_biased, optimizer=None, rank=0, world_size=1)
+    assert "saved without 1 buffer(s) of this model (first: layers.0.mlp.router.expert_bias)" in capsys.readouterr().err
+    assert int(into_biased.get_submodule("layers.0.mlp.router").expert_bias.abs().sum()) == 0
+    ckpt.load_checkpoint(tmp_path / "biased", model=into_plain, optimizer=None, rank=0, world_size=1)
+    for (n, p), q in zip(into_biased.named_parameters(), into_plain.parameters()):
+        assert torch.equal(p, q), n  # both hold the seed-1 weights now

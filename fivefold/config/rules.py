@@ -336,7 +336,8 @@ def _router(s: dict) -> list[Rule]:
                         ("gtopk", "topk")))
     elif chosen and topk > chosen * (experts // groups):
         out.append(Rule(KNOB_FIELDS["topk"], topk, f"the {chosen} chosen groups of {experts // groups} experts "
-                        f"hold {chosen * (experts // groups)}, fewer than moe_router_topk", ("gtopk", "groups", "topk")))
+                        f"hold {chosen * (experts // groups)}, fewer than moe_router_topk",
+                        ("gtopk", "groups", "topk")))
     if s["ebias"] and s["score"] == "softmax":
         out.append(Rule(KNOB_FIELDS["ebias"], True, "the expert bias needs moe_router_score_function sigmoid or "
                         "sqrtsoftplus (Megatron-LM refuses softmax)", ("score", "ebias")))

@@ -184,8 +184,8 @@ class Router(torch.nn.Module):
         self.weight = torch.nn.Parameter(torch.empty(e, cfg.hidden_size))
         bias = cfg.moe_router_enable_expert_bias
         self.register_buffer("expert_bias", torch.zeros(e) if bias else None)
-        """(E,) fp32 whatever the model's dtype (as Megatron keeps it: 1e-3 steps vanish in bf16);
-        no gradient, saved in checkpoints."""
+        """(E,) fp32 whatever the model's dtype (as Megatron keeps it: in bf16 a 1e-3 step is lost once
+        |b| >= 0.5); no gradient, saved in checkpoints."""
         self.register_buffer("tokens_per_expert", torch.zeros(e, dtype=torch.int64) if bias else None,
                              persistent=False)
         """(E,) tokens this rank sent to each expert since the last bias update (training forwards)."""
