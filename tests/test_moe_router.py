@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
+from functools import partial
 
 import pytest
 import torch
@@ -24,7 +25,7 @@ from fivefold.cli.train import prepare
 from fivefold.config.schema import ModelConfig, to_dict
 from fivefold.model import Decoder
 from fivefold.model.recompute import maybe_checkpoint
-from fivefold.model.router import Router, load_balancing_loss, route, update_expert_bias
+from fivefold.model.router import Router, count_load, load_balancing_loss, route, update_expert_bias
 from fivefold.train.loop import train
 
 E, K, H = 16, 4, 32
@@ -217,6 +218,13 @@ def test_force_load_balancing_routes_by_random_logits_and_passes_the_gradient():
     close(router.weight.grad, dz.T @ x, rtol=1e-5, atol=1e-5, site="router.force_balance_grad")
 
 
+def _route_and_count(router: Router, x: torch.Tensor) -> torch.Tensor:
+    """As MoE.forward: route, then count the assignments kept (here all, no capacity) for the bias."""
+    routing = router(x, 1, None)
+    count_load(router, routing.experts)
+    return routing.weights
+
+
 def test_expert_bias_update_from_the_load_counted_once():
     """Two training micro-batches (one through activation recompute) count each routed token once;
     eval and no-grad forwards count nothing; the update is rate * sign(mean - load) per expert."""
@@ -227,15 +235,16 @@ def test_expert_bias_update_from_the_load_counted_once():
         router.weight.normal_(0, 0.3, generator=torch.Generator().manual_seed(8))
     xs = [torch.randn(24, H, generator=torch.Generator().manual_seed(9 + i), requires_grad=True) for i in range(2)]
     hits = torch.zeros(E, dtype=torch.int64)
+    forward = partial(_route_and_count, router)
     for i, x in enumerate(xs):
-        r = maybe_checkpoint(lambda t: router(t, 1, None).weights, i == 1, x)
+        r = maybe_checkpoint(forward, i == 1, x)
         r.sum().backward()  # the checkpointed one reruns the router here
         hits += torch.bincount(route(x.detach() @ router.weight.detach().T, cfg, router.expert_bias)[0].reshape(-1),
                                minlength=E)
     with torch.no_grad():
-        router(xs[0], 1, None)
+        forward(xs[0])
     router.eval()
-    router(xs[0], 1, None)
+    forward(xs[0])
     router.train()
     assert torch.equal(router.tokens_per_expert, hits) and int(hits.sum()) == 2 * 24 * K
     update_expert_bias([router], None)
@@ -274,7 +283,7 @@ def test_expert_bias_balances_a_skewed_router():
     imbalance = []
     for _ in range(50):
         for mb in x:
-            router(mb, 1, None)
+            _route_and_count(router, mb)
         load = router.tokens_per_expert.double()
         imbalance.append(float(load.max() / load.mean()))
         update_expert_bias([router], None)
