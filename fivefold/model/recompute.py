@@ -18,8 +18,8 @@ Recompute repeats the same operations on the same inputs, so losses and gradient
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -35,14 +35,17 @@ def is_recomputing() -> bool:
     return getattr(_state, "recomputing", False)
 
 
-@contextmanager
-def _recomputing() -> Iterator[None]:
-    before = is_recomputing()
-    _state.recomputing = True
-    try:
-        yield
-    finally:
-        _state.recomputing = before
+class _Recomputing:
+    """Sets is_recomputing() inside. A class, not a @contextmanager: torch.utils.checkpoint enters the
+    context that `context_fn` made once per rerun, and a split backward (input gradients, then weight
+    gradients, as ZB-H1 runs them) reruns the span twice."""
+
+    def __enter__(self) -> None:
+        self.before = is_recomputing()
+        _state.recomputing = True
+
+    def __exit__(self, *exc) -> None:
+        _state.recomputing = self.before
 
 
 @dataclass(frozen=True)
@@ -80,5 +83,5 @@ def maybe_checkpoint(fn: Callable[..., torch.Tensor], on: bool, *args) -> torch.
     """fn(*args), keeping only the inputs for backward (recomputing fn there) when `on` and grad is
     enabled. use_reentrant=False: works with inputs that do not require grad and with autocast."""
     if on and torch.is_grad_enabled():
-        return checkpoint(fn, *args, use_reentrant=False, context_fn=lambda: (nullcontext(), _recomputing()))
+        return checkpoint(fn, *args, use_reentrant=False, context_fn=lambda: (nullcontext(), _Recomputing()))
     return fn(*args)
