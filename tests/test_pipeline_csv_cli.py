@@ -6,7 +6,7 @@ import pytest
 from fivefold.cli import main
 from fivefold.errors import UserError
 from fivefold.pipeline.csvio import dumps, load_csv, loads
-from fivefold.pipeline.generators import build_schedule
+from fivefold.pipeline.schedules import build_schedule
 from fivefold.pipeline.lowering import lower
 from fivefold.pipeline.render import draw_png, text_timeline
 from fivefold.pipeline.simulate import Costs, simulate

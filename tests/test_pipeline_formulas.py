@@ -6,7 +6,7 @@ floating point and the comparisons use a 1e-9 absolute tolerance only to absorb 
 import pytest
 
 from _tol import close
-from fivefold.pipeline.generators import build_schedule
+from fivefold.pipeline.schedules import build_schedule
 from fivefold.pipeline.simulate import Costs, simulate
 
 EXACT = 1e-9

@@ -3,7 +3,7 @@
 Costs are small integers, so simulated times are exact: compared with ==.
 """
 from _tol import close
-from fivefold.pipeline.generators import build_schedule
+from fivefold.pipeline.schedules import build_schedule
 from fivefold.pipeline.simulate import Costs, simulate
 
 

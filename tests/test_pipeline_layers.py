@@ -3,7 +3,7 @@ import pytest
 
 from fivefold.config.schema import ParallelConfig
 from fivefold.errors import UserError
-from fivefold.pipeline.generators import build_schedule
+from fivefold.pipeline.schedules import build_schedule
 from fivefold.pipeline.layers import stage_layer_counts, stage_layers
 
 

@@ -13,7 +13,7 @@ from torch import nn
 
 from benchmarks.pp_schedules import PeakTensorBytes
 from fivefold.pipeline.executor import PipelineExecutor
-from fivefold.pipeline.generators import build_schedule
+from fivefold.pipeline.schedules import build_schedule
 from fivefold.pipeline.ir import Kind
 from fivefold.pipeline.send_waits import POLICIES, SendPolicy, completes, send_policy
 from fivefold.pipeline.simulate import Costs, simulate

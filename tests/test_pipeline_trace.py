@@ -1,7 +1,7 @@
 """Pure: measured timings -> SimResult (bubble by hand), per-stage mean costs, forward-only schedules."""
 from _tol import close
 from fivefold.pipeline.forward import forward_only
-from fivefold.pipeline.generators import build_schedule
+from fivefold.pipeline.schedules import build_schedule
 from fivefold.pipeline.ir import Kind
 from fivefold.pipeline.trace import measured_result, stage_costs
 

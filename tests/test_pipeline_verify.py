@@ -6,9 +6,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from fivefold.errors import UserError
-from fivefold.pipeline.generators import build_schedule
 from fivefold.pipeline.ir import Action, Kind, Schedule, parse_action
-from fivefold.pipeline.rules import SCHEDULES, microbatch_problem
+from fivefold.pipeline.schedules import REGISTRY, build_schedule, microbatch_problem
 from fivefold.pipeline.simulate import Costs, simulate
 from fivefold.pipeline.verify import ScheduleError, problems, verify
 
@@ -19,7 +18,7 @@ def _sched(rows: list[str], placement, m) -> Schedule:
 
 
 @settings(max_examples=150, deadline=None)
-@given(name=st.sampled_from(SCHEDULES), pp=st.integers(1, 6), vpp=st.sampled_from([None, 1, 2, 3, 4]),
+@given(name=st.sampled_from(list(REGISTRY)), pp=st.integers(1, 6), vpp=st.sampled_from([None, 1, 2, 3, 4]),
        m=st.integers(0, 16))
 def test_rule_and_generators_agree(name, pp, vpp, m):
     """What the rule accepts builds, verifies and simulates; what it refuses raises its message."""

@@ -8,7 +8,7 @@ import pytest
 
 from _tol import close
 from fivefold.config.schema import ClusterConfig, Config, ModelConfig, ParallelConfig, TrainingConfig
-from fivefold.pipeline.generators import build_schedule
+from fivefold.pipeline.schedules import build_schedule
 from fivefold.pipeline.ir import Kind
 from fivefold.planner.callbytes import call_bytes
 from fivefold.planner.collectives import cp_collectives, layer_collectives, moe_collectives, step_collectives

@@ -23,7 +23,7 @@ def test_bubble_closed_forms(p, m, v):
                                       ("interleaved", 4, 4), ("zb-h1", 4, None), ("dualpipev", 4, None)])
 def test_planner_extends_the_simulator_exactly(name, p, v):
     """The planner simulates 2p microbatches and extends linearly: equal to simulating all m."""
-    from fivefold.pipeline.generators import build_schedule
+    from fivefold.pipeline.schedules import build_schedule
     from fivefold.pipeline.simulate import Costs, simulate
     for m in (2 * p, 3 * p, 8 * p):
         s = build_schedule(name, p, m, v)

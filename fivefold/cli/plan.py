@@ -7,12 +7,12 @@ import time
 
 from fivefold.cli._planner_args import add_hardware_arguments, assumptions_of, hardware_of, positive_int
 from fivefold.errors import UserError
+from fivefold.pipeline.schedules import REGISTRY
 from fivefold.planner.emit import FORMATS, emit
 from fivefold.planner.model_spec import resolve_model
 from fivefold.planner.params import count_params
 from fivefold.planner.report import explain, seed_memory_example, table
 from fivefold.planner.search import describe, search
-from fivefold.planner.pipeline import SCHEDULES
 from fivefold.planner.space import SearchSpace
 
 HELP = "rank every valid parallel layout of a model on a cluster by estimated step time"
@@ -53,9 +53,9 @@ def run(args, extra) -> int:
     except (ValueError, argparse.ArgumentTypeError):
         raise UserError(f"--micro-batch={args.micro_batch!r}: expected comma-separated whole numbers >= 1") from None
     schedules = tuple(x.strip() for x in args.schedules.split(","))
-    unknown = [x for x in schedules if x not in SCHEDULES]
+    unknown = [x for x in schedules if x not in REGISTRY]
     if unknown:
-        raise UserError(f"--schedules: unknown {', '.join(unknown)}; choose from {','.join(SCHEDULES)}")
+        raise UserError(f"--schedules: unknown {', '.join(unknown)}; choose from {','.join(REGISTRY)}")
     counts = count_params(spec.model)
     t0 = time.perf_counter()
     result = search(spec.model, hw, args.gpus, min(gpn, args.gpus), args.seq_len, args.global_batch, args.precision,

@@ -5,10 +5,9 @@ import argparse
 
 from fivefold.errors import UserError
 from fivefold.pipeline.csvio import load_csv, save_csv
-from fivefold.pipeline.generators import build_schedule
 from fivefold.pipeline.lowering import lower
 from fivefold.pipeline.render import draw_png, summary, text_timeline
-from fivefold.pipeline.rules import SCHEDULES
+from fivefold.pipeline.schedules import REGISTRY, build_schedule
 from fivefold.pipeline.simulate import Costs, simulate
 from fivefold.pipeline.verify import verify
 
@@ -18,7 +17,7 @@ HELP = "print a pipeline schedule's timeline, bubble and peak activations; draw 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pp", type=int, default=4, help="pipeline ranks (default 4)")
     p.add_argument("--microbatches", type=int, default=8, help="microbatches per step (default 8)")
-    p.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="generator (default 1f1b)")
+    p.add_argument("--schedule", choices=list(REGISTRY), default="1f1b", help="generator (default 1f1b)")
     p.add_argument("--vpp", type=int, default=None, help="chunks per rank for --schedule interleaved")
     p.add_argument("--costs", default="1,1,1", metavar="F,B,W",
                    help="forward, input-backward, weight-backward cost of one rank's whole share of "

@@ -20,6 +20,7 @@ from fivefold.config.fields import resolve, set_value
 from fivefold.config.rules import KNOB_FIELDS, Rule, adjust, errors, etp_of, ffn_of, sizes_of
 from fivefold.config.schema import (ACTIVATIONS, DROP_POLICIES, NORMALIZATIONS, POSITION_EMBEDDINGS, QK_NORM_SCOPES,
                                     ROUTER_DTYPES, ROUTER_SCORE_FUNCTIONS, SECTIONS, Config)
+from fivefold.pipeline.schedules import REGISTRY
 
 WORLD_KNOBS = ("tp", "pp", "cp", "ep", "etp")
 _DEFAULTS = sizes_of(Config())
@@ -88,7 +89,7 @@ def candidates(knob: str, s: dict) -> list:
     if knob == "split":
         return [None]
     if knob == "schedule":
-        return ["1f1b", "gpipe", "interleaved", "zb-h1", "dualpipev"]
+        return sorted(REGISTRY, key=lambda name: name != "1f1b")  # the default first
     if knob == "order":
         return ["tp-cp-ep-dp-pp", "tp-cp-ep-pp-dp"]
     if knob == "rgran":

@@ -14,7 +14,7 @@ from fivefold.config.schema import (ACTIVATIONS, CP_COMM_TYPES, DIM_NAMES, DROP_
                                     POSITION_EMBEDDINGS, QK_NORM_SCOPES, ROUTER_DTYPES, ROUTER_SCORE_FUNCTIONS,
                                     Config, default_ffn_size)
 from fivefold.config.split import layers_per_stage
-from fivefold.pipeline.rules import SCHEDULES, microbatch_problem
+from fivefold.pipeline.schedules import REGISTRY, microbatch_problem
 
 KNOB_FIELDS = {
     "tp": "parallel.tensor_model_parallel_size", "pp": "parallel.pipeline_model_parallel_size",
@@ -135,7 +135,7 @@ def _positive(s: dict) -> list[Rule]:
 
 def _choices(s: dict) -> list[Rule]:
     out = []
-    for k, allowed in (("schedule", SCHEDULES), ("cp_comm", CP_COMM_TYPES), ("norm", NORMALIZATIONS),
+    for k, allowed in (("schedule", tuple(REGISTRY)), ("cp_comm", CP_COMM_TYPES), ("norm", NORMALIZATIONS),
                        ("rgran", (None, "selective", "full")), ("rmethod", (None, "uniform", "block")),
                        ("act", ACTIVATIONS), ("pos", POSITION_EMBEDDINGS), ("drop", DROP_POLICIES),
                        ("qk_scope", QK_NORM_SCOPES), ("score", ROUTER_SCORE_FUNCTIONS), ("rdtype", ROUTER_DTYPES)):
@@ -247,7 +247,7 @@ def _widths(s: dict) -> list[Rule]:
 
 def stage_layers(s: dict) -> list[int]:
     """Decoder layers per virtual stage for sizes `s`; ValueError with the rule when impossible."""
-    chunks = 2 if s["schedule"] == "dualpipev" else (s["vpp"] or 1)
+    chunks = REGISTRY[s["schedule"]].chunks(s["vpp"])
     if s["split"] is not None:
         split = list(s["split"])
         if any(x is not None for x in (s["first"], s["last"])) or s["acc_emb"] or s["acc_loss"]:

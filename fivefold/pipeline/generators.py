@@ -1,7 +1,8 @@
 """Schedule generators: the per-rank compute order of GPipe, 1F1B, interleaved 1F1B, ZB-H1, DualPipeV.
 
-Each generator returns the compute actions only; `build_schedule` checks the shared microbatch rule
-(rules.microbatch_problem), then lowers (inserts sends/receives from the placement). Notation: p
+Each generator returns the compute actions only; fivefold.pipeline.schedules holds the registry entry of
+each (placement, chunks, rule) and `build_schedule`, which checks the rule, then lowers (inserts
+sends/receives from the placement). Notation: p
 ranks, m microbatches, rank r (0-based), v chunks per rank.
 
 * GPipe: every rank runs F of all m microbatches, then BW of all m. Peak in flight: m.
@@ -22,10 +23,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from fivefold.errors import UserError
-from fivefold.pipeline.ir import Action, Kind, Schedule, standard_placement, v_placement
-from fivefold.pipeline.lowering import lower
-from fivefold.pipeline.rules import microbatch_problem
+from fivefold.pipeline.ir import Action, Kind
 
 
 def gpipe(pp: int, m: int) -> list[list[Action]]:
@@ -142,23 +140,3 @@ def dualpipev(pp: int, m: int) -> list[list[Action]]:
         acts += [w() for _ in range(len(weights))]
         ranks.append(acts)
     return ranks
-
-
-def build_schedule(name: str, pp: int, microbatches: int, vpp: int | None = None) -> Schedule:
-    """The lowered schedule `name` (one of rules.SCHEDULES) for pp ranks; UserError if the rule refuses."""
-    problem = microbatch_problem(name, pp, vpp, microbatches)
-    if problem:
-        raise UserError(f"schedule {name} with pipeline_model_parallel_size={pp}, "
-                        f"virtual_pipeline_model_parallel_size={vpp}, {microbatches} microbatches: {problem}")
-    if name == "gpipe":
-        ranks, placement = gpipe(pp, microbatches), standard_placement(pp)
-    elif name == "1f1b":
-        ranks, placement = one_f_one_b(pp, microbatches), standard_placement(pp)
-    elif name == "interleaved":
-        ranks, placement = interleaved(pp, vpp, microbatches), standard_placement(pp, vpp)
-    elif name == "zb-h1":
-        ranks, placement = zb_h1(pp, microbatches), standard_placement(pp)
-    else:
-        ranks, placement = dualpipev(pp, microbatches), v_placement(pp)
-    compute = Schedule(name, tuple(tuple(a) for a in ranks), placement, microbatches)
-    return lower(compute)

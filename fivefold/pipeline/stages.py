@@ -27,7 +27,7 @@ from fivefold.errors import UserError
 from fivefold.model.decoder import Decoder, build_decoder
 from fivefold.pipeline.csvio import load_csv
 from fivefold.pipeline.executor import PipelineExecutor
-from fivefold.pipeline.generators import build_schedule
+from fivefold.pipeline.schedules import build_schedule
 from fivefold.pipeline.ir import Schedule
 from fivefold.pipeline.layers import stage_layers
 from fivefold.pipeline.lowering import lower

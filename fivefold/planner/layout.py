@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 from fivefold.config.schema import Config
 from fivefold.errors import UserError
-from fivefold.pipeline.ir import standard_placement, v_placement
 from fivefold.config.rules import sizes_of, stage_layers
+from fivefold.pipeline.schedules import REGISTRY
 
 
 def split_key(config: Config) -> tuple:
@@ -80,9 +80,7 @@ class Plan:
     @cached_property
     def vpp(self) -> int:
         """Model chunks per pipeline rank: VPP for interleaving, 2 for DualPipeV's V, else 1."""
-        if self.schedule == "dualpipev":
-            return 2
-        return self.p.virtual_pipeline_model_parallel_size or 1
+        return REGISTRY[self.schedule].chunks(self.p.virtual_pipeline_model_parallel_size)
 
     @cached_property
     def ep(self) -> int:
@@ -140,7 +138,7 @@ class Plan:
     @cached_property
     def placement(self) -> tuple[int, ...]:
         """Pipeline rank of each virtual stage (the schedule generators' placement)."""
-        return v_placement(self.pp) if self.schedule == "dualpipev" else standard_placement(self.pp, self.vpp)
+        return REGISTRY[self.schedule].placement(self.pp, self.vpp)
 
     @cached_property
     def rank_chunks(self) -> list[list[range]]:

@@ -19,9 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from fivefold.pipeline.generators import build_schedule
 from fivefold.pipeline.ir import Kind
-from fivefold.pipeline.rules import SCHEDULES
+from fivefold.pipeline.schedules import REGISTRY, build_schedule
 from fivefold.pipeline.simulate import Costs, simulate
 
 SIMULATED = 2
@@ -58,7 +57,7 @@ class PipelineProfile:
 def _simulate(schedule: str, pp: int, vpp: int | None, m: int):
     """(makespan in stage times, peak in-flight chunks per rank, chunks per rank, peak B-done-W-pending
     chunks per rank), equal stages."""
-    s = build_schedule(schedule, pp, m, vpp if schedule == "interleaved" else None)
+    s = build_schedule(schedule, pp, m, vpp)
     r = simulate(s, Costs.per_rank(s, 1 / 3, 1 / 3, 1 / 3), timeline=False)
     pending = [_pending_w(a) for a in s.ranks]
     return (r.makespan, tuple(r.peak_in_flight), tuple(r.stages_per_rank), tuple(p for p, _ in pending),
@@ -85,8 +84,8 @@ _BACKWARD = (Kind.B, Kind.W, Kind.BW)
 
 
 def pipeline_profile(schedule: str, pp: int, vpp: int | None, m: int) -> PipelineProfile:
-    if schedule not in SCHEDULES:
-        raise ValueError(f"the planner has no model of schedule {schedule!r}; use one of {SCHEDULES}")
+    if schedule not in REGISTRY:
+        raise ValueError(f"the planner has no model of schedule {schedule!r}; use one of {tuple(REGISTRY)}")
     m0 = min(m, SIMULATED * pp)
     _, held, chunks, pending, at_forward = _simulate(schedule, pp, vpp, m0)
     held = tuple(m * c if h == m0 * c else h for h, c in zip(held, chunks))

@@ -14,6 +14,7 @@ from functools import lru_cache
 from dataclasses import dataclass
 
 from fivefold.config.schema import ModelConfig
+from fivefold.pipeline.schedules import REGISTRY
 
 
 @dataclass(frozen=True)
@@ -110,13 +111,6 @@ def _pipelines(pp: int, num_layers: int, space: SearchSpace):
     if pp == 1:
         yield 1, "1f1b"
         return
-    if "1f1b" in space.schedules:
-        yield 1, "1f1b"
-    if "interleaved" in space.schedules:
-        for v in range(2, space.max_vpp + 1):
-            if num_layers >= pp * v:
-                yield v, "interleaved"
-    if "zb-h1" in space.schedules:
-        yield 1, "zb-h1"
-    if "dualpipev" in space.schedules and num_layers >= 2 * pp:
-        yield 1, "dualpipev"
+    for name in (n for n in REGISTRY if n in space.schedules):  # the registry's order
+        for v in REGISTRY[name].planner_vpps(pp, num_layers, space.max_vpp):
+            yield v, name

@@ -1,0 +1,120 @@
+"""The schedule registry: everything the rest of fivefold knows about a pipeline schedule, one entry each.
+
+An entry holds the schedule's name, its generator (the per-rank compute order, generators.py), where
+its stages sit (placement), how many model chunks a rank holds, its own rule on (pp, vpp,
+microbatches), and the chunk counts the planner tries. Config validation, the fix suggestions, the
+executor's stages, the planner's layouts and search space and the CLIs all read this registry, so a
+new schedule is one entry here plus its generator; nothing else names schedules.
+
+`microbatch_problem` is the one rule shared by config validation and `build_schedule`, so that the
+validator accepts exactly what the generators build.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from fivefold.errors import UserError
+from fivefold.pipeline import generators
+from fivefold.pipeline.ir import Action, Schedule, standard_placement, v_placement
+from fivefold.pipeline.lowering import lower
+
+
+@dataclass(frozen=True)
+class ScheduleKind:
+    name: str
+    generate: Callable[[int, int, int], list[list[Action]]]
+    """(pp, chunks per rank, microbatches) -> each rank's compute actions in order."""
+    chunks: Callable[[int | None], int]
+    """The configured virtual_pipeline_model_parallel_size (None when unset) -> model chunks per rank."""
+    rule: Callable[[int, int | None, int], str | None]
+    """(pp, vpp, microbatches) -> None when this schedule can run them, else the rule broken."""
+    planner_vpps: Callable[[int, int, int], Iterable[int]]
+    """(pp > 1, num_layers, the search's max vpp) -> the vpp values the planner tries (1 = unset)."""
+    v_shape: bool = False
+    """Stages in a V (rank r holds stages r and 2pp-1-r) rather than round-robin."""
+
+    def placement(self, pp: int, chunks: int) -> tuple[int, ...]:
+        """Pipeline rank of each virtual stage."""
+        return v_placement(pp) if self.v_shape else standard_placement(pp, chunks)
+
+
+def _configured(vpp: int | None) -> int:
+    return vpp or 1
+
+
+def _no_vpp(name: str) -> Callable[[int, int | None, int], str | None]:
+    def rule(pp: int, vpp: int | None, m: int) -> str | None:
+        if vpp not in (None, 1):
+            return f"virtual_pipeline_model_parallel_size={vpp} applies only to the interleaved schedule, not {name}"
+        return None
+    return rule
+
+
+def _interleaved_rule(pp: int, vpp: int | None, m: int) -> str | None:
+    if pp < 2:
+        return "interleaving (virtual pipeline stages) needs pipeline_model_parallel_size > 1"
+    if not vpp or vpp < 2:
+        return "interleaving needs virtual_pipeline_model_parallel_size >= 2"
+    if m % pp:
+        return (f"interleaving needs the number of microbatches ({m}) to be a multiple of "
+                f"pipeline_model_parallel_size={pp}")
+    return None
+
+
+def _dualpipev_rule(pp: int, vpp: int | None, m: int) -> str | None:
+    if vpp not in (None, 2):
+        return ("dualpipev always holds 2 stages per rank (V shape); leave "
+                f"virtual_pipeline_model_parallel_size unset or 2, got {vpp}")
+    if m < 2 * pp:
+        return f"dualpipev needs at least 2*pipeline_model_parallel_size = {2 * pp} microbatches, got {m}"
+    return None
+
+
+def _one(pp: int, num_layers: int, max_vpp: int) -> Iterable[int]:
+    return (1,)
+
+
+def _interleaved_vpps(pp: int, num_layers: int, max_vpp: int) -> Iterable[int]:
+    return (v for v in range(2, max_vpp + 1) if num_layers >= pp * v)
+
+
+def _v_vpps(pp: int, num_layers: int, max_vpp: int) -> Iterable[int]:
+    return (1,) if num_layers >= 2 * pp else ()
+
+
+def _single_chunk(generate: Callable[[int, int], list[list[Action]]]) -> Callable[[int, int, int], list[list[Action]]]:
+    return lambda pp, chunks, m: generate(pp, m)
+
+
+REGISTRY: dict[str, ScheduleKind] = {k.name: k for k in (
+    ScheduleKind("gpipe", _single_chunk(generators.gpipe), _configured, _no_vpp("gpipe"), _one),
+    ScheduleKind("1f1b", _single_chunk(generators.one_f_one_b), _configured, _no_vpp("1f1b"), _one),
+    ScheduleKind("interleaved", generators.interleaved, _configured, _interleaved_rule, _interleaved_vpps),
+    ScheduleKind("zb-h1", _single_chunk(generators.zb_h1), _configured, _no_vpp("zb-h1"), _one),
+    ScheduleKind("dualpipev", _single_chunk(generators.dualpipev), lambda vpp: 2, _dualpipev_rule, _v_vpps,
+                 v_shape=True),
+)}
+
+def microbatch_problem(schedule: str, pp: int, vpp: int | None, num_microbatches: int) -> str | None:
+    """None when `schedule` can run `num_microbatches` on `pp` ranks with `vpp` chunks each, else the rule broken."""
+    if schedule not in REGISTRY:
+        return f"unknown pipeline schedule {schedule!r}; choose one of {', '.join(REGISTRY)}"
+    if pp < 1:
+        return f"needs pipeline_model_parallel_size >= 1, got {pp}"
+    if num_microbatches < 1:
+        return f"needs at least 1 microbatch, got {num_microbatches}"
+    return REGISTRY[schedule].rule(pp, vpp, num_microbatches)
+
+
+def build_schedule(name: str, pp: int, microbatches: int, vpp: int | None = None) -> Schedule:
+    """The lowered schedule `name` for pp ranks; UserError if its rule refuses."""
+    problem = microbatch_problem(name, pp, vpp, microbatches)
+    if problem:
+        raise UserError(f"schedule {name} with pipeline_model_parallel_size={pp}, "
+                        f"virtual_pipeline_model_parallel_size={vpp}, {microbatches} microbatches: {problem}")
+    kind = REGISTRY[name]
+    chunks = kind.chunks(vpp)
+    ranks = kind.generate(pp, chunks, microbatches)
+    compute = Schedule(name, tuple(tuple(a) for a in ranks), kind.placement(pp, chunks), microbatches)
+    return lower(compute)

@@ -1,0 +1,59 @@
+"""The schedule registry (fivefold.pipeline.schedules): one entry makes a schedule known to the
+generators, config validation, the layer split, the planner's layouts and search space and the CLIs."""
+import dataclasses
+
+import pytest
+
+from fivefold.cli import main
+from fivefold.config.load import load_config
+from fivefold.config.validate import ConfigError, validate
+from fivefold.pipeline import generators
+from fivefold.pipeline.ir import Kind
+from fivefold.pipeline.schedules import REGISTRY, build_schedule
+from fivefold.pipeline.verify import verify
+from fivefold.planner.layout import Plan
+from fivefold.planner.space import SearchSpace, _pipelines
+
+
+def _gpipe_lifo(pp: int, chunks: int, m: int):
+    """GPipe whose backward passes run last microbatch first: a valid order that no built-in schedule has."""
+    return [acts[:m] + acts[m:][::-1] for acts in generators.gpipe(pp, m)]
+
+
+@pytest.fixture
+def lifo(monkeypatch):
+    kind = dataclasses.replace(REGISTRY["gpipe"], name="gpipe-lifo", generate=_gpipe_lifo)
+    monkeypatch.setitem(REGISTRY, kind.name, kind)
+    return kind
+
+
+def test_one_entry_makes_a_schedule_known_everywhere(lifo, capsys):
+    s = verify(build_schedule("gpipe-lifo", 3, 4))
+    backward = [a.mb for a in s.ranks[0] if a.kind == Kind.BW]
+    assert backward == [3, 2, 1, 0]
+
+    cfg = load_config(None, ["pp=2", "num_layers=4", "global_batch_size=8", "pipeline_schedule=gpipe-lifo"],
+                      world_size=4).config
+    validate(cfg)
+    plan = Plan(cfg)
+    assert plan.schedule == "gpipe-lifo" and plan.vpp == 1 and plan.placement == (0, 1)
+    assert [c for r in plan.rank_chunks for c in r] == [range(0, 2), range(2, 4)]
+
+    assert list(_pipelines(4, 8, SearchSpace(schedules=("1f1b", "gpipe-lifo")))) == [(1, "1f1b"), (1, "gpipe-lifo")]
+    assert main(["schedule", "--schedule", "gpipe-lifo", "--pp", "2", "--microbatches", "3"]) == 0
+    assert "gpipe-lifo" in capsys.readouterr().out
+
+
+def test_an_unregistered_schedule_is_refused_naming_the_registered_ones():
+    cfg = load_config(None, ["pp=2", "num_layers=4", "global_batch_size=8", "pipeline_schedule=gpipe-lifo"],
+                      world_size=4).config
+    with pytest.raises(ConfigError, match="must be one of gpipe, 1f1b, interleaved, zb-h1, dualpipev"):
+        validate(cfg)
+
+
+@pytest.mark.parametrize("name,vpp,chunks,placement", [
+    ("1f1b", None, 1, (0, 1)), ("interleaved", 2, 2, (0, 1, 0, 1)), ("dualpipev", None, 2, (0, 1, 1, 0))])
+def test_entries_give_chunks_and_placement(name, vpp, chunks, placement):
+    kind = REGISTRY[name]
+    assert kind.chunks(vpp) == chunks and kind.placement(2, chunks) == placement
+    assert build_schedule(name, 2, 4, vpp).placement == placement
