@@ -17,7 +17,7 @@ HELP = "print a pipeline schedule's timeline, bubble and peak activations; draw 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pp", type=int, default=4, help="pipeline ranks (default 4)")
     p.add_argument("--microbatches", type=int, default=8, help="microbatches per step (default 8)")
-    p.add_argument("--schedule", choices=list(REGISTRY), default="1f1b", help="generator (default 1f1b)")
+    p.add_argument("--schedule", choices=REGISTRY, default="1f1b", help="generator (default 1f1b)")
     p.add_argument("--vpp", type=int, default=None, help="chunks per rank for --schedule interleaved")
     p.add_argument("--costs", default="1,1,1", metavar="F,B,W",
                    help="forward, input-backward, weight-backward cost of one rank's whole share of "
