@@ -31,7 +31,7 @@ def positive_float(text: str) -> float:
 def add_hardware_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("hardware and calibration")
     g.add_argument("--gpu", default="h100-sxm", help="preset (h100-sxm, h100-pcie, h200, a100-40gb, a100-80gb, "
-                   "b200, mi300x) or a hardware YAML. Default h100-sxm")
+                   "b200, h800, h100-96gb-500w, gb200, gb300, mi300x) or a hardware YAML. Default h100-sxm")
     g.add_argument("--gpus-per-node", type=positive_int, default=None, help="GPUs per node. Default 8")
     g.add_argument("--gpu-memory-gib", type=positive_float, help="override HBM capacity (GiB)")
     g.add_argument("--bf16-tflops", type=positive_float, help="override peak dense bf16 TFLOP/s")
