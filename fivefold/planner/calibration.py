@@ -96,6 +96,8 @@ class Case:
     memory_basis: str | None
     assumed: list[str] = field(default_factory=list)
     """Each unstated field and the value taken for it."""
+    fp32_grads: bool = False
+    """The source states fp32 gradient accumulation and reduction (beside its runtime's default)."""
 
 
 def read_runs(path: Path = RUNS) -> list[Run]:
@@ -212,7 +214,8 @@ def case_of(run: Run) -> Case:
     basis = MEMORY_BASIS.get(src) if memory is not None else None
     if memory is not None:
         memory *= GiB if basis == "reserved GiB" else 1e9
-    return Case(run, model_name, hw_name, gpn, cfg, RUNTIME[src], tokens, memory, basis, assumed)
+    return Case(run, model_name, hw_name, gpn, cfg, RUNTIME[src], tokens, memory, basis, assumed,
+                fp32_grads=src == "LLAMA3")  # Llama 3 s3.3: "FP32 gradient accumulation and reduce-scatter"
 
 
 LAYOUT_IN_NOTES = re.compile(r"PP layout ([EtmL|()*\d]+)")
