@@ -75,9 +75,10 @@ def with_time(rt: Runtime, **constants: float) -> Runtime:
 
 
 def apply(cfg: Config, rt: Runtime, stated_fp32_grads: bool = False) -> Config:
-    """`cfg` as `rt` runs it: its gradient dtype unless the run states fp32 gradients."""
+    """`cfg` as `rt` runs it: bf16 gradients where the runtime reduces in bf16, unless the run states
+    fp32 gradients (the same `cfg` when nothing changes)."""
     t = cfg.training
-    if t.precision not in ("bf16", "fp8") or stated_fp32_grads or t.grad_reduce_in_bf16 == rt.grad_reduce_in_bf16:
+    if t.precision not in ("bf16", "fp8") or stated_fp32_grads or t.grad_reduce_in_bf16 or not rt.grad_reduce_in_bf16:
         return cfg
     fields = {f: getattr(t, f) for f in t.__dataclass_fields__}
     fields["grad_reduce_in_bf16"] = rt.grad_reduce_in_bf16
