@@ -84,8 +84,10 @@ def fit(rt: Runtime, rows: list, names: tuple[str, ...]) -> Runtime:
     return with_time(rt, **{n: round(float(v), 3) for n, v in zip(names, got.x)})
 
 
-def fit_report(all_cases: list) -> None:
+def fit_report(all_cases: list, only: str | None = None) -> None:
     for name, names in FREE.items():
+        if only and name != only:
+            continue
         rows = [c for c in all_cases if c.runtime == name and c.tokens_per_s]
         fitted = fit(PROFILES[name], rows, names)
         errs = sorted(abs(compare(c, fitted)["error"]) for c in rows)
@@ -105,11 +107,12 @@ def fit_report(all_cases: list) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--assumed", action="store_true", help="list the value taken for every unstated field")
-    ap.add_argument("--runtime", help="predict every row with this runtime profile instead of its own")
+    ap.add_argument("--runtime", choices=tuple(PROFILES),
+                    help="predict every row with this runtime profile instead of its own (with --fit: fit only it)")
     ap.add_argument("--fit", action="store_true", help="refit each runtime's free constants and leave one source out")
     args = ap.parse_args()
     if args.fit:
-        fit_report(cases())
+        fit_report(cases(), args.runtime)
         return
     results = [compare(c, args.runtime) for c in cases()]
     print("| row | source | model | GPUs | layout | runtime | published tok/s/GPU | estimated | error | fits | "

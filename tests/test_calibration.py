@@ -78,3 +78,58 @@ def test_the_harness_prints_a_row_per_judged_run():
     rows = [line for line in out.splitlines() if line.startswith("| ") and line[2].isdigit()]
     assert len(rows) == len(cases())
     assert "median" in out and "Excluded: row 10" in out
+
+
+def _config(precision="bf16", **parallel):
+    from fivefold.planner.presets import model_preset
+    from fivefold.planner.search import make_config
+    p = dict(tensor_model_parallel_size=2, sequence_parallel=True, pipeline_model_parallel_size=2)
+    p.update(parallel)
+    return make_config(model_preset("llama3-8b").model, 16, 8, 4096, 64, precision, p)
+
+
+def test_megatron_te_reduces_gradients_in_bf16_and_saves_fp8_linear_inputs():
+    from fivefold.planner.memory import peak_memory
+    from fivefold.planner.runtime import apply, profile
+    te, ours, tt = profile("megatron-te"), profile("fivefold"), profile("torchtitan")
+    cfg = _config()
+    assert apply(cfg, ours) is cfg and apply(cfg, te, stated_fp32_grads=True) is cfg
+    bf16 = apply(cfg, te)
+    assert bf16.training.grad_reduce_in_bf16 and apply(bf16, ours) is bf16  # a stated bf16 is never undone
+    full, half = (peak_memory(Plan(c), ours.memory) for c in (cfg, bf16))
+    assert half.grads == pytest.approx(full.grads / 2)  # 2 of 4 bytes per parameter
+    fp8 = _config("fp8")
+    te8, tt8 = peak_memory(Plan(fp8), te.memory), peak_memory(Plan(fp8), tt.memory)
+    assert te8.detail["attention output (proj input)"] == pytest.approx(tt8.detail["attention output (proj input)"] / 2)
+    assert te8.detail["q, k, v"] == tt8.detail["q, k, v"]  # flash attention's inputs stay 16-bit
+
+
+def test_overlap_hides_tp_traffic_and_attention_runs_at_the_bf16_rate():
+    from dataclasses import replace
+    from fivefold.planner.presets import hardware
+    from fivefold.planner.steptime import TimeAssumptions, step_time
+    hw, plan = hardware("h100-sxm"), Plan(_config())
+    exposed = step_time(plan, hw, TimeAssumptions()).parts["tp"]
+    hidden = step_time(plan, hw, TimeAssumptions(tp_overlap=0.75)).parts["tp"]
+    assert hidden == pytest.approx(exposed / 4)
+    bf16, fp8 = (step_time(Plan(_config(p)), hw, TimeAssumptions()) for p in ("bf16", "fp8"))
+    assert fp8.parts["compute"] > bf16.parts["compute"] / 2  # the attention core does not speed up
+    assert step_time(plan, hw, replace(TimeAssumptions(), membound_passes=4.0)).parts["compute"] \
+        > bf16.parts["compute"]
+
+
+def test_the_fitted_profiles_meet_their_stated_error_on_their_own_rows():
+    """docs/planner_calibration.md states these; a change to the model that loses them fails here."""
+    import statistics
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from calibrate import compare
+    for runtime, median_at_most, max_at_most in (("megatron-te", 0.10, 0.35), ("torchtitan", 0.20, 0.60)):
+        errs = [abs(compare(c)["error"]) for c in cases() if c.runtime == runtime and c.tokens_per_s]
+        assert statistics.median(errs) <= median_at_most and max(errs) <= max_at_most, (runtime, sorted(errs))
+
+
+def test_runtime_flag_is_checked(capsys):
+    from fivefold.cli import main
+    with pytest.raises(SystemExit) as e:
+        main(["estimate", "--model", "llama3-8b", "--gpus", "8", "--runtime", "deepspeed"])
+    assert e.value.code == 2 and "deepspeed" in capsys.readouterr().err

@@ -48,9 +48,10 @@ PROFILES: dict[str, Runtime] = {r.name: r for r in [
             summary="our runtime: eager kernels, fp32 gradients, TP/EP traffic exposed"),
     Runtime("megatron-te",
             MemoryAssumptions(allocator_overhead=0.02, runtime_reserve=1.0 * GiB, traits=_TE_TRAITS),
-            TimeAssumptions(gemm_efficiency=0.6, fp8_gemm_efficiency=0.45, attention_efficiency=0.45,
-                            expert_efficiency=0.5, expert_half_rows=256.0, membound_passes=4.0,
-                            tp_overlap=0.8, ep_overlap=0.5),
+            # fitted on rows 1-9, 12-14, 36-44, 47-55 (benchmarks/calibrate.py --fit)
+            TimeAssumptions(gemm_efficiency=0.845, fp8_gemm_efficiency=0.537, attention_efficiency=0.635,
+                            expert_efficiency=0.99, expert_half_rows=3056.0, membound_passes=20.8,
+                            tp_overlap=0.702, ep_overlap=0.832),
             grad_reduce_in_bf16=True,
             summary="Megatron-Core + TransformerEngine: fused kernels, fp8 linear inputs, TP comm overlap, "
                     "grouped GEMM, bf16 gradient reduction, distributed optimizer"),
