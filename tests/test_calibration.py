@@ -111,7 +111,8 @@ def test_overlap_hides_tp_traffic_and_attention_runs_at_the_bf16_rate():
     hw, plan = hardware("h100-sxm"), Plan(_config())
     exposed = step_time(plan, hw, TimeAssumptions()).parts["tp"]
     hidden = step_time(plan, hw, TimeAssumptions(tp_overlap=0.75)).parts["tp"]
-    assert hidden == pytest.approx(exposed / 4)
+    # per-layer TP traffic is cut to a quarter; the once-per-step SP norm-gradient all-reduce stays exposed
+    assert exposed / 4 < hidden < exposed / 3
     bf16, fp8 = (step_time(Plan(_config(p)), hw, TimeAssumptions()) for p in ("bf16", "fp8"))
     assert fp8.parts["compute"] > bf16.parts["compute"] / 2  # the attention core does not speed up
     assert step_time(plan, hw, replace(TimeAssumptions(), membound_passes=4.0)).parts["compute"] \
@@ -123,7 +124,7 @@ def test_the_fitted_profiles_meet_their_stated_error_on_their_own_rows():
     import statistics
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from calibrate import compare
-    for runtime, median_at_most, max_at_most in (("megatron-te", 0.10, 0.35), ("torchtitan", 0.20, 0.60)):
+    for runtime, median_at_most, max_at_most in (("megatron-te", 0.10, 0.35), ("torchtitan", 0.10, 0.25)):
         errs = [abs(compare(c)["error"]) for c in cases() if c.runtime == runtime and c.tokens_per_s]
         assert statistics.median(errs) <= median_at_most and max(errs) <= max_at_most, (runtime, sorted(errs))
 
