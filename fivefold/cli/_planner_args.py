@@ -3,10 +3,12 @@ from __future__ import annotations
 
 import argparse
 import math
+from dataclasses import replace
 
 from fivefold.errors import UserError
 from fivefold.planner.memory import MemoryAssumptions
 from fivefold.planner.presets.hardware import Hardware, hardware
+from fivefold.planner.runtime import PROFILES, profile
 from fivefold.planner.steptime import TimeAssumptions
 
 GiB = 2**30
@@ -31,19 +33,25 @@ def positive_float(text: str) -> float:
 def add_hardware_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("hardware and calibration")
     g.add_argument("--gpu", default="h100-sxm", help="preset (h100-sxm, h100-pcie, h200, a100-40gb, a100-80gb, "
-                   "b200, mi300x) or a hardware YAML. Default h100-sxm")
+                   "b200, h800, h100-96gb-500w, gb200, gb300, mi300x) or a hardware YAML. Default h100-sxm")
     g.add_argument("--gpus-per-node", type=positive_int, default=None, help="GPUs per node. Default 8")
     g.add_argument("--gpu-memory-gib", type=positive_float, help="override HBM capacity (GiB)")
     g.add_argument("--bf16-tflops", type=positive_float, help="override peak dense bf16 TFLOP/s")
     g.add_argument("--fp8-tflops", type=positive_float, help="override peak dense fp8 TFLOP/s")
     g.add_argument("--intra-node-gbs", type=positive_float, help="override intra-node GB/s per GPU per direction")
     g.add_argument("--network-gbs", type=positive_float, help="override network GB/s per GPU per direction")
-    g.add_argument("--gemm-efficiency", type=float, default=TimeAssumptions.gemm_efficiency,
-                   help="achieved share of peak FLOP/s (calibrate from a measured step). Default 0.6")
-    g.add_argument("--comm-efficiency", type=float, default=TimeAssumptions.comm_efficiency,
-                   help="achieved share of link bandwidth. Default 0.8")
-    g.add_argument("--allocator-overhead", type=float, default=MemoryAssumptions.allocator_overhead,
-                   help="share of tensor memory lost to fragmentation. Default 0.05")
+    g.add_argument("--runtime", default="fivefold", choices=tuple(PROFILES),
+                   help="the runtime whose memory and speed to predict: fivefold (ours), megatron-te "
+                        "(Megatron-Core + TransformerEngine), torchtitan; docs/planner_calibration.md. "
+                        "Default fivefold")
+    g.add_argument("--gemm-efficiency", type=float, default=None,
+                   help="achieved share of peak FLOP/s for linear GEMMs (calibrate from a measured step). "
+                        f"Default: the runtime's ({TimeAssumptions.gemm_efficiency} for fivefold)")
+    g.add_argument("--comm-efficiency", type=float, default=None,
+                   help=f"achieved share of link bandwidth. Default: the runtime's ({TimeAssumptions.comm_efficiency})")
+    g.add_argument("--allocator-overhead", type=float, default=None,
+                   help="share of tensor memory lost to fragmentation. Default: the runtime's "
+                        f"({MemoryAssumptions.allocator_overhead} for fivefold)")
 
 
 def hardware_of(args) -> Hardware:
@@ -54,11 +62,14 @@ def hardware_of(args) -> Hardware:
 
 
 def assumptions_of(args) -> tuple[MemoryAssumptions, TimeAssumptions]:
+    """The runtime profile's memory and time assumptions, with the flags the user gave over them."""
+    rt = profile(args.runtime)
     for name in ("gemm_efficiency", "comm_efficiency"):
         v = getattr(args, name)
-        if not 0 < v <= 1:
+        if v is not None and not 0 < v <= 1:
             raise UserError(f"--{name.replace('_', '-')}={v} must be in (0, 1]")
-    if not 0 <= args.allocator_overhead < 1:
+    if args.allocator_overhead is not None and not 0 <= args.allocator_overhead < 1:
         raise UserError(f"--allocator-overhead={args.allocator_overhead} must be in [0, 1) (a share of tensor memory)")
-    return (MemoryAssumptions(allocator_overhead=args.allocator_overhead),
-            TimeAssumptions(gemm_efficiency=args.gemm_efficiency, comm_efficiency=args.comm_efficiency))
+    mem = rt.memory if args.allocator_overhead is None else replace(rt.memory, allocator_overhead=args.allocator_overhead)
+    given = {k: getattr(args, k) for k in ("gemm_efficiency", "comm_efficiency") if getattr(args, k) is not None}
+    return mem, replace(rt.time, **given)

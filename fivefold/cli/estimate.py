@@ -8,6 +8,7 @@ from fivefold.config.validate import validate
 from fivefold.errors import UserError
 from fivefold.planner.model_spec import resolve_model
 from fivefold.planner.report import breakdown
+from fivefold.planner.runtime import apply, profile
 from fivefold.planner.search import evaluate
 
 HELP = "memory per GPU and step time of one layout (a config, or --model with overrides / Megatron flags)"
@@ -36,7 +37,11 @@ def run(args, extra) -> int:
     for w in validate(cfg, loaded.dialect):  # every error with its fix; fills Megatron's defaults (global batch)
         print(w)
     mem, ta = assumptions_of(args)
-    cand = evaluate(cfg, hw, mem, ta)
+    rt = profile(args.runtime)
+    runs = apply(cfg, rt)
+    if runs is not cfg:
+        print(f"note: gradients reduced in bf16, as {rt.name} does (the config has grad_reduce_in_bf16=False)")
+    cand = evaluate(runs, hw, mem, ta)
     if cand.estimate is None and not cand.problem.startswith("needs"):
         raise UserError(f"invalid layout: {cand.problem}")
     print(breakdown(cand, hw))

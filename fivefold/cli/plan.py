@@ -12,6 +12,7 @@ from fivefold.planner.emit import FORMATS, emit
 from fivefold.planner.model_spec import resolve_model
 from fivefold.planner.params import count_params
 from fivefold.planner.report import explain, seed_memory_example, table
+from fivefold.planner.runtime import profile
 from fivefold.planner.search import describe, search
 from fivefold.planner.space import SearchSpace
 
@@ -59,11 +60,13 @@ def run(args, extra) -> int:
     counts = count_params(spec.model)
     t0 = time.perf_counter()
     result = search(spec.model, hw, args.gpus, min(gpn, args.gpus), args.seq_len, args.global_batch, args.precision,
-                    SearchSpace(micro_batch_sizes=mbs, schedules=schedules), mem, ta)
+                    SearchSpace(micro_batch_sizes=mbs, schedules=schedules), mem, ta,
+                    grad_reduce_in_bf16=profile(args.runtime).grad_reduce_in_bf16)
     elapsed = time.perf_counter() - t0
     name = spec.preset or args.model
     print(f"{name}: {counts.total / 1e9:.1f}B parameters ({counts.active / 1e9:.1f}B active) on {args.gpus} x "
-          f"{hw.name}, {gpn} per node; seq {args.seq_len}, global batch {args.global_batch}, {args.precision}")
+          f"{hw.name}, {gpn} per node; seq {args.seq_len}, global batch {args.global_batch}, {args.precision}"
+          + (f", runtime {args.runtime}" if args.runtime != "fivefold" else ""))
     print(f"{result.tried} layouts tried in {elapsed:.2f} s: {len(result.ranked)} fit, {len(result.dropped)} dropped")
     if not result.ranked:
         reasons = collections.Counter(r for _, r in result.dropped)

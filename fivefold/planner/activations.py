@@ -71,14 +71,27 @@ class ArchTraits:
     (the peak of a rank that holds no logits). Eager SwiGLU: dL/d(g*u), dL/du, dL/dsilu(g): 3
     (measured on CPU: +3 b s f x 4 bytes during a backward). Fused kernels: not modelled (0)."""
 
+    fp8_linear_inputs: bool = False
+    """Under fp8, each linear layer saves its input as the fp8 copy its GEMM read (1 byte), not the
+    16-bit tensor (TransformerEngine's fp8 recipes); norms, attention and activation functions keep
+    16-bit inputs. False: every saved tensor is 16-bit (torchao's Float8Linear, our runtime)."""
+    linear_input_bytes: float | None = None
+    """Bytes of a saved linear input; None = value_bytes (set by `for_precision`)."""
+
     def value_bytes(self) -> int:
         return self.bytes_per_value or 2
 
+    def linear_bytes(self) -> float:
+        return self.linear_input_bytes if self.linear_input_bytes is not None else self.value_bytes()
+
     def for_precision(self, precision: str) -> ArchTraits:
         """These traits with bytes_per_value fixed by the run's precision where it was left None."""
-        if self.bytes_per_value is not None:
-            return self
-        return replace(self, bytes_per_value=4 if precision == "fp32" else 2)
+        out = self
+        if self.bytes_per_value is None:
+            out = replace(out, bytes_per_value=4 if precision == "fp32" else 2)
+        if self.fp8_linear_inputs and precision == "fp8" and self.linear_input_bytes is None:
+            out = replace(out, linear_input_bytes=1)
+        return out
 
     def loss_bytes(self) -> float:
         return self.loss_bytes_per_logit if self.loss_bytes_per_logit is not None else self.value_bytes() + 4
@@ -125,13 +138,15 @@ def layer_activation_bytes(m: ModelConfig, index: int, b: int, s: int, sh: Shard
     out: dict[str, float] = {}
     mask = 1.0 if traits.dropout else 0.0
     # Attention block: norm input, QKV-linear input, (dropout mask) in the SP region.
-    out["attn norm input + qkv input"] = traits.norm_tensors * tokens * h * B / sp_div
+    LB = traits.linear_bytes()  # a linear layer's saved input (fp8 under TE's fp8 recipes)
+    norm_and_input = ((traits.norm_tensors - 1) * B + LB) * tokens * h / sp_div
+    out["attn norm input + qkv input"] = norm_and_input
     qkv, attn_out = _attention_elements(m)
     if m.multi_latent_attention:
         latents = (m.q_lora_rank or 0) * 2 + (m.kv_lora_rank + m.qk_pos_emb_head_dim) + m.kv_lora_rank
         out["MLA latents"] = tokens * latents * B / sp_div
     out["q, k, v"] = tokens * qkv * B / sh.tp
-    out["attention output (proj input)"] = tokens * attn_out * B / sh.tp
+    out["attention output (proj input)"] = tokens * attn_out * LB / sh.tp
     flash = traits.flash_attention and not (traits.flash_needs_equal_head_dims and m.multi_latent_attention
                                              and m.qk_head_dim + m.qk_pos_emb_head_dim != m.v_head_dim)
     if sh.recompute != "selective":
@@ -141,18 +156,19 @@ def layer_activation_bytes(m: ModelConfig, index: int, b: int, s: int, sh: Shard
             out["attention scores"] = tokens * a * s * (B + mask * (1 + B)) / sh.tp
     out["dropout masks"] = 2 * tokens * h * mask / sp_div
     # MLP block: norm input and first-linear input in the SP region.
-    out["mlp norm input + mlp input"] = traits.norm_tensors * tokens * h * B / sp_div
+    out["mlp norm input + mlp input"] = norm_and_input
     inner = traits.mlp_inner_tensors or (3 if traits.gated_mlp else 2)  # SwiGLU: gate, up, gate*up ; GeLU: pre, post
+    inner_bytes = (inner - 1) * B + LB  # the last is the down-projection's input
     if is_moe_layer(m, index):
         k, f_e = m.moe_router_topk, (m.moe_ffn_hidden_size or m.ffn_size)
         copies = k * b * s * sh.etp / (sh.tp * sh.cp)  # token copies on this rank's experts
         out["router scores (fp32)"] = tokens * m.num_experts * 4 / sp_div
-        out["expert inputs + outputs"] = 2 * copies * h * B
-        out["expert intermediates"] = copies * inner * f_e * B / sh.etp
+        out["expert inputs + outputs"] = copies * h * (LB + B)
+        out["expert intermediates"] = copies * inner_bytes * f_e / sh.etp
         if m.moe_shared_expert_intermediate_size:
-            out["shared-expert intermediates"] = tokens * inner * m.moe_shared_expert_intermediate_size * B / sh.tp
+            out["shared-expert intermediates"] = tokens * inner_bytes * m.moe_shared_expert_intermediate_size / sh.tp
     else:
-        out["mlp intermediates"] = tokens * inner * m.ffn_size * B / sh.tp
+        out["mlp intermediates"] = tokens * inner_bytes * m.ffn_size / sh.tp
     return out
 
 

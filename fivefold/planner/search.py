@@ -70,7 +70,7 @@ def describe(cfg: Config) -> str:
 
 def make_config(model: ModelConfig, world: int, gpus_per_node: int, seq: int, global_batch: int,
                 precision: str, parallel: dict, micro_batch: int = 1, recompute: str | None = None,
-                distributed_optimizer: bool = True) -> Config:
+                distributed_optimizer: bool = True, grad_reduce_in_bf16: bool = False) -> Config:
     nodes = max(1, world // gpus_per_node)
     return Config(cluster=ClusterConfig(num_nodes=nodes, gpus_per_node=gpus_per_node, world_size=world),
                   parallel=ParallelConfig(**parallel), model=model,
@@ -78,7 +78,8 @@ def make_config(model: ModelConfig, world: int, gpus_per_node: int, seq: int, gl
                                           precision=precision, recompute_granularity=recompute,
                                           recompute_method="uniform" if recompute == "full" else None,
                                           recompute_num_layers=1 if recompute == "full" else None,
-                                          use_distributed_optimizer=distributed_optimizer))
+                                          use_distributed_optimizer=distributed_optimizer,
+                                          grad_reduce_in_bf16=grad_reduce_in_bf16 and precision != "fp32"))
 
 
 def evaluate(cfg: Config, hw: Hardware, mem: MemoryAssumptions = MemoryAssumptions(),
@@ -102,11 +103,13 @@ def evaluate(cfg: Config, hw: Hardware, mem: MemoryAssumptions = MemoryAssumptio
 
 def search(model: ModelConfig, hw: Hardware, world: int, gpus_per_node: int, seq: int, global_batch: int,
            precision: str = "bf16", space: SearchSpace = SearchSpace(), mem: MemoryAssumptions = MemoryAssumptions(),
-           ta: TimeAssumptions = TimeAssumptions()) -> SearchResult:
-    """Every layout of `space` for `model` on `world` GPUs, fitting ones ranked fastest first."""
+           ta: TimeAssumptions = TimeAssumptions(), grad_reduce_in_bf16: bool = False) -> SearchResult:
+    """Every layout of `space` for `model` on `world` GPUs, fitting ones ranked fastest first
+    (`grad_reduce_in_bf16`: the runtime's gradient dtype, `runtime.Runtime`)."""
     result = SearchResult(ranked=[])
     for parallel in structures(model, world, gpus_per_node, seq, space):
-        base = make_config(model, world, gpus_per_node, seq, global_batch, precision, parallel)
+        base = make_config(model, world, gpus_per_node, seq, global_batch, precision, parallel,
+                           grad_reduce_in_bf16=grad_reduce_in_bf16)
         broken = config_errors(base)
         dp = Plan(base).dp
         for distopt in space.distributed_optimizer:
@@ -169,5 +172,5 @@ def _variant(base: Config, mbs: int, recompute: str | None, distopt: bool) -> Co
                               precision=t.precision, recompute_granularity=recompute,
                               recompute_method="uniform" if recompute == "full" else None,
                               recompute_num_layers=1 if recompute == "full" else None,
-                              use_distributed_optimizer=distopt)
+                              use_distributed_optimizer=distopt, grad_reduce_in_bf16=t.grad_reduce_in_bf16)
     return Config(cluster=base.cluster, parallel=base.parallel, model=base.model, training=training)

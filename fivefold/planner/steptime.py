@@ -22,11 +22,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from fivefold.planner.activations import ArchTraits, Sharding, layer_activation_bytes
 from fivefold.planner.collectives import Collective, group_sizes, layer_collectives, stage_collectives, step_collectives
 from fivefold.planner.flops import attention_core_flops, layer_forward_flops, model_flops_per_token, output_forward_flops
 from fivefold.planner.layout import Plan
 from fivefold.planner.memory import rank_params
-from fivefold.planner.params import is_moe_layer
+from fivefold.planner.params import is_moe_layer, layer_params
 from fivefold.planner.pipeline import bubble_fraction, pipeline_time
 from fivefold.planner.presets.hardware import Hardware
 from fivefold.topology import Layout
@@ -44,6 +45,29 @@ class TimeAssumptions:
     """Seconds per collective step across nodes. Default 15 us."""
     optimizer_bytes_per_param: float = 30.0
     """HBM bytes the Adam step moves per local parameter. Default 30."""
+    fp8_gemm_efficiency: float | None = None
+    """Achieved share of the fp8 peak for linear-layer GEMMs under fp8 (quantisation, scaling and
+    casts included); None = gemm_efficiency."""
+    attention_efficiency: float | None = None
+    """Achieved share of the bf16 peak for the attention core (a flash kernel: bf16 under every
+    recipe); None = gemm_efficiency."""
+    expert_efficiency: float | None = None
+    """Achieved share of peak for routed-expert (grouped) GEMMs with many rows per expert; None =
+    gemm_efficiency."""
+    expert_half_rows: float = 0.0
+    """Rows per expert (token copies on one expert per microbatch) at which grouped GEMMs reach half
+    of `expert_efficiency`: efficiency x n / (n + this). 0 = no size effect."""
+    membound_passes: float = 0.0
+    """Memory-bound work (norms, activation functions, RoPE, router, permutation, casts, residual
+    adds): HBM passes over each layer's activations per microbatch, forward + backward, at HBM
+    bandwidth. 0 = not charged."""
+    tp_overlap: float = 0.0
+    """Share of TP / SP (and expert-TP) traffic hidden behind GEMMs (TE userbuffers, async TP)."""
+    ep_overlap: float = 0.0
+    """Share of the EP all-to-all hidden behind compute (1F1B all-to-all overlap)."""
+    cp_overlap: float = 1.0
+    """Share of the attention core's time the CP ring can hide behind (1: all of it, a ring whose
+    transfers run beside every block's kernel; less where the runtime serialises them)."""
 
 
 @dataclass
@@ -96,13 +120,22 @@ class _Links:
                       "edp": _spans_nodes(e.group, "edp", w, gpn)}
         self.cross["embedding"] = self.cross["pp"]  # the first and last pipeline ranks
         self.cross["tp-cp"] = _spans_nodes(d.group, "tp-cp", w, gpn)
+        self.cross["ep local"] = sum(1 for r in e.group(0, "ep") if r // gpn == 0)  # EP peers in rank 0's node
 
     def name(self, g: str) -> str:
         return "network" if self.cross[g] else "intra-node"
 
-    def time(self, g: str, bytes_sent: float, steps: int) -> float:
+    def time(self, g: str, bytes_sent: float, steps: int, n: int = 0) -> float:
+        """Seconds of a call of `g` (n ranks) that sends `bytes_sent` from each rank. An all-to-all
+        over EP that crosses nodes sends the share of its peers outside the node over the network
+        and the rest over NVLink at once (uniform routing): the slower of the two."""
         bw = self.hw.network_bw if self.cross[g] else self.hw.intra_node_bw
         lat = self.ta.network_latency if self.cross[g] else self.ta.intra_latency
+        if g == "ep" and self.cross[g] and n > 1:
+            local = self.cross["ep local"]
+            outside = (n - local) / (n - 1)
+            bw_time = max(bytes_sent * outside / self.hw.network_bw, bytes_sent * (1 - outside) / self.hw.intra_node_bw)
+            return bw_time / self.ta.comm_efficiency + steps * lat
         return bytes_sent / (bw * self.ta.comm_efficiency) + steps * lat
 
 
@@ -115,7 +148,8 @@ def step_time(plan: Plan, hw: Hardware, ta: TimeAssumptions = TimeAssumptions())
     links = _Links(plan, hw, cfg.cluster.gpus_per_node, ta)
     sizes = group_sizes(plan)
     s, cp = plan.seq, plan.cp
-    flops_rate = hw.peak_flops(plan.precision) * ta.gemm_efficiency
+    gemm = ta.fp8_gemm_efficiency if plan.precision == "fp8" and ta.fp8_gemm_efficiency else ta.gemm_efficiency
+    flops_rate = hw.peak_flops(plan.precision) * gemm  # linear layers
     n_mb = plan.microbatches
     rank_times, rank_parts, rank_bytes = [], [], []
     classes = plan.rank_classes  # ranks of equal `Plan.rank_shapes` cost the same
@@ -174,7 +208,7 @@ def _timed(calls: list[Collective], links: _Links, sizes: dict[str, int]) -> Tim
     out = []
     for c in calls:
         n = sizes[c.group]
-        out.append((PART[c.group], links.time(c.group, c.wire_bytes(n), c.steps(n)), c.wire_bytes(n), c.hides_behind))
+        out.append((PART[c.group], links.time(c.group, c.wire_bytes(n), c.steps(n), n), c.wire_bytes(n), c.hides_behind))
     return tuple(out)
 
 
@@ -241,16 +275,22 @@ def _add_calls(calls: list[Collective], links: _Links, sizes: dict[str, int], pa
     """Add the time and wire bytes of `calls` (critical path, or hidden behind `hidden` seconds of
     compute for those that overlap the attention core) to `parts` / `sent`, by reported part."""
     overlapped = 0.0
+    hidden_share = {"tp": links.ta.tp_overlap, "ep": links.ta.ep_overlap}
     for c in calls:
         n = sizes[c.group]
-        t = links.time(c.group, c.wire_bytes(n), c.steps(n))
+        t = links.time(c.group, c.wire_bytes(n), c.steps(n), n)
         sent[PART[c.group]] += c.wire_bytes(n)
         if c.hides_behind == "attention":
             overlapped += t
         else:
-            parts[PART[c.group]] += t
+            parts[PART[c.group]] += t * (1 - hidden_share.get(PART[c.group], 0.0))
     if overlapped:
-        parts["cp"] += max(0.0, overlapped - hidden)
+        parts["cp"] += max(0.0, overlapped - hidden * links.ta.cp_overlap)
+
+
+def _traits(precision: str) -> ArchTraits:
+    """The tensors memory-bound work touches: a fused runtime's saved activations at this precision."""
+    return ArchTraits().for_precision(precision)
 
 
 LAYER_GROUPS = ("tp", "etp", "cp", "ep", "tp-cp")
@@ -266,7 +306,7 @@ def _layer_cost(plan: Plan, links: _Links, sizes: dict[str, int], i: int, recomp
     m, p = plan.config.model, plan.config.parallel
     key = (id(m), is_moe_layer(m, i), recomputed, plan.recompute, plan.mbs, plan.seq, plan.precision, plan.tp, plan.sp,
            plan.cp, p.cp_comm_type, tuple(p.hierarchical_context_parallel_sizes or ()), plan.ep, plan.etp,
-           tuple(links.cross[g] for g in LAYER_GROUPS), id(links.hw), links.ta, flops_rate)
+           tuple(links.cross[g] for g in LAYER_GROUPS), links.cross["ep local"], id(links.hw), links.ta, flops_rate)
     got = _LAYER_COSTS.get(key)
     if got is None or got[0] is not m or got[1] is not links.hw:
         got = _LAYER_COSTS[key] = (m, links.hw, _layer_cost_of(plan, links, sizes, i, recomputed, flops_rate))
@@ -274,14 +314,33 @@ def _layer_cost(plan: Plan, links: _Links, sizes: dict[str, int], i: int, recomp
 
 
 def _layer_cost_of(plan: Plan, links: _Links, sizes: dict[str, int], i: int, recomputed: bool, flops_rate: float):
-    m, b, s, tp, cp = plan.config.model, plan.mbs, plan.seq, plan.tp, plan.cp
+    m, b, s, tp, cp, ta, hw = plan.config.model, plan.mbs, plan.seq, plan.tp, plan.cp, links.ta, links.hw
     parts = dict.fromkeys(("compute", "tp", "cp", "ep"), 0.0)
     sent = dict.fromkeys(("tp", "cp", "ep"), 0.0)
-    fwd = layer_forward_flops(m, i, s) * b * s
+    # each op class at its own rate: linear GEMMs, the attention core (bf16 flash), grouped experts
+    lp = layer_params(m, i)
     core = attention_core_flops(m, s) * b * s
-    extra = fwd if recomputed else (core if plan.recompute == "selective" else 0.0)
-    parts["compute"] = (3 * fwd + extra) / (tp * cp) / flops_rate
-    hidden = 3 * core / (tp * cp) / flops_rate  # the attention core, forward + backward
+    experts = 2 * lp.active_experts * b * s
+    linear = layer_forward_flops(m, i, s) * b * s - core - experts
+    attn_rate = hw.bf16_flops * (ta.attention_efficiency or ta.gemm_efficiency)
+    t_core = core / (tp * cp) / attn_rate
+    t_linear = linear / (tp * cp) / flops_rate
+    t_experts = 0.0
+    if experts:
+        rows = m.moe_router_topk * b * s * plan.etp / (tp * cp) / (m.num_experts / plan.ep)  # per local expert
+        # the linear rate scaled by how grouped GEMMs fare against dense ones
+        expert_rate = flops_rate * (ta.expert_efficiency or ta.gemm_efficiency) / ta.gemm_efficiency
+        if ta.expert_half_rows:
+            expert_rate *= rows / (rows + ta.expert_half_rows)
+        t_experts = experts / (tp * cp) / expert_rate
+    t_fwd = t_core + t_linear + t_experts
+    extra = t_fwd if recomputed else (t_core if plan.recompute == "selective" else 0.0)
+    parts["compute"] = 3 * t_fwd + extra
+    if ta.membound_passes:
+        sh = Sharding(tp=tp, sp=plan.sp, cp=cp, etp=plan.etp)
+        touched = sum(layer_activation_bytes(m, i, b, s, sh, _traits(plan.precision)).values())
+        parts["compute"] += ta.membound_passes * touched / hw.memory_bw
+    hidden = 3 * t_core  # the attention core, forward + backward
     calls = layer_collectives(plan, i, recomputed)
     assert all(c.group in LAYER_GROUPS for c in calls), "a layer call on a group the cache key leaves out"
     _add_calls(calls, links, sizes, parts, sent, hidden)

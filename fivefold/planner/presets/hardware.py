@@ -66,13 +66,36 @@ HARDWARE_PRESETS: dict[str, Hardware] = {h.name: h for h in [
              memory_bw=8.0e12, intra_node_bw=900 * GBs, network_bw=50 * GBs,
              source="NVIDIA DGX/HGX B200 datasheet (per GPU: 1/8 of 72 PF fp8 sparse, 1440 GB, 64 TB/s); "
                     "NVLink5 1.8 TB/s bidirectional; 400 Gb/s per GPU"),
+    Hardware(name="h800", bf16_flops=989.4 * T, fp8_flops=1978.9 * T, memory_bytes=80 * GiB,
+             memory_bw=3.35e12, intra_node_bw=200 * GBs, network_bw=50 * GBs,
+             source="H100 SXM's compute and HBM with NVLink cut to 400 GB/s bidirectional (the export "
+                    "variant); DeepSeek-V3 report s3.1: 8 H800 per node on NVLink/NVSwitch, InfiniBand "
+                    "between nodes (400 Gb/s per GPU)"),
+    Hardware(name="h100-96gb-500w", bf16_flops=989.4 * T, fp8_flops=1978.9 * T, memory_bytes=95 * GiB,
+             memory_bw=2.4e12, intra_node_bw=450 * GBs, network_bw=50 * GBs,
+             source="torchtitan benchmarks/llama3_h100_202412_torchtitan.md: Grand Teton H100 96GB HBM2e "
+                    "at a 500 W power limit, 400 Gb/s RDMA per GPU. Datasheet peaks of the H100 SXM (the "
+                    "power cap is not a datasheet figure: it lowers achieved clocks, so it shows in the "
+                    "fitted efficiencies); HBM2e bandwidth 2.4 TB/s assumed (6 stacks x 3.2 Gb/s pins); "
+                    "capacity 95 GiB as torch reports it (an assumption: the doc prints only usage)"),
+    Hardware(name="gb200", bf16_flops=2500 * T, fp8_flops=5000 * T, memory_bytes=186e9,
+             memory_bw=8.0e12, intra_node_bw=900 * GBs, network_bw=50 * GBs, gpus_per_node=72,
+             source="NVIDIA GB200 NVL72 datasheet, per GPU (1/72 of the rack): 180 PF dense bf16 / 360 PF "
+                    "dense fp8 (MXFP8), 13.4 TB HBM3e, 8 TB/s; NVLink5 1.8 TB/s bidirectional in a 72-GPU "
+                    "domain; ConnectX-7 400 Gb/s per GPU"),
+    Hardware(name="gb300", bf16_flops=2500 * T, fp8_flops=5000 * T, memory_bytes=288e9,
+             memory_bw=8.0e12, intra_node_bw=900 * GBs, network_bw=100 * GBs, gpus_per_node=72,
+             source="NVIDIA GB300 NVL72 datasheet, per GPU: the GB200's dense bf16 / fp8 (the Blackwell "
+                    "Ultra gains are in fp4), 288 GB HBM3e, 8 TB/s; NVLink5 1.8 TB/s bidirectional in a "
+                    "72-GPU domain; ConnectX-8 800 Gb/s per GPU"),
     Hardware(name="mi300x", bf16_flops=1307.4 * T, fp8_flops=2614.9 * T, memory_bytes=192e9,
              memory_bw=5.3e12, intra_node_bw=448 * GBs, network_bw=50 * GBs,
              source="AMD Instinct MI300X datasheet; Infinity Fabric 7 x 64 GB/s per direction (full mesh, "
                     "modelled as its aggregate); 400 Gb/s per GPU"),
 ]}
 ALIASES = {"h100": "h100-sxm", "h100-sxm5": "h100-sxm", "h200-sxm": "h200", "a100": "a100-80gb",
-           "a100-80g": "a100-80gb", "a100-40g": "a100-40gb"}
+           "a100-80g": "a100-80gb", "a100-40g": "a100-40gb",
+           "h100-96gb": "h100-96gb-500w", "b200-sxm": "b200"}
 
 # Human units accepted in YAML and flags -> (field, factor).
 UNITS = {"bf16_tflops": ("bf16_flops", T), "fp8_tflops": ("fp8_flops", T), "memory_gib": ("memory_bytes", GiB),

@@ -65,7 +65,25 @@ def _glm45(layers, h, ffn, experts, moe_ffn, first_dense) -> ModelConfig:
                        rotary_base=1e6, max_position_embeddings=131072)
 
 
-_PRESETS = [
+def _megatron_gpt(layers, h, heads) -> ModelConfig:
+    """A model of Megatron-LM's weak-scaling table: GPT (LayerNorm, GeLU 4h MLP, MHA, untied output
+    layer; the counts match only untied) with the 131,072-token vocabulary its text states."""
+    return ModelConfig(num_layers=layers, hidden_size=h, ffn_hidden_size=4 * h, num_attention_heads=heads,
+                       kv_channels=h // heads, vocab_size=131072, activation="gelu", normalization="LayerNorm",
+                       add_bias_linear=True, max_position_embeddings=4096)
+
+
+_MLM_TABLE = ("Megatron-LM README, 'Performance Benchmarking' weak-scaling table (images/model_table.png, commit "
+              "f2e5db4): model size column")
+_MLM_GPT = [ModelPreset(f"mlm-gpt-{size.lower()}", _megatron_gpt(layers, h, heads), "-", float(size[:-1]) * 1e9,
+                        float(size[:-1]) * 1e9, _MLM_TABLE,
+                        notes="no config.json is published; shape from the table, vocabulary from the text")
+            for size, layers, h, heads in (("1.7B", 24, 2048, 16), ("7.1B", 30, 4096, 32), ("16B", 32, 6144, 48),
+                                           ("32B", 48, 7168, 56), ("70B", 84, 8192, 64), ("119B", 92, 10240, 80),
+                                           ("177B", 96, 12288, 96), ("314B", 96, 16384, 128),
+                                           ("462B", 112, 18432, 144))]
+
+_PRESETS = [*_MLM_GPT,
     ModelPreset("llama3-8b", _llama(32, 4096, 14336, 32, 8), "meta-llama/Meta-Llama-3-8B", 8.03e9, 8.03e9,
                 "Hugging Face model card of meta-llama/Meta-Llama-3-8B: 'Model size 8.03B params' (safetensors)"),
     ModelPreset("llama3-70b", _llama(80, 8192, 28672, 64, 8), "meta-llama/Meta-Llama-3-70B", 70.6e9, 70.6e9,

@@ -1,0 +1,155 @@
+"""The planner against published GPU training runs (benchmarks/data/gpu-runs.tsv).
+
+    python benchmarks/calibrate.py            # the table for benchmarks/RESULTS.md
+    python benchmarks/calibrate.py --assumed  # and every unstated value taken, per row
+    python benchmarks/calibrate.py --fit      # refit each runtime's free time constants, and
+                                              # leave-one-source-out (minutes of CPU)
+
+For every row not excluded (`fivefold.planner.calibration.EXCLUDED`, with reasons): the planner's
+throughput (tokens/s per GPU, of the runtime that ran it) against the published one, the error
+est/pub - 1, whether the planner judges the published layout to fit, and its peak memory against the
+published figure on the source's basis (reserved GiB or tensor GB, `MEMORY_BASIS`).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from fivefold.planner.calibration import EXCLUDED, FLOP_COUNTS, cases, flops_per_token, read_runs  # noqa: E402
+from fivefold.planner.layout import Plan  # noqa: E402
+from fivefold.planner.memory import peak_memory  # noqa: E402
+from fivefold.planner.presets import hardware  # noqa: E402
+from fivefold.planner.search import describe  # noqa: E402
+from fivefold.planner.runtime import PROFILES, Runtime, apply, profile, with_time  # noqa: E402
+from fivefold.planner.search import clear_caches  # noqa: E402
+from fivefold.planner.steptime import step_time  # noqa: E402
+
+GiB = 2**30
+
+
+FREE = {"megatron-te": ("gemm_efficiency", "fp8_gemm_efficiency", "attention_efficiency", "expert_efficiency",
+                         "expert_half_rows", "membound_passes", "tp_overlap", "ep_overlap"),
+        "torchtitan": ("gemm_efficiency", "fp8_gemm_efficiency", "attention_efficiency", "membound_passes",
+                       "tp_overlap", "cp_overlap")}
+"""The constants fitted per runtime (physical: achieved shares of peak, overlap shares, HBM passes)."""
+BOUNDS = {"expert_half_rows": (0.0, 8192.0), "membound_passes": (0.0, 40.0)}
+"""Bounds other than (0.05, 1) for a share."""
+
+
+def compare(case, runtime: str | Runtime | None = None) -> dict:
+    """The planner's figures for one case, under `runtime` (default: the case's own)."""
+    hw = hardware(case.hardware_name)
+    rt = runtime if isinstance(runtime, Runtime) else profile(runtime or case.runtime)
+    plan = Plan(apply(case.config, rt, case.fp32_grads))
+    mem = peak_memory(plan, rt.memory)
+    est = step_time(plan, hw, rt.time)
+    out = {"row": case.run.row, "source": case.run.source, "fits": mem.total <= hw.memory_bytes,
+           "memory": mem, "hw": hw, "estimate": est, "published": case.tokens_per_s, "case": case}
+    if case.tokens_per_s:
+        out["error"] = est.tokens_per_s_per_gpu / case.tokens_per_s - 1
+    if case.memory_bytes:
+        on_basis = mem.total - mem.reserve if case.memory_basis == "reserved GiB" else \
+            mem.total - mem.reserve - mem.overhead
+        out["memory_ratio"] = on_basis / case.memory_bytes
+    return out
+
+
+def summary(results: list[dict]) -> str:
+    errs = [abs(r["error"]) for r in results if "error" in r]
+    fits = sum(r["fits"] for r in results)
+    mem = [r["memory_ratio"] for r in results if "memory_ratio" in r]
+    return (f"{len(results)} rows judged ({len(EXCLUDED)} excluded); judged to fit: {fits}/{len(results)}; "
+            f"throughput |error| median {statistics.median(errs):.1%}, max {max(errs):.1%} over {len(errs)} rows; "
+            f"memory est/pub {min(mem):.2f}-{max(mem):.2f} over {len(mem)} rows")
+
+
+def fit(rt: Runtime, rows: list, names: tuple[str, ...]) -> Runtime:
+    """`rt` with `names` fitted: least squares of log(estimated / published) over `rows`."""
+    import numpy as np
+    from scipy.optimize import least_squares
+
+    def residuals(x):
+        trial = with_time(rt, **dict(zip(names, map(float, x))))
+        clear_caches()  # the layer-cost caches are keyed by the constants: keep them small
+        return np.array([np.log(1 + compare(c, trial)["error"]) for c in rows])
+
+    x0 = [getattr(rt.time, n) or 0.5 for n in names]
+    lo = [BOUNDS.get(n, (0.05, 1.0))[0] for n in names]
+    hi = [BOUNDS.get(n, (0.05, 1.0))[1] for n in names]
+    got = least_squares(residuals, np.clip(x0, lo, hi), bounds=(lo, hi), diff_step=0.02)
+    return with_time(rt, **{n: round(float(v), 3) for n, v in zip(names, got.x)})
+
+
+def fit_report(all_cases: list, only: str | None = None) -> None:
+    for name, names in FREE.items():
+        if only and name != only:
+            continue
+        rows = [c for c in all_cases if c.runtime == name and c.tokens_per_s]
+        fitted = fit(PROFILES[name], rows, names)
+        errs = sorted(abs(compare(c, fitted)["error"]) for c in rows)
+        print(f"{name}: fitted on rows {', '.join(str(c.run.row) for c in rows)}: "
+              + ", ".join(f"{n}={getattr(fitted.time, n)}" for n in names)
+              + f"; |error| median {statistics.median(errs):.1%}, max {errs[-1]:.1%}")
+        for source in sorted({c.run.source for c in rows}):
+            rest = [c for c in rows if c.run.source != source]
+            if not rest:
+                continue
+            held = fit(PROFILES[name], rest, names)
+            errs = sorted(abs(compare(c, held)["error"]) for c in rows if c.run.source == source)
+            print(f"  leave out {source}: fitted on the other {len(rest)} rows, its {len(errs)} rows' |error| "
+                  f"median {statistics.median(errs):.1%}, max {errs[-1]:.1%}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--assumed", action="store_true", help="list the value taken for every unstated field")
+    ap.add_argument("--runtime", choices=tuple(PROFILES),
+                    help="predict every row with this runtime profile instead of its own (with --fit: fit only it)")
+    ap.add_argument("--fit", action="store_true", help="refit each runtime's free constants and leave one source out")
+    args = ap.parse_args()
+    if args.fit:
+        fit_report(cases(), args.runtime)
+        return
+    results = [compare(c, args.runtime) for c in cases()]
+    print("| row | source | model | GPUs | layout | runtime | published tok/s/GPU | estimated | error | fits | "
+          "memory est / published |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in results:
+        c, mem = r["case"], r["memory"]
+        pub = f"{r['published']:.0f}" if r["published"] else "-"
+        err = f"{r['error']:+.0%}" if "error" in r else "-"
+        if "memory_ratio" in r:
+            memtxt = f"{r['memory_ratio'] * c.memory_bytes / GiB:.1f} / {c.memory_bytes / GiB:.1f} GiB ({c.memory_basis})"
+        else:
+            memtxt = f"{mem.total / GiB:.1f} GiB est. (none published)"
+        fits = "yes" if r["fits"] else f"no ({mem.total / GiB:.0f} > {r['hw'].memory_bytes / GiB:.0f} GiB)"
+        print(f"| {c.run.row} | {c.run.source} | {c.model_name} | {c.config.cluster.world_size} x {c.hardware_name} | "
+              f"{describe(c.config)} | {args.runtime or c.runtime} | {pub} | {r['estimate'].tokens_per_s_per_gpu:.0f} | "
+              f"{err} | {fits} | {memtxt} |")
+    print()
+    print(summary(results))
+    print()
+    print("Excluded: " + "; ".join(f"row {k}: {v}" for k, v in EXCLUDED.items()))
+    both = [(r, c) for r in read_runs() for c in [r] if r.num("tokens_per_s_per_gpu") and r.num("tflops_per_gpu")]
+    if both:
+        from fivefold.planner.calibration import case_of
+        checks = []
+        for run, _ in both:
+            case = case_of(run)
+            per_token = run.num("tflops_per_gpu") * 1e12 / run.num("tokens_per_s_per_gpu")
+            ours = flops_per_token(case.config.model, case.config.training.seq_length, FLOP_COUNTS[run.source])
+            checks.append(f"{run.row}: {per_token / ours:.3f}")
+        print("FLOP count check (source TFLOP/s / tokens/s over our count, 1.000 = same convention): "
+              + ", ".join(checks))
+    if args.assumed:
+        print()
+        for r in results:
+            print(f"row {r['row']}: " + ("; ".join(r["case"].assumed) or "nothing assumed"))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,255 @@
+"""Published GPU training runs (benchmarks/data/gpu-runs.tsv) read as planner inputs.
+
+Each row of the set becomes a `Case`: a model preset, a hardware preset, a canonical `Config` of the
+stated layout, the runtime that ran it, and the published throughput and memory in the planner's
+units, with every value the source leaves unstated filled by a named assumption (`Case.assumed`).
+Rows the planner cannot be judged on are in `EXCLUDED` with the reason. benchmarks/calibrate.py
+compares the planner with the cases; the set's README (benchmarks/data/gpu-runs.md) cites each source.
+
+Throughput is compared as tokens/s per GPU. A source that prints only TFLOP/s (or MFU) is converted
+with that source's FLOP count (`FLOP_COUNTS`): the sources with both figures pin theirs down.
+Memory is compared like with like (`MEMORY_BASIS`): torchtitan prints the caching allocator's peak
+*reserved* bytes in GiB (no CUDA context), the Megatron-Core MoE report a per-GPU breakdown of tensor
+bytes in "GB" (read as 10^9; tensors only, no allocator slack).
+"""
+from __future__ import annotations
+
+import csv
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fivefold.config.schema import ClusterConfig, Config, ModelConfig, ParallelConfig, TrainingConfig
+from fivefold.errors import UserError
+from fivefold.planner.flops import attention_core_flops, model_flops_per_token
+from fivefold.planner.pipeline_layout import parse_layout
+from fivefold.planner.presets import hardware, model_preset
+from fivefold.planner.space import layer_splits
+
+RUNS = Path(__file__).resolve().parents[2] / "benchmarks" / "data" / "gpu-runs.tsv"
+GiB = 2**30
+
+EXCLUDED: dict[int, str] = {
+    10: "strong-scaling start point: TP/PP/DP not stated (the figure has no numeric labels)",
+    11: "strong-scaling end point: TP/PP/DP not stated",
+    15: "DeepSeek-V3's whole pre-training cost in GPU-hours: failures, restarts and evaluation are inside "
+        "the figure, on DeepSeek's HAI-LLM (a runtime the planner has no profile of); DP, CP and micro-batch "
+        "not stated",
+    27: "torchtitan 'Interleaved 1F1B': the stages per rank are not stated, and they set both the bubble "
+        "and the memory",
+    46: "Table 5 (activation offload): GPU type, GPU count, sequence and batch not stated",
+}
+"""Row (1-based, data rows of gpu-runs.tsv) -> why the planner is not judged on it."""
+
+HARDWARE = {"H100": "h100-sxm", "H100-80GB-HBM3 (700W)": "h100-sxm", "H800": "h800", "H200": "h200",
+            "H100-96GB-HBM2e (500W)": "h100-96gb-500w", "GB200": "gb200", "GB300": "gb300"}
+"""The set's `system` column -> hardware preset."""
+
+RUNTIME = {"MLM-README": "megatron-te", "LLAMA3": "megatron-te", "MCORE-MOE-2603": "megatron-te",
+           "MOE-ZOO": "megatron-te", "TT-2412": "torchtitan", "TT-ASYNCTP-2506": "torchtitan",
+           "TT-H200-2506": "torchtitan", "DSV3": "hai-llm"}
+"""Source -> the runtime that ran it (Llama 3's in-house stack is read as Megatron-like: TP comm
+overlap, FSDP-style sharding of gradients and optimizer)."""
+
+FLOP_COUNTS = {"MLM-README": "full", "LLAMA3": "causal", "MCORE-MOE-2603": "causal", "MOE-ZOO": "causal"}
+"""Source -> how its TFLOP/s count attention: 'causal' (QK^T and AV over s/2 keys, ours) or 'full'
+(over all s keys: Megatron-LM r0.8's num_floating_point_operations, the README's software). The MoE
+sources print tokens/s (or step time) beside TFLOP/s: their FLOPs per token match the causal count
+(benchmarks/calibrate.py prints the check). Llama 3's convention is not stated: causal assumed."""
+
+MEMORY_BASIS = {"TT-2412": "reserved GiB", "TT-ASYNCTP-2506": "reserved GiB", "TT-H200-2506": "reserved GiB",
+                "MCORE-MOE-2603": "tensor GB"}
+"""Source -> what its memory figure counts (module docstring)."""
+
+
+@dataclass(frozen=True)
+class Run:
+    """One row of gpu-runs.tsv, as printed ('-' -> None)."""
+    row: int
+    cells: dict[str, str]
+
+    def get(self, column: str) -> str | None:
+        v = self.cells[column].strip()
+        return None if v in ("-", "") else v
+
+    def num(self, column: str) -> float | None:
+        v = self.get(column)
+        return None if v is None else float(v)
+
+    @property
+    def source(self) -> str:
+        return self.cells["source_id"]
+
+
+@dataclass
+class Case:
+    run: Run
+    model_name: str
+    hardware_name: str
+    gpus_per_node: int
+    config: Config
+    runtime: str
+    tokens_per_s: float | None
+    """Published tokens/s per GPU (converted from TFLOP/s where the source gives only those)."""
+    memory_bytes: float | None
+    """Published peak memory per GPU, bytes."""
+    memory_basis: str | None
+    assumed: list[str] = field(default_factory=list)
+    """Each unstated field and the value taken for it."""
+    fp32_grads: bool = False
+    """The source states fp32 gradient accumulation and reduction (beside its runtime's default)."""
+
+
+def read_runs(path: Path = RUNS) -> list[Run]:
+    lines = path.read_text().splitlines()
+    header = lines[0].lstrip("#").split("\t")
+    rows = list(csv.reader(lines[1:], delimiter="\t", quoting=csv.QUOTE_NONE))
+    for i, cells in enumerate(rows, 1):
+        if len(cells) != len(header):
+            raise UserError(f"{path}: data row {i} has {len(cells)} cells, the header {len(header)}")
+    return [Run(i, dict(zip(header, cells))) for i, cells in enumerate(rows, 1)]
+
+
+def model_of(run: Run) -> str:
+    """The model preset a row's `model` cell names."""
+    name = run.cells["model"]
+    if m := re.match(r"GPT-(\d+(?:\.\d+)?B) \(layers=", name):
+        return f"mlm-gpt-{m.group(1).lower()}"
+    for prefix, preset in (("Llama-3.1-8B", "llama3-8b"), ("Llama-3.1-70B", "llama3-70b"),
+                           ("Llama-3.1-405B", "llama3-405b"), ("DeepSeek-V3", "deepseek-v3"),
+                           ("Qwen3-235B-A22B", "qwen3-235b-a22b")):
+        if name.startswith(prefix):
+            return preset
+    raise UserError(f"gpu-runs.tsv row {run.row}: no model preset for {name!r}; add one to "
+                    "fivefold/planner/presets/models.py or exclude the row")
+
+
+def flops_per_token(m: ModelConfig, seq: int, count: str) -> float:
+    """Training FLOPs per token as a source counts them (`FLOP_COUNTS`)."""
+    causal = model_flops_per_token(m, seq)
+    if count == "causal":
+        return causal
+    return causal + 3 * m.num_layers * attention_core_flops(m, seq)  # every key, not half on average
+
+
+def case_of(run: Run) -> Case:
+    """The planner's inputs for a row that is not in `EXCLUDED` (UserError naming what is missing)."""
+    assumed: list[str] = []
+    src = run.source
+
+    def take(column: str, default, why: str):
+        v = run.get(column)
+        if v is None:
+            assumed.append(f"{column}={default} ({why})")
+            return default
+        return v
+
+    model_name = model_of(run)
+    m = model_preset(model_name).model
+    system = run.get("system")
+    hw_name = HARDWARE.get(system) if system else None
+    if hw_name is None:
+        if system is not None:
+            raise UserError(f"gpu-runs.tsv row {run.row}: unknown system {system!r}; add it to HARDWARE")
+        hw_name = "gb200"
+        assumed.append("system=GB200 (not stated; the report's other 256-GPU DeepSeek-V3 runs)")
+    hw = hardware(hw_name)
+    gpn = hw.gpus_per_node
+    if gpn == 72:
+        gpn = 64
+        assumed.append("64 GPUs per NVLink domain (16 of an NVL72 rack's 18 trays, as 4 x 64 = 256)")
+    tt = src.startswith("TT")
+    precision = take("precision", "bf16", "TFLOP/s / MFU = the H100's dense bf16 peak")
+    seq = int(take("seq_len", 8192 if tt else 4096, "the source's train config" if tt else "the report's"))
+    gpus = int(take("gpus", 256, "Table 3's title"))
+    tp, pp, cp = (int(take(c, 1, "not stated")) for c in ("tp", "pp", "cp"))
+    dp = int(take("dp", gpus // (tp * pp * cp), "GPUs / (TP PP CP)"))
+    local = _local_batch(run, tt)
+    mbs_default = 1 if not (tt and pp > 1) else max(1, local // pp)
+    mbs = int(take("micro_batch", mbs_default, "torchtitan splits the local batch into PP microbatches" if tt and pp > 1
+                   else ("the stated local batch" if tt else "Megatron's default")))
+    gbs_text, unit = run.get("global_batch"), run.get("global_batch_unit")
+    if gbs_text is None and tt:
+        gbs = (local or mbs) * dp
+        assumed.append(f"global_batch={gbs} (local batch x DP: no gradient accumulation stated)")
+    elif gbs_text is None:
+        gbs = 8192
+        assumed.append("global_batch=8192 (the report's DeepSeek-V3 runs)")
+    elif unit == "tokens":
+        gbs = int(float(gbs_text.rstrip("M")) * 2**20) // seq if gbs_text.endswith("M") else int(gbs_text) // seq
+    else:
+        gbs = int(gbs_text)
+    vpp = int(take("vpp", 1, "not stated: plain 1F1B")) if pp > 1 else int(run.get("vpp") or 1)
+    ep = int(take("ep", 1, "dense"))
+    etp = int(take("etp", 1, "Table 17: expert TP is always 1")) if m.is_moe else None
+    fsdp = take("fsdp", "zero1" if RUNTIME[src] == "megatron-te" else "0",
+                "the distributed optimizer, as Megatron's performance configs; at the README's commit "
+                "--overlap-param-gather required it")
+    strategy = {"1": "optim_grads_params", "zero1": "optim", "0": "optim" if not tt else "no_shard"}[fsdp]
+    if src == "LLAMA3":
+        strategy = "optim_grads"  # gradients and optimizer sharded; parameters not resharded after forward
+    rc = take("recompute", "unknown", "")
+    if rc == "unknown":
+        rc = "selective" if m.is_moe else None
+        assumed.append(f"recompute={rc or 'none'} (not stated)")
+    split = _split(run, m, pp, vpp, assumed)
+    parallel = ParallelConfig(tensor_model_parallel_size=tp, sequence_parallel=tp > 1, context_parallel_size=cp,
+                              pipeline_model_parallel_size=pp,
+                              virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
+                              expert_model_parallel_size=ep, expert_tensor_parallel_size=etp, **split)
+    training = TrainingConfig(seq_length=seq, global_batch_size=gbs, micro_batch_size=mbs, precision=precision,
+                              recompute_granularity=None if rc == "none" else rc,
+                              recompute_method="uniform" if rc == "full" else None,
+                              recompute_num_layers=1 if rc == "full" else None,
+                              use_distributed_optimizer=strategy != "no_shard",
+                              data_parallel_sharding_strategy=strategy)
+    cfg = Config(cluster=ClusterConfig(num_nodes=max(1, gpus // gpn), gpus_per_node=min(gpn, gpus), world_size=gpus),
+                 parallel=parallel, model=m, training=training)
+    tokens = run.num("tokens_per_s_per_gpu")
+    if tokens is None and run.num("tflops_per_gpu") is not None:
+        tokens = run.num("tflops_per_gpu") * 1e12 / flops_per_token(m, seq, FLOP_COUNTS[src])
+    elif tokens is None and run.num("mfu") is not None:
+        tokens = run.num("mfu") * hw.peak_flops(precision) / flops_per_token(m, seq, FLOP_COUNTS[src])
+    memory = run.num("memory_gib_per_gpu")
+    basis = MEMORY_BASIS.get(src) if memory is not None else None
+    if memory is not None:
+        memory *= GiB if basis == "reserved GiB" else 1e9
+    return Case(run, model_name, hw_name, gpn, cfg, RUNTIME[src], tokens, memory, basis, assumed,
+                fp32_grads=src == "LLAMA3")  # Llama 3 s3.3: "FP32 gradient accumulation and reduce-scatter"
+
+
+LAYOUT_IN_NOTES = re.compile(r"PP layout ([EtmL|()*\d]+)")
+
+
+def _split(run: Run, m: ModelConfig, pp: int, vpp: int, assumed: list[str]) -> dict:
+    """The layer split as ParallelConfig fields: the stated layout string, Llama 3's 'first and last
+    stages one layer fewer', else the planner's own choice for PP x VPP (`layer_splits`)."""
+    if found := LAYOUT_IN_NOTES.search(run.cells["notes"]):
+        return {"pipeline_layers_per_stage": list(parse_layout(found.group(1), pp, vpp, m.num_layers).decoder)}
+    for other in read_runs():  # a layout the same source states for the same model and stage count
+        found = LAYOUT_IN_NOTES.search(other.cells["notes"])
+        if found and other.source == run.source and other.cells["model"] == run.cells["model"]:
+            stages = parse_layout(found.group(1))
+            if stages.stages == pp * vpp:
+                assumed.append(f"PP layout {found.group(1)} (stated in row {other.row} for the same stages)")
+                return {"pipeline_layers_per_stage": list(stages.decoder)}
+    if run.source == "LLAMA3":
+        return {"decoder_first_pipeline_num_layers": (m.num_layers + 2) // pp - 1,
+                "decoder_last_pipeline_num_layers": (m.num_layers + 2) // pp - 1}
+    options = layer_splits(m.num_layers, pp, vpp)
+    if options != [{}]:
+        assumed.append(f"layer split {options[0]} (not stated)")
+    return options[0]
+
+
+def _local_batch(run: Run, tt: bool) -> int | None:
+    """torchtitan's 'local batch size N' from the notes (sequences per DP rank per step)."""
+    if not tt:
+        return None
+    m = re.search(r"local(?:_batch_size=| batch size )(\d+)", run.cells["notes"])
+    return int(m.group(1)) if m else None
+
+
+def cases(path: Path = RUNS) -> list[Case]:
+    """Every row not in `EXCLUDED`, as planner inputs."""
+    return [case_of(r) for r in read_runs(path) if r.row not in EXCLUDED]

@@ -1,0 +1,87 @@
+"""Runtime profiles: the planner predicts a named runtime, not an abstract GPU.
+
+A profile is the runtime's precision policy, how it stores activations, the allocator's slack, and
+its achieved rates per op class and overlap per collective (`TimeAssumptions`):
+
+  fivefold     our runtime as it is (eager PyTorch; fp32 gradients; nothing overlapped but the CP ring
+               and the DP reduction); on CPU the measured checks use `memory.CPU_EAGER`.
+  megatron-te  Megatron-Core with TransformerEngine: fused kernels, fp8 linear inputs saved as fp8,
+               TP communication overlapped (userbuffers), grouped expert GEMMs, the EP all-to-all
+               overlapped with the other micro-batch's compute where enabled, bf16 gradient
+               reduction (Megatron-Bridge's performance configs: --grad-reduce-in-bf16), the
+               distributed optimizer, PYTORCH_CUDA_ALLOC_CONF=expandable_segments (little slack).
+  torchtitan   FSDP2 (fp32 reduce), torch.compile'd blocks, torchao Float8Linear (fp8 GEMMs,
+               16-bit saved inputs), async TP where enabled.
+
+The time constants marked fitted come from `python benchmarks/calibrate.py --fit`: a least-squares fit
+of log(estimated / published tokens/s) over the rows of gpu-runs.tsv that ran on that runtime (docs/
+planner_calibration.md names the rows); the others are physical defaults. Nothing is fitted per row.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from fivefold.config.schema import Config, TrainingConfig
+from fivefold.errors import UserError
+from fivefold.planner.activations import ArchTraits
+from fivefold.planner.memory import MemoryAssumptions
+from fivefold.planner.steptime import TimeAssumptions
+
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class Runtime:
+    name: str
+    memory: MemoryAssumptions
+    time: TimeAssumptions
+    grad_reduce_in_bf16: bool
+    """Gradients accumulated and reduced in bf16 (16-bit runs)."""
+    summary: str
+
+
+_TE_TRAITS = ArchTraits(fp8_linear_inputs=True)
+"""Fused RMSNorm / SwiGLU / cross entropy (Megatron's counts), flash attention, fp8 linear inputs."""
+
+PROFILES: dict[str, Runtime] = {r.name: r for r in [
+    Runtime("fivefold", MemoryAssumptions(), TimeAssumptions(), grad_reduce_in_bf16=False,
+            summary="our runtime: eager kernels, fp32 gradients, TP/EP traffic exposed"),
+    Runtime("megatron-te",
+            MemoryAssumptions(allocator_overhead=0.02, runtime_reserve=1.0 * GiB, traits=_TE_TRAITS),
+            # fitted on rows 1-9, 12-14, 36-44, 47-55 (benchmarks/calibrate.py --fit)
+            TimeAssumptions(gemm_efficiency=0.845, fp8_gemm_efficiency=0.537, attention_efficiency=0.635,
+                            expert_efficiency=0.99, expert_half_rows=3056.0, membound_passes=20.8,
+                            tp_overlap=0.702, ep_overlap=0.832),
+            grad_reduce_in_bf16=True,
+            summary="Megatron-Core + TransformerEngine: fused kernels, fp8 linear inputs, TP comm overlap, "
+                    "grouped GEMM, bf16 gradient reduction, distributed optimizer"),
+    Runtime("torchtitan",
+            MemoryAssumptions(allocator_overhead=0.05, runtime_reserve=1.0 * GiB, traits=ArchTraits()),
+            # fitted on rows 16-26, 28-35 (benchmarks/calibrate.py --fit --runtime torchtitan)
+            TimeAssumptions(gemm_efficiency=0.516, fp8_gemm_efficiency=0.499, attention_efficiency=0.172,
+                            membound_passes=5.1, tp_overlap=0.05, cp_overlap=1.0),
+            grad_reduce_in_bf16=False,
+            summary="torchtitan: FSDP2 (fp32 reduce), torch.compile, torchao float8, async TP"),
+]}
+
+
+def profile(name: str) -> Runtime:
+    if name not in PROFILES:
+        raise UserError(f"--runtime {name!r}: unknown; choose from {', '.join(PROFILES)}")
+    return PROFILES[name]
+
+
+def with_time(rt: Runtime, **constants: float) -> Runtime:
+    """`rt` with some time constants replaced (the fit's trial points)."""
+    return replace(rt, time=replace(rt.time, **constants))
+
+
+def apply(cfg: Config, rt: Runtime, stated_fp32_grads: bool = False) -> Config:
+    """`cfg` as `rt` runs it: bf16 gradients where the runtime reduces in bf16, unless the run states
+    fp32 gradients (the same `cfg` when nothing changes)."""
+    t = cfg.training
+    if t.precision not in ("bf16", "fp8") or stated_fp32_grads or t.grad_reduce_in_bf16 or not rt.grad_reduce_in_bf16:
+        return cfg
+    fields = {f: getattr(t, f) for f in t.__dataclass_fields__}
+    fields["grad_reduce_in_bf16"] = rt.grad_reduce_in_bf16
+    return Config(cluster=cfg.cluster, parallel=cfg.parallel, model=cfg.model, training=TrainingConfig(**fields))
