@@ -4,6 +4,7 @@
     python benchmarks/calibrate.py --assumed  # and every unstated value taken, per row
     python benchmarks/calibrate.py --fit      # refit each runtime's free time constants, and
                                               # leave-one-source-out (minutes of CPU)
+    python benchmarks/calibrate.py --rank     # where each published layout ranks in `plan`'s search
 
 For every row not excluded (`fivefold.planner.calibration.EXCLUDED`, with reasons): the planner's
 throughput (tokens/s per GPU, of the runtime that ran it) against the published one, the error
@@ -25,7 +26,8 @@ from fivefold.planner.memory import peak_memory  # noqa: E402
 from fivefold.planner.presets import hardware  # noqa: E402
 from fivefold.planner.search import describe  # noqa: E402
 from fivefold.planner.runtime import PROFILES, Runtime, apply, profile, with_time  # noqa: E402
-from fivefold.planner.search import clear_caches  # noqa: E402
+from fivefold.planner.search import SearchSpace, clear_caches, evaluate, search  # noqa: E402
+from fivefold.planner.compare import rank_of  # noqa: E402
 from fivefold.planner.steptime import step_time  # noqa: E402
 
 GiB = 2**30
@@ -104,15 +106,45 @@ def fit_report(all_cases: list, only: str | None = None) -> None:
                   f"median {statistics.median(errs):.1%}, max {errs[-1]:.1%}")
 
 
+def rank_report(all_cases: list, runtime: str | None) -> None:
+    """For each case, `plan`'s search on its model, GPUs, sequence, batch and precision under its
+    runtime: the published layout's rank among the fitting layouts, and the top choice beside it."""
+    print("| row | source | model | GPUs | published layout | rank | step time / top | top choice |")
+    print("|---|---|---|---|---|---|---|---|")
+    ranks = []
+    for c in all_cases:
+        rt = profile(runtime or c.runtime) if (runtime or c.runtime) in PROFILES else profile("megatron-te")
+        hw, cfg = hardware(c.hardware_name), apply(c.config, rt, c.fp32_grads)
+        t = cfg.training
+        result = search(cfg.model, hw, cfg.cluster.world_size, c.gpus_per_node, t.seq_length, t.global_batch_size,
+                        t.precision, SearchSpace(), rt.memory, rt.time, grad_reduce_in_bf16=t.grad_reduce_in_bf16)
+        published = evaluate(cfg, hw, rt.memory, rt.time)
+        rank = rank_of(published, result.ranked)
+        ranks.append(rank)
+        top = result.ranked[0] if result.ranked else None
+        ratio = f"{published.estimate.step_time / top.estimate.step_time:.2f}" if rank and top else "-"
+        where = f"{rank} of {len(result.ranked)}" if rank else f"not fitting: {published.problem[:60]}"
+        print(f"| {c.run.row} | {c.run.source} | {c.model_name} | {cfg.cluster.world_size} x {c.hardware_name} | "
+              f"{describe(cfg)} | {where} | {ratio} | {top.label if top else '-'} |")
+    top5 = sum(1 for r in ranks if r and r <= 5)
+    print(f"\npublished layouts in the top 5: {top5} of {len(ranks)}; judged not to fit: "
+          f"{sum(r is None for r in ranks)}; median rank of the fitting ones: "
+          f"{statistics.median([r for r in ranks if r]) if any(ranks) else '-'}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--assumed", action="store_true", help="list the value taken for every unstated field")
     ap.add_argument("--runtime", choices=tuple(PROFILES),
                     help="predict every row with this runtime profile instead of its own (with --fit: fit only it)")
     ap.add_argument("--fit", action="store_true", help="refit each runtime's free constants and leave one source out")
+    ap.add_argument("--rank", action="store_true", help="rank each published layout among the search's layouts")
     args = ap.parse_args()
     if args.fit:
         fit_report(cases(), args.runtime)
+        return
+    if args.rank:
+        rank_report(cases(), args.runtime)
         return
     results = [compare(c, args.runtime) for c in cases()]
     print("| row | source | model | GPUs | layout | runtime | published tok/s/GPU | estimated | error | fits | "

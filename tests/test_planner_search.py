@@ -1,12 +1,16 @@
 """Search, schedule closed forms, hardware input, and the CLI's handling of bad input (exit 2)."""
+import re
+
 import pytest
 
 from _tol import close
 from fivefold.cli import main
 from fivefold.errors import UserError
 from fivefold.planner.pipeline import bubble_fraction, bubble_stage_times, pipeline_profile, pipeline_time
+from fivefold.planner.memory import MemoryAssumptions
 from fivefold.planner.presets import hardware, model_preset
 from fivefold.planner.search import search
+from fivefold.planner.steptime import TimeAssumptions
 from fivefold.planner.validity import config_errors
 
 
@@ -146,3 +150,27 @@ def test_search_caches_give_the_uncached_result(name, gpus, schedules):
     for cfg, why in too_big[::max(1, len(too_big) // 10)]:  # sized, not timed: the same GiB on the same rank
         clear_caches()
         assert evaluate(cfg, hw, check=False).problem == why
+
+
+def test_compare_places_a_named_layout_in_the_ranking(capsys):
+    """`plan --compare`: the top choice's own label ranks 1; a 61-layer model on PP8 x VPP4 (no even,
+    account-for or first/last split) takes Megatron's per-stage list; bad words and DP are refused."""
+    from fivefold.planner.compare import candidates, rank_of
+    from fivefold.planner.search import search
+    from fivefold.planner.space import SearchSpace, layer_splits
+    m, hw = model_preset("llama3-8b").model, hardware("h100-sxm")
+    result = search(m, hw, 16, 8, 4096, 64, "bf16", SearchSpace(micro_batch_sizes=(1,)))
+    top = result.ranked[0]
+    again = candidates(top.label, m, hw, 16, 8, 4096, 64, "bf16", (1,), mem=MemoryAssumptions(), ta=TimeAssumptions())[0]
+    assert again.label == top.label and rank_of(again, result.ranked) == 1
+    assert layer_splits(61, 8, 4) == [] and layer_splits(61, 8, 4, explicit=True) == [
+        {"pipeline_layers_per_stage": [1] + [2] * 29 + [1, 1]}]
+    for bad, says in (("TP2 PQ4", "cannot read 'pq4'"), ("TP2 DP4", "DP4 with TP*CP*PP = 2 makes 8 GPUs, not 16"),
+                      ("TP2 TP4", "TP given twice"), ("TP2 EP2", "MoE models only")):
+        with pytest.raises(UserError, match=re.escape(says)):
+            candidates(bad, m, hw, 16, 8, 4096, 64, "bf16", (1,), MemoryAssumptions(), TimeAssumptions())
+    assert main(["plan", "--model", "llama3-8b", "--gpus", "16", "--global-batch", "64", "--top", "2",
+                 "--compare", "tp8 pp2 rc-full"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r'Compared "tp8 pp2 rc-full": rank \d+ of \d+, [\d.]+x the top choice', out)
+    assert "layout: TP8+SP PP2 DP1 mbs1 rc-full" in out

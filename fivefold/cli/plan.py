@@ -8,10 +8,11 @@ import time
 from fivefold.cli._planner_args import add_hardware_arguments, assumptions_of, hardware_of, positive_int
 from fivefold.errors import UserError
 from fivefold.pipeline.schedules import REGISTRY
+from fivefold.planner.compare import candidates
 from fivefold.planner.emit import FORMATS, emit
 from fivefold.planner.model_spec import resolve_model
 from fivefold.planner.params import count_params
-from fivefold.planner.report import explain, seed_memory_example, table
+from fivefold.planner.report import compare_report, explain, seed_memory_example, table
 from fivefold.planner.runtime import profile
 from fivefold.planner.search import describe, search
 from fivefold.planner.space import SearchSpace
@@ -33,6 +34,9 @@ def add_arguments(p) -> None:
     p.add_argument("--explain", action="store_true", help="why the top choice, and the seeds' rules beside it")
     p.add_argument("--emit", choices=FORMATS, help="print the top layout in this dialect")
     p.add_argument("--plot", metavar="FILE.png", help="stacked memory bars of the top layouts")
+    p.add_argument("--compare", action="append", default=[], metavar="LAYOUT",
+                   help='a layout to place beside the ranking and explain, e.g. "TP4 PP8 VPP5" (repeatable; '
+                        "grammar in docs/planner.md)")
     add_hardware_arguments(p)
 
 
@@ -59,9 +63,12 @@ def run(args, extra) -> int:
         raise UserError(f"--schedules: unknown {', '.join(unknown)}; choose from {','.join(REGISTRY)}")
     counts = count_params(spec.model)
     t0 = time.perf_counter()
+    bf16_grads = profile(args.runtime).grad_reduce_in_bf16
+    compared = [(text, candidates(text, spec.model, hw, args.gpus, min(gpn, args.gpus), args.seq_len,
+                                  args.global_batch, args.precision, mbs, mem, ta, bf16_grads)[0])
+                for text in args.compare]  # bad descriptions refused before the search
     result = search(spec.model, hw, args.gpus, min(gpn, args.gpus), args.seq_len, args.global_batch, args.precision,
-                    SearchSpace(micro_batch_sizes=mbs, schedules=schedules), mem, ta,
-                    grad_reduce_in_bf16=profile(args.runtime).grad_reduce_in_bf16)
+                    SearchSpace(micro_batch_sizes=mbs, schedules=schedules), mem, ta, grad_reduce_in_bf16=bf16_grads)
     elapsed = time.perf_counter() - t0
     name = spec.preset or args.model
     print(f"{name}: {counts.total / 1e9:.1f}B parameters ({counts.active / 1e9:.1f}B active) on {args.gpus} x "
@@ -87,6 +94,9 @@ def run(args, extra) -> int:
         if spec.preset == "llama3-70b":
             print()
             print(seed_memory_example(spec.model, counts.total, hw))
+    for text, cand in compared:
+        print()
+        print(compare_report(text, cand, best, result.ranked, spec.model, hw, gpn))
     if args.emit:
         print()
         print(emit(best.config, args.emit, name))

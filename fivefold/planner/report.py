@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from fivefold.config.schema import ModelConfig
 from fivefold.planner.collectives import layer_collectives
+from fivefold.planner.compare import rank_of
 from fivefold.planner.layout import Plan
 from fivefold.planner.memory import RankMemory, memory_per_rank
 from fivefold.planner.presets.hardware import Hardware
@@ -67,6 +68,25 @@ def why(c: Candidate, model: ModelConfig, gpus_per_node: int) -> list[str]:
                    f"all-to-all on the {e.links['ep']} link")
     out.append(f"DP={p.dp}: gradient traffic on the {e.links['dp']} link, exposed {e.parts['dp']:.3f} s")
     return out
+
+
+def compare_report(text: str, cand: Candidate, best: Candidate, ranked: list[Candidate], model: ModelConfig,
+                   hw: Hardware, gpus_per_node: int) -> str:
+    """A layout the user named (`plan --compare`): where it ranks, where its time and memory go, and
+    what the top choice does differently."""
+    rank = rank_of(cand, ranked)
+    if rank is None:
+        head = f"Compared \"{text}\": does not fit or breaks a rule, so it has no rank"
+    else:
+        e, b = cand.estimate, best.estimate
+        head = (f"Compared \"{text}\": rank {rank} of {len(ranked)}, {e.step_time / b.step_time:.2f}x the top "
+                f"choice's step time")
+        diffs = sorted(((e.parts[k] - b.parts.get(k, 0.0), k) for k in e.parts), reverse=True)
+        head += "\n  vs the top choice, seconds per step: " + ", ".join(f"{k} {d:+.3f}" for d, k in diffs)
+    lines = [head, breakdown(cand, hw)]
+    if cand.estimate is not None:
+        lines += ["Why:"] + [f"  - {w}" for w in why(cand, model, gpus_per_node)]
+    return "\n".join(lines)
 
 
 def seed_candidate(rule: SeedRule, model: ModelConfig, hw: Hardware, world: int, gpus_per_node: int, seq: int,

@@ -42,10 +42,13 @@ def pow2_upto(n: int) -> list[int]:
 
 
 @lru_cache(maxsize=None)
-def layer_splits(num_layers: int, pp: int, vpp: int) -> list[dict]:
+def layer_splits(num_layers: int, pp: int, vpp: int, explicit: bool = False) -> list[dict]:
     """Ways to put `num_layers` on pp x vpp stages, as ParallelConfig fields: the even split when it
     exists; else the embedding and/or loss counted as layers (Megatron's account-for options), and
-    the most balanced first/last-stage counts (Megatron's decoder_first/last_pipeline_num_layers)."""
+    the most balanced first/last-stage counts (Megatron's decoder_first/last_pipeline_num_layers);
+    with `explicit`, where none of those exists (61 layers on PP8 x VPP4), a per-stage list as
+    Megatron's --pipeline-model-parallel-layout writes it, the first and last virtual stages one layer
+    lighter (`plan --compare`; the search leaves these out: they would triple a 61-layer search)."""
     chunks = pp * vpp
     if num_layers % chunks == 0:
         return [{}]
@@ -68,6 +71,10 @@ def layer_splits(num_layers: int, pp: int, vpp: int) -> list[dict]:
                     best = (key, first, last)
         if best:
             out.append({"decoder_first_pipeline_num_layers": best[1], "decoder_last_pipeline_num_layers": best[2]})
+    if explicit and not out and num_layers >= chunks:  # what Megatron's --pipeline-model-parallel-layout writes out
+        q, extra = divmod(num_layers, chunks)
+        start = 1 if extra <= chunks - 2 else 0  # the first and last virtual stages (embedding, loss) lighter
+        out.append({"pipeline_layers_per_stage": [q + (start <= i < start + extra) for i in range(chunks)]})
     return out
 
 

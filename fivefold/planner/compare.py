@@ -1,0 +1,98 @@
+"""A layout the user names, beside the search's ranking: `fivefold plan --compare "TP4 PP8 VPP5"`.
+
+The description is the planner's own label grammar (what `plan` prints), case-insensitive, words in
+any order: TPn (sequence parallelism on when n > 1; "TPn+SP" is accepted), CPn or CPn(p2p|a2a),
+PPn, VPPn, one schedule name other than 1f1b/interleaved (zb-h1, dualpipev, gpipe), EPn, ETPn, DPn
+(checked against the GPU count), mbsN, rc-none | rc-sel | rc-full. A size left out is 1 (ETP: TP);
+the micro-batch and recompute left out are the search's: the smallest micro-batch of the search, and
+the first recompute mode that fits. Where the layers do not divide over PP x VPP, the split the
+search would try is taken (Megatron's uneven first/last stage or the embedding/loss as layers), else
+a per-stage list as Megatron's --pipeline-model-parallel-layout writes it (61 layers on PP8 x VPP4).
+
+`rank_of` places a named layout among the ranked ones: 1 + the searched layouts that are faster.
+"""
+from __future__ import annotations
+
+import re
+
+from fivefold.errors import UserError
+from fivefold.planner.search import Candidate, evaluate, make_config
+from fivefold.planner.space import layer_splits
+from fivefold.pipeline.schedules import REGISTRY
+
+_SIZE = re.compile(r"(tp|cp|pp|vpp|ep|etp|dp|mbs)(\d+)$")
+_RECOMPUTE = {"rc-none": None, "rc-sel": "selective", "rc-selective": "selective", "rc-full": "full"}
+GRAMMAR = ("TPn[+SP] CPn[(p2p|a2a)] PPn VPPn EPn ETPn DPn mbsN rc-none|rc-sel|rc-full "
+           "[gpipe|zb-h1|dualpipev], e.g. \"TP4 PP8 VPP5 DP32 mbs1 rc-sel\"")
+
+
+def parse(text: str) -> dict:
+    """The words of a layout description -> {"sizes": {...}, "cp_comm": ..., "schedule": ..., "recompute": ...}."""
+    sizes, out = {}, {"cp_comm": "p2p", "schedule": None, "recompute": "search"}
+    for word in text.lower().replace(",", " ").split():
+        if word in ("distopt", "split"):
+            continue
+        if word in _RECOMPUTE:
+            out["recompute"] = _RECOMPUTE[word]
+            continue
+        if word in REGISTRY and word not in ("1f1b", "interleaved"):
+            out["schedule"] = word
+            continue
+        m = re.fullmatch(r"cp(\d+)\((p2p|a2a|allgather|a2a\+p2p)\)", word)
+        if m:
+            sizes["cp"], out["cp_comm"] = int(m.group(1)), m.group(2)
+            continue
+        m = _SIZE.match(word.removesuffix("+sp"))
+        if not m or int(m.group(2)) < 1:
+            raise UserError(f"--compare {text!r}: cannot read {word!r}; the grammar is {GRAMMAR}")
+        if m.group(1) in sizes:
+            raise UserError(f"--compare {text!r}: {m.group(1).upper()} given twice")
+        sizes[m.group(1)] = int(m.group(2))
+    out["sizes"] = sizes
+    return out
+
+
+def candidates(text: str, model, hw, world: int, gpus_per_node: int, seq: int, global_batch: int, precision: str,
+               micro_batches: tuple[int, ...], mem, ta, grad_reduce_in_bf16: bool = False) -> list[Candidate]:
+    """The named layout evaluated: one Candidate per reading the description leaves open (the
+    recompute modes when none is named, until one fits; the search's layer splits), fastest first;
+    UserError when the sizes do not make the GPU count."""
+    d = parse(text)
+    s = d["sizes"]
+    tp, cp, pp, vpp = s.get("tp", 1), s.get("cp", 1), s.get("pp", 1), s.get("vpp", 1)
+    if world % (tp * cp * pp):
+        raise UserError(f"--compare {text!r}: TP*CP*PP = {tp * cp * pp} does not divide {world} GPUs")
+    dp = world // (tp * cp * pp)
+    if "dp" in s and s["dp"] != dp:
+        raise UserError(f"--compare {text!r}: DP{s['dp']} with TP*CP*PP = {tp * cp * pp} makes "
+                        f"{s['dp'] * tp * cp * pp} GPUs, not {world}; drop DP or fix it to DP{dp}")
+    schedule = d["schedule"] or ("interleaved" if vpp > 1 else "1f1b")
+    parallel = dict(tensor_model_parallel_size=tp, sequence_parallel=tp > 1, context_parallel_size=cp,
+                    cp_comm_type=d["cp_comm"], pipeline_model_parallel_size=pp, pipeline_schedule=schedule,
+                    virtual_pipeline_model_parallel_size=vpp if schedule == "interleaved" else None)
+    if model.is_moe:
+        parallel.update(expert_model_parallel_size=s.get("ep", 1), expert_tensor_parallel_size=s.get("etp", tp))
+    elif "ep" in s or "etp" in s:
+        raise UserError(f"--compare {text!r}: EP/ETP apply to MoE models only")
+    chunks = REGISTRY[schedule].chunks(parallel["virtual_pipeline_model_parallel_size"])
+    splits = (layer_splits(model.num_layers, pp, chunks, explicit=True) if pp > 1 else None) or [{}]
+    mbs = [s["mbs"]] if "mbs" in s else [min(micro_batches)]
+    modes = [d["recompute"]] if d["recompute"] != "search" else [None, "selective", "full"]
+    out = []
+    for split in splits:
+        for recompute in modes:
+            cfg = make_config(model, world, gpus_per_node, seq, global_batch, precision, {**parallel, **split},
+                              micro_batch=mbs[0], recompute=recompute, grad_reduce_in_bf16=grad_reduce_in_bf16)
+            c = evaluate(cfg, hw, mem, ta)
+            out.append(c)
+            if c.estimate is not None:
+                break
+    fitting = sorted((c for c in out if c.estimate is not None), key=lambda c: c.estimate.step_time)
+    return fitting or out[-1:]
+
+
+def rank_of(cand: Candidate, ranked: list[Candidate]) -> int | None:
+    """1 + the ranked layouts faster than `cand`; None when `cand` does not fit or breaks a rule."""
+    if cand.estimate is None:
+        return None
+    return 1 + sum(c.estimate.step_time < cand.estimate.step_time for c in ranked)
