@@ -127,6 +127,7 @@ FLAGS: dict[str, Flag] = {
     "--moe-expert-capacity-factor": _v("model.moe_expert_capacity_factor"),
     "--moe-token-drop-policy": _v("model.moe_token_drop_policy"),
     "--moe-pad-expert-input-to-capacity": _on("model.moe_pad_expert_input_to_capacity"),
+    "--moe-grouped-gemm": _on("model.moe_grouped_gemm"),
     "--moe-ffn-hidden-size": _v("model.moe_ffn_hidden_size"),
     "--moe-layer-freq": Flag("model.moe_first_k_dense_layers", convert=first_dense_layers),
     "--moe-shared-expert-intermediate-size": _v("model.moe_shared_expert_intermediate_size"),

@@ -43,7 +43,7 @@ NO_EFFECT: list[tuple[str, str]] = [  # (regular expression over the flag, why i
     (r"--(no-)?[-a-z0-9]*-fusion(-impl|-into-hybridep)?|--(no-)?(bias-[a-z]+|masked-softmax|rope|gradient-accumulation)-fusion",
      "kernel fusion: the same math"),
     (r"--(use-flash-attn|flash-attention-version|attention-backend|transformer-impl|use-mcore-models|"
-     r"moe-grouped-gemm|use-grouped-gemm-for-[-a-z]+|moe-token-dispatcher-type|moe-flex-dispatcher-[-a-z]+|"
+     r"use-grouped-gemm-for-[-a-z]+|moe-token-dispatcher-type|moe-flex-dispatcher-[-a-z]+|"
      r"moe-shared-expert-overlap|mla-down-proj-fusion|use-cpu-initialization|ddp-bucket-size|ddp-num-buckets|"
      r"ddp-pad-buckets-for-high-nccl-busbw|ddp-average-in-collective|distributed-backend|local-rank|"
      r"num-workers|dataloader-[-a-z]+|data-cache-path|no-mmap-bin-files|mmap-bin-files|"

@@ -72,7 +72,7 @@ RLINF_KEYS = {
     "model.megatron_checkpoint": lambda v: Taken(NOTE, why="none given") if plain(v) is None else Taken(
         NOT_BUILT, why=" (a Megatron checkpoint; fivefold loads its own or HF weights: checkpoint.load_hf)"),
     "model.is_lora": _built_when_off("LoRA"),
-    "model.moe_grouped_gemm": _note("kernel choice: the same math"),
+    "model.moe_grouped_gemm": _mapped("model.moe_grouped_gemm"),
     "model.moe_permute_fusion": _note("kernel fusion: the same math"),
     "model.use_cpu_initialization": _note("where weights are first built"),
     "optim.optimizer_enable_pin": _note("optimizer memory"),
@@ -88,7 +88,7 @@ RLINF_KEYS = {
 _RLINF_BRIDGE = {"model": "model", "optim": "optimizer", "lr_sched": "scheduler", "megatron": "dist"}
 
 SKYRL_KEYS = {
-    "moe_grouped_gemm": _note("kernel choice: the same math"),
+    "moe_grouped_gemm": _mapped("model.moe_grouped_gemm"),
     "moe_per_layer_logging": _note("logging"),
     "empty_cuda_cache": _note("CUDA memory housekeeping"),
     "dist_ckpt_optim_fully_reshardable": _note("checkpoint format: fivefold's loads in any layout"),

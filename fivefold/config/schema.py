@@ -168,6 +168,10 @@ class ModelConfig:
     moe_token_drop_policy: str = "probs"
     """Which assignments an over-full expert keeps: probs (the highest routing weights) or position
     (the earliest tokens, sequence position first, as Megatron's [s, b] order). Default probs."""
+    moe_grouped_gemm: bool | None = None
+    """All local experts in one grouped matmul per projection (torch._grouped_mm) instead of one matmul
+    per expert, the same math (--moe-grouped-gemm). None: chosen per device, grouped on CUDA, the loop
+    on CPU (measured faster there with one thread). Default None."""
     moe_pad_expert_input_to_capacity: bool = False
     """Every expert computes exactly its capacity of rows (zero rows fill it; static shapes, all-to-all
     splits known in advance), the same math. Needs moe_expert_capacity_factor. Default False."""

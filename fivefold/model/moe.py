@@ -26,7 +26,7 @@ from fivefold.model.capacity import padded_size, within_capacity
 from fivefold.model.mlp import SwiGLU, dense_mlp
 from fivefold.model.recompute import is_recomputing
 from fivefold.model.router import AttachAuxLoss, Router, count_load, update_expert_bias
-from fivefold.parallel.experts import local_experts, moe_forward
+from fivefold.parallel.experts import local_experts, moe_forward, use_grouped_gemm
 from fivefold.parallel.param_meta import GradDomain, mark_all
 from fivefold.parallel.tensor import TPMode, mark_sequence_sharded
 from fivefold.runtime import comm
@@ -102,7 +102,8 @@ class MoE(nn.Module):
                 pad_to = padded_size(len(tokens), cfg.moe_router_topk, cfg.num_experts, cfg.moe_expert_capacity_factor)
         count_load(self.router, routing.experts if keep is None else routing.experts[keep])
         y = moe_forward(tokens, routing.experts, routing.weights, list(self.experts.values()),
-                        cfg.num_experts, self.groups.ep, self.groups.etp, keep, pad_to)  # (n, h)
+                        cfg.num_experts, self.groups.ep, self.groups.etp, keep, pad_to,
+                        use_grouped_gemm(cfg.moe_grouped_gemm, tokens.device))  # (n, h)
         if routing.loss is not None:
             y = AttachAuxLoss.apply(y, routing.loss, self.aux_loss_scale)
         if not is_recomputing():  # a forward, not its rerun during backward

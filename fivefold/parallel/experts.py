@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fivefold.errors import NotImplementedYet, UserError
 from fivefold.runtime import comm, traffic
 from fivefold.runtime.collectives import all_to_all_single
 from fivefold.runtime.mesh import Group
@@ -71,16 +72,62 @@ def swiglu_rows(expert: nn.Module, x: torch.Tensor) -> torch.Tensor:
                     expert.down_proj.weight)  # (m, h), a partial sum over ETP ranks when sliced
 
 
-def _run_local(x: torch.Tensor, counts: list[int], experts: list[nn.Module]) -> torch.Tensor:
-    """x (R, h) grouped by local expert (counts[e] rows each) -> each group through its expert."""
+def _run_local(x: torch.Tensor, counts: list[int], experts: list[nn.Module], grouped: bool) -> torch.Tensor:
+    """x (R, h) grouped by local expert (counts[e] rows each) -> each group through its expert: one
+    matmul per expert, or with `grouped` one grouped matmul per projection for all of them."""
+    if grouped:
+        return _grouped_swiglu(x, counts, experts)
     outs = [swiglu_rows(e, rows) for e, rows in zip(experts, x.split(counts)) if rows.shape[0]]
     return torch.cat(outs) if outs else x[:0] * 0  # (R, h); empty stays in the graph
 
 
-def run_experts(x: torch.Tensor, counts: torch.Tensor, experts: list[nn.Module], etp: Group | None) -> torch.Tensor:
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the gradient contiguous: _grouped_mm's backward refuses the
+    stride-0 gradients that sums and broadcasts hand back."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> torch.Tensor:
+        return g.contiguous()
+
+
+def _grouped(x: torch.Tensor, weights: list[torch.Tensor], offsets: torch.Tensor) -> torch.Tensor:
+    """Rows [offsets[e-1], offsets[e]) of x (R, in) times weights[e]^T ((out, in), an nn.Linear weight)."""
+    w = torch.stack(weights).transpose(1, 2)  # (E_loc, in, out): a copy for this call, not kept
+    return _ContiguousGrad.apply(torch._grouped_mm(x, w, offs=offsets))
+
+
+def _grouped_swiglu(x: torch.Tensor, counts: list[int], experts: list[nn.Module]) -> torch.Tensor:
+    """swiglu_rows of every expert on its rows, as three grouped matmuls (torch._grouped_mm)."""
+    inner = experts[0].down_proj.weight.shape[1]  # the expert width on this rank (f / ETP)
+    if (x.shape[1] * x.element_size()) % 16 or (inner * x.element_size()) % 16:
+        raise UserError(f"model.moe_grouped_gemm: torch._grouped_mm needs rows of a multiple of 16 bytes; hidden "
+                        f"{x.shape[1]} and the expert width per ETP rank {inner} in {x.dtype} are not; use widths "
+                        f"that are multiples of {16 // x.element_size()}, or moe_grouped_gemm=false")
+    offsets = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)  # (E_loc,) end of each group
+    gate = _grouped(x, [e.gate_proj.weight for e in experts], offsets)
+    up = _grouped(x, [e.up_proj.weight for e in experts], offsets)
+    return _grouped(F.silu(gate) * up, [e.down_proj.weight for e in experts], offsets)  # (R, h)
+
+
+def use_grouped_gemm(setting: bool | None, device: torch.device) -> bool:
+    """model.moe_grouped_gemm on `device`: None chooses the grouped matmul on CUDA and the loop elsewhere."""
+    if setting is None:
+        return device.type == "cuda"
+    if setting and not hasattr(torch, "_grouped_mm"):
+        raise NotImplementedYet(f"model.moe_grouped_gemm: this torch ({torch.__version__}) has no torch._grouped_mm; "
+                                "set moe_grouped_gemm=false (the per-expert loop, the same math)")
+    return setting
+
+
+def run_experts(x: torch.Tensor, counts: torch.Tensor, experts: list[nn.Module], etp: Group | None,
+                grouped: bool = False) -> torch.Tensor:
     """x (R, h) grouped by local expert (`counts` (E_loc,) int64) -> expert outputs (R, h)."""
     if etp is None or etp.size == 1:
-        return _run_local(x, counts.tolist(), experts)
+        return _run_local(x, counts.tolist(), experts, grouped)
     every = comm.all_gather(counts.unsqueeze(0), 0, etp, "etp")  # (m, E_loc): rows per rank, per expert
     totals = every.sum(1)  # (m,)
     pad = int(totals.max())
@@ -90,14 +137,14 @@ def run_experts(x: torch.Tensor, counts: torch.Tensor, experts: list[nn.Module],
     order = [torch.arange(r * pad + int(starts[r, e]), r * pad + int(starts[r, e] + every[r, e]))
              for e in range(every.shape[1]) for r in range(every.shape[0])]
     perm = torch.cat(order).to(x.device)  # the gathered rows, grouped by expert
-    y = _run_local(gathered[perm], every.sum(0).tolist(), experts)  # (sum R_r, h) partial over ETP
+    y = _run_local(gathered[perm], every.sum(0).tolist(), experts, grouped)  # (sum R_r, h) partial over ETP
     partial = y.new_zeros(gathered.shape).index_copy(0, perm, y)  # (m Rmax, h); padding rows stay 0
     return comm.reduce_scatter(partial, 0, etp, "etp")[: x.shape[0]]  # (R, h): this rank's rows, summed
 
 
 def moe_forward(x: torch.Tensor, experts_idx: torch.Tensor, weights: torch.Tensor, experts: list[nn.Module],
                 num_experts: int, ep: Group | None, etp: Group | None, keep: torch.Tensor | None = None,
-                pad_to: int | None = None) -> torch.Tensor:
+                pad_to: int | None = None, grouped: bool = False) -> torch.Tensor:
     """y_t = sum_j weights[t, j] * expert_{experts_idx[t, j]}(x_t) for this rank's tokens x (t, h),
     `experts` the local ones (local_experts(num_experts, ep)); see the module docstring. `keep` (t, k)
     bool: only those assignments are computed (token dropping, fivefold.model.capacity), the others
@@ -126,10 +173,10 @@ def moe_forward(x: torch.Tensor, experts_idx: torch.Tensor, weights: torch.Tenso
         rows = all_to_all_v(rows, ep, "ep", in_splits, out_splits)  # (R, h), by source rank then expert
         local_of_row = torch.arange(received.shape[1], device=x.device).repeat(n).repeat_interleave(received.reshape(-1))
         by_expert = torch.argsort(local_of_row, stable=True)
-        y = run_experts(rows[by_expert], received.sum(0), experts, etp)[_inverse(by_expert)]  # (R, h)
+        y = run_experts(rows[by_expert], received.sum(0), experts, etp, grouped)[_inverse(by_expert)]  # (R, h)
         y = all_to_all_v(y, ep, "ep", out_splits, in_splits)  # (a or E pad_to, h), permuted order
     else:
-        y = run_experts(rows, counts, experts, etp)  # (a or E pad_to, h)
+        y = run_experts(rows, counts, experts, etp, grouped)  # (a or E pad_to, h)
     if slots is not None:
         y = y[slots]  # (a, h): the real rows back
     y = y[_inverse(order)]  # (a, h): assignment order
