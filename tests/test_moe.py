@@ -60,6 +60,7 @@ def _config(data: Path, world: int = 1, parallel: dict | None = None, zero: bool
                  training=TrainingConfig(seq_length=64, global_batch_size=8, micro_batch_size=1, train_iters=STEPS,
                                          lr=3e-3, lr_warmup_iters=1, clip_grad=0.5, use_distributed_optimizer=zero),
                  data=DataConfig(path=str(data), eval_fraction=0.1))
+    cfg.logging.moe_per_layer_logging = True  # tokens per expert of every MoE layer in metrics.jsonl
     for k, v in (parallel or {}).items():
         setattr(cfg.parallel, k, v)
     return cfg
@@ -156,6 +157,7 @@ def test_layout_reproduces_one_process_run(runs, name):
     # Same fp32 noise, measured worst 3.3e-7 (tp2sp-ep2-etp1); bound 5e-6, 15x. Counting a TP
     # shard's, a micro-batch's or a stage's term twice or not at all is >= 1e-1 off.
     close([m["moe_aux_loss"] for m in _metrics(root / name)], ref_aux, rtol=5e-6, site="moe.aux_loss", case=name)
+    check_load_metrics(_metrics(root / name), _metrics(root / "ref"), name)
     # The final weights, every expert included: the layout's checkpoint loaded into one process (the
     # experts of all EP ranks / ETP slices / PP stages reassemble by name) equals the reference's.
     cfg = _config(runs["data"])
@@ -170,6 +172,34 @@ def test_layout_reproduces_one_process_run(runs, name):
         # element of weights ~5e-2: ~1e-1 of the weight's norm.
         close(p, q, rtol=0, atol=2e-3, site="moe.final_weights", case=f"{name} {n}")
         within((p - q).norm() / q.norm(), 2e-4, site="moe.final_weights_norm", case=f"{name} {n}")
+
+
+def check_load_metrics(got: list[dict], ref: list[dict], name: str) -> None:
+    """The per-layer load metrics of a layout equal the one-process run's: the tokens per expert are
+    integers summed over every rank and micro-batch, so equal exactly (routing cannot flip:
+    test_routing_margins_are_far_above_fp32_noise), hence the imbalances too; the per-layer aux
+    losses within the bound of the summed one (fp32 noise, measured worst 3.3e-7)."""
+    for field in ("moe_tokens_per_expert", "moe_load_imbalance_per_layer", "moe_load_imbalance"):
+        assert [m[field] for m in got] == [m[field] for m in ref], (name, field)
+    for m, r in zip(got, ref):
+        close(list(m["moe_aux_loss_per_layer"].values()), list(r["moe_aux_loss_per_layer"].values()), rtol=5e-6,
+              site="moe.aux_loss_per_layer", case=name)
+
+
+def test_reference_load_metrics_count_every_assignment(runs):
+    """One process: every MoE layer (not the dense first one) logs the step's k assignments of each of
+    its global_batch x seq tokens spread over its experts, and the aux losses of the layers add up to
+    moe_aux_loss; the heatmap of the run is written."""
+    cfg = _config(runs["data"])
+    for m in _metrics(runs["root"] / "ref"):
+        loads = m["moe_tokens_per_expert"]
+        assert sorted(loads, key=int) == ["1", "2", "3"]
+        assert all(sum(v) == cfg.training.global_batch_size * cfg.training.seq_length * K for v in loads.values())
+        assert all(max(v) / (sum(v) / E) == pytest.approx(m["moe_load_imbalance_per_layer"][k], rel=1e-12)
+                   for k, v in loads.items())
+        assert m["moe_load_imbalance"] == max(m["moe_load_imbalance_per_layer"].values()) > 1
+        assert sum(m["moe_aux_loss_per_layer"].values()) == pytest.approx(m["moe_aux_loss"], rel=1e-12)
+    assert (runs["root"] / "ref" / "expert_load.png").stat().st_size > 0
 
 
 def test_ep2_checkpoint_resumes_at_ep1(runs):

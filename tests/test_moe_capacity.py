@@ -95,7 +95,9 @@ def test_layer_output_is_the_kept_assignments_sum_and_padding_changes_nothing():
     y = layer(x)
     routing = layer.router(x.detach().reshape(-1, x.shape[-1]), 2, None)
     keep = within_capacity(routing.experts, routing.weights, E, 0.75, "probs", 2)
-    assert 0 < int((~keep).sum()) and layer.step_totals[1:].tolist() == [int((~keep).sum()), keep.numel()]
+    assert 0 < int((~keep).sum()) and layer.step_totals[1:3].tolist() == [int((~keep).sum()), keep.numel()]
+    # the load metric counts the kept assignments only (tokens per expert after dropping)
+    assert torch.equal(layer.step_totals[3:], torch.bincount(routing.experts[keep], minlength=E).double())
     want = torch.zeros(32, test_moe.H)
     flat = x.detach().reshape(32, -1)
     for t in range(32):
@@ -182,10 +184,10 @@ def test_layouts_with_the_same_competition_reproduce_one_process(capacity_runs, 
 
 
 def test_step_totals_count_a_forward_once_under_full_recompute():
-    """The aux loss and drop counts are summed per forward; the recompute of a checkpointed span
-    during backward runs the forward again and must not count twice."""
+    """The aux loss, drop and per-expert counts are summed per forward; the recompute of a checkpointed
+    span during backward runs the forward again and must not count twice."""
     from fivefold.model import Decoder
-    from fivefold.model.moe import reset_step_totals, step_totals
+    from fivefold.model.moe import layer_totals, reset_step_totals
     from fivefold.model.recompute import Recompute
 
     cfg = test_moe._model()
@@ -198,6 +200,9 @@ def test_step_totals_count_a_forward_once_under_full_recompute():
         model.set_recompute(recompute)
         reset_step_totals(model)
         model.loss(ids, ids)[0].backward()
-        totals.append(step_totals(model))
-    assert totals[0][0] > 0 and totals[0][2] == 2 * 32 * K * (cfg.num_layers - cfg.moe_first_k_dense_layers)
+        totals.append(layer_totals(model, cfg.num_layers, E))  # (layers, 3 + E)
+    moe_rows = totals[0][cfg.moe_first_k_dense_layers:]
+    assert torch.equal(totals[0][:cfg.moe_first_k_dense_layers], torch.zeros_like(totals[0][:1]))  # dense layers
+    assert bool((moe_rows[:, 0] > 0).all()) and bool((moe_rows[:, 2] == 2 * 32 * K).all())
+    assert torch.equal(moe_rows[:, 3:].sum(1), moe_rows[:, 2] - moe_rows[:, 1])  # every kept assignment, once
     assert torch.equal(totals[0], totals[1])

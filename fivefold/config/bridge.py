@@ -173,7 +173,7 @@ RUNTIME = [(re.compile(pattern), why) for pattern, why in [
      r"symmetric_ar_type|moe_deepep_num_sms|moe_hybridep_.*|moe_enable_deepep|moe_ncclep_zero_copy|moe_paged_stash.*|"
      r"moe_use_grouped_tensor|dense_grouped_gemm|fused_.*|use_te_activation_func|use_kitchen.*|kitchen_attention_backend|"
      r"inference_.*|flash_decode|mlp_chunks_for_prefill|nccl_all_reduce_for_prefill|use_inference_optimized_layers|"
-     r"should_pad_vocab|test_mode|restore_modelopt_state|distribute_saved_activations|moe_per_layer_logging|"
+     r"should_pad_vocab|test_mode|restore_modelopt_state|distribute_saved_activations|"
      r"wgrad_deferral_limit|microbatch_group_size_per_vp_stage|use_mamba_mem_eff_path|attention_softmax_in_fp32)",
      "a runtime, memory or kernel choice of Megatron-Core's (fivefold runs its own, with the same math)"),
     (r"optimizer\.(pin_cpu_grads|pin_cpu_params|timers|config_logger_dir|barrier_with_L1_time|"

@@ -210,6 +210,7 @@ FLAGS: dict[str, Flag] = {
     "--wandb-project": _v("logging.wandb_project"),
     "--wandb-exp-name": _v("logging.wandb_exp_name"),
     "--profile": _on("logging.profile"),
+    "--moe-per-layer-logging": _on("logging.moe_per_layer_logging"),
     "--profile-ranks": Flag("logging.profile_ranks", LIST),
 }
 

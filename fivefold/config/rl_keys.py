@@ -89,7 +89,7 @@ _RLINF_BRIDGE = {"model": "model", "optim": "optimizer", "lr_sched": "scheduler"
 
 SKYRL_KEYS = {
     "moe_grouped_gemm": _mapped("model.moe_grouped_gemm"),
-    "moe_per_layer_logging": _note("logging"),
+    "moe_per_layer_logging": _mapped("logging.moe_per_layer_logging"),
     "empty_cuda_cache": _note("CUDA memory housekeeping"),
     "dist_ckpt_optim_fully_reshardable": _note("checkpoint format: fivefold's loads in any layout"),
     "async_dist_ckpt_save": _mapped("checkpoint.async_save"),

@@ -472,6 +472,10 @@ class LoggingConfig:
     trace_schedule: bool = False
     """With PP > 1: time every pipeline action of the last step and draw it (OUT/schedule_trace.png)
     as `fivefold schedule` draws a simulated one. Default False."""
+    moe_per_layer_logging: bool = False
+    """MoE: also log each MoE layer's tokens per expert, load imbalance, aux loss (and dropped fraction)
+    per logged step, and draw OUT/expert_load.png at the end (--moe-per-layer-logging). Default False:
+    the totals over layers only."""
 
 
 @dataclass(kw_only=True)

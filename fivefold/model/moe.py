@@ -66,15 +66,17 @@ class MoE(nn.Module):
     """Router, this EP rank's routed experts (ModuleDict keyed by global index), optional shared experts."""
 
     def __init__(self, cfg: ModelConfig, tp: Group | None = None, mode: TPMode = TPMode.ALL_REDUCE,
-                 groups: MoEGroups = MoEGroups()):
+                 groups: MoEGroups = MoEGroups(), layer: int = 0):
         super().__init__()
         self.cfg, self.tp, self.mode, self.groups = cfg, _real(tp), mode, groups
         self.aux_loss_scale = 1.0
         """Gradient of the aux loss per micro-batch (Decoder sets micro_batch / global_batch)."""
+        self.layer = layer
+        """The decoder layer's global index: its row of `layer_totals`."""
         self.step_totals: torch.Tensor | None = None
-        """(aux loss x aux_loss_scale, assignments dropped, assignments made) float64 on the device,
-        summed over the forwards since `reset_step_totals` (a recompute during backward is not counted
-        again); None before the first."""
+        """(3 + E,) float64 on the device: aux loss x aux_loss_scale, assignments dropped, assignments
+        made, then the assignments each expert took (after token dropping), summed over the forwards
+        since `reset_step_totals` (a recompute during backward is not counted again); None before the first."""
         h, f = cfg.hidden_size, cfg.moe_ffn_hidden_size or cfg.ffn_size
         self.router = Router(cfg)
         if self.tp is not None:  # replicated over TP, but each rank routes only its own tokens
@@ -100,18 +102,21 @@ class MoE(nn.Module):
                                    cfg.moe_token_drop_policy, b)
             if cfg.moe_pad_expert_input_to_capacity:
                 pad_to = padded_size(len(tokens), cfg.moe_router_topk, cfg.num_experts, cfg.moe_expert_capacity_factor)
-        count_load(self.router, routing.experts if keep is None else routing.experts[keep])
+        kept = routing.experts if keep is None else routing.experts[keep]  # (n_kept,) or (n, k)
+        count_load(self.router, kept)
         y = moe_forward(tokens, routing.experts, routing.weights, list(self.experts.values()),
                         cfg.num_experts, self.groups.ep, self.groups.etp, keep, pad_to,
                         use_grouped_gemm(cfg.moe_grouped_gemm, tokens.device))  # (n, h)
         if routing.loss is not None:
             y = AttachAuxLoss.apply(y, routing.loss, self.aux_loss_scale)
         if not is_recomputing():  # a forward, not its rerun during backward
-            term = torch.zeros(3, dtype=torch.float64, device=y.device)  # no host sync
+            term = torch.zeros(3 + cfg.num_experts, dtype=torch.float64, device=y.device)  # no host sync
             if routing.loss is not None:
                 term[0] = routing.loss.detach().double() * self.aux_loss_scale
             if keep is not None:
                 term[1], term[2] = (~keep).sum(), keep.numel()
+            hits = kept.reshape(-1)
+            term[3:].index_add_(0, hits, torch.ones(hits.shape, dtype=torch.float64, device=y.device))
             self.step_totals = term if self.step_totals is None else self.step_totals + term
         y = y.view(b, s_r, h)
         if split:
@@ -125,7 +130,7 @@ def build_mlp(cfg: ModelConfig, layer: int, tp: Group | None, mode: TPMode, grou
     """The MLP of decoder layer `layer`: MoE, or the dense SwiGLU for dense models and the first
     moe_first_k_dense_layers layers of a MoE model."""
     if is_moe_layer(cfg, layer):
-        return MoE(cfg, tp, mode, groups or MoEGroups())
+        return MoE(cfg, tp, mode, groups or MoEGroups(), layer)
     return dense_mlp(cfg, tp, mode)
 
 
@@ -135,15 +140,21 @@ def reset_step_totals(model: nn.Module) -> None:
             m.step_totals = None
 
 
-def step_totals(model: nn.Module) -> torch.Tensor:
-    """(aux loss, assignments dropped, assignments made) float64 over this rank's MoE layers since
-    `reset_step_totals` (zeros on a rank without MoE layers). The aux term of each forward is its
-    aux + z loss x aux_loss_scale, so, added over every rank (TP / CP shards, DP micro-batches, PP
-    stages), the first is the mean over the step's micro-batches of the aux loss summed over layers;
-    the counts add up likewise (each rank routes its own tokens)."""
-    totals = [m.step_totals for m in model.modules() if isinstance(m, MoE) and m.step_totals is not None]
+def layer_totals(model: nn.Module, layers: int, experts: int) -> torch.Tensor:
+    """(layers, 3 + E) float64: row l holds decoder layer l's `MoE.step_totals` since
+    `reset_step_totals` (aux loss, assignments dropped, assignments made, assignments per expert);
+    zeros for a dense layer and for layers this rank does not hold (another pipeline stage). The
+    aux term of each forward is its aux + z loss x aux_loss_scale, so, added over every rank (TP / CP
+    shards, DP micro-batches, PP stages), the first column is the mean over the step's micro-batches of
+    the layer's aux loss; the counts add up likewise (each rank routes its own tokens)."""
     device = next(model.parameters()).device
-    return torch.stack(totals).sum(0) if totals else torch.zeros(3, dtype=torch.float64, device=device)
+    out = torch.zeros(layers, 3 + experts, dtype=torch.float64, device=device)  # the same shape on every rank
+    for m in (m for m in model.modules() if isinstance(m, MoE)):
+        if m.layer >= layers:
+            raise ValueError(f"MoE layer {m.layer} has no row among {layers} (layer_totals(model, layers, experts))")
+        if m.step_totals is not None:
+            out[m.layer] += m.step_totals
+    return out
 
 
 def set_aux_loss_scale(model: nn.Module, scale: float) -> None:

@@ -28,7 +28,8 @@ from fivefold.runtime import comm, heartbeat
 from fivefold.parallel.data import GradReducer
 from fivefold.parallel.parallelize import Parts, parallelize
 from fivefold.train.context import RankContext, layout_text
-from fivefold.train.metrics import MetricsLog, flops_per_token, peak_memory_bytes, plot_loss_curve
+from fivefold.train.metrics import MetricsLog, flops_per_token, peak_memory_bytes, plot_loss_curve, read_metrics
+from fivefold.train.moe_metrics import moe_record, plot_expert_load
 from fivefold.train.nonfinite import is_finite, nonfinite_error
 from fivefold.train.optim import state_bytes
 from fivefold.train.profile import StepProfiler, profile_steps
@@ -50,6 +51,8 @@ class TrainResult:
     optimizer_state_bytes: int = 0
     """This rank's AdamW moments (1/DP of them with the distributed optimizer)."""
     plot: Path | None = None
+    expert_load_plot: Path | None = None
+    """MoE with logging.moe_per_layer_logging: OUT/expert_load.png (fivefold.train.moe_metrics)."""
 
 
 def _loaders(config: Config, ctx: RankContext, data_dir: Path) -> tuple[BatchLoader, BatchLoader | None]:
@@ -194,10 +197,8 @@ def train(config: Config, ctx: RankContext, data_dir: Path, *, progress: bool = 
         record = {"step": step, "loss": r.loss, "grad_norm": r.grad_norm, "lr": lr_at(step, t),
                   "tokens": r.tokens, "step_time_s": dt, "tokens_per_s": r.tokens / dt,
                   "tflops_per_rank": fpt * r.tokens / dt / ctx.world_size / 1e12}
-        if r.aux_loss is not None:
-            record["moe_aux_loss"] = r.aux_loss
-        if r.dropped is not None:
-            record["moe_dropped_fraction"] = r.dropped
+        if r.moe_totals is not None:
+            record.update(moe_record(r.moe_totals, config.model, config.logging.moe_per_layer_logging))
         if dp.scaler is not None:  # fp16: the scale the next step uses, and the overflow steps so far
             record.update(loss_scale=dp.scaler.scale, skipped_steps=dp.scaler.skipped)
         every = config.logging.log_interval  # read like save_interval: unset/0 = the last and eval steps only
@@ -241,4 +242,6 @@ def train(config: Config, ctx: RankContext, data_dir: Path, *, progress: bool = 
         log.close()
         if result.losses or log.path.stat().st_size:
             result.plot = plot_loss_curve(log.path, ctx.out_dir / "loss.png", title=layout_text(ctx.layout))
+            if config.logging.moe_per_layer_logging:
+                result.expert_load_plot = plot_expert_load(read_metrics(log.path), ctx.out_dir / "expert_load.png")
     return result

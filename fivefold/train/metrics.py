@@ -79,12 +79,22 @@ class MetricsLog:
                       "tensorboard, or logging.tensorboard=false); metrics.jsonl is written", file=sys.stderr, flush=True)
 
     def write(self, record: dict) -> None:
+        """One line of metrics.jsonl; to TensorBoard / W&B the numbers, a {layer: number} field as one
+        scalar per layer (`moe_aux_loss_per_layer/layer_3`), and to TensorBoard a {layer: [count per
+        expert]} field as a histogram over the expert index (`moe_tokens_per_expert/layer_3`)."""
         self.file.write(json.dumps(json_safe(record), allow_nan=False) + "\n")
         self.file.flush()
         scalars = {k: v for k, v in record.items() if k != "step" and isinstance(v, (int, float))}
+        per_layer = {k: v for k, v in record.items() if isinstance(v, dict)}
+        scalars.update({f"{k}/layer_{layer}": x for k, v in per_layer.items() for layer, x in v.items()
+                        if isinstance(x, (int, float))})
         if self.tb is not None:
             for k, v in scalars.items():
                 self.tb.add_scalar(k, v, record["step"])
+            for k, v in per_layer.items():
+                for layer, counts in v.items():
+                    if isinstance(counts, list):
+                        _add_counts(self.tb, f"{k}/layer_{layer}", counts, record["step"])
         if self.wandb is not None:
             self.wandb.log(scalars, step=record["step"])
 
@@ -94,6 +104,16 @@ class MetricsLog:
             self.tb.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+def _add_counts(tb, tag: str, counts: list[int], step: int) -> None:
+    """counts[i] items at index i as a TensorBoard histogram: one bucket per index (bucket i ends at i + 0.5)."""
+    total = sum(counts)
+    if total == 0:
+        return
+    tb.add_histogram_raw(tag, min=0, max=len(counts) - 1, num=total, sum=sum(i * c for i, c in enumerate(counts)),
+                         sum_squares=sum(i * i * c for i, c in enumerate(counts)),
+                         bucket_limits=[i + 0.5 for i in range(len(counts))], bucket_counts=counts, global_step=step)
 
 
 def check_wandb(project: str | None) -> None:

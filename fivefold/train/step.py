@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from fivefold.data.loader import StepBatch
-from fivefold.model.moe import reset_step_totals, step_totals, update_expert_biases
+from fivefold.model.moe import layer_totals, reset_step_totals, update_expert_biases
 from fivefold.runtime import comm
 from fivefold.parallel.data_parallel import DataParallel
 from fivefold.parallel.parallelize import Parts
@@ -32,12 +32,10 @@ class StepResult:
     grad_norm: float | None
     """None on a step skipped for an fp16 overflow."""
     tokens: int
-    aux_loss: float | None = None
-    """MoE: the step's load-balancing + z loss (mean over micro-batches, summed over layers); not in
-    `loss`."""
-    dropped: float | None = None
-    """MoE with a capacity factor: the fraction of the step's expert assignments dropped (all layers,
-    micro-batches and ranks); None without a capacity."""
+    moe_totals: torch.Tensor | None = None
+    """MoE: (layers, 3 + E) float64 on the CPU, each layer's aux + z loss (mean over micro-batches; not in
+    `loss`), assignments dropped and made, and assignments per expert, summed over every rank
+    (fivefold.model.moe.layer_totals; fivefold.train.moe_metrics turns them into metrics)."""
     run: RunResult | None = None
     """With PP: the executor's result (its action log and, when traced, timings)."""
     skipped: bool = False
@@ -88,15 +86,13 @@ def train_step(parts: Parts, batch: StepBatch, *, lr: float, clip_grad: float, d
     if not skipped:
         dp.step()
     loss = global_mean(local, batch.global_tokens if divisors is None else 1, *loss_groups)
-    aux_loss = dropped = None
-    if cfg.is_moe:  # every rank's MoE layers' terms (a rank without any adds zeros)
-        totals = step_totals(parts.model)
+    totals = None
+    if cfg.is_moe:  # every rank's MoE layers' rows (a rank without any adds zeros): DP x CP x TP x PP = world
+        totals = layer_totals(parts.model, cfg.num_layers, cfg.num_experts)
         for group in (mesh.dp_cp, mesh.group("model-parallel")):
             comm.all_reduce_(totals, group, tag="moe-metrics")
         totals = totals.cpu()
-        aux_loss = float(totals[0])
-        dropped = float(totals[1] / totals[2].clamp(min=1)) if cfg.moe_expert_capacity_factor is not None else None
-    return StepResult(loss, norm, batch.global_tokens, aux_loss=aux_loss, dropped=dropped, run=run, skipped=skipped)
+    return StepResult(loss, norm, batch.global_tokens, moe_totals=totals, run=run, skipped=skipped)
 
 
 @torch.no_grad()
