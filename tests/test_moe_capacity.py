@@ -176,6 +176,8 @@ def test_layouts_with_the_same_competition_reproduce_one_process(capacity_runs, 
     losses = [r["loss"] for r in got]
     if same:
         assert [r["moe_dropped_fraction"] for r in got] == [r["moe_dropped_fraction"] for r in ref]
+        for field in ("moe_tokens_per_expert", "moe_dropped_fraction_per_layer"):  # counted after dropping
+            assert [r[field] for r in got] == [r[field] for r in ref], field
         close(losses, [r["loss"] for r in ref], rtol=1e-5, site="capacity.layout_losses", case=name)
     else:
         worst = max(abs(a - b) / abs(b) for a, b in zip(losses, [r["loss"] for r in ref]))

@@ -18,7 +18,7 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkR
 
 from _tol import close
 from _train_util import corpus, one_process_context
-from test_moe import _config, _metrics, _one_thread, _train_rank
+from test_moe import _config, _metrics, _one_thread, _train_rank, check_load_metrics
 from fivefold.checkpoint import io as ckpt
 from fivefold.checkpoint.layout import step_dir
 from fivefold.cli.train import prepare
@@ -350,10 +350,25 @@ def test_layout_applies_the_one_process_bias_updates(biased_runs, name):
         # there with TP on AVX-512), measured worst here 4.2e-8 (tp2sp); bound 1e-5.
         close(list(r["losses"].values()), list(ref.losses.values()), rtol=1e-5, site="router.layout_losses",
               case=f"{name} rank {rank}")
-    if name != "pp2":  # the aux loss is not logged through the pipeline schedule yet
-        # Same cause, measured worst 5.9e-7 (cp2); bound 5e-6 as test_moe's.
-        close([m["moe_aux_loss"] for m in _metrics(root / name)], [m["moe_aux_loss"] for m in _metrics(root / "ref")],
-              rtol=5e-6, site="router.layout_aux_loss", case=name)
+    # Same cause, measured worst 5.9e-7 (cp2); bound 5e-6 as test_moe's.
+    close([m["moe_aux_loss"] for m in _metrics(root / name)], [m["moe_aux_loss"] for m in _metrics(root / "ref")],
+          rtol=5e-6, site="router.layout_aux_loss", case=name)
+    check_load_metrics(_metrics(root / name), _metrics(root / "ref"), name)  # the logged loads, exactly
+
+
+def test_logged_loads_are_the_loads_the_bias_moved_by(biased_runs):
+    """The tokens per expert in metrics.jsonl are the loads of the bias update: replaying
+    b_e += rate * sign(mean load - load_e) over the logged steps gives the checkpoint's bias exactly."""
+    rate = ROUTER["moe_router_bias_update_rate"]
+    rows = _metrics(biased_runs["root"] / "ref")
+    assert [r["step"] for r in rows] == list(range(STEPS))
+    for name, bias in _biases(biased_runs["root"] / "ref" / "checkpoints").items():
+        layer = name.split(".")[1]
+        replay = torch.zeros_like(bias)
+        for r in rows:
+            load = torch.tensor(r["moe_tokens_per_expert"][layer], dtype=torch.float64)
+            replay += torch.sign(load.mean() - load).float() * rate
+        assert torch.equal(replay, bias), name
 
 
 def test_resume_continues_with_the_saved_bias(biased_runs):
