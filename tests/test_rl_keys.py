@@ -86,6 +86,19 @@ def test_seed_keys_load_in_both_tools():
     assert rl.config.parallel == sky.config.parallel and (rl.dialect, sky.dialect) == ("rlinf", "skyrl")
 
 
+@pytest.mark.parametrize("words", [
+    ["--moe-grouped-gemm", "--moe-per-layer-logging"],
+    ["cfg.model.moe_grouped_gemm=true", "cfg.model.moe_per_layer_logging=true"],  # Megatron-Bridge
+    ["actor.model.moe_grouped_gemm=te"],  # RLinf names the backend (its examples' 'te')
+    ["trainer.policy.megatron_config.moe_grouped_gemm=true",
+     "trainer.policy.megatron_config.moe_per_layer_logging=true"],  # SkyRL
+])
+def test_grouped_gemm_and_per_layer_logging_map_in_every_dialect(words):
+    c = load_config(None, words).config
+    assert c.model.moe_grouped_gemm is True
+    assert c.logging.moe_per_layer_logging is (len(words) == 2)
+
+
 def test_unknown_and_unbuilt_keys_are_refused_together():
     with pytest.raises(UserError, match=r"unknown config key actor.optim.adam_beta3 \(did you mean optim.adam_beta2"):
         load_config(None, ["actor.optim.adam_beta3=0.9"])

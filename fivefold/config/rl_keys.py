@@ -58,6 +58,13 @@ def _note(why: str):
     return lambda value: Taken(NOTE, why=why)
 
 
+def _grouped_gemm(value) -> Taken:
+    """RLinf's moe_grouped_gemm names its backend ('te' in its examples) or is a bool: any backend asks
+    for the grouped experts."""
+    v = plain(value)
+    return Taken(MAPPED, [("model.moe_grouped_gemm", True if isinstance(v, str) and v else truthy(v))])
+
+
 def _built_when_off(why: str):
     return lambda value: Taken(NOTE, why=f"off: {why}") if not truthy(value) else Taken(NOT_BUILT)
 
@@ -72,7 +79,7 @@ RLINF_KEYS = {
     "model.megatron_checkpoint": lambda v: Taken(NOTE, why="none given") if plain(v) is None else Taken(
         NOT_BUILT, why=" (a Megatron checkpoint; fivefold loads its own or HF weights: checkpoint.load_hf)"),
     "model.is_lora": _built_when_off("LoRA"),
-    "model.moe_grouped_gemm": _mapped("model.moe_grouped_gemm"),
+    "model.moe_grouped_gemm": _grouped_gemm,
     "model.moe_permute_fusion": _note("kernel fusion: the same math"),
     "model.use_cpu_initialization": _note("where weights are first built"),
     "optim.optimizer_enable_pin": _note("optimizer memory"),
