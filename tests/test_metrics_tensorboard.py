@@ -70,3 +70,20 @@ def test_wandb_runs_offline_and_gets_every_scalar(tmp_path, monkeypatch):
     log.close()
     assert calls == [("init", {"project": "p", "name": "e", "dir": str(tmp_path), "mode": "offline"}),
                      ("log", {"loss": 1.5}, 3), ("finish",)]
+
+
+def test_moe_per_layer_fields_become_scalars_and_expert_histograms(tmp_path):
+    """A {layer: number} field is one TensorBoard scalar per layer; a {layer: [count per expert]} field
+    a histogram whose bucket e holds expert e's count."""
+    pytest.importorskip("tensorboard", reason="not installed here; `make setup` installs it (pyproject.toml)")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    log = MetricsLog(tmp_path, tensorboard=True)
+    log.write({"step": 3, "loss": 1.5, "moe_load_imbalance_per_layer": {"1": 1.25, "2": 2.0},
+               "moe_tokens_per_expert": {"1": [5, 0, 3, 8], "2": [16, 0, 0, 0]}})
+    log.close()
+    events = EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={"histograms": 0}).Reload()
+    assert [(e.step, e.value) for e in events.Scalars("moe_load_imbalance_per_layer/layer_2")] == [(3, 2.0)]
+    hist = events.Histograms("moe_tokens_per_expert/layer_1")[0]
+    assert hist.step == 3 and list(hist.histogram_value.bucket) == [5, 0, 3, 8]
+    assert list(hist.histogram_value.bucket_limit) == [0.5, 1.5, 2.5, 3.5] and hist.histogram_value.num == 16
