@@ -196,6 +196,8 @@ def train(config: Config, ctx: RankContext, data_dir: Path, *, progress: bool = 
                   "tflops_per_rank": fpt * r.tokens / dt / ctx.world_size / 1e12}
         if r.aux_loss is not None:
             record["moe_aux_loss"] = r.aux_loss
+        if r.mtp_loss is not None:
+            record["mtp_loss"] = r.mtp_loss
         if r.dropped is not None:
             record["moe_dropped_fraction"] = r.dropped
         if dp.scaler is not None:  # fp16: the scale the next step uses, and the overflow steps so far

@@ -35,6 +35,9 @@ class StepResult:
     aux_loss: float | None = None
     """MoE: the step's load-balancing + z loss (mean over micro-batches, summed over layers); not in
     `loss`."""
+    mtp_loss: float | None = None
+    """Multi-token prediction: the mean over depths of the MTP loss (unscaled, normalised as `loss`);
+    not in `loss`."""
     dropped: float | None = None
     """MoE with a capacity factor: the fraction of the step's expert assignments dropped (all layers,
     micro-batches and ranks); None without a capacity."""
@@ -45,20 +48,24 @@ class StepResult:
 
 
 def _forward_backward(model: nn.Module, dp: DataParallel, batch: StepBatch, device: torch.device,
-                      divisors: list[float] | None) -> torch.Tensor:
+                      divisors: list[float] | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Each microbatch forward and backward in turn; the last one's backward reduces the dense
     buckets as they complete. Returns this rank's float64 loss sum; with `divisors` (Megatron's
-    per-microbatch mean) each microbatch's sum divided by its divisor."""
+    per-microbatch mean) each microbatch's sum divided by its divisor; and the same of the MTP
+    losses summed over depths (0 without MTP)."""
     local = torch.zeros((), dtype=torch.float64, device=device)  # on the device: no host sync per microbatch
+    mtp = torch.zeros((), dtype=torch.float64, device=device)
     n = len(batch.microbatches)
     for i, mb in enumerate(batch.microbatches):
         dp.prepare(last=i == n - 1)
         s = loss_sum(model, mb, device, batch.step)
         (s * (dp.loss_scale / (batch.global_tokens if divisors is None else divisors[i]))).backward()
         local += s.detach().double() if divisors is None else s.detach().double() / divisors[i]
+        if model.cfg.mtp_num_layers:  # summed over depths
+            mtp += model.mtp_loss_sums.sum() / (1 if divisors is None else divisors[i])
     if n == 0:
         dp.prepare(last=True)
-    return local.cpu()
+    return local.cpu(), mtp.cpu()
 
 
 def train_step(parts: Parts, batch: StepBatch, *, lr: float, clip_grad: float, device: torch.device,
@@ -76,10 +83,13 @@ def train_step(parts: Parts, batch: StepBatch, *, lr: float, clip_grad: float, d
     cfg = parts.decoders[0].cfg
     reset_step_totals(parts.model)
     if parts.pipe is None:
-        local = _forward_backward(parts.model, dp, batch, device, divisors)
+        local, mtp = _forward_backward(parts.model, dp, batch, device, divisors)
         loss_groups: tuple[Group, ...] = (mesh.dp_cp,)
     else:
         local, run = pipeline_forward_backward(parts.pipe, dp, batch, mesh=mesh, trace=trace, divisors=divisors)
+        mtp = torch.zeros((), dtype=torch.float64)  # the last stage's rank's MTP sums (fivefold.model.mtp)
+        for mb, sums in run.mtp_sums.items():
+            mtp += sums.sum().cpu() / (1 if divisors is None else divisors[mb])
         loss_groups = (mesh.pp, mesh.dp_cp)  # only the last stage's rank holds a loss sum
     dp.finish()
     update_expert_biases(parts.model, mesh.group("tp-cp-dp"))
@@ -88,6 +98,9 @@ def train_step(parts: Parts, batch: StepBatch, *, lr: float, clip_grad: float, d
     if not skipped:
         dp.step()
     loss = global_mean(local, batch.global_tokens if divisors is None else 1, *loss_groups)
+    depths = cfg.mtp_num_layers or 0  # MTP: its loss summed and divided like the loss, then averaged over depths
+    mtp_loss = global_mean(mtp, batch.global_tokens if divisors is None else 1, *loss_groups) / depths \
+        if depths else None
     aux_loss = dropped = None
     if cfg.is_moe:  # every rank's MoE layers' terms (a rank without any adds zeros)
         totals = step_totals(parts.model)
@@ -96,7 +109,8 @@ def train_step(parts: Parts, batch: StepBatch, *, lr: float, clip_grad: float, d
         totals = totals.cpu()
         aux_loss = float(totals[0])
         dropped = float(totals[1] / totals[2].clamp(min=1)) if cfg.moe_expert_capacity_factor is not None else None
-    return StepResult(loss, norm, batch.global_tokens, aux_loss=aux_loss, dropped=dropped, run=run, skipped=skipped)
+    return StepResult(loss, norm, batch.global_tokens, aux_loss=aux_loss, mtp_loss=mtp_loss, dropped=dropped, run=run,
+                      skipped=skipped)
 
 
 @torch.no_grad()
