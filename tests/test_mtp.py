@@ -24,6 +24,7 @@ from fivefold.config.schema import ModelConfig, to_dict
 from fivefold.errors import NotImplementedYet, UserError
 from fivefold.model import Decoder
 from fivefold.model.hf import hf_name
+from fivefold.train.loop import train
 
 IGNORE = -100
 
@@ -103,3 +104,84 @@ def test_mtp_loss_and_gradients_match_the_formulas():
         # (MTP's share of a shared gradient is >= 1e-2 of it: dropping or mis-scaling it is far outside.)
         within(err, 1e-5, site="mtp.grads", case=n)
     print("worst relative gradient difference", worst)
+
+
+# --- layouts: MTP trained in TP2+SP / CP2 / PP2 / EP2, and a DeepSeek-V3-like model on 8 ranks ----------
+
+LAYOUTS = {
+    "tp2sp": (2, dict(tensor_model_parallel_size=2, sequence_parallel=True)),
+    "cp2": (2, dict(context_parallel_size=2)),
+    "pp2": (2, dict(pipeline_model_parallel_size=2)),
+    "ep2": (2, dict(expert_model_parallel_size=2)),
+}
+"""test_moe's model (a dense first layer, then MoE with shared experts, aux and z losses) with one MTP
+layer (a MoE layer: the model's last layer's kind)."""
+
+DSV3 = dict(multi_latent_attention=True, qk_layernorm=True, q_lora_rank=48, kv_lora_rank=32, qk_head_dim=16, qk_pos_emb_head_dim=8,
+            v_head_dim=16, num_experts=8, moe_router_topk=2, moe_router_score_function="sigmoid",
+            moe_router_num_groups=4, moe_router_group_topk=2, moe_router_enable_expert_bias=True,
+            moe_router_bias_update_rate=1e-2, moe_router_topk_scaling_factor=2.5, moe_aux_loss_coeff=0.0,
+            moe_z_loss_coeff=None, moe_router_load_balancing_type="none", num_query_groups=None)
+"""A scaled-down DeepSeek-V3: MLA, sigmoid group-limited routing with the expert bias (no aux loss),
+routed scaling, a shared expert, the first layer dense, one MTP layer (MLA + MoE)."""
+HEADLINE = (8, dict(tensor_model_parallel_size=2, sequence_parallel=True, expert_model_parallel_size=4,
+                    expert_tensor_parallel_size=1, pipeline_model_parallel_size=2))
+
+
+def _mtp_config(data: Path, world: int = 1, parallel: dict | None = None, dsv3: bool = False):
+    cfg = moe_config(data, world, parallel)
+    cfg.model = replace(cfg.model, mtp_num_layers=1, mtp_loss_scaling_factor=0.3, **(DSV3 if dsv3 else {}))
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, workers):
+    root = tmp_path_factory.mktemp("mtp")
+    data = corpus(root / "corpus")
+    data_dir = prepare(_mtp_config(data), root)
+    for name, dsv3 in (("ref", False), ("ref-dsv3", True)):
+        (root / name).mkdir()
+        with _one_thread():
+            train(_mtp_config(data, dsv3=dsv3), one_process_context(root / name), data_dir, progress=False)
+    for name, (world, parallel) in {**LAYOUTS, "dsv3": HEADLINE}.items():
+        cfg = _mtp_config(data, world, parallel, dsv3=name == "dsv3")
+        workers(world).run(_train_rank, to_dict(cfg), str(root / name), str(data_dir))
+    return {"root": root, "data": data}
+
+
+def _compare(runs, name: str, ref: str, dsv3: bool) -> None:
+    root = runs["root"]
+    got, want = _metrics(root / name), _metrics(root / ref)
+    assert len(got) == len(want) == 3 and all(m["mtp_loss"] > 0 for m in want)
+    # Tolerances: TP / SP / CP / PP / EP reorder fp32 sums; AdamW's first steps turn ulp-level
+    # gradient noise of elements near 0 into whole-lr weight differences, which the later steps see.
+    # Measured worst (CPU, this machine): losses 8.0e-8 (tp2sp), MTP loss 4.6e-8 (tp2sp), gradient
+    # norms 2.6e-7 (dsv3) relative; bounds 1e-6 / 1e-6 / 3e-6, >= 12x. A CP roll that kept each
+    # rank's chunks apart (planted) moves the cp2 MTP loss by 2e-3; an MTP embedding copy whose
+    # gradient is not summed with stage 0's moves pp2's final embedding by ~lr.
+    for key, bound in (("loss", 1e-6), ("mtp_loss", 1e-6), ("grad_norm", 3e-6)):
+        close([m[key] for m in got], [m[key] for m in want], rtol=bound, site=f"mtp.layouts.{key}", case=name)
+    cfg = _mtp_config(runs["data"], dsv3=dsv3)
+    mine, theirs = Decoder(cfg.model), Decoder(cfg.model)
+    for model, folder in ((mine, root / name), (theirs, root / ref)):
+        ckpt.load_checkpoint(folder / "checkpoints", model=model, optimizer=None, rank=0, world_size=1)
+    with torch.no_grad():
+        for (n, p), q in zip(mine.named_parameters(), theirs.parameters()):
+            # The final weights, the MTP layer and its experts included: measured worst element 1.0e-5
+            # (cp2), in norm 4.5e-6 relative; bounds 1e-4 and 5e-5, >= 10x.
+            close(p, q, rtol=0, atol=1e-4, site="mtp.final_weights", case=f"{name} {n}")
+            within((p - q).norm() / q.norm(), 5e-5, site="mtp.final_weights_norm", case=f"{name} {n}")
+        buffers = dict(theirs.named_buffers())
+        for n, b in mine.named_buffers():  # the expert biases: the same loads, the same sign updates: equal
+            assert torch.equal(b, buffers[n]), f"{name} {n}"
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_mtp_layout_equals_one_process(runs, name):
+    _compare(runs, name, "ref", dsv3=False)
+
+
+def test_deepseek_v3_like_model_on_8_ranks_equals_one_process(runs):
+    """TP2+SP x EP4 (ETP1) x PP2: MLA, sigmoid group-limited routing with the expert bias, a shared
+    expert, the first layer dense, one MTP layer on the last stage (with its embedding copy)."""
+    _compare(runs, "dsv3", "ref-dsv3", dsv3=True)
