@@ -156,9 +156,9 @@ def _compare(runs, name: str, ref: str, dsv3: bool) -> None:
     # Tolerances: TP / SP / CP / PP / EP reorder fp32 sums; AdamW's first steps turn ulp-level
     # gradient noise of elements near 0 into whole-lr weight differences, which the later steps see.
     # Measured worst (CPU, this machine): losses 8.0e-8 (tp2sp), MTP loss 4.6e-8 (tp2sp), gradient
-    # norms 2.6e-7 (dsv3) relative; bounds 1e-6 / 1e-6 / 3e-6, >= 12x. A CP roll that kept each
-    # rank's chunks apart (planted) moves the cp2 MTP loss by 2e-3; an MTP embedding copy whose
-    # gradient is not summed with stage 0's moves pp2's final embedding by ~lr.
+    # norms 2.6e-7 (dsv3) relative; bounds 1e-6 / 1e-6 / 3e-6, >= 12x. Planted: a roll within each
+    # CP rank's tokens (no exchange) moves cp2's step-2 loss by 3.2e-4; a last-stage embedding copy
+    # whose gradient is not summed with stage 0's moves pp2's by 9.4e-4.
     for key, bound in (("loss", 1e-6), ("mtp_loss", 1e-6), ("grad_norm", 3e-6)):
         close([m[key] for m in got], [m[key] for m in want], rtol=bound, site=f"mtp.layouts.{key}", case=name)
     cfg = _mtp_config(runs["data"], dsv3=dsv3)
