@@ -25,6 +25,7 @@ from fivefold.errors import NotImplementedYet, UserError
 from fivefold.model import Decoder
 from fivefold.model.hf import hf_name
 from fivefold.train.loop import train
+from fivefold.train.supported import unsupported
 
 IGNORE = -100
 
@@ -185,3 +186,14 @@ def test_deepseek_v3_like_model_on_8_ranks_equals_one_process(runs):
     """TP2+SP x EP4 (ETP1) x PP2: MLA, sigmoid group-limited routing with the expert bias, a shared
     expert, the first layer dense, one MTP layer on the last stage (with its embedding copy)."""
     _compare(runs, "dsv3", "ref-dsv3", dsv3=True)
+
+
+def test_mtp_settings_not_built_are_refused():
+    with pytest.raises(UserError, match="mtp_num_layers=0 must be >= 1"):
+        Decoder(_dense(mtp_num_layers=0))
+    with pytest.raises(NotImplementedYet, match="learned_absolute"):
+        Decoder(_dense(mtp_num_layers=1, position_embedding_type="learned_absolute", max_position_embeddings=64))
+    cfg = moe_config(Path("."))
+    cfg.model = replace(cfg.model, mtp_num_layers=1)
+    cfg.data.reset_attention_mask = True
+    assert any("packed documents" in p for p in unsupported(cfg))
