@@ -116,12 +116,11 @@ QWEN3 = """--tensor-model-parallel-size 2 --pipeline-model-parallel-size 1 --use
  --no-load-optim --ckpt-format torch_dist --train-iters 2"""
 
 
-DSV3_REFUSED = ["--recompute-modules", "--rotary-scaling-factor", "--mscale", "--mscale-all-dim", "--mtp-num-layers",
-                "--mtp-loss-scaling-factor", "--enable-experimental", "--init-model-with-meta-device",
+DSV3_REFUSED = ["--recompute-modules", "--rotary-scaling-factor", "--mscale", "--mscale-all-dim", "--enable-experimental", "--init-model-with-meta-device",
                 "--fsdp-double-buffer", "--use-nccl-ub", "--megatron-fsdp-grad-comm-dtype",
                 "--megatron-fsdp-main-grads-dtype"]
-"""YaRN RoPE scaling, MTP, per-module recompute and Megatron-FSDP's buffer / dtype switches (DeepSeek-V3's
-routing — group-limited, expert bias, top-k scaling, router dtype, forced balance — is built)."""
+"""YaRN RoPE scaling, per-module recompute and Megatron-FSDP's buffer / dtype switches (DeepSeek-V3's
+routing — group-limited, expert bias, top-k scaling, router dtype, forced balance — and MTP are built)."""
 QWEN3_UNKNOWN = ["--tokenizer-hf-include-special-tokens"]
 """Not a flag of Megatron-LM at the pinned commit either (it has only --tokenizer-hf-no-include-special-tokens,
 and its parser does not abbreviate): Megatron refuses this script's line too."""

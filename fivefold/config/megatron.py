@@ -131,6 +131,8 @@ FLAGS: dict[str, Flag] = {
     "--moe-ffn-hidden-size": _v("model.moe_ffn_hidden_size"),
     "--moe-layer-freq": Flag("model.moe_first_k_dense_layers", convert=first_dense_layers),
     "--moe-shared-expert-intermediate-size": _v("model.moe_shared_expert_intermediate_size"),
+    "--mtp-num-layers": _v("model.mtp_num_layers"),
+    "--mtp-loss-scaling-factor": _v("model.mtp_loss_scaling_factor"),
     # training
     "--seq-length": _v("training.seq_length"),
     "--global-batch-size": _v("training.global_batch_size"),

@@ -181,6 +181,14 @@ class ModelConfig:
     """Total width of the shared experts; None = no shared expert. Default None."""
     moe_first_k_dense_layers: int = 0
     """Leading layers that keep a dense MLP (DeepSeek's first_k_dense_replace). Default 0."""
+    mtp_num_layers: int | None = None
+    """Multi-token prediction depths (DeepSeek-V3's MTP modules, Megatron --mtp-num-layers): module k
+    predicts token t+k+1 from the previous depth's hidden state and the embedding of token t+k, with
+    one transformer layer of the model's last layer's kind, on the last pipeline stage; None = off.
+    Default None."""
+    mtp_loss_scaling_factor: float = 0.1
+    """Weight of the MTP loss (the mean over depths) added to the LM loss for the gradient; the
+    reported loss stays the LM loss. Default 0.1 (Megatron's)."""
     moe_router_pre_softmax: bool = False
     """Top-k routing weights as the scores are (softmax over all experts, then top-k; Megatron
     --moe-router-pre-softmax, HF norm_topk_prob=False); False renormalises the top-k weights to sum

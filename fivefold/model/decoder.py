@@ -6,6 +6,8 @@ A Decoder may hold any subset of the model (a pipeline stage): `layers` are glob
 stage owns the input embedding and the final norm + output layer. With tie_word_embeddings the
 output layer reuses embedding.weight; on a stage that has the head but not the embedding it holds
 its own copy, initialised to the same value (keeping the copies in sync is the pipeline's job).
+With multi-token prediction (model.mtp_num_layers, fivefold.model.mtp) the stage with the head also
+holds the MTP modules, and the input embedding they share (a copy on a last stage without it).
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from fivefold.errors import NotImplementedYet, UserError
 from fivefold.model.block import DecoderLayer, rotary_dim
 from fivefold.model.init import init_buffers_, init_parameters_
 from fivefold.model.moe import MoEGroups, check_moe_supported, set_aux_loss_scale
+from fivefold.model.mtp import AttachLoss, MTPLayer, check_mtp_supported, rolled_targets, token_losses
 from fivefold.model.dropout import EMBEDDING, DropoutKey, Noise, dropped
 from fivefold.model.norm import make_norm
 from fivefold.model.positions import check_positions_supported, learned_positions
@@ -35,6 +38,7 @@ def _check_supported(cfg: ModelConfig) -> None:
     if cfg.is_moe:
         check_moe_supported(cfg)
     check_positions_supported(cfg)
+    check_mtp_supported(cfg)
     if cfg.multi_latent_attention and (cfg.add_bias_linear or cfg.add_qkv_bias):
         raise NotImplementedYet("model.add_bias_linear / add_qkv_bias with multi_latent_attention: MLA's "
                                 "projections are built without biases (not implemented yet)")
@@ -72,17 +76,20 @@ class Decoder(nn.Module):
         self.vocab_size = cfg.vocab_size
         self.padded_vocab_size = cfg.padded_vocab_size(tp.size if tp else 1)
         h, vp = cfg.hidden_size, self.padded_vocab_size
+        mtp = head and bool(cfg.mtp_num_layers)
         with torch.device("meta"):  # no throw-away default init; values come from init_parameters_
             if tp is None:
-                self.embedding = nn.Embedding(vp, h) if embedding else None
+                self.embedding = nn.Embedding(vp, h) if embedding or mtp else None
                 self.head = nn.Linear(h, vp, bias=False) if head else None
             else:
-                self.embedding = VocabParallelEmbedding(vp, h, group=tp, mode=mode) if embedding else None
+                self.embedding = VocabParallelEmbedding(vp, h, group=tp, mode=mode) if embedding or mtp else None
                 self.head = ColumnParallelLinear(h, vp, group=tp, mode=mode) if head else None
             moe = MoEGroups.of(mesh) if cfg.is_moe else None
             self.position_embedding = learned_positions(cfg, tp, mode) if embedding else None
             self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, tp, mode, layer=i, moe=moe) for i in ids})
             self.final_norm = make_norm(cfg, h) if head else None
+            self.mtp = nn.ModuleList([MTPLayer(cfg, tp, mode, depth=k, moe=moe)
+                                      for k in range(1, cfg.mtp_num_layers + 1)]) if mtp else None
         if head and mode is TPMode.SEQUENCE_PARALLEL:
             mark_sequence_sharded(self.final_norm)
         for m in (self.embedding, self.head):
@@ -91,7 +98,7 @@ class Decoder(nn.Module):
         self.to_empty(device="cpu")  # parameter metadata lives on the modules: it survives this
         aliases = {}
         if head and cfg.tie_word_embeddings:
-            if embedding:
+            if self.embedding is not None:
                 self.head.weight = self.embedding.weight
             else:
                 aliases["head.weight"] = "embedding.weight"
@@ -101,6 +108,9 @@ class Decoder(nn.Module):
         """Context parallelism, set by fivefold.parallel.parallelize (apply_context_parallel): ids are
         then this CP rank's s/cp tokens (parallel.context.split_tokens)."""
         self.recompute = Recompute()
+        self.mtp_loss_sums: torch.Tensor | None = None
+        """With MTP: (mtp_num_layers,) float64, depth k's token-loss sum over this rank's tokens in the
+        last `loss` call (unscaled; for the metrics)."""
 
     def set_recompute(self, recompute: Recompute) -> None:
         """Activation recompute from now on (fivefold.model.recompute: full spans of layers, or the
@@ -131,6 +141,15 @@ class Decoder(nn.Module):
             rows = positions[self.tp.rank * part:(self.tp.rank + 1) * part]  # (s/tp,)
         return Noise(self.seed, key, cfg.hidden_dropout, cfg.attention_dropout, positions, rows)
 
+    def _attention_inputs(self, positions: torch.Tensor, s: int, docs):
+        """(cos, sin, document bounds) every layer's attention takes for this rank's s tokens."""
+        cos = sin = None  # learned_absolute / none: attention applies no rotation
+        if self.cfg.position_embedding_type == "rope":
+            cos, sin = rope_tables(positions, rotary_dim(self.cfg), self.cfg.rotary_base)  # ([b,] s, d)
+        bounds = None if docs is None or docs.attention is None else \
+            docs.attention.padded_to(s * (1 if self.cp is None else self.cp.size))
+        return cos, sin, bounds
+
     def forward(self, x: torch.Tensor, docs=None, noise: DropoutKey | None = None, cache=None,
                 head: bool = True) -> torch.Tensor:
         """x: ids (b, s) with an embedding, else hidden (b, s, h). Returns logits (b, s, V_padded)
@@ -155,11 +174,7 @@ class Decoder(nn.Module):
         drop = self._noise(noise, s, hidden.device)
         if self.has_embedding:
             hidden = dropped(drop, hidden, -1, EMBEDDING)  # Megatron's embedding dropout (hidden_dropout)
-        cos = sin = None  # learned_absolute / none: attention applies no rotation
-        if self.cfg.position_embedding_type == "rope":
-            cos, sin = rope_tables(positions, rotary_dim(self.cfg), self.cfg.rotary_base)  # ([b,] s, d)
-        bounds = None if docs is None or docs.attention is None else \
-            docs.attention.padded_to(s * (1 if self.cp is None else self.cp.size))
+        cos, sin, bounds = self._attention_inputs(positions, s, docs)
         layers = list(self.layers.values())
         if cache is not None:  # generation: forward-only, each layer extends its keys and values
             for i, layer in enumerate(layers):
@@ -206,10 +221,14 @@ class Decoder(nn.Module):
             raise UserError("Decoder.loss/logprobs need the output layer (head=True)")
         return self.forward(x, docs, noise)[..., : self.vocab_size].float()
 
-    def loss(self, x: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100, docs=None, noise=None
-             ) -> tuple[torch.Tensor, torch.Tensor]:
+    def loss(self, x: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100, docs=None, noise=None,
+             input_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(sum over target tokens of -log p(label) in fp32, number of target tokens): tokens whose
-        label is ignore_index count in neither. The caller divides by the global token count."""
+        label is ignore_index count in neither. The caller divides by the global token count.
+        With MTP the sum's gradient also trains the MTP loss (fivefold.model.mtp; its value is not
+        in the sum); a last pipeline stage (x hidden states) then needs this rank's `input_ids`."""
+        if self.mtp is not None:
+            return self._loss_with_mtp(x, labels, ignore_index, docs, noise, input_ids)
         if self.tp is not None:
             losses, _ = vocab_parallel_cross_entropy(self._head_logits(x, docs, noise), labels, self.tp,
                                                      self.vocab_size, ignore_index)
@@ -217,6 +236,28 @@ class Decoder(nn.Module):
         logits = self._vocab_logits(x, docs, noise)  # (b, s, V)
         total = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=ignore_index, reduction="sum")
         return total, (labels != ignore_index).sum()
+
+    def _loss_with_mtp(self, x, labels, ignore_index, docs, noise, input_ids):
+        if docs is not None:
+            raise NotImplementedYet("model.mtp_num_layers with packed documents (data.reset_attention_mask / "
+                                    "reset_position_ids): the roll would cross documents (not implemented yet)")
+        ids = x if self.has_embedding else input_ids
+        if ids is None:
+            raise UserError("Decoder.loss with MTP on a stage without the input embedding needs input_ids")
+        hidden = self.forward(x, docs, noise, head=False)  # h^0: (b, s, h) or (b, s/tp, h) under SP
+        total = token_losses(self.head_logits(hidden), labels, self.tp, self.vocab_size, ignore_index)
+        s = ids.shape[1]  # this CP rank's s/cp
+        cos, sin, bounds = self._attention_inputs(self._positions(s, hidden.device, docs), s, docs)  # the main layers'
+        drop = self._noise(noise, s, hidden.device)
+        sums = []
+        for layer, (ids_k, labels_k) in zip(self.mtp, rolled_targets(ids, labels, len(self.mtp), self.cp)):
+            emb = dropped(drop, self.embedding(ids_k), layer.layer.layer, EMBEDDING)  # Emb(x_{t+k}): (b, s', h)
+            hidden, normed = layer(hidden, emb, cos, sin, bounds, drop)  # h^k, final_norm(h^k)
+            sums.append(token_losses(self.head(normed), labels_k, self.tp, self.vocab_size, ignore_index))
+        mtp = torch.stack(sums)  # (D,) fp32
+        self.mtp_loss_sums = mtp.detach().double()
+        scale = self.cfg.mtp_loss_scaling_factor / len(self.mtp)
+        return AttachLoss.apply(total, mtp.sum() * scale), (labels != ignore_index).sum()
 
     def logprobs(self, x: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100, docs=None) -> torch.Tensor:
         """Per-token log p(label) (b, s) in fp32; 0 where label == ignore_index."""

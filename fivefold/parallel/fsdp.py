@@ -2,7 +2,9 @@
 parameters sharded over the DP x CP group too, gathered one unit at a time.
 
 Units: the embedding, each decoder layer, the final norm with the output layer (a tied output layer
-uses the embedding's unit as well). Each unit is one gradient bucket (fivefold.parallel.data,
+uses the embedding's unit as well); with MTP the final norm and the output layer are two units (MTP
+calls the output layer, and the embedding, again) and each depth adds its layer (norms, projection,
+decoder layer) and its final norm. Each unit is one gradient bucket (fivefold.parallel.data,
 `units=`), laid out flat in `bucket.param_buffer` as under ZeRO-1; rank r keeps chunk r of it,
 `bucket.param_shard`, persistently, and the full buffer's storage exists only while the unit is in use
 (resized to 0 otherwise: every `param.data` view of it stays the same object, so autograd's saved
@@ -46,8 +48,13 @@ def units_of(model: nn.Module) -> list[tuple[list[nn.Module], list[nn.Parameter]
     decoders = list(model.stages.values()) if hasattr(model, "stages") else [model]
     groups = []
     for d in decoders:
-        groups += ([[d.embedding]] if d.embedding is not None else []) + [[layer] for layer in d.layers.values()] + \
-            ([[m for m in (d.final_norm, d.head) if m is not None]] if d.head is not None else [])
+        groups += ([[d.embedding]] if d.embedding is not None else []) + [[layer] for layer in d.layers.values()]
+        if d.mtp is None:
+            groups += [[m for m in (d.final_norm, d.head) if m is not None]] if d.head is not None else []
+        else:  # fivefold.model.mtp calls the embedding and the head (not the final norm) again
+            groups += [[d.final_norm], [d.head]]
+            for mtp in d.mtp:
+                groups += [[mtp.enorm, mtp.hnorm, mtp.eh_proj, mtp.layer], [mtp.final_norm]]
     seen: set[int] = set()
     out = []
     for modules in groups:

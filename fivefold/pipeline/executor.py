@@ -51,6 +51,9 @@ class RunResult:
     """mb -> sum of token cross-entropies (fp32, unscaled): on the rank holding the last stage."""
     token_counts: dict[int, torch.Tensor] = field(default_factory=dict)
     """mb -> target tokens counted by the loss: on the rank holding the last stage."""
+    mtp_sums: dict[int, torch.Tensor] = field(default_factory=dict)
+    """mb -> (mtp_num_layers,) float64 MTP token-loss sums per depth (unscaled; fivefold.model.mtp):
+    on the rank holding the last stage, with MTP."""
     logprobs: dict[int, torch.Tensor] = field(default_factory=dict)
     """mb -> (b, s) log p(label) in mode 'logprobs': on the rank holding the last stage."""
     tails: dict[int, object] = field(default_factory=dict)
@@ -246,7 +249,11 @@ class PipelineExecutor:
         elif st.mode == "logprobs":
             st.result.logprobs[mb] = module.logprobs(x, st.labels[mb].to(self.device), **docs)  # (b, s)
         else:
+            if getattr(module, "mtp", None) is not None:  # MTP embeds the rolled token ids on the last stage
+                docs["input_ids"] = st.input_ids[mb].to(self.device)
             loss_sum, count = module.loss(x, st.labels[mb].to(self.device), **docs)
+            if docs.get("input_ids") is not None:
+                st.result.mtp_sums[mb] = module.mtp_loss_sums
         if s < self.last:
             if y.dtype != self.dtype:
                 raise RuntimeError(f"stage {s} returned {y.dtype}; the pipeline sends {self.dtype} activations")

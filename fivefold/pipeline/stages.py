@@ -13,6 +13,11 @@ group (first and last pipeline rank), so both copies take the same optimizer ste
 as in Megatron. With TP each copy is a vocabulary shard, and the embedding group pairs the first and
 last pipeline ranks of the same TP rank, so the shards summed are the same rows. The gradient norm
 counts the copy on the last stage's rank zero times.
+
+Multi-token prediction (model.mtp_num_layers) runs on the last stage and embeds tokens with the
+model's input embedding: the last stage then holds a copy of embedding.weight (its head shares it
+when tied), kept equal to stage 0's by the same gradient sum over the embedding group (Megatron
+does the same for its MTP embedding on the last stage).
 """
 from __future__ import annotations
 
@@ -111,10 +116,10 @@ class PipelineModel:
 
     def uncounted_parameters(self) -> list[nn.Parameter]:
         """Parameters this rank leaves out of the global gradient norm: the last stage's copy of a
-        tied embedding held on another rank (its gradient equals the first stage's after
+        tied (or MTP) embedding held on another rank (its gradient equals the first stage's after
         `sync_tied_grads`, which counts it)."""
         last = self.schedule.num_stages - 1
-        return [self.stages[last].head.weight] if self.embedding_group is not None and last in self.stages else []
+        return [_embedding_copy(self.stages[last])] if self.embedding_group is not None and last in self.stages else []
 
     def sync_tied_grads(self) -> None:
         """Sum the tied embedding's gradient over its two copies (first and last pipeline rank)."""
@@ -124,6 +129,19 @@ class PipelineModel:
             if grad_target(p) is None:
                 p.grad = torch.zeros_like(p)
             comm.all_reduce_(grad_target(p), self.embedding_group, tag="embedding-grad")
+
+
+def _embedding_copy(last: Decoder) -> nn.Parameter:
+    """The last stage's copy of embedding.weight: the MTP embedding's (the tied head shares it), else the head's."""
+    return last.embedding.weight if last.embedding is not None else last.head.weight
+
+
+def _share_embedding(last: Decoder, weight: nn.Parameter, tied: bool) -> None:
+    """First and last stage on one rank: the last stage's head (tied) and MTP embedding use stage 0's weight."""
+    if tied:
+        last.head.weight = weight
+    if last.embedding is not None:
+        last.embedding.weight = weight
 
 
 def build_pipeline(config: Config, mesh, num_microbatches: int, *, device: torch.device,
@@ -137,17 +155,18 @@ def build_pipeline(config: Config, mesh, num_microbatches: int, *, device: torch
     stages = {s: build_decoder(config, mesh, layers=layers[s], embedding=s == 0, head=s == last, seed=seed).to(device)
               for s in schedule.stages_of(pp.rank)}
     tied, group = [], None
-    if cfg.tie_word_embeddings and schedule.num_stages > 1:
+    if (cfg.tie_word_embeddings or cfg.mtp_num_layers) and schedule.num_stages > 1:
         first_rank, last_rank = schedule.placement[0], schedule.placement[last]
         if first_rank == last_rank:
             if pp.rank == first_rank:
-                stages[last].head.weight = stages[0].embedding.weight
+                _share_embedding(stages[last], stages[0].embedding.weight, cfg.tie_word_embeddings)
         elif (first_rank, last_rank) == (0, pp.size - 1):
             group = mesh.embedding if pp.rank in (first_rank, last_rank) else None  # only they are in it
             tied = [stages[0].embedding.weight] if 0 in stages else []
-            tied += [stages[last].head.weight] if last in stages else []
+            tied += [_embedding_copy(stages[last])] if last in stages else []
         else:
-            raise UserError(f"tied embeddings need the first stage on pipeline rank 0 and the last on rank "
+            what = "tied embeddings" if cfg.tie_word_embeddings else "multi-token prediction (its embedding copy)"
+            raise UserError(f"{what} need the first stage on pipeline rank 0 and the last on rank "
                             f"{pp.size - 1} (or both on one rank); schedule {schedule.name} puts them on "
                             f"{first_rank} and {last_rank}")
     boundary = next(iter(stages.values())).hidden_shape  # (b, s/tp, h) under SP, else (b, s, h)

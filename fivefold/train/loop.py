@@ -199,6 +199,8 @@ def train(config: Config, ctx: RankContext, data_dir: Path, *, progress: bool = 
                   "tflops_per_rank": fpt * r.tokens / dt / ctx.world_size / 1e12}
         if r.moe_totals is not None:
             record.update(moe_record(r.moe_totals, config.model, config.logging.moe_per_layer_logging))
+        if r.mtp_loss is not None:
+            record["mtp_loss"] = r.mtp_loss
         if dp.scaler is not None:  # fp16: the scale the next step uses, and the overflow steps so far
             record.update(loss_scale=dp.scaler.scale, skipped_steps=dp.scaler.skipped)
         every = config.logging.log_interval  # read like save_interval: unset/0 = the last and eval steps only

@@ -34,8 +34,12 @@ class StepResult:
     tokens: int
     moe_totals: torch.Tensor | None = None
     """MoE: (layers, 3 + E) float64 on the CPU, each layer's aux + z loss (mean over micro-batches; not in
-    `loss`), assignments dropped and made, and assignments per expert, summed over every rank
-    (fivefold.model.moe.layer_totals; fivefold.train.moe_metrics turns them into metrics)."""
+    `loss`), assignments dropped and made, and assignments per expert, summed over every rank; MTP
+    layers after the decoder's (fivefold.model.moe.layer_totals; fivefold.train.moe_metrics turns them
+    into metrics)."""
+    mtp_loss: float | None = None
+    """Multi-token prediction: the mean over depths of the MTP loss (unscaled, normalised as `loss`);
+    not in `loss`."""
     run: RunResult | None = None
     """With PP: the executor's result (its action log and, when traced, timings)."""
     skipped: bool = False
@@ -43,20 +47,24 @@ class StepResult:
 
 
 def _forward_backward(model: nn.Module, dp: DataParallel, batch: StepBatch, device: torch.device,
-                      divisors: list[float] | None) -> torch.Tensor:
+                      divisors: list[float] | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Each microbatch forward and backward in turn; the last one's backward reduces the dense
     buckets as they complete. Returns this rank's float64 loss sum; with `divisors` (Megatron's
-    per-microbatch mean) each microbatch's sum divided by its divisor."""
+    per-microbatch mean) each microbatch's sum divided by its divisor; and the same of the MTP
+    losses summed over depths (0 without MTP)."""
     local = torch.zeros((), dtype=torch.float64, device=device)  # on the device: no host sync per microbatch
+    mtp = torch.zeros((), dtype=torch.float64, device=device)
     n = len(batch.microbatches)
     for i, mb in enumerate(batch.microbatches):
         dp.prepare(last=i == n - 1)
         s = loss_sum(model, mb, device, batch.step)
         (s * (dp.loss_scale / (batch.global_tokens if divisors is None else divisors[i]))).backward()
         local += s.detach().double() if divisors is None else s.detach().double() / divisors[i]
+        if model.cfg.mtp_num_layers:  # summed over depths
+            mtp += model.mtp_loss_sums.sum() / (1 if divisors is None else divisors[i])
     if n == 0:
         dp.prepare(last=True)
-    return local.cpu()
+    return local.cpu(), mtp.cpu()
 
 
 def train_step(parts: Parts, batch: StepBatch, *, lr: float, clip_grad: float, device: torch.device,
@@ -74,10 +82,13 @@ def train_step(parts: Parts, batch: StepBatch, *, lr: float, clip_grad: float, d
     cfg = parts.decoders[0].cfg
     reset_step_totals(parts.model)
     if parts.pipe is None:
-        local = _forward_backward(parts.model, dp, batch, device, divisors)
+        local, mtp = _forward_backward(parts.model, dp, batch, device, divisors)
         loss_groups: tuple[Group, ...] = (mesh.dp_cp,)
     else:
         local, run = pipeline_forward_backward(parts.pipe, dp, batch, mesh=mesh, trace=trace, divisors=divisors)
+        mtp = torch.zeros((), dtype=torch.float64)  # the last stage's rank's MTP sums (fivefold.model.mtp)
+        for mb, sums in run.mtp_sums.items():
+            mtp += sums.sum().cpu() / (1 if divisors is None else divisors[mb])
         loss_groups = (mesh.pp, mesh.dp_cp)  # only the last stage's rank holds a loss sum
     dp.finish()
     update_expert_biases(parts.model, mesh.group("tp-cp-dp"))
@@ -86,13 +97,17 @@ def train_step(parts: Parts, batch: StepBatch, *, lr: float, clip_grad: float, d
     if not skipped:
         dp.step()
     loss = global_mean(local, batch.global_tokens if divisors is None else 1, *loss_groups)
+    depths = cfg.mtp_num_layers or 0  # MTP: its loss summed and divided like the loss, then averaged over depths
+    mtp_loss = global_mean(mtp, batch.global_tokens if divisors is None else 1, *loss_groups) / depths \
+        if depths else None
     totals = None
     if cfg.is_moe:  # every rank's MoE layers' rows (a rank without any adds zeros): DP x CP x TP x PP = world
-        totals = layer_totals(parts.model, cfg.num_layers, cfg.num_experts)
+        totals = layer_totals(parts.model, cfg.num_layers + depths, cfg.num_experts)
         for group in (mesh.dp_cp, mesh.group("model-parallel")):
             comm.all_reduce_(totals, group, tag="moe-metrics")
         totals = totals.cpu()
-    return StepResult(loss, norm, batch.global_tokens, moe_totals=totals, run=run, skipped=skipped)
+    return StepResult(loss, norm, batch.global_tokens, moe_totals=totals, mtp_loss=mtp_loss, run=run,
+                      skipped=skipped)
 
 
 @torch.no_grad()

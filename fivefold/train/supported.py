@@ -69,6 +69,9 @@ def _combinations(config: Config) -> list[str]:
         return [f"model.attention_dropout={m.attention_dropout} with multi_latent_attention (attention dropout "
                 "runs in GQA attention's explicit softmax path; hidden dropout runs everywhere; set "
                 "attention_dropout=0)"]
+    if m.mtp_num_layers and (config.data.reset_attention_mask or config.data.reset_position_ids):
+        return [f"model.mtp_num_layers={m.mtp_num_layers} with packed documents (data.reset_attention_mask / "
+                "reset_position_ids): MTP's roll of the tokens would cross documents (unpacked batches run)"]
     if config.training.compile and inside:
         return [f"training.compile=True with {', '.join(inside)} (compiled layers would trace the TP/CP/EP "
                 "collectives inside them; DP, ZeRO and PP layouts compile)"]
