@@ -116,13 +116,16 @@ def _model_from_hf(config: Config, explicit: set[str]) -> list:
     field the user set to something else is replaced, with a warning."""
     from dataclasses import fields
 
-    from fivefold.model.hf import config_from_hf  # torch: only for this key
+    from fivefold.model.hf import config_from_hf, unread_note  # torch: only for this key
 
     hf = config_from_hf(config.checkpoint.load_hf)
     hf.make_vocab_size_divisible_by = config.model.make_vocab_size_divisible_by
     warnings = [Problem(f"model.{f.name}", getattr(config.model, f.name), f"checkpoint.load_hf's config.json says "
                         f"{getattr(hf, f.name)!r}; this value is replaced", "drop it", "warning")
                 for f in fields(hf) if f"model.{f.name}" in explicit and getattr(config.model, f.name) != getattr(hf, f.name)]
+    note = unread_note(config.checkpoint.load_hf, hf)  # DeepSeek-V3's MTP layers
+    if note:
+        warnings.append(Problem("checkpoint.load_hf", config.checkpoint.load_hf, note, "applied", "warning"))
     config.model = hf
     return warnings
 
