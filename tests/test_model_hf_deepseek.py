@@ -271,3 +271,18 @@ def test_load_hf_into_tp2sp_ep2_equals_one_process(saved, tmp_path, workers):
     workers(4).run(test_zero._train_rank, to_dict(cfg), str(tmp_path / "tp2ep2"), str(data_dir))
     # TP / SP / EP reorder fp32 sums: measured 6.3e-8 relative; bound 1e-5 (160x), test_hf_export's load-hf one
     close(losses(tmp_path / "tp2ep2"), [ref.losses[s] for s in sorted(ref.losses)], rtol=1e-5, site="hf_deepseek.load_hf_tp2ep2")
+
+
+def test_load_hf_keeps_the_runs_moe_training_knobs(saved):
+    """config.json decides the architecture; how the run trains the MoE (bias update rate, aux loss,
+    capacity) stays the command line's, without a 'replaced' warning."""
+    from fivefold.config.load import load_config
+
+    folder, _ = saved["groups"]
+    loaded = load_config(None, ["--load-hf", str(folder), "--moe-router-bias-update-rate", "0", "--moe-aux-loss-coeff",
+                                "0.01", "--moe-expert-capacity-factor", "1.5", "--num-experts", "8"])
+    m = loaded.config.model
+    assert (m.moe_router_bias_update_rate, m.moe_aux_loss_coeff, m.moe_expert_capacity_factor) == (0.0, 0.01, 1.5)
+    assert m.num_experts == 16 and m.moe_router_enable_expert_bias  # the checkpoint's
+    assert [str(w) for w in loaded.warnings if "replaced" in str(w)] == [
+        "warning: model.num_experts=8: checkpoint.load_hf's config.json says 16; this value is replaced (fix: drop it)"]
