@@ -286,3 +286,21 @@ def test_load_hf_keeps_the_runs_moe_training_knobs(saved):
     assert m.num_experts == 16 and m.moe_router_enable_expert_bias  # the checkpoint's
     assert [str(w) for w in loaded.warnings if "replaced" in str(w)] == [
         "warning: model.num_experts=8: checkpoint.load_hf's config.json says 16; this value is replaced (fix: drop it)"]
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(moe_router_score_function="softmax", moe_router_enable_expert_bias=False), "moe_router_score_function='sigmoid'"),
+    (dict(moe_router_enable_expert_bias=False), "moe_router_enable_expert_bias"),
+    (dict(moe_shared_expert_intermediate_size=None), "shared experts a multiple of moe_ffn_hidden_size=32"),
+    (dict(moe_router_topk=6, moe_router_group_topk=2), r"moe_router_topk // moe_router_group_topk = 2"),
+])
+def test_export_of_an_mla_moe_hf_cannot_compute_is_refused(saved, change, message):
+    from dataclasses import replace
+
+    from fivefold.errors import NotImplementedYet
+    from fivefold.model.hf_export import hf_config
+
+    cfg = config_from_hf(saved["groups"][0])
+    assert hf_config(cfg, torch.float32)["n_group"] == 4
+    with pytest.raises(NotImplementedYet, match=message):
+        hf_config(replace(cfg, **change), torch.float32)
