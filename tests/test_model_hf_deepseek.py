@@ -99,7 +99,8 @@ def _routing_margins(ours: Decoder, ids) -> tuple[float, int]:
             choices.append(choice.topk(cfg.moe_router_topk, -1).indices.sort(-1).values)
         moved += int((choices[0] != choices[1]).any(-1).sum())
 
-    hooks = [layer.mlp.router.register_forward_hook(hook) for layer in ours.layers.values() if hasattr(layer.mlp, "router")]
+    hooks = [layer.mlp.router.register_forward_hook(hook) for layer in ours.layers.values()
+             if hasattr(layer.mlp, "router")]
     with torch.no_grad():
         ours(ids)
     for h in hooks:
@@ -126,7 +127,8 @@ def test_logits_loss_and_every_gradient_match_hf(saved, case):
     folder, theirs = saved[case]
     ours = load_hf(folder)
     cfg = ours.cfg
-    assert (cfg.moe_first_k_dense_layers, cfg.moe_router_score_function, cfg.moe_router_enable_expert_bias) == (1, "sigmoid", True)
+    assert cfg.moe_first_k_dense_layers == 1
+    assert (cfg.moe_router_score_function, cfg.moe_router_enable_expert_bias) == ("sigmoid", True)
     assert sorted(ours.layers["1"].mlp.experts) == sorted(map(str, range(cfg.num_experts)))
     ids, labels = _batch()
     margin, moved = _routing_margins(ours, ids)
@@ -165,7 +167,8 @@ def test_import_then_export_is_bit_identical_and_loads_in_transformers(saved, tm
         warnings.simplefilter("ignore")
         back = AutoModelForCausalLM.from_pretrained(tmp_path / "out", attn_implementation="eager").float().eval()
     for key in ("n_group", "topk_group", "routed_scaling_factor", "norm_topk_prob", "first_k_dense_replace",
-                "n_shared_experts", "moe_intermediate_size", "intermediate_size", "n_routed_experts", "num_experts_per_tok"):
+                "n_shared_experts", "moe_intermediate_size", "intermediate_size", "n_routed_experts",
+                "num_experts_per_tok"):
         assert getattr(back.config, key) == getattr(theirs.config, key), key
     ids, _ = _batch(1)
     with torch.no_grad():
@@ -221,11 +224,12 @@ def test_kimi_k2_reads_as_deepseek_v3(saved, tmp_path):
     folder, _ = saved["one-group"]
     shutil.copytree(folder, tmp_path / "kimi")
     raw = json.loads((folder / "config.json").read_text())
-    (tmp_path / "kimi" / "config.json").write_text(json.dumps({**raw, "model_type": "kimi_k2", "scoring_func": "sigmoid",
-                                                               "topk_method": "noaux_tc", "moe_layer_freq": 1}))
+    kimi = {**raw, "model_type": "kimi_k2", "scoring_func": "sigmoid", "topk_method": "noaux_tc", "moe_layer_freq": 1}
+    (tmp_path / "kimi" / "config.json").write_text(json.dumps(kimi))
     cfg = config_from_hf(tmp_path / "kimi")
     assert cfg == config_from_hf(folder)
-    assert (cfg.moe_router_num_groups, cfg.moe_router_pre_softmax, cfg.moe_router_topk_scaling_factor) == (None, True, 1.8)
+    assert cfg.moe_router_num_groups is None  # n_group 1: no group limit
+    assert (cfg.moe_router_pre_softmax, cfg.moe_router_topk_scaling_factor) == (True, 1.8)
 
 
 @pytest.mark.parametrize("change,message", [
@@ -270,7 +274,8 @@ def test_load_hf_into_tp2sp_ep2_equals_one_process(saved, tmp_path, workers):
     cfg.parallel.expert_tensor_parallel_size, cfg.parallel.sequence_parallel = 1, True
     workers(4).run(test_zero._train_rank, to_dict(cfg), str(tmp_path / "tp2ep2"), str(data_dir))
     # TP / SP / EP reorder fp32 sums: measured 6.3e-8 relative; bound 1e-5 (160x), test_hf_export's load-hf one
-    close(losses(tmp_path / "tp2ep2"), [ref.losses[s] for s in sorted(ref.losses)], rtol=1e-5, site="hf_deepseek.load_hf_tp2ep2")
+    close(losses(tmp_path / "tp2ep2"), [ref.losses[s] for s in sorted(ref.losses)], rtol=1e-5,
+          site="hf_deepseek.load_hf_tp2ep2")
 
 
 def test_load_hf_keeps_the_runs_moe_training_knobs(saved):
@@ -289,7 +294,8 @@ def test_load_hf_keeps_the_runs_moe_training_knobs(saved):
 
 
 @pytest.mark.parametrize("change,message", [
-    (dict(moe_router_score_function="softmax", moe_router_enable_expert_bias=False), "moe_router_score_function='sigmoid'"),
+    (dict(moe_router_score_function="softmax", moe_router_enable_expert_bias=False),
+     "moe_router_score_function='sigmoid'"),
     (dict(moe_router_enable_expert_bias=False), "moe_router_enable_expert_bias"),
     (dict(moe_shared_expert_intermediate_size=None), "shared experts a multiple of moe_ffn_hidden_size=32"),
     (dict(moe_router_topk=6, moe_router_group_topk=2), r"moe_router_topk // moe_router_group_topk = 2"),
@@ -304,3 +310,15 @@ def test_export_of_an_mla_moe_hf_cannot_compute_is_refused(saved, change, messag
     assert hf_config(cfg, torch.float32)["n_group"] == 4
     with pytest.raises(NotImplementedYet, match=message):
         hf_config(replace(cfg, **change), torch.float32)
+
+
+def test_planner_reads_deepseek_v3s_published_router():
+    """transformers' DeepseekV3Config defaults are DeepSeek-V3's config.json: 256 experts, top-8 within
+    4 of 8 groups, routed_scaling_factor 2.5, renormalised, shared expert 2048 wide, 3 dense layers."""
+    from fivefold.planner.hf import model_from_hf_dict
+
+    m = model_from_hf_dict({**DeepseekV3Config().to_dict(), "topk_method": "noaux_tc", "scoring_func": "sigmoid"})
+    assert (m.num_experts, m.moe_router_topk, m.moe_router_num_groups, m.moe_router_group_topk) == (256, 8, 8, 4)
+    assert (m.moe_router_score_function, m.moe_router_enable_expert_bias) == ("sigmoid", True)
+    assert (m.moe_router_pre_softmax, m.moe_router_topk_scaling_factor) == (False, 2.5)
+    assert (m.moe_shared_expert_intermediate_size, m.moe_first_k_dense_layers) == (2048, 3)

@@ -79,11 +79,12 @@ def config_from_hf(path: str | Path) -> ModelConfig:
     raw = json.loads((d / "config.json").read_text())
     where = d / "config.json"
     kind = raw.get("model_type")
-    if raw.get("quantization_config"):
-        method = raw["quantization_config"].get("quant_method", "?") if isinstance(raw["quantization_config"], dict) else "?"
-        raise UserError(f"{where}: quantization_config (quant_method={method!r}): quantized weights (e.g. fp8 with "
-                        "weight_scale_inv) are not dequantized here; convert the checkpoint to bf16 first (DeepSeek-V3's "
-                        "inference/fp8_cast_bf16.py does) and drop quantization_config")
+    quant = raw.get("quantization_config")
+    if quant:
+        method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
+        raise UserError(f"{where}: quantization_config (quant_method={method!r}): quantized weights (e.g. fp8 "
+                        "with weight_scale_inv) are not dequantized here; convert the checkpoint to bf16 first "
+                        "(DeepSeek-V3's inference/fp8_cast_bf16.py does) and drop quantization_config")
     if kind not in ("llama", "mistral", "mixtral", *ATTENTION_ADDS, *DEEPSEEK):
         raise UserError(f"{where}: model_type={kind!r}; only Llama-style models (llama, mistral, mixtral, "
                         f"{', '.join(ATTENTION_ADDS)}) and DeepSeek-V3-style MLA models ({', '.join(DEEPSEEK)}) "
@@ -203,7 +204,8 @@ def _deepseek_router(raw: dict, cfg: ModelConfig, where: Path) -> ModelConfig:
                         "(DeepSeek-V3: 256 experts, n_group 8, topk_group 4, top-8), or n_group 1")
     if k == 1 and not cfg.moe_router_pre_softmax:
         raise UserError(f"{where}: num_experts_per_tok=1 with norm_topk_prob=true: HF renormalises the single "
-                        "weight to 1, ours (as Megatron's) keeps the sigmoid score; set norm_topk_prob false or top-k > 1")
+                        "weight to 1, ours (as Megatron's) keeps the sigmoid score; set norm_topk_prob false or "
+                        "num_experts_per_tok > 1")
     return replace(cfg, moe_router_dtype="fp32")
 
 

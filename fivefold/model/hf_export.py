@@ -16,7 +16,8 @@ renormalised, no shared expert, every layer MoE), Qwen3-MoE (Qwen3's q / k norms
 layers, top-k renormalised or not: norm_topk_prob), OLMoE (Qwen3-MoE's layers with q / k norms over the
 whole projection: qk_layernorm_scope "projection") and DeepSeek-V3 (MLA; MoE layers with its router:
 sigmoid, the expert bias written as e_score_correction_bias in fp32, groups, routed scaling, shared
-experts, first layers dense; no MTP layers) — the ones `load_hf` imports. Anything else is refused naming what HF's config could not say.
+experts, first layers dense; no MTP layers) — the ones `load_hf` imports. Anything else is refused
+naming what HF's config could not say.
 """
 from __future__ import annotations
 
