@@ -145,7 +145,7 @@ def _moe_name(rest: str, index: str, cfg: ModelConfig) -> str | None:
     block = "block_sparse_moe" if mixtral else "mlp"
     if rest == "mlp.router.weight":
         return f"model.layers.{index}.{block}.gate.weight"
-    if rest == "mlp.router.expert_bias":  # only DeepSeek-V3 stores one (export refuses it elsewhere)
+    if rest == "mlp.router.expert_bias":  # DeepSeek-V3's (the softmax families have none)
         return f"model.layers.{index}.{block}.gate.e_score_correction_bias"
     parts = rest.split(".")  # mlp.experts.<e>.<proj>.weight
     if parts[:2] == ["mlp", "experts"] and len(parts) == 5:
