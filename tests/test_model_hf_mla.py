@@ -128,7 +128,6 @@ def test_deepseek_checkpoint_loads_and_matches_hf(tmp_path):
 
 
 @pytest.mark.parametrize("change,message", [
-    (dict(first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2), "first_k_dense_replace=1 < num_hidden_layers=2"),
     (dict(rope_parameters={"rope_type": "yarn", "factor": 40.0, "rope_theta": 10000.0}), "rope_type='yarn'"),
     (dict(rope_interleave=False), "rope_interleave=false"),
     (dict(rms_norm_eps=1e-5), "rms_norm_eps=1e-05"),

@@ -111,18 +111,28 @@ def _taken(config: Config, dotted: str) -> str:
     return f"{dotted}={getattr(getattr(config, section), name)!r}" + (f" ({why})" if why else "")
 
 
-def _model_from_hf(config: Config, explicit: set[str]) -> list:
-    """--load-hf DIR: the model section is the HF config.json's (our padding multiple stays); a model
-    field the user set to something else is replaced, with a warning."""
-    from dataclasses import fields
+KEPT_FROM_RUN = ("make_vocab_size_divisible_by", "moe_aux_loss_coeff", "moe_z_loss_coeff",
+                 "moe_router_load_balancing_type", "moe_expert_capacity_factor", "moe_token_drop_policy",
+                 "moe_pad_expert_input_to_capacity", "moe_router_bias_update_rate", "moe_router_force_load_balancing")
+"""Model fields an HF config.json does not decide (how the run trains the MoE, our vocabulary padding):
+--load-hf keeps the run's values."""
 
-    from fivefold.model.hf import config_from_hf  # torch: only for this key
+
+def _model_from_hf(config: Config, explicit: set[str]) -> list:
+    """--load-hf DIR: the model section is the HF config.json's but for KEPT_FROM_RUN; a model field
+    the user set to something else is replaced, with a warning."""
+    from dataclasses import fields, replace
+
+    from fivefold.model.hf import config_from_hf, unread_note  # torch: only for this key
 
     hf = config_from_hf(config.checkpoint.load_hf)
-    hf.make_vocab_size_divisible_by = config.model.make_vocab_size_divisible_by
+    hf = replace(hf, **{name: getattr(config.model, name) for name in KEPT_FROM_RUN})
     warnings = [Problem(f"model.{f.name}", getattr(config.model, f.name), f"checkpoint.load_hf's config.json says "
                         f"{getattr(hf, f.name)!r}; this value is replaced", "drop it", "warning")
                 for f in fields(hf) if f"model.{f.name}" in explicit and getattr(config.model, f.name) != getattr(hf, f.name)]
+    note = unread_note(config.checkpoint.load_hf, hf)  # DeepSeek-V3's MTP layers
+    if note:
+        warnings.append(Problem("checkpoint.load_hf", config.checkpoint.load_hf, note, "applied", "warning"))
     config.model = hf
     return warnings
 

@@ -29,7 +29,14 @@ projection (our qk_layernorm_scope "projection"); clip_qkv is refused.
 DeepSeek-V3 (model_type deepseek_v3, also Moonlight; kimi_k2) keeps HF's attention names, so its
 MLA weights map the same way: layers.i.attn.{q_proj | q_a_proj, q_a_layernorm, q_b_proj},
 layers.i.attn.{kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj} <- model.layers.i.self_attn.*
-Only dense DeepSeek layers load (first_k_dense_replace = num_hidden_layers); MoE layers are refused.
+Its layers from first_k_dense_replace on are MoE (router: planner.hf._noaux_tc_router):
+    layers.i.mlp.router.weight                 <- model.layers.i.mlp.gate.weight
+    layers.i.mlp.router.expert_bias (fp32)     <- model.layers.i.mlp.gate.e_score_correction_bias
+    layers.i.mlp.experts.e.{gate,up,down}_proj <- model.layers.i.mlp.experts.e.{gate,up,down}_proj
+    layers.i.mlp.shared_experts.{gate,up,down}_proj <- model.layers.i.mlp.shared_experts.* (n_shared_experts
+                                      x moe_intermediate_size wide)
+Multi-token prediction layers (model.layers.i for i >= num_hidden_layers: embed_tokens, enorm, hnorm,
+eh_proj, shared_head.{norm,head} and a whole decoder layer each) are not read: `unread_layers` names them.
 """
 from __future__ import annotations
 
@@ -41,6 +48,7 @@ from pathlib import Path
 
 import torch
 
+from fivefold.checkpoint.io import tensors_saved
 from fivefold.config.schema import ModelConfig
 from fivefold.errors import UserError
 from fivefold.model.block import DecoderLayer
@@ -71,6 +79,12 @@ def config_from_hf(path: str | Path) -> ModelConfig:
     raw = json.loads((d / "config.json").read_text())
     where = d / "config.json"
     kind = raw.get("model_type")
+    quant = raw.get("quantization_config")
+    if quant:
+        method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
+        raise UserError(f"{where}: quantization_config (quant_method={method!r}): quantized weights (e.g. fp8 "
+                        "with weight_scale_inv) are not dequantized here; convert the checkpoint to bf16 first "
+                        "(DeepSeek-V3's inference/fp8_cast_bf16.py does) and drop quantization_config")
     if kind not in ("llama", "mistral", "mixtral", *ATTENTION_ADDS, *DEEPSEEK):
         raise UserError(f"{where}: model_type={kind!r}; only Llama-style models (llama, mistral, mixtral, "
                         f"{', '.join(ATTENTION_ADDS)}) and DeepSeek-V3-style MLA models ({', '.join(DEEPSEEK)}) "
@@ -104,8 +118,10 @@ def config_from_hf(path: str | Path) -> ModelConfig:
 
 
 def moe_family(cfg: ModelConfig) -> str:
-    """The HF family an MoE config is stored as: Qwen3-MoE (per-head q / k norms), OLMoE (q / k norms
-    over the whole projection), else Mixtral."""
+    """The HF family an MoE config is stored as: DeepSeek-V3 (MLA), Qwen3-MoE (per-head q / k norms),
+    OLMoE (q / k norms over the whole projection), else Mixtral."""
+    if cfg.multi_latent_attention:
+        return "deepseek_v3"
     if not cfg.qk_layernorm:
         return "mixtral"
     return "olmoe" if cfg.qk_layernorm_scope == "projection" else "qwen3_moe"
@@ -129,6 +145,8 @@ def _moe_name(rest: str, index: str, cfg: ModelConfig) -> str | None:
     block = "block_sparse_moe" if mixtral else "mlp"
     if rest == "mlp.router.weight":
         return f"model.layers.{index}.{block}.gate.weight"
+    if rest == "mlp.router.expert_bias":  # DeepSeek-V3's (the softmax families have none)
+        return f"model.layers.{index}.{block}.gate.e_score_correction_bias"
     parts = rest.split(".")  # mlp.experts.<e>.<proj>.weight
     if parts[:2] == ["mlp", "experts"] and len(parts) == 5:
         proj = _MIXTRAL_PROJ[parts[3]] if mixtral else parts[3]
@@ -149,17 +167,14 @@ DEEPSEEK = ("deepseek_v3", "kimi_k2")
 
 
 def _deepseek(raw: dict, cfg: ModelConfig, where: Path) -> ModelConfig:
-    """A DeepSeek-V3-style config checked for what our MLA decoder computes as HF does; with every
-    layer dense (first_k_dense_replace >= num_hidden_layers) the unused expert keys are dropped."""
+    """A DeepSeek-V3-style config checked for what our MLA decoder and router compute as HF does; with
+    every layer dense (first_k_dense_replace >= num_hidden_layers) the unused expert keys are dropped."""
     if cfg.is_moe and cfg.moe_first_k_dense_layers >= cfg.num_layers:
         dense = ModelConfig()
         cfg = replace(cfg, **{f.name: getattr(dense, f.name) for f in fields(cfg)
                               if f.name == "num_experts" or f.name.startswith("moe_")})
     if cfg.is_moe:
-        raise UserError(f"{where}: n_routed_experts={raw.get('n_routed_experts')} with first_k_dense_replace="
-                        f"{raw.get('first_k_dense_replace')} < num_hidden_layers={raw.get('num_hidden_layers')}: "
-                        "layers from first_k_dense_replace on are MoE, which this importer does not load yet "
-                        "(only all-dense checkpoints: first_k_dense_replace = num_hidden_layers)")
+        cfg = _deepseek_router(raw, cfg, where)
     if not raw.get("rope_interleave", True):
         raise UserError(f"{where}: rope_interleave=false is not supported (our MLA rotates DeepSeek's "
                         "interleaved pairs, HF's default rope_interleave=true)")
@@ -168,6 +183,52 @@ def _deepseek(raw: dict, cfg: ModelConfig, where: Path) -> ModelConfig:
                         "always use 1e-6 and ours use rms_norm_eps for every norm, so only rms_norm_eps=1e-6 "
                         "(every DeepSeek-V3, Moonlight and Kimi-K2 checkpoint) imports exactly")
     return cfg
+
+
+def _deepseek_router(raw: dict, cfg: ModelConfig, where: Path) -> ModelConfig:
+    """What HF's DeepseekV3TopkRouter computes that our router must match: always sigmoid scores and
+    the noaux_tc choice (scores + e_score_correction_bias), a group scored by the sum of its top 2
+    (ours: of its top k // topk_group), the top-k renormalised also for k = 1 (ours from k = 2), and
+    the linear in fp32 (our moe_router_dtype fp32)."""
+    for key, wanted in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")):
+        if raw.get(key, wanted) != wanted:
+            raise UserError(f"{where}: {key}={raw[key]!r}: DeepSeek-V3's MoE layers route with {key}={wanted!r} "
+                            "(HF's DeepseekV3TopkRouter computes nothing else), so these weights would be routed "
+                            "otherwise than they were trained")
+    k, groups = cfg.moe_router_topk, cfg.moe_router_num_groups
+    if groups and (cfg.num_experts % groups or k // cfg.moe_router_group_topk != 2):
+        raise UserError(f"{where}: n_group={groups}, topk_group={cfg.moe_router_group_topk} with n_routed_experts="
+                        f"{cfg.num_experts}, num_experts_per_tok={k}: HF scores each of n_group equal groups by its "
+                        "top-2 experts and ours by its top num_experts_per_tok // topk_group, so import needs "
+                        "n_routed_experts divisible by n_group and num_experts_per_tok // topk_group = 2 "
+                        "(DeepSeek-V3: 256 experts, n_group 8, topk_group 4, top-8), or n_group 1")
+    if k == 1 and not cfg.moe_router_pre_softmax:
+        raise UserError(f"{where}: num_experts_per_tok=1 with norm_topk_prob=true: HF renormalises the single "
+                        "weight to 1, ours (as Megatron's) keeps the sigmoid score; set norm_topk_prob false or "
+                        "num_experts_per_tok > 1")
+    return replace(cfg, moe_router_dtype="fp32")
+
+
+def unread_layers(path: str | Path, cfg: ModelConfig) -> list[int]:
+    """Indices of the layers stored past num_hidden_layers (DeepSeek-V3's multi-token prediction:
+    model.layers.<num_hidden_layers + j>.{embed_tokens, enorm, hnorm, eh_proj, shared_head.{norm,head}}
+    and a whole decoder layer), which the importer does not read."""
+    found = set()
+    for name in _weight_files(_dir(path)):
+        parts = name.split(".")
+        if parts[:2] == ["model", "layers"] and parts[2].isdigit() and int(parts[2]) >= cfg.num_layers:
+            found.add(int(parts[2]))
+    return sorted(found)
+
+
+def unread_note(path: str | Path, cfg: ModelConfig) -> str | None:
+    """The note printed when `path` holds layers we skip (see `unread_layers`), else None."""
+    layers = unread_layers(path, cfg)
+    if not layers:
+        return None
+    return (f"{path}: skipping {len(layers)} layer(s) past num_hidden_layers={cfg.num_layers} "
+            f"(model.layers.{','.join(map(str, layers))}.*: DeepSeek-V3's multi-token prediction modules, which "
+            "transformers does not run either); the main model loads without them")
 
 
 def hf_name(name: str, cfg: ModelConfig) -> str:
@@ -189,13 +250,14 @@ def hf_name(name: str, cfg: ModelConfig) -> str:
 
 
 def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Our full parameter names -> the shape HF stores (vocabulary unpadded)."""
+    """Our full parameter (and saved buffer: the expert bias) names -> the shape HF stores (vocabulary
+    unpadded)."""
     h, v = cfg.hidden_size, cfg.vocab_size
     shapes = {"embedding.weight": (v, h)}
     for i in range(cfg.num_layers):
         with torch.device("meta"):
             layer = DecoderLayer(cfg, layer=i)  # dense or MoE (first_k_dense)
-        shapes.update({f"layers.{i}.{n}": tuple(p.shape) for n, p in layer.named_parameters()})
+        shapes.update({f"layers.{i}.{n}": tuple(p.shape) for n, p in tensors_saved(layer).items()})
     shapes.update({"final_norm.weight": (h,), "head.weight": (v, h)})
     return shapes
 
@@ -269,8 +331,8 @@ def _read(by_file: dict[Path, list[str]], shapes: dict, cfg: ModelConfig) -> dic
 
 def read_hf_shards(model: torch.nn.Module, path: str | Path, cfg: ModelConfig) -> None:
     """Fill every parameter of `model` (this rank's TP / EP / PP share of it, placed by its
-    ParamMeta) from the HF folder, reading only the rows and columns it holds (safetensors slices);
-    padded vocabulary rows zero."""
+    ParamMeta) and its saved buffers (the expert bias, whole) from the HF folder, reading only the
+    rows and columns it holds (safetensors slices); padded vocabulary rows zero."""
     from safetensors import safe_open
 
     from fivefold.checkpoint.io import placed_by_meta
@@ -280,7 +342,7 @@ def read_hf_shards(model: torch.nn.Module, path: str | Path, cfg: ModelConfig) -
     shard_of = placed_by_meta(model)
     shapes = _expected_shapes(cfg)
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for name, p in tensors_saved(model).items():
             theirs = hf_name(name, cfg)
             if theirs not in files:
                 raise UserError(f"{d}: no tensor {theirs!r} (needed for our {name}); do config.json and the "
@@ -306,6 +368,9 @@ def load_hf(path: str | Path, **kw) -> Decoder:
     """Decoder(config_from_hf(path), **kw) with the checkpoint's weights (only the tensors the given
     layers / embedding / head need are read)."""
     cfg = config_from_hf(path)
+    note = unread_note(path, cfg)
+    if note:
+        print(f"note: {note}")
     model = Decoder(cfg, **kw)
     state = state_dict_from_hf(path, cfg, names=model.state_dict().keys())
     model.load_state_dict(shard_state_dict(model, state))  # tensor-parallel: this rank's slices

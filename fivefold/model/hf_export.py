@@ -14,8 +14,10 @@ it to `model.embed_tokens.weight`).
 Families: Llama (RMSNorm, SwiGLU, RoPE, no biases), Qwen2 (QKV biases), Qwen3 (q / k norms), Mixtral (its MoE layers: softmax router, top-k
 renormalised, no shared expert, every layer MoE), Qwen3-MoE (Qwen3's q / k norms with Mixtral-like MoE
 layers, top-k renormalised or not: norm_topk_prob), OLMoE (Qwen3-MoE's layers with q / k norms over the
-whole projection: qk_layernorm_scope "projection") and dense DeepSeek-V3 (MLA) — the ones `load_hf`
-imports. Anything else is refused naming what HF's config could not say.
+whole projection: qk_layernorm_scope "projection") and DeepSeek-V3 (MLA; MoE layers with its router:
+sigmoid, the expert bias written as e_score_correction_bias in fp32, groups, routed scaling, shared
+experts, first layers dense; no MTP layers) — the ones `load_hf` imports. Anything else is refused
+naming what HF's config could not say.
 """
 from __future__ import annotations
 
@@ -52,8 +54,6 @@ def hf_config(cfg: ModelConfig, dtype: torch.dtype) -> dict:
            "initializer_range": cfg.init_method_std, "hidden_act": "silu", "attention_bias": False,
            "torch_dtype": _HF_DTYPE[dtype], "bos_token_id": None, "eos_token_id": None}
     if cfg.multi_latent_attention:
-        if cfg.is_moe:
-            raise NotImplementedYet("Hugging Face export of DeepSeek-V3 MoE layers (dense MLA models export)")
         if not cfg.qk_layernorm:
             raise NotImplementedYet("Hugging Face export of MLA without the latent norms (qk_layernorm=False): HF's "
                                     "DeepseekV3 always has q_a_layernorm / kv_a_layernorm")
@@ -61,9 +61,8 @@ def hf_config(cfg: ModelConfig, dtype: torch.dtype) -> dict:
                 "num_key_value_heads": cfg.num_attention_heads, "q_lora_rank": cfg.q_lora_rank,
                 "kv_lora_rank": cfg.kv_lora_rank, "qk_nope_head_dim": cfg.qk_head_dim,
                 "qk_rope_head_dim": cfg.qk_pos_emb_head_dim, "v_head_dim": cfg.v_head_dim,
-                "head_dim": cfg.qk_pos_emb_head_dim, "rope_interleave": True, "n_routed_experts": 1,
-                "first_k_dense_replace": cfg.num_layers, "n_shared_experts": 1, "num_experts_per_tok": 1,
-                "moe_intermediate_size": cfg.ffn_size, "rms_norm_eps": cfg.norm_epsilon}
+                "head_dim": cfg.qk_pos_emb_head_dim, "rope_interleave": True, "rms_norm_eps": cfg.norm_epsilon,
+                "num_nextn_predict_layers": 0, **_deepseek_moe(cfg)}
     out.update(num_key_value_heads=cfg.num_query_groups or cfg.num_attention_heads, head_dim=cfg.head_dim)
     if cfg.is_moe and (cfg.moe_shared_expert_intermediate_size or cfg.moe_first_k_dense_layers
                        or cfg.moe_router_score_function != "softmax" or cfg.add_qkv_bias
@@ -94,6 +93,32 @@ def hf_config(cfg: ModelConfig, dtype: torch.dtype) -> dict:
     return {**out, "model_type": "mixtral", "architectures": ["MixtralForCausalLM"],
             "num_local_experts": cfg.num_experts, "num_experts_per_tok": cfg.moe_router_topk,
             "intermediate_size": cfg.moe_ffn_hidden_size or cfg.ffn_size, "router_aux_loss_coef": cfg.moe_aux_loss_coeff}
+
+
+def _deepseek_moe(cfg: ModelConfig) -> dict:
+    """DeepSeek-V3's MoE keys (an all-dense model: one unused expert, first_k_dense_replace = layers).
+    HF's DeepseekV3 routes one way only (fivefold.model.hf._deepseek_router): sigmoid scores plus
+    e_score_correction_bias for the choice, a group scored by its top 2, shared experts always on."""
+    if not cfg.is_moe:
+        return {"n_routed_experts": 1, "first_k_dense_replace": cfg.num_layers, "n_shared_experts": 1,
+                "num_experts_per_tok": 1, "moe_intermediate_size": cfg.ffn_size}
+    f, shared, k = cfg.moe_ffn_hidden_size or cfg.ffn_size, cfg.moe_shared_expert_intermediate_size, cfg.moe_router_topk
+    groups, chosen = cfg.moe_router_num_groups or 1, cfg.moe_router_group_topk or 1
+    needs = {"moe_router_score_function='sigmoid'": cfg.moe_router_score_function == "sigmoid",
+             "moe_router_enable_expert_bias (HF's e_score_correction_bias)": cfg.moe_router_enable_expert_bias,
+             f"shared experts a multiple of moe_ffn_hidden_size={f} wide": bool(shared) and shared % f == 0,
+             "moe_router_topk // moe_router_group_topk = 2 with groups (HF scores a group by its top 2)":
+                 groups == 1 or k // chosen == 2,
+             "moe_router_topk > 1 or moe_router_pre_softmax (HF renormalises a single weight to 1)":
+                 k > 1 or cfg.moe_router_pre_softmax}
+    missing = [what for what, ok in needs.items() if not ok]
+    if missing:
+        raise NotImplementedYet(f"Hugging Face export of this MLA MoE as DeepSeek-V3, which needs {'; '.join(missing)}")
+    return {"n_routed_experts": cfg.num_experts, "num_experts_per_tok": k, "moe_intermediate_size": f,
+            "n_shared_experts": shared // f, "first_k_dense_replace": cfg.moe_first_k_dense_layers,
+            "n_group": groups, "topk_group": chosen, "norm_topk_prob": not cfg.moe_router_pre_softmax,
+            "routed_scaling_factor": cfg.moe_router_topk_scaling_factor or 1.0, "scoring_func": "sigmoid",
+            "topk_method": "noaux_tc"}
 
 
 def _olmoe(cfg: ModelConfig, out: dict) -> dict:

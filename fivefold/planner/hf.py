@@ -1,8 +1,9 @@
 """A local Hugging Face config.json -> our canonical `ModelConfig`.
 
 Reads the keys of the Llama / Mistral / Mixtral / Qwen2 / Qwen3 (dense and MoE) / OLMoE /
-DeepSeek-V2 / DeepSeek-V3 / Kimi-K2 / GLM-4.5 families. Anything our model cannot express (an MoE
-layer pattern other than "first k dense, the rest MoE") is refused with the key that says so.
+DeepSeek-V2 / DeepSeek-V3 / Kimi-K2 / GLM-4.5 families (DeepSeek-V3's router: `_noaux_tc_router`).
+Anything our model cannot express (an MoE layer pattern other than "first k dense, the rest MoE")
+is refused with the key that says so.
 """
 from __future__ import annotations
 
@@ -18,6 +19,22 @@ def _need(cfg: dict, key: str, path: str):
         raise UserError(f"{path}: config.json has no {key!r}; is this a decoder LM config "
                         "(Llama, Mixtral, Qwen2/3(-MoE), DeepSeek-V2/V3)?")
     return cfg[key]
+
+
+DEEPSEEK_V3 = ("deepseek_v3", "kimi_k2")
+"""model_types whose MoE layers route as DeepSeek-V3 (topk_method noaux_tc; Moonlight is deepseek_v3)."""
+
+
+def _noaux_tc_router(cfg: dict, path: str) -> dict:
+    """DeepSeek-V3's router: sigmoid scores, e_score_correction_bias (our expert bias) added for the
+    choice only, n_group groups of which each token takes topk_group, top-k renormalised with
+    norm_topk_prob, times routed_scaling_factor. One group (Moonlight, Kimi-K2) is no group limit."""
+    groups = int(_need(cfg, "n_group", path))
+    return dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                moe_router_pre_softmax=not _need(cfg, "norm_topk_prob", path),
+                moe_router_topk_scaling_factor=float(_need(cfg, "routed_scaling_factor", path)),
+                moe_router_num_groups=groups if groups > 1 else None,
+                moe_router_group_topk=int(_need(cfg, "topk_group", path)) if groups > 1 else None)
 
 
 def model_from_hf_dict(cfg: dict, path: str = "config.json") -> ModelConfig:
@@ -59,6 +76,8 @@ def model_from_hf_dict(cfg: dict, path: str = "config.json") -> ModelConfig:
                   moe_ffn_hidden_size=moe_ffn, moe_shared_expert_intermediate_size=shared or None,
                   moe_first_k_dense_layers=first_dense,
                   moe_router_score_function=str(cfg.get("scoring_func", "softmax")))
+        if cfg.get("model_type") in DEEPSEEK_V3 or cfg.get("topk_method") == "noaux_tc":
+            kw.update(_noaux_tc_router(cfg, path))
     try:
         return ModelConfig(**kw)
     except (TypeError, ValueError) as e:
