@@ -202,6 +202,32 @@ def test_reference_load_metrics_count_every_assignment(runs):
     assert (runs["root"] / "ref" / "expert_load.png").stat().st_size > 0
 
 
+def test_plot_command_redraws_a_runs_pictures(runs, tmp_path, capsys):
+    """`fivefold plot RUN` draws the loss curve and the expert-load heatmap again from the run's
+    metrics.jsonl; a file that is not a run's metrics, an unknown picture, or a heatmap asked of a run
+    without per-layer loads is refused naming the fix."""
+    from fivefold.cli import main
+
+    ref = runs["root"] / "ref"
+    assert main(["plot", str(ref), "--out", str(tmp_path / "again")]) == 0
+    for png in ("loss.png", "expert_load.png"):
+        assert (tmp_path / "again" / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
+    flat = tmp_path / "flat.jsonl"  # the same run without its per-layer fields
+    flat.write_text("".join(json.dumps({k: v for k, v in m.items() if not k.endswith(("_per_layer", "_per_expert"))})
+                            + "\n" for m in _metrics(ref)))
+    assert main(["plot", str(flat), "--out", str(tmp_path / "flat")]) == 0
+    assert "no expert_load.png" in capsys.readouterr().out
+    assert not (tmp_path / "flat" / "expert_load.png").exists()
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text('{"step": 1, "loss": 2.0}\n{"step": 2,\n')
+    for argv, words in ((["plot", str(flat), "--what", "expert-load"], "--moe-per-layer-logging"),
+                        (["plot", str(ref), "--what", "losses"], "choose from loss, expert-load"),
+                        (["plot", str(broken)], "line 2 is not JSON"),
+                        (["plot", str(tmp_path / "nowhere")], "no such file")):
+        assert main(argv) == 2, argv
+        assert words in capsys.readouterr().err, argv
+
+
 def test_ep2_checkpoint_resumes_at_ep1(runs):
     """The EP2 x EDP2 run's final checkpoint (each expert written once, by its EDP replica 0) loads
     on one process and gives the reference's next loss."""

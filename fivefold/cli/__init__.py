@@ -15,7 +15,8 @@ import sys
 
 from fivefold.errors import UserError
 
-COMMANDS = ["validate", "layout", "train", "schedule", "plan", "estimate", "preprocess", "export", "convert", "rl"]
+COMMANDS = [
+    "validate", "layout", "train", "schedule", "plan", "estimate", "preprocess", "export", "convert", "rl", "plot"]
 
 
 def _load(name: str):

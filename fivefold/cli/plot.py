@@ -1,0 +1,76 @@
+"""`fivefold plot`: draw a run's pictures again from its metrics.jsonl (a run stopped before its end, an
+older run, or one logged on another machine): the loss curve and, when the run logged MoE loads per
+layer (--moe-per-layer-logging), the heatmap of expert load over the steps."""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from fivefold.errors import UserError
+from fivefold.train.metrics import plot_loss_curve
+from fivefold.train.moe_metrics import plot_expert_load
+
+HELP = "draw a run's loss curve and MoE expert-load heatmap from its metrics.jsonl"
+
+PICTURES = ("loss", "expert-load")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run", metavar="RUN", help="a run's output folder (its metrics.jsonl) or a metrics.jsonl file")
+    p.add_argument("--out", metavar="DIR", default=None,
+                   help="folder for loss.png and expert_load.png (default: the run's folder)")
+    p.add_argument("--what", default=None, metavar="LIST",
+                   help=f"comma-separated pictures to draw, of {', '.join(PICTURES)} (default: both; "
+                        "expert-load only where the run logged per-layer loads)")
+    p.add_argument("--title", default="", help="title of the pictures")
+
+
+def _metrics_file(run: str) -> Path:
+    path = Path(run)
+    if path.is_dir():
+        path = path / "metrics.jsonl"
+    if not path.is_file():
+        raise UserError(f"{path}: no such file; give a run's --out folder or its metrics.jsonl")
+    return path
+
+
+def _rows(path: Path) -> list[dict]:
+    rows = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UserError(f"{path}: line {n} is not JSON ({e.msg}); a metrics.jsonl has one JSON object per "
+                            "line, as `fivefold train` writes it") from None
+        if not isinstance(row, dict) or "step" not in row or "loss" not in row:
+            raise UserError(f"{path}: line {n} has no step and loss: not a training run's metrics.jsonl")
+        rows.append(row)
+    if not rows:
+        raise UserError(f"{path}: empty; a training run writes one line per logged step")
+    return rows
+
+
+def run(args: argparse.Namespace, extra: list[str]) -> int:
+    what = PICTURES if args.what is None else [w.strip() for w in args.what.split(",") if w.strip()]
+    if not what or any(w not in PICTURES for w in what):
+        raise UserError(f"--what {args.what!r}: choose from {', '.join(PICTURES)} (comma-separated)")
+    path = _metrics_file(args.run)
+    rows = _rows(path)
+    out = Path(args.out) if args.out else path.parent
+    out.mkdir(parents=True, exist_ok=True)
+    if "loss" in what:
+        print(f"wrote {plot_loss_curve(path, out / 'loss.png', title=args.title)}")
+    if "expert-load" in what:
+        png = plot_expert_load(rows, out / "expert_load.png", title=args.title)
+        if png is not None:
+            print(f"wrote {png}")
+        else:
+            why = (f"{path}: no per-layer MoE loads (moe_tokens_per_expert); train a MoE model with "
+                   "--moe-per-layer-logging (logging.moe_per_layer_logging: true) to log them")
+            if args.what is not None:  # asked for by name
+                raise UserError(why)
+            print(f"no expert_load.png: {why}")
+    return 0
