@@ -4,9 +4,9 @@ layer (--moe-per-layer-logging), the heatmap of expert load over the steps."""
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
+from fivefold.data.sources import json_lines
 from fivefold.errors import UserError
 from fivefold.train.metrics import plot_loss_curve
 from fivefold.train.moe_metrics import plot_expert_load
@@ -37,16 +37,10 @@ def _metrics_file(run: str) -> Path:
 
 def _rows(path: Path) -> list[dict]:
     rows = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise UserError(f"{path}: line {n} is not JSON ({e.msg}); a metrics.jsonl has one JSON object per "
-                            "line, as `fivefold train` writes it") from None
+    for n, row in json_lines(path):
         if not isinstance(row, dict) or "step" not in row or "loss" not in row:
-            raise UserError(f"{path}: line {n} has no step and loss: not a training run's metrics.jsonl")
+            raise UserError(f"{path}:{n}: no step and loss: not a training run's metrics.jsonl (one JSON object "
+                            "per logged step, as `fivefold train` writes it)")
         rows.append(row)
     if not rows:
         raise UserError(f"{path}: empty; a training run writes one line per logged step")

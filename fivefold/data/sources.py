@@ -46,24 +46,30 @@ def resolve_format(path: str | None, fmt: str) -> str:
     return "jsonl" if p.suffix in JSONL_SUFFIXES else "text"
 
 
-def read_jsonl(path: Path, field: str) -> Iterator[str]:
-    """One document per non-empty line: `line[field]`, which must be a string."""
+def json_lines(path: Path) -> Iterator[tuple[int, object]]:
+    """(line number, value) of each non-empty line of a JSON Lines file; a line that is not JSON is
+    refused naming the file and line."""
     with open(path, encoding="utf-8", errors="replace") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
-                record = json.loads(line)
+                yield lineno, json.loads(line)
             except json.JSONDecodeError as e:
                 raise UserError(f"{path}:{lineno}: malformed JSON line ({e.msg}, column {e.colno}); "
                                 "each line must be one JSON object") from None
-            if not isinstance(record, dict) or field not in record:
-                keys = sorted(record) if isinstance(record, dict) else type(record).__name__
-                raise UserError(f"{path}:{lineno}: no field {field!r} (found {keys}); "
-                                "set data.jsonl_field to the field that holds the text") from None
-            if not isinstance(record[field], str):
-                raise UserError(f"{path}:{lineno}: field {field!r} is {type(record[field]).__name__}, not a string")
-            yield record[field]
+
+
+def read_jsonl(path: Path, field: str) -> Iterator[str]:
+    """One document per non-empty line: `line[field]`, which must be a string."""
+    for lineno, record in json_lines(path):
+        if not isinstance(record, dict) or field not in record:
+            keys = sorted(record) if isinstance(record, dict) else type(record).__name__
+            raise UserError(f"{path}:{lineno}: no field {field!r} (found {keys}); "
+                            "set data.jsonl_field to the field that holds the text") from None
+        if not isinstance(record[field], str):
+            raise UserError(f"{path}:{lineno}: field {field!r} is {type(record[field]).__name__}, not a string")
+        yield record[field]
 
 
 def _files(folder: Path, suffix: str | None = None) -> list[Path]:
