@@ -25,6 +25,7 @@ def _config(world: int = 1, **parallel) -> Config:
                                    vocab_size=V, **parallel.pop("model", {})),
                  training=TrainingConfig(seq_length=S, global_batch_size=N, micro_batch_size=2, lr=1e-3, clip_grad=1.0))
     cfg.cluster.world_size = world
+    cfg.logging.moe_per_layer_logging = cfg.model.is_moe  # tokens per expert in train_batch's metrics
     for k, v in parallel.items():
         setattr(cfg.parallel, k, v)
     return cfg
@@ -117,6 +118,12 @@ def test_layouts_equal_one_process(one_process, workers, name):
     for r in results:
         for got, want in zip(r["metrics"], reference["metrics"]):
             close(got["loss"], want["loss"], rtol=5e-6, atol=2e-7, site="engine.layout_loss", case=name)
+            if "model" in parallel:  # MoE: the step's loads are counted over every rank, as one process
+                loads = got["moe_tokens_per_expert"]  # integers: equal exactly (routing cannot flip here)
+                assert loads == want["moe_tokens_per_expert"] and sorted(loads) == ["0", "1"], name
+                assert all(sum(v) == N * S * MOE["moe_router_topk"] for v in loads.values())
+                assert got["moe_load_imbalance"] == want["moe_load_imbalance"] > 1
+                close(got["moe_aux_loss"], want["moe_aux_loss"], rtol=5e-6, site="engine.layout_aux_loss", case=name)
             close(got["grad_norm"], want["grad_norm"], rtol=5e-6, site="engine.layout_grad_norm", case=name)
         if not r["weights"]:  # export_weights under EP or PP is refused (not built)
             continue

@@ -37,11 +37,13 @@ from fivefold.engine.batching import plan
 from fivefold.errors import NotImplementedYet
 from fivefold.model.hf import hf_name
 from fivefold.parallel.context import gather_tokens, split_tokens
-from fivefold.model.moe import update_expert_biases
+from fivefold.model.moe import reset_step_totals, update_expert_biases
 from fivefold.parallel.cross_entropy import vocab_parallel_entropy, vocab_parallel_logprobs
 from fivefold.parallel.tensor import TPMode, mark_sequence_sharded
 from fivefold.runtime import comm
 from fivefold.train.context import RankContext
+from fivefold.train.moe_metrics import moe_record
+from fivefold.train.step import moe_step_totals
 
 
 @dataclass
@@ -220,11 +222,13 @@ class Engine:
         return [batch.rows(b, width=max((lengths[i] for i in b), default=0)) for b in bins]
 
     def train_batch(self, batch: Batch, loss_fn: Callable[[TokenStats, Batch, dict], torch.Tensor], *,
-                    lr: float, micro_batch_size: int | None = None, max_tokens: int | None = None) -> dict[str, float]:
+                    lr: float, micro_batch_size: int | None = None, max_tokens: int | None = None) -> dict:
         """One optimizer step: `loss_fn(stats, micro_batch, totals)` returns the micro-batch's share of
         the loss, dividing by the global totals it is given ({"tokens": masked tokens, "sequences":
         sequences, over every DP rank}); the loss summed over micro-batches and DP ranks is the loss of
-        the whole global batch. Returns the loss and the gradient norm."""
+        the whole global batch. Returns the loss and the gradient norm and, for a MoE model, the step's load
+        metrics as `fivefold train` logs them (moe_aux_loss, moe_load_imbalance, moe_dropped_fraction with
+        a capacity; per layer with logging.moe_per_layer_logging), counted over every rank."""
         dp, mesh = self.parts.dp, self.parts.mesh
         totals = torch.tensor([float(batch.loss_mask.sum()), float(len(batch))], dtype=torch.float64)
         comm.all_reduce_(totals, mesh.dp, tag="engine-totals")
@@ -236,6 +240,7 @@ class Engine:
             mbs_list = [batch.rows(slice(start, start + mbs)) for start in range(0, len(batch), mbs)]
         dp.set_lr(lr)
         dp.zero_grad()
+        reset_step_totals(self.parts.model)
         local = torch.zeros((), dtype=torch.float64)
         if self.parts.pipe is None:
             for i, mb in enumerate(mbs_list):
@@ -261,7 +266,11 @@ class Engine:
         if not skipped:
             dp.step()
         comm.all_reduce_(local, mesh.dp, tag="engine-loss")  # each CP rank holds its DP rank's whole loss
-        return {"loss": float(local), "grad_norm": float("nan") if norm is None else float(norm)}
+        out = {"loss": float(local), "grad_norm": float("nan") if norm is None else float(norm)}
+        totals = moe_step_totals(self.parts)
+        if totals is not None:  # the MoE load metrics `fivefold train` logs (fivefold.train.moe_metrics)
+            out.update(moe_record(totals, self.parts.decoders[0].cfg, self.config.logging.moe_per_layer_logging))
+        return out
 
     # ---- memory between phases ----
     def _tensors(self) -> list[torch.Tensor]:

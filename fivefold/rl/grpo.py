@@ -172,7 +172,8 @@ def run(cfg: Config, g: GRPOConfig, ctx: RankContext) -> list[dict]:
                      "response_length": float(summary[2] / n), "kl": float(summary[4] / tp),
                      "entropy": float(summary[5] / tp), "logprob_mismatch": float(summary[6] / tp),
                      "loss": m["loss"], "grad_norm": m["grad_norm"], "sync_bytes": synced,
-                     "seconds": time.perf_counter() - t0, "warmup_loss": warm[-1] if warm else None})
+                     "seconds": time.perf_counter() - t0, "warmup_loss": warm[-1] if warm else None,
+                     **{k: v for k, v in m.items() if k.startswith("moe_")}})  # a MoE actor's load metrics
     return rows
 
 

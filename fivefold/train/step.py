@@ -100,14 +100,21 @@ def train_step(parts: Parts, batch: StepBatch, *, lr: float, clip_grad: float, d
     depths = cfg.mtp_num_layers or 0  # MTP: its loss summed and divided like the loss, then averaged over depths
     mtp_loss = global_mean(mtp, batch.global_tokens if divisors is None else 1, *loss_groups) / depths \
         if depths else None
-    totals = None
-    if cfg.is_moe:  # every rank's MoE layers' rows (a rank without any adds zeros): DP x CP x TP x PP = world
-        totals = layer_totals(parts.model, cfg.num_layers + depths, cfg.num_experts)
-        for group in (mesh.dp_cp, mesh.group("model-parallel")):
-            comm.all_reduce_(totals, group, tag="moe-metrics")
-        totals = totals.cpu()
-    return StepResult(loss, norm, batch.global_tokens, moe_totals=totals, mtp_loss=mtp_loss, run=run,
-                      skipped=skipped)
+    return StepResult(loss, norm, batch.global_tokens, moe_totals=moe_step_totals(parts), mtp_loss=mtp_loss,
+                      run=run, skipped=skipped)
+
+
+def moe_step_totals(parts: Parts) -> torch.Tensor | None:
+    """MoE: the (layers, 3 + E) totals of the step since `reset_step_totals`, decoder layers then MTP
+    layers, summed over every rank (a rank without some layer adds zeros): DP x CP x TP x PP = world.
+    None for a dense model. Collective over the world."""
+    cfg = parts.decoders[0].cfg
+    if not cfg.is_moe:
+        return None
+    totals = layer_totals(parts.model, cfg.num_layers + (cfg.mtp_num_layers or 0), cfg.num_experts)
+    for group in (parts.mesh.dp_cp, parts.mesh.group("model-parallel")):
+        comm.all_reduce_(totals, group, tag="moe-metrics")
+    return totals.cpu()
 
 
 @torch.no_grad()
