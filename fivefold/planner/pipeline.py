@@ -56,7 +56,13 @@ class PipelineProfile:
 @lru_cache(maxsize=1024)
 def _simulate(schedule: str, pp: int, vpp: int | None, m: int):
     """(makespan in stage times, peak in-flight chunks per rank, chunks per rank, peak B-done-W-pending
-    chunks per rank), equal stages."""
+    chunks per rank), equal stages: the registry's closed form where it has one, else simulated."""
+    kind = REGISTRY[schedule]
+    if kind.equal_stages is not None and kind.rule(pp, vpp, m) is None:
+        chunks = kind.chunks(vpp)
+        makespan, held = kind.equal_stages(pp, chunks, m)
+        none = (0,) * pp
+        return makespan, held, (chunks,) * pp, none, none
     s = build_schedule(schedule, pp, m, vpp)
     r = simulate(s, Costs.per_rank(s, 1 / 3, 1 / 3, 1 / 3), timeline=False)
     pending = [_pending_w(a) for a in s.ranks]
