@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from fivefold.pipeline.schedules import microbatch_problem
 from fivefold.config.schema import ClusterConfig, Config, ModelConfig, ParallelConfig, TrainingConfig
 from fivefold.planner.layout import Plan
 from fivefold.planner.memory import MemoryAssumptions, RankMemory, peak_memory, rank_params, state_bytes_per_param
@@ -128,7 +129,7 @@ def search(model: ModelConfig, hw: Hardware, world: int, gpus_per_node: int, seq
                     if broken or state or too_big:
                         result.dropped.append((cfg, "; ".join(broken) or state or too_big))
                         break
-                    cand = evaluate(cfg, hw, mem, ta, check=mbs != 1 or recompute is not None)
+                    cand = evaluate(cfg, hw, mem, ta, check=_may_break(base, mbs, dp))
                     if cand.problem:
                         result.dropped.append((cfg, cand.problem))
                         if cand.problem.startswith("needs") and recompute == space.recompute[-1]:
@@ -164,6 +165,17 @@ def clear_caches() -> None:
         cache.clear()
     for fn in (pipeline._simulate, space.layer_splits, memory._for_precision):
         fn.cache_clear()
+
+
+def _may_break(base: Config, mbs: int, dp: int) -> bool:
+    """Whether a variant of a valid `base` (micro-batch 1, no recompute) can break a rule: the rules that
+    read the micro-batch are the global batch's divisibility (the search skips those sizes) and the
+    schedule's microbatch rule (`microbatch_problem`, on B / (mbs DP) microbatches); the recompute
+    fields `_variant` writes are valid together. So a full check is needed only where that rule
+    refuses (it then gives the message)."""
+    p, t = base.parallel, base.training
+    return microbatch_problem(p.pipeline_schedule, p.pipeline_model_parallel_size,
+                              p.virtual_pipeline_model_parallel_size, t.global_batch_size // (mbs * dp)) is not None
 
 
 def _variant(base: Config, mbs: int, recompute: str | None, distopt: bool) -> Config:
