@@ -116,24 +116,33 @@ def search(model: ModelConfig, hw: Hardware, world: int, gpus_per_node: int, seq
         for distopt in space.distributed_optimizer:
             # Model state does not depend on the micro-batch or recompute: when it alone does not fit,
             # no variant does. Activations never shrink with a larger micro-batch (the schedule holds
-            # min(k, m) microbatches of m = B/(mbs dp)), so once a micro-batch fits with no recompute
-            # mode, larger ones are dropped for the same reason without being sized.
+            # min(k, m) microbatches of m = B/(mbs dp): mbs min(k, m) never falls), so a recompute mode
+            # that does not fit at one micro-batch is dropped unsized at every larger one, and once no
+            # mode fits, larger micro-batches are dropped whole (one entry each).
             state = None if broken else state_problem(_variant(base, 1, None, distopt), hw, mem)
-            too_big = None
+            failed: dict[str | None, tuple[int, str]] = {}
+            """recompute mode -> (micro-batch, why) where it was sized and did not fit"""
             for mbs in space.micro_batch_sizes:
                 if global_batch % (mbs * dp):
                     continue
                 for recompute in space.recompute:
                     result.tried += 1
                     cfg = _variant(base, mbs, recompute, distopt)
-                    if broken or state or too_big:
-                        result.dropped.append((cfg, "; ".join(broken) or state or too_big))
+                    if broken or state:
+                        result.dropped.append((cfg, "; ".join(broken) or state))
                         break
-                    cand = evaluate(cfg, hw, mem, ta, check=_may_break(base, mbs, dp))
+                    if all(failed.get(r, (mbs,))[0] < mbs for r in space.recompute):  # no mode fits
+                        result.dropped.append((cfg, _larger(*failed[space.recompute[-1]])))
+                        break
+                    check = _may_break(base, mbs, dp)
+                    if recompute in failed and failed[recompute][0] < mbs and not check:
+                        result.dropped.append((cfg, _larger(*failed[recompute])))
+                        continue
+                    cand = evaluate(cfg, hw, mem, ta, check=check)
                     if cand.problem:
                         result.dropped.append((cfg, cand.problem))
-                        if cand.problem.startswith("needs") and recompute == space.recompute[-1]:
-                            too_big = cand.problem
+                        if cand.problem.startswith("needs"):
+                            failed.setdefault(recompute, (mbs, cand.problem))
                         continue
                     result.ranked.append(cand)
                     break  # slower recompute modes than one that fits never win
@@ -165,6 +174,11 @@ def clear_caches() -> None:
         cache.clear()
     for fn in (pipeline._simulate, space.layer_splits, memory._for_precision):
         fn.cache_clear()
+
+
+def _larger(mbs: int, why: str) -> str:
+    """Why a variant is dropped unsized: the same recompute mode did not fit at a smaller micro-batch."""
+    return f"{why} (at micro-batch {mbs}; a larger one holds no less)"
 
 
 def _may_break(base: Config, mbs: int, dp: int) -> bool:
