@@ -84,13 +84,14 @@ def make_config(model: ModelConfig, world: int, gpus_per_node: int, seq: int, gl
 
 
 def evaluate(cfg: Config, hw: Hardware, mem: MemoryAssumptions = MemoryAssumptions(),
-             ta: TimeAssumptions = TimeAssumptions(), check: bool = True) -> Candidate:
-    """Check, size and time one config; `problem` says why it is dropped."""
+             ta: TimeAssumptions = TimeAssumptions(), check: bool = True, plan: Plan | None = None) -> Candidate:
+    """Check, size and time one config (`plan`: its Plan, when the caller has one); `problem` says why
+    it is dropped."""
     if check:
         broken = config_errors(cfg)
         if broken:
             return Candidate(cfg, RankMemory(rank=0), problem="; ".join(broken))
-    plan = Plan(cfg)
+    plan = Plan(cfg) if plan is None or check else plan
     try:
         worst = peak_memory(plan, mem)
     except ValueError as e:
@@ -112,14 +113,15 @@ def search(model: ModelConfig, hw: Hardware, world: int, gpus_per_node: int, seq
         base = make_config(model, world, gpus_per_node, seq, global_batch, precision, parallel,
                            grad_reduce_in_bf16=grad_reduce_in_bf16)
         broken = config_errors(base)
-        dp = Plan(base).dp
+        layout = Plan(base)  # after config_errors: it writes the resolved VPP, schedule and SP back
+        dp = layout.dp
         for distopt in space.distributed_optimizer:
             # Model state does not depend on the micro-batch or recompute: when it alone does not fit,
             # no variant does. Activations never shrink with a larger micro-batch (the schedule holds
             # min(k, m) microbatches of m = B/(mbs dp): mbs min(k, m) never falls), so a recompute mode
             # that does not fit at one micro-batch is dropped unsized at every larger one, and once no
             # mode fits, larger micro-batches are dropped whole (one entry each).
-            state = None if broken else state_problem(_variant(base, 1, None, distopt), hw, mem)
+            state = None if broken else state_problem(_variant(base, 1, None, distopt), hw, mem, layout)
             failed: dict[str | None, tuple[int, str]] = {}
             """recompute mode -> (micro-batch, why) where it was sized and did not fit"""
             for mbs in space.micro_batch_sizes:
@@ -138,7 +140,7 @@ def search(model: ModelConfig, hw: Hardware, world: int, gpus_per_node: int, seq
                     if recompute in failed and failed[recompute][0] < mbs and not check:
                         result.dropped.append((cfg, _larger(*failed[recompute])))
                         continue
-                    cand = evaluate(cfg, hw, mem, ta, check=check)
+                    cand = evaluate(cfg, hw, mem, ta, check=check, plan=layout.with_training(cfg))
                     if cand.problem:
                         result.dropped.append((cfg, cand.problem))
                         if cand.problem.startswith("needs"):
@@ -150,10 +152,12 @@ def search(model: ModelConfig, hw: Hardware, world: int, gpus_per_node: int, seq
     return result
 
 
-def state_problem(cfg: Config, hw: Hardware, mem: MemoryAssumptions = MemoryAssumptions()) -> str | None:
+def state_problem(cfg: Config, hw: Hardware, mem: MemoryAssumptions = MemoryAssumptions(),
+                  layout: Plan | None = None) -> str | None:
     """Why `cfg` cannot fit whatever its activations (weights + gradients + optimizer state, with the
-    allocator overhead and the runtime reserve, exceed the GPU), or None."""
-    plan = Plan(cfg)
+    allocator overhead and the runtime reserve, exceed the GPU), or None (`layout`: a Plan of the same
+    layout, to take its layout-only properties from)."""
+    plan = Plan(cfg) if layout is None else layout.with_training(cfg)
     wd, gd, od = state_bytes_per_param(cfg.training, plan.precision, plan.dp * plan.cp)
     we, ge, oe = state_bytes_per_param(cfg.training, plan.precision, plan.edp)
     for r in range(plan.pp):
