@@ -197,10 +197,16 @@ def _may_break(base: Config, mbs: int, dp: int) -> bool:
 
 
 def _variant(base: Config, mbs: int, recompute: str | None, distopt: bool) -> Config:
-    t = base.training
-    training = TrainingConfig(seq_length=t.seq_length, global_batch_size=t.global_batch_size, micro_batch_size=mbs,
-                              precision=t.precision, recompute_granularity=recompute,
-                              recompute_method="uniform" if recompute == "full" else None,
-                              recompute_num_layers=1 if recompute == "full" else None,
-                              use_distributed_optimizer=distopt, grad_reduce_in_bf16=t.grad_reduce_in_bf16)
-    return Config(cluster=base.cluster, parallel=base.parallel, model=base.model, training=training)
+    """`base` (from `make_config`) with another micro-batch, recompute and optimizer: the fields
+    `make_config` sets, copied rather than re-initialised (neither dataclass has a __post_init__;
+    the search makes one per variant)."""
+    training = object.__new__(TrainingConfig)
+    training.__dict__.update(base.training.__dict__)
+    training.micro_batch_size, training.use_distributed_optimizer = mbs, distopt
+    training.recompute_granularity = recompute
+    training.recompute_method = "uniform" if recompute == "full" else None
+    training.recompute_num_layers = 1 if recompute == "full" else None
+    cfg = object.__new__(Config)
+    cfg.__dict__.update(base.__dict__)
+    cfg.training = training
+    return cfg
