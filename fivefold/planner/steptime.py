@@ -304,9 +304,12 @@ the layer split share their layers' costs (the model is kept alive beside its id
 def _layer_cost(plan: Plan, links: _Links, sizes: dict[str, int], i: int, recomputed: bool, flops_rate: float):
     """(seconds by kind, wire bytes sent by kind) of decoder layer `i` for one microbatch on one rank."""
     m, p = plan.config.model, plan.config.parallel
-    key = (id(m), is_moe_layer(m, i), recomputed, plan.recompute, plan.mbs, plan.seq, plan.precision, plan.tp, plan.sp,
-           plan.cp, p.cp_comm_type, tuple(p.hierarchical_context_parallel_sizes or ()), plan.ep, plan.etp,
-           tuple(links.cross[g] for g in LAYER_GROUPS), links.cross["ep local"], id(links.hw), links.ta, flops_rate)
+    moe = is_moe_layer(m, i)
+    # a dense layer neither computes nor calls anything over EP / ETP: layouts that differ only there share it
+    experts = (plan.ep, plan.etp, links.cross["ep"], links.cross["etp"], links.cross["ep local"]) if moe else ()
+    key = (id(m), moe, recomputed, plan.recompute, plan.mbs, plan.seq, plan.precision, plan.tp, plan.sp,
+           plan.cp, p.cp_comm_type, tuple(p.hierarchical_context_parallel_sizes or ()), links.cross["tp"],
+           links.cross["cp"], links.cross["tp-cp"], experts, id(links.hw), links.ta, flops_rate)
     got = _LAYER_COSTS.get(key)
     if got is None or got[0] is not m or got[1] is not links.hw:
         got = _LAYER_COSTS[key] = (m, links.hw, _layer_cost_of(plan, links, sizes, i, recomputed, flops_rate))
