@@ -249,3 +249,19 @@ def test_closed_form_schedules_change_no_result(monkeypatch):
         assert math.isclose(a.estimate.step_time, b.estimate.step_time, rel_tol=1e-12)
         twin = by_label[a.label]
         assert a.memory == twin.memory and math.isclose(a.estimate.step_time, twin.estimate.step_time, rel_tol=1e-12)
+
+
+def test_spans_nodes_by_arithmetic_equals_listing_the_group():
+    """steptime._spans_nodes reads a group's lowest and highest rank instead of listing it: the same
+    answer as the nodes of every rank of the group, on every group of a grid of layouts and orders."""
+    from fivefold.planner.steptime import _spans_nodes
+    from fivefold.topology import Layout
+    for tp, cp, pp, dp, ep, etp in ((2, 2, 4, 8, 4, 1), (8, 1, 2, 4, 16, 2), (1, 4, 8, 2, 8, 1), (4, 2, 1, 16, 32, 4)):
+        for order in ("tp-cp-ep-dp-pp", "tp-cp-ep-pp-dp", "tp-pp-cp-ep-dp"):
+            lay = Layout(tp=tp, cp=cp, pp=pp, dp=dp, ep=ep, etp=etp, order=order)
+            w = lay.world_size
+            for topo, groups in ((lay.dense, ("tp", "cp", "pp", "cp-dp", "tp-cp")), (lay.expert, ("ep", "etp", "edp"))):
+                for dims in groups:
+                    for gpn in (1, 4, 8, 64):
+                        listed = any(len({r // gpn for r in topo.group(rank, dims)}) > 1 for rank in {0, w - 1})
+                        assert _spans_nodes(topo, dims, w, gpn) == listed, (order, dims, gpn)
