@@ -42,6 +42,8 @@ class SearchResult:
     dropped: list[tuple[Config, str]] = field(default_factory=list)
     """(config, reason) of every layout that breaks a rule or does not fit (`describe` names it)."""
     tried: int = 0
+    sized: int = 0
+    """Layouts whose memory was computed (the rest were dropped by a rule or a bound, unsized)."""
 
 
 def describe(cfg: Config) -> str:
@@ -154,6 +156,7 @@ def _search(model, hw, world, gpus_per_node, seq, global_batch, precision, space
                         result.dropped.append((cfg, _larger(*failed[recompute])))
                         continue
                     cand = evaluate(cfg, hw, mem, ta, check=check, plan=layout.with_training(cfg))
+                    result.sized += cand.problem is None or cand.problem.startswith("needs")
                     if cand.problem:
                         result.dropped.append((cfg, cand.problem))
                         if cand.problem.startswith("needs"):
