@@ -30,6 +30,10 @@ class SearchSpace:
     """Pipeline schedules tried (any of gpipe, 1f1b, interleaved, zb-h1, dualpipev)."""
     cp_comm_types: tuple[str, ...] = ("p2p", "a2a")
     distributed_optimizer: tuple[bool, ...] = (True,)
+    per_stage_splits: bool = False
+    """Also try interleaved layouts whose layers split over PP x VPP only as a per-stage list
+    (Megatron's --pipeline-model-parallel-layout; 61 layers on PP8 x VPP4). Off by default: for a
+    61-layer model every VPP from 2 to layers / PP is such a layout (~10x the search)."""
 
 
 def divisors(n: int) -> list[int]:
@@ -97,7 +101,7 @@ def structures(m: ModelConfig, world: int, gpus_per_node: int, seq: int, space: 
                 dp = rest // pp
                 for ep, etp in _expert_layouts(m, tp, cp, dp):
                     for vpp, schedule in _pipelines(pp, m.num_layers, space):
-                        for split in layer_splits(m.num_layers, pp, vpp):
+                        for split in layer_splits(m.num_layers, pp, vpp, space.per_stage_splits and vpp > 1):
                             for comm in (space.cp_comm_types if cp > 1 else ("p2p",)):
                                 yield dict(tensor_model_parallel_size=tp, sequence_parallel=tp > 1,
                                            context_parallel_size=cp, cp_comm_type=comm,
