@@ -6,8 +6,8 @@ from __future__ import annotations
 import gc
 from dataclasses import dataclass, field
 
-from fivefold.pipeline.schedules import microbatch_problem
 from fivefold.config.schema import ClusterConfig, Config, ModelConfig, ParallelConfig, TrainingConfig
+from fivefold.pipeline.schedules import microbatch_problem
 from fivefold.planner.layout import Plan
 from fivefold.planner.memory import MemoryAssumptions, RankMemory, peak_memory, rank_params, state_bytes_per_param
 from fivefold.planner.presets.hardware import Hardware
