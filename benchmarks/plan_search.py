@@ -5,7 +5,11 @@ under a second of CPU each.
 
 CPU time (`time.process_time`) is the figure to read on a shared machine: wall time grows with the
 other jobs. The first search of each case starts from cold caches (`clear_caches`), as the first
-`fivefold plan` in a process does; the repeats reuse the per-layout caches.
+`fivefold plan` in a process does; the repeats reuse the per-layout caches. The space is the default
+one (VPP up to layers / PP); the row also gives, untimed, what the space of VPP <= 4 (the default
+before 2026-11-24) tries, sizes and fits. "tried" counts every variant (layout x micro-batch x
+recompute) the search meets, "sized" those whose memory it computed (the rest are dropped by a rule
+or a bound without being sized: docs/planner.md), "fit" the ranked ones.
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fivefold.planner.presets import hardware, model_preset  # noqa: E402
 from fivefold.planner.search import clear_caches, search  # noqa: E402
+from fivefold.planner.space import SearchSpace  # noqa: E402
 
 CASES = (("deepseek-v3", "671B"), ("llama3-405b", "405B"))
 
@@ -35,8 +40,11 @@ def main() -> None:
             times.append(time.perf_counter() - t0)
             cpu.append(time.process_time() - c0)
         best = r.ranked[0]
-        print(f"| plan search | {name} {size}, 1024 x h100-sxm, seq 4096, gbs 4096 | {r.tried} layouts sized, "
-              f"{len(r.ranked)} fit | first {cpu[0]:.2f} s CPU ({times[0]:.2f} s wall); again: median "
+        small = search(m, hw, 1024, 8, 4096, 4096, space=SearchSpace(max_vpp=4))
+        print(f"| plan search | {name} {size}, 1024 x h100-sxm, seq 4096, gbs 4096 | {r.tried} layouts tried, "
+              f"{r.sized} sized, {len(r.ranked)} fit (VPP <= 4: {small.tried}, {small.sized}, {len(small.ranked)}) | "
+              f"first {cpu[0]:.2f} s CPU "
+              f"({times[0]:.2f} s wall); again: median "
               f"{statistics.median(cpu[1:]):.2f} s CPU ({statistics.median(times[1:]):.2f} s wall) | "
               f"top: {best.label}, {best.estimate.step_time:.2f} s/step, MFU {best.estimate.mfu:.1%} |")
 

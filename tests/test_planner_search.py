@@ -9,7 +9,7 @@ from fivefold.errors import UserError
 from fivefold.planner.pipeline import bubble_fraction, bubble_stage_times, pipeline_profile, pipeline_time
 from fivefold.planner.memory import MemoryAssumptions
 from fivefold.planner.presets import hardware, model_preset
-from fivefold.planner.search import search
+from fivefold.planner.search import describe, search
 from fivefold.planner.steptime import TimeAssumptions
 from fivefold.planner.validity import config_errors
 
@@ -139,7 +139,8 @@ def test_search_caches_give_the_uncached_result(name, gpus, schedules):
     assert [_snapshot(c) for c in cold.ranked] == [_snapshot(c) for c in warm.ranked]
     assert cold.dropped == warm.dropped and cold.tried == warm.tried
     picks = warm.ranked[::max(1, len(warm.ranked) // 25)]
-    too_big = [(cfg, why) for cfg, why in warm.dropped if why.startswith("needs") and "model state" not in why]
+    too_big = [(cfg, why) for cfg, why in warm.dropped if why.startswith("needs") and "model state" not in why
+               and "a larger one holds no less" not in why]  # dropped unsized: test_search_equals_exhaustive
     assert picks and too_big
     for c in picks:
         clear_caches()
@@ -174,3 +175,93 @@ def test_compare_places_a_named_layout_in_the_ranking(capsys):
     out = capsys.readouterr().out
     assert re.search(r'Compared "tp8 pp2 rc-full": rank \d+ of \d+, [\d.]+x the top choice', out)
     assert "layout: TP8+SP PP2 DP1 mbs1 rc-full" in out
+
+
+def _exhaustive(m, hw, gpus, seq, batch, space):
+    """The ranking by its definition, nothing pruned or skipped: every variant of every layout checked
+    by every rule and sized; per (layout, optimizer, micro-batch) the first recompute mode of the
+    space's order that fits is ranked (slower modes never win), timed; the rest are dropped."""
+    from fivefold.planner.search import _variant, evaluate, make_config
+    from fivefold.planner.space import structures
+    ranked, dropped = [], []
+    for parallel in structures(m, gpus, 8, seq, space):
+        base = make_config(m, gpus, 8, seq, batch, "bf16", parallel)
+        for distopt in space.distributed_optimizer:
+            for mbs in space.micro_batch_sizes:
+                fits = None
+                for recompute in space.recompute:
+                    cfg = _variant(base, mbs, recompute, distopt)
+                    cand = evaluate(cfg, hw, check=True)
+                    if cand.problem or fits:
+                        dropped.append(cand.label)
+                    else:
+                        fits = cand
+                        ranked.append(cand)
+    ranked.sort(key=lambda c: c.estimate.step_time)
+    return ranked, set(dropped)
+
+
+@pytest.mark.parametrize("name,gpus,batch,schedules", [
+    ("moonlight-16b-a3b", 32, 256, ("gpipe", "1f1b", "interleaved", "zb-h1", "dualpipev")),  # MoE, every schedule
+    ("llama3-70b", 64, 256, ("1f1b", "interleaved")),  # dense, uneven splits, VPP up to layers / PP
+    ("deepseek-v3", 256, 1024, ("1f1b", "interleaved")),  # MLA, 61 layers, 256 experts
+])
+def test_search_equals_exhaustive(name, gpus, batch, schedules):
+    """The search prunes (a layout whose model state cannot fit, a recompute mode that did not fit at a
+    smaller micro-batch, rules a variant cannot break), caches, and reads closed-form schedules: its
+    ranked list equals the exhaustive evaluation's exactly (layouts, order, every memory and time
+    figure: `_snapshot`), and everything it drops unsized is dropped there too."""
+    from fivefold.planner.search import clear_caches
+    from fivefold.planner.space import SearchSpace
+    hw, m = hardware("h100-sxm"), model_preset(name).model
+    space = SearchSpace(schedules=schedules)
+    clear_caches()
+    fast = search(m, hw, gpus, 8, 4096, batch, space=space)
+    clear_caches()
+    ranked, dropped = _exhaustive(m, hw, gpus, 4096, batch, space)
+    assert [_snapshot(c) for c in fast.ranked] == [_snapshot(c) for c in ranked]
+    assert {describe(cfg) for cfg, _ in fast.dropped} <= dropped
+    assert any("a larger one holds no less" in why for _, why in fast.dropped)  # the pruning ran
+
+
+def test_closed_form_schedules_change_no_result(monkeypatch):
+    """The search with every schedule simulated (as before the registry had closed forms) finds the
+    same layouts with the same memory exactly (in-flight counts are integers) and the same times up
+    to the simulator's float sums of thirds (1e-12 relative); the order may differ only between
+    layouts whose times are equal to that precision (GPipe and 1F1B tie exactly: same bubble)."""
+    import dataclasses
+    import math
+    from fivefold.pipeline.schedules import REGISTRY
+    from fivefold.planner.search import clear_caches
+    from fivefold.planner.space import SearchSpace
+    hw, m = hardware("h100-sxm"), model_preset("llama3-70b").model
+    space = SearchSpace(schedules=("gpipe", "1f1b", "interleaved"))
+    clear_caches()
+    closed = search(m, hw, 64, 8, 4096, 256, space=space).ranked
+    for name in ("gpipe", "1f1b", "interleaved"):
+        monkeypatch.setitem(REGISTRY, name, dataclasses.replace(REGISTRY[name], equal_stages=None))
+    clear_caches()
+    simulated = search(m, hw, 64, 8, 4096, 256, space=space).ranked
+    clear_caches()
+    assert len(closed) == len(simulated)
+    by_label = {c.label: c for c in simulated}
+    for a, b in zip(closed, simulated):
+        assert math.isclose(a.estimate.step_time, b.estimate.step_time, rel_tol=1e-12)
+        twin = by_label[a.label]
+        assert a.memory == twin.memory and math.isclose(a.estimate.step_time, twin.estimate.step_time, rel_tol=1e-12)
+
+
+def test_spans_nodes_by_arithmetic_equals_listing_the_group():
+    """steptime._spans_nodes reads a group's lowest and highest rank instead of listing it: the same
+    answer as the nodes of every rank of the group, on every group of a grid of layouts and orders."""
+    from fivefold.planner.steptime import _spans_nodes
+    from fivefold.topology import Layout
+    for tp, cp, pp, dp, ep, etp in ((2, 2, 4, 8, 4, 1), (8, 1, 2, 4, 16, 2), (1, 4, 8, 2, 8, 1), (4, 2, 1, 16, 32, 4)):
+        for order in ("tp-cp-ep-dp-pp", "tp-cp-ep-pp-dp", "tp-pp-cp-ep-dp"):
+            lay = Layout(tp=tp, cp=cp, pp=pp, dp=dp, ep=ep, etp=etp, order=order)
+            w = lay.world_size
+            for topo, groups in ((lay.dense, ("tp", "cp", "pp", "cp-dp", "tp-cp")), (lay.expert, ("ep", "etp", "edp"))):
+                for dims in groups:
+                    for gpn in (1, 4, 8, 64):
+                        listed = any(len({r // gpn for r in topo.group(rank, dims)}) > 1 for rank in {0, w - 1})
+                        assert _spans_nodes(topo, dims, w, gpn) == listed, (order, dims, gpn)

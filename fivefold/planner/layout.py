@@ -51,6 +51,12 @@ _GROUPS: dict[tuple, tuple] = {}
 micro-batch / optimizer variants, so the grouping is computed once per split, not once per Plan."""
 
 
+_LAYOUT_ONLY = ("p", "tp", "sp", "cp", "pp", "vpp", "ep", "etp", "world", "dp", "edp", "schedule", "placement")
+"""Plan properties read from the cluster, model and parallel sections only, computed once per layout
+for `Plan.with_training` (not `rank_chunks`: the layer groupings are cached by split, so most layouts
+never read it)."""
+
+
 @dataclass(frozen=True)
 class Plan:
     """The resolved layout, batch and precision of one config."""
@@ -166,6 +172,18 @@ class Plan:
         if entry is None or entry[0] is not self.config.model:
             entry = _GROUPS[self.layer_key] = (self.config.model, {})
         return entry[1]
+
+    def with_training(self, config: Config) -> "Plan":
+        """The Plan of `config`, whose cluster, model and parallel sections are this one's (the same
+        objects) and whose training section differs: what depends on the layout alone is taken from
+        here (the search evaluates each layout under several micro-batch / recompute variants)."""
+        plan = Plan(config)
+        plan.__dict__.update(self._layout_only)
+        return plan
+
+    @cached_property
+    def _layout_only(self) -> dict:
+        return {k: getattr(self, k) for k in _LAYOUT_ONLY}
 
     def layer_groups(self, rank: int) -> list[tuple[int, bool, int]]:
         """`rank`'s layers grouped by what their cost depends on: (a representative layer index,

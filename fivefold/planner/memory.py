@@ -200,6 +200,9 @@ class _Ranks:
                                         runtime_reserve=assume.runtime_reserve, traits=traits)
         # ranks of the same shape (layers by kind, ends) hold the same per-microbatch state
         self.shapes = plan.rank_shapes
+        training = plan.config.training  # bytes per dense / expert parameter: the same on every rank
+        self.state_bytes = (state_bytes_per_param(training, plan.precision, plan.dp * plan.cp),
+                            state_bytes_per_param(training, plan.precision, plan.edp))
 
     def candidates(self) -> list[int]:
         """The ranks that can hold the most memory, ascending: a rank is left out when an earlier rank
@@ -230,8 +233,7 @@ class _Ranks:
         rm = RankMemory(rank=r)
         detail, per_mb, transient, joins, bwd = _layers(plan, self.shapes[r][0], r, self.sh, traits)
         dense, expert = rank_params(plan, r)
-        wd, gd, od = state_bytes_per_param(training, prec, plan.dp * plan.cp)
-        we, ge, oe = state_bytes_per_param(training, prec, plan.edp)
+        (wd, gd, od), (we, ge, oe) = self.state_bytes
         rm.params = dense + expert
         rm.weights, rm.grads, rm.optimizer = dense * wd + expert * we, dense * gd + expert * ge, dense * od + expert * oe
         if training.sharding_strategy in ("optim_grads", "optim_grads_params"):

@@ -3,9 +3,11 @@ model, timed by the step-time model, ranked by step time. Layouts that break a r
 are kept with the reason."""
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass, field
 
 from fivefold.config.schema import ClusterConfig, Config, ModelConfig, ParallelConfig, TrainingConfig
+from fivefold.pipeline.schedules import microbatch_problem
 from fivefold.planner.layout import Plan
 from fivefold.planner.memory import MemoryAssumptions, RankMemory, peak_memory, rank_params, state_bytes_per_param
 from fivefold.planner.presets.hardware import Hardware
@@ -40,6 +42,8 @@ class SearchResult:
     dropped: list[tuple[Config, str]] = field(default_factory=list)
     """(config, reason) of every layout that breaks a rule or does not fit (`describe` names it)."""
     tried: int = 0
+    sized: int = 0
+    """Layouts whose memory was computed (the rest were dropped by a rule or a bound, unsized)."""
 
 
 def describe(cfg: Config) -> str:
@@ -83,13 +87,14 @@ def make_config(model: ModelConfig, world: int, gpus_per_node: int, seq: int, gl
 
 
 def evaluate(cfg: Config, hw: Hardware, mem: MemoryAssumptions = MemoryAssumptions(),
-             ta: TimeAssumptions = TimeAssumptions(), check: bool = True) -> Candidate:
-    """Check, size and time one config; `problem` says why it is dropped."""
+             ta: TimeAssumptions = TimeAssumptions(), check: bool = True, plan: Plan | None = None) -> Candidate:
+    """Check, size and time one config (`plan`: its Plan, when the caller has one); `problem` says why
+    it is dropped."""
     if check:
         broken = config_errors(cfg)
         if broken:
             return Candidate(cfg, RankMemory(rank=0), problem="; ".join(broken))
-    plan = Plan(cfg)
+    plan = Plan(cfg) if plan is None or check else plan
     try:
         worst = peak_memory(plan, mem)
     except ValueError as e:
@@ -106,33 +111,56 @@ def search(model: ModelConfig, hw: Hardware, world: int, gpus_per_node: int, seq
            ta: TimeAssumptions = TimeAssumptions(), grad_reduce_in_bf16: bool = False) -> SearchResult:
     """Every layout of `space` for `model` on `world` GPUs, fitting ones ranked fastest first
     (`grad_reduce_in_bf16`: the runtime's gradient dtype, `runtime.Runtime`)."""
+    collecting = gc.isenabled()
+    gc.disable()  # reference counting frees what the search drops; the collector's passes over the
+    try:          # growing heap of candidates were 5-15% of a 1024-GPU search
+        return _search(model, hw, world, gpus_per_node, seq, global_batch, precision, space, mem, ta,
+                       grad_reduce_in_bf16)
+    finally:
+        if collecting:
+            gc.enable()
+
+
+def _search(model, hw, world, gpus_per_node, seq, global_batch, precision, space, mem, ta,
+            grad_reduce_in_bf16) -> SearchResult:
     result = SearchResult(ranked=[])
     for parallel in structures(model, world, gpus_per_node, seq, space):
         base = make_config(model, world, gpus_per_node, seq, global_batch, precision, parallel,
                            grad_reduce_in_bf16=grad_reduce_in_bf16)
         broken = config_errors(base)
-        dp = Plan(base).dp
+        layout = Plan(base)  # after config_errors: it writes the resolved VPP, schedule and SP back
+        dp = layout.dp
         for distopt in space.distributed_optimizer:
             # Model state does not depend on the micro-batch or recompute: when it alone does not fit,
             # no variant does. Activations never shrink with a larger micro-batch (the schedule holds
-            # min(k, m) microbatches of m = B/(mbs dp)), so once a micro-batch fits with no recompute
-            # mode, larger ones are dropped for the same reason without being sized.
-            state = None if broken else state_problem(_variant(base, 1, None, distopt), hw, mem)
-            too_big = None
+            # min(k, m) microbatches of m = B/(mbs dp): mbs min(k, m) never falls), so a recompute mode
+            # that does not fit at one micro-batch is dropped unsized at every larger one, and once no
+            # mode fits, larger micro-batches are dropped whole (one entry each).
+            state = None if broken else state_problem(_variant(base, 1, None, distopt), hw, mem, layout)
+            failed: dict[str | None, tuple[int, str]] = {}
+            """recompute mode -> (micro-batch, why) where it was sized and did not fit"""
             for mbs in space.micro_batch_sizes:
                 if global_batch % (mbs * dp):
                     continue
                 for recompute in space.recompute:
                     result.tried += 1
                     cfg = _variant(base, mbs, recompute, distopt)
-                    if broken or state or too_big:
-                        result.dropped.append((cfg, "; ".join(broken) or state or too_big))
+                    if broken or state:
+                        result.dropped.append((cfg, "; ".join(broken) or state))
                         break
-                    cand = evaluate(cfg, hw, mem, ta, check=mbs != 1 or recompute is not None)
+                    if all(failed.get(r, (mbs,))[0] < mbs for r in space.recompute):  # no mode fits
+                        result.dropped.append((cfg, _larger(*failed[space.recompute[-1]])))
+                        break
+                    check = _may_break(base, mbs, dp)
+                    if recompute in failed and failed[recompute][0] < mbs and not check:
+                        result.dropped.append((cfg, _larger(*failed[recompute])))
+                        continue
+                    cand = evaluate(cfg, hw, mem, ta, check=check, plan=layout.with_training(cfg))
+                    result.sized += cand.problem is None or cand.problem.startswith("needs")
                     if cand.problem:
                         result.dropped.append((cfg, cand.problem))
-                        if cand.problem.startswith("needs") and recompute == space.recompute[-1]:
-                            too_big = cand.problem
+                        if cand.problem.startswith("needs"):
+                            failed.setdefault(recompute, (mbs, cand.problem))
                         continue
                     result.ranked.append(cand)
                     break  # slower recompute modes than one that fits never win
@@ -140,10 +168,12 @@ def search(model: ModelConfig, hw: Hardware, world: int, gpus_per_node: int, seq
     return result
 
 
-def state_problem(cfg: Config, hw: Hardware, mem: MemoryAssumptions = MemoryAssumptions()) -> str | None:
+def state_problem(cfg: Config, hw: Hardware, mem: MemoryAssumptions = MemoryAssumptions(),
+                  layout: Plan | None = None) -> str | None:
     """Why `cfg` cannot fit whatever its activations (weights + gradients + optimizer state, with the
-    allocator overhead and the runtime reserve, exceed the GPU), or None."""
-    plan = Plan(cfg)
+    allocator overhead and the runtime reserve, exceed the GPU), or None (`layout`: a Plan of the same
+    layout, to take its layout-only properties from)."""
+    plan = Plan(cfg) if layout is None else layout.with_training(cfg)
     wd, gd, od = state_bytes_per_param(cfg.training, plan.precision, plan.dp * plan.cp)
     we, ge, oe = state_bytes_per_param(cfg.training, plan.precision, plan.edp)
     for r in range(plan.pp):
@@ -166,11 +196,33 @@ def clear_caches() -> None:
         fn.cache_clear()
 
 
+def _larger(mbs: int, why: str) -> str:
+    """Why a variant is dropped unsized: the same recompute mode did not fit at a smaller micro-batch."""
+    return f"{why} (at micro-batch {mbs}; a larger one holds no less)"
+
+
+def _may_break(base: Config, mbs: int, dp: int) -> bool:
+    """Whether a variant of a valid `base` (micro-batch 1, no recompute) can break a rule: the rules that
+    read the micro-batch are the global batch's divisibility (the search skips those sizes) and the
+    schedule's microbatch rule (`microbatch_problem`, on B / (mbs DP) microbatches); the recompute
+    fields `_variant` writes are valid together. So a full check is needed only where that rule
+    refuses (it then gives the message)."""
+    p, t = base.parallel, base.training
+    return microbatch_problem(p.pipeline_schedule, p.pipeline_model_parallel_size,
+                              p.virtual_pipeline_model_parallel_size, t.global_batch_size // (mbs * dp)) is not None
+
+
 def _variant(base: Config, mbs: int, recompute: str | None, distopt: bool) -> Config:
-    t = base.training
-    training = TrainingConfig(seq_length=t.seq_length, global_batch_size=t.global_batch_size, micro_batch_size=mbs,
-                              precision=t.precision, recompute_granularity=recompute,
-                              recompute_method="uniform" if recompute == "full" else None,
-                              recompute_num_layers=1 if recompute == "full" else None,
-                              use_distributed_optimizer=distopt, grad_reduce_in_bf16=t.grad_reduce_in_bf16)
-    return Config(cluster=base.cluster, parallel=base.parallel, model=base.model, training=training)
+    """`base` (from `make_config`) with another micro-batch, recompute and optimizer: the fields
+    `make_config` sets, copied rather than re-initialised (neither dataclass has a __post_init__;
+    the search makes one per variant)."""
+    training = object.__new__(TrainingConfig)
+    training.__dict__.update(base.training.__dict__)
+    training.micro_batch_size, training.use_distributed_optimizer = mbs, distopt
+    training.recompute_granularity = recompute
+    training.recompute_method = "uniform" if recompute == "full" else None
+    training.recompute_num_layers = 1 if recompute == "full" else None
+    cfg = object.__new__(Config)
+    cfg.__dict__.update(base.__dict__)
+    cfg.training = training
+    return cfg

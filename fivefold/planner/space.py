@@ -1,5 +1,6 @@
 """The layouts the search tries: every TP x CP x PP x DP factorisation of the GPUs, EP and ETP
-(MoE folding), VPP and schedule, the layer split, micro-batch size, recompute, distributed optimizer.
+(MoE folding), VPP (2 up to layers / PP, where the layers split: `layer_splits`) and schedule, the
+layer split, micro-batch size, recompute, distributed optimizer.
 
 Left out of the search, because under the cost model they never win (`fivefold estimate` still
 evaluates them): SP off with TP > 1 (same bytes as SP on, more memory); the distributed optimizer
@@ -22,11 +23,17 @@ class SearchSpace:
     micro_batch_sizes: tuple[int, ...] = (1, 2, 4)
     recompute: tuple[str | None, ...] = (None, "selective", "full")
     max_cp: int = 16
-    max_vpp: int = 4
+    max_vpp: int | None = None
+    """Largest VPP (model chunks per pipeline rank) tried; None = layers / PP (one layer per virtual
+    stage), as published runs go up to VPP 24. Only VPPs with a split `layer_splits` finds are tried."""
     schedules: tuple[str, ...] = ("1f1b", "interleaved")
     """Pipeline schedules tried (any of gpipe, 1f1b, interleaved, zb-h1, dualpipev)."""
     cp_comm_types: tuple[str, ...] = ("p2p", "a2a")
     distributed_optimizer: tuple[bool, ...] = (True,)
+    per_stage_splits: bool = False
+    """Also try interleaved layouts whose layers split over PP x VPP only as a per-stage list
+    (Megatron's --pipeline-model-parallel-layout; 61 layers on PP8 x VPP4). Off by default: for a
+    61-layer model every VPP from 2 to layers / PP is such a layout (~10x the search)."""
 
 
 def divisors(n: int) -> list[int]:
@@ -94,7 +101,7 @@ def structures(m: ModelConfig, world: int, gpus_per_node: int, seq: int, space: 
                 dp = rest // pp
                 for ep, etp in _expert_layouts(m, tp, cp, dp):
                     for vpp, schedule in _pipelines(pp, m.num_layers, space):
-                        for split in layer_splits(m.num_layers, pp, vpp):
+                        for split in layer_splits(m.num_layers, pp, vpp, space.per_stage_splits and vpp > 1):
                             for comm in (space.cp_comm_types if cp > 1 else ("p2p",)):
                                 yield dict(tensor_model_parallel_size=tp, sequence_parallel=tp > 1,
                                            context_parallel_size=cp, cp_comm_type=comm,
@@ -119,5 +126,6 @@ def _pipelines(pp: int, num_layers: int, space: SearchSpace):
         yield 1, "1f1b"
         return
     for name in (n for n in REGISTRY if n in space.schedules):  # the registry's order
-        for v in REGISTRY[name].planner_vpps(pp, num_layers, space.max_vpp):
+        cap = num_layers // pp if space.max_vpp is None else space.max_vpp
+        for v in REGISTRY[name].planner_vpps(pp, num_layers, cap):
             yield v, name

@@ -30,7 +30,7 @@ from fivefold.planner.memory import rank_params
 from fivefold.planner.params import is_moe_layer, layer_params
 from fivefold.planner.pipeline import bubble_fraction, pipeline_time
 from fivefold.planner.presets.hardware import Hardware
-from fivefold.topology import Layout
+from fivefold.topology import Layout, Topology, parse_order
 
 
 @dataclass(frozen=True)
@@ -93,9 +93,16 @@ class StepEstimate:
         return sum(self.parts.get(k, 0.0) for k in ("tp", "cp", "ep", "pp", "dp")) / self.step_time
 
 
-def _spans_nodes(groups_of, dims: str, world: int, gpn: int) -> bool:
+def _spans_nodes(topo: Topology, dims: str, world: int, gpn: int) -> bool:
+    """Whether the group over `dims` of rank 0 or of the last rank holds ranks of two nodes. Its ranks
+    lie between its lowest (every coordinate over `dims` 0) and its highest, so it does exactly when
+    those two do: arithmetic, never listing a 512-rank DP group."""
+    names = parse_order(dims)
     for rank in {0, world - 1}:
-        if len({r // gpn for r in groups_of(rank, dims)}) > 1:
+        c = topo.coords(rank)
+        low = rank - sum(c[d] * topo.strides[d] for d in names)
+        high = low + sum((topo.sizes[d] - 1) * topo.strides[d] for d in names)
+        if low // gpn != high // gpn:
             return True
     return False
 
@@ -114,12 +121,12 @@ class _Links:
         lay = Layout(tp=plan.tp, cp=plan.cp, pp=plan.pp, dp=plan.dp, ep=plan.ep, etp=plan.etp,
                      order=plan.config.parallel.order)
         d, e, w = lay.dense, lay.expert, plan.world
-        self.cross = _CROSS[key] = {"tp": _spans_nodes(d.group, "tp", w, gpn), "cp": _spans_nodes(d.group, "cp", w, gpn),
-                      "pp": _spans_nodes(d.group, "pp", w, gpn), "dp": _spans_nodes(d.group, "cp-dp", w, gpn),
-                      "ep": _spans_nodes(e.group, "ep", w, gpn), "etp": _spans_nodes(e.group, "etp", w, gpn),
-                      "edp": _spans_nodes(e.group, "edp", w, gpn)}
+        self.cross = _CROSS[key] = {"tp": _spans_nodes(d, "tp", w, gpn), "cp": _spans_nodes(d, "cp", w, gpn),
+                      "pp": _spans_nodes(d, "pp", w, gpn), "dp": _spans_nodes(d, "cp-dp", w, gpn),
+                      "ep": _spans_nodes(e, "ep", w, gpn), "etp": _spans_nodes(e, "etp", w, gpn),
+                      "edp": _spans_nodes(e, "edp", w, gpn)}
         self.cross["embedding"] = self.cross["pp"]  # the first and last pipeline ranks
-        self.cross["tp-cp"] = _spans_nodes(d.group, "tp-cp", w, gpn)
+        self.cross["tp-cp"] = _spans_nodes(d, "tp-cp", w, gpn)
         self.cross["ep local"] = sum(1 for r in e.group(0, "ep") if r // gpn == 0)  # EP peers in rank 0's node
 
     def name(self, g: str) -> str:
@@ -304,9 +311,12 @@ the layer split share their layers' costs (the model is kept alive beside its id
 def _layer_cost(plan: Plan, links: _Links, sizes: dict[str, int], i: int, recomputed: bool, flops_rate: float):
     """(seconds by kind, wire bytes sent by kind) of decoder layer `i` for one microbatch on one rank."""
     m, p = plan.config.model, plan.config.parallel
-    key = (id(m), is_moe_layer(m, i), recomputed, plan.recompute, plan.mbs, plan.seq, plan.precision, plan.tp, plan.sp,
-           plan.cp, p.cp_comm_type, tuple(p.hierarchical_context_parallel_sizes or ()), plan.ep, plan.etp,
-           tuple(links.cross[g] for g in LAYER_GROUPS), links.cross["ep local"], id(links.hw), links.ta, flops_rate)
+    moe = is_moe_layer(m, i)
+    # a dense layer neither computes nor calls anything over EP / ETP: layouts that differ only there share it
+    experts = (plan.ep, plan.etp, links.cross["ep"], links.cross["etp"], links.cross["ep local"]) if moe else ()
+    key = (id(m), moe, recomputed, plan.recompute, plan.mbs, plan.seq, plan.precision, plan.tp, plan.sp,
+           plan.cp, p.cp_comm_type, tuple(p.hierarchical_context_parallel_sizes or ()), links.cross["tp"],
+           links.cross["cp"], links.cross["tp-cp"], experts, id(links.hw), links.ta, flops_rate)
     got = _LAYER_COSTS.get(key)
     if got is None or got[0] is not m or got[1] is not links.hw:
         got = _LAYER_COSTS[key] = (m, links.hw, _layer_cost_of(plan, links, sizes, i, recomputed, flops_rate))
