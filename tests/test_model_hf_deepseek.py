@@ -8,8 +8,11 @@ transformers' DeepseekV3ForCausalLM, fp32 on CPU, random small configs written b
   routed_scaling_factor 2.5, or one group (Moonlight, Kimi-K2) without renormalisation;
 - export: import -> `fivefold export` gives HF's tensors back bit for bit (the fp32 bias included) and
   a config.json from which transformers builds the same model (its logits equal the original's);
-- multi-token prediction layers in the folder (model.layers.<num_hidden_layers>.*) are skipped with a
-  note; kimi_k2 reads as deepseek_v3; routing HF computes otherwise than we do is refused naming the key.
+- multi-token prediction: the MTP module stored as model.layers.<num_hidden_layers>.* imports
+  (num_nextn_predict_layers -> mtp_num_layers) and its loss and gradients equal DeepSeek-V3's formula on
+  transformers' modules (transformers itself does not run MTP), export writes it back bit for bit, copies
+  of the embedding / output layer that differ are refused, layers past the declared ones are skipped
+  with a note; kimi_k2 reads as deepseek_v3; routing HF computes otherwise than we do is refused naming the key.
 """
 from __future__ import annotations
 
@@ -205,19 +208,149 @@ def _with_mtp_layer(src, dst, cfg: ModelConfig):
     (dst / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
 
 
-def test_mtp_layers_are_skipped_with_a_note(saved, tmp_path, capsys):
+def _set_config(folder, **keys):
+    path = folder / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **keys}))
+
+
+def test_layers_past_the_declared_mtp_ones_are_skipped_with_a_note(saved, tmp_path, capsys):
+    """A folder whose config declares no MTP layers (num_nextn_predict_layers 0) but holds one: the main
+    model loads without it, with a note; one that declares an MTP layer but holds none (the saved folders:
+    transformers' default declares 1) imports without MTP and without a note."""
     from fivefold.config.load import load_config
 
     folder, theirs = saved["one-group"]
+    assert json.loads((folder / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    assert config_from_hf(folder).mtp_num_layers is None
     cfg = config_from_hf(folder)
     _with_mtp_layer(folder, tmp_path / "mtp", cfg)
+    _set_config(tmp_path / "mtp", num_nextn_predict_layers=0)
     ours = load_hf(tmp_path / "mtp")
-    assert "skipping 1 layer(s) past num_hidden_layers=3 (model.layers.3.*" in capsys.readouterr().out
+    assert "skipping 1 layer(s) past num_hidden_layers=3 and the 0 multi-token prediction layer(s) config.json " \
+           "declares (num_nextn_predict_layers) (model.layers.3.*)" in capsys.readouterr().out
     ids, _ = _batch()
     with torch.no_grad():
         assert torch.equal(ours(ids), load_hf(folder)(ids))  # the same tensors read, MTP's ignored
     loaded = load_config(None, ["--load-hf", str(tmp_path / "mtp"), "--seq-length", "16", "--train-iters", "1"])
-    assert any("multi-token prediction" in str(w) for w in loaded.warnings)
+    assert any("num_nextn_predict_layers" in str(w) for w in loaded.warnings)
+
+
+@pytest.fixture(scope="module")
+def with_mtp(tmp_path_factory):
+    """DeepSeek-V3 with one MTP module as its checkpoints store it: HF's model of 4 layers (groups case)
+    saved, then config.json's num_hidden_layers 3 + num_nextn_predict_layers 1, so layer 3 (a MoE layer
+    with its expert bias) is the MTP module's decoder layer, plus its enorm, hnorm, eh_proj,
+    shared_head.norm and the copies of the embedding and output layer."""
+    torch.manual_seed(0)
+    theirs = DeepseekV3ForCausalLM(DeepseekV3Config(**{**BASE, "num_hidden_layers": 4}, **CASES["groups"]))
+    theirs = theirs.float().eval()
+    g = torch.Generator().manual_seed(2)
+    h = BASE["hidden_size"]
+    with torch.no_grad():
+        for name, p in theirs.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5, generator=g)
+            elif name.endswith("mlp.gate.weight"):
+                p.normal_(0, 0.5, generator=g)
+        for layer in theirs.model.layers[1:]:
+            layer.mlp.gate.e_score_correction_bias.uniform_(-0.15, 0.15, generator=g)
+    folder = tmp_path_factory.mktemp("dsv3-mtp")
+    theirs.save_pretrained(folder)
+    extra = {"enorm.weight": torch.empty(h).uniform_(0.5, 1.5, generator=g),
+             "hnorm.weight": torch.empty(h).uniform_(0.5, 1.5, generator=g),
+             "eh_proj.weight": torch.randn(h, 2 * h, generator=g) / (2 * h) ** 0.5,
+             "shared_head.norm.weight": torch.empty(h).uniform_(0.5, 1.5, generator=g),
+             "embed_tokens.weight": theirs.model.embed_tokens.weight.detach().clone(),
+             "shared_head.head.weight": theirs.lm_head.weight.detach().clone()}
+    tensors = {**load_file(str(folder / "model.safetensors")), **{f"model.layers.3.{k}": v for k, v in extra.items()}}
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    _set_config(folder, num_hidden_layers=3, num_nextn_predict_layers=1)
+    return folder, theirs, extra
+
+
+def _hf_mtp_sum(theirs, extra: dict[str, torch.nn.Parameter], ids, labels) -> torch.Tensor:
+    """DeepSeek-V3's MTP depth 1 written out with transformers' modules: h0 = the last main layer's output
+    (before the final norm), then [enorm(Emb(ids rolled 1)); hnorm(h0)] -> eh_proj -> HF's decoder layer 3
+    -> shared_head.norm -> shared_head.head; summed CE against the labels rolled 1 (the last position has
+    none). Embedding first in the concat: the order vLLM / SGLang use to run DeepSeek-V3's checkpoints."""
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RMSNorm
+
+    def norm(weight: torch.nn.Parameter):
+        n = DeepseekV3RMSNorm(weight.shape[0], eps=BASE["rms_norm_eps"])
+        n.weight = weight  # the caller's parameter: its gradient lands there
+        return n
+
+    m, s = theirs.model, ids.shape[1]
+    pos = torch.arange(s)[None]
+    mask = torch.full((s, s), float("-inf")).triu(1)[None, None]  # causal, additive
+    x = m.embed_tokens(ids)
+    rope = m.rotary_emb(x, pos)
+    for layer in m.layers[:3]:
+        x = layer(x, attention_mask=mask, position_ids=pos, position_embeddings=rope)
+    nxt = torch.cat([ids[:, 1:], torch.zeros_like(ids[:, :1])], 1)
+    y = F.linear(torch.cat([norm(extra["enorm.weight"])(m.embed_tokens(nxt)), norm(extra["hnorm.weight"])(x)], -1),
+                 extra["eh_proj.weight"])
+    y = m.layers[3](y, attention_mask=mask, position_ids=pos, position_embeddings=rope)
+    logits = F.linear(norm(extra["shared_head.norm.weight"])(y), extra["shared_head.head.weight"])
+    target = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], -100)], 1)
+    return F.cross_entropy(logits.flatten(0, 1), target.flatten(), ignore_index=-100, reduction="sum")
+
+
+def test_mtp_layer_imports_and_matches_the_formula_on_hf_modules(with_mtp):
+    """num_nextn_predict_layers -> mtp_num_layers; the MTP depth's token-loss sum equals DeepSeek-V3's
+    formula computed with transformers' layer 3 and norms, and the MTP module's own weights (enorm,
+    hnorm, eh_proj, shared_head.norm) get that formula's gradient."""
+    folder, theirs, extra = with_mtp
+    ours = load_hf(folder)
+    assert ours.cfg.mtp_num_layers == 1 and sorted(ours.mtp[0].layer.mlp.experts) == sorted(map(str, range(16)))
+    ids, labels = _batch()
+    total, _ = ours.loss(ids, labels)
+    total.backward()
+    ref = {k: torch.nn.Parameter(v.clone()) for k, v in extra.items()}
+    want = _hf_mtp_sum(theirs, ref, ids, labels)
+    want.backward()
+    # The same fp32 math through other kernels: the sums measured equal (0: layer 3 routes every token
+    # alike); bound RTOL. Gradients: measured worst 4.8e-7 of the gradient's largest element
+    # (eh_proj); bound 1e-5 of it (20x). A swapped concat or an unnormed input moves them by O(1).
+    close(ours.mtp_loss_sums.float()[0], want.detach(), rtol=RTOL, site="hf_deepseek.mtp_sum")
+    for ours_name, theirs_name in (("enorm", "enorm.weight"), ("hnorm", "hnorm.weight"), ("eh_proj", "eh_proj.weight"),
+                                   ("final_norm", "shared_head.norm.weight")):
+        grad, want_grad = getattr(ours.mtp[0], ours_name).weight.grad, ref[theirs_name].grad
+        close(grad / ours.cfg.mtp_loss_scaling_factor, want_grad, rtol=0, atol=1e-5 * float(want_grad.abs().max()),
+              site="hf_deepseek.mtp_grads", case=ours_name)
+
+
+def test_mtp_export_is_bit_identical_and_copies_must_equal_the_main_ones(with_mtp, tmp_path):
+    """import -> checkpoint -> export writes every tensor of the folder back bit for bit, the MTP module's
+    copies of the embedding and output layer included; the per-rank reader (--load-hf) fills the MTP
+    parameters as load_hf does; a copy that differs from the main tensor is refused by both readers."""
+    from fivefold.checkpoint.io import save_checkpoint
+    from fivefold.cli import main
+    from fivefold.config.schema import Config, to_dict
+    from fivefold.model.hf import read_hf_shards
+
+    folder, _, _ = with_mtp
+    ours = load_hf(folder)
+    save_checkpoint(tmp_path / "ckpt", 0, model=ours, optimizer=torch.optim.AdamW(ours.parameters()), rank=0,
+                    writes_params=True, barrier=lambda: None, extra={"config": to_dict(Config(model=ours.cfg))})
+    assert main(["export", str(tmp_path / "ckpt"), str(tmp_path / "out")]) == 0
+    want, got = load_file(str(folder / "model.safetensors")), load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert sorted(got) == sorted(want) and "model.layers.3.shared_head.head.weight" in got
+    for name, t in want.items():
+        assert got[name].dtype == t.dtype and torch.equal(got[name], t), name
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    model = Decoder(config_from_hf(folder), seed=9)
+    read_hf_shards(model, folder, model.cfg)
+    assert any(n.startswith("mtp.0.layer.mlp.experts.") for n in model.state_dict())
+    for name, t in ours.state_dict().items():
+        assert torch.equal(model.state_dict()[name], t), name
+    shutil.copytree(folder, tmp_path / "differs")
+    want["model.layers.3.embed_tokens.weight"][0, 0] += 1
+    save_file(want, str(tmp_path / "differs" / "model.safetensors"), metadata={"format": "pt"})
+    for read in (lambda: load_hf(tmp_path / "differs"), lambda: read_hf_shards(model, tmp_path / "differs", model.cfg)):
+        with pytest.raises(UserError, match="model.layers.3.embed_tokens.weight differs from the main model's "
+                                            "model.embed_tokens.weight.*num_nextn_predict_layers to 0"):
+            read()
 
 
 def test_kimi_k2_reads_as_deepseek_v3(saved, tmp_path):

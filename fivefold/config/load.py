@@ -113,8 +113,10 @@ def _taken(config: Config, dotted: str) -> str:
 
 KEPT_FROM_RUN = ("make_vocab_size_divisible_by", "moe_aux_loss_coeff", "moe_z_loss_coeff",
                  "moe_router_load_balancing_type", "moe_expert_capacity_factor", "moe_token_drop_policy",
-                 "moe_pad_expert_input_to_capacity", "moe_router_bias_update_rate", "moe_router_force_load_balancing")
-"""Model fields an HF config.json does not decide (how the run trains the MoE, our vocabulary padding):
+                 "moe_pad_expert_input_to_capacity", "moe_router_bias_update_rate", "moe_router_force_load_balancing",
+                 "mtp_loss_scaling_factor")
+"""Model fields an HF config.json does not decide (how the run trains the MoE and weighs the MTP loss, our
+vocabulary padding):
 --load-hf keeps the run's values."""
 
 
@@ -130,7 +132,7 @@ def _model_from_hf(config: Config, explicit: set[str]) -> list:
     warnings = [Problem(f"model.{f.name}", getattr(config.model, f.name), f"checkpoint.load_hf's config.json says "
                         f"{getattr(hf, f.name)!r}; this value is replaced", "drop it", "warning")
                 for f in fields(hf) if f"model.{f.name}" in explicit and getattr(config.model, f.name) != getattr(hf, f.name)]
-    note = unread_note(config.checkpoint.load_hf, hf)  # DeepSeek-V3's MTP layers
+    note = unread_note(config.checkpoint.load_hf, hf)  # layers past the main and MTP ones
     if note:
         warnings.append(Problem("checkpoint.load_hf", config.checkpoint.load_hf, note, "applied", "warning"))
     config.model = hf

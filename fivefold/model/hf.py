@@ -35,8 +35,18 @@ Its layers from first_k_dense_replace on are MoE (router: planner.hf._noaux_tc_r
     layers.i.mlp.experts.e.{gate,up,down}_proj <- model.layers.i.mlp.experts.e.{gate,up,down}_proj
     layers.i.mlp.shared_experts.{gate,up,down}_proj <- model.layers.i.mlp.shared_experts.* (n_shared_experts
                                       x moe_intermediate_size wide)
-Multi-token prediction layers (model.layers.i for i >= num_hidden_layers: embed_tokens, enorm, hnorm,
-eh_proj, shared_head.{norm,head} and a whole decoder layer each) are not read: `unread_layers` names them.
+Its multi-token prediction modules (num_nextn_predict_layers, our model.mtp_num_layers) are stored as
+layers past the main ones, j = num_hidden_layers + k - 1 for depth k:
+    mtp.<k-1>.{enorm,hnorm,eh_proj}.weight     <- model.layers.j.{enorm,hnorm,eh_proj}.weight
+    mtp.<k-1>.final_norm.weight                <- model.layers.j.shared_head.norm.weight
+    mtp.<k-1>.layer.<rest>                     <- model.layers.j.<rest> (a decoder layer, named as layer j)
+eh_proj's input is [enorm(embedding); hnorm(hidden)], embedding first (Megatron-Core's order, and the one
+the inference engines that run DeepSeek-V3's checkpoints use). Each module also stores
+model.layers.j.{embed_tokens, shared_head.head}.weight: copies of the main embedding and output layer, which
+MTP shares (as DeepSeek-V3 and Megatron train it); they are checked equal to the main ones on import
+(`checkmtp_copies`) and written as copies on export. A folder whose config declares MTP layers it does not
+hold (some derived checkpoints drop them) imports without MTP; layers past those are named by
+`unread_layers` and skipped with a note.
 """
 from __future__ import annotations
 
@@ -54,7 +64,8 @@ from fivefold.errors import UserError
 from fivefold.model.block import DecoderLayer
 from fivefold.model.decoder import Decoder
 from fivefold.model.init import VOCAB_PARAMS
-from fivefold.parallel.tensor import shard_state_dict
+from fivefold.model.mtp import MTPLayer
+from fivefold.parallel.tensor import TPMode, shard_state_dict
 from fivefold.planner.hf import load_hf_config
 
 INDEX = "model.safetensors.index.json"
@@ -114,6 +125,8 @@ def config_from_hf(path: str | Path) -> ModelConfig:
     if kind in ("qwen3_moe", "olmoe"):  # softmax over all experts, top-k; renormalised only with norm_topk_prob
         cfg = replace(cfg, moe_router_score_function="softmax",
                       moe_router_pre_softmax=not raw.get("norm_topk_prob", False))
+    if kind in DEEPSEEK:
+        cfg = replace(cfg, mtp_num_layers=_mtp_layers(raw, cfg, d))
     return cfg
 
 
@@ -209,16 +222,36 @@ def _deepseek_router(raw: dict, cfg: ModelConfig, where: Path) -> ModelConfig:
     return replace(cfg, moe_router_dtype="fp32")
 
 
-def unread_layers(path: str | Path, cfg: ModelConfig) -> list[int]:
-    """Indices of the layers stored past num_hidden_layers (DeepSeek-V3's multi-token prediction:
-    model.layers.<num_hidden_layers + j>.{embed_tokens, enorm, hnorm, eh_proj, shared_head.{norm,head}}
-    and a whole decoder layer), which the importer does not read."""
+def _stored_layers(d: Path, start: int) -> list[int]:
+    """Indices >= start of the model.layers.<i>.* the folder's weights hold."""
     found = set()
-    for name in _weight_files(_dir(path)):
+    for name in _weight_files(d):
         parts = name.split(".")
-        if parts[:2] == ["model", "layers"] and parts[2].isdigit() and int(parts[2]) >= cfg.num_layers:
+        if parts[:2] == ["model", "layers"] and parts[2].isdigit() and int(parts[2]) >= start:
             found.add(int(parts[2]))
     return sorted(found)
+
+
+def _mtp_layers(raw: dict, cfg: ModelConfig, d: Path) -> int | None:
+    """DeepSeek-V3's num_nextn_predict_layers as our mtp_num_layers: None when it is 0 or the weights hold
+    none of those layers (imported without MTP, with a note: `unread_note`)."""
+    n = int(raw.get("num_nextn_predict_layers") or 0)
+    has_weights = (d / INDEX).is_file() or (d / SINGLE).is_file()  # a config without weights: none to read
+    stored = _stored_layers(d, cfg.num_layers) if n and has_weights else []
+    if not stored:
+        return None
+    wanted = list(range(cfg.num_layers, cfg.num_layers + n))
+    if stored[:n] != wanted:
+        raise UserError(f"{d}: config.json's num_nextn_predict_layers={n} declares the multi-token prediction layers "
+                        f"model.layers.{wanted[0]}..{wanted[-1]}, but the weights hold layers {stored}; give a folder "
+                        "with all of them, or set num_nextn_predict_layers to the ones it holds")
+    return n
+
+
+def unread_layers(path: str | Path, cfg: ModelConfig) -> list[int]:
+    """Indices of the layers stored past the main ones and the MTP modules the config imports (e.g. MTP
+    layers of a config that declares none), which the importer does not read."""
+    return _stored_layers(_dir(path), cfg.num_layers + (cfg.mtp_num_layers or 0))
 
 
 def unread_note(path: str | Path, cfg: ModelConfig) -> str | None:
@@ -226,9 +259,32 @@ def unread_note(path: str | Path, cfg: ModelConfig) -> str | None:
     layers = unread_layers(path, cfg)
     if not layers:
         return None
-    return (f"{path}: skipping {len(layers)} layer(s) past num_hidden_layers={cfg.num_layers} "
-            f"(model.layers.{','.join(map(str, layers))}.*: DeepSeek-V3's multi-token prediction modules, which "
-            "transformers does not run either); the main model loads without them")
+    return (f"{path}: skipping {len(layers)} layer(s) past num_hidden_layers={cfg.num_layers} and the "
+            f"{cfg.mtp_num_layers or 0} multi-token prediction layer(s) config.json declares "
+            f"(num_nextn_predict_layers) (model.layers.{','.join(map(str, layers))}.*); the model loads without them")
+
+
+def mtp_copies(cfg: ModelConfig) -> dict[str, list[str]]:
+    """Our embedding / output layer -> the HF names of their copies in the MTP modules."""
+    layers = range(cfg.num_layers, cfg.num_layers + (cfg.mtp_num_layers or 0))
+    embed = [f"model.layers.{j}.embed_tokens.weight" for j in layers]
+    heads = [f"model.layers.{j}.shared_head.head.weight" for j in layers]
+    if cfg.tie_word_embeddings:
+        return {"embedding.weight": embed + heads}
+    return {"embedding.weight": embed, "head.weight": heads}
+
+
+def checkmtp_copies(name: str, part: torch.Tensor, cfg: ModelConfig, read) -> None:
+    """`part` of our `name` (the embedding or output layer, whole or a slice) against the same part of each
+    MTP module's copy of it, `read(hf_name)` giving that part or None where the checkpoint has no copy.
+    A copy that differs is refused: our MTP shares the main one."""
+    for copy in mtp_copies(cfg).get(name, ()):
+        other = read(copy)
+        if other is not None and not torch.equal(other.to(part.dtype), part):
+            raise UserError(f"{copy} differs from the main model's {hf_name(name, cfg)}: fivefold's multi-token "
+                            "prediction shares the main embedding and output layer, as DeepSeek-V3 and Megatron-Core "
+                            "train it, so these weights cannot be imported as they are; set num_nextn_predict_layers "
+                            "to 0 in config.json to import the main model without MTP")
 
 
 def hf_name(name: str, cfg: ModelConfig) -> str:
@@ -239,7 +295,12 @@ def hf_name(name: str, cfg: ModelConfig) -> str:
         return "lm_head.weight"
     if name.startswith("final_norm."):  # weight (and bias with LayerNorm)
         return "model.norm." + name.removeprefix("final_norm.")
-    _, index, rest = name.split(".", 2)  # layers.<i>.<rest>
+    kind, index, rest = name.split(".", 2)  # layers.<i>.<rest> or mtp.<k-1>.<rest>
+    if kind == "mtp":  # stored as layer num_hidden_layers + k - 1
+        j = cfg.num_layers + int(index)
+        if rest.startswith("layer."):
+            return hf_name(f"layers.{j}.{rest.removeprefix('layer.')}", cfg)
+        return f"model.layers.{j}." + ("shared_head.norm.weight" if rest == "final_norm.weight" else rest)
     moe = _moe_name(rest, index, cfg)
     if moe is not None:
         return moe
@@ -259,6 +320,10 @@ def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             layer = DecoderLayer(cfg, layer=i)  # dense or MoE (first_k_dense)
         shapes.update({f"layers.{i}.{n}": tuple(p.shape) for n, p in tensors_saved(layer).items()})
     shapes.update({"final_norm.weight": (h,), "head.weight": (v, h)})
+    for k in range(cfg.mtp_num_layers or 0):
+        with torch.device("meta"):
+            module = MTPLayer(cfg, None, TPMode.ALL_REDUCE, depth=k + 1)
+        shapes.update({f"mtp.{k}.{n}": tuple(p.shape) for n, p in tensors_saved(module).items()})
     return shapes
 
 
@@ -298,7 +363,21 @@ def state_dict_from_hf(path: str | Path, cfg: ModelConfig, names: Iterable[str] 
             raise UserError(f"{d}: no tensor {theirs!r} in the checkpoint (needed for our {name}); "
                             "do config.json and the weights belong together?")
         by_file[files[theirs]].append(name)
-    return _read(by_file, shapes, cfg)
+    out = _read(by_file, shapes, cfg)
+    for name in ("embedding.weight", "head.weight"):
+        if name in out:
+            checkmtp_copies(name, out[name][: cfg.vocab_size], cfg, lambda copy: _part(files, copy, slice(None)))
+    return out
+
+
+def _part(files: dict[str, Path], theirs: str, index) -> torch.Tensor | None:
+    """Tensor `theirs` indexed by `index` (a slice or tuple of slices), read alone; None if not stored."""
+    from safetensors import safe_open
+
+    if theirs not in files:
+        return None
+    with safe_open(str(files[theirs]), framework="pt") as f:
+        return f.get_slice(theirs)[index]
 
 
 def _read(by_file: dict[Path, list[str]], shapes: dict, cfg: ModelConfig) -> dict[str, torch.Tensor]:
@@ -360,6 +439,8 @@ def read_hf_shards(model: torch.nn.Module, path: str | Path, cfg: ModelConfig) -
                 raise
             except Exception as e:  # a damaged file: safetensors' own error types
                 raise UserError(f"{files[theirs]}: not a readable safetensors file ({e})") from e
+            index = tuple(slice(a, b) for a, b in rows)
+            checkmtp_copies(name, part, cfg, lambda copy: _part(files, copy, index))
             p.zero_()
             p[tuple(slice(0, b - a) for a, b in rows)].copy_(part)
 

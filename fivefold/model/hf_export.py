@@ -16,7 +16,8 @@ renormalised, no shared expert, every layer MoE), Qwen3-MoE (Qwen3's q / k norms
 layers, top-k renormalised or not: norm_topk_prob), OLMoE (Qwen3-MoE's layers with q / k norms over the
 whole projection: qk_layernorm_scope "projection") and DeepSeek-V3 (MLA; MoE layers with its router:
 sigmoid, the expert bias written as e_score_correction_bias in fp32, groups, routed scaling, shared
-experts, first layers dense; no MTP layers) — the ones `load_hf` imports. Anything else is refused
+experts, first layers dense; its multi-token prediction layers as layers num_hidden_layers + k - 1, with
+the copies of the embedding and output layer DeepSeek-V3 stores in each) — the ones `load_hf` imports. Anything else is refused
 naming what HF's config could not say.
 """
 from __future__ import annotations
@@ -33,7 +34,7 @@ from fivefold.checkpoint.io import _assemble, read_metadata
 from fivefold.checkpoint.layout import ShardSpec, source_name
 from fivefold.config.schema import ModelConfig, config_from_dict
 from fivefold.errors import NotImplementedYet, UserError
-from fivefold.model.hf import INDEX, SINGLE, _expected_shapes, hf_name
+from fivefold.model.hf import INDEX, SINGLE, _expected_shapes, mtp_copies, hf_name
 from fivefold.model.init import VOCAB_PARAMS
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -62,7 +63,10 @@ def hf_config(cfg: ModelConfig, dtype: torch.dtype) -> dict:
                 "kv_lora_rank": cfg.kv_lora_rank, "qk_nope_head_dim": cfg.qk_head_dim,
                 "qk_rope_head_dim": cfg.qk_pos_emb_head_dim, "v_head_dim": cfg.v_head_dim,
                 "head_dim": cfg.qk_pos_emb_head_dim, "rope_interleave": True, "rms_norm_eps": cfg.norm_epsilon,
-                "num_nextn_predict_layers": 0, **_deepseek_moe(cfg)}
+                "num_nextn_predict_layers": cfg.mtp_num_layers or 0, **_deepseek_moe(cfg)}
+    if cfg.mtp_num_layers:
+        raise NotImplementedYet("Hugging Face export of multi-token prediction layers outside DeepSeek-V3 (MLA) models: "
+                                "only DeepSeek-V3's config.json has a place for them (num_nextn_predict_layers)")
     out.update(num_key_value_heads=cfg.num_query_groups or cfg.num_attention_heads, head_dim=cfg.head_dim)
     if cfg.is_moe and (cfg.moe_shared_expert_intermediate_size or cfg.moe_first_k_dense_layers
                        or cfg.moe_router_score_function != "softmax" or cfg.add_qkv_bias
@@ -183,11 +187,13 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, *, max_shard_size: st
     shapes, shards, current, size = _expected_shapes(cfg), [], {}, 0
     for name in names:
         t = _whole(folder, meta, name, cfg, shapes[name])
-        if current and size + t.nbytes > limit:
+        copies = mtp_copies(cfg).get(name, [])  # DeepSeek-V3's MTP layers store their own (equal) copies
+        if current and size + t.nbytes * (1 + len(copies)) > limit:
             shards.append(current)
             current, size = {}, 0
         current[hf_name(name, cfg)] = t
-        size += t.nbytes
+        current.update({copy: t.clone() for copy in copies})  # safetensors refuses tensors sharing storage
+        size += t.nbytes * (1 + len(copies))
     shards.append(current)
     _write_shards(tmp, shards)
     (tmp / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
