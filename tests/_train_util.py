@@ -27,6 +27,24 @@ def one_process_context(out: Path) -> RankContext:
     return RankContext.single(out)
 
 
+def train_one_process(config: Config, root: Path):
+    """Prepare `config`'s data under `root` and train it in this process (root/"one"), with one intra-op
+    thread as every worker rank has; returns (the train result, the prepared data folder)."""
+    import torch
+
+    from fivefold.cli.train import prepare
+    from fivefold.train.loop import train
+
+    data_dir = prepare(config, root)
+    (root / "one").mkdir()
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return train(config, one_process_context(root / "one"), data_dir, progress=False), data_dir
+    finally:
+        torch.set_num_threads(before)
+
+
 def write_spec(config: Config, out: Path, data_dir: Path) -> Path:
     (out / "logs").mkdir(parents=True, exist_ok=True)
     spec = out / "run.json"

@@ -114,11 +114,9 @@ def test_load_hf_into_tp2_pp2_equals_one_process_and_save_hf_round_trips(tmp_pat
     """--load-hf DIR starts a TP2 x PP2 run from an HF folder (each rank reading its slices; fresh AdamW
     at step 0): its losses equal the one-process run from the same folder; --save-hf writes the final
     model, which transformers loads."""
-    import test_moe
     import test_zero
-    from _train_util import losses, one_process_context
+    from _train_util import losses, train_one_process
     from fivefold.config.load import load_config
-    from fivefold.train.loop import train
 
     torch.manual_seed(0)
     transformers.AutoModelForCausalLM.from_config(_hf_models()["llama"]).save_pretrained(tmp_path / "hf")
@@ -129,10 +127,7 @@ def test_load_hf_into_tp2_pp2_equals_one_process_and_save_hf_round_trips(tmp_pat
     assert loaded.config.model.num_layers == 2 and loaded.config.model.num_query_groups == 2  # the HF config's
     assert any("num_layers" in str(w) for w in loaded.warnings)
     cfg = loaded.config
-    data_dir = prepare(cfg, tmp_path)
-    (tmp_path / "one").mkdir()
-    with test_moe._one_thread():  # as every worker rank runs
-        ref = train(cfg, one_process_context(tmp_path / "one"), data_dir, progress=False)
+    ref, data_dir = train_one_process(cfg, tmp_path)
     cfg.cluster.world_size = 4
     cfg.parallel.tensor_model_parallel_size = cfg.parallel.pipeline_model_parallel_size = 2
     cfg.checkpoint.save_hf = str(tmp_path / "final-hf")

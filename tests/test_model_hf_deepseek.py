@@ -387,23 +387,17 @@ def test_load_hf_into_tp2sp_ep2_equals_one_process(saved, tmp_path, workers):
     bias moved by the first) equal the one-process run's from the same folder. Not 3: routing is a
     discrete choice, and by step 3 weights that differ by ulps flipped a token's experts under one
     CPU kernel setting (9.9e-6 relative, docs/tolerances.md)."""
-    import test_moe
     import test_zero
-    from _train_util import corpus, losses, one_process_context
-    from fivefold.cli.train import prepare
+    from _train_util import corpus, losses, train_one_process
     from fivefold.config.load import load_config
     from fivefold.config.schema import to_dict
-    from fivefold.train.loop import train
 
     folder, _ = saved["groups"]
     data = corpus(tmp_path / "corpus")
     words = ["--load-hf", str(folder), "--seq-length", "32", "--micro-batch-size", "1", "--global-batch-size", "4",
              "--train-iters", "2", "--lr", "1e-3", f"data.path={data}"]
     cfg = load_config(None, words).config
-    data_dir = prepare(cfg, tmp_path)
-    (tmp_path / "one").mkdir()
-    with test_moe._one_thread():  # as every worker rank runs
-        ref = train(cfg, one_process_context(tmp_path / "one"), data_dir, progress=False)
+    ref, data_dir = train_one_process(cfg, tmp_path)
     cfg.cluster.world_size = 4
     cfg.parallel.tensor_model_parallel_size = cfg.parallel.expert_model_parallel_size = 2
     cfg.parallel.expert_tensor_parallel_size, cfg.parallel.sequence_parallel = 1, True
