@@ -44,15 +44,16 @@ def test_every_judged_row_is_a_valid_layout_of_its_stated_sizes():
 
 
 def test_the_moe_sources_count_flops_as_we_do():
-    """Rows that print tokens/s and TFLOP/s pin the source's FLOPs per token down: within 5% of our
-    causal count (DeepSeek-V3's MTP layer, which the preset leaves out, is the 4%)."""
+    """Rows that print tokens/s and TFLOP/s pin the source's FLOPs per token down: within 1.5% of our
+    causal count (measured worst 1.2%, row 43). DeepSeek-V3's rows were 4% above it until its MTP
+    layer was counted (Megatron counts it; fivefold.planner.mtp): a missing layer is outside the bound."""
     checked = 0
     for run in read_runs():
         if run.num("tokens_per_s_per_gpu") and run.num("tflops_per_gpu"):
             case = case_of(run)
             theirs = run.num("tflops_per_gpu") * 1e12 / run.num("tokens_per_s_per_gpu")
             ours = flops_per_token(case.config.model, case.config.training.seq_length, FLOP_COUNTS[run.source])
-            assert abs(theirs / ours - 1) < 0.05, (run.row, theirs / ours)
+            assert abs(theirs / ours - 1) < 0.015, (run.row, theirs / ours)
             checked += 1
     assert checked >= 10
 

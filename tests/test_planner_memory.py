@@ -71,3 +71,22 @@ def test_seed_002_example_side_by_side():
     assert mid.grads == 4 * per_rank and mid.optimizer == 12 * per_rank and mid.weights == 2 * per_rank
     assert [r.inflight for r in ranks] == [4, 3, 2, 1]  # 1F1B: rank r holds PP - r microbatches
     close(ranks[0].activations, 4 * ranks[3].activations, rtol=1e-12, site="planner.activations_1f1b")
+
+
+@pytest.mark.parametrize("pp,tied", [(1, False), (2, False), (2, True)])
+def test_mtp_parameters_per_rank_equal_the_built_stages(pp, tied):
+    """With multi-token prediction (2 depths, MoE like the last layer) every pipeline rank's planned
+    parameters equal the parameters of the stage fivefold builds for it, exactly: the MTP layers, eh_proj
+    and norms on the last rank, and its copy of the embedding under PP when the head is not tied."""
+    from fivefold.model.decoder import Decoder
+
+    m = ModelConfig(num_layers=4, hidden_size=64, num_attention_heads=4, vocab_size=300, num_experts=4,
+                    moe_router_topk=2, moe_ffn_hidden_size=32, moe_first_k_dense_layers=1, mtp_num_layers=2,
+                    tie_word_embeddings=tied)
+    plan = Plan(make_config(m, pp, 8, 64, 8, "fp32", dict(pipeline_model_parallel_size=pp)))
+    for r in range(pp):
+        layers = [i for chunk in plan.rank_chunks[r] for i in chunk]
+        stage = Decoder(m, layers=layers, embedding=r == 0, head=r == pp - 1)
+        built = sum(p.numel() for p in stage.parameters())  # a tied head is the embedding: counted once
+        assert sum(rank_params(plan, r)) == built, (r, layers)
+        assert (stage.mtp is not None) == (r == pp - 1)

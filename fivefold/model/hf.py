@@ -125,9 +125,8 @@ def config_from_hf(path: str | Path) -> ModelConfig:
     if kind in ("qwen3_moe", "olmoe"):  # softmax over all experts, top-k; renormalised only with norm_topk_prob
         cfg = replace(cfg, moe_router_score_function="softmax",
                       moe_router_pre_softmax=not raw.get("norm_topk_prob", False))
-    if kind in DEEPSEEK:
-        cfg = replace(cfg, mtp_num_layers=_mtp_layers(raw, cfg, d))
-    return cfg
+    # MTP modules: DeepSeek-V3's layout only (the planner reads num_nextn_predict_layers from any config)
+    return replace(cfg, mtp_num_layers=_mtp_layers(raw, cfg, d) if kind in DEEPSEEK else None)
 
 
 def moe_family(cfg: ModelConfig) -> str:

@@ -78,6 +78,8 @@ def model_from_hf_dict(cfg: dict, path: str = "config.json") -> ModelConfig:
                   moe_router_score_function=str(cfg.get("scoring_func", "softmax")))
         if cfg.get("model_type") in DEEPSEEK_V3 or cfg.get("topk_method") == "noaux_tc":
             kw.update(_noaux_tc_router(cfg, path))
+    if cfg.get("num_nextn_predict_layers"):  # DeepSeek-V3's MTP modules, trained as Megatron does (--mtp-num-layers)
+        kw.update(mtp_num_layers=int(cfg["num_nextn_predict_layers"]))
     try:
         return ModelConfig(**kw)
     except (TypeError, ValueError) as e:

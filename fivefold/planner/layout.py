@@ -187,7 +187,9 @@ class Plan:
 
     def layer_groups(self, rank: int) -> list[tuple[int, bool, int]]:
         """`rank`'s layers grouped by what their cost depends on: (a representative layer index,
-        fully recomputed?, how many such layers). Dense and MoE layers differ; so do recomputed ones."""
+        fully recomputed?, how many such layers). Dense and MoE layers differ; so do recomputed ones.
+        The last rank also counts the multi-token prediction layers (model.mtp_num_layers), never
+        recomputed, each of the model's last layer's kind."""
         groups = self._groups.get(rank)
         if groups is not None:
             return groups
@@ -206,6 +208,9 @@ class Plan:
                     entry = counts.setdefault(key, [lo, 0])
                     entry[1] += take
                     lo, pos = lo + take, pos + take
+        if m.mtp_num_layers and rank == self.pp - 1:  # MTP's layers, the last layer's kind, sit with the head
+            entry = counts.setdefault((m.is_moe and m.num_layers >= k, False), [m.num_layers, 0])
+            entry[1] += m.mtp_num_layers
         out = [(first, key[1], n) for key, (first, n) in counts.items()]
         self._groups[rank] = out
         return out

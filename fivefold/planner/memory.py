@@ -35,6 +35,7 @@ from fivefold.parallel.precision import DEFAULT_BUCKET_BYTES, Precision
 from fivefold.planner.activations import (EAGER_TRAITS, ArchTraits, Sharding, backward_transient, full_recompute_transient,
                                           layer_activation_bytes, weight_grad_join_bytes)
 from fivefold.planner.layout import Plan
+from fivefold.planner.mtp import mtp_activation_values, mtp_params
 from fivefold.planner.params import embedding_params, layer_params
 from fivefold.planner.pipeline import pipeline_profile
 
@@ -148,6 +149,7 @@ def _rank_params(plan: Plan, rank: int) -> tuple[float, float]:
         dense += emb
     if rank == plan.pp - 1:
         dense += m.hidden_size + (0 if (m.tie_word_embeddings and plan.pp == 1) else emb)
+        dense += mtp_params(m, plan.tp, plan.pp, emb)
     return dense, expert
 
 
@@ -244,10 +246,12 @@ class _Ranks:
         rm.inflight = prof.inflight_microbatches(r)
         rm.activations = per_mb * rm.inflight + transient
         tokens = plan.mbs * plan.seq / plan.cp
+        heads = 1 + (m.mtp_num_layers or 0)  # MTP: another output layer per depth (planner/mtp.py)
         if r == plan.pp - 1:  # the logits and the loss's fp32 softmax (see ArchTraits.loss_bytes_per_logit)
-            rm.logits = tokens * m.padded_vocab_size(plan.tp) / plan.tp * traits.loss_bytes()
+            rm.logits = heads * tokens * m.padded_vocab_size(plan.tp) / plan.tp * traits.loss_bytes()
             # the final norm's saved tensors (its input, the output layer's input; + x/rms(x) unfused)
-            rm.logits += traits.norm_tensors * tokens * m.hidden_size * B / (plan.tp if plan.sp else 1)
+            rm.logits += heads * traits.norm_tensors * tokens * m.hidden_size * B / (plan.tp if plan.sp else 1)
+            rm.logits += mtp_activation_values(m) * tokens * B / (plan.tp if plan.sp else 1)
         # the peak is at a forward (the last rank's logits) or in a layer's backward, each with the
         # zero-bubble schedules' B-done-W-pending gradients (+ on the last rank the logits' gradient,
         # the output layer's join, and the loss's saved fp32 log-softmax, kept with the graph until W)

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from fivefold.planner.activations import ArchTraits, Sharding, layer_activation_bytes
 from fivefold.planner.collectives import Collective, group_sizes, layer_collectives, stage_collectives, step_collectives
 from fivefold.planner.flops import attention_core_flops, layer_forward_flops, model_flops_per_token, output_forward_flops
+from fivefold.planner.mtp import mtp_forward_flops
 from fivefold.planner.layout import Plan
 from fivefold.planner.memory import rank_params
 from fivefold.planner.params import is_moe_layer, layer_params
@@ -254,7 +255,8 @@ def _rank_cost(plan: Plan, r: int, links: _Links, sizes: dict[str, int], flops_r
         for k in ls:
             sent[k] += ls[k] * n
     if r == plan.pp - 1:
-        parts["compute"] += 3 * output_forward_flops(m) * plan.mbs * plan.seq / (plan.tp * plan.cp) / flops_rate
+        head = output_forward_flops(m) + mtp_forward_flops(m)  # + MTP's eh_proj and output layers
+        parts["compute"] += 3 * head * plan.mbs * plan.seq / (plan.tp * plan.cp) / flops_rate
     _add_timed(_stage_calls(plan, r, links, sizes), parts, sent)
     return parts, sent, sum(parts.values())
 

@@ -10,7 +10,7 @@ num_experts_per_tok -> moe_router_topk (see `fivefold.planner.hf`).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from fivefold.config.schema import ModelConfig
 from fivefold.errors import UserError
@@ -117,11 +117,14 @@ _PRESETS = [*_MLM_GPT,
                 "DeepSeek-AI, 'DeepSeek-V2' (2024), abstract: '236B total parameters, of which 21B are activated "
                 "for each token'"),
     ModelPreset("deepseek-v3",
-                _deepseek(61, 7168, 18432, 128, 1536, 256, 8, 2048, 1, 3, 129280, score="sigmoid"),
+                replace(_deepseek(61, 7168, 18432, 128, 1536, 256, 8, 2048, 1, 3, 129280, score="sigmoid"),
+                        mtp_num_layers=1),
                 "deepseek-ai/DeepSeek-V3", 671e9, 37e9,
                 "DeepSeek-AI, 'DeepSeek-V3 Technical Report' (2024), abstract: '671B total parameters with 37B "
                 "activated for each token' (the 14B multi-token-prediction module is excluded)",
-                notes="MTP module (1 extra layer, 14B) excluded, as in the published 671B"),
+                notes="trains its MTP module (1 layer, as config.json's num_nextn_predict_layers and Megatron-Core's "
+                      "DeepSeek-V3 recipe, --mtp-num-layers 1): counted in memory, time and FLOPs; the published "
+                      "671B / 37B exclude it, as the counts here do"),
     ModelPreset("qwen3-30b-a3b", _qwen3_moe(48, 2048, 32, 4, 128, 768), "Qwen/Qwen3-30B-A3B", 30.5e9, 3.3e9,
                 "Hugging Face model card of Qwen/Qwen3-30B-A3B: 'Number of Parameters: 30.5B in total and 3.3B "
                 "activated'", notes="QK-norm (2 x head_dim per layer), not modelled"),
