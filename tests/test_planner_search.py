@@ -265,3 +265,36 @@ def test_spans_nodes_by_arithmetic_equals_listing_the_group():
                     for gpn in (1, 4, 8, 64):
                         listed = any(len({r // gpn for r in topo.group(rank, dims)}) > 1 for rank in {0, w - 1})
                         assert _spans_nodes(topo, dims, w, gpn) == listed, (order, dims, gpn)
+
+
+def test_mtp_work_on_the_last_stage_shifts_its_layers_to_the_first():
+    """DeepSeek-V3's MTP depth (its layer, eh_proj, another 129k-row output layer) weighs 3 MoE layers of
+    matmul FLOPs on the last stage: on PP16 the balanced split puts 4 layers first and 1 last (4 + 3),
+    where without MTP it is 2 / 3 (Megatron's DeepSeek-V3 layouts give MTP and the loss a stage of
+    their own); and the search's top choice uses that split."""
+    from fivefold.planner.mtp import mtp_stage_layers
+    from fivefold.planner.space import layer_splits
+
+    m = model_preset("deepseek-v3").model
+    assert m.mtp_num_layers == 1 and mtp_stage_layers(m) == 3
+    assert layer_splits(61, 16, 1) == [{"decoder_first_pipeline_num_layers": 2, "decoder_last_pipeline_num_layers": 3}]
+    assert layer_splits(61, 16, 1, last_extra=3) == [
+        {"decoder_first_pipeline_num_layers": 4, "decoder_last_pipeline_num_layers": 1}]
+
+
+def test_explain_says_whether_cp_pays_for_itself():
+    """A CP layout is set against the fastest fitting layout without CP: its step time ratio and the
+    memory CP frees; with none fitting, it says so."""
+    from fivefold.planner.report import cp_verdict
+
+    r = search(model_preset("llama3-70b").model, hardware("h100-sxm"), 64, 8, 8192, 128)
+    best = r.ranked[0]
+    assert best.plan.cp > 1  # this case's top choice uses CP
+    plain = next(c for c in r.ranked if c.plan.cp == 1)
+    text = cp_verdict(best, r.ranked)
+    ratio = plain.estimate.step_time / best.estimate.step_time
+    assert text.startswith("pays for itself" if ratio > 1 else "does not pay for itself")
+    assert f"{plain.label}, takes {plain.estimate.step_time:.2f} s/step ({ratio:.2f}x" in text
+    freed = (plain.memory.activations - best.memory.activations) / 2**30
+    assert f"CP frees {freed:.1f} GiB of activations" in text
+    assert cp_verdict(best, [best]) == "pays for itself: no layout without CP fits in memory"

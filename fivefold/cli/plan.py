@@ -90,7 +90,7 @@ def run(args, extra) -> int:
     if args.explain:
         print()
         print(explain(best, spec.model, spec.preset, counts.total, hw, args.gpus, gpn, args.seq_len,
-                      args.global_batch, args.precision))
+                      args.global_batch, args.precision, result.ranked))
         if spec.preset == "llama3-70b":
             print()
             print(seed_memory_example(spec.model, counts.total, hw))

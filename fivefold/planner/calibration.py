@@ -22,6 +22,7 @@ from pathlib import Path
 from fivefold.config.schema import ClusterConfig, Config, ModelConfig, ParallelConfig, TrainingConfig
 from fivefold.errors import UserError
 from fivefold.planner.flops import attention_core_flops, model_flops_per_token
+from fivefold.planner.mtp import mtp_stage_layers
 from fivefold.planner.pipeline_layout import parse_layout
 from fivefold.planner.presets import hardware, model_preset
 from fivefold.planner.space import layer_splits
@@ -236,7 +237,7 @@ def _split(run: Run, m: ModelConfig, pp: int, vpp: int, assumed: list[str]) -> d
     if run.source == "LLAMA3":
         return {"decoder_first_pipeline_num_layers": (m.num_layers + 2) // pp - 1,
                 "decoder_last_pipeline_num_layers": (m.num_layers + 2) // pp - 1}
-    options = layer_splits(m.num_layers, pp, vpp)
+    options = layer_splits(m.num_layers, pp, vpp, last_extra=mtp_stage_layers(m))
     if options != [{}]:
         assumed.append(f"layer split {options[0]} (not stated)")
     return options[0]

@@ -16,9 +16,10 @@ from __future__ import annotations
 import re
 
 from fivefold.errors import UserError
+from fivefold.pipeline.schedules import REGISTRY
+from fivefold.planner.mtp import mtp_stage_layers
 from fivefold.planner.search import Candidate, evaluate, make_config
 from fivefold.planner.space import layer_splits
-from fivefold.pipeline.schedules import REGISTRY
 
 _SIZE = re.compile(r"(tp|cp|pp|vpp|ep|etp|dp|mbs)(\d+)$")
 _RECOMPUTE = {"rc-none": None, "rc-sel": "selective", "rc-selective": "selective", "rc-full": "full"}
@@ -75,7 +76,7 @@ def candidates(text: str, model, hw, world: int, gpus_per_node: int, seq: int, g
     elif "ep" in s or "etp" in s:
         raise UserError(f"--compare {text!r}: EP/ETP apply to MoE models only")
     chunks = REGISTRY[schedule].chunks(parallel["virtual_pipeline_model_parallel_size"])
-    splits = (layer_splits(model.num_layers, pp, chunks, explicit=True) if pp > 1 else None) or [{}]
+    splits = (layer_splits(model.num_layers, pp, chunks, explicit=True, last_extra=mtp_stage_layers(model)) if pp > 1 else None) or [{}]
     mbs = [s["mbs"]] if "mbs" in s else [min(micro_batches)]
     modes = [d["recompute"]] if d["recompute"] != "search" else [None, "selective", "full"]
     out = []

@@ -13,6 +13,7 @@ with the others. Besides it, per depth (Megatron-Core's count in its FLOPs formu
 from __future__ import annotations
 
 from fivefold.config.schema import ModelConfig
+from fivefold.planner.params import layer_params
 
 
 def mtp_params(m: ModelConfig, tp: int, pp: int, embedding: float) -> float:
@@ -35,3 +36,15 @@ def mtp_forward_flops(m: ModelConfig) -> float:
 def mtp_activation_values(m: ModelConfig) -> int:
     """Values per token per depth MTP saves for backward beyond its layer and logits (see above)."""
     return (m.mtp_num_layers or 0) * 6 * m.hidden_size
+
+
+def mtp_stage_layers(m: ModelConfig) -> int:
+    """MTP's work on the last pipeline stage in units of one of its decoder layers (matmul FLOPs: each
+    depth's layer, eh_proj and output layer), for balancing the first/last-stage layer counts
+    (`space.layer_splits`), as Megatron's DeepSeek-V3 layouts give MTP and the loss a stage of their
+    own. 0 without MTP."""
+    depths = m.mtp_num_layers or 0
+    if not depths:
+        return 0
+    layer = 2 * layer_params(m, m.num_layers).active  # forward FLOPs per token of one MTP depth's layer
+    return round(depths + mtp_forward_flops(m) / layer)

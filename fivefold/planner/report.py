@@ -7,6 +7,7 @@ from fivefold.planner.collectives import layer_collectives
 from fivefold.planner.compare import rank_of
 from fivefold.planner.layout import Plan
 from fivefold.planner.memory import RankMemory, memory_per_rank
+from fivefold.planner.mtp import mtp_stage_layers
 from fivefold.planner.presets.hardware import Hardware
 from fivefold.planner.search import Candidate, evaluate, make_config
 from fivefold.planner.space import layer_splits
@@ -47,7 +48,8 @@ def breakdown(c: Candidate, hw: Hardware) -> str:
     return "\n".join(lines)
 
 
-def why(c: Candidate, model: ModelConfig, gpus_per_node: int) -> list[str]:
+def why(c: Candidate, model: ModelConfig, gpus_per_node: int, ranked: list[Candidate] = ()) -> list[str]:
+    """Reasons for `c`'s choices; with the ranked list, whether its CP pays for itself (`cp_verdict`)."""
     p, e = c.plan, c.estimate
     out = []
     if p.tp > 1:
@@ -62,12 +64,30 @@ def why(c: Candidate, model: ModelConfig, gpus_per_node: int) -> list[str]:
                    f"cross it; bubble {e.bubble_fraction:.1%} with {p.microbatches} microbatches"
                    + (f" and {p.vpp} chunks per rank" if p.vpp > 1 else ""))
     if p.cp > 1:
-        out.append(f"CP={p.cp} ({c.config.parallel.cp_comm_type}): sequence {p.seq} -> {p.seq // p.cp} tokens per rank")
+        out.append(f"CP={p.cp} ({c.config.parallel.cp_comm_type}): sequence {p.seq} -> {p.seq // p.cp} tokens per rank"
+                   + (f"; {cp_verdict(c, ranked)}" if ranked else ""))
     if model.is_moe:
         out.append(f"EP={p.ep} (ETP={p.etp}, expert-DP={p.edp}): {model.num_experts // p.ep} experts per rank; "
                    f"all-to-all on the {e.links['ep']} link")
     out.append(f"DP={p.dp}: gradient traffic on the {e.links['dp']} link, exposed {e.parts['dp']:.3f} s")
     return out
+
+
+def cp_verdict(c: Candidate, ranked: list[Candidate]) -> str:
+    """Whether a CP layout pays for itself: against the fastest fitting layout without CP, the step
+    time, the time parts that differ most, and the memory CP frees."""
+    plain = next((r for r in ranked if r.plan.cp == 1), None)
+    if plain is None:
+        return "pays for itself: no layout without CP fits in memory"
+    e, o = c.estimate, plain.estimate
+    ratio = o.step_time / e.step_time
+    diffs = sorted(((o.parts[k] - e.parts.get(k, 0.0), k) for k in o.parts), key=lambda d: -abs(d[0]))[:3]
+    spent = ", ".join(f"{k} {d:+.2f} s" for d, k in diffs if abs(d) >= 5e-4) or "the same time parts"
+    freed = (plain.memory.activations - c.memory.activations) / GiB
+    verdict = "pays for itself" if ratio > 1 else "does not pay for itself"
+    return (f"{verdict}: the fastest layout without CP, {plain.label}, takes {o.step_time:.2f} s/step "
+            f"({ratio:.2f}x; {spent}); CP " + (f"frees {freed:.1f} GiB of activations per GPU" if freed >= 0
+                                               else f"holds {-freed:.1f} GiB more activations per GPU"))
 
 
 def compare_report(text: str, cand: Candidate, best: Candidate, ranked: list[Candidate], model: ModelConfig,
@@ -85,7 +105,7 @@ def compare_report(text: str, cand: Candidate, best: Candidate, ranked: list[Can
         head += "\n  vs the top choice, seconds per step: " + ", ".join(f"{k} {d:+.3f}" for d, k in diffs)
     lines = [head, breakdown(cand, hw)]
     if cand.estimate is not None:
-        lines += ["Why:"] + [f"  - {w}" for w in why(cand, model, gpus_per_node)]
+        lines += ["Why:"] + [f"  - {w}" for w in why(cand, model, gpus_per_node, ranked)]
     return "\n".join(lines)
 
 
@@ -96,7 +116,7 @@ def seed_candidate(rule: SeedRule, model: ModelConfig, hw: Hardware, world: int,
     best, reasons = None, []
     for tp in rule.tp:
         for pp in rule.pp:
-            for split in layer_splits(model.num_layers, pp, 1) or [{}]:
+            for split in layer_splits(model.num_layers, pp, 1, last_extra=mtp_stage_layers(model)) or [{}]:
                 parallel = dict(tensor_model_parallel_size=tp, sequence_parallel=tp > 1, pipeline_model_parallel_size=pp,
                                 context_parallel_size=rule.cp, expert_model_parallel_size=rule.ep, **split)
                 for recompute in (None, "selective", "full"):
@@ -115,9 +135,10 @@ def seed_candidate(rule: SeedRule, model: ModelConfig, hw: Hardware, world: int,
 
 
 def explain(best: Candidate, model: ModelConfig, preset: str | None, total_params: float, hw: Hardware,
-            world: int, gpus_per_node: int, seq: int, global_batch: int, precision: str) -> str:
+            world: int, gpus_per_node: int, seq: int, global_batch: int, precision: str,
+            ranked: list[Candidate] = ()) -> str:
     lines = ["Top choice", breakdown(best, hw), "", "Why:"]
-    lines += [f"  - {w}" for w in why(best, model, gpus_per_node)]
+    lines += [f"  - {w}" for w in why(best, model, gpus_per_node, ranked)]
     text, cp, sp = sequence_rule(seq)
     lines += ["", f"Seeds' rules of thumb beside the top choice ({best.estimate.step_time:.2f} s/step, "
                   f"MFU {best.estimate.mfu:.1%}):"]

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from fivefold.config.schema import ModelConfig
 from fivefold.pipeline.schedules import REGISTRY
+from fivefold.planner.mtp import mtp_stage_layers
 
 
 @dataclass(frozen=True)
@@ -49,13 +50,16 @@ def pow2_upto(n: int) -> list[int]:
 
 
 @lru_cache(maxsize=None)
-def layer_splits(num_layers: int, pp: int, vpp: int, explicit: bool = False) -> list[dict]:
+def layer_splits(num_layers: int, pp: int, vpp: int, explicit: bool = False, last_extra: int = 0) -> list[dict]:
     """Ways to put `num_layers` on pp x vpp stages, as ParallelConfig fields: the even split when it
     exists; else the embedding and/or loss counted as layers (Megatron's account-for options), and
     the most balanced first/last-stage counts (Megatron's decoder_first/last_pipeline_num_layers);
     with `explicit`, where none of those exists (61 layers on PP8 x VPP4), a per-stage list as
     Megatron's --pipeline-model-parallel-layout writes it, the first and last virtual stages one layer
-    lighter (`plan --compare`; the search leaves these out: they would triple a 61-layer search)."""
+    lighter (`plan --compare`; the search leaves these out: they would triple a 61-layer search).
+    `last_extra` layers' worth of other work on the last stage (multi-token prediction's layers:
+    Megatron's layouts give them a stage of their own, `...tmL`) is weighed when balancing the
+    first/last-stage counts."""
     chunks = pp * vpp
     if num_layers % chunks == 0:
         return [{}]
@@ -72,8 +76,8 @@ def layer_splits(num_layers: int, pp: int, vpp: int, explicit: bool = False) -> 
                 rest = num_layers - first - last
                 if rest % (pp - 2) or (rest // (pp - 2)) % vpp or rest <= 0:
                     continue
-                worst = max(first, last, rest // (pp - 2))
-                key = (worst, -min(first, last))
+                worst = max(first, last + last_extra, rest // (pp - 2))
+                key = (worst, -min(first, last + last_extra))
                 if best is None or key < best[0]:
                     best = (key, first, last)
         if best:
@@ -101,7 +105,8 @@ def structures(m: ModelConfig, world: int, gpus_per_node: int, seq: int, space: 
                 dp = rest // pp
                 for ep, etp in _expert_layouts(m, tp, cp, dp):
                     for vpp, schedule in _pipelines(pp, m.num_layers, space):
-                        for split in layer_splits(m.num_layers, pp, vpp, space.per_stage_splits and vpp > 1):
+                        for split in layer_splits(m.num_layers, pp, vpp, space.per_stage_splits and vpp > 1,
+                                                  mtp_stage_layers(m)):
                             for comm in (space.cp_comm_types if cp > 1 else ("p2p",)):
                                 yield dict(tensor_model_parallel_size=tp, sequence_parallel=tp > 1,
                                            context_parallel_size=cp, cp_comm_type=comm,
