@@ -90,3 +90,37 @@ def test_mtp_parameters_per_rank_equal_the_built_stages(pp, tied):
         built = sum(p.numel() for p in stage.parameters())  # a tied head is the embedding: counted once
         assert sum(rank_params(plan, r)) == built, (r, layers)
         assert (stage.mtp is not None) == (r == pp - 1)
+
+
+def test_recompute_modules_drop_exactly_their_tensors():
+    """Megatron's --recompute-modules, per layer: each module removes the saved tensors it recomputes
+    and nothing else (bytes in float64, exact): core_attn the attention scores (the default selective),
+    mla_up_proj MLA's q/k/v, layernorm the norms' outputs (the next linears' inputs), mlp a dense MLP's
+    intermediates, moe_act the experts' activation output, shared_experts theirs, moe the whole MoE MLP."""
+    from fivefold.planner.activations import EAGER_TRAITS
+
+    m = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=256, ffn_hidden_size=96,
+                    multi_latent_attention=True, qk_layernorm=True, q_lora_rank=48, kv_lora_rank=32, qk_head_dim=16,
+                    qk_pos_emb_head_dim=8, v_head_dim=16, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32,
+                    moe_shared_expert_intermediate_size=32, moe_first_k_dense_layers=1)
+    t, b, s = EAGER_TRAITS, 2, 64
+
+    def saved(layer, recompute, *modules):
+        sh = Sharding(recompute=recompute, **({"modules": frozenset(modules)} if modules else {}))
+        return layer_activation_bytes(m, layer, b, s, sh, t)
+
+    none = {i: saved(i, None) for i in (0, 1)}
+    assert saved(1, "selective") == saved(1, "selective", "core_attn") == \
+        {k: v for k, v in none[1].items() if k != "attention scores"}
+    assert "q, k, v" not in saved(1, "selective", "mla_up_proj") and "attention scores" in saved(1, "selective", "mla_up_proj")
+    norms = saved(1, "selective", "layernorm")
+    for key in ("attn norm input + qkv input", "mlp norm input + mlp input"):
+        assert none[1][key] - norms[key] == t.linear_bytes() * b * s * m.hidden_size
+    assert "mlp intermediates" not in saved(0, "selective", "mlp")
+    assert saved(1, "selective", "mlp") == none[1]  # a MoE layer's MLP is "moe"; core_attn not listed: scores kept
+    act = saved(1, "selective", "moe_act")
+    copies = m.moe_router_topk * b * s
+    assert none[1]["expert intermediates"] - act["expert intermediates"] == copies * t.linear_bytes() * 32
+    assert "shared-expert intermediates" not in saved(1, "selective", "shared_experts")
+    moe = saved(1, "selective", "moe")
+    assert not any(k.startswith(("router", "expert", "shared")) for k in moe) and moe["q, k, v"] == none[1]["q, k, v"]

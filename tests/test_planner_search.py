@@ -298,3 +298,20 @@ def test_explain_says_whether_cp_pays_for_itself():
     freed = (plain.memory.activations - best.memory.activations) / 2**30
     assert f"CP frees {freed:.1f} GiB of activations" in text
     assert cp_verdict(best, [best]) == "pays for itself: no layout without CP fits in memory"
+
+
+def test_compare_names_recompute_modules():
+    """`--compare "... rc-sel(MODULE,...)"` sizes the layout with Megatron's --recompute-modules: the
+    published DeepSeek-V3 H100 layout with its Table 17 modules fits in 80 GiB, with the default
+    selective recompute it does not; an unknown module is refused naming Megatron's."""
+    from fivefold.planner.compare import candidates, parse
+
+    m, hw = model_preset("deepseek-v3").model, hardware("h100-sxm")
+    args = (m, hw, 1024, 8, 4096, 8192, "fp8", (1,), MemoryAssumptions(), TimeAssumptions())
+    layout = "TP2 PP8 VPP4 EP64 ETP1 mbs1 "
+    with_modules = candidates(layout + "rc-sel(mlp,mla_up_proj,moe_act,layernorm)", *args)[0]
+    assert with_modules.estimate is not None
+    assert with_modules.label.endswith("rc-sel(layernorm,mla_up_proj,mlp,moe_act) distopt")
+    assert candidates(layout + "rc-sel", *args)[0].estimate is None  # 89 GiB
+    with pytest.raises(UserError, match="recompute module attention unknown; Megatron's are core_attn"):
+        parse(layout + "rc-sel(attention)")

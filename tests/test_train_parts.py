@@ -42,9 +42,13 @@ def test_unsupported_knobs_are_refused_together():
     check_supported(cfg)
     cfg.model.multi_latent_attention, cfg.model.normalization = True, "LayerNorm"  # MLA and LayerNorm run
     check_supported(cfg.__class__(model=cfg.model))
+    cfg.training.recompute_granularity, cfg.training.recompute_modules = "selective", ["core_attn"]
+    check_supported(cfg)  # Megatron's default module: the selective recompute the runtime runs
     cfg.training.precision, cfg.training.optimizer = "fp8", "sgd"
-    assert len(unsupported(cfg)) == 2
-    with pytest.raises(NotImplementedYet, match=r"runtime trains fp32, bf16, fp16.*adamw.*not implemented yet"):
+    cfg.training.recompute_modules = ["core_attn", "moe"]  # the planner models it; the runtime does not run it
+    assert len(unsupported(cfg)) == 3
+    with pytest.raises(NotImplementedYet, match=r"runtime trains fp32, bf16, fp16.*adamw.*modules other than "
+                                                r"core_attn.*not implemented yet"):
         check_supported(cfg)
 
 

@@ -339,6 +339,10 @@ class TrainingConfig:
     """None, selective or full activation recompute. Default None."""
     recompute_method: str | None = None
     """With full recompute: uniform or block. Default None."""
+    recompute_modules: list[str] | None = None
+    """With selective recompute: which parts are recomputed in backward (Megatron's --recompute-modules:
+    core_attn, mla_up_proj, layernorm, mlp, moe_act, moe, shared_experts); None = core_attn. The
+    planner models every module; the runtime recomputes core_attn only (others: not implemented yet)."""
     recompute_num_layers: int | None = None
     """With full recompute: layers per chunk (uniform) or recomputed layers per stage (block)."""
     compile: bool = False

@@ -113,7 +113,24 @@ class Sharding:
     cp: int = 1
     etp: int = 1
     recompute: str | None = None
-    """None, 'selective' (attention core) or 'full'."""
+    """None, 'selective' (the `modules`) or 'full'."""
+    modules: frozenset[str] = frozenset({"core_attn"})
+    """With selective recompute: Megatron's recompute modules (RECOMPUTE_MODULES)."""
+
+    def recomputes(self, module: str) -> bool:
+        return self.recompute == "selective" and module in self.modules
+
+
+RECOMPUTE_MODULES = {
+    "core_attn": "the attention core (softmax(QK^T)V): its scores / softmax statistics are not kept",
+    "mla_up_proj": "MLA's up-projections: q, k, v are recomputed from the kept latents",
+    "layernorm": "the two norms of a layer: their outputs (the next linear's inputs) are not kept",
+    "mlp": "a dense layer's MLP: only its input is kept",
+    "moe_act": "the routed experts' activation function: its output (the down-projection's input) is not kept",
+    "moe": "a MoE layer's whole MLP (router, dispatch, experts, combine): only its input is kept",
+    "shared_experts": "the shared experts: only their input is kept",
+}
+"""Megatron's --recompute-modules, as the planner counts what each saves (per layer, selective)."""
 
 
 def _attention_elements(m: ModelConfig) -> tuple[int, int]:
@@ -139,17 +156,19 @@ def layer_activation_bytes(m: ModelConfig, index: int, b: int, s: int, sh: Shard
     mask = 1.0 if traits.dropout else 0.0
     # Attention block: norm input, QKV-linear input, (dropout mask) in the SP region.
     LB = traits.linear_bytes()  # a linear layer's saved input (fp8 under TE's fp8 recipes)
-    norm_and_input = ((traits.norm_tensors - 1) * B + LB) * tokens * h / sp_div
+    norm_out = 0 if sh.recomputes("layernorm") else LB  # the norm's output is the next linear's input
+    norm_and_input = ((traits.norm_tensors - 1) * B + norm_out) * tokens * h / sp_div
     out["attn norm input + qkv input"] = norm_and_input
     qkv, attn_out = _attention_elements(m)
     if m.multi_latent_attention:
         latents = (m.q_lora_rank or 0) * 2 + (m.kv_lora_rank + m.qk_pos_emb_head_dim) + m.kv_lora_rank
         out["MLA latents"] = tokens * latents * B / sp_div
-    out["q, k, v"] = tokens * qkv * B / sh.tp
+    if not (m.multi_latent_attention and sh.recomputes("mla_up_proj")):
+        out["q, k, v"] = tokens * qkv * B / sh.tp
     out["attention output (proj input)"] = tokens * attn_out * LB / sh.tp
     flash = traits.flash_attention and not (traits.flash_needs_equal_head_dims and m.multi_latent_attention
                                              and m.qk_head_dim + m.qk_pos_emb_head_dim != m.v_head_dim)
-    if sh.recompute != "selective":
+    if not sh.recomputes("core_attn"):
         if flash:
             out["softmax log-sum-exp (fp32)"] = tokens * a * 4 / sh.tp
         else:  # softmax output (B), dropout mask (1 byte), dropout output (B): per head, s keys per query
@@ -160,14 +179,17 @@ def layer_activation_bytes(m: ModelConfig, index: int, b: int, s: int, sh: Shard
     inner = traits.mlp_inner_tensors or (3 if traits.gated_mlp else 2)  # SwiGLU: gate, up, gate*up ; GeLU: pre, post
     inner_bytes = (inner - 1) * B + LB  # the last is the down-projection's input
     if is_moe_layer(m, index):
+        if sh.recomputes("moe"):  # the whole MoE MLP reruns from its input (kept above)
+            return out
         k, f_e = m.moe_router_topk, (m.moe_ffn_hidden_size or m.ffn_size)
         copies = k * b * s * sh.etp / (sh.tp * sh.cp)  # token copies on this rank's experts
         out["router scores (fp32)"] = tokens * m.num_experts * 4 / sp_div
         out["expert inputs + outputs"] = copies * h * (LB + B)
-        out["expert intermediates"] = copies * inner_bytes * f_e / sh.etp
-        if m.moe_shared_expert_intermediate_size:
+        act_out = 0 if sh.recomputes("moe_act") else LB  # the activation's output: the down-projection's input
+        out["expert intermediates"] = copies * ((inner - 1) * B + act_out) * f_e / sh.etp
+        if m.moe_shared_expert_intermediate_size and not sh.recomputes("shared_experts"):
             out["shared-expert intermediates"] = tokens * inner_bytes * m.moe_shared_expert_intermediate_size / sh.tp
-    else:
+    elif not sh.recomputes("mlp"):
         out["mlp intermediates"] = tokens * inner_bytes * m.ffn_size / sh.tp
     return out
 

@@ -42,6 +42,16 @@ EXCLUDED: dict[int, str] = {
 }
 """Row (1-based, data rows of gpu-runs.tsv) -> why the planner is not judged on it."""
 
+RECOMPUTE_MODULES_OF: dict[int, tuple[tuple[str, ...], str]] = {
+    **{row: (("mlp",), "recompute mlp") for row in (37, 38)},
+    39: (("mlp", "mla_up_proj", "moe_act", "layernorm"), "recompute per Table 17 mlp/mla_up_proj/moe_act/layernorm"),
+    **{row: (("moe_act", "layernorm"), "recompute moe_act,layernorm") for row in (41, 42, 43, 44)},
+    **{row: (("layernorm", "moe_act"), "recompute cell 'norm, act'") for row in (47, 48, 50)},
+    **{row: (("layernorm", "moe"), "recompute layernorm,moe") for row in (52, 53, 54, 55)},
+}
+"""Rows whose selective recompute names Megatron's --recompute-modules (the source's words); the
+others recompute the attention core (Megatron's default)."""
+
 HARDWARE = {"H100": "h100-sxm", "H100-80GB-HBM3 (700W)": "h100-sxm", "H800": "h800", "H200": "h200",
             "H100-96GB-HBM2e (500W)": "h100-96gb-500w", "GB200": "gb200", "GB300": "gb300"}
 """The set's `system` column -> hardware preset."""
@@ -200,6 +210,8 @@ def case_of(run: Run) -> Case:
                               expert_model_parallel_size=ep, expert_tensor_parallel_size=etp, **split)
     training = TrainingConfig(seq_length=seq, global_batch_size=gbs, micro_batch_size=mbs, precision=precision,
                               recompute_granularity=None if rc == "none" else rc,
+                              recompute_modules=list(RECOMPUTE_MODULES_OF[run.row][0])
+                              if rc == "selective" and run.row in RECOMPUTE_MODULES_OF else None,
                               recompute_method="uniform" if rc == "full" else None,
                               recompute_num_layers=1 if rc == "full" else None,
                               use_distributed_optimizer=strategy != "no_shard",

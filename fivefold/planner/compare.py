@@ -3,7 +3,9 @@
 The description is the planner's own label grammar (what `plan` prints), case-insensitive, words in
 any order: TPn (sequence parallelism on when n > 1; "TPn+SP" is accepted), CPn or CPn(p2p|a2a),
 PPn, VPPn, one schedule name other than 1f1b/interleaved (zb-h1, dualpipev, gpipe), EPn, ETPn, DPn
-(checked against the GPU count), mbsN, rc-none | rc-sel | rc-full. A size left out is 1 (ETP: TP);
+(checked against the GPU count), mbsN, rc-none | rc-sel | rc-full, or rc-sel(MODULE,...) with Megatron's
+--recompute-modules (core_attn, mla_up_proj, layernorm, mlp, moe_act, moe, shared_experts). A size left
+out is 1 (ETP: TP);
 the micro-batch and recompute left out are the search's: the smallest micro-batch of the search, and
 the first recompute mode that fits. Where the layers do not divide over PP x VPP, the split the
 search would try is taken (Megatron's uneven first/last stage or the embedding/loss as layers), else
@@ -17,20 +19,30 @@ import re
 
 from fivefold.errors import UserError
 from fivefold.pipeline.schedules import REGISTRY
+from fivefold.planner.activations import RECOMPUTE_MODULES
 from fivefold.planner.mtp import mtp_stage_layers
 from fivefold.planner.search import Candidate, evaluate, make_config
 from fivefold.planner.space import layer_splits
 
 _SIZE = re.compile(r"(tp|cp|pp|vpp|ep|etp|dp|mbs)(\d+)$")
 _RECOMPUTE = {"rc-none": None, "rc-sel": "selective", "rc-selective": "selective", "rc-full": "full"}
-GRAMMAR = ("TPn[+SP] CPn[(p2p|a2a)] PPn VPPn EPn ETPn DPn mbsN rc-none|rc-sel|rc-full "
+GRAMMAR = ("TPn[+SP] CPn[(p2p|a2a)] PPn VPPn EPn ETPn DPn mbsN rc-none|rc-sel[(MODULE,...)]|rc-full "
            "[gpipe|zb-h1|dualpipev], e.g. \"TP4 PP8 VPP5 DP32 mbs1 rc-sel\"")
 
 
 def parse(text: str) -> dict:
     """The words of a layout description -> {"sizes": {...}, "cp_comm": ..., "schedule": ..., "recompute": ...}."""
-    sizes, out = {}, {"cp_comm": "p2p", "schedule": None, "recompute": "search"}
-    for word in text.lower().replace(",", " ").split():
+    sizes, out = {}, {"cp_comm": "p2p", "schedule": None, "recompute": "search", "modules": None}
+    words = text.lower()
+    m = re.search(r"rc-sel(?:ective)?\(([^)]*)\)", words)
+    if m:  # rc-sel(layernorm,moe): Megatron's --recompute-modules
+        out["recompute"], out["modules"] = "selective", [x.strip() for x in m.group(1).split(",") if x.strip()]
+        unknown = [x for x in out["modules"] if x not in RECOMPUTE_MODULES] or ([] if out["modules"] else ["(none)"])
+        if unknown:
+            raise UserError(f"--compare {text!r}: recompute module {', '.join(unknown)} unknown; Megatron's are "
+                            + ", ".join(RECOMPUTE_MODULES))
+        words = words[:m.start()] + " " + words[m.end():]
+    for word in words.replace(",", " ").split():
         if word in ("distopt", "split"):
             continue
         if word in _RECOMPUTE:
@@ -83,7 +95,8 @@ def candidates(text: str, model, hw, world: int, gpus_per_node: int, seq: int, g
     for split in splits:
         for recompute in modes:
             cfg = make_config(model, world, gpus_per_node, seq, global_batch, precision, {**parallel, **split},
-                              micro_batch=mbs[0], recompute=recompute, grad_reduce_in_bf16=grad_reduce_in_bf16)
+                              micro_batch=mbs[0], recompute=recompute, grad_reduce_in_bf16=grad_reduce_in_bf16,
+                              recompute_modules=d["modules"])
             c = evaluate(cfg, hw, mem, ta)
             out.append(c)
             if c.estimate is not None:

@@ -12,6 +12,7 @@ from fivefold.config.schema import Config
 from fivefold.errors import UserError
 from fivefold.config.rules import sizes_of, stage_layers
 from fivefold.pipeline.schedules import REGISTRY
+from fivefold.planner.activations import RECOMPUTE_MODULES
 
 
 def split_key(config: Config) -> tuple:
@@ -136,6 +137,16 @@ class Plan:
     def recompute(self) -> str | None:
         t = self.config.training
         return t.recompute_granularity
+
+    @cached_property
+    def recompute_modules(self) -> frozenset[str]:
+        """What selective recompute recomputes (Megatron's --recompute-modules; default core_attn)."""
+        modules = frozenset(self.config.training.recompute_modules or ("core_attn",))
+        unknown = sorted(modules - RECOMPUTE_MODULES.keys())
+        if unknown:
+            raise UserError(f"training.recompute_modules: unknown {', '.join(unknown)}; Megatron's modules are "
+                            + ", ".join(RECOMPUTE_MODULES))
+        return modules
 
     @cached_property
     def precision(self) -> str:

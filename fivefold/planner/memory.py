@@ -195,7 +195,8 @@ class _Ranks:
 
     def __init__(self, plan: Plan, assume: MemoryAssumptions):
         self.plan = plan
-        self.sh = Sharding(tp=plan.tp, sp=plan.sp, cp=plan.cp, etp=plan.etp, recompute=plan.recompute)
+        self.sh = Sharding(tp=plan.tp, sp=plan.sp, cp=plan.cp, etp=plan.etp, recompute=plan.recompute,
+                           modules=plan.recompute_modules)
         self.prof = pipeline_profile(plan.schedule, plan.pp, plan.vpp, plan.microbatches)
         traits = _for_precision(assume.traits, plan.precision)
         self.assume = MemoryAssumptions(allocator_overhead=assume.allocator_overhead,

@@ -66,7 +66,10 @@ def describe(cfg: Config) -> str:
         parts.append(f"EP{plan.ep} ETP{plan.etp}")
     parts.append(f"DP{plan.dp}")
     parts.append(f"mbs{t.micro_batch_size}")
-    parts.append({None: "rc-none", "selective": "rc-sel", "full": "rc-full"}[t.recompute_granularity])
+    rc = {None: "rc-none", "selective": "rc-sel", "full": "rc-full"}[t.recompute_granularity]
+    if t.recompute_granularity == "selective" and plan.recompute_modules != {"core_attn"}:
+        rc += f"({','.join(sorted(plan.recompute_modules))})"  # Megatron's --recompute-modules
+    parts.append(rc)
     if t.use_distributed_optimizer:
         parts.append("distopt")
     return " ".join(parts)
@@ -74,12 +77,14 @@ def describe(cfg: Config) -> str:
 
 def make_config(model: ModelConfig, world: int, gpus_per_node: int, seq: int, global_batch: int,
                 precision: str, parallel: dict, micro_batch: int = 1, recompute: str | None = None,
-                distributed_optimizer: bool = True, grad_reduce_in_bf16: bool = False) -> Config:
+                distributed_optimizer: bool = True, grad_reduce_in_bf16: bool = False,
+                recompute_modules: list[str] | None = None) -> Config:
     nodes = max(1, world // gpus_per_node)
     return Config(cluster=ClusterConfig(num_nodes=nodes, gpus_per_node=gpus_per_node, world_size=world),
                   parallel=ParallelConfig(**parallel), model=model,
                   training=TrainingConfig(seq_length=seq, global_batch_size=global_batch, micro_batch_size=micro_batch,
                                           precision=precision, recompute_granularity=recompute,
+                                          recompute_modules=recompute_modules if recompute == "selective" else None,
                                           recompute_method="uniform" if recompute == "full" else None,
                                           recompute_num_layers=1 if recompute == "full" else None,
                                           use_distributed_optimizer=distributed_optimizer,

@@ -33,6 +33,9 @@ RUNTIME_KNOBS: list[Knob] = [
          "sinkhorn load balancing (aux_loss, seq_aux_loss and none run)"),
     Knob("training.precision", _is("fp32", "bf16", "fp16"), "fp8 (the planner models it; the runtime trains fp32, bf16, fp16)"),
     Knob("training.optimizer", _is("adamw"), "optimizers other than adamw"),
+    Knob("training.recompute_modules", lambda v: v is None or list(v) == ["core_attn"],
+         "selective recompute of modules other than core_attn (the planner models Megatron's modules; the runtime "
+         "recomputes the attention core)"),
     Knob("data.tokenizer_type", _is(*TOKENIZER_TYPES),
          "Megatron tokenizer types other than HuggingFaceTokenizer, GPT2BPETokenizer and NullTokenizer (give "
          "--tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR with a local tokenizer.json)"),
