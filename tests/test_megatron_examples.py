@@ -25,9 +25,10 @@ from fivefold.cli.train import prepare
 from fivefold.config.load import load_config
 from fivefold.config.schema import config_from_dict, to_dict
 from fivefold.config.validate import validate
-from fivefold.errors import UserError
+from fivefold.errors import NotImplementedYet, UserError
 from fivefold.train.batch_sizes import BatchSizes
 from fivefold.train.loop import train
+from fivefold.train.supported import check_supported
 import test_zero
 
 MIXTRAL = """torchrun --nproc_per_node 4 --nnodes 1 --node_rank 0 --master_addr localhost --master_port 29500
@@ -116,11 +117,14 @@ QWEN3 = """--tensor-model-parallel-size 2 --pipeline-model-parallel-size 1 --use
  --no-load-optim --ckpt-format torch_dist --train-iters 2"""
 
 
-DSV3_REFUSED = ["--recompute-modules", "--rotary-scaling-factor", "--mscale", "--mscale-all-dim", "--enable-experimental", "--init-model-with-meta-device",
+DSV3_REFUSED = ["--rotary-scaling-factor", "--mscale", "--mscale-all-dim", "--enable-experimental", "--init-model-with-meta-device",
                 "--fsdp-double-buffer", "--use-nccl-ub", "--megatron-fsdp-grad-comm-dtype",
                 "--megatron-fsdp-main-grads-dtype"]
-"""YaRN RoPE scaling, per-module recompute and Megatron-FSDP's buffer / dtype switches (DeepSeek-V3's
-routing — group-limited, expert bias, top-k scaling, router dtype, forced balance — and MTP are built)."""
+"""YaRN RoPE scaling and Megatron-FSDP's buffer / dtype switches (DeepSeek-V3's routing — group-limited,
+expert bias, top-k scaling, router dtype, forced balance — and MTP are built)."""
+DSV3_NOT_TRAINED = ["--recompute-modules"]
+"""Parsed (the planner models every module) but refused by `fivefold train` before any rank starts: the
+runtime recomputes the attention core only (fivefold/train/supported.py)."""
 QWEN3_UNKNOWN = ["--tokenizer-hf-include-special-tokens"]
 """Not a flag of Megatron-LM at the pinned commit either (it has only --tokenizer-hf-no-include-special-tokens,
 and its parser does not abbreviate): Megatron refuses this script's line too."""
@@ -169,6 +173,12 @@ def test_script_refuses_what_is_not_built_and_trains_without_it(name, tmp_path, 
     text, unknown, refused = {"dsv3": (DSV3, [], DSV3_REFUSED), "qwen3": (QWEN3, QWEN3_UNKNOWN, QWEN3_REFUSED)}[name]
     words = _words(text, out=tmp_path)
     assert _refused(words) == (unknown, refused)
+    if name == "dsv3":
+        parsed = load_config(None, _without(words, unknown + refused), world_size=4).config
+        assert parsed.training.recompute_modules == ["mlp", "moe", "mla_up_proj", "layernorm"]
+        with pytest.raises(NotImplementedYet, match="recompute_modules"):
+            check_supported(parsed)
+        refused = refused + DSV3_NOT_TRAINED
     loaded = load_config(None, _without(words, unknown + refused), world_size=4)
     validate(loaded.config, loaded.dialect)
     cfg = loaded.config

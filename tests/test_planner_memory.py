@@ -114,13 +114,54 @@ def test_recompute_modules_drop_exactly_their_tensors():
         {k: v for k, v in none[1].items() if k != "attention scores"}
     assert "q, k, v" not in saved(1, "selective", "mla_up_proj") and "attention scores" in saved(1, "selective", "mla_up_proj")
     norms = saved(1, "selective", "layernorm")
-    for key in ("attn norm input + qkv input", "mlp norm input + mlp input"):
+    for key in ("qkv input", "mlp input"):
         assert none[1][key] - norms[key] == t.linear_bytes() * b * s * m.hidden_size
     assert "mlp intermediates" not in saved(0, "selective", "mlp")
     assert saved(1, "selective", "mlp") == none[1]  # a MoE layer's MLP is "moe"; core_attn not listed: scores kept
     act = saved(1, "selective", "moe_act")
     copies = m.moe_router_topk * b * s
-    assert none[1]["expert intermediates"] - act["expert intermediates"] == copies * t.linear_bytes() * 32
+    assert none[1]["expert activation outputs"] == copies * t.linear_bytes() * 32
+    assert "expert activation outputs" not in act and act["expert fc1 outputs"] == none[1]["expert fc1 outputs"]
     assert "shared-expert intermediates" not in saved(1, "selective", "shared_experts")
     moe = saved(1, "selective", "moe")
     assert not any(k.startswith(("router", "expert", "shared")) for k in moe) and moe["q, k, v"] == none[1]["q, k, v"]
+
+
+def test_offload_and_memory_options_leave_the_device():
+    """--offload-modules: each module's input leaves the device for every microbatch in flight but the
+    one being computed (bytes exact); --optimizer-cpu-offload removes its share of the optimizer state;
+    torchtitan's op-level SAC keeps the layer input, the attention output and the larger half of the
+    matmul outputs; Megatron's memory-efficient permutation drops the experts' outputs."""
+    from dataclasses import replace
+    from fivefold.config.validate import validate
+    from fivefold.errors import UserError
+    from fivefold.planner.activations import ArchTraits
+    from fivefold.planner.memory import MemoryAssumptions, peak_memory
+
+    m = ModelConfig(num_layers=4, hidden_size=64, num_attention_heads=4, vocab_size=300, num_experts=4,
+                    moe_router_topk=2, moe_ffn_hidden_size=32)
+    cfg = make_config(m, 4, 1, 64, 16, "bf16", dict(pipeline_model_parallel_size=4))
+    base = Plan(cfg).config
+    before = peak_memory(Plan(base), MemoryAssumptions())
+    t = base.training
+    t.use_distributed_optimizer, t.use_precision_aware_optimizer, t.optimizer_cpu_offload = True, True, True
+    t.optimizer_offload_fraction = 0.25
+    t.fine_grained_activation_offloading, t.offload_modules = True, ["expert_fc1", "attn_norm"]
+    after = peak_memory(Plan(base), MemoryAssumptions())
+    assert after.rank == before.rank == 0 and after.inflight == before.inflight == 4
+    sh = Sharding()
+    per_layer = [layer_activation_bytes(m, i, 1, 64, sh, ArchTraits().for_precision("bf16")) for i in range(1)]
+    off = sum(d["expert inputs"] + d["attn norm input"] for d in per_layer)  # rank 0 holds layer 0
+    assert before.activations - after.activations == off * (before.inflight - 1)
+    t.offload_modules = ["expert_fc2"]
+    with pytest.raises(UserError, match="unknown expert_fc2"):
+        validate(base)
+    t.offload_modules, t.fine_grained_activation_offloading = ["moe_act"], False
+    with pytest.raises(UserError, match="fine-grained-activation-offloading"):
+        validate(base)
+    sac = layer_activation_bytes(m, 0, 1, 64, Sharding(recompute="selective"), ArchTraits(op_level_sac=True))
+    # q 64, k 64, v 64, o 64, router 4 -> kept: q + v + router (132) vs k + o (128)
+    assert sac["every other matmul output"] == 64 * 132 * 2  # tokens x elements x bf16
+    lean = layer_activation_bytes(m, 0, 1, 64, sh, ArchTraits(expert_outputs_saved=False))
+    full = layer_activation_bytes(m, 0, 1, 64, sh, ArchTraits())
+    assert full.keys() - lean.keys() == {"expert outputs"}

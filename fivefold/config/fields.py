@@ -89,6 +89,10 @@ def coerce(dotted: str, raw: object):
             return float(raw)
         if base == "str":  # a list (a YAML list, a command-line flag's values) as its words
             return " ".join(str(v) for v in raw) if isinstance(raw, (list, tuple)) else str(raw)
+        if base == "list[str]":
+            if isinstance(raw, str):
+                raw = raw.strip().strip("[]()").replace(",", " ").split()
+            return [str(v) for v in (raw if isinstance(raw, (list, tuple)) else [raw])]
         if base == "list[int]":
             if isinstance(raw, str):
                 raw = [w for w in raw.strip().strip("[]()").replace(",", " ").split()]

@@ -343,6 +343,13 @@ class TrainingConfig:
     """With selective recompute: which parts are recomputed in backward (Megatron's --recompute-modules:
     core_attn, mla_up_proj, layernorm, mlp, moe_act, moe, shared_experts); None = core_attn. The
     planner models every module; the runtime recomputes core_attn only (others: not implemented yet)."""
+    fine_grained_activation_offloading: bool = False
+    """Move the inputs of `offload_modules` to host memory after their forward and back before their
+    backward (Megatron's --fine-grained-activation-offloading; the planner models it, the runtime does
+    not run it yet). Default False."""
+    offload_modules: list[str] | None = None
+    """With fine_grained_activation_offloading: the modules whose input is offloaded (--offload-modules:
+    attn_norm, qkv_linear, core_attn, attn_proj, mlp_norm, expert_fc1, moe_act). Default None."""
     recompute_num_layers: int | None = None
     """With full recompute: layers per chunk (uniform) or recomputed layers per stage (block)."""
     compile: bool = False

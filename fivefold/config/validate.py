@@ -50,7 +50,7 @@ def validate(config: Config, dialect: str = "fivefold", *, raise_errors: bool = 
     fixes = search(base, broken, dialect) if broken else {}
     problems = [Problem(r.field, r.value, r.rule, first_that_holds(config, fixes.get(i, []), dialect))
                 for i, r in enumerate(broken)] + _training_problems(config.training, None if broken else dp_of(s) * s["cp"]) \
-        + _data_problems(config.data)
+        + _data_problems(config.data) + _module_problems(config.training)
     warnings = [Problem(r.field, r.value, r.rule, "applied", "warning") for r in warned]
     if not broken:
         warnings += _soft_warnings(s)
@@ -78,6 +78,24 @@ def _schedule_problems(t, s: dict) -> list[Problem]:
             out.append(Problem("training.step_batch_size_schedule", t.step_batch_size_schedule,
                                f"its batch {batch}: {r.rule}", "make every batch of the schedule a multiple of "
                                f"micro batch x DP = {s['mbs'] * dp_of(s)}"))
+    return out
+
+
+def _module_problems(t) -> list[Problem]:
+    """Megatron's --recompute-modules and --offload-modules: known names, and the switch each needs."""
+    from fivefold.planner.activations import OFFLOAD_MODULES, RECOMPUTE_MODULES
+    out = []
+    for field, names, known, needs, fix in (
+            ("recompute_modules", t.recompute_modules, RECOMPUTE_MODULES, t.recompute_granularity == "selective",
+             "recompute_granularity=selective (--recompute-granularity selective)"),
+            ("offload_modules", t.offload_modules, OFFLOAD_MODULES, t.fine_grained_activation_offloading,
+             "fine_grained_activation_offloading=True (--fine-grained-activation-offloading)")):
+        unknown = [n for n in names or () if n not in known]
+        if unknown:
+            out.append(Problem(f"training.{field}", names, f"unknown {', '.join(map(str, unknown))}; the modules are "
+                               f"{', '.join(known)}", f"{field}=[{', '.join(n for n in names if n in known)}]"))
+        elif names and not needs:
+            out.append(Problem(f"training.{field}", names, "the modules take effect only with their switch", fix))
     return out
 
 

@@ -77,6 +77,16 @@ class ArchTraits:
     16-bit inputs. False: every saved tensor is 16-bit (torchao's Float8Linear, our runtime)."""
     linear_input_bytes: float | None = None
     """Bytes of a saved linear input; None = value_bytes (set by `for_precision`)."""
+    expert_outputs_saved: bool = True
+    """The probability-weighted combine saves the experts' outputs (h per token copy) for the router
+    weights' gradient. False: Megatron-Core's memory-efficient permutation applies the weights inside
+    the expert, before the down-projection, to a tensor it keeps anyway (MCORE-MOE-2603: ~26 GB of
+    DeepSeek-V3's activations at PP4 VPP4 EP64; the planner counts 29 GB)."""
+    op_level_sac: bool = False
+    """What selective recompute keeps. False: Megatron's --recompute-modules (`Sharding.modules`).
+    True: torchtitan's op-level selective activation checkpointing: each block keeps its input, the
+    attention kernel's outputs and every other matmul's output (`op_sac_saved`); the rest, routed
+    experts included, reruns in backward."""
 
     def value_bytes(self) -> int:
         return self.bytes_per_value or 2
@@ -133,6 +143,19 @@ RECOMPUTE_MODULES = {
 """Megatron's --recompute-modules, as the planner counts what each saves (per layer, selective)."""
 
 
+OFFLOAD_MODULES = {
+    "attn_norm": "attn norm input",
+    "qkv_linear": "qkv input",
+    "core_attn": "q, k, v",
+    "attn_proj": "attention output (proj input)",
+    "mlp_norm": "mlp norm input",
+    "expert_fc1": "expert inputs",
+    "moe_act": "expert fc1 outputs",
+}
+"""Megatron's --offload-modules (each offloads its input to host memory) -> the saved tensor that is
+(`layer_activation_bytes`' key)."""
+
+
 def _attention_elements(m: ModelConfig) -> tuple[int, int]:
     """(Q+K+V elements, attention-output elements) per token over all heads."""
     a = m.num_attention_heads
@@ -152,13 +175,16 @@ def layer_activation_bytes(m: ModelConfig, index: int, b: int, s: int, sh: Shard
     sp_div = sh.tp if sh.sp else 1
     if sh.recompute == "full":
         return {"layer input (full recompute)": tokens * h * B / sp_div}
+    if sh.recompute == "selective" and traits.op_level_sac:
+        return op_sac_saved(m, index, tokens, sh, B)
     out: dict[str, float] = {}
     mask = 1.0 if traits.dropout else 0.0
     # Attention block: norm input, QKV-linear input, (dropout mask) in the SP region.
     LB = traits.linear_bytes()  # a linear layer's saved input (fp8 under TE's fp8 recipes)
     norm_out = 0 if sh.recomputes("layernorm") else LB  # the norm's output is the next linear's input
-    norm_and_input = ((traits.norm_tensors - 1) * B + norm_out) * tokens * h / sp_div
-    out["attn norm input + qkv input"] = norm_and_input
+    norm_input = (traits.norm_tensors - 1) * B * tokens * h / sp_div  # (+ x/rms(x) unfused)
+    out["attn norm input"] = norm_input
+    out["qkv input"] = norm_out * tokens * h / sp_div
     qkv, attn_out = _attention_elements(m)
     if m.multi_latent_attention:
         latents = (m.q_lora_rank or 0) * 2 + (m.kv_lora_rank + m.qk_pos_emb_head_dim) + m.kv_lora_rank
@@ -175,7 +201,8 @@ def layer_activation_bytes(m: ModelConfig, index: int, b: int, s: int, sh: Shard
             out["attention scores"] = tokens * a * s * (B + mask * (1 + B)) / sh.tp
     out["dropout masks"] = 2 * tokens * h * mask / sp_div
     # MLP block: norm input and first-linear input in the SP region.
-    out["mlp norm input + mlp input"] = norm_and_input
+    out["mlp norm input"] = norm_input
+    out["mlp input"] = norm_out * tokens * h / sp_div
     inner = traits.mlp_inner_tensors or (3 if traits.gated_mlp else 2)  # SwiGLU: gate, up, gate*up ; GeLU: pre, post
     inner_bytes = (inner - 1) * B + LB  # the last is the down-projection's input
     if is_moe_layer(m, index):
@@ -184,14 +211,45 @@ def layer_activation_bytes(m: ModelConfig, index: int, b: int, s: int, sh: Shard
         k, f_e = m.moe_router_topk, (m.moe_ffn_hidden_size or m.ffn_size)
         copies = k * b * s * sh.etp / (sh.tp * sh.cp)  # token copies on this rank's experts
         out["router scores (fp32)"] = tokens * m.num_experts * 4 / sp_div
-        out["expert inputs + outputs"] = copies * h * (LB + B)
-        act_out = 0 if sh.recomputes("moe_act") else LB  # the activation's output: the down-projection's input
-        out["expert intermediates"] = copies * ((inner - 1) * B + act_out) * f_e / sh.etp
+        out["expert inputs"] = copies * h * LB
+        if traits.expert_outputs_saved:
+            out["expert outputs"] = copies * h * B
+        out["expert fc1 outputs"] = copies * (inner - 1) * B * f_e / sh.etp
+        if not sh.recomputes("moe_act"):  # the activation's output: the down-projection's input
+            out["expert activation outputs"] = copies * LB * f_e / sh.etp
         if m.moe_shared_expert_intermediate_size and not sh.recomputes("shared_experts"):
             out["shared-expert intermediates"] = tokens * inner_bytes * m.moe_shared_expert_intermediate_size / sh.tp
     elif not sh.recomputes("mlp"):
         out["mlp intermediates"] = tokens * inner_bytes * m.ffn_size / sh.tp
     return out
+
+
+def matmul_outputs(m: ModelConfig, index: int, sh: Sharding) -> list[float]:
+    """Elements per token of the outputs of decoder layer `index`'s matmuls, in forward order (on
+    one rank): q, k, v (MLA: the query and KV up-projections), o; the dense MLP's gate, up and down,
+    or a MoE layer's router and shared experts (routed experts run grouped GEMMs, not matmuls).
+    Column-parallel outputs split by TP, row-parallel ones (h) by TP with SP."""
+    h, a = m.hidden_size, m.num_attention_heads
+    sp_div = sh.tp if sh.sp else 1
+    if m.multi_latent_attention:
+        attn = [a * (m.qk_head_dim + m.qk_pos_emb_head_dim) / sh.tp, a * (m.qk_head_dim + m.v_head_dim) / sh.tp]
+    else:
+        attn = [a * m.head_dim / sh.tp, m.kv_heads * m.head_dim / sh.tp, m.kv_heads * m.head_dim / sh.tp]
+    if not is_moe_layer(m, index):
+        return attn + [h / sp_div, m.ffn_size / sh.tp, m.ffn_size / sh.tp, h / sp_div]
+    f_s = m.moe_shared_expert_intermediate_size or 0
+    return attn + [h / sp_div, m.num_experts] + ([f_s / sh.tp, f_s / sh.tp, h / sp_div] if f_s else [])
+
+
+def op_sac_saved(m: ModelConfig, index: int, tokens: float, sh: Sharding, B: int) -> dict[str, float]:
+    """torchtitan's op-level SAC (`ArchTraits.op_level_sac`): a block keeps its input, the flash
+    kernel's output and log-sum-exp, and the outputs of every other matmul: the policy counts matmuls
+    over the block's forwards, so which half is kept alternates between steps; the larger half counts."""
+    mm = matmul_outputs(m, index, sh)
+    _, attn_out = _attention_elements(m)
+    return {"layer input (op-level SAC)": tokens * m.hidden_size * B / (sh.tp if sh.sp else 1),
+            "attention output + log-sum-exp": tokens * (attn_out * B + m.num_attention_heads * 4) / sh.tp,
+            "every other matmul output": tokens * max(sum(mm[0::2]), sum(mm[1::2])) * B}
 
 
 def full_recompute_transient(m: ModelConfig, index: int, b: int, s: int, sh: Sharding,

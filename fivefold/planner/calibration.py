@@ -52,6 +52,18 @@ RECOMPUTE_MODULES_OF: dict[int, tuple[tuple[str, ...], str]] = {
 """Rows whose selective recompute names Megatron's --recompute-modules (the source's words); the
 others recompute the attention core (Megatron's default)."""
 
+MEMORY_OPTIONS_OF: dict[int, tuple[dict, str]] = {
+    37: ({"use_precision_aware_optimizer": True, "optimizer_cpu_offload": True},
+         "notes: optimizer-state offload (Table 18; the share not stated: 1.0, Megatron's default)"),
+    38: ({"use_precision_aware_optimizer": True, "optimizer_cpu_offload": True},
+         "assumed: Table 18's optimizer-state offload, as row 37 (the same model on the same GB200s; "
+         "the report does not list the BF16 run's memory options)"),
+    41: ({"fine_grained_activation_offloading": True, "offload_modules": ["expert_fc1", "moe_act"]},
+         "notes: the ModelZoo readme says this config needs activation offloading (expert_fc1, moe_act)"),
+}
+"""Rows whose source (or, marked assumed, a sibling row) names memory options beside the layout:
+TrainingConfig fields and the words they come from."""
+
 HARDWARE = {"H100": "h100-sxm", "H100-80GB-HBM3 (700W)": "h100-sxm", "H800": "h800", "H200": "h200",
             "H100-96GB-HBM2e (500W)": "h100-96gb-500w", "GB200": "gb200", "GB300": "gb300"}
 """The set's `system` column -> hardware preset."""
@@ -203,6 +215,9 @@ def case_of(run: Run) -> Case:
     if rc == "unknown":
         rc = "selective" if m.is_moe else None
         assumed.append(f"recompute={rc or 'none'} (not stated)")
+    options, words = MEMORY_OPTIONS_OF.get(run.row, ({}, ""))
+    if words.startswith("assumed"):
+        assumed.append(words)
     split = _split(run, m, pp, vpp, assumed)
     parallel = ParallelConfig(tensor_model_parallel_size=tp, sequence_parallel=tp > 1, context_parallel_size=cp,
                               pipeline_model_parallel_size=pp,
@@ -215,7 +230,7 @@ def case_of(run: Run) -> Case:
                               recompute_method="uniform" if rc == "full" else None,
                               recompute_num_layers=1 if rc == "full" else None,
                               use_distributed_optimizer=strategy != "no_shard",
-                              data_parallel_sharding_strategy=strategy)
+                              data_parallel_sharding_strategy=strategy, **options)
     cfg = Config(cluster=ClusterConfig(num_nodes=max(1, gpus // gpn), gpus_per_node=min(gpn, gpus), world_size=gpus),
                  parallel=parallel, model=m, training=training)
     tokens = run.num("tokens_per_s_per_gpu")

@@ -41,7 +41,7 @@ Per step:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from fivefold.planner.layout import Plan
 from fivefold.planner.memory import rank_params, state_bytes_per_param
@@ -74,6 +74,9 @@ class Collective:
     hides_behind: str | None = None
     """None: on the critical path. 'attention': the CP ring, overlapped with the attention core;
     'backward' / 'forward': DP traffic overlapped with the backward / next forward."""
+    spread: int = 1
+    """Microbatches a once-per-step entry is spread over (ZeRO-2/3 without PP: a reduce-scatter or
+    all-gather per microbatch, each behind that microbatch's backward / forward)."""
 
     def wire_bytes(self, n: int) -> float:
         return self.call_bytes * WIRE[self.kind](n)
@@ -141,17 +144,23 @@ def _mla_attention(plan: Plan) -> list[Collective]:
 
 
 def layer_collectives(plan: Plan, index: int, recomputed: bool = False) -> list[Collective]:
-    """Decoder layer `index`'s calls for one microbatch on one rank (`recomputed`: fully recomputed)."""
+    """Decoder layer `index`'s calls for one microbatch on one rank (`recomputed`: fully recomputed).
+    What recompute reruns in backward calls again: a fully recomputed layer its whole forward's calls,
+    selective recompute of `moe` the MoE layer's forward calls (dispatch and combine), of `core_attn`
+    the CP calls of the attention core (`cp_collectives`)."""
     m = plan.config.model
     M = _tokens(plan) * m.hidden_size * act_bytes(plan)
     out = _mla_attention(plan) if m.multi_latent_attention else _tp_half(plan, M)  # attention
     moe = is_moe_layer(m, index)
     if not moe or m.moe_shared_expert_intermediate_size:
         out += _tp_half(plan, M)  # dense MLP, or the shared experts of a MoE layer
-    if moe:
-        out += moe_collectives(plan)
+    expert_calls = moe_collectives(plan) if moe else []
+    out += expert_calls
+    selective = plan.recompute == "selective"
+    rerun = out if recomputed else (expert_calls if selective and moe and "moe" in plan.recompute_modules else [])
+    out += [replace(c, phase="backward") for c in rerun if c.phase == "forward"]
     if plan.cp > 1:
-        out += cp_collectives(plan, recomputed or plan.recompute == "selective")
+        out += cp_collectives(plan, recomputed or (selective and "core_attn" in plan.recompute_modules))
     return out
 
 
@@ -289,9 +298,12 @@ def step_collectives(plan: Plan, pp_rank: int) -> list[Collective]:
             # all-gathers every unit before its forward and again before its backward, per microbatch
             # (under PP once a step: the units stay whole until the step's end)
             times = plan.microbatches if mode != "optim" and plan.pp == 1 and group == "dp" else 1
-            gathers = 2 * plan.microbatches if mode == "optim_grads_params" and plan.pp == 1 else 1
-            out += [Collective("reduce_scatter", f"{group}-grad", group, grad * count * times, "step", "backward"),
-                    Collective("all_gather", f"{group}-param", group, weight * count * gathers, "step", "forward")]
+            gathers = plan.microbatches if mode == "optim_grads_params" and plan.pp == 1 else 1
+            out += [Collective("reduce_scatter", f"{group}-grad", group, grad * count * times, "step", "backward", times),
+                    Collective("all_gather", f"{group}-param", group, weight * count * gathers, "step", "forward", gathers)]
+            if gathers > 1:  # ZeRO-3: each unit gathered again before its backward
+                out.append(Collective("all_gather", f"{group}-param", group, weight * count * gathers, "step",
+                                      "backward", gathers))
             if group == "dp" and _instances(plan) > 1:  # HSDP: each reduced chunk summed over the instances
                 out.append(Collective("all_reduce", "dp-grad", "dp-replicate",
                                       grad * count / (d // _instances(plan)), "step"))

@@ -12,7 +12,7 @@ from fivefold.config.schema import Config
 from fivefold.errors import UserError
 from fivefold.config.rules import sizes_of, stage_layers
 from fivefold.pipeline.schedules import REGISTRY
-from fivefold.planner.activations import RECOMPUTE_MODULES
+from fivefold.planner.activations import OFFLOAD_MODULES, RECOMPUTE_MODULES
 
 
 def split_key(config: Config) -> tuple:
@@ -146,6 +146,17 @@ class Plan:
         if unknown:
             raise UserError(f"training.recompute_modules: unknown {', '.join(unknown)}; Megatron's modules are "
                             + ", ".join(RECOMPUTE_MODULES))
+        return modules
+
+    @cached_property
+    def offload_modules(self) -> frozenset[str]:
+        """The modules whose inputs go to host memory (--fine-grained-activation-offloading)."""
+        t = self.config.training
+        modules = frozenset(t.offload_modules or ()) if t.fine_grained_activation_offloading else frozenset()
+        unknown = sorted(modules - OFFLOAD_MODULES.keys())
+        if unknown:
+            raise UserError(f"training.offload_modules: unknown {', '.join(unknown)}; Megatron's modules are "
+                            + ", ".join(OFFLOAD_MODULES))
         return modules
 
     @cached_property

@@ -22,7 +22,9 @@ one layer, EP dispatch/combine buffers). Optimizer scratch: clipping and the opt
 so their temporaries (`ArchTraits.optimizer_scratch_bytes` per element of the rank's largest
 parameter) raise the peak only by what they exceed activations + logits + buffers by; that excess
 is the "scratch" kind (0 for fused optimizers, and whenever activations dominate).
-Then a stated allocator overhead (share of all tensor
+With --optimizer-cpu-offload, the offloaded share of the optimizer state (main parameters + AdamW
+moments) is host memory and not counted; with --fine-grained-activation-offloading, so are the
+offloaded module inputs of every microbatch in flight but the one being computed. Then a stated allocator overhead (share of all tensor
 memory) and a runtime reserve (CUDA context + NCCL workspaces) that the allocator never sees.
 """
 from __future__ import annotations
@@ -32,7 +34,7 @@ from functools import lru_cache
 
 from fivefold.config.schema import TrainingConfig
 from fivefold.parallel.precision import DEFAULT_BUCKET_BYTES, Precision
-from fivefold.planner.activations import (EAGER_TRAITS, ArchTraits, Sharding, backward_transient, full_recompute_transient,
+from fivefold.planner.activations import (EAGER_TRAITS, OFFLOAD_MODULES, ArchTraits, Sharding, backward_transient, full_recompute_transient,
                                           layer_activation_bytes, weight_grad_join_bytes)
 from fivefold.planner.layout import Plan
 from fivefold.planner.mtp import mtp_activation_values, mtp_params
@@ -234,18 +236,20 @@ class _Ranks:
         prec, training = plan.precision, plan.config.training
         B = traits.value_bytes()
         rm = RankMemory(rank=r)
-        detail, per_mb, transient, joins, bwd = _layers(plan, self.shapes[r][0], r, self.sh, traits)
+        detail, per_mb, transient, joins, bwd, offloaded = _layers(plan, self.shapes[r][0], r, self.sh, traits)
         dense, expert = rank_params(plan, r)
         (wd, gd, od), (we, ge, oe) = self.state_bytes
         rm.params = dense + expert
         rm.weights, rm.grads, rm.optimizer = dense * wd + expert * we, dense * gd + expert * ge, dense * od + expert * oe
+        rm.optimizer *= 1 - Precision.of(training, prec).offload_fraction  # --optimizer-cpu-offload: host memory
         if training.sharding_strategy in ("optim_grads", "optim_grads_params"):
             rm.grads += zero2_full_buffers(plan, dense, expert)
         if training.sharding_strategy == "optim_grads_params":  # ZeRO-3: the units in use, whole
             rm.weights += zero3_gathered(plan, dense + expert) * Precision.of(training, prec).state_bytes(1, "no_shard")[0]
         rm.detail = dict(detail)
         rm.inflight = prof.inflight_microbatches(r)
-        rm.activations = per_mb * rm.inflight + transient
+        # offloaded inputs stay on the device only for the microbatch being computed
+        rm.activations = per_mb * rm.inflight - offloaded * max(0.0, rm.inflight - 1) + transient
         tokens = plan.mbs * plan.seq / plan.cp
         heads = 1 + (m.mtp_num_layers or 0)  # MTP: another output layer per depth (planner/mtp.py)
         if r == plan.pp - 1:  # the logits and the loss's fp32 softmax (see ArchTraits.loss_bytes_per_logit)
@@ -290,24 +294,27 @@ def _layers(plan: Plan, kinds: tuple, r: int, sh: Sharding, traits: ArchTraits):
     """(activation bytes by tensor, per-microbatch total, recompute transient, W-pending join bytes,
     backward transient) of rank r's layers, whose kinds are `kinds` ((MoE?, recomputed?, count), ...)."""
     m, b, s = plan.config.model, plan.mbs, plan.seq
-    key = (id(m), kinds, b, s, sh, traits)
+    key = (id(m), kinds, b, s, sh, traits, plan.offload_modules)
     got = _LAYERS.get(key)
     if got is not None and got[0] is m:
         return got[1]
     detail: dict[str, float] = {}
-    per_mb, transient, joins, bwd = 0.0, 0.0, 0.0, 0.0
+    per_mb, transient, joins, bwd, offloaded = 0.0, 0.0, 0.0, 0.0, 0.0
+    offload = [OFFLOAD_MODULES[name] for name in plan.offload_modules]
     for i, recomputed, n in plan.layer_groups(r):
         layer_sh = sh if recomputed or plan.recompute != "full" else \
             Sharding(tp=sh.tp, sp=sh.sp, cp=sh.cp, etp=sh.etp, recompute=None)
         saved = layer_activation_bytes(m, i, b, s, layer_sh, traits)
-        peak = full_recompute_transient(m, i, b, s, sh, traits) if recomputed else 0.0
+        reruns = recomputed or (sh.recompute == "selective" and traits.op_level_sac)  # the layer's backward rebuilds it
+        peak = full_recompute_transient(m, i, b, s, sh, traits) if reruns else 0.0
         for k, v in saved.items():
             detail[k] = detail.get(k, 0.0) + v * n
             per_mb += v * n
+        offloaded += sum(saved.get(key, 0.0) for key in offload) * n
         transient = max(transient, peak)
         joins += weight_grad_join_bytes(m, i, b, s, sh, traits) * n
         bwd = max(bwd, backward_transient(m, i, b, s, sh, traits))
-    out = (detail, per_mb, transient, joins, bwd)
+    out = (detail, per_mb, transient, joins, bwd, offloaded)
     _LAYERS[key] = (m, out)
     return out
 

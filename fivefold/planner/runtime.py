@@ -40,8 +40,14 @@ class Runtime:
     summary: str
 
 
-_TE_TRAITS = ArchTraits(fp8_linear_inputs=True)
-"""Fused RMSNorm / SwiGLU / cross entropy (Megatron's counts), flash attention, fp8 linear inputs."""
+_TE_TRAITS = ArchTraits(fp8_linear_inputs=True, expert_outputs_saved=False)
+"""Fused RMSNorm / SwiGLU / cross entropy (Megatron's counts), flash attention, fp8 linear inputs,
+memory-efficient permutation (the router weights applied before the experts' down-projection)."""
+_TT_SAC = True
+"""torchtitan's selective recompute: `selective_ac_option = "op"` (its default), in memory and in time."""
+_TT_TRAITS = ArchTraits(op_level_sac=_TT_SAC)
+"""Megatron's counts for compiled blocks, flash attention, 16-bit saved inputs (torchao float8), and
+selective recompute as torchtitan's default `selective_ac_option = "op"`."""
 
 PROFILES: dict[str, Runtime] = {r.name: r for r in [
     Runtime("fivefold", MemoryAssumptions(), TimeAssumptions(), grad_reduce_in_bf16=False,
@@ -49,17 +55,17 @@ PROFILES: dict[str, Runtime] = {r.name: r for r in [
     Runtime("megatron-te",
             MemoryAssumptions(allocator_overhead=0.02, runtime_reserve=1.0 * GiB, traits=_TE_TRAITS),
             # fitted on rows 1-9, 12-14, 36-44, 47-55 (benchmarks/calibrate.py --fit)
-            TimeAssumptions(gemm_efficiency=0.845, fp8_gemm_efficiency=0.537, attention_efficiency=0.635,
-                            expert_efficiency=0.99, expert_half_rows=3056.0, membound_passes=20.8,
-                            tp_overlap=0.702, ep_overlap=0.832),
+            TimeAssumptions(gemm_efficiency=0.842, fp8_gemm_efficiency=0.568, attention_efficiency=0.548,
+                            expert_efficiency=0.594, expert_half_rows=1613.0, membound_passes=17.5,
+                            tp_overlap=0.654, ep_overlap=0.871),
             grad_reduce_in_bf16=True,
             summary="Megatron-Core + TransformerEngine: fused kernels, fp8 linear inputs, TP comm overlap, "
                     "grouped GEMM, bf16 gradient reduction, distributed optimizer"),
     Runtime("torchtitan",
-            MemoryAssumptions(allocator_overhead=0.05, runtime_reserve=1.0 * GiB, traits=ArchTraits()),
+            MemoryAssumptions(allocator_overhead=0.05, runtime_reserve=1.0 * GiB, traits=_TT_TRAITS),
             # fitted on rows 16-26, 28-35 (benchmarks/calibrate.py --fit --runtime torchtitan)
-            TimeAssumptions(gemm_efficiency=0.516, fp8_gemm_efficiency=0.499, attention_efficiency=0.172,
-                            membound_passes=5.1, tp_overlap=0.05, cp_overlap=1.0),
+            TimeAssumptions(gemm_efficiency=0.65, fp8_gemm_efficiency=0.623, attention_efficiency=0.172,
+                            membound_passes=16.9, tp_overlap=0.05, cp_overlap=1.0, op_level_sac=_TT_SAC),
             grad_reduce_in_bf16=False,
             summary="torchtitan: FSDP2 (fp32 reduce), torch.compile, torchao float8, async TP"),
 ]}

@@ -20,7 +20,7 @@ intra-node when all its ranks share a node (from the rank order), else the per-G
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from fivefold.planner.activations import ArchTraits, Sharding, layer_activation_bytes
 from fivefold.planner.collectives import Collective, group_sizes, layer_collectives, stage_collectives, step_collectives
@@ -66,6 +66,8 @@ class TimeAssumptions:
     """Share of TP / SP (and expert-TP) traffic hidden behind GEMMs (TE userbuffers, async TP)."""
     ep_overlap: float = 0.0
     """Share of the EP all-to-all hidden behind compute (1F1B all-to-all overlap)."""
+    op_level_sac: bool = False
+    """Selective recompute is torchtitan's op-level SAC (`ArchTraits.op_level_sac`), not Megatron's modules."""
     cp_overlap: float = 1.0
     """Share of the attention core's time the CP ring can hide behind (1: all of it, a ring whose
     transfers run beside every block's kernel; less where the runtime serialises them)."""
@@ -179,8 +181,8 @@ def step_time(plan: Plan, hw: Hardware, ta: TimeAssumptions = TimeAssumptions())
         comp = rank_parts[r]["compute"]
         exposed: dict[str, float] = {}
         sent: dict[str, float] = {}
-        for part, t, wire, behind in _step_calls(plan, r, links, sizes):
-            hide = comp * 2 / 3 if behind == "backward" else (comp / 3 if behind == "forward" else 0.0)
+        for part, t, wire, behind, spread in _step_calls(plan, r, links, sizes):
+            hide = spread * (comp * 2 / 3 if behind == "backward" else (comp / 3 if behind == "forward" else 0.0))
             exposed[part] = exposed.get(part, 0.0) + max(0.0, t - hide)
             sent[part] = sent.get(part, 0.0) + wire
         dense, expert = rank_params(plan, r)
@@ -208,21 +210,23 @@ def step_time(plan: Plan, hw: Hardware, ta: TimeAssumptions = TimeAssumptions())
                         links={g: links.name(g) for g in links.cross})
 
 
-Timed = tuple[tuple[str, float, float, "str | None"], ...]
-"""Calls as (reported part, seconds on their link, wire bytes, what they hide behind), in call order."""
+Timed = tuple[tuple[str, float, float, "str | None", int], ...]
+"""Calls as (reported part, seconds on their link, wire bytes, what they hide behind, microbatches
+they are spread over), in call order."""
 
 
 def _timed(calls: list[Collective], links: _Links, sizes: dict[str, int]) -> Timed:
     out = []
     for c in calls:
         n = sizes[c.group]
-        out.append((PART[c.group], links.time(c.group, c.wire_bytes(n), c.steps(n), n), c.wire_bytes(n), c.hides_behind))
+        out.append((PART[c.group], links.time(c.group, c.wire_bytes(n), c.steps(n), n), c.wire_bytes(n), c.hides_behind,
+                    c.spread))
     return tuple(out)
 
 
 def _add_timed(timed: Timed, parts: dict, sent: dict) -> None:
     """`_add_calls` for calls on the critical path, already timed."""
-    for part, t, wire, _ in timed:
+    for part, t, wire, *_ in timed:
         sent[part] += wire
         parts[part] += t
 
@@ -266,7 +270,7 @@ def _stage_calls(plan: Plan, r: int, links: _Links, sizes: dict[str, int]) -> Ti
     key = ("stage", plan.tp, plan.sp, plan.cp, plan.pp, plan.mbs, plan.seq, plan.precision, plan.rank_shapes[r][1:],
            links.cross["tp"], links.cross["pp"])
     timed = _cached_calls(key, plan, links, lambda: _timed(stage_collectives(plan, r), links, sizes))
-    assert all(behind is None for *_, behind in timed)
+    assert all(behind is None for *_, behind, _ in timed)
     return timed
 
 
@@ -295,6 +299,47 @@ def _add_calls(calls: list[Collective], links: _Links, sizes: dict[str, int], pa
             parts[PART[c.group]] += t * (1 - hidden_share.get(PART[c.group], 0.0))
     if overlapped:
         parts["cp"] += max(0.0, overlapped - hidden * links.ta.cp_overlap)
+
+
+def _selective_rerun(plan: Plan, i: int, t_core: float, t_linear: float, t_experts: float, flops_rate: float,
+                     hw: Hardware, ta: TimeAssumptions) -> float:
+    """Seconds selective recompute adds to layer `i`'s backward per microbatch: the forward of what it
+    recomputes. torchtitan's op-level SAC (`op_level_sac`): the matmuls whose outputs it does not keep
+    (every other one: half the linear time) and the routed experts. Megatron's --recompute-modules:
+    core_attn the attention core; mla_up_proj the q / kv up-projections; mlp a dense MLP; moe the
+    router, routed and shared experts (its dispatch / combine run again too: `layer_collectives`);
+    shared_experts those; layernorm and moe_act are memory-bound: their dropped outputs written again
+    and their inputs read, at HBM bandwidth."""
+    if plan.recompute != "selective":
+        return 0.0
+    if ta.op_level_sac:
+        return t_linear / 2 + t_experts
+    m, sh = plan.config.model, _sharding(plan)
+    tokens = plan.mbs * plan.seq / (plan.tp * plan.cp)  # per rank, TP-split linears
+    lp, moe = layer_params(m, i), is_moe_layer(m, i)
+    matmul = 0.0  # parameters the rerun multiplies each token by, split by TP
+    t = t_core if sh.recomputes("core_attn") else 0.0
+    if m.multi_latent_attention and sh.recomputes("mla_up_proj"):
+        a = m.num_attention_heads
+        matmul += (m.q_lora_rank or 0) * a * (m.qk_head_dim + m.qk_pos_emb_head_dim)
+        matmul += m.kv_lora_rank * a * (m.qk_head_dim + m.v_head_dim)
+    if (not moe and sh.recomputes("mlp")) or (moe and (sh.recomputes("moe") or sh.recomputes("shared_experts"))):
+        matmul += lp.dense_mlp  # the dense MLP or the shared experts
+    if moe and sh.recomputes("moe"):
+        matmul += m.hidden_size * m.num_experts * plan.tp  # the router, replicated: each rank routes its tokens
+        t += t_experts
+    t += 2 * tokens * matmul / flops_rate
+    kept = Sharding(tp=sh.tp, sp=sh.sp, cp=sh.cp, etp=sh.etp)
+    traits = _traits(plan.precision)
+    dropped = sum(layer_activation_bytes(m, i, plan.mbs, plan.seq, kept, traits).values()) - \
+        sum(layer_activation_bytes(m, i, plan.mbs, plan.seq, replace(sh, modules=sh.modules & {"layernorm", "moe_act"}),
+                                   traits).values())
+    return t + 2 * dropped / hw.memory_bw
+
+
+def _sharding(plan: Plan) -> Sharding:
+    return Sharding(tp=plan.tp, sp=plan.sp, cp=plan.cp, etp=plan.etp, recompute=plan.recompute,
+                    modules=plan.recompute_modules)
 
 
 def _traits(precision: str) -> ArchTraits:
@@ -346,7 +391,7 @@ def _layer_cost_of(plan: Plan, links: _Links, sizes: dict[str, int], i: int, rec
             expert_rate *= rows / (rows + ta.expert_half_rows)
         t_experts = experts / (tp * cp) / expert_rate
     t_fwd = t_core + t_linear + t_experts
-    extra = t_fwd if recomputed else (t_core if plan.recompute == "selective" else 0.0)
+    extra = t_fwd if recomputed else _selective_rerun(plan, i, t_core, t_linear, t_experts, flops_rate, hw, ta)
     parts["compute"] = 3 * t_fwd + extra
     if ta.membound_passes:
         sh = Sharding(tp=tp, sp=plan.sp, cp=cp, etp=plan.etp)

@@ -36,6 +36,9 @@ RUNTIME_KNOBS: list[Knob] = [
     Knob("training.recompute_modules", lambda v: v is None or list(v) == ["core_attn"],
          "selective recompute of modules other than core_attn (the planner models Megatron's modules; the runtime "
          "recomputes the attention core)"),
+    Knob("training.fine_grained_activation_offloading", _is(False),
+         "fine-grained activation offloading (--offload-modules: the planner models it; the runtime keeps every "
+         "activation on the device)"),
     Knob("data.tokenizer_type", _is(*TOKENIZER_TYPES),
          "Megatron tokenizer types other than HuggingFaceTokenizer, GPT2BPETokenizer and NullTokenizer (give "
          "--tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR with a local tokenizer.json)"),
