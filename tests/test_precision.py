@@ -288,3 +288,32 @@ def test_model_state_bytes_follow_the_formula(runs, workers, precision, extra, w
     for r in workers(world).run(_state_bytes_rank, to_dict(cfg), str(runs["data_dir"])):
         # exact but for ZeRO-1's padding of each bucket to a multiple of d (< d elements per bucket)
         assert 0 <= r["bytes"] - per_param * r["params"] <= 16 * world, (r, per_param)
+
+
+def test_precision_aware_optimizer_dtypes_are_parsed_checked_counted_and_refused():
+    """Megatron's --exp-avg-dtype / --exp-avg-sq-dtype / --fp8-param-gather: parsed to their fields,
+    refused without --use-precision-aware-optimizer (the fix named), counted by the planner (bf16
+    moments: 4 + 2 + 2 bytes of optimizer state; fp8 primary weights: 1 byte), refused by the runtime."""
+    from fivefold.config.load import load_config
+    from fivefold.config.validate import validate
+    from fivefold.errors import NotImplementedYet, UserError
+    from fivefold.parallel.precision import Precision
+    from fivefold.train.supported import check_supported
+
+    base = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+            "--max-position-embeddings", "64", "--micro-batch-size", "1", "--global-batch-size", "2",
+            "--train-iters", "1", "--vocab-size", "128", "--tokenizer-type", "NullTokenizer", "--mock-data", "--bf16",
+            "--use-distributed-optimizer", "--exp-avg-dtype", "bf16", "--exp-avg-sq-dtype", "bf16"]
+    with pytest.raises(UserError, match="use-precision-aware-optimizer"):
+        validate(load_config(None, base, world_size=2).config)
+    cfg = load_config(None, base + ["--use-precision-aware-optimizer"], world_size=2).config
+    validate(cfg)
+    t = cfg.training
+    assert (t.exp_avg_dtype, t.exp_avg_sq_dtype) == ("bf16", "bf16")
+    assert Precision.of(t).state_bytes(4, "optim") == (2, 4, (4 + 2 + 2) / 4)
+    with pytest.raises(NotImplementedYet, match="exp_avg_dtype"):
+        check_supported(cfg)
+    t.fp8_param_gather = True
+    assert Precision.of(t, "fp8").state_bytes(1, "optim")[0] == 1 and Precision.of(t).state_bytes(1, "optim")[0] == 2
+    with pytest.raises(UserError, match="fp8 primary weights need fp8"):
+        validate(cfg)

@@ -329,6 +329,17 @@ class TrainingConfig:
     use_precision_aware_optimizer: bool = False
     """The optimizer owns the main parameters' dtype and placement (Megatron's
     --use-precision-aware-optimizer; required by optimizer_cpu_offload). Default False."""
+    exp_avg_dtype: str = "fp32"
+    """AdamW's first moment: fp32, bf16, fp16 or fp8 (--exp-avg-dtype; other than fp32 needs
+    use_precision_aware_optimizer; the planner counts it, the runtime keeps fp32). Default fp32."""
+    exp_avg_sq_dtype: str = "fp32"
+    """AdamW's second moment, as exp_avg_dtype (--exp-avg-sq-dtype). Default fp32."""
+    main_params_dtype: str = "fp32"
+    """The optimizer's main parameters: fp32 or fp16 (--main-params-dtype; fp16 needs
+    use_precision_aware_optimizer; planner only). Default fp32."""
+    fp8_param_gather: bool = False
+    """fp8: the model keeps its primary weights in fp8 (1 byte) and all-gathers them so, the main
+    parameters staying in the optimizer (--fp8-param-gather; planner only). Default False."""
     optimizer_cpu_offload: bool = False
     """Keep (a share of) the fp32 main parameters and AdamW state in host memory and step them there
     (--optimizer-cpu-offload). Default False."""

@@ -65,6 +65,8 @@ def validate(config: Config, dialect: str = "fivefold", *, raise_errors: bool = 
 
 
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+OPTIMIZER_DTYPES = ("fp32", "bf16", "fp16", "fp8")
+"""Megatron's --exp-avg-dtype / --exp-avg-sq-dtype choices."""
 
 
 def _schedule_problems(t, s: dict) -> list[Problem]:
@@ -128,6 +130,18 @@ def _training_problems(t, dp_cp: int | None) -> list[Problem]:
         out.append(Problem("training.optimizer_cpu_offload", True, "optimizer CPU offload needs the precision-aware "
                            "optimizer (Megatron asserts the same)", "use_precision_aware_optimizer=True "
                            "(--use-precision-aware-optimizer)"))
+    for name, choices in (("exp_avg_dtype", OPTIMIZER_DTYPES), ("exp_avg_sq_dtype", OPTIMIZER_DTYPES),
+                          ("main_params_dtype", ("fp32", "fp16"))):
+        value = getattr(t, name)
+        if value not in choices:
+            out.append(Problem(f"training.{name}", value, f"must be one of {', '.join(choices)}", f"{name}=fp32"))
+        elif value != "fp32" and not t.use_precision_aware_optimizer:
+            out.append(Problem(f"training.{name}", value, "only the precision-aware optimizer keeps optimizer state "
+                               "other than fp32 (Megatron asserts the same)",
+                               "use_precision_aware_optimizer=True (--use-precision-aware-optimizer)"))
+    if t.fp8_param_gather and t.precision != "fp8":
+        out.append(Problem("training.fp8_param_gather", True, f"fp8 primary weights need fp8 training (precision is "
+                           f"{t.precision})", "precision=fp8, or drop --fp8-param-gather"))
     if not 0.0 < t.optimizer_offload_fraction <= 1.0:
         out.append(Problem("training.optimizer_offload_fraction", t.optimizer_offload_fraction,
                            "the offloaded share must be in (0, 1]", "optimizer_offload_fraction=1.0"))

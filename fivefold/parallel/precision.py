@@ -14,7 +14,10 @@ parameter's gradient is added into its buffer view as soon as backward produces 
 optimizer steps fp32 "main" parameters (under ZeRO-1 this rank's chunks of them;
 fivefold.parallel.main_params) and copies the result back into the 16-bit parameters. Bytes per parameter, replicated: 2 (param) + 4 (fp32 grad) + 4 (main) +
 8 (Adam moments) = 18; with the distributed optimizer over d ranks: 2 + 4 + 12/d (Megatron's 6 + 12/d
-counts the fp32 gradient buffer as 4 bytes). docs/precision.md has every variant.
+counts the fp32 gradient buffer as 4 bytes). The precision-aware optimizer's dtypes (--exp-avg-dtype,
+--exp-avg-sq-dtype, --main-params-dtype: e.g. bf16 moments, 4 + 2 + 2 instead of 12) and fp8 primary
+weights (--fp8-param-gather: 1 byte instead of 2) are counted for the planner; the runtime refuses
+them (fivefold.train.supported). docs/precision.md has every variant.
 
 fp16 loss scaling (Megatron's DynamicGradScaler): the loss is multiplied by the scale before backward;
 after the gradients are reduced they are divided by it and checked; a step whose gradients hold an inf or
@@ -30,7 +33,7 @@ from dataclasses import dataclass, field
 
 from fivefold.config.schema import TrainingConfig
 
-BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20
 """Gradient bucket capacity in bytes of parameters (PyTorch DDP's default 25 MiB;
@@ -109,6 +112,12 @@ class Precision:
     offload_fraction: float = 0.0
     """--optimizer-cpu-offload: the share of the main parameters (and their AdamW state) kept and
     stepped in host memory (fivefold.parallel.data_parallel)."""
+    main: str = "fp32"
+    """The main parameters' dtype name (--main-params-dtype; counted by the planner only)."""
+    moments: tuple[str, str] = ("fp32", "fp32")
+    """AdamW's exp_avg and exp_avg_sq dtype names (--exp-avg-dtype, --exp-avg-sq-dtype; planner only)."""
+    stored_param: str | None = None
+    """The dtype the model stores its weights in when not `param`: fp8 under --fp8-param-gather."""
 
     @classmethod
     def of(cls, t: TrainingConfig, precision: str | None = None) -> "Precision":
@@ -124,7 +133,8 @@ class Precision:
         else:
             grad = "fp32"
         offload = t.optimizer_offload_fraction if t.optimizer_cpu_offload else 0.0
-        return cls(name, param, grad, offload)
+        stored = "fp8" if name == "fp8" and t.fp8_param_gather else None
+        return cls(name, param, grad, offload, t.main_params_dtype, (t.exp_avg_dtype, t.exp_avg_sq_dtype), stored)
 
     @property
     def param_dtype(self):
@@ -150,7 +160,8 @@ class Precision:
         (ZeRO-2) the gradients too, optim_grads_params (ZeRO-3) the parameters too."""
         d = 1 if mode == "no_shard" else dp_shards
         sharded = {"no_shard": 0, "optim": 1, "optim_grads": 2, "optim_grads_params": 3}[mode]
-        p, g, o = BYTES[self.param], BYTES[self.grad], (4 if self.has_main else 0) + 8
+        p, g = BYTES[self.stored_param or self.param], BYTES[self.grad]
+        o = (BYTES[self.main] if self.has_main else 0) + sum(BYTES[d] for d in self.moments)
         return p / (d if sharded >= 3 else 1), g / (d if sharded >= 2 else 1), o / d
 
     def main_grad_copy_bytes(self, dp_shards: int = 1, mode: str = "optim") -> float:

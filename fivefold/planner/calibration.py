@@ -53,11 +53,14 @@ RECOMPUTE_MODULES_OF: dict[int, tuple[tuple[str, ...], str]] = {
 others recompute the attention core (Megatron's default)."""
 
 MEMORY_OPTIONS_OF: dict[int, tuple[dict, str]] = {
-    37: ({"use_precision_aware_optimizer": True, "optimizer_cpu_offload": True},
-         "notes: optimizer-state offload (Table 18; the share not stated: 1.0, Megatron's default)"),
-    38: ({"use_precision_aware_optimizer": True, "optimizer_cpu_offload": True},
-         "assumed: Table 18's optimizer-state offload, as row 37 (the same model on the same GB200s; "
-         "the report does not list the BF16 run's memory options)"),
+    37: ({"use_precision_aware_optimizer": True, "optimizer_cpu_offload": True, "fp8_param_gather": True,
+          "exp_avg_dtype": "bf16", "exp_avg_sq_dtype": "bf16"},
+         "notes: optimizer-state offload + FP8 primary weights + BF16 optimizer states (Table 18; the offloaded "
+         "share not stated: 1.0, Megatron's default)"),
+    38: ({"use_precision_aware_optimizer": True, "optimizer_cpu_offload": True, "exp_avg_dtype": "bf16",
+          "exp_avg_sq_dtype": "bf16"},
+         "assumed: Table 18's optimizer-state offload and BF16 optimizer states, as row 37 (the same model on the "
+         "same GB200s; the report does not list the BF16 run's memory options)"),
     41: ({"fine_grained_activation_offloading": True, "offload_modules": ["expert_fc1", "moe_act"]},
          "notes: the ModelZoo readme says this config needs activation offloading (expert_fc1, moe_act)"),
 }

@@ -36,6 +36,10 @@ RUNTIME_KNOBS: list[Knob] = [
     Knob("training.recompute_modules", lambda v: v is None or list(v) == ["core_attn"],
          "selective recompute of modules other than core_attn (the planner models Megatron's modules; the runtime "
          "recomputes the attention core)"),
+    *(Knob(f"training.{name}", _is("fp32"), f"{name} other than fp32 (the planner counts it; the runtime keeps "
+           "fp32 main parameters and AdamW moments)") for name in ("exp_avg_dtype", "exp_avg_sq_dtype", "main_params_dtype")),
+    Knob("training.fp8_param_gather", _is(False), "fp8 primary weights (the planner counts them; the runtime trains "
+         "fp32, bf16, fp16)"),
     Knob("training.fine_grained_activation_offloading", _is(False),
          "fine-grained activation offloading (--offload-modules: the planner models it; the runtime keeps every "
          "activation on the device)"),
