@@ -7,6 +7,7 @@ import pytest
 from fivefold.config.load import load_config
 from fivefold.config.megatron import FLAGS, parse_flags
 from fivefold.config.megatron_surface import SURFACE, SURFACE_FILE, no_effect
+from fivefold.config.validate import validate
 from fivefold.errors import NotImplementedYet, UserError
 
 LEGACY = {"--virtual-pipeline-model-parallel-size"}
@@ -48,7 +49,7 @@ def test_llama3_8b_fp8_script_refuses_only_what_is_not_built():
         parse_flags(words)
     named = str(e.value).split("Megatron-LM flags ")[1].split(" (they change")[0].split(", ")
     assert named == ["--decoupled-lr", "--decoupled-min-lr", "--fp8-format",
-                     "--fp8-amax-history-len", "--fp8-amax-compute-algo", "--fp8-param-gather"]
+                     "--fp8-amax-history-len", "--fp8-amax-compute-algo"]
     kept = [w for w in words if w not in set(named)]  # without them (and their values) it is read
     drop_values = {"5.0e-4", "4.5e-5", "hybrid", "1024", "max"}
     loaded = load_config(None, [w for w in kept if w not in drop_values])
@@ -59,6 +60,11 @@ def test_llama3_8b_fp8_script_refuses_only_what_is_not_built():
     assert (m.activation, m.normalization, m.add_bias_linear, m.position_embedding_type, m.apply_layernorm_1p,
             m.attention_dropout, m.hidden_dropout, m.tie_word_embeddings) == \
         ("swiglu", "RMSNorm", False, "rope", True, 0.0, 0.0, False)
+    # --fp8-param-gather is read (the planner counts fp8 weights); without --fp8-format the run is bf16,
+    # and validation names the fix
+    assert loaded.config.training.fp8_param_gather
+    with pytest.raises(UserError, match="fp8 primary weights need fp8 training"):
+        validate(loaded.config)
 
 
 def test_unknown_and_unbuilt_flags_are_reported_together():
