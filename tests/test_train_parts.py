@@ -56,7 +56,11 @@ def test_flops_formula_by_hand():
     m = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128, vocab_size=256)
     per_layer = 4 * 64 * 64 + 3 * 64 * 128  # q, k, v, o + SwiGLU gate, up, down
     assert matmul_params(m) == 2 * per_layer + 256 * 64
-    assert flops_per_token(m, 32) == 6 * matmul_params(m) + 12 * 2 * 4 * 16 * 32
+    assert flops_per_token(m, 32) == 6 * matmul_params(m) + 6 * 2 * 4 * 16 * 32  # causal: s/2 keys on average
+    moe = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128, vocab_size=256,
+                      num_experts=8, moe_router_topk=2, moe_ffn_hidden_size=32)
+    expert_layer = 4 * 64 * 64 + 64 * 8 + 2 * 3 * 64 * 32  # attention, router, the top-2 experts
+    assert flops_per_token(moe, 32) == 6 * (2 * expert_layer + 256 * 64) + 6 * 2 * 4 * 16 * 32
 
 
 def test_clip_by_global_norm():

@@ -33,7 +33,10 @@ def matmul_params(model: ModelConfig, tp: int = 1) -> int:
 
 
 def flops_per_token(model: ModelConfig, seq_length: int) -> float:
-    return 6 * matmul_params(model) + 12 * model.num_layers * model.num_attention_heads * model.head_dim * seq_length
+    """Training model FLOPs per token, as the planner counts them (fivefold.planner.flops: the matmuls a
+    token passes through, top-k routed experts, MLA, MTP, causal attention; Megatron-Core's count)."""
+    from fivefold.planner.flops import model_flops_per_token
+    return model_flops_per_token(model, seq_length)
 
 
 def peak_memory_bytes(device: torch.device) -> int:
