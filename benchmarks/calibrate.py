@@ -115,7 +115,7 @@ def rank_report(all_cases: list, runtime: str | None) -> None:
     runtime: the published layout's rank among the fitting layouts, and the top choice beside it."""
     print("| row | source | model | GPUs | published layout | rank | step time / top | top choice |")
     print("|---|---|---|---|---|---|---|---|")
-    ranks = []
+    ranks, ratios = [], []
     for c in all_cases:
         rt = profile(runtime or c.runtime) if (runtime or c.runtime) in PROFILES else profile("megatron-te")
         hw, cfg = hardware(c.hardware_name), apply(c.config, rt, c.fp32_grads)
@@ -126,7 +126,9 @@ def rank_report(all_cases: list, runtime: str | None) -> None:
         rank = rank_of(published, result.ranked)
         ranks.append(rank)
         top = result.ranked[0] if result.ranked else None
-        ratio = f"{published.estimate.step_time / top.estimate.step_time:.2f}" if rank and top else "-"
+        if rank and top:
+            ratios.append(published.estimate.step_time / top.estimate.step_time)
+        ratio = f"{ratios[-1]:.2f}" if rank and top else "-"
         where = f"{rank} of {len(result.ranked)}" if rank else f"not fitting: {published.problem[:60]}"
         print(f"| {c.run.row} | {c.run.source} | {c.model_name} | {cfg.cluster.world_size} x {c.hardware_name} | "
               f"{describe(cfg)} | {where} | {ratio} | {top.label if top else '-'} |")
@@ -134,6 +136,10 @@ def rank_report(all_cases: list, runtime: str | None) -> None:
     print(f"\npublished layouts in the top 5: {top5} of {len(ranks)}; judged not to fit: "
           f"{sum(r is None for r in ranks)}; median rank of the fitting ones: "
           f"{statistics.median([r for r in ranks if r]) if any(ranks) else '-'}")
+    # many layouts lie within the time model's own error of the top: how far the published one is
+    print(f"published step time within 5% / 10% of the top choice's: {sum(x <= 1.05 for x in ratios)} / "
+          f"{sum(x <= 1.10 for x in ratios)} of {len(ratios)}; median ratio {statistics.median(ratios):.2f}"
+          if ratios else "")
 
 
 def main() -> None:

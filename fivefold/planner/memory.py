@@ -155,14 +155,15 @@ def _rank_params(plan: Plan, rank: int) -> tuple[float, float]:
     return dense, expert
 
 
-def optimizer_phase(plan: Plan, dense: float, expert: float, largest: float, traits: ArchTraits) -> float:
+def optimizer_phase(plan: Plan, dense: float, expert: float, largest: float, traits: ArchTraits,
+                    prec: Precision | None = None) -> float:
     """Bytes allocated after backward, on top of the model state: while AdamW steps, its eager
     temporaries (`optimizer_scratch_bytes` per element of the largest parameter) and, with 16-bit
     gradients, the fp32 copies of the main gradients (`Precision.main_grad_copy_bytes`); then ZeRO-1/2's
     all-gathers of the updated parameters, at most two buckets' full outputs at once
     (fivefold.parallel.distributed_optimizer). The larger phase counts."""
     training = plan.config.training
-    prec, mode = Precision.of(training, plan.precision), training.sharding_strategy
+    prec, mode = prec or Precision.of(training, plan.precision), training.sharding_strategy
     copies = (dense * prec.main_grad_copy_bytes(plan.dp * plan.cp, mode)
               + expert * prec.main_grad_copy_bytes(plan.edp, mode))
     stepping = traits.optimizer_scratch_bytes * largest + copies
@@ -208,6 +209,7 @@ class _Ranks:
         training = plan.config.training  # bytes per dense / expert parameter: the same on every rank
         self.state_bytes = (state_bytes_per_param(training, plan.precision, plan.dp * plan.cp),
                             state_bytes_per_param(training, plan.precision, plan.edp))
+        self.prec = Precision.of(training, plan.precision)
 
     def candidates(self) -> list[int]:
         """The ranks that can hold the most memory, ascending: a rank is left out when an earlier rank
@@ -233,7 +235,7 @@ class _Ranks:
     def memory(self, r: int) -> RankMemory:
         plan, prof, assume = self.plan, self.prof, self.assume
         m, traits = plan.config.model, assume.traits
-        prec, training = plan.precision, plan.config.training
+        training = plan.config.training
         B = traits.value_bytes()
         rm = RankMemory(rank=r)
         detail, per_mb, transient, joins, bwd, offloaded = _layers(plan, self.shapes[r][0], r, self.sh, traits)
@@ -241,11 +243,11 @@ class _Ranks:
         (wd, gd, od), (we, ge, oe) = self.state_bytes
         rm.params = dense + expert
         rm.weights, rm.grads, rm.optimizer = dense * wd + expert * we, dense * gd + expert * ge, dense * od + expert * oe
-        rm.optimizer *= 1 - Precision.of(training, prec).offload_fraction  # --optimizer-cpu-offload: host memory
+        rm.optimizer *= 1 - self.prec.offload_fraction  # --optimizer-cpu-offload: host memory
         if training.sharding_strategy in ("optim_grads", "optim_grads_params"):
             rm.grads += zero2_full_buffers(plan, dense, expert)
         if training.sharding_strategy == "optim_grads_params":  # ZeRO-3: the units in use, whole
-            rm.weights += zero3_gathered(plan, dense + expert) * Precision.of(training, prec).state_bytes(1, "no_shard")[0]
+            rm.weights += zero3_gathered(plan, dense + expert) * self.prec.state_bytes(1, "no_shard")[0]
         rm.detail = dict(detail)
         rm.inflight = prof.inflight_microbatches(r)
         # offloaded inputs stay on the device only for the microbatch being computed
@@ -272,7 +274,7 @@ class _Ranks:
         if m.is_moe and plan.ep > 1:
             buffers += 2 * m.moe_router_topk * tokens / plan.tp * plan.etp * m.hidden_size * B  # dispatch + combine
         rm.buffers = buffers
-        rm.scratch = max(0.0, optimizer_phase(plan, dense, expert, largest_param(plan, r), traits)
+        rm.scratch = max(0.0, optimizer_phase(plan, dense, expert, largest_param(plan, r), traits, self.prec)
                          - (rm.activations + rm.logits + rm.buffers))
         tensors = rm.weights + rm.grads + rm.optimizer + rm.activations + rm.logits + rm.buffers + rm.scratch
         rm.overhead = assume.allocator_overhead * tensors

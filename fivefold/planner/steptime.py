@@ -361,7 +361,7 @@ def _layer_cost(plan: Plan, links: _Links, sizes: dict[str, int], i: int, recomp
     moe = is_moe_layer(m, i)
     # a dense layer neither computes nor calls anything over EP / ETP: layouts that differ only there share it
     experts = (plan.ep, plan.etp, links.cross["ep"], links.cross["etp"], links.cross["ep local"]) if moe else ()
-    key = (id(m), moe, recomputed, plan.recompute, plan.mbs, plan.seq, plan.precision, plan.tp, plan.sp,
+    key = (id(m), moe, recomputed, plan.recompute, plan.recompute_modules, plan.mbs, plan.seq, plan.precision, plan.tp, plan.sp,
            plan.cp, p.cp_comm_type, tuple(p.hierarchical_context_parallel_sizes or ()), links.cross["tp"],
            links.cross["cp"], links.cross["tp-cp"], experts, id(links.hw), links.ta, flops_rate)
     got = _LAYER_COSTS.get(key)
