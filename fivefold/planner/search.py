@@ -72,6 +72,15 @@ def describe(cfg: Config) -> str:
     parts.append(rc)
     if t.use_distributed_optimizer:
         parts.append("distopt")
+    # memory options beside the layout (counted by the planner; docs/precision.md)
+    if t.optimizer_cpu_offload:
+        parts.append(f"opt-offload{'' if t.optimizer_offload_fraction == 1 else t.optimizer_offload_fraction}")
+    if (t.exp_avg_dtype, t.exp_avg_sq_dtype) != ("fp32", "fp32"):
+        parts.append(f"moments-{t.exp_avg_dtype}" + ("" if t.exp_avg_dtype == t.exp_avg_sq_dtype else f"/{t.exp_avg_sq_dtype}"))
+    if t.fp8_param_gather:
+        parts.append("fp8-weights")
+    if plan.offload_modules:
+        parts.append(f"act-offload({','.join(sorted(plan.offload_modules))})")
     return " ".join(parts)
 
 
