@@ -33,6 +33,12 @@ BASE_MODEL = ModelConfig(num_layers=8, hidden_size=256, num_attention_heads=4, v
 """10.6M parameters untied (8 x 0.80M in layers + 2 x 2.1M embedding/output), 8.5M tied."""
 
 
+MOE = {"num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 256, "moe_first_k_dense_layers": 1,
+       "moe_router_force_load_balancing": True}
+"""Routed experts on every layer but the first, balanced routing forced (Megatron's
+--moe-router-force-load-balancing), as the planner assumes: the measured dispatch is then exact."""
+
+
 @dataclass(frozen=True)
 class Case:
     name: str
@@ -107,6 +113,14 @@ CASES = [
     Case("PP2 x DP2 mbs1 GA2 ZeRO-3 tied", 4, 1, 4, model={"tie_word_embeddings": True},
          parallel={"pipeline_model_parallel_size": 2},
          training={"data_parallel_sharding_strategy": "optim_grads_params"}),
+    Case("MoE EP2 mbs2", 2, 2, 4, model=MOE, parallel={"expert_model_parallel_size": 2}),
+    Case("MoE EP2 x TP2 SP ETP1 mbs1", 4, 1, 2, model=MOE,
+         parallel={"tensor_model_parallel_size": 2, "sequence_parallel": True, "expert_model_parallel_size": 2,
+                   "expert_tensor_parallel_size": 1}),
+    Case("MoE PP2 x EP2 mbs1 GA2", 4, 1, 4, model=MOE,
+         parallel={"pipeline_model_parallel_size": 2, "expert_model_parallel_size": 2}),
+    Case("MoE EP2 mbs2 bf16 ZeRO-1", 2, 2, 4, model=MOE, parallel={"expert_model_parallel_size": 2},
+         training={"precision": "bf16", "use_distributed_optimizer": True}),
 ]
 
 

@@ -16,7 +16,7 @@ from fivefold.planner.callbytes import call_bytes
 from fivefold.planner.layout import Plan
 from fivefold.planner.memory import CPU_EAGER, MemoryAssumptions, RankMemory, memory_per_rank
 
-BOOKKEEPING_TAGS = ("loss", "grad-norm", "found-inf", "metrics", "checkpoint")
+BOOKKEEPING_TAGS = ("loss", "grad-norm", "found-inf", "metrics", "moe-metrics", "checkpoint")
 """Traffic tags of scalars for logging, clipping, loss scaling and checkpoint agreement, not model tensors."""
 
 MEASURED_KINDS = {"weights": ("Parameter", "Buffer"), "grads": ("Gradient",), "optimizer": ("Optstate",),
