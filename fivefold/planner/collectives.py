@@ -41,7 +41,7 @@ Per step:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from fivefold.planner.layout import Plan
 from fivefold.planner.memory import rank_params, state_bytes_per_param
@@ -158,7 +158,7 @@ def layer_collectives(plan: Plan, index: int, recomputed: bool = False) -> list[
     out += expert_calls
     selective = plan.recompute == "selective"
     rerun = out if recomputed else (expert_calls if selective and moe and "moe" in plan.recompute_modules else [])
-    out += [replace(c, phase="backward") for c in rerun if c.phase == "forward"]
+    out += [c for c in rerun if c.phase == "forward"]  # the same calls, made again during backward
     if plan.cp > 1:
         out += cp_collectives(plan, recomputed or (selective and "core_attn" in plan.recompute_modules))
     return out

@@ -289,10 +289,15 @@ def _add_calls(calls: list[Collective], links: _Links, sizes: dict[str, int], pa
     compute for those that overlap the attention core) to `parts` / `sent`, by reported part."""
     overlapped = 0.0
     hidden_share = {"tp": links.ta.tp_overlap, "ep": links.ta.ep_overlap}
+    timed: dict[int, tuple[float, float]] = {}  # a recomputed layer lists its forward's calls twice
     for c in calls:
-        n = sizes[c.group]
-        t = links.time(c.group, c.wire_bytes(n), c.steps(n), n)
-        sent[PART[c.group]] += c.wire_bytes(n)
+        got = timed.get(id(c))
+        if got is None:
+            n = sizes[c.group]
+            wire = c.wire_bytes(n)
+            got = timed[id(c)] = (links.time(c.group, wire, c.steps(n), n), wire)
+        t, wire = got
+        sent[PART[c.group]] += wire
         if c.hides_behind == "attention":
             overlapped += t
         else:
@@ -329,6 +334,8 @@ def _selective_rerun(plan: Plan, i: int, t_core: float, t_linear: float, t_exper
         matmul += m.hidden_size * m.num_experts * plan.tp  # the router, replicated: each rank routes its tokens
         t += t_experts
     t += 2 * tokens * matmul / flops_rate
+    if not sh.modules & {"layernorm", "moe_act"}:
+        return t
     kept = Sharding(tp=sh.tp, sp=sh.sp, cp=sh.cp, etp=sh.etp)
     traits = _traits(plan.precision)
     dropped = sum(layer_activation_bytes(m, i, plan.mbs, plan.seq, kept, traits).values()) - \
