@@ -182,14 +182,14 @@ def _exhaustive(m, hw, gpus, seq, batch, space):
     by every rule and sized; per (layout, optimizer, micro-batch) the first recompute mode of the
     space's order that fits is ranked (slower modes never win), timed; the rest are dropped."""
     from fivefold.planner.search import _variant, evaluate, make_config
-    from fivefold.planner.space import structures
+    from fivefold.planner.space import recompute_modes, structures
     ranked, dropped = [], []
     for parallel in structures(m, gpus, 8, seq, space):
         base = make_config(m, gpus, 8, seq, batch, "bf16", parallel)
         for distopt in space.distributed_optimizer:
             for mbs in space.micro_batch_sizes:
                 fits = None
-                for recompute in space.recompute:
+                for recompute in recompute_modes(space, m):
                     cfg = _variant(base, mbs, recompute, distopt)
                     cand = evaluate(cfg, hw, check=True)
                     if cand.problem or fits:

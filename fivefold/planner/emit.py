@@ -112,6 +112,8 @@ def emit(cfg: Config, fmt: str, model_ref: str | None = None) -> str:
 
 
 def _scalar(v) -> str:
+    if isinstance(v, (list, tuple)):  # Hydra's override syntax: no spaces
+        return "[" + ",".join(map(_scalar, v)) + "]"
     return str(v).lower() if isinstance(v, bool) else str(v)
 
 

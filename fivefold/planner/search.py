@@ -11,7 +11,7 @@ from fivefold.pipeline.schedules import microbatch_problem
 from fivefold.planner.layout import Plan
 from fivefold.planner.memory import MemoryAssumptions, RankMemory, peak_memory, rank_params, state_bytes_per_param
 from fivefold.planner.presets.hardware import Hardware
-from fivefold.planner.space import SearchSpace, structures
+from fivefold.planner.space import SearchSpace, recompute_fields, recompute_modes, structures
 from fivefold.planner.steptime import StepEstimate, TimeAssumptions, step_time
 from fivefold.planner.validity import config_errors
 
@@ -153,17 +153,18 @@ def _search(model, hw, world, gpus_per_node, seq, global_batch, precision, space
             state = None if broken else state_problem(_variant(base, 1, None, distopt), hw, mem, layout)
             failed: dict[str | None, tuple[int, str]] = {}
             """recompute mode -> (micro-batch, why) where it was sized and did not fit"""
+            modes = recompute_modes(space, model)
             for mbs in space.micro_batch_sizes:
                 if global_batch % (mbs * dp):
                     continue
-                for recompute in space.recompute:
+                for recompute in modes:
                     result.tried += 1
                     cfg = _variant(base, mbs, recompute, distopt)
                     if broken or state:
                         result.dropped.append((cfg, "; ".join(broken) or state))
                         break
-                    if all(failed.get(r, (mbs,))[0] < mbs for r in space.recompute):  # no mode fits
-                        result.dropped.append((cfg, _larger(*failed[space.recompute[-1]])))
+                    if all(failed.get(r, (mbs,))[0] < mbs for r in modes):  # no mode fits
+                        result.dropped.append((cfg, _larger(*failed[modes[-1]])))
                         break
                     check = _may_break(base, mbs, dp)
                     if recompute in failed and failed[recompute][0] < mbs and not check:
@@ -233,7 +234,7 @@ def _variant(base: Config, mbs: int, recompute: str | None, distopt: bool) -> Co
     training = object.__new__(TrainingConfig)
     training.__dict__.update(base.training.__dict__)
     training.micro_batch_size, training.use_distributed_optimizer = mbs, distopt
-    training.recompute_granularity = recompute
+    training.recompute_granularity, training.recompute_modules = recompute_fields(recompute)
     training.recompute_method = "uniform" if recompute == "full" else None
     training.recompute_num_layers = 1 if recompute == "full" else None
     cfg = object.__new__(Config)

@@ -23,6 +23,12 @@ from fivefold.planner.mtp import mtp_stage_layers
 class SearchSpace:
     micro_batch_sizes: tuple[int, ...] = (1, 2, 4)
     recompute: tuple[str | None, ...] = (None, "selective", "full")
+    """Recompute modes in order of cost: None, 'selective' (the attention core), 'selective(m1,m2)'
+    (Megatron's --recompute-modules), 'full'. The search stops at the first that fits."""
+    module_recompute: bool = True
+    """MoE models: Megatron's usual module sets where their cost puts them (`MOE_RECOMPUTE`):
+    layernorm + moe_act (memory-bound reruns) for selective, and layernorm + moe (the MoE layer again,
+    its all-to-alls included) before full."""
     max_cp: int = 16
     max_vpp: int | None = None
     """Largest VPP (model chunks per pipeline rank) tried; None = layers / PP (one layer per virtual
@@ -35,6 +41,27 @@ class SearchSpace:
     """Also try interleaved layouts whose layers split over PP x VPP only as a per-stage list
     (Megatron's --pipeline-model-parallel-layout; 61 layers on PP8 x VPP4). Off by default: for a
     61-layer model every VPP from 2 to layers / PP is such a layout (~10x the search)."""
+
+
+MOE_RECOMPUTE = {"selective": ("selective(layernorm,moe_act)",), "full": ("selective(layernorm,moe)", "full")}
+"""Where `SearchSpace.module_recompute` puts module sets for a MoE model: each mode -> the modes it
+becomes. The attention core alone (Megatron's default) is left out: with a flash kernel it drops only
+the log-sum-exp and costs an attention forward, so layernorm + moe_act (less time, more memory freed)
+ranks wherever it would."""
+
+
+def recompute_modes(space: SearchSpace, m: ModelConfig) -> tuple[str | None, ...]:
+    """The recompute modes the search tries for `m`, in order of cost."""
+    if not (space.module_recompute and m.is_moe):
+        return space.recompute
+    return tuple(x for mode in space.recompute for x in MOE_RECOMPUTE.get(mode, (mode,)))
+
+
+def recompute_fields(mode: str | None) -> tuple[str | None, list[str] | None]:
+    """A recompute mode as TrainingConfig's (recompute_granularity, recompute_modules)."""
+    if mode and mode.startswith("selective("):
+        return "selective", mode[len("selective("):-1].split(",")
+    return mode, None
 
 
 def divisors(n: int) -> list[int]:
