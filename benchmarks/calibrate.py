@@ -121,7 +121,8 @@ def rank_report(all_cases: list, runtime: str | None) -> None:
         hw, cfg = hardware(c.hardware_name), apply(c.config, rt, c.fp32_grads)
         t = cfg.training
         result = search(cfg.model, hw, cfg.cluster.world_size, c.gpus_per_node, t.seq_length, t.global_batch_size,
-                        t.precision, SearchSpace(), rt.memory, rt.time, grad_reduce_in_bf16=t.grad_reduce_in_bf16)
+                        t.precision, SearchSpace(dp_modes=rt.dp_modes), rt.memory, rt.time,
+                        grad_reduce_in_bf16=t.grad_reduce_in_bf16)
         published = evaluate(cfg, hw, rt.memory, rt.time)
         rank = rank_of(published, result.ranked)
         ranks.append(rank)

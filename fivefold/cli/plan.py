@@ -63,12 +63,14 @@ def run(args, extra) -> int:
         raise UserError(f"--schedules: unknown {', '.join(unknown)}; choose from {','.join(REGISTRY)}")
     counts = count_params(spec.model)
     t0 = time.perf_counter()
-    bf16_grads = profile(args.runtime).grad_reduce_in_bf16
+    rt = profile(args.runtime)
+    bf16_grads = rt.grad_reduce_in_bf16
     compared = [(text, candidates(text, spec.model, hw, args.gpus, min(gpn, args.gpus), args.seq_len,
-                                  args.global_batch, args.precision, mbs, mem, ta, bf16_grads)[0])
+                                  args.global_batch, args.precision, mbs, mem, ta, bf16_grads, rt.dp_modes[0])[0])
                 for text in args.compare]  # bad descriptions refused before the search
     result = search(spec.model, hw, args.gpus, min(gpn, args.gpus), args.seq_len, args.global_batch, args.precision,
-                    SearchSpace(micro_batch_sizes=mbs, schedules=schedules), mem, ta, grad_reduce_in_bf16=bf16_grads)
+                    SearchSpace(micro_batch_sizes=mbs, schedules=schedules, dp_modes=rt.dp_modes), mem, ta,
+                    grad_reduce_in_bf16=bf16_grads)
     elapsed = time.perf_counter() - t0
     name = spec.preset or args.model
     print(f"{name}: {counts.total / 1e9:.1f}B parameters ({counts.active / 1e9:.1f}B active) on {args.gpus} x "

@@ -21,18 +21,20 @@ from fivefold.errors import UserError
 from fivefold.pipeline.schedules import REGISTRY
 from fivefold.planner.activations import RECOMPUTE_MODULES
 from fivefold.planner.mtp import mtp_stage_layers
-from fivefold.planner.search import Candidate, evaluate, make_config
+from fivefold.planner.search import DP_MODE_LABEL, Candidate, evaluate, make_config, rank_key
 from fivefold.planner.space import layer_splits
 
 _SIZE = re.compile(r"(tp|cp|pp|vpp|ep|etp|dp|mbs)(\d+)$")
 _RECOMPUTE = {"rc-none": None, "rc-sel": "selective", "rc-selective": "selective", "rc-full": "full"}
 GRAMMAR = ("TPn[+SP] CPn[(p2p|a2a)] PPn VPPn EPn ETPn DPn mbsN rc-none|rc-sel[(MODULE,...)]|rc-full "
-           "[gpipe|zb-h1|dualpipev], e.g. \"TP4 PP8 VPP5 DP32 mbs1 rc-sel\"")
+           "[distopt|zero2|fsdp] [gpipe|zb-h1|dualpipev], e.g. \"TP4 PP8 VPP5 DP32 mbs1 rc-sel\"")
+DP_MODES = {label: mode for mode, label in DP_MODE_LABEL.items() if label} | {"zero1": "optim", "zero3": "optim_grads_params"}
+"""Words for the data-parallel mode (the labels', and ZeRO's stage names)."""
 
 
 def parse(text: str) -> dict:
     """The words of a layout description -> {"sizes": {...}, "cp_comm": ..., "schedule": ..., "recompute": ...}."""
-    sizes, out = {}, {"cp_comm": "p2p", "schedule": None, "recompute": "search", "modules": None}
+    sizes, out = {}, {"cp_comm": "p2p", "schedule": None, "recompute": "search", "modules": None, "dp_mode": None}
     words = text.lower()
     m = re.search(r"rc-sel(?:ective)?\(([^)]*)\)", words)
     if m:  # rc-sel(layernorm,moe): Megatron's --recompute-modules
@@ -43,7 +45,10 @@ def parse(text: str) -> dict:
                             + ", ".join(RECOMPUTE_MODULES))
         words = words[:m.start()] + " " + words[m.end():]
     for word in words.replace(",", " ").split():
-        if word in ("distopt", "split"):
+        if word == "split":
+            continue
+        if word in DP_MODES:
+            out["dp_mode"] = DP_MODES[word]
             continue
         if word in _RECOMPUTE:
             out["recompute"] = _RECOMPUTE[word]
@@ -66,7 +71,8 @@ def parse(text: str) -> dict:
 
 
 def candidates(text: str, model, hw, world: int, gpus_per_node: int, seq: int, global_batch: int, precision: str,
-               micro_batches: tuple[int, ...], mem, ta, grad_reduce_in_bf16: bool = False) -> list[Candidate]:
+               micro_batches: tuple[int, ...], mem, ta, grad_reduce_in_bf16: bool = False,
+               dp_mode: str = "optim") -> list[Candidate]:
     """The named layout evaluated: one Candidate per reading the description leaves open (the
     recompute modes when none is named, until one fits; the search's layer splits), fastest first;
     UserError when the sizes do not make the GPU count."""
@@ -96,12 +102,12 @@ def candidates(text: str, model, hw, world: int, gpus_per_node: int, seq: int, g
         for recompute in modes:
             cfg = make_config(model, world, gpus_per_node, seq, global_batch, precision, {**parallel, **split},
                               micro_batch=mbs[0], recompute=recompute, grad_reduce_in_bf16=grad_reduce_in_bf16,
-                              recompute_modules=d["modules"])
+                              recompute_modules=d["modules"], dp_mode=d["dp_mode"] or dp_mode)
             c = evaluate(cfg, hw, mem, ta)
             out.append(c)
             if c.estimate is not None:
                 break
-    fitting = sorted((c for c in out if c.estimate is not None), key=lambda c: c.estimate.step_time)
+    fitting = sorted((c for c in out if c.estimate is not None), key=rank_key)
     return fitting or out[-1:]
 
 
@@ -109,4 +115,4 @@ def rank_of(cand: Candidate, ranked: list[Candidate]) -> int | None:
     """1 + the ranked layouts faster than `cand`; None when `cand` does not fit or breaks a rule."""
     if cand.estimate is None:
         return None
-    return 1 + sum(c.estimate.step_time < cand.estimate.step_time for c in ranked)
+    return 1 + sum(rank_key(c) < rank_key(cand) for c in ranked)

@@ -38,6 +38,9 @@ class Runtime:
     grad_reduce_in_bf16: bool
     """Gradients accumulated and reduced in bf16 (16-bit runs)."""
     summary: str
+    dp_modes: tuple[str, ...] = ("optim",)
+    """The data-parallel modes the search tries (`SearchSpace.dp_modes`): the distributed optimizer for
+    Megatron and ours, FSDP2 (ZeRO-3) for torchtitan."""
 
 
 _TE_TRAITS = ArchTraits(fp8_linear_inputs=True, expert_outputs_saved=False)
@@ -67,7 +70,8 @@ PROFILES: dict[str, Runtime] = {r.name: r for r in [
             TimeAssumptions(gemm_efficiency=0.65, fp8_gemm_efficiency=0.623, attention_efficiency=0.172,
                             membound_passes=16.9, tp_overlap=0.05, cp_overlap=1.0, op_level_sac=_TT_SAC),
             grad_reduce_in_bf16=False,
-            summary="torchtitan: FSDP2 (fp32 reduce), torch.compile, torchao float8, async TP"),
+            summary="torchtitan: FSDP2 (fp32 reduce), torch.compile, torchao float8, async TP",
+            dp_modes=("optim_grads_params",)),
 ]}
 
 

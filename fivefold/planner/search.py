@@ -70,8 +70,7 @@ def describe(cfg: Config) -> str:
     if t.recompute_granularity == "selective" and plan.recompute_modules != {"core_attn"}:
         rc += f"({','.join(sorted(plan.recompute_modules))})"  # Megatron's --recompute-modules
     parts.append(rc)
-    if t.use_distributed_optimizer:
-        parts.append("distopt")
+    parts += [DP_MODE_LABEL[t.sharding_strategy]] if DP_MODE_LABEL[t.sharding_strategy] else []
     # memory options beside the layout (counted by the planner; docs/precision.md)
     if t.optimizer_cpu_offload:
         parts.append(f"opt-offload{'' if t.optimizer_offload_fraction == 1 else t.optimizer_offload_fraction}")
@@ -84,10 +83,14 @@ def describe(cfg: Config) -> str:
     return " ".join(parts)
 
 
+DP_MODE_LABEL = {"optim": "distopt", "optim_grads": "zero2", "optim_grads_params": "fsdp", "no_shard": ""}
+"""How a layout label names its data-parallel mode (`plan --compare` reads the same words)."""
+
+
 def make_config(model: ModelConfig, world: int, gpus_per_node: int, seq: int, global_batch: int,
                 precision: str, parallel: dict, micro_batch: int = 1, recompute: str | None = None,
                 distributed_optimizer: bool = True, grad_reduce_in_bf16: bool = False,
-                recompute_modules: list[str] | None = None) -> Config:
+                recompute_modules: list[str] | None = None, dp_mode: str | None = None) -> Config:
     nodes = max(1, world // gpus_per_node)
     return Config(cluster=ClusterConfig(num_nodes=nodes, gpus_per_node=gpus_per_node, world_size=world),
                   parallel=ParallelConfig(**parallel), model=model,
@@ -96,7 +99,8 @@ def make_config(model: ModelConfig, world: int, gpus_per_node: int, seq: int, gl
                                           recompute_modules=recompute_modules if recompute == "selective" else None,
                                           recompute_method="uniform" if recompute == "full" else None,
                                           recompute_num_layers=1 if recompute == "full" else None,
-                                          use_distributed_optimizer=distributed_optimizer,
+                                          use_distributed_optimizer=distributed_optimizer and dp_mode != "no_shard",
+                                          data_parallel_sharding_strategy=dp_mode,
                                           grad_reduce_in_bf16=grad_reduce_in_bf16 and precision != "fp32"))
 
 
@@ -144,13 +148,13 @@ def _search(model, hw, world, gpus_per_node, seq, global_batch, precision, space
         broken = config_errors(base)
         layout = Plan(base)  # after config_errors: it writes the resolved VPP, schedule and SP back
         dp = layout.dp
-        for distopt in space.distributed_optimizer:
+        for dp_mode in space.dp_modes:
             # Model state does not depend on the micro-batch or recompute: when it alone does not fit,
             # no variant does. Activations never shrink with a larger micro-batch (the schedule holds
             # min(k, m) microbatches of m = B/(mbs dp): mbs min(k, m) never falls), so a recompute mode
             # that does not fit at one micro-batch is dropped unsized at every larger one, and once no
             # mode fits, larger micro-batches are dropped whole (one entry each).
-            state = None if broken else state_problem(_variant(base, 1, None, distopt), hw, mem, layout)
+            state = None if broken else state_problem(_variant(base, 1, None, dp_mode), hw, mem, layout)
             failed: dict[str | None, tuple[int, str]] = {}
             """recompute mode -> (micro-batch, why) where it was sized and did not fit"""
             modes = recompute_modes(space, model)
@@ -159,7 +163,7 @@ def _search(model, hw, world, gpus_per_node, seq, global_batch, precision, space
                     continue
                 for recompute in modes:
                     result.tried += 1
-                    cfg = _variant(base, mbs, recompute, distopt)
+                    cfg = _variant(base, mbs, recompute, dp_mode)
                     if broken or state:
                         result.dropped.append((cfg, "; ".join(broken) or state))
                         break
@@ -179,8 +183,15 @@ def _search(model, hw, world, gpus_per_node, seq, global_batch, precision, space
                         continue
                     result.ranked.append(cand)
                     break  # slower recompute modes than one that fits never win
-    result.ranked.sort(key=lambda c: c.estimate.step_time)
+    result.ranked.sort(key=rank_key)
     return result
+
+
+def rank_key(c: Candidate) -> tuple[float, float]:
+    """The ranking's order: step time to 4 significant digits (closer than that is below the model's
+    precision), then fewer bytes sent per rank: of two layouts the model times alike, the one that
+    moves less (a CP ring that hides fully still loads the links and needs its overlap to hold)."""
+    return float(f"{c.estimate.step_time:.4g}"), sum(c.estimate.comm_bytes.values())
 
 
 def state_problem(cfg: Config, hw: Hardware, mem: MemoryAssumptions = MemoryAssumptions(),
@@ -227,13 +238,14 @@ def _may_break(base: Config, mbs: int, dp: int) -> bool:
                               p.virtual_pipeline_model_parallel_size, t.global_batch_size // (mbs * dp)) is not None
 
 
-def _variant(base: Config, mbs: int, recompute: str | None, distopt: bool) -> Config:
-    """`base` (from `make_config`) with another micro-batch, recompute and optimizer: the fields
+def _variant(base: Config, mbs: int, recompute: str | None, dp_mode: str) -> Config:
+    """`base` (from `make_config`) with another micro-batch, recompute and data-parallel mode: the fields
     `make_config` sets, copied rather than re-initialised (neither dataclass has a __post_init__;
     the search makes one per variant)."""
     training = object.__new__(TrainingConfig)
     training.__dict__.update(base.training.__dict__)
-    training.micro_batch_size, training.use_distributed_optimizer = mbs, distopt
+    training.micro_batch_size, training.use_distributed_optimizer = mbs, dp_mode != "no_shard"
+    training.data_parallel_sharding_strategy = dp_mode
     training.recompute_granularity, training.recompute_modules = recompute_fields(recompute)
     training.recompute_method = "uniform" if recompute == "full" else None
     training.recompute_num_layers = 1 if recompute == "full" else None

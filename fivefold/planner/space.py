@@ -36,7 +36,10 @@ class SearchSpace:
     schedules: tuple[str, ...] = ("1f1b", "interleaved")
     """Pipeline schedules tried (any of gpipe, 1f1b, interleaved, zb-h1, dualpipev)."""
     cp_comm_types: tuple[str, ...] = ("p2p", "a2a")
-    distributed_optimizer: tuple[bool, ...] = (True,)
+    dp_modes: tuple[str, ...] = ("optim",)
+    """Data-parallel modes tried (TrainingConfig.sharding_strategy): optim (the distributed optimizer,
+    ZeRO-1), optim_grads (ZeRO-2), optim_grads_params (ZeRO-3: FSDP2, Megatron-FSDP), no_shard. The
+    runtime profile gives its own (`Runtime.dp_modes`: torchtitan's is FSDP2)."""
     per_stage_splits: bool = False
     """Also try interleaved layouts whose layers split over PP x VPP only as a per-stage list
     (Megatron's --pipeline-model-parallel-layout; 61 layers on PP8 x VPP4). Off by default: for a

@@ -278,7 +278,7 @@ def _step_calls(plan: Plan, r: int, links: _Links, sizes: dict[str, int]) -> Tim
     """`step_collectives` of pipeline rank r, timed."""
     p = plan.config.parallel
     key = ("step", plan.tp, plan.sp, plan.cp, plan.dp, plan.pp, plan.vpp, plan.schedule, plan.ep, plan.etp, plan.edp,
-           plan.precision, plan.config.training.use_distributed_optimizer, plan.rank_shapes[r],
+           plan.precision, plan.config.training.sharding_strategy, plan.rank_shapes[r],
            links.cross["tp"], links.cross["embedding"], links.cross["dp"], links.cross["edp"], p.order)
     return _cached_calls(key, plan, links, lambda: _timed(step_collectives(plan, r), links, sizes))
 
