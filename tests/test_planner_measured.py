@@ -13,14 +13,15 @@ import pytest
 
 from benchmarks.planner_vs_measured import CASES, MEMORY_TOL, run_case
 
-CHOSEN = ["CP2 p2p mbs2", "TP2 SP mbs2", "PP2 ZB-H1 mbs1 GA4 tied"]
+CHOSEN = ["CP2 p2p mbs2", "TP2 SP mbs2", "PP2 ZB-H1 mbs1 GA4 tied", "TP2 SP mbs2 full recompute"]
 """Context parallelism by ring attention (K/V blocks sent and received, gradients over DP x CP); TP
 with sequence parallelism (all-gathers / reduce-scatters,
 SP-norm gradient all-reduce, vocab-parallel loss); a zero-bubble pipeline with tied embeddings (p2p
 sends and receives, the embedding-gradient all-reduce between the end stages, B-done-W-pending
-gradients in memory): 2 ranks, ~10 s each."""
+gradients in memory); full recompute under SP (each layer's forward calls again in backward, but the
+MLP's output reduce-scatter: torch's checkpoint stops before it): 2 ranks, ~10 s each."""
 
-MODEL_TAG = {"CP2 p2p mbs2": "cp", "TP2 SP mbs2": "sp", "PP2 ZB-H1 mbs1 GA4 tied": "pp"}
+MODEL_TAG = {"CP2 p2p mbs2": "cp", "TP2 SP mbs2": "sp", "PP2 ZB-H1 mbs1 GA4 tied": "pp", "TP2 SP mbs2 full recompute": "sp"}
 
 
 @pytest.fixture(scope="module")

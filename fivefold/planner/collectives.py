@@ -145,9 +145,12 @@ def _mla_attention(plan: Plan) -> list[Collective]:
 
 def layer_collectives(plan: Plan, index: int, recomputed: bool = False) -> list[Collective]:
     """Decoder layer `index`'s calls for one microbatch on one rank (`recomputed`: fully recomputed).
-    What recompute reruns in backward calls again: a fully recomputed layer its whole forward's calls,
-    selective recompute of `moe` the MoE layer's forward calls (dispatch and combine), of `core_attn`
-    the CP calls of the attention core (`cp_collectives`)."""
+    What recompute reruns in backward calls again: a fully recomputed layer its forward's calls (a dense
+    layer's but the last: torch.utils.checkpoint stops once every saved tensor is recomputed, and the
+    MLP's output reduction feeds none), selective recompute of `moe` the MoE layer's forward calls, of
+    `core_attn` the CP calls of the attention core (`cp_collectives`). Measured exactly: the TP2+SP, TP2
+    and EP2 full-recompute rows of benchmarks/planner_vs_measured.py (MoE layers with shared experts
+    under TP not measured)."""
     m = plan.config.model
     M = _tokens(plan) * m.hidden_size * act_bytes(plan)
     out = _mla_attention(plan) if m.multi_latent_attention else _tp_half(plan, M)  # attention
@@ -158,7 +161,13 @@ def layer_collectives(plan: Plan, index: int, recomputed: bool = False) -> list[
     out += expert_calls
     selective = plan.recompute == "selective"
     rerun = out if recomputed else (expert_calls if selective and moe and "moe" in plan.recompute_modules else [])
-    out += [c for c in rerun if c.phase == "forward"]  # the same calls, made again during backward
+    again = [c for c in rerun if c.phase == "forward"]
+    if recomputed and not moe and again:
+        # torch.utils.checkpoint stops recomputing once the last saved tensor is back: a dense layer's
+        # output reduction (the MLP's reduce-scatter / all-reduce) feeds no saved tensor and is not
+        # rerun; a MoE layer's combine is (the probability-weighted sum keeps its output)
+        again = again[:-1]
+    out += again  # the same calls, made again during backward
     if plan.cp > 1:
         out += cp_collectives(plan, recomputed or (selective and "core_attn" in plan.recompute_modules))
     return out
