@@ -125,7 +125,7 @@ def test_the_fitted_profiles_meet_their_stated_error_on_their_own_rows():
     import statistics
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from calibrate import compare
-    for runtime, median_at_most, max_at_most in (("megatron-te", 0.10, 0.35), ("torchtitan", 0.10, 0.25)):
+    for runtime, median_at_most, max_at_most in (("megatron-te", 0.10, 0.25), ("torchtitan", 0.10, 0.25)):
         errs = [abs(compare(c)["error"]) for c in cases() if c.runtime == runtime and c.tokens_per_s]
         assert statistics.median(errs) <= median_at_most and max(errs) <= max_at_most, (runtime, sorted(errs))
 
@@ -135,3 +135,48 @@ def test_runtime_flag_is_checked(capsys):
     with pytest.raises(SystemExit) as e:
         main(["estimate", "--model", "llama3-8b", "--gpus", "8", "--runtime", "deepspeed"])
     assert e.value.code == 2 and "deepspeed" in capsys.readouterr().err
+
+
+NOT_FITTING = {12: "Llama 3 405B: 80.6-80.9 GiB of 80", 13: "the same layout at DP128", 14: "the same with CP16"}
+"""Published runs the planner judges not to fit (docs/planner_calibration.md says why)."""
+
+
+def test_published_runs_are_judged_to_fit_but_the_named_ones():
+    """Every run whose published memory (if any) fits its device is judged to fit, but NOT_FITTING:
+    the memory options of the notes (optimizer offload, bf16 moments, fp8 weights, activation offload),
+    torchtitan's op-level SAC, FSDP and Megatron's module recompute are counted."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from calibrate import compare
+    results = [compare(c) for c in cases()]
+    misses = {r["row"] for r in results if not r["fits"] and r.get("published_fits", True)}
+    assert misses == set(NOT_FITTING), sorted(misses)
+    assert {r["row"] for r in results if not r.get("published_fits", True)} == {45}  # a breakdown, 186 > 173 GiB
+
+
+def test_recompute_reruns_are_charged():
+    """Selective recompute of `moe` reruns the experts and the MoE layer's dispatch / combine; full
+    recompute the layer's calls; ZeRO-3 without PP gathers per microbatch, each behind its own."""
+    from fivefold.planner.collectives import layer_collectives, step_collectives
+    from fivefold.planner.presets import hardware, model_preset
+    from fivefold.planner.search import make_config
+    from fivefold.planner.steptime import TimeAssumptions, step_time
+    m = model_preset("qwen3-235b-a22b").model
+    par = dict(tensor_model_parallel_size=2, sequence_parallel=True, expert_model_parallel_size=8,
+               pipeline_model_parallel_size=8, account_for_embedding_in_pipeline_split=True,
+               account_for_loss_in_pipeline_split=True)  # 94 layers + 2 = 96 = 8 x 12
+    hw = hardware("h100-sxm")
+
+    def plan(recompute=None, modules=None, **kw):
+        return Plan(make_config(m, 256, 8, 4096, 2048, "bf16", {**par, **kw}, recompute=recompute,
+                                recompute_modules=modules))
+    plans = {"none": plan(), "moe": plan("selective", ["moe"]), "norms": plan("selective", ["layernorm", "moe_act"])}
+    ep = {k: [c for c in layer_collectives(p, 5) if c.group == "ep"] for k, p in plans.items()}
+    assert len(ep["moe"]) == len(ep["none"]) + 3 and len(ep["norms"]) == len(ep["none"])  # counts, dispatch, combine
+    t = {k: step_time(p, hw, TimeAssumptions()).parts for k, p in plans.items()}
+    assert t["none"]["compute"] < t["norms"]["compute"] < t["moe"]["compute"]
+    assert t["moe"]["ep"] > t["none"]["ep"] == t["norms"]["ep"]
+    fsdp = Plan(make_config(m, 256, 8, 4096, 2048, "bf16", dict(expert_model_parallel_size=8, tensor_model_parallel_size=2,
+                                                               sequence_parallel=True), micro_batch=1,
+                            dp_mode="optim_grads_params"))
+    gathers = [c for c in step_collectives(fsdp, 0) if c.kind == "all_gather"]
+    assert gathers and all(c.spread == fsdp.microbatches for c in gathers)
