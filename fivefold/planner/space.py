@@ -121,7 +121,7 @@ def layer_splits(num_layers: int, pp: int, vpp: int, explicit: bool = False, las
 
 def structures(m: ModelConfig, world: int, gpus_per_node: int, seq: int, space: SearchSpace):
     """Yield dicts of ParallelConfig fields, one per layout skeleton (no batch/recompute knobs)."""
-    heads = m.num_attention_heads
+    heads, mtp_extra = m.num_attention_heads, mtp_stage_layers(m)
     for tp in pow2_upto(min(gpus_per_node, heads)):
         if world % tp or heads % tp:
             continue
@@ -136,7 +136,7 @@ def structures(m: ModelConfig, world: int, gpus_per_node: int, seq: int, space: 
                 for ep, etp in _expert_layouts(m, tp, cp, dp):
                     for vpp, schedule in _pipelines(pp, m.num_layers, space):
                         for split in layer_splits(m.num_layers, pp, vpp, space.per_stage_splits and vpp > 1,
-                                                  mtp_stage_layers(m)):
+                                                  mtp_extra):
                             for comm in (space.cp_comm_types if cp > 1 else ("p2p",)):
                                 yield dict(tensor_model_parallel_size=tp, sequence_parallel=tp > 1,
                                            context_parallel_size=cp, cp_comm_type=comm,
