@@ -36,7 +36,10 @@ def test_the_surface_is_bridges_and_every_field_is_classified():
     assert len(bridge.SURFACE) > 800 and bridge.SURFACE["model.gated_linear_unit"] == ("bool", False)
     seen = {}
     for key, (kind, default) in bridge.SURFACE.items():
-        other = (not default) if kind == "bool" and isinstance(default, bool) else ("x9" if kind == "value" else ["x9"])
+        if kind == "bool" and default in (True, False, None):
+            other = not default
+        else:
+            other = "x9" if kind == "value" else ["x9"]
         seen[key] = bridge.classify(key, other).how
         assert seen[key] in (MAPPED, NOTE, NOT_BUILT), key
     counts = {how: sum(1 for h in seen.values() if h == how) for how in (MAPPED, NOTE, NOT_BUILT)}
@@ -70,6 +73,16 @@ def test_values_that_mean_something_else_are_translated():
                            "cfg.model.params_dtype=torch.bfloat16"]).config
     assert (m.model.activation, m.model.tie_word_embeddings, m.model.num_experts, m.model.apply_layernorm_1p,
             m.training.precision) == ("gelu", True, 8, True, "bf16")
+
+
+def test_precision_aware_optimizer_dtypes_are_torch_dtypes_in_bridge():
+    """OptimizerConfig holds the optimizer state's dtypes as torch dtypes (fp8: torch.uint8, as Megatron-LM
+    maps --exp-avg-dtype fp8), and TransformerConfig's fp8_param is --fp8-param-gather."""
+    t = load_config(None, ["cfg.optimizer.exp_avg_dtype=torch.bfloat16", "cfg.optimizer.exp_avg_sq_dtype=torch.uint8",
+                           "cfg.optimizer.main_params_dtype=torch.float16", "cfg.model.fp8_param=True"]).config.training
+    assert (t.exp_avg_dtype, t.exp_avg_sq_dtype, t.main_params_dtype) == ("bf16", "fp8", "fp16")
+    assert t.fp8_param_gather
+    assert bridge.classify("mixed_precision.fp8_param", None).pairs == []  # Bridge: "as fp8_param_gather"
 
 
 def test_bridges_defaults_fill_an_all_bridge_config_only():

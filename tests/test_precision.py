@@ -290,30 +290,54 @@ def test_model_state_bytes_follow_the_formula(runs, workers, precision, extra, w
         assert 0 <= r["bytes"] - per_param * r["params"] <= 16 * world, (r, per_param)
 
 
+PRECISION_AWARE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+                   "--max-position-embeddings", "64", "--micro-batch-size", "1", "--global-batch-size", "2",
+                   "--train-iters", "1", "--vocab-size", "128", "--tokenizer-type", "NullTokenizer", "--mock-data",
+                   "--bf16", "--use-distributed-optimizer", "--use-precision-aware-optimizer",
+                   "--exp-avg-dtype", "bf16", "--exp-avg-sq-dtype", "bf16"]
+"""A Megatron command line with bf16 AdamW moments (the planner counts them, the runtime refuses them)."""
+
+
 def test_precision_aware_optimizer_dtypes_are_parsed_checked_counted_and_refused():
-    """Megatron's --exp-avg-dtype / --exp-avg-sq-dtype / --fp8-param-gather: parsed to their fields,
-    refused without --use-precision-aware-optimizer (the fix named), counted by the planner (bf16
-    moments: 4 + 2 + 2 bytes of optimizer state; fp8 primary weights: 1 byte), refused by the runtime."""
+    """Megatron's --exp-avg-dtype / --exp-avg-sq-dtype / --main-params-dtype / --fp8-param-gather: parsed
+    to their fields, refused without --use-precision-aware-optimizer (the fix named), counted by the
+    planner (bf16 moments: 4 + 2 + 2 bytes of optimizer state; fp8 primary weights: 1 byte), refused by
+    the runtime."""
+    from dataclasses import replace
+
     from fivefold.config.load import load_config
-    from fivefold.config.validate import validate
     from fivefold.errors import NotImplementedYet, UserError
-    from fivefold.parallel.precision import Precision
     from fivefold.train.supported import check_supported
 
-    base = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
-            "--max-position-embeddings", "64", "--micro-batch-size", "1", "--global-batch-size", "2",
-            "--train-iters", "1", "--vocab-size", "128", "--tokenizer-type", "NullTokenizer", "--mock-data", "--bf16",
-            "--use-distributed-optimizer", "--exp-avg-dtype", "bf16", "--exp-avg-sq-dtype", "bf16"]
-    with pytest.raises(UserError, match="use-precision-aware-optimizer"):
-        validate(load_config(None, base, world_size=2).config)
-    cfg = load_config(None, base + ["--use-precision-aware-optimizer"], world_size=2).config
+    without = [w for w in PRECISION_AWARE if w != "--use-precision-aware-optimizer"]
+    with pytest.raises(UserError, match=r"training\.exp_avg_dtype='bf16'.*use-precision-aware-optimizer"):
+        validate(load_config(None, without, world_size=2).config)
+    cfg = load_config(None, PRECISION_AWARE, world_size=2).config
     validate(cfg)
     t = cfg.training
-    assert (t.exp_avg_dtype, t.exp_avg_sq_dtype) == ("bf16", "bf16")
+    assert (t.exp_avg_dtype, t.exp_avg_sq_dtype, t.main_params_dtype) == ("bf16", "bf16", "fp32")
     assert Precision.of(t).state_bytes(4, "optim") == (2, 4, (4 + 2 + 2) / 4)
-    with pytest.raises(NotImplementedYet, match="exp_avg_dtype"):
+    assert Precision.of(replace(t, main_params_dtype="fp16", exp_avg_sq_dtype="fp8")).state_bytes(4, "optim") == (
+        2, 4, (2 + 2 + 1) / 4)
+    assert Precision.of(TrainingConfig(precision="bf16")).state_bytes(4, "optim") == (2, 4, 12 / 4)  # today's
+    with pytest.raises(NotImplementedYet, match="exp_avg_dtype.*not implemented yet"):
         check_supported(cfg)
     t.fp8_param_gather = True
     assert Precision.of(t, "fp8").state_bytes(1, "optim")[0] == 1 and Precision.of(t).state_bytes(1, "optim")[0] == 2
     with pytest.raises(UserError, match="fp8 primary weights need fp8"):
         validate(cfg)
+    with pytest.raises(UserError, match=r"exp_avg_dtype='fp4'.*one of fp32, bf16, fp16, fp8"):
+        validate(load_config(None, PRECISION_AWARE + ["--exp-avg-dtype", "fp4"], world_size=2).config)
+
+
+def test_train_refuses_precision_aware_dtypes_before_any_rank_starts(tmp_path, capsys):
+    """`fivefold train` on the command line above exits 2 with "not implemented yet": the runtime keeps
+    fp32 AdamW state, so it never trains something other than the config says."""
+    from fivefold.cli import main
+
+    args = tmp_path / "args.txt"
+    args.write_text(" ".join(PRECISION_AWARE))
+    assert main(["train", str(args), "--nproc", "2", "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "training.exp_avg_dtype='bf16'" in err and "not implemented yet" in err
+    assert not (tmp_path / "out").exists()  # nothing started, nothing written

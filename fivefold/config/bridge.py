@@ -52,18 +52,31 @@ SECTIONS = sorted({k.split(".")[0] for k in SURFACE})
 OURS = ("model", "parallel", "training", "data", "checkpoint", "logging", "cluster")
 
 
-def _precision(word: str):
-    def convert(value):
-        return [("training.precision", word)] if truthy(value) else []
+def _when_true(dotted: str, value: object):
+    """A Bridge switch that sets `dotted` to `value` when True and leaves it to other keys otherwise."""
+    def convert(switch):
+        return [(dotted, value)] if truthy(switch) else []
     return convert
+
+
+def _precision(word: str):
+    return _when_true("training.precision", word)
 
 
 _DTYPES = {"bfloat16": "bf16", "bf16": "bf16", "float16": "fp16", "half": "fp16", "fp16": "fp16",
            "float32": "fp32", "float": "fp32", "fp32": "fp32"}
 
+_STATE_DTYPES = {**_DTYPES, "uint8": "fp8", "fp8": "fp8"}
+"""OptimizerConfig's exp_avg_dtype / exp_avg_sq_dtype / main_params_dtype are torch dtypes (Megatron-LM
+maps --exp-avg-dtype fp8 to torch.uint8): our names for them."""
+
+
+def _dtype_word(value) -> str:
+    return str(plain(value)).removeprefix("torch.")
+
 
 def _dtype(value):
-    word = str(plain(value)).removeprefix("torch.")
+    word = _dtype_word(value)
     if word not in _DTYPES:
         raise NotImplementedYet(f"params_dtype {value!r} (built: {', '.join(sorted(set(_DTYPES)))})")
     return [("training.precision", _DTYPES[word])]
@@ -93,6 +106,17 @@ def _to(dotted: str, convert=None):
     return lambda value: [(dotted, convert(value) if convert else value)]
 
 
+def _state_dtype(dotted: str):
+    """A torch dtype of the optimizer's state as our name; another word is kept for validation to refuse
+    with the choices."""
+    return _to(dotted, lambda value: _STATE_DTYPES.get(_dtype_word(value), _dtype_word(value)))
+
+
+_fp8_param = _when_true("training.fp8_param_gather", True)
+"""TransformerConfig's fp8_param is Megatron-LM's --fp8-param-gather (Bridge's mixed_precision syncs the two):
+True sets it; False and None (Bridge's "as fp8_param_gather") leave it to fp8_param_gather."""
+
+
 RENAMES = {  # Bridge field -> [(canonical field, value)]
     "model.num_moe_experts": _to("model.num_experts"),
     "model.share_embeddings_and_output_weights": _to("model.tie_word_embeddings"),
@@ -107,6 +131,10 @@ RENAMES = {  # Bridge field -> [(canonical field, value)]
     "optimizer.bf16": _precision("bf16"), "optimizer.fp16": _precision("fp16"),
     "mixed_precision.bf16": _precision("bf16"), "mixed_precision.fp16": _precision("fp16"),
     "model.params_dtype": _dtype, "optimizer.params_dtype": _dtype,
+    "optimizer.exp_avg_dtype": _state_dtype("training.exp_avg_dtype"),
+    "optimizer.exp_avg_sq_dtype": _state_dtype("training.exp_avg_sq_dtype"),
+    "optimizer.main_params_dtype": _state_dtype("training.main_params_dtype"),
+    "model.fp8_param": _fp8_param, "mixed_precision.fp8_param": _fp8_param,
     "ddp.grad_reduce_in_fp32": _to("training.accumulate_allreduce_grads_in_fp32"),
     "mixed_precision.grad_reduce_in_fp32": _to("training.accumulate_allreduce_grads_in_fp32"),
     "dataset.data_path": _to("data.path"),

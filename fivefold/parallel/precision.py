@@ -6,6 +6,13 @@ optimizer use, and fp16's dynamic loss scaling. The one place that decides it (`
   bf16 (--bf16)        bf16           fp32;  bf16 with --grad-reduce-in-bf16  fp32 copies
   fp16 (--fp16)        fp16           fp16;  fp32 with                        fp32 copies
                                       --accumulate-allreduce-grads-in-fp32
+  counted by the planner, refused by the runtime (fivefold.train.supported):
+  fp8                  bf16           fp32                                    fp32 copies
+  + --fp8-param-gather fp8 (1 byte)   fp32                                    fp32 copies
+  --exp-avg-dtype D,                                                          AdamW moments in D (fp32,
+  --exp-avg-sq-dtype D                                                        bf16, fp16, fp8); both need
+  --main-params-dtype                                                         fp16 copies with fp16;
+                                                                              --use-precision-aware-optimizer
 
 The model computes in its parameters' dtype (no autocast): norms, softmax, the router and the loss run
 in fp32 inside the model code, as Megatron's kernels do. Gradients accumulate into a flat buffer of the
@@ -34,12 +41,12 @@ from dataclasses import dataclass, field
 from fivefold.config.schema import TrainingConfig
 
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
+"""Bytes per element of each dtype name. The policy is plain Python (the planner reads it without
+torch); `Precision.param_dtype` / `grad_dtype` give the torch dtypes."""
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20
 """Gradient bucket capacity in bytes of parameters (PyTorch DDP's default 25 MiB;
 fivefold.parallel.data; the planner sizes ZeRO's all-gather outputs by it)."""
-"""Bytes per element of each dtype name. The policy is plain Python (the planner reads it without
-torch); `Precision.param_dtype` / `grad_dtype` give the torch dtypes."""
 
 
 def _torch_dtype(name: str):
@@ -134,7 +141,8 @@ class Precision:
             grad = "fp32"
         offload = t.optimizer_offload_fraction if t.optimizer_cpu_offload else 0.0
         stored = "fp8" if name == "fp8" and t.fp8_param_gather else None
-        return cls(name, param, grad, offload, t.main_params_dtype, (t.exp_avg_dtype, t.exp_avg_sq_dtype), stored)
+        return cls(name, param, grad, offload, main=t.main_params_dtype,
+                   moments=(t.exp_avg_dtype, t.exp_avg_sq_dtype), stored_param=stored)
 
     @property
     def param_dtype(self):
@@ -157,11 +165,13 @@ class Precision:
         """(parameter, gradient, optimizer) bytes per parameter between steps, what the runtime holds
         and the planner counts, under data-parallel `mode` over `dp_shards` ranks: no_shard keeps all,
         optim (ZeRO-1) shards the optimizer state (fp32 main copy + AdamW moments), optim_grads
-        (ZeRO-2) the gradients too, optim_grads_params (ZeRO-3) the parameters too."""
+        (ZeRO-2) the gradients too, optim_grads_params (ZeRO-3) the parameters too. Each term is its
+        dtype's bytes: fp8 primary weights 1, the optimizer state main (16-bit parameters only) +
+        exp_avg + exp_avg_sq (e.g. 4 + 2 + 2 with bf16 moments)."""
         d = 1 if mode == "no_shard" else dp_shards
         sharded = {"no_shard": 0, "optim": 1, "optim_grads": 2, "optim_grads_params": 3}[mode]
         p, g = BYTES[self.stored_param or self.param], BYTES[self.grad]
-        o = (BYTES[self.main] if self.has_main else 0) + sum(BYTES[d] for d in self.moments)
+        o = (BYTES[self.main] if self.has_main else 0) + sum(BYTES[m] for m in self.moments)
         return p / (d if sharded >= 3 else 1), g / (d if sharded >= 2 else 1), o / d
 
     def main_grad_copy_bytes(self, dp_shards: int = 1, mode: str = "optim") -> float:
