@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fivefold.planner.calibration import EXCLUDED, FLOP_COUNTS, cases, flops_per_token, read_runs  # noqa: E402
+from fivefold.planner.calibration import EXCLUDED, FLOP_COUNTS, cases, flops_per_token, read_runs, states  # noqa: E402
 from fivefold.planner.layout import Plan  # noqa: E402
 from fivefold.planner.memory import peak_memory  # noqa: E402
 from fivefold.planner.presets import hardware  # noqa: E402
@@ -112,10 +112,13 @@ def fit_report(all_cases: list, only: str | None = None) -> None:
 
 def rank_report(all_cases: list, runtime: str | None) -> None:
     """For each case, `plan`'s search on its model, GPUs, sequence, batch and precision under its
-    runtime: the published layout's rank among the fitting layouts, and the top choice beside it."""
-    print("| row | source | model | GPUs | published layout | rank | step time / top | top choice |")
-    print("|---|---|---|---|---|---|---|---|")
-    ranks, ratios = [], []
+    runtime: the published layout's rank among the fitting layouts (every unstated field as assumed),
+    the rank of the first layout with the fields the source states (the unstated ones free:
+    `calibration.states`), and the top choice beside them."""
+    print("| row | source | model | GPUs | published layout | unstated | rank as assumed | rank, unstated free "
+          "| step time / top | top choice |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    ranks, free_ranks, full, ratios = [], [], [], []
     for c in all_cases:
         rt = profile(runtime or c.runtime) if (runtime or c.runtime) in PROFILES else profile("megatron-te")
         hw, cfg = hardware(c.hardware_name), apply(c.config, rt, c.fp32_grads)
@@ -125,18 +128,29 @@ def rank_report(all_cases: list, runtime: str | None) -> None:
                         grad_reduce_in_bf16=t.grad_reduce_in_bf16)
         published = evaluate(cfg, hw, rt.memory, rt.time)
         rank = rank_of(published, result.ranked)
+        free = next((i for i, cand in enumerate(result.ranked, 1) if states(c, cand.config)), None)
+        free = min(filter(None, (rank, free)), default=None)
         ranks.append(rank)
+        free_ranks.append(free)
+        if not c.unstated - {"fsdp", "etp"}:
+            full.append(free)
         top = result.ranked[0] if result.ranked else None
         if rank and top:
             ratios.append(published.estimate.step_time / top.estimate.step_time)
         ratio = f"{ratios[-1]:.2f}" if rank and top else "-"
         where = f"{rank} of {len(result.ranked)}" if rank else f"not fitting: {published.problem[:60]}"
         print(f"| {c.run.row} | {c.run.source} | {c.model_name} | {cfg.cluster.world_size} x {c.hardware_name} | "
-              f"{describe(cfg)} | {where} | {ratio} | {top.label if top else '-'} |")
-    top5 = sum(1 for r in ranks if r and r <= 5)
-    print(f"\npublished layouts in the top 5: {top5} of {len(ranks)}; judged not to fit: "
-          f"{sum(r is None for r in ranks)}; median rank of the fitting ones: "
-          f"{statistics.median([r for r in ranks if r]) if any(ranks) else '-'}")
+              f"{describe(cfg)} | {', '.join(sorted(c.unstated)) or '-'} | {where} | {free or '-'} | {ratio} | "
+              f"{top.label if top else '-'} |")
+
+    def top5(found: list) -> str:
+        return f"{sum(1 for r in found if r and r <= 5)} of {len(found)}"
+
+    print(f"\npublished layouts in the top 5: {top5(ranks)} as assumed; {top5(free_ranks)} with the unstated fields "
+          f"free; {top5(full)} of the rows whose source states the whole layout (TP CP PP VPP DP EP mbs recompute "
+          f"split); judged not to fit: {sum(r is None for r in ranks)}; median rank of the fitting ones: "
+          f"{statistics.median([r for r in ranks if r]) if any(ranks) else '-'} as assumed, "
+          f"{statistics.median([r for r in free_ranks if r]) if any(free_ranks) else '-'} unstated free")
     # many layouts lie within the time model's own error of the top: how far the published one is
     print(f"published step time within 5% / 10% of the top choice's: {sum(x <= 1.05 for x in ratios)} / "
           f"{sum(x <= 1.10 for x in ratios)} of {len(ratios)}; median ratio {statistics.median(ratios):.2f}"

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from fivefold.errors import UserError
-from fivefold.planner.calibration import EXCLUDED, FLOP_COUNTS, case_of, cases, flops_per_token, read_runs
+from fivefold.planner.calibration import EXCLUDED, FLOP_COUNTS, case_of, cases, flops_per_token, read_runs, states
 from fivefold.planner.layout import Plan
 from fivefold.planner.pipeline_layout import parse_layout
 from fivefold.planner.validity import config_errors
@@ -180,3 +180,20 @@ def test_recompute_reruns_are_charged():
                             dp_mode="optim_grads_params"))
     gathers = [c for c in step_collectives(fsdp, 0) if c.kind == "all_gather"]
     assert gathers and all(c.spread == fsdp.microbatches for c in gathers)
+
+
+def test_a_layout_states_the_published_one_on_the_fields_its_source_states():
+    """The ranking's "unstated free" rank: Megatron-LM's table states TP, PP and DP but not the micro-batch,
+    VPP or recompute; torchtitan's 8B row states all of them."""
+    import copy
+    by_row = {c.run.row: c for c in cases()}
+    mlm, tt = by_row[5], by_row[16]
+    assert {"micro_batch", "vpp", "split", "recompute"} <= mlm.unstated and not tt.unstated
+    other = copy.deepcopy(mlm.config)
+    other.training.micro_batch_size, other.parallel.virtual_pipeline_model_parallel_size = 4, 14
+    assert states(mlm, mlm.config) and states(mlm, other)
+    other.parallel.tensor_model_parallel_size, other.cluster.world_size = 4, 384  # TP is stated
+    assert not states(mlm, other)
+    other = copy.deepcopy(tt.config)
+    other.training.micro_batch_size = 1
+    assert states(tt, tt.config) and not states(tt, other)

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from fivefold.config.schema import ClusterConfig, Config, ModelConfig, ParallelConfig, TrainingConfig
 from fivefold.errors import UserError
+from fivefold.planner.layout import Plan
 from fivefold.planner.flops import attention_core_flops, model_flops_per_token
 from fivefold.planner.mtp import mtp_stage_layers
 from fivefold.planner.pipeline_layout import parse_layout
@@ -122,6 +123,9 @@ class Case:
     memory_basis: str | None
     assumed: list[str] = field(default_factory=list)
     """Each unstated field and the value taken for it."""
+    unstated: frozenset[str] = frozenset()
+    """The `LAYOUT_FIELDS` the source leaves unstated: a layout of `plan`'s search with the stated
+    ones is the published layout as far as the source says (`states`)."""
     fp32_grads: bool = False
     """The source states fp32 gradient accumulation and reduction (beside its runtime's default)."""
 
@@ -161,12 +165,14 @@ def flops_per_token(m: ModelConfig, seq: int, count: str) -> float:
 def case_of(run: Run) -> Case:
     """The planner's inputs for a row that is not in `EXCLUDED` (UserError naming what is missing)."""
     assumed: list[str] = []
+    unstated: set[str] = set()
     src = run.source
 
     def take(column: str, default, why: str):
         v = run.get(column)
         if v is None:
             assumed.append(f"{column}={default} ({why})")
+            unstated.add(column)
             return default
         return v
 
@@ -218,10 +224,13 @@ def case_of(run: Run) -> Case:
     if rc == "unknown":
         rc = "selective" if m.is_moe else None
         assumed.append(f"recompute={rc or 'none'} (not stated)")
+        unstated.add("recompute")
     options, words = MEMORY_OPTIONS_OF.get(run.row, ({}, ""))
     if words.startswith("assumed"):
         assumed.append(words)
     split = _split(run, m, pp, vpp, assumed)
+    if "vpp" in unstated or any(a.startswith(("layer split", "PP layout")) for a in assumed):
+        unstated.add("split")  # a split is of PP x VPP stages
     parallel = ParallelConfig(tensor_model_parallel_size=tp, sequence_parallel=tp > 1, context_parallel_size=cp,
                               pipeline_model_parallel_size=pp,
                               virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
@@ -246,7 +255,21 @@ def case_of(run: Run) -> Case:
     if memory is not None:
         memory *= GiB if basis == "reserved GiB" else 1e9
     return Case(run, model_name, hw_name, gpn, cfg, RUNTIME[src], tokens, memory, basis, assumed,
-                fp32_grads=src == "LLAMA3")  # Llama 3 s3.3: "FP32 gradient accumulation and reduce-scatter"
+                frozenset(unstated & LAYOUT_FIELDS.keys()), fp32_grads=src == "LLAMA3")  # Llama 3 s3.3: "FP32 gradient accumulation and reduce-scatter"
+
+
+LAYOUT_FIELDS = {
+    "tp": lambda p: p.tp, "cp": lambda p: p.cp, "pp": lambda p: p.pp, "dp": lambda p: p.dp,
+    "ep": lambda p: p.ep, "etp": lambda p: p.etp, "vpp": lambda p: p.vpp, "micro_batch": lambda p: p.mbs,
+    "recompute": lambda p: (p.recompute, p.recompute_modules if p.recompute == "selective" else None),
+    "fsdp": lambda p: p.config.training.data_parallel_sharding_strategy, "split": lambda p: tuple(p.rank_chunks)}
+"""A layout's fields as the set's columns name them (a Plan -> the value)."""
+
+
+def states(case: Case, cfg: Config) -> bool:
+    """Whether `cfg` has every layout field the case's source states (the unstated ones are free)."""
+    mine, theirs = Plan(case.config), Plan(cfg)
+    return all(get(mine) == get(theirs) for name, get in LAYOUT_FIELDS.items() if name not in case.unstated)
 
 
 LAYOUT_IN_NOTES = re.compile(r"PP layout ([EtmL|()*\d]+)")
