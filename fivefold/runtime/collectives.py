@@ -38,7 +38,9 @@ class Work:
                 traffic.event(self.kind, self.tag, "end")
             if self._then is not None:
                 self._then()
-            self._done = True
+            # the backend's work may hold the call's buffers (gloo: a full-size copy of a reduce-scatter's
+            # input; the output chunk): drop it, or they live as long as whoever keeps this Work
+            self._works, self._then, self._done = [], None, True
         return True
 
     def is_completed(self) -> bool:
