@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fivefold.planner.calibration import EXCLUDED, FLOP_COUNTS, cases, flops_per_token, read_runs, states  # noqa: E402
+from fivefold.planner.calibration import EXCLUDED, FLOP_COUNTS, cases, flops_per_token, read_runs, stated_layout  # noqa: E402
 from fivefold.planner.layout import Plan  # noqa: E402
 from fivefold.planner.memory import peak_memory  # noqa: E402
 from fivefold.planner.presets import hardware  # noqa: E402
@@ -114,7 +114,7 @@ def rank_report(all_cases: list, runtime: str | None) -> None:
     """For each case, `plan`'s search on its model, GPUs, sequence, batch and precision under its
     runtime: the published layout's rank among the fitting layouts (every unstated field as assumed),
     the rank of the first layout with the fields the source states (the unstated ones free:
-    `calibration.states`), and the top choice beside them."""
+    `calibration.stated_layout`), and the top choice beside them."""
     print("| row | source | model | GPUs | published layout | unstated | rank as assumed | rank, unstated free "
           "| step time / top | top choice |")
     print("|---|---|---|---|---|---|---|---|---|---|")
@@ -128,7 +128,8 @@ def rank_report(all_cases: list, runtime: str | None) -> None:
                         grad_reduce_in_bf16=t.grad_reduce_in_bf16)
         published = evaluate(cfg, hw, rt.memory, rt.time)
         rank = rank_of(published, result.ranked)
-        free = next((i for i, cand in enumerate(result.ranked, 1) if states(c, cand.config)), None)
+        states = stated_layout(c)
+        free = next((i for i, cand in enumerate(result.ranked, 1) if states(cand.config)), None)
         free = min(filter(None, (rank, free)), default=None)
         ranks.append(rank)
         free_ranks.append(free)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from fivefold.errors import UserError
-from fivefold.planner.calibration import EXCLUDED, FLOP_COUNTS, case_of, cases, flops_per_token, read_runs, states
+from fivefold.planner.calibration import EXCLUDED, FLOP_COUNTS, case_of, cases, flops_per_token, read_runs, stated_layout
 from fivefold.planner.layout import Plan
 from fivefold.planner.pipeline_layout import parse_layout
 from fivefold.planner.validity import config_errors
@@ -191,9 +191,10 @@ def test_a_layout_states_the_published_one_on_the_fields_its_source_states():
     assert {"micro_batch", "vpp", "split", "recompute"} <= mlm.unstated and not tt.unstated
     other = copy.deepcopy(mlm.config)
     other.training.micro_batch_size, other.parallel.virtual_pipeline_model_parallel_size = 4, 14
-    assert states(mlm, mlm.config) and states(mlm, other)
+    states = stated_layout(mlm)
+    assert states(mlm.config) and states(other)
     other.parallel.tensor_model_parallel_size, other.cluster.world_size = 4, 384  # TP is stated
-    assert not states(mlm, other)
+    assert not states(other)
     other = copy.deepcopy(tt.config)
     other.training.micro_batch_size = 1
-    assert states(tt, tt.config) and not states(tt, other)
+    assert stated_layout(tt)(tt.config) and not stated_layout(tt)(other)

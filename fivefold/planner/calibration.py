@@ -18,11 +18,12 @@ import csv
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from fivefold.config.schema import ClusterConfig, Config, ModelConfig, ParallelConfig, TrainingConfig
 from fivefold.errors import UserError
-from fivefold.planner.layout import Plan
 from fivefold.planner.flops import attention_core_flops, model_flops_per_token
+from fivefold.planner.layout import Plan
 from fivefold.planner.mtp import mtp_stage_layers
 from fivefold.planner.pipeline_layout import parse_layout
 from fivefold.planner.presets import hardware, model_preset
@@ -125,7 +126,7 @@ class Case:
     """Each unstated field and the value taken for it."""
     unstated: frozenset[str] = frozenset()
     """The `LAYOUT_FIELDS` the source leaves unstated: a layout of `plan`'s search with the stated
-    ones is the published layout as far as the source says (`states`)."""
+    ones is the published layout as far as the source says (`stated_layout`)."""
     fp32_grads: bool = False
     """The source states fp32 gradient accumulation and reduction (beside its runtime's default)."""
 
@@ -228,8 +229,8 @@ def case_of(run: Run) -> Case:
     options, words = MEMORY_OPTIONS_OF.get(run.row, ({}, ""))
     if words.startswith("assumed"):
         assumed.append(words)
-    split = _split(run, m, pp, vpp, assumed)
-    if "vpp" in unstated or any(a.startswith(("layer split", "PP layout")) for a in assumed):
+    split = _split(run, m, pp, vpp, assumed, unstated)
+    if "vpp" in unstated:
         unstated.add("split")  # a split is of PP x VPP stages
     parallel = ParallelConfig(tensor_model_parallel_size=tp, sequence_parallel=tp > 1, context_parallel_size=cp,
                               pipeline_model_parallel_size=pp,
@@ -254,8 +255,9 @@ def case_of(run: Run) -> Case:
     basis = MEMORY_BASIS.get(src) if memory is not None else None
     if memory is not None:
         memory *= GiB if basis == "reserved GiB" else 1e9
+    # Llama 3 s3.3: "FP32 gradient accumulation and reduce-scatter"
     return Case(run, model_name, hw_name, gpn, cfg, RUNTIME[src], tokens, memory, basis, assumed,
-                frozenset(unstated & LAYOUT_FIELDS.keys()), fp32_grads=src == "LLAMA3")  # Llama 3 s3.3: "FP32 gradient accumulation and reduce-scatter"
+                frozenset(unstated & LAYOUT_FIELDS.keys()), fp32_grads=src == "LLAMA3")
 
 
 LAYOUT_FIELDS = {
@@ -266,18 +268,25 @@ LAYOUT_FIELDS = {
 """A layout's fields as the set's columns name them (a Plan -> the value)."""
 
 
-def states(case: Case, cfg: Config) -> bool:
-    """Whether `cfg` has every layout field the case's source states (the unstated ones are free)."""
-    mine, theirs = Plan(case.config), Plan(cfg)
-    return all(get(mine) == get(theirs) for name, get in LAYOUT_FIELDS.items() if name not in case.unstated)
+def stated_layout(case: Case) -> Callable[[Config], bool]:
+    """Whether a config has every layout field the case's source states (the unstated ones are free)."""
+    fields = {name: get for name, get in LAYOUT_FIELDS.items() if name not in case.unstated}
+    mine = Plan(case.config)
+    wanted = {name: get(mine) for name, get in fields.items()}
+
+    def states(cfg: Config) -> bool:
+        theirs = Plan(cfg)
+        return all(get(theirs) == wanted[name] for name, get in fields.items())
+    return states
 
 
 LAYOUT_IN_NOTES = re.compile(r"PP layout ([EtmL|()*\d]+)")
 
 
-def _split(run: Run, m: ModelConfig, pp: int, vpp: int, assumed: list[str]) -> dict:
+def _split(run: Run, m: ModelConfig, pp: int, vpp: int, assumed: list[str], unstated: set[str]) -> dict:
     """The layer split as ParallelConfig fields: the stated layout string, Llama 3's 'first and last
-    stages one layer fewer', else the planner's own choice for PP x VPP (`layer_splits`)."""
+    stages one layer fewer', else the planner's own choice for PP x VPP (`layer_splits`); an assumed
+    one is said in `assumed` and "split" added to `unstated`."""
     if found := LAYOUT_IN_NOTES.search(run.cells["notes"]):
         return {"pipeline_layers_per_stage": list(parse_layout(found.group(1), pp, vpp, m.num_layers).decoder)}
     for other in read_runs():  # a layout the same source states for the same model and stage count
@@ -286,6 +295,7 @@ def _split(run: Run, m: ModelConfig, pp: int, vpp: int, assumed: list[str]) -> d
             stages = parse_layout(found.group(1))
             if stages.stages == pp * vpp:
                 assumed.append(f"PP layout {found.group(1)} (stated in row {other.row} for the same stages)")
+                unstated.add("split")
                 return {"pipeline_layers_per_stage": list(stages.decoder)}
     if run.source == "LLAMA3":
         return {"decoder_first_pipeline_num_layers": (m.num_layers + 2) // pp - 1,
@@ -293,6 +303,7 @@ def _split(run: Run, m: ModelConfig, pp: int, vpp: int, assumed: list[str]) -> d
     options = layer_splits(m.num_layers, pp, vpp, last_extra=mtp_stage_layers(m))
     if options != [{}]:
         assumed.append(f"layer split {options[0]} (not stated)")
+        unstated.add("split")
     return options[0]
 
 
