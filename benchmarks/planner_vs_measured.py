@@ -7,7 +7,7 @@
 For each layout of a ~10M-parameter Llama-style model (hidden 256, 8 layers, vocab 8192, seq 256),
 one step is run on the harness (`fivefold.testing.measure.measure_step`: warm-up step, then the
 measured one) and compared with `fivefold.planner.versus.compare_rank`: model-communication call
-bytes per tag (goal: within 1%) and peak tensor memory (goal: within 10%), with the memory broken
+bytes per tag (goal: within 1%) and peak tensor memory (goal: within 5%, issue 16), with the memory broken
 down into weights / grads / optimizer / transient (activations + logits and loss temporaries).
 Prints one row per pipeline stage (DP replicas measure the same; the row shows the rank whose
 memory ratio is furthest from 1). Exit code 1 when a layout misses either goal.
@@ -27,7 +27,7 @@ from fivefold.planner.versus import RankComparison, compare_rank  # noqa: E402
 
 MiB = 2**20
 BYTES_TOL = 0.01
-MEMORY_TOL = 0.10
+MEMORY_TOL = 0.05
 
 BASE_MODEL = ModelConfig(num_layers=8, hidden_size=256, num_attention_heads=4, vocab_size=8192)
 """10.6M parameters untied (8 x 0.80M in layers + 2 x 2.1M embedding/output), 8.5M tied."""

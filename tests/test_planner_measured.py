@@ -3,9 +3,11 @@ from benchmarks/planner_vs_measured.py (which runs all of them and prints the ta
 
 Tolerances are the planner issue's goals, not fitted: model-communication call bytes within 1%
 (they are a closed form of the parameter count and shapes; the DP gradient all-reduce is in fact
-exact, asserted as such), peak tensor memory within 10% (the planner leaves out kilobyte-sized
-tensors: RoPE tables, token ids, AdamW's step counters, ~0.1% without PP; PP ranks within 1.3%
-in the benchmark, ZB-H1's last rank 3.8%).
+exact, asserted as such), peak tensor memory within 5% (the planner leaves out kilobyte-sized
+tensors: RoPE tables, token ids, AdamW's step counters, ~0.1% without PP; over the whole table of
+benchmarks/planner_vs_measured.py the worst rows are 0.952 (TP2 SP bf16) and 1.037 (MLA), ZB-H1's
+last rank 0.962; full recompute 1.003-1.009 since its rebuilt layer counts only in backward, 1.05-1.06
+before).
 """
 from __future__ import annotations
 
@@ -13,15 +15,18 @@ import pytest
 
 from benchmarks.planner_vs_measured import CASES, MEMORY_TOL, run_case
 
-CHOSEN = ["CP2 p2p mbs2", "TP2 SP mbs2", "PP2 ZB-H1 mbs1 GA4 tied", "TP2 SP mbs2 full recompute"]
+CHOSEN = ["CP2 p2p mbs2", "TP2 SP mbs2", "PP2 ZB-H1 mbs1 GA4 tied", "TP2 SP mbs2 full recompute", "TP2 SP MLA mbs2"]
 """Context parallelism by ring attention (K/V blocks sent and received, gradients over DP x CP); TP
 with sequence parallelism (all-gathers / reduce-scatters,
 SP-norm gradient all-reduce, vocab-parallel loss); a zero-bubble pipeline with tied embeddings (p2p
 sends and receives, the embedding-gradient all-reduce between the end stages, B-done-W-pending
 gradients in memory); full recompute under SP (each layer's forward calls again in backward, but the
-MLP's output reduce-scatter: torch's checkpoint stops before it): 2 ranks, ~10 s each."""
+MLP's output reduce-scatter: torch's checkpoint stops before it); MLA under TP + SP without
+--qk-layernorm (no latent norms to reduce over TP or keep; v zero-padded for the kernel): 2 ranks,
+~6-10 s each."""
 
-MODEL_TAG = {"CP2 p2p mbs2": "cp", "TP2 SP mbs2": "sp", "PP2 ZB-H1 mbs1 GA4 tied": "pp", "TP2 SP mbs2 full recompute": "sp"}
+MODEL_TAG = {"CP2 p2p mbs2": "cp", "TP2 SP mbs2": "sp", "PP2 ZB-H1 mbs1 GA4 tied": "pp", "TP2 SP mbs2 full recompute": "sp",
+             "TP2 SP MLA mbs2": "sp"}
 
 
 @pytest.fixture(scope="module")

@@ -63,9 +63,10 @@ class ArchTraits:
     """Bytes per element of the rank's largest parameter that clipping + the optimizer step allocate
     (fused/multi-tensor kernels: ~0). Eager: the fp64 copy and square in the norm, 16."""
     flash_needs_equal_head_dims: bool = False
-    """The fused attention kernel only runs when q/k and v have the same head dim; otherwise (MLA:
-    dn + dr != dv) the math kernel keeps the softmax probabilities, a s values per token (torch's
-    CPU flash kernel: True, measured)."""
+    """The fused attention kernel only takes q/k and v of one head dim, so where they differ (MLA:
+    dn + dr != dv) the runtime zero-pads v to the q/k width (fivefold.ops.attention._widen) and slices
+    the output back: the kernel keeps the padded v and its padded output, and the projection a copy
+    of the slice (torch's CPU flash kernel under fivefold's eager runtime: True, measured)."""
     backward_inner_tensors: int = 0
     """f-wide temporaries one layer's backward holds at its peak, on top of the saved activations
     (the peak of a rank that holds no logits). Eager SwiGLU: dL/d(g*u), dL/du, dL/dsilu(g): 3
@@ -187,15 +188,22 @@ def layer_activation_bytes(m: ModelConfig, index: int, b: int, s: int, sh: Shard
     out["qkv input"] = norm_out * tokens * h / sp_div
     qkv, attn_out = _attention_elements(m)
     if m.multi_latent_attention:
-        latents = (m.q_lora_rank or 0) * 2 + (m.kv_lora_rank + m.qk_pos_emb_head_dim) + m.kv_lora_rank
+        # the down-projections' outputs (the up-projections' inputs); with --qk-layernorm each latent
+        # norm keeps its input (+ x/rms(x) unfused) besides its output (the query latent's output and
+        # the KV latent c, a view of the [c, k_pe] output, whose storage it keeps)
+        normed = traits.norm_tensors - 1 if m.qk_layernorm else 0
+        latents = (m.q_lora_rank or 0) * (1 + normed) + (m.kv_lora_rank + m.qk_pos_emb_head_dim) + m.kv_lora_rank * normed
         out["MLA latents"] = tokens * latents * B / sp_div
     if not (m.multi_latent_attention and sh.recomputes("mla_up_proj")):
         out["q, k, v"] = tokens * qkv * B / sh.tp
     out["attention output (proj input)"] = tokens * attn_out * LB / sh.tp
-    flash = traits.flash_attention and not (traits.flash_needs_equal_head_dims and m.multi_latent_attention
-                                             and m.qk_head_dim + m.qk_pos_emb_head_dim != m.v_head_dim)
+    padded = traits.flash_needs_equal_head_dims and m.multi_latent_attention and \
+        m.qk_head_dim + m.qk_pos_emb_head_dim != m.v_head_dim
     if not sh.recomputes("core_attn"):
-        if flash:
+        if padded:  # the kernel keeps v zero-padded to the q/k width and its padded output (whose dv slice
+            dqk = m.qk_head_dim + m.qk_pos_emb_head_dim  # is copied for the projection, counted above)
+            out["padded v, padded kernel output"] = tokens * a * (2 * dqk - m.v_head_dim) * B / sh.tp
+        if traits.flash_attention:
             out["softmax log-sum-exp (fp32)"] = tokens * a * 4 / sh.tp
         else:  # softmax output (B), dropout mask (1 byte), dropout output (B): per head, s keys per query
             out["attention scores"] = tokens * a * s * (B + mask * (1 + B)) / sh.tp

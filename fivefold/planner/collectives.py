@@ -286,8 +286,9 @@ def step_collectives(plan: Plan, pp_rank: int) -> list[Collective]:
         groups = plan.layer_groups(pp_rank)
         norms = m.hidden_size * (2 * sum(n for _, _, n in groups) + last) if plan.sp else 0
         if plan.sp and m.multi_latent_attention:  # MLA's replicated down-projections and latent norms
-            h, r = m.hidden_size, m.kv_lora_rank
-            per_layer = h * (r + m.qk_pos_emb_head_dim) + r + (h * m.q_lora_rank + m.q_lora_rank if m.q_lora_rank else 0)
+            h, r, norm = m.hidden_size, m.kv_lora_rank, int(m.qk_layernorm)  # latent norms: --qk-layernorm
+            per_layer = h * (r + m.qk_pos_emb_head_dim) + r * norm + (h * m.q_lora_rank + m.q_lora_rank * norm
+                                                                        if m.q_lora_rank else 0)
             norms += per_layer * sum(n for _, _, n in groups)
         routers = (m.num_experts or 0) * m.hidden_size * sum(n for i, _, n in groups if is_moe_layer(m, i))
         if norms + routers:

@@ -15,7 +15,7 @@ whole, routed experts / (ETP x EP), the vocab-parallel embedding on the first ra
 on the last (both when tied and PP > 1, as Megatron).
 Activations: `activations.py` per microbatch, times the microbatches the schedule keeps in flight
 on that rank (`pipeline.py`); with full recompute, plus one layer's full activations during its
-backward. Fixed terms: on the last rank, the final norm's saved tensors and one microbatch of logits
+backward (not at the forward peak on the last rank: the loss runs before any layer is rebuilt). Fixed terms: on the last rank, the final norm's saved tensors and one microbatch of logits
 (bf16) and the fp32 softmax the vocab-parallel cross entropy keeps (`ArchTraits.loss_bytes_per_logit`: eager fp32 keeps 12 bytes per
 logit); communication buffers (PP send/recv, the SP all-gather output of
 one layer, EP dispatch/combine buffers). Optimizer scratch: clipping and the optimizer step run after backward has freed the activations,
@@ -251,7 +251,7 @@ class _Ranks:
         rm.detail = dict(detail)
         rm.inflight = prof.inflight_microbatches(r)
         # offloaded inputs stay on the device only for the microbatch being computed
-        rm.activations = per_mb * rm.inflight - offloaded * max(0.0, rm.inflight - 1) + transient
+        rm.activations = per_mb * rm.inflight - offloaded * max(0.0, rm.inflight - 1)
         tokens = plan.mbs * plan.seq / plan.cp
         heads = 1 + (m.mtp_num_layers or 0)  # MTP: another output layer per depth (planner/mtp.py)
         if r == plan.pp - 1:  # the logits and the loss's fp32 softmax (see ArchTraits.loss_bytes_per_logit)
@@ -259,13 +259,13 @@ class _Ranks:
             # the final norm's saved tensors (its input, the output layer's input; + x/rms(x) unfused)
             rm.logits += heads * traits.norm_tensors * tokens * m.hidden_size * B / (plan.tp if plan.sp else 1)
             rm.logits += mtp_activation_values(m) * tokens * B / (plan.tp if plan.sp else 1)
-        # the peak is at a forward (the last rank's logits) or in a layer's backward, each with the
-        # zero-bubble schedules' B-done-W-pending gradients (+ on the last rank the logits' gradient,
+        # the peak is at a forward (the last rank's logits) or in a layer's backward (with the layer a
+        # recompute rebuilt), each with the zero-bubble schedules' B-done-W-pending gradients (+ on the last rank the logits' gradient,
         # the output layer's join, and the loss's saved fp32 log-softmax, kept with the graph until W)
         if r == plan.pp - 1:
             joins += tokens * m.padded_vocab_size(plan.tp) / plan.tp * (B + 4)
         at_forward = prof.pending_weight_microbatches(r, at_forward=True) * joins + rm.logits
-        in_backward = prof.pending_weight_microbatches(r) * joins + bwd
+        in_backward = prof.pending_weight_microbatches(r) * joins + bwd + transient
         rm.activations += max(at_forward, in_backward) - rm.logits
         sp_div = plan.tp if plan.sp else 1
         buffers = tokens * m.hidden_size * B * (4 / sp_div if plan.pp > 1 else 0)  # PP send/recv, fwd + bwd
