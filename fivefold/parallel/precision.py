@@ -37,6 +37,7 @@ skipped).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 from fivefold.config.schema import TrainingConfig
 
@@ -131,18 +132,9 @@ class Precision:
         """The policy `t` asks for (config validation has refused the combinations that do not run).
         `precision`: instead of t.precision (the planner's fp8 keeps bf16 parameters, as
         TransformerEngine does)."""
-        name = precision or t.precision
-        param = "bf16" if name == "fp8" else name
-        if param == "bf16":
-            grad = "bf16" if t.grad_reduce_in_bf16 else "fp32"
-        elif param == "fp16":
-            grad = "fp32" if t.accumulate_allreduce_grads_in_fp32 else "fp16"
-        else:
-            grad = "fp32"
-        offload = t.optimizer_offload_fraction if t.optimizer_cpu_offload else 0.0
-        stored = "fp8" if name == "fp8" and t.fp8_param_gather else None
-        return cls(name, param, grad, offload, main=t.main_params_dtype,
-                   moments=(t.exp_avg_dtype, t.exp_avg_sq_dtype), stored_param=stored)
+        return _policy(precision or t.precision, t.grad_reduce_in_bf16, t.accumulate_allreduce_grads_in_fp32,
+                       t.optimizer_offload_fraction if t.optimizer_cpu_offload else 0.0, t.fp8_param_gather,
+                       t.main_params_dtype, (t.exp_avg_dtype, t.exp_avg_sq_dtype))
 
     @property
     def param_dtype(self):
@@ -161,6 +153,7 @@ class Precision:
     def scales_loss(self) -> bool:
         return self.param == "fp16"
 
+    @lru_cache(maxsize=256)  # the planner asks the same few under thousands of layouts
     def state_bytes(self, dp_shards: int = 1, mode: str = "optim") -> tuple[float, float, float]:
         """(parameter, gradient, optimizer) bytes per parameter between steps, what the runtime holds
         and the planner counts, under data-parallel `mode` over `dp_shards` ranks: no_shard keeps all,
@@ -183,3 +176,18 @@ class Precision:
     def bytes_per_param(self, dp_shards: int = 1, mode: str = "optim") -> float:
         return sum(self.state_bytes(dp_shards, mode))
 
+
+@lru_cache(maxsize=64)
+def _policy(name: str, grad_reduce_in_bf16: bool, accumulate_fp32: bool, offload: float, fp8_param_gather: bool,
+            main: str, moments: tuple[str, str]) -> Precision:
+    """`Precision.of` from the fields it reads (one object per distinct policy: the planner asks for
+    the same few under thousands of layouts)."""
+    param = "bf16" if name == "fp8" else name
+    if param == "bf16":
+        grad = "bf16" if grad_reduce_in_bf16 else "fp32"
+    elif param == "fp16":
+        grad = "fp32" if accumulate_fp32 else "fp16"
+    else:
+        grad = "fp32"
+    stored = "fp8" if name == "fp8" and fp8_param_gather else None
+    return Precision(name, param, grad, offload, main=main, moments=moments, stored_param=stored)

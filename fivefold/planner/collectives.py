@@ -41,7 +41,7 @@ Per step:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from fivefold.planner.layout import Plan
 from fivefold.planner.memory import rank_params, state_bytes_per_param
@@ -60,8 +60,9 @@ STEPS = {"all_reduce": lambda n: 2 * (n - 1), "all_gather": lambda n: n - 1, "re
 """Latency-bound steps of one call (ring algorithms; a p2p transfer is one)."""
 
 
-@dataclass(frozen=True)
-class Collective:
+class Collective(NamedTuple):
+    """One call (a named tuple: the search builds tens of thousands)."""
+
     kind: str
     """all_reduce | all_gather | reduce_scatter | all_to_all | send | recv (runtime.traffic.KINDS)."""
     tag: str

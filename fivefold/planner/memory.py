@@ -210,6 +210,32 @@ class _Ranks:
         self.state_bytes = (state_bytes_per_param(training, plan.precision, plan.dp * plan.cp),
                             state_bytes_per_param(training, plan.precision, plan.edp))
         self.prec = Precision.of(training, plan.precision)
+        self.mode = training.sharding_strategy
+        self._fixed()
+
+    def _fixed(self) -> None:
+        """The terms that do not depend on the rank: communication buffers; on the last rank the logits
+        and the loss (and their W-pending gradient under zero-bubble schedules)."""
+        plan, traits = self.plan, self.assume.traits
+        m, B = plan.config.model, traits.value_bytes()
+        tokens = plan.mbs * plan.seq / plan.cp
+        sp_div = plan.tp if plan.sp else 1
+        heads = 1 + (m.mtp_num_layers or 0)  # MTP: another output layer per depth (planner/mtp.py)
+        vocab = m.padded_vocab_size(plan.tp) / plan.tp
+        # the logits and the loss's fp32 softmax (see ArchTraits.loss_bytes_per_logit), the final norm's
+        # saved tensors (its input, the output layer's input; + x/rms(x) unfused), MTP's
+        self.logits = heads * tokens * vocab * traits.loss_bytes()
+        self.logits += heads * traits.norm_tensors * tokens * m.hidden_size * B / sp_div
+        self.logits += mtp_activation_values(m) * tokens * B / sp_div
+        # the logits' gradient, the output layer's join and the loss's saved fp32 log-softmax, kept with
+        # the graph until W (zero-bubble schedules)
+        self.logit_joins = tokens * vocab * (B + 4)
+        buffers = tokens * m.hidden_size * B * (4 / sp_div if plan.pp > 1 else 0)  # PP send/recv, fwd + bwd
+        if plan.tp > 1:
+            buffers += tokens * m.hidden_size * B  # one gathered (SP) or reduced (TP) layer input
+        if m.is_moe and plan.ep > 1:
+            buffers += 2 * m.moe_router_topk * tokens / plan.tp * plan.etp * m.hidden_size * B  # dispatch + combine
+        self.buffers = buffers
 
     def candidates(self) -> list[int]:
         """The ranks that can hold the most memory, ascending: a rank is left out when an earlier rank
@@ -234,9 +260,7 @@ class _Ranks:
 
     def memory(self, r: int) -> RankMemory:
         plan, prof, assume = self.plan, self.prof, self.assume
-        m, traits = plan.config.model, assume.traits
-        training = plan.config.training
-        B = traits.value_bytes()
+        traits = assume.traits
         rm = RankMemory(rank=r)
         detail, per_mb, transient, joins, bwd, offloaded = _layers(plan, self.shapes[r][0], r, self.sh, traits)
         dense, expert = rank_params(plan, r)
@@ -244,36 +268,23 @@ class _Ranks:
         rm.params = dense + expert
         rm.weights, rm.grads, rm.optimizer = dense * wd + expert * we, dense * gd + expert * ge, dense * od + expert * oe
         rm.optimizer *= 1 - self.prec.offload_fraction  # --optimizer-cpu-offload: host memory
-        if training.sharding_strategy in ("optim_grads", "optim_grads_params"):
+        if self.mode in ("optim_grads", "optim_grads_params"):
             rm.grads += zero2_full_buffers(plan, dense, expert)
-        if training.sharding_strategy == "optim_grads_params":  # ZeRO-3: the units in use, whole
+        if self.mode == "optim_grads_params":  # ZeRO-3: the units in use, whole
             rm.weights += zero3_gathered(plan, dense + expert) * self.prec.state_bytes(1, "no_shard")[0]
-        rm.detail = dict(detail)
+        rm.detail = detail  # shared with the cache: read only
         rm.inflight = prof.inflight_microbatches(r)
         # offloaded inputs stay on the device only for the microbatch being computed
         rm.activations = per_mb * rm.inflight - offloaded * max(0.0, rm.inflight - 1)
-        tokens = plan.mbs * plan.seq / plan.cp
-        heads = 1 + (m.mtp_num_layers or 0)  # MTP: another output layer per depth (planner/mtp.py)
-        if r == plan.pp - 1:  # the logits and the loss's fp32 softmax (see ArchTraits.loss_bytes_per_logit)
-            rm.logits = heads * tokens * m.padded_vocab_size(plan.tp) / plan.tp * traits.loss_bytes()
-            # the final norm's saved tensors (its input, the output layer's input; + x/rms(x) unfused)
-            rm.logits += heads * traits.norm_tensors * tokens * m.hidden_size * B / (plan.tp if plan.sp else 1)
-            rm.logits += mtp_activation_values(m) * tokens * B / (plan.tp if plan.sp else 1)
-        # the peak is at a forward (the last rank's logits) or in a layer's backward (with the layer a
-        # recompute rebuilt), each with the zero-bubble schedules' B-done-W-pending gradients (+ on the last rank the logits' gradient,
-        # the output layer's join, and the loss's saved fp32 log-softmax, kept with the graph until W)
         if r == plan.pp - 1:
-            joins += tokens * m.padded_vocab_size(plan.tp) / plan.tp * (B + 4)
+            rm.logits = self.logits
+            joins += self.logit_joins
+        # the peak is at a forward (the last rank's logits) or in a layer's backward (with the layer a
+        # recompute rebuilt), each with the zero-bubble schedules' B-done-W-pending gradients
         at_forward = prof.pending_weight_microbatches(r, at_forward=True) * joins + rm.logits
         in_backward = prof.pending_weight_microbatches(r) * joins + bwd + transient
         rm.activations += max(at_forward, in_backward) - rm.logits
-        sp_div = plan.tp if plan.sp else 1
-        buffers = tokens * m.hidden_size * B * (4 / sp_div if plan.pp > 1 else 0)  # PP send/recv, fwd + bwd
-        if plan.tp > 1:
-            buffers += tokens * m.hidden_size * B  # one gathered (SP) or reduced (TP) layer input
-        if m.is_moe and plan.ep > 1:
-            buffers += 2 * m.moe_router_topk * tokens / plan.tp * plan.etp * m.hidden_size * B  # dispatch + combine
-        rm.buffers = buffers
+        rm.buffers = self.buffers
         rm.scratch = max(0.0, optimizer_phase(plan, dense, expert, largest_param(plan, r), traits, self.prec)
                          - (rm.activations + rm.logits + rm.buffers))
         tensors = rm.weights + rm.grads + rm.optimizer + rm.activations + rm.logits + rm.buffers + rm.scratch

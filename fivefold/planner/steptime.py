@@ -289,13 +289,14 @@ def _add_calls(calls: list[Collective], links: _Links, sizes: dict[str, int], pa
     compute for those that overlap the attention core) to `parts` / `sent`, by reported part."""
     overlapped = 0.0
     hidden_share = {"tp": links.ta.tp_overlap, "ep": links.ta.ep_overlap}
-    timed: dict[int, tuple[float, float]] = {}  # a recomputed layer lists its forward's calls twice
+    timed: dict[tuple, tuple[float, float]] = {}  # calls of one kind, group and size cost the same
     for c in calls:
-        got = timed.get(id(c))
+        key = (c.kind, c.group, c.call_bytes)
+        got = timed.get(key)
         if got is None:
             n = sizes[c.group]
             wire = c.wire_bytes(n)
-            got = timed[id(c)] = (links.time(c.group, wire, c.steps(n), n), wire)
+            got = timed[key] = (links.time(c.group, wire, c.steps(n), n), wire)
         t, wire = got
         sent[PART[c.group]] += wire
         if c.hides_behind == "attention":
