@@ -60,12 +60,12 @@ class Rule:
 
 
 _KNOB_PATHS = tuple((knob, *dotted.split(".")) for knob, dotted in KNOB_FIELDS.items())
+_KNOB_SECTIONS = tuple({section for _, section, _ in _KNOB_PATHS})
 
 
 def sizes_of(config: Config) -> dict:
-    s = {}
-    for knob, section, name in _KNOB_PATHS:
-        s[knob] = getattr(getattr(config, section), name)
+    sections = {name: vars(getattr(config, name)) for name in _KNOB_SECTIONS}
+    s = {knob: sections[section][name] for knob, section, name in _KNOB_PATHS}  # every knob is a field
     c = config.cluster
     s["world"] = c.resolved_world_size
     s["gpn"] = c.gpus_per_node

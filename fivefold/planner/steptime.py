@@ -110,30 +110,36 @@ def _spans_nodes(topo: Topology, dims: str, world: int, gpn: int) -> bool:
     return False
 
 
-_CROSS: dict[tuple, dict[str, bool]] = {}
-"""Layout sizes, order and GPUs per node -> which groups cross nodes (the search asks once per layout)."""
+_CROSS: dict[tuple, tuple[dict, dict]] = {}
+"""Layout sizes, order and GPUs per node -> which groups cross nodes, and each group's link by name
+(the search asks once per layout)."""
+
+
+def _crossings(plan: Plan, gpn: int) -> tuple[dict, dict[str, str]]:
+    lay = Layout(tp=plan.tp, cp=plan.cp, pp=plan.pp, dp=plan.dp, ep=plan.ep, etp=plan.etp,
+                 order=plan.config.parallel.order)
+    d, e, w = lay.dense, lay.expert, plan.world
+    cross = {"tp": _spans_nodes(d, "tp", w, gpn), "cp": _spans_nodes(d, "cp", w, gpn),
+             "pp": _spans_nodes(d, "pp", w, gpn), "dp": _spans_nodes(d, "cp-dp", w, gpn),
+             "ep": _spans_nodes(e, "ep", w, gpn), "etp": _spans_nodes(e, "etp", w, gpn),
+             "edp": _spans_nodes(e, "edp", w, gpn)}
+    cross["embedding"] = cross["pp"]  # the first and last pipeline ranks
+    cross["tp-cp"] = _spans_nodes(d, "tp-cp", w, gpn)
+    cross["ep local"] = sum(1 for r in e.group(0, "ep") if r // gpn == 0)  # EP peers in rank 0's node
+    return cross, {g: "network" if v else "intra-node" for g, v in cross.items()}
 
 
 class _Links:
     def __init__(self, plan: Plan, hw: Hardware, gpn: int, ta: TimeAssumptions):
         key = (plan.tp, plan.cp, plan.pp, plan.dp, plan.ep, plan.etp, plan.config.parallel.order, gpn)
         self.hw, self.ta = hw, ta
-        if key in _CROSS:
-            self.cross = _CROSS[key]
-            return
-        lay = Layout(tp=plan.tp, cp=plan.cp, pp=plan.pp, dp=plan.dp, ep=plan.ep, etp=plan.etp,
-                     order=plan.config.parallel.order)
-        d, e, w = lay.dense, lay.expert, plan.world
-        self.cross = _CROSS[key] = {"tp": _spans_nodes(d, "tp", w, gpn), "cp": _spans_nodes(d, "cp", w, gpn),
-                      "pp": _spans_nodes(d, "pp", w, gpn), "dp": _spans_nodes(d, "cp-dp", w, gpn),
-                      "ep": _spans_nodes(e, "ep", w, gpn), "etp": _spans_nodes(e, "etp", w, gpn),
-                      "edp": _spans_nodes(e, "edp", w, gpn)}
-        self.cross["embedding"] = self.cross["pp"]  # the first and last pipeline ranks
-        self.cross["tp-cp"] = _spans_nodes(d, "tp-cp", w, gpn)
-        self.cross["ep local"] = sum(1 for r in e.group(0, "ep") if r // gpn == 0)  # EP peers in rank 0's node
+        got = _CROSS.get(key)
+        if got is None:
+            got = _CROSS[key] = _crossings(plan, gpn)
+        self.cross, self.names = got
 
     def name(self, g: str) -> str:
-        return "network" if self.cross[g] else "intra-node"
+        return self.names[g]
 
     def time(self, g: str, bytes_sent: float, steps: int, n: int = 0) -> float:
         """Seconds of a call of `g` (n ranks) that sends `bytes_sent` from each rank. An all-to-all
@@ -207,7 +213,7 @@ def step_time(plan: Plan, hw: Hardware, ta: TimeAssumptions = TimeAssumptions())
                         tflops_per_gpu=mf / total / plan.world / 1e12,
                         bubble_fraction=bubble_fraction(plan.schedule, plan.pp, plan.vpp, n_mb),
                         parts=parts, comm_bytes=comm_bytes,
-                        links={g: links.name(g) for g in links.cross})
+                        links=links.names)  # shared by the layouts of one layout's links: read only
 
 
 Timed = tuple[tuple[str, float, float, "str | None", int], ...]
