@@ -4,8 +4,10 @@ under a second of CPU each.
     python benchmarks/plan_search.py      # prints one Markdown row per case for benchmarks/RESULTS.md
 
 CPU time (`time.process_time`) is the figure to read on a shared machine: wall time grows with the
-other jobs. The first search of each case starts from cold caches (`clear_caches`), as the first
-`fivefold plan` in a process does; the repeats reuse the per-layout caches. The space is the default
+other jobs. The first search of each case starts from cold caches, as the first `fivefold plan` in a
+process does: it runs in FRESH_RUNS fresh processes (`--first NAME`), whose median (and range) the row
+gives, since one sample on this shared 2-core machine moves by 10% or more from run to run; the
+repeats reuse the per-layout caches. The space is the default
 one (VPP up to layers / PP); the row also gives, untimed, what the space of VPP <= 4 (the default
 before 2026-11-24) tries, sizes and fits. "tried" counts every variant (layout x micro-batch x
 recompute) the search meets, "sized" those whose memory it computed (the rest are dropped by a rule
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -26,12 +29,28 @@ from fivefold.planner.search import clear_caches, search  # noqa: E402
 from fivefold.planner.space import SearchSpace  # noqa: E402
 
 CASES = (("deepseek-v3", "671B"), ("llama3-405b", "405B"))
+FRESH_RUNS = 5
+
+
+def first_search(name: str) -> float:
+    """CPU seconds of the first search of `name` in this process (cold caches)."""
+    m, hw = model_preset(name).model, hardware("h100-sxm")
+    c0 = time.process_time()
+    search(m, hw, 1024, 8, 4096, 4096)
+    return time.process_time() - c0
+
+
+def fresh_first(name: str) -> list[float]:
+    """`first_search` in FRESH_RUNS new processes."""
+    return [float(subprocess.run([sys.executable, __file__, "--first", name], capture_output=True, text=True,
+                                 check=True).stdout) for _ in range(FRESH_RUNS)]
 
 
 def main() -> None:
     hw = hardware("h100-sxm")
     for name, size in CASES:
         m = model_preset(name).model
+        first = fresh_first(name)
         clear_caches()
         times, cpu = [], []
         for _ in range(3):
@@ -43,12 +62,18 @@ def main() -> None:
         small = search(m, hw, 1024, 8, 4096, 4096, space=SearchSpace(max_vpp=4))
         print(f"| plan search | {name} {size}, 1024 x h100-sxm, seq 4096, gbs 4096 | {r.tried} layouts tried, "
               f"{r.sized} sized, {len(r.ranked)} fit (VPP <= 4: {small.tried}, {small.sized}, {len(small.ranked)}) | "
-              f"first {cpu[0]:.2f} s CPU "
-              f"({times[0]:.2f} s wall); again: median "
+              f"first (cold) {statistics.median(first):.2f} s CPU, median of {FRESH_RUNS} fresh processes "
+              f"({min(first):.2f}-{max(first):.2f}; in this one {cpu[0]:.2f} s, {times[0]:.2f} s wall); again: median "
               f"{statistics.median(cpu[1:]):.2f} s CPU ({statistics.median(times[1:]):.2f} s wall) | "
               f"top: {best.label}, {best.estimate.step_time:.2f} s/step, MFU {best.estimate.mfu:.1%} |")
 
 
 if __name__ == "__main__":
-    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()  # no options; -h says what it runs
-    main()
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--first", metavar="NAME", help="print the CPU seconds of one cold search of this model preset "
+                                                     "in this process (what the table's first column runs)")
+    args = ap.parse_args()
+    if args.first:
+        print(first_search(args.first))
+    else:
+        main()

@@ -32,6 +32,7 @@ for the probability-weighted combine (N_e*h), plus the router's fp32 scores (E p
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import lru_cache
 
 from fivefold.config.schema import ModelConfig
 from fivefold.planner.params import is_moe_layer
@@ -130,6 +131,18 @@ class Sharding:
 
     def recomputes(self, module: str) -> bool:
         return self.recompute == "selective" and module in self.modules
+
+    @classmethod
+    def of(cls, tp: int = 1, sp: bool = False, cp: int = 1, etp: int = 1, recompute: str | None = None,
+           modules: frozenset[str] = frozenset({"core_attn"})) -> "Sharding":
+        """One object per distinct sharding (`_interned`): the planner's caches key on it, and equal
+        keys then compare by identity, not field by field."""
+        return _interned(cls, tp, sp, cp, etp, recompute, modules)
+
+
+@lru_cache(maxsize=4096)
+def _interned(cls, tp, sp, cp, etp, recompute, modules) -> Sharding:
+    return cls(tp, sp, cp, etp, recompute, modules)
 
 
 RECOMPUTE_MODULES = {
@@ -263,7 +276,7 @@ def op_sac_saved(m: ModelConfig, index: int, tokens: float, sh: Sharding, B: int
 def full_recompute_transient(m: ModelConfig, index: int, b: int, s: int, sh: Sharding,
                              traits: ArchTraits = ArchTraits()) -> float:
     """With full recompute, the one layer being recomputed holds its whole activations in backward."""
-    inner = Sharding(tp=sh.tp, sp=sh.sp, cp=sh.cp, etp=sh.etp, recompute=None)
+    inner = Sharding.of(tp=sh.tp, sp=sh.sp, cp=sh.cp, etp=sh.etp, recompute=None)
     return sum(layer_activation_bytes(m, index, b, s, inner, traits).values())
 
 

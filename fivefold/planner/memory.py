@@ -198,7 +198,7 @@ class _Ranks:
 
     def __init__(self, plan: Plan, assume: MemoryAssumptions):
         self.plan = plan
-        self.sh = Sharding(tp=plan.tp, sp=plan.sp, cp=plan.cp, etp=plan.etp, recompute=plan.recompute,
+        self.sh = Sharding.of(tp=plan.tp, sp=plan.sp, cp=plan.cp, etp=plan.etp, recompute=plan.recompute,
                            modules=plan.recompute_modules)
         self.prof = pipeline_profile(plan.schedule, plan.pp, plan.vpp, plan.microbatches)
         traits = _for_precision(assume.traits, plan.precision)
@@ -316,7 +316,7 @@ def _layers(plan: Plan, kinds: tuple, r: int, sh: Sharding, traits: ArchTraits):
     offload = [OFFLOAD_MODULES[name] for name in plan.offload_modules]
     for i, recomputed, n in plan.layer_groups(r):
         layer_sh = sh if recomputed or plan.recompute != "full" else \
-            Sharding(tp=sh.tp, sp=sh.sp, cp=sh.cp, etp=sh.etp, recompute=None)
+            Sharding.of(tp=sh.tp, sp=sh.sp, cp=sh.cp, etp=sh.etp, recompute=None)
         saved = layer_activation_bytes(m, i, b, s, layer_sh, traits)
         reruns = recomputed or (sh.recompute == "selective" and traits.op_level_sac)  # the layer's backward rebuilds it
         peak = full_recompute_transient(m, i, b, s, sh, traits) if reruns else 0.0

@@ -343,7 +343,7 @@ def _selective_rerun(plan: Plan, i: int, t_core: float, t_linear: float, t_exper
     t += 2 * tokens * matmul / flops_rate
     if not sh.modules & {"layernorm", "moe_act"}:
         return t
-    kept = Sharding(tp=sh.tp, sp=sh.sp, cp=sh.cp, etp=sh.etp)
+    kept = Sharding.of(tp=sh.tp, sp=sh.sp, cp=sh.cp, etp=sh.etp)
     traits = _traits(plan.precision)
     dropped = sum(layer_activation_bytes(m, i, plan.mbs, plan.seq, kept, traits).values()) - \
         sum(layer_activation_bytes(m, i, plan.mbs, plan.seq, replace(sh, modules=sh.modules & {"layernorm", "moe_act"}),
@@ -352,7 +352,7 @@ def _selective_rerun(plan: Plan, i: int, t_core: float, t_linear: float, t_exper
 
 
 def _sharding(plan: Plan) -> Sharding:
-    return Sharding(tp=plan.tp, sp=plan.sp, cp=plan.cp, etp=plan.etp, recompute=plan.recompute,
+    return Sharding.of(tp=plan.tp, sp=plan.sp, cp=plan.cp, etp=plan.etp, recompute=plan.recompute,
                     modules=plan.recompute_modules)
 
 
@@ -408,7 +408,7 @@ def _layer_cost_of(plan: Plan, links: _Links, sizes: dict[str, int], i: int, rec
     extra = t_fwd if recomputed else _selective_rerun(plan, i, t_core, t_linear, t_experts, flops_rate, hw, ta)
     parts["compute"] = 3 * t_fwd + extra
     if ta.membound_passes:
-        sh = Sharding(tp=tp, sp=plan.sp, cp=cp, etp=plan.etp)
+        sh = Sharding.of(tp=tp, sp=plan.sp, cp=cp, etp=plan.etp)
         touched = sum(layer_activation_bytes(m, i, b, s, sh, _traits(plan.precision)).values())
         parts["compute"] += ta.membound_passes * touched / hw.memory_bw
     hidden = 3 * t_core  # the attention core, forward + backward
