@@ -178,17 +178,18 @@ def step_time(plan: Plan, hw: Hardware, ta: TimeAssumptions = TimeAssumptions())
         rank_bytes.append(sent)
         rank_times.append(total)
     pipe = pipeline_time(plan.schedule, rank_times, plan.vpp, n_mb)
-    worst = max(range(plan.pp), key=lambda r: rank_times[r])
+    worst = rank_times.index(max(rank_times))  # the first slowest rank
     distopt = cfg.training.use_distributed_optimizer
     step_parts, step_bytes, opt_time = {}, {}, -1.0  # of the rank whose once-per-step work is longest
     for r, first in enumerate(classes):
         if first != r:
             continue
         comp = rank_parts[r]["compute"]
+        behind_of = {"backward": comp * 2 / 3, "forward": comp / 3}  # what a step call can hide behind
         exposed: dict[str, float] = {}
         sent: dict[str, float] = {}
         for part, t, wire, behind, spread in _step_calls(plan, r, links, sizes):
-            hide = spread * (comp * 2 / 3 if behind == "backward" else (comp / 3 if behind == "forward" else 0.0))
+            hide = spread * behind_of.get(behind, 0.0)
             exposed[part] = exposed.get(part, 0.0) + max(0.0, t - hide)
             sent[part] = sent.get(part, 0.0) + wire
         dense, expert = rank_params(plan, r)
