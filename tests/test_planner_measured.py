@@ -5,7 +5,7 @@ Tolerances are the planner issue's goals, not fitted: model-communication call b
 (they are a closed form of the parameter count and shapes; the DP gradient all-reduce is in fact
 exact, asserted as such), peak tensor memory within 5% (the planner leaves out kilobyte-sized
 tensors: RoPE tables, token ids, AdamW's step counters, ~0.1% without PP; over the whole table of
-benchmarks/planner_vs_measured.py the worst rows are 0.952 (TP2 SP bf16) and 1.036 (DP2 GA2 ZeRO-3), ZB-H1's
+benchmarks/planner_vs_measured.py the worst rows are 0.966 (TP2 SP bf16) and 1.036 (DP2 GA2 ZeRO-3), ZB-H1's
 last rank 0.962; full recompute 1.003-1.009 since its rebuilt layer counts only in backward, 1.05-1.06
 before).
 """

@@ -52,7 +52,8 @@ class ArchTraits:
     """Bytes of a saved activation; None = from the run's precision (`for_precision`): 4 for fp32,
     2 for bf16/fp16 and fp8 (fp8 GEMMs still save 16-bit tensors)."""
     norm_tensors: int = 2
-    """h-wide tensors saved per pre-norm (its input + the next linear's input); 3 unfused (see above)."""
+    """h-wide tensors saved per pre-norm (its input + the next linear's input); 3 unfused (see above:
+    x in fp32, 4 bytes a value also under 16-bit, where it is a copy, and x / rms(x) in the run's dtype)."""
     mlp_inner_tensors: int | None = None
     """f-wide tensors the MLP saves; None = 3 gated (gate, up, gate*up), 2 GeLU (pre, post)."""
     loss_bytes_per_logit: float | None = None
@@ -196,7 +197,9 @@ def layer_activation_bytes(m: ModelConfig, index: int, b: int, s: int, sh: Shard
     # Attention block: norm input, QKV-linear input, (dropout mask) in the SP region.
     LB = traits.linear_bytes()  # a linear layer's saved input (fp8 under TE's fp8 recipes)
     norm_out = 0 if sh.recomputes("layernorm") else LB  # the norm's output is the next linear's input
-    norm_input = (traits.norm_tensors - 1) * B * tokens * h / sp_div  # (+ x/rms(x) unfused)
+    # fused: the input; unfused (eager): x in fp32 (the input itself in fp32, a copy under 16-bit)
+    # and x / rms(x) back in the run's dtype
+    norm_input = (4 + B if traits.norm_tensors == 3 else (traits.norm_tensors - 1) * B) * tokens * h / sp_div
     out["attn norm input"] = norm_input
     out["qkv input"] = norm_out * tokens * h / sp_div
     qkv, attn_out = _attention_elements(m)
