@@ -127,6 +127,14 @@ CASES = [
          parallel={"pipeline_model_parallel_size": 2, "expert_model_parallel_size": 2}),
     Case("MoE EP2 mbs2 bf16 ZeRO-1", 2, 2, 4, model=MOE, parallel={"expert_model_parallel_size": 2},
          training={"precision": "bf16", "use_distributed_optimizer": True}),
+    Case("MoE shared TP2 SP mbs2", 2, 2, 2, model={**MOE, "moe_shared_expert_intermediate_size": 256},
+         parallel={"tensor_model_parallel_size": 2, "sequence_parallel": True}),
+    Case("MoE shared TP2 SP x EP2 ETP1 mbs2", 2, 2, 2, model={**MOE, "moe_shared_expert_intermediate_size": 256},
+         parallel={"tensor_model_parallel_size": 2, "sequence_parallel": True, "expert_model_parallel_size": 2,
+                   "expert_tensor_parallel_size": 1}),
+    Case("MoE shared EP2 mbs2 full recompute", 2, 2, 4, model={**MOE, "moe_shared_expert_intermediate_size": 256},
+         parallel={"expert_model_parallel_size": 2},
+         training={"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}),
 ]
 
 

@@ -150,8 +150,8 @@ def layer_collectives(plan: Plan, index: int, recomputed: bool = False) -> list[
     layer's but the last: torch.utils.checkpoint stops once every saved tensor is recomputed, and the
     MLP's output reduction feeds none), selective recompute of `moe` the MoE layer's forward calls, of
     `core_attn` the CP calls of the attention core (`cp_collectives`). Measured exactly: the TP2+SP, TP2
-    and EP2 full-recompute rows of benchmarks/planner_vs_measured.py (MoE layers with shared experts
-    under TP not measured)."""
+    and EP2 full-recompute rows of benchmarks/planner_vs_measured.py, and MoE layers with shared
+    experts under TP2+SP (expert TP, and EP2 x ETP1) and EP2 full recompute (EP within 1%)."""
     m = plan.config.model
     M = _tokens(plan) * m.hidden_size * act_bytes(plan)
     out = _mla_attention(plan) if m.multi_latent_attention else _tp_half(plan, M)  # attention
