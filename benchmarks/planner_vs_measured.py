@@ -135,6 +135,9 @@ CASES = [
     Case("MoE shared EP2 mbs2 full recompute", 2, 2, 4, model={**MOE, "moe_shared_expert_intermediate_size": 256},
          parallel={"expert_model_parallel_size": 2},
          training={"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}),
+    Case("MoE DP2 mbs2 GA2 ZeRO-2", 2, 2, 8, model=MOE, training={"data_parallel_sharding_strategy": "optim_grads"}),
+    Case("MoE EP2 mbs2 GA2 ZeRO-3", 2, 2, 8, model=MOE, parallel={"expert_model_parallel_size": 2},
+         training={"data_parallel_sharding_strategy": "optim_grads_params"}),
 ]
 
 

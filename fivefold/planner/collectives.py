@@ -37,6 +37,8 @@ Per step:
             runs, bf16 otherwise). Gradients are in the precision policy's gradient dtype
             (fivefold.parallel.precision: fp32, or bf16 / fp16 with --grad-reduce-in-bf16 / fp16
             without --accumulate-allreduce-grads-in-fp32); tp-grad reduces the fp32 main gradients.
+            ZeRO-2/3 without PP reduce-scatter every microbatch's gradients (dense and expert) and
+            ZeRO-3 gathers every unit before its forward and its backward, each microbatch.
             Buckets padded to a multiple of the group are not modelled (< 0.1%).
 """
 from __future__ import annotations
@@ -305,10 +307,10 @@ def step_collectives(plan: Plan, pp_rank: int) -> list[Collective]:
         if not count or d == 1:
             continue
         if mode != "no_shard":
-            # ZeRO-2/3 without PP reduce-scatter the dense gradients after every microbatch; ZeRO-3
-            # all-gathers every unit before its forward and again before its backward, per microbatch
-            # (under PP once a step: the units stay whole until the step's end)
-            times = plan.microbatches if mode != "optim" and plan.pp == 1 and group == "dp" else 1
+            # ZeRO-2/3 without PP reduce-scatter the gradients (dense and expert) after every
+            # microbatch; ZeRO-3 all-gathers every unit before its forward and again before its
+            # backward, per microbatch (under PP once a step: the units stay whole until the step's end)
+            times = plan.microbatches if mode != "optim" and plan.pp == 1 else 1
             gathers = plan.microbatches if mode == "optim_grads_params" and plan.pp == 1 else 1
             out += [Collective("reduce_scatter", f"{group}-grad", group, grad * count * times, "step", "backward", times),
                     Collective("all_gather", f"{group}-param", group, weight * count * gathers, "step", "forward", gathers)]
