@@ -35,7 +35,7 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from fivefold.config.schema import ModelConfig
-from fivefold.planner.params import is_moe_layer
+from fivefold.planner.params import is_moe_layer, kv_tp_split
 
 
 @dataclass(frozen=True)
@@ -181,6 +181,22 @@ def _attention_elements(m: ModelConfig) -> tuple[int, int]:
     return a * d + 2 * m.kv_heads * d, a * d
 
 
+def _norm_saved(traits: ArchTraits, B: float) -> float:
+    """Bytes a norm keeps per value of its input beside its output: fused, the input; unfused (eager),
+    x in fp32 (the input itself in fp32, a copy under 16-bit) and x / rms(x) in the run's dtype."""
+    return 4 + B if traits.norm_tensors == 3 else (traits.norm_tensors - 1) * B
+
+
+def _qkv_per_rank(m: ModelConfig, tp: int) -> float:
+    """Q + K + V elements per token on one TP rank: q by TP, k and v by TP or, when TP exceeds the KV
+    heads, one whole KV head each (`params.kv_tp_split`)."""
+    qkv, _ = _attention_elements(m)
+    if m.multi_latent_attention:
+        return qkv / tp
+    kv = 2 * m.kv_heads * m.head_dim
+    return (qkv - kv) / tp + kv / kv_tp_split(m, tp)
+
+
 def layer_activation_bytes(m: ModelConfig, index: int, b: int, s: int, sh: Sharding,
                            traits: ArchTraits = ArchTraits()) -> dict[str, float]:
     """Bytes saved for backward by decoder layer `index` for one microbatch on one rank, by tensor."""
@@ -197,9 +213,7 @@ def layer_activation_bytes(m: ModelConfig, index: int, b: int, s: int, sh: Shard
     # Attention block: norm input, QKV-linear input, (dropout mask) in the SP region.
     LB = traits.linear_bytes()  # a linear layer's saved input (fp8 under TE's fp8 recipes)
     norm_out = 0 if sh.recomputes("layernorm") else LB  # the norm's output is the next linear's input
-    # fused: the input; unfused (eager): x in fp32 (the input itself in fp32, a copy under 16-bit)
-    # and x / rms(x) back in the run's dtype
-    norm_input = (4 + B if traits.norm_tensors == 3 else (traits.norm_tensors - 1) * B) * tokens * h / sp_div
+    norm_input = _norm_saved(traits, B) * tokens * h / sp_div
     out["attn norm input"] = norm_input
     out["qkv input"] = norm_out * tokens * h / sp_div
     qkv, attn_out = _attention_elements(m)
@@ -211,7 +225,10 @@ def layer_activation_bytes(m: ModelConfig, index: int, b: int, s: int, sh: Shard
         latents = (m.q_lora_rank or 0) * (1 + normed) + (m.kv_lora_rank + m.qk_pos_emb_head_dim) + m.kv_lora_rank * normed
         out["MLA latents"] = tokens * latents * B / sp_div
     if not (m.multi_latent_attention and sh.recomputes("mla_up_proj")):
-        out["q, k, v"] = tokens * qkv * B / sh.tp
+        out["q, k, v"] = tokens * _qkv_per_rank(m, sh.tp) * B
+    if m.qk_layernorm and not m.multi_latent_attention:  # the q / k norms keep their inputs, as a pre-norm
+        out["q, k norm inputs"] = _norm_saved(traits, B) * tokens * (_qkv_per_rank(m, sh.tp) - m.kv_heads * m.head_dim
+                                                                      / kv_tp_split(m, sh.tp))
     out["attention output (proj input)"] = tokens * attn_out * LB / sh.tp
     padded = traits.flash_needs_equal_head_dims and m.multi_latent_attention and \
         m.qk_head_dim + m.qk_pos_emb_head_dim != m.v_head_dim

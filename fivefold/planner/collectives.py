@@ -47,7 +47,7 @@ from typing import NamedTuple
 
 from fivefold.planner.layout import Plan
 from fivefold.planner.memory import rank_params, state_bytes_per_param
-from fivefold.planner.params import is_moe_layer
+from fivefold.planner.params import is_moe_layer, kv_params, norm_params
 
 GRAD_BYTES = 4
 """Gradients are fp32 (main grads) under every precision."""
@@ -285,19 +285,32 @@ def step_collectives(plan: Plan, pp_rank: int) -> list[Collective]:
     m = plan.config.model
     out = []
     first, last = pp_rank == 0, pp_rank == plan.pp - 1
-    if plan.tp > 1:  # sequence-sharded replicated parameters: SP norms, MoE routers
+    if plan.tp > 1:  # replicated parameters each TP rank computes a part of the gradient of
         groups = plan.layer_groups(pp_rank)
-        norms = m.hidden_size * (2 * sum(n for _, _, n in groups) + last) if plan.sp else 0
+        layers = sum(n for _, _, n in groups)
+        # under SP: the layers' norms, the last rank's final norm and MTP's enorm / hnorm / final norm
+        norms = norm_params(m) * (2 * layers + last * (1 + 3 * (m.mtp_num_layers or 0))) if plan.sp else 0
         if plan.sp and m.multi_latent_attention:  # MLA's replicated down-projections and latent norms
             h, r, norm = m.hidden_size, m.kv_lora_rank, int(m.qk_layernorm)  # latent norms: --qk-layernorm
             per_layer = h * (r + m.qk_pos_emb_head_dim) + r * norm + (h * m.q_lora_rank + m.q_lora_rank * norm
                                                                         if m.q_lora_rank else 0)
-            norms += per_layer * sum(n for _, _, n in groups)
+            norms += per_layer * layers
+        if m.qk_layernorm and not m.multi_latent_attention:
+            if m.qk_layernorm_scope == "head":  # per-head q / k norms: each rank's gradient from its heads
+                norms += 2 * m.head_dim * norm_params(m) // m.hidden_size * layers
+            elif m.kv_heads < plan.tp:  # the replicated KV head's k-norm rows, in the KV-replica buffer
+                norms += m.kv_heads * m.head_dim * norm_params(m) // m.hidden_size * layers
+        if m.kv_heads < plan.tp and not m.multi_latent_attention:
+            # KV replicas: each rank puts its head's k / v gradient in its slot of a buffer of every KV
+            # head's (fivefold.parallel.tensor.reduce_tp_grads): g whole heads, k and v
+            norms += kv_params(m) * layers
         routers = (m.num_experts or 0) * m.hidden_size * sum(n for i, _, n in groups if is_moe_layer(m, i))
         if norms + routers:
             out.append(Collective("all_reduce", "tp-grad", "tp", GRAD_BYTES * (norms + routers), "step"))
     weight, grad, _ = state_bytes_per_param(plan.config.training, plan.precision, 1)  # the gradient buffers' dtype
-    if (m.tie_word_embeddings and plan.pp > 1 and (first or last)
+    # the embedding's copy on the last rank (tied: the head; with MTP: its input embedding) is kept
+    # equal to the first rank's by summing their gradients
+    if ((m.tie_word_embeddings or m.mtp_num_layers) and plan.pp > 1 and (first or last)
             and plan.placement[0] != plan.placement[-1]):
         emb = m.padded_vocab_size(plan.tp) * m.hidden_size / plan.tp
         out.append(Collective("all_reduce", "embedding-grad", "embedding", grad * emb, "step"))

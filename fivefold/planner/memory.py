@@ -38,7 +38,7 @@ from fivefold.planner.activations import (EAGER_TRAITS, OFFLOAD_MODULES, ArchTra
                                           layer_activation_bytes, weight_grad_join_bytes)
 from fivefold.planner.layout import Plan
 from fivefold.planner.mtp import mtp_activation_values, mtp_params
-from fivefold.planner.params import embedding_params, layer_params
+from fivefold.planner.params import embedding_params, kv_params, kv_tp_split, layer_params
 from fivefold.planner.pipeline import pipeline_profile
 
 GiB = 2**30
@@ -144,7 +144,8 @@ def _rank_params(plan: Plan, rank: int) -> tuple[float, float]:
     dense = expert = 0.0
     for i, _, n in plan.layer_groups(rank):
         lp = layer_params(m, i)
-        dense += ((lp.attention + lp.dense_mlp) / plan.tp + lp.latent + lp.norms) * n
+        kv = kv_params(m)  # whole KV heads per rank when TP > KV heads
+        dense += ((lp.attention - kv + lp.dense_mlp) / plan.tp + kv / kv_tp_split(m, plan.tp) + lp.latent + lp.norms) * n
         expert += lp.experts / (plan.etp * plan.ep) * n
     emb = embedding_params(m, plan.tp) / plan.tp
     if rank == 0:

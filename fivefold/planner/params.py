@@ -57,6 +57,21 @@ def attention_params(m: ModelConfig) -> int:
     return 2 * h * a * d + 2 * h * g * d + biases + (h if m.add_bias_linear else 0)
 
 
+def kv_params(m: ModelConfig) -> int:
+    """The k and v projections of GQA attention (weights and QKV biases): the part of
+    `attention_params` a TP rank holds whole per KV head when TP > KV heads (`kv_tp_split`)."""
+    if m.multi_latent_attention:
+        return 0
+    d, g = m.head_dim, m.kv_heads
+    return 2 * g * d * (m.hidden_size + (1 if m.add_qkv_bias or m.add_bias_linear else 0))
+
+
+def kv_tp_split(m: ModelConfig, tp: int) -> int:
+    """How many ways TP splits the k and v projections: by TP, or by the KV heads when TP exceeds
+    them (each rank then holds one whole KV head, replicated over TP / g ranks: fivefold.parallel.heads)."""
+    return min(tp, m.kv_heads) if not m.multi_latent_attention else tp
+
+
 def latent_params(m: ModelConfig) -> int:
     """MLA's replicated part of `attention_params`: W_qa and its norm (with query compression), W_kva
     and the KV latent's norm. 0 for GQA."""
