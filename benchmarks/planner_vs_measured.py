@@ -141,6 +141,9 @@ CASES = [
     Case("qk-norm TP2 SP mbs2", 2, 2, 2, model={"qk_layernorm": True},
          parallel={"tensor_model_parallel_size": 2, "sequence_parallel": True}),
     Case("MTP1 PP2 mbs1 GA4", 2, 1, 4, model={"mtp_num_layers": 1}, parallel={"pipeline_model_parallel_size": 2}),
+    Case("PP2 DualPipeV mbs1 GA4", 2, 1, 4, parallel={"pipeline_model_parallel_size": 2, "pipeline_schedule": "dualpipev"}),
+    Case("MTP1 TP2 SP mbs2", 2, 2, 2, model={"mtp_num_layers": 1},
+         parallel={"tensor_model_parallel_size": 2, "sequence_parallel": True}),
     Case("MoE EP2 mbs2 GA2 ZeRO-3", 2, 2, 8, model=MOE, parallel={"expert_model_parallel_size": 2},
          training={"data_parallel_sharding_strategy": "optim_grads_params"}),
 ]

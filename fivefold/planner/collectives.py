@@ -258,16 +258,19 @@ def stage_collectives(plan: Plan, pp_rank: int) -> list[Collective]:
     """Per microbatch, outside the decoder layers: embedding, output layer and loss, pipeline p2p."""
     m = plan.config.model
     M = _tokens(plan) * m.hidden_size * act_bytes(plan)
-    first, last = pp_rank == 0, pp_rank == plan.pp - 1
+    first, last = pp_rank == plan.first_rank, pp_rank == plan.last_rank
     out = []
     if plan.tp > 1:
         if first:
             out += ([Collective("reduce_scatter", "sp", "tp", M, "forward"), Collective("all_gather", "sp", "tp", M, "backward")]
                     if plan.sp else [Collective("all_reduce", "tp", "tp", M, "forward")])
         if last:
-            out += _tp_half(plan, M)[:3 if plan.sp else 1]  # the output layer: a column-parallel group
-            out += [Collective("all_reduce", "tp-loss", "tp", 4 * _tokens(plan), "forward"),
+            head = _tp_half(plan, M)[:3 if plan.sp else 1]  # the output layer: a column-parallel group
+            loss = [Collective("all_reduce", "tp-loss", "tp", 4 * _tokens(plan), "forward"),
                     Collective("all_reduce", "tp-loss", "tp", 2 * 4 * _tokens(plan), "forward")]
+            out += head + loss
+            for _ in range(m.mtp_num_layers or 0):
+                out += _mtp_depth(plan, M) + head + loss  # each depth's head and loss again
     boundary = M / (plan.tp if plan.sp else 1)  # (b, s/cp, h), (b, s/(cp tp), h) under SP
     placement = plan.placement
     for s, r in enumerate(placement):
@@ -280,11 +283,24 @@ def stage_collectives(plan: Plan, pp_rank: int) -> list[Collective]:
     return out
 
 
+def _mtp_depth(plan: Plan, M: float) -> list[Collective]:
+    """One MTP depth's calls beside its decoder layer, head and loss (fivefold.model.mtp, TP > 1): the
+    vocab-parallel embedding of the rolled ids (as the first stage's), eh_proj column-parallel over
+    [enorm(emb), hnorm(h)] (2 M), its h/tp output gathered over the features (tag tp) and, under SP,
+    split back to the sequence shard (whose backward gathers: tag tp)."""
+    if not plan.sp:
+        return [Collective("all_reduce", "tp", "tp", M, "forward"), *_tp_half(plan, 2 * M)[:1],
+                Collective("all_gather", "tp", "tp", M, "forward")]
+    return [Collective("reduce_scatter", "sp", "tp", M, "forward"), Collective("all_gather", "sp", "tp", M, "backward"),
+            *_tp_half(plan, 2 * M)[:3],
+            Collective("all_gather", "tp", "tp", M, "forward"), Collective("all_gather", "tp", "tp", M, "backward")]
+
+
 def step_collectives(plan: Plan, pp_rank: int) -> list[Collective]:
     """Once per step: SP norm gradients, the tied embedding's gradient, DP gradients (and parameters)."""
     m = plan.config.model
     out = []
-    first, last = pp_rank == 0, pp_rank == plan.pp - 1
+    first, last = pp_rank == plan.first_rank, pp_rank == plan.last_rank
     if plan.tp > 1:  # replicated parameters each TP rank computes a part of the gradient of
         groups = plan.layer_groups(pp_rank)
         layers = sum(n for _, _, n in groups)

@@ -168,6 +168,17 @@ class Plan:
         """Pipeline rank of each virtual stage (the schedule generators' placement)."""
         return REGISTRY[self.schedule].placement(self.pp, self.vpp)
 
+    @property
+    def first_rank(self) -> int:
+        """The pipeline rank of the first virtual stage: it holds the embedding."""
+        return self.placement[0]
+
+    @property
+    def last_rank(self) -> int:
+        """The pipeline rank of the last virtual stage: it holds the head, the loss and MTP (rank 0
+        under DualPipeV's V placement)."""
+        return self.placement[-1]
+
     @cached_property
     def rank_chunks(self) -> list[list[range]]:
         """Per pipeline rank, its model chunks, each a range of decoder-layer indices."""
@@ -230,7 +241,7 @@ class Plan:
                     entry = counts.setdefault(key, [lo, 0])
                     entry[1] += take
                     lo, pos = lo + take, pos + take
-        if m.mtp_num_layers and rank == self.pp - 1:  # MTP's layers, the last layer's kind, sit with the head
+        if m.mtp_num_layers and rank == self.last_rank:  # MTP's layers, the last layer's kind, sit with the head
             entry = counts.setdefault((m.is_moe and m.num_layers >= k, False), [m.num_layers, 0])
             entry[1] += m.mtp_num_layers
         out = [(first, key[1], n) for key, (first, n) in counts.items()]
@@ -268,7 +279,7 @@ class Plan:
             kinds = tuple((i >= k, rec, n) for i, rec, n in self.layer_groups(rank))
             ends = tuple((s > 0 and placement[s - 1] != rank, s + 1 < len(placement) and placement[s + 1] != rank)
                          for s, r in enumerate(placement) if r == rank)
-            out.append((kinds, rank == 0, rank == self.pp - 1, ends))
+            out.append((kinds, rank == self.first_rank, rank == self.last_rank, ends))
         return tuple(out)
 
     def _recomputed_count(self) -> int:

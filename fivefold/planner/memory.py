@@ -148,11 +148,12 @@ def _rank_params(plan: Plan, rank: int) -> tuple[float, float]:
         dense += ((lp.attention - kv + lp.dense_mlp) / plan.tp + kv / kv_tp_split(m, plan.tp) + lp.latent + lp.norms) * n
         expert += lp.experts / (plan.etp * plan.ep) * n
     emb = embedding_params(m, plan.tp) / plan.tp
-    if rank == 0:
+    if rank == plan.first_rank:
         dense += emb
-    if rank == plan.pp - 1:
-        dense += m.hidden_size + (0 if (m.tie_word_embeddings and plan.pp == 1) else emb)
-        dense += mtp_params(m, plan.tp, plan.pp, emb)
+    if rank == plan.last_rank:
+        apart = plan.first_rank != plan.last_rank  # the embedding on another rank (not so under DualPipeV)
+        dense += m.hidden_size + (0 if (m.tie_word_embeddings and not apart) else emb)
+        dense += mtp_params(m, plan.tp, apart, emb)
     return dense, expert
 
 
@@ -184,7 +185,7 @@ def largest_param(plan: Plan, rank: int) -> float:
     largest = max(m.ffn_size * h / plan.tp, m.num_attention_heads * m.head_dim * h / plan.tp)
     if m.is_moe:
         largest = max(largest, (m.moe_ffn_hidden_size or m.ffn_size) * h / plan.etp)
-    if rank in (0, plan.pp - 1):
+    if rank in (plan.first_rank, plan.last_rank):
         largest = max(largest, embedding_params(m, plan.tp) / plan.tp)
     return largest
 
@@ -277,7 +278,7 @@ class _Ranks:
         rm.inflight = prof.inflight_microbatches(r)
         # offloaded inputs stay on the device only for the microbatch being computed
         rm.activations = per_mb * rm.inflight - offloaded * max(0.0, rm.inflight - 1)
-        if r == plan.pp - 1:
+        if r == plan.last_rank:
             rm.logits = self.logits
             joins += self.logit_joins
         # the peak is at a forward (the last rank's logits) or in a layer's backward (with the layer a

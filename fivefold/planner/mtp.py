@@ -16,14 +16,15 @@ from fivefold.config.schema import ModelConfig
 from fivefold.planner.params import layer_params
 
 
-def mtp_params(m: ModelConfig, tp: int, pp: int, embedding: float) -> float:
+def mtp_params(m: ModelConfig, tp: int, embedding_elsewhere: bool, embedding: float) -> float:
     """Parameters one rank of the last pipeline rank holds for MTP beyond its layers; `embedding` is
-    that rank's share of the input embedding."""
+    that rank's share of the input embedding, which it holds a copy of when the embedding is on
+    another pipeline rank (`embedding_elsewhere`)."""
     depths = m.mtp_num_layers or 0
     if not depths:
         return 0.0
     h = m.hidden_size
-    copy = embedding if pp > 1 and not m.tie_word_embeddings else 0.0  # tied: the head is the copy
+    copy = embedding if embedding_elsewhere and not m.tie_word_embeddings else 0.0  # tied: the head is the copy
     return depths * (2 * h * h / tp + 3 * h) + copy
 
 

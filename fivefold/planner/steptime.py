@@ -265,7 +265,7 @@ def _rank_cost(plan: Plan, r: int, links: _Links, sizes: dict[str, int], flops_r
             parts[k] += lp[k] * n
         for k in ls:
             sent[k] += ls[k] * n
-    if r == plan.pp - 1:
+    if r == plan.last_rank:
         head = output_forward_flops(m) + mtp_forward_flops(m)  # + MTP's eh_proj and output layers
         parts["compute"] += 3 * head * plan.mbs * plan.seq / (plan.tp * plan.cp) / flops_rate
     _add_timed(_stage_calls(plan, r, links, sizes), parts, sent)
