@@ -16,7 +16,7 @@ import pytest
 from benchmarks.planner_vs_measured import CASES, MEMORY_TOL, run_case
 
 CHOSEN = ["CP2 p2p mbs2", "TP2 SP mbs2", "PP2 ZB-H1 mbs1 GA4 tied", "TP2 SP mbs2 full recompute", "TP2 SP MLA mbs2",
-          "GQA1 TP2 SP mbs2", "qk-norm TP2 SP mbs2"]
+          "GQA1 TP2 SP mbs2", "qk-norm TP2 SP mbs2", "MTP1 TP2 SP mbs2"]
 """Context parallelism by ring attention (K/V blocks sent and received, gradients over DP x CP); TP
 with sequence parallelism (all-gathers / reduce-scatters,
 SP-norm gradient all-reduce, vocab-parallel loss); a zero-bubble pipeline with tied embeddings (p2p
@@ -25,10 +25,13 @@ gradients in memory); full recompute under SP (each layer's forward calls again 
 MLP's output reduce-scatter: torch's checkpoint stops before it); MLA under TP + SP without
 --qk-layernorm (no latent norms to reduce over TP or keep; v zero-padded for the kernel); one KV head
 under TP2 (each rank holds it whole; its k / v gradients summed through the KV-replica buffer); per-head
-q / k norms under TP2 (their gradients summed over TP, their inputs kept): 2 ranks, ~6-10 s each."""
+q / k norms under TP2 (their gradients summed over TP, their inputs kept); a multi-token-prediction
+depth under TP2 + SP (its embedding, eh_proj, gather / split, head and loss calls; each head's
+log-softmax kept until its backward): 2 ranks, ~6-10 s each."""
 
 MODEL_TAG = {"CP2 p2p mbs2": "cp", "TP2 SP mbs2": "sp", "PP2 ZB-H1 mbs1 GA4 tied": "pp", "TP2 SP mbs2 full recompute": "sp",
-             "TP2 SP MLA mbs2": "sp", "GQA1 TP2 SP mbs2": "tp-grad", "qk-norm TP2 SP mbs2": "tp-grad"}
+             "TP2 SP MLA mbs2": "sp", "GQA1 TP2 SP mbs2": "tp-grad", "qk-norm TP2 SP mbs2": "tp-grad",
+             "MTP1 TP2 SP mbs2": "tp"}
 
 
 @pytest.fixture(scope="module")

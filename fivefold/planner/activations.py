@@ -61,6 +61,9 @@ class ArchTraits:
     activation logits + the fp32 softmax a vocab-parallel cross entropy keeps (B + 4). Eager fp32
     F.cross_entropy: the saved log-softmax, its incoming gradient and the logits' gradient, 3 x 4 = 12
     (the logits themselves are freed once log_softmax has run)."""
+    loss_transient_bytes: float = 0.0
+    """Of `loss_bytes`, what only the loss being differentiated holds (eager: the log-softmax's incoming
+    gradient and the logits' gradient, 8): with MTP's heads, each keeps the rest until its backward."""
     optimizer_scratch_bytes: float = 0.0
     """Bytes per element of the rank's largest parameter that clipping + the optimizer step allocate
     (fused/multi-tensor kernels: ~0). Eager: the fp64 copy and square in the norm, 16."""
@@ -113,7 +116,8 @@ class ArchTraits:
 GPT3_TRAITS = ArchTraits(gated_mlp=False, dropout=True, flash_attention=False, bytes_per_value=2)
 """Korthikanti et al.'s GPT-3 setting."""
 
-EAGER_TRAITS = ArchTraits(norm_tensors=3, mlp_inner_tensors=4, loss_bytes_per_logit=12.0, optimizer_scratch_bytes=16.0,
+EAGER_TRAITS = ArchTraits(norm_tensors=3, mlp_inner_tensors=4, loss_bytes_per_logit=12.0, loss_transient_bytes=8.0,
+                          optimizer_scratch_bytes=16.0,
                           flash_needs_equal_head_dims=True, backward_inner_tensors=3)
 """fivefold's own eager runtime in fp32 (unfused RMSNorm and SwiGLU, F.cross_entropy, per-tensor
 AdamW, fp64 gradient norm), as measured on CPU."""

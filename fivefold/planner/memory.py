@@ -226,7 +226,8 @@ class _Ranks:
         vocab = m.padded_vocab_size(plan.tp) / plan.tp
         # the logits and the loss's fp32 softmax (see ArchTraits.loss_bytes_per_logit), the final norm's
         # saved tensors (its input, the output layer's input; + x/rms(x) unfused), MTP's
-        self.logits = heads * tokens * vocab * traits.loss_bytes()
+        held = traits.loss_bytes() - traits.loss_transient_bytes  # what each head keeps until its backward
+        self.logits = tokens * vocab * (heads * held + traits.loss_transient_bytes)
         self.logits += heads * traits.norm_tensors * tokens * m.hidden_size * B / sp_div
         self.logits += mtp_activation_values(m) * tokens * B / sp_div
         # the logits' gradient, the output layer's join and the loss's saved fp32 log-softmax, kept with
