@@ -226,13 +226,14 @@ def layer_activation_bytes(m: ModelConfig, index: int, b: int, s: int, sh: Shard
         # norm keeps its input (+ x/rms(x) unfused) besides its output (the query latent's output and
         # the KV latent c, a view of the [c, k_pe] output, whose storage it keeps)
         normed = traits.norm_tensors - 1 if m.qk_layernorm else 0
-        latents = (m.q_lora_rank or 0) * (1 + normed) + (m.kv_lora_rank + m.qk_pos_emb_head_dim) + m.kv_lora_rank * normed
+        r_q, r_kv = m.q_lora_rank or 0, m.kv_lora_rank
+        latents = r_q * (1 + normed) + (r_kv + m.qk_pos_emb_head_dim) + r_kv * normed
         out["MLA latents"] = tokens * latents * B / sp_div
     if not (m.multi_latent_attention and sh.recomputes("mla_up_proj")):
         out["q, k, v"] = tokens * _qkv_per_rank(m, sh.tp) * B
     if m.qk_layernorm and not m.multi_latent_attention:  # the q / k norms keep their inputs, as a pre-norm
-        out["q, k norm inputs"] = _norm_saved(traits, B) * tokens * (_qkv_per_rank(m, sh.tp) - m.kv_heads * m.head_dim
-                                                                      / kv_tp_split(m, sh.tp))
+        q_and_k = _qkv_per_rank(m, sh.tp) - m.kv_heads * m.head_dim / kv_tp_split(m, sh.tp)  # less v
+        out["q, k norm inputs"] = _norm_saved(traits, B) * tokens * q_and_k
     out["attention output (proj input)"] = tokens * attn_out * LB / sh.tp
     padded = traits.flash_needs_equal_head_dims and m.multi_latent_attention and \
         m.qk_head_dim + m.qk_pos_emb_head_dim != m.v_head_dim

@@ -26,9 +26,11 @@ Per microbatch (b sequences, s tokens, M = b s/cp h x activation bytes: 4 fp32, 
     and sends the input's gradient: boundary tensor (b, s/cp, h), (b, s/(cp tp), h) under SP, in the
     pipeline's dtype (fp32 for fp32 runs; Megatron's bf16 otherwise).
 Per step:
-  tp-grad   one flat fp32 all-reduce over TP of the gradients of replicated parameters that each TP
-            rank computed from its sequence shard only: the norm gains under SP (2 per layer, + the
-            final norm on the last stage) and MoE routers (E h per MoE layer).
+  tp-grad   fp32 all-reduces over TP of the gradients of replicated parameters each TP rank computed
+            a part of: under SP the norm gains (2 per layer, + the final norm and MTP's three norms
+            per depth on the last stage) and MLA's down-projections and latent norms; MoE routers
+            (E h per MoE layer); per-head q / k norms; with TP > KV heads the whole KV heads' k / v
+            projections (each rank's gradient in its slot of a buffer of all g heads).
   embedding-grad  tied embeddings with PP: the first and last stage all-reduce the embedding's
             gradient (V/tp h) over the two of them (none when one rank holds both, as DualPipeV).
   dp-grad   every local gradient, all-reduced over DP x CP in buckets (routed-expert gradients
@@ -297,7 +299,8 @@ def _mtp_depth(plan: Plan, M: float) -> list[Collective]:
 
 
 def step_collectives(plan: Plan, pp_rank: int) -> list[Collective]:
-    """Once per step: SP norm gradients, the tied embedding's gradient, DP gradients (and parameters)."""
+    """Once per step: TP-replicated parameters' gradients, the tied / MTP embedding's gradient, DP
+    gradients (and parameters)."""
     m = plan.config.model
     out = []
     first, last = pp_rank == plan.first_rank, pp_rank == plan.last_rank
@@ -305,29 +308,28 @@ def step_collectives(plan: Plan, pp_rank: int) -> list[Collective]:
         groups = plan.layer_groups(pp_rank)
         layers = sum(n for _, _, n in groups)
         # under SP: the layers' norms, the last rank's final norm and MTP's enorm / hnorm / final norm
-        norms = norm_params(m) * (2 * layers + last * (1 + 3 * (m.mtp_num_layers or 0))) if plan.sp else 0
+        summed = norm_params(m) * (2 * layers + last * (1 + 3 * (m.mtp_num_layers or 0))) if plan.sp else 0
         if plan.sp and m.multi_latent_attention:  # MLA's replicated down-projections and latent norms
             h, r, norm = m.hidden_size, m.kv_lora_rank, int(m.qk_layernorm)  # latent norms: --qk-layernorm
             per_layer = h * (r + m.qk_pos_emb_head_dim) + r * norm + (h * m.q_lora_rank + m.q_lora_rank * norm
                                                                         if m.q_lora_rank else 0)
-            norms += per_layer * layers
+            summed += per_layer * layers
         if m.qk_layernorm and not m.multi_latent_attention:
             if m.qk_layernorm_scope == "head":  # per-head q / k norms: each rank's gradient from its heads
-                norms += 2 * m.head_dim * norm_params(m) // m.hidden_size * layers
+                summed += 2 * m.head_dim * norm_params(m) // m.hidden_size * layers
             elif m.kv_heads < plan.tp:  # the replicated KV head's k-norm rows, in the KV-replica buffer
-                norms += m.kv_heads * m.head_dim * norm_params(m) // m.hidden_size * layers
+                summed += m.kv_heads * m.head_dim * norm_params(m) // m.hidden_size * layers
         if m.kv_heads < plan.tp and not m.multi_latent_attention:
             # KV replicas: each rank puts its head's k / v gradient in its slot of a buffer of every KV
             # head's (fivefold.parallel.tensor.reduce_tp_grads): g whole heads, k and v
-            norms += kv_params(m) * layers
+            summed += kv_params(m) * layers
         routers = (m.num_experts or 0) * m.hidden_size * sum(n for i, _, n in groups if is_moe_layer(m, i))
-        if norms + routers:
-            out.append(Collective("all_reduce", "tp-grad", "tp", GRAD_BYTES * (norms + routers), "step"))
+        if summed + routers:
+            out.append(Collective("all_reduce", "tp-grad", "tp", GRAD_BYTES * (summed + routers), "step"))
     weight, grad, _ = state_bytes_per_param(plan.config.training, plan.precision, 1)  # the gradient buffers' dtype
     # the embedding's copy on the last rank (tied: the head; with MTP: its input embedding) is kept
     # equal to the first rank's by summing their gradients
-    if ((m.tie_word_embeddings or m.mtp_num_layers) and plan.pp > 1 and (first or last)
-            and plan.placement[0] != plan.placement[-1]):
+    if (m.tie_word_embeddings or m.mtp_num_layers) and (first or last) and plan.first_rank != plan.last_rank:
         emb = m.padded_vocab_size(plan.tp) * m.hidden_size / plan.tp
         out.append(Collective("all_reduce", "embedding-grad", "embedding", grad * emb, "step"))
     dense, expert = rank_params(plan, pp_rank)

@@ -15,7 +15,8 @@ whole, routed experts / (ETP x EP), the vocab-parallel embedding on the first ra
 on the last (both when tied and PP > 1, as Megatron).
 Activations: `activations.py` per microbatch, times the microbatches the schedule keeps in flight
 on that rank (`pipeline.py`); with full recompute, plus one layer's full activations during its
-backward (not at the forward peak on the last rank: the loss runs before any layer is rebuilt). Fixed terms: on the last rank, the final norm's saved tensors and one microbatch of logits
+backward (not at the forward peak on the last rank: the loss runs before any layer is rebuilt).
+Fixed terms: on the last rank, the final norm's saved tensors and one microbatch of logits
 (bf16) and the fp32 softmax the vocab-parallel cross entropy keeps (`ArchTraits.loss_bytes_per_logit`: eager fp32 keeps 12 bytes per
 logit); communication buffers (PP send/recv, the SP all-gather output of
 one layer, EP dispatch/combine buffers). Optimizer scratch: clipping and the optimizer step run after backward has freed the activations,
@@ -142,10 +143,10 @@ def rank_params(plan: Plan, rank: int) -> tuple[float, float]:
 def _rank_params(plan: Plan, rank: int) -> tuple[float, float]:
     m = plan.config.model
     dense = expert = 0.0
+    kv, kv_split = kv_params(m), kv_tp_split(m, plan.tp)  # whole KV heads per rank when TP > KV heads
     for i, _, n in plan.layer_groups(rank):
         lp = layer_params(m, i)
-        kv = kv_params(m)  # whole KV heads per rank when TP > KV heads
-        dense += ((lp.attention - kv + lp.dense_mlp) / plan.tp + kv / kv_tp_split(m, plan.tp) + lp.latent + lp.norms) * n
+        dense += ((lp.attention - kv + lp.dense_mlp) / plan.tp + kv / kv_split + lp.latent + lp.norms) * n
         expert += lp.experts / (plan.etp * plan.ep) * n
     emb = embedding_params(m, plan.tp) / plan.tp
     if rank == plan.first_rank:
