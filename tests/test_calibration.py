@@ -120,6 +120,32 @@ def test_overlap_hides_tp_traffic_and_attention_runs_at_the_bf16_rate():
         > bf16.parts["compute"]
 
 
+def test_short_attention_calls_run_below_the_kernels_rate():
+    """`attention_half_keys`: a call over L keys runs at L / (L + h) of the attention rate. A p2p CP
+    ring's calls cover s / CP keys, an all-to-all's the whole sequence: what h adds to the attention
+    core's time is CP times larger on the ring (3 t h / L for each, t the core's time at full rate)."""
+    from fivefold.planner.presets import hardware
+    from fivefold.planner.steptime import TimeAssumptions, step_time
+    hw = hardware("h100-sxm")
+    added = {}
+    for comm in ("p2p", "a2a"):
+        plan = Plan(_config(context_parallel_size=4, cp_comm_type=comm, pipeline_model_parallel_size=1))
+        off, on = (step_time(plan, hw, TimeAssumptions(attention_half_keys=h)).parts["compute"] for h in (0.0, 842.0))
+        added[comm] = on - off
+    assert added["a2a"] > 0
+    assert added["p2p"] / added["a2a"] == pytest.approx(4, rel=1e-9)  # float sums over the layers
+
+
+def test_torchtitan_rows_search_without_accumulation_and_without_head_all_to_all():
+    """torchtitan had no gradient accumulation before June 2025 and its CP is a ring: its cases search
+    so, and its profile's space tries p2p only."""
+    from fivefold.planner.runtime import profile
+    by_row = {c.run.row: c for c in cases()}
+    assert not by_row[16].accumulates and by_row[1].accumulates
+    assert profile("torchtitan").space().cp_comm_types == ("p2p",)
+    assert "a2a" in profile("megatron-te").space().cp_comm_types
+
+
 def test_the_fitted_profiles_meet_their_stated_error_on_their_own_rows():
     """docs/planner_calibration.md states these; a change to the model that loses them fails here."""
     import statistics

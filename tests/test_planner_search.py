@@ -179,6 +179,23 @@ def test_compare_places_a_named_layout_in_the_ranking(capsys):
     assert "layout: TP8+SP PP2 DP1 mbs1 rc-full" in out
 
 
+def test_without_accumulation_a_layout_without_pp_takes_its_local_batch_at_once(capsys):
+    """`SearchSpace.accumulate=False` (`plan --no-accumulation`): every layout without PP runs one
+    micro-batch of B / DP sequences (here up to 16, beyond the space's sizes); PP layouts keep the
+    space's micro-batch sizes, their microbatches being the pipeline's."""
+    from fivefold.planner.space import SearchSpace
+    m, hw = model_preset("llama3-8b").model, hardware("h100-sxm")
+    result = search(m, hw, 16, 8, 4096, 32, "bf16", SearchSpace(accumulate=False))
+    flat = [c.plan for c in result.ranked if c.plan.pp == 1]
+    piped = [c.plan for c in result.ranked if c.plan.pp > 1]
+    assert flat and piped and all(p.microbatches == 1 and p.mbs * p.dp == 32 for p in flat)
+    assert {p.mbs for p in flat} >= {2, 16} and {p.mbs for p in piped} <= {1, 2, 4}
+    assert any(p.microbatches > 1 for p in piped)
+    assert main(["plan", "--model", "llama3-8b", "--gpus", "16", "--global-batch", "32", "--no-accumulation",
+                 "--top", "3"]) == 0
+    assert "mbs" in capsys.readouterr().out
+
+
 def _exhaustive(m, hw, gpus, seq, batch, space):
     """The ranking by its definition, nothing pruned or skipped: every variant of every layout checked
     by every rule and sized; per (layout, optimizer, micro-batch) the first recompute mode of the

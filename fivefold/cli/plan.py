@@ -15,7 +15,6 @@ from fivefold.planner.params import count_params
 from fivefold.planner.report import compare_report, explain, seed_memory_example, table
 from fivefold.planner.runtime import profile
 from fivefold.planner.search import describe, search
-from fivefold.planner.space import SearchSpace
 
 HELP = "rank every valid parallel layout of a model on a cluster by estimated step time"
 
@@ -26,6 +25,10 @@ def add_arguments(p) -> None:
     p.add_argument("--seq-len", type=positive_int, default=4096, help="tokens per sequence. Default 4096")
     p.add_argument("--global-batch", type=positive_int, default=1024, help="sequences per step. Default 1024")
     p.add_argument("--micro-batch", default="1,2,4", help="micro-batch sizes to try, comma-separated. Default 1,2,4")
+    p.add_argument("--no-accumulation", action="store_true",
+                   help="no gradient accumulation: without PP each DP rank takes its whole share of the global batch "
+                        "as one micro-batch (torchtitan before June 2025, or a run whose global batch is its local "
+                        "batch x DP)")
     p.add_argument("--schedules", default="1f1b,interleaved",
                    help="pipeline schedules to try, comma-separated, from gpipe,1f1b,interleaved,zb-h1,dualpipev. "
                         "Default 1f1b,interleaved")
@@ -69,7 +72,7 @@ def run(args, extra) -> int:
                                   args.global_batch, args.precision, mbs, mem, ta, bf16_grads, rt.dp_modes[0])[0])
                 for text in args.compare]  # bad descriptions refused before the search
     result = search(spec.model, hw, args.gpus, min(gpn, args.gpus), args.seq_len, args.global_batch, args.precision,
-                    SearchSpace(micro_batch_sizes=mbs, schedules=schedules, dp_modes=rt.dp_modes), mem, ta,
+                    rt.space(micro_batch_sizes=mbs, accumulate=not args.no_accumulation, schedules=schedules), mem, ta,
                     grad_reduce_in_bf16=bf16_grads)
     elapsed = time.perf_counter() - t0
     name = spec.preset or args.model

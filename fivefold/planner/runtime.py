@@ -25,6 +25,7 @@ from fivefold.config.schema import Config, TrainingConfig
 from fivefold.errors import UserError
 from fivefold.planner.activations import ArchTraits
 from fivefold.planner.memory import MemoryAssumptions
+from fivefold.planner.space import SearchSpace
 from fivefold.planner.steptime import TimeAssumptions
 
 GiB = 2**30
@@ -41,6 +42,13 @@ class Runtime:
     dp_modes: tuple[str, ...] = ("optim",)
     """The data-parallel modes the search tries (`SearchSpace.dp_modes`): the distributed optimizer for
     Megatron and ours, FSDP2 (ZeRO-3) for torchtitan."""
+    cp_comm_types: tuple[str, ...] = ("p2p", "a2a")
+    """The context-parallel exchanges the runtime has (`SearchSpace.cp_comm_types`): torchtitan's
+    context parallelism is ring attention only (no head all-to-all)."""
+
+    def space(self, **fields) -> SearchSpace:
+        """The search space of this runtime's modes, with `fields` set."""
+        return SearchSpace(dp_modes=self.dp_modes, cp_comm_types=self.cp_comm_types, **fields)
 
 
 _TE_TRAITS = ArchTraits(fp8_linear_inputs=True, expert_outputs_saved=False)
@@ -52,26 +60,33 @@ _TT_TRAITS = ArchTraits(op_level_sac=_TT_SAC)
 """Megatron's counts for compiled blocks, flash attention, 16-bit saved inputs (torchao float8), and
 selective recompute as torchtitan's default `selective_ac_option = "op"`."""
 
+_FLASH_HALF_KEYS = 842.0
+"""Keys per call at which a flash kernel runs at half its rate (`TimeAssumptions.attention_half_keys`):
+fitted on torchtitan's rows, whose CP sweep (rows 28-31: 405B at 8192 tokens, CP 1-8, calls of 8192
+down to 1024 keys) pins it; Megatron's rows hardly move it (their fit is as good with it as at 0:
+median 7.3% vs 7.2%), so its profile takes the same kernel-level constant."""
+
 PROFILES: dict[str, Runtime] = {r.name: r for r in [
     Runtime("fivefold", MemoryAssumptions(), TimeAssumptions(), grad_reduce_in_bf16=False,
             summary="our runtime: eager kernels, fp32 gradients, TP/EP traffic exposed"),
     Runtime("megatron-te",
             MemoryAssumptions(allocator_overhead=0.02, runtime_reserve=1.0 * GiB, traits=_TE_TRAITS),
             # fitted on rows 1-9, 12-14, 36-44, 47-55 (benchmarks/calibrate.py --fit)
-            TimeAssumptions(gemm_efficiency=0.842, fp8_gemm_efficiency=0.568, attention_efficiency=0.548,
-                            expert_efficiency=0.594, expert_half_rows=1613.0, membound_passes=17.5,
-                            tp_overlap=0.654, ep_overlap=0.871),
+            TimeAssumptions(gemm_efficiency=0.849, fp8_gemm_efficiency=0.576, attention_efficiency=0.571,
+                            attention_half_keys=_FLASH_HALF_KEYS, expert_efficiency=0.598, expert_half_rows=1621.0,
+                            membound_passes=17.06, tp_overlap=0.642, ep_overlap=0.872),
             grad_reduce_in_bf16=True,
             summary="Megatron-Core + TransformerEngine: fused kernels, fp8 linear inputs, TP comm overlap, "
                     "grouped GEMM, bf16 gradient reduction, distributed optimizer"),
     Runtime("torchtitan",
             MemoryAssumptions(allocator_overhead=0.05, runtime_reserve=1.0 * GiB, traits=_TT_TRAITS),
             # fitted on rows 16-26, 28-35 (benchmarks/calibrate.py --fit --runtime torchtitan)
-            TimeAssumptions(gemm_efficiency=0.65, fp8_gemm_efficiency=0.623, attention_efficiency=0.172,
-                            membound_passes=16.9, tp_overlap=0.05, cp_overlap=1.0, op_level_sac=_TT_SAC),
+            TimeAssumptions(gemm_efficiency=0.633, fp8_gemm_efficiency=0.605, attention_efficiency=0.175,
+                            attention_half_keys=_FLASH_HALF_KEYS, membound_passes=14.33, tp_overlap=0.05,
+                            cp_overlap=1.0, op_level_sac=_TT_SAC),
             grad_reduce_in_bf16=False,
             summary="torchtitan: FSDP2 (fp32 reduce), torch.compile, torchao float8, async TP",
-            dp_modes=("optim_grads_params",)),
+            dp_modes=("optim_grads_params",), cp_comm_types=("p2p",)),
 ]}
 
 

@@ -158,7 +158,7 @@ def _search(model, hw, world, gpus_per_node, seq, global_batch, precision, space
             failed: dict[str | None, tuple[int, str]] = {}
             """recompute mode -> (micro-batch, why) where it was sized and did not fit"""
             modes = recompute_modes(space, model)
-            for mbs in space.micro_batch_sizes:
+            for mbs in micro_batches(space, layout.pp, dp, global_batch):
                 if global_batch % (mbs * dp):
                     continue
                 for recompute in modes:
@@ -185,6 +185,14 @@ def _search(model, hw, world, gpus_per_node, seq, global_batch, precision, space
                     break  # slower recompute modes than one that fits never win
     result.ranked.sort(key=rank_key)
     return result
+
+
+def micro_batches(space: SearchSpace, pp: int, dp: int, global_batch: int) -> tuple[int, ...]:
+    """The micro-batch sizes tried for a layout: the space's, or without gradient accumulation and
+    PP the whole local batch at once (`SearchSpace.accumulate`)."""
+    if space.accumulate or pp > 1:
+        return space.micro_batch_sizes
+    return (max(1, global_batch // dp),)  # not dividing: skipped as any other
 
 
 def rank_key(c: Candidate) -> tuple[float, float]:

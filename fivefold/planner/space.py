@@ -22,6 +22,12 @@ from fivefold.planner.mtp import mtp_stage_layers
 @dataclass(frozen=True)
 class SearchSpace:
     micro_batch_sizes: tuple[int, ...] = (1, 2, 4)
+    accumulate: bool = True
+    """Gradient accumulation allowed. Without it a layout without PP takes its whole share of the
+    global batch (B / DP sequences) as one micro-batch, as torchtitan did before June 2025 (its
+    `training.batch_size` was the local batch; PR #1238 added `training.global_batch_size`) and as any
+    run does whose global batch is its local batch x DP; with PP that share is the pipeline's
+    microbatches, of the sizes above."""
     recompute: tuple[str | None, ...] = (None, "selective", "full")
     """Recompute modes in order of cost: None, 'selective' (the attention core), 'selective(m1,m2)'
     (Megatron's --recompute-modules), 'full'. The search stops at the first that fits."""

@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from fivefold.planner.activations import ArchTraits, Sharding, layer_activation_bytes
-from fivefold.planner.collectives import Collective, group_sizes, layer_collectives, stage_collectives, step_collectives
+from fivefold.planner.collectives import Collective, cp_split, group_sizes, layer_collectives, stage_collectives, step_collectives
 from fivefold.planner.flops import attention_core_flops, layer_forward_flops, model_flops_per_token, output_forward_flops
 from fivefold.planner.mtp import mtp_forward_flops
 from fivefold.planner.layout import Plan
@@ -52,6 +52,11 @@ class TimeAssumptions:
     attention_efficiency: float | None = None
     """Achieved share of the bf16 peak for the attention core (a flash kernel: bf16 under every
     recipe); None = gemm_efficiency."""
+    attention_half_keys: float = 0.0
+    """Keys per attention-kernel call at which the flash kernel reaches half of its rate:
+    attention_efficiency x L / (L + this), L = the sequence, or one ring step's chunk (s / P) under a
+    p2p CP ring (an all-to-all CP keeps the whole sequence, fewer heads). Short calls spend more of
+    their time loading queries, writing outputs and on masked diagonal tiles. 0 = no length effect."""
     expert_efficiency: float | None = None
     """Achieved share of peak for routed-expert (grouped) GEMMs with many rows per expert; None =
     gemm_efficiency."""
@@ -395,6 +400,9 @@ def _layer_cost_of(plan: Plan, links: _Links, sizes: dict[str, int], i: int, rec
     experts = 2 * lp.active_experts * b * s
     linear = layer_forward_flops(m, i, s) * b * s - core - experts
     attn_rate = hw.bf16_flops * (ta.attention_efficiency or ta.gemm_efficiency)
+    if ta.attention_half_keys:
+        keys = s / cp_split(plan)[1]
+        attn_rate *= keys / (keys + ta.attention_half_keys)
     t_core = core / (tp * cp) / attn_rate
     t_linear = linear / (tp * cp) / flops_rate
     t_experts = 0.0
