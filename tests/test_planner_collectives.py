@@ -10,6 +10,7 @@ from _tol import close
 from fivefold.config.schema import ClusterConfig, Config, ModelConfig, ParallelConfig, TrainingConfig
 from fivefold.pipeline.schedules import build_schedule
 from fivefold.pipeline.ir import Kind
+from fivefold.pipeline.simulate import Costs, simulate
 from fivefold.planner.callbytes import call_bytes
 from fivefold.planner.collectives import cp_collectives, layer_collectives, moe_collectives, step_collectives
 from fivefold.planner.layout import Plan
@@ -130,6 +131,13 @@ def test_pending_weight_gradients_come_from_the_schedule():
     assert pipeline_profile("1f1b", 4, None, 8).pending_weight_chunks == (0, 0, 0, 0)
     s = build_schedule("zb-h1", 2, 4, None)
     assert [str(a) for a in s.ranks[1] if a.kind in (Kind.B, Kind.W)][-3:] == ["1B3", "1W2", "1W3"]
+    # DualPipeV, 2 ranks, 8 microbatches: rank 1 holds 5 chunks when nothing is W-pending and 2 when
+    # 2 are, never 5 and 2 at once; the held counts peak where the simulator's in-flight count does
+    v = pipeline_profile("dualpipev", 2, None, 8)
+    assert v.moments[1][1] == ((2, 2), (5, 0)) and v.pending_weight_chunks == (1, 2)
+    sched = build_schedule("dualpipev", 2, 8, None)
+    full = simulate(sched, Costs.per_rank(sched, 1 / 3, 1 / 3, 1 / 3))
+    assert tuple(max(h for front in fronts for h, _ in front) for fronts in v.moments) == tuple(full.peak_in_flight)
 
 
 @pytest.mark.parametrize("sp,r_q", [(True, 96), (False, 96), (True, None)])

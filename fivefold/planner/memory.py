@@ -253,12 +253,11 @@ class _Ranks:
     def _candidates(self) -> list[int]:
         prof, out, best = self.prof, [], {}
         for r, shape in enumerate(self.shapes):
-            held = (prof.inflight_chunks[r], prof.pending_weight_microbatches(r),
-                    prof.pending_weight_microbatches(r, at_forward=True))
+            moments = prof.moments[r]
             earlier = best.setdefault(shape, [])
-            if any(all(x >= y for x, y in zip(e, held)) for e in earlier):
+            if any(all(_covers(e, m) for e, m in zip(other, moments)) for other in earlier):
                 continue
-            earlier.append(held)
+            earlier.append(moments)
             out.append(r)
         return out
 
@@ -278,16 +277,21 @@ class _Ranks:
             rm.weights += zero3_gathered(plan, dense + expert) * self.prec.state_bytes(1, "no_shard")[0]
         rm.detail = detail  # shared with the cache: read only
         rm.inflight = prof.inflight_microbatches(r)
-        # offloaded inputs stay on the device only for the microbatch being computed
-        rm.activations = per_mb * rm.inflight - offloaded * max(0.0, rm.inflight - 1)
         if r == plan.last_rank:
             rm.logits = self.logits
             joins += self.logit_joins
+        v = prof.vpp
+
+        def held(moment: tuple[int, int]) -> float:
+            """Activations held with the zero-bubble schedules' B-done-W-pending gradients at a moment
+            of the schedule (`PipelineProfile.moments`); offloaded inputs stay on the device only for
+            the microbatch being computed."""
+            x = moment[0] / v
+            return per_mb * x - offloaded * max(0.0, x - 1) + moment[1] / v * joins
         # the peak is at a forward (the last rank's logits) or in a layer's backward (with the layer a
-        # recompute rebuilt), each with the zero-bubble schedules' B-done-W-pending gradients
-        at_forward = prof.pending_weight_microbatches(r, at_forward=True) * joins + rm.logits
-        in_backward = prof.pending_weight_microbatches(r) * joins + bwd + transient
-        rm.activations += max(at_forward, in_backward) - rm.logits
+        # recompute rebuilt)
+        at_forward, in_backward = (max(map(held, front)) for front in prof.moments[r])
+        rm.activations = max(at_forward + rm.logits, in_backward + bwd + transient) - rm.logits
         rm.buffers = self.buffers
         rm.scratch = max(0.0, optimizer_phase(plan, dense, expert, largest_param(plan, r), traits, self.prec)
                          - (rm.activations + rm.logits + rm.buffers))
@@ -295,6 +299,11 @@ class _Ranks:
         rm.overhead = assume.allocator_overhead * tensors
         rm.reserve = assume.runtime_reserve
         return rm
+
+
+def _covers(a: tuple[tuple[int, int], ...], b: tuple[tuple[int, int], ...]) -> bool:
+    """Every moment of `b` is matched or exceeded, in both counts, by one of `a`."""
+    return all(any(h >= x and p >= y for h, p in a) for x, y in b)
 
 
 @lru_cache(maxsize=64)

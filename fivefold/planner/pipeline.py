@@ -30,62 +30,82 @@ SIMULATED = 2
 every schedule's warm-up: the tests compare with 8p)."""
 
 
+Front = tuple[tuple[int, int], ...]
+"""(held, pending) chunk pairs, none exceeding another in both."""
+
+
 @dataclass(frozen=True)
 class PipelineProfile:
     inflight_chunks: tuple[int, ...]
     """Per pipeline rank: peak number of (microbatch, model chunk) forward activations held."""
     vpp: int
     """Model chunks per rank (1 without interleaving; 2 for DualPipeV's V)."""
-    pending_weight_chunks: tuple[int, ...] = ()
-    """Per pipeline rank: peak number of (microbatch, chunk) whose input gradient (B) is done and
-    whose weight gradient (W) is not yet: zero-bubble schedules keep their graphs and the gradients
-    recorded at each linear's output meanwhile. 0 where B and W run as one (BW), and for stage 0
-    (its input is token ids: B has nothing to compute, W runs the whole backward)."""
-    pending_weight_chunks_at_forward: tuple[int, ...] = ()
-    """The same, peak over the moments a forward runs (when the last stage holds its logits)."""
+    moments: tuple[tuple[Front, Front], ...] = ()
+    """Per pipeline rank: (at its forwards, in its backwards) the (held, pending) chunk counts that
+    occur together, each kind cut to the pairs no other of it exceeds in both (`_moments`): the
+    peaks above need not coincide (DualPipeV's middle ranks hold most when little W is pending).
+    Closed-form schedules: the peak held, nothing pending."""
 
     def inflight_microbatches(self, rank: int) -> float:
         """Peak held activations of `rank` in units of its whole stage's per-microbatch activations."""
         return self.inflight_chunks[rank] / self.vpp
 
-    def pending_weight_microbatches(self, rank: int, at_forward: bool = False) -> float:
-        """Peak B-done-W-pending work of `rank` (over the step, or while a forward runs), in units
-        of its whole stage's microbatches."""
-        held = self.pending_weight_chunks_at_forward if at_forward else self.pending_weight_chunks
-        return held[rank] / self.vpp if held else 0.0
+    @property
+    def pending_weight_chunks(self) -> tuple[int, ...]:
+        """Per pipeline rank: peak number of (microbatch, chunk) whose input gradient (B) is done and
+        whose weight gradient (W) is not yet: zero-bubble schedules keep their graphs and the gradients
+        recorded at each linear's output meanwhile. 0 where B and W run as one (BW), and for stage 0
+        (its input is token ids: B has nothing to compute, W runs the whole backward)."""
+        return tuple(max(p for _, p in backward) for _, backward in self.moments)
+
+    @property
+    def pending_weight_chunks_at_forward(self) -> tuple[int, ...]:
+        """The same, peak over the moments a forward runs (when the last stage holds its logits)."""
+        return tuple(max(p for _, p in forward) for forward, _ in self.moments)
 
 
 @lru_cache(maxsize=1024)
 def _simulate(schedule: str, pp: int, vpp: int | None, m: int):
-    """(makespan in stage times, peak in-flight chunks per rank, chunks per rank, peak B-done-W-pending
-    chunks per rank), equal stages: the registry's closed form where it has one, else simulated."""
+    """(makespan in stage times, peak in-flight chunks per rank, chunks per rank, each rank's
+    `PipelineProfile.moments`), equal stages: the registry's closed form where it has one, else simulated."""
     kind = REGISTRY[schedule]
     if kind.equal_stages is not None and kind.rule(pp, vpp, m) is None:
         chunks = kind.chunks(vpp)
         makespan, held = kind.equal_stages(pp, chunks, m)
-        none = (0,) * pp
-        return makespan, held, (chunks,) * pp, none, none
+        return makespan, held, (chunks,) * pp, tuple((((h, 0),), ((h, 0),)) for h in held)
     s = build_schedule(schedule, pp, m, vpp)
     r = simulate(s, Costs.per_rank(s, 1 / 3, 1 / 3, 1 / 3), timeline=False)
-    pending = [_pending_w(a) for a in s.ranks]
-    return (r.makespan, tuple(r.peak_in_flight), tuple(r.stages_per_rank), tuple(p for p, _ in pending),
-            tuple(f for _, f in pending))
+    moments = tuple(_moments(a) for a in s.ranks)
+    return r.makespan, tuple(r.peak_in_flight), tuple(r.stages_per_rank), moments
 
 
-def _pending_w(actions) -> tuple[int, int]:
-    """Peak of (B pieces done - W pieces done) on stages > 0 over one rank's actions, in its order:
-    over all of them, and at the forwards (an F&B is its F, then its BW)."""
-    pending = peak = at_forward = 0
+def _moments(actions) -> tuple[Front, Front]:
+    """One rank's (held, pending) chunk counts at its forwards and in its backwards, in its order:
+    held = (stage, microbatch) whose F has run and whose W (or BW) has not finished, the running one
+    included (as the simulator counts in flight); pending = B pieces done - W pieces done on stages
+    > 0, counted after the action (an F&B is its F, then its BW: B and W together leave pending as
+    it was)."""
+    held = pending = 0
+    forward, backward = set(), set()
     for a in actions:
         kind = a.kind
         if kind is Kind.F or kind is Kind.FB:
-            at_forward = max(at_forward, pending)
-            if kind is Kind.FB and a.b_stage > 0:  # its BW: B and W together leave pending as it was
-                peak = max(peak, pending)
-        elif kind in _BACKWARD and a.stage > 0:
-            pending += (kind is Kind.B) - (kind is Kind.W)
-            peak = max(peak, pending)
-    return peak, at_forward
+            held += 1
+            forward.add((held, pending))
+            if kind is Kind.FB:
+                backward.add((held, pending))
+                held -= 1
+        elif kind in _BACKWARD:
+            if a.stage > 0:
+                pending += (kind is Kind.B) - (kind is Kind.W)
+            backward.add((held, pending))
+            held -= kind is not Kind.B
+    return _front(forward), _front(backward)
+
+
+def _front(pairs: set[tuple[int, int]]) -> Front:
+    """The pairs no other exceeds in both counts."""
+    return tuple(sorted(p for p in pairs if not any(q != p and q[0] >= p[0] and q[1] >= p[1] for q in pairs)))
 
 
 _BACKWARD = (Kind.B, Kind.W, Kind.BW)
@@ -95,10 +115,12 @@ def pipeline_profile(schedule: str, pp: int, vpp: int | None, m: int) -> Pipelin
     if schedule not in REGISTRY:
         raise ValueError(f"the planner has no model of schedule {schedule!r}; use one of {tuple(REGISTRY)}")
     m0 = min(m, SIMULATED * pp)
-    _, held, chunks, pending, at_forward = _simulate(schedule, pp, vpp, m0)
-    held = tuple(m * c if h == m0 * c else h for h, c in zip(held, chunks))
-    return PipelineProfile(inflight_chunks=held, vpp=chunks[0], pending_weight_chunks=pending,
-                           pending_weight_chunks_at_forward=at_forward)
+    _, held, chunks, moments = _simulate(schedule, pp, vpp, m0)
+    if m > m0:  # GPipe holds every microbatch: the only count that grows past the simulated ones
+        held = tuple(m * c if h == m0 * c else h for h, c in zip(held, chunks))
+        moments = tuple(tuple(tuple((m * c if h == m0 * c else h, p) for h, p in front) for front in fronts)
+                        for fronts, c in zip(moments, chunks))
+    return PipelineProfile(inflight_chunks=held, vpp=chunks[0], moments=moments)
 
 
 def bubble_stage_times(schedule: str, pp: int, vpp: int | None, m: int) -> float:
