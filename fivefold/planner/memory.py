@@ -280,17 +280,13 @@ class _Ranks:
         if r == plan.last_rank:
             rm.logits = self.logits
             joins += self.logit_joins
-        v = prof.vpp
-
-        def held(moment: tuple[int, int]) -> float:
-            """Activations held with the zero-bubble schedules' B-done-W-pending gradients at a moment
-            of the schedule (`PipelineProfile.moments`); offloaded inputs stay on the device only for
-            the microbatch being computed."""
-            x = moment[0] / v
-            return per_mb * x - offloaded * max(0.0, x - 1) + moment[1] / v * joins
         # the peak is at a forward (the last rank's logits) or in a layer's backward (with the layer a
-        # recompute rebuilt)
-        at_forward, in_backward = (max(map(held, front)) for front in prof.moments[r])
+        # recompute rebuilt), each moment with the activations held and the zero-bubble schedules'
+        # B-done-W-pending gradients (`PipelineProfile.moments`, in chunks); offloaded inputs stay
+        # on the device only for the microbatch being computed
+        v = prof.vpp
+        at_forward, in_backward = (max(per_mb * h / v - offloaded * max(0.0, h / v - 1) + p / v * joins for h, p in front)
+                                   for front in prof.moments[r])
         rm.activations = max(at_forward + rm.logits, in_backward + bwd + transient) - rm.logits
         rm.buffers = self.buffers
         rm.scratch = max(0.0, optimizer_phase(plan, dense, expert, largest_param(plan, r), traits, self.prec)

@@ -111,6 +111,7 @@ def _front(pairs: set[tuple[int, int]]) -> Front:
 _BACKWARD = (Kind.B, Kind.W, Kind.BW)
 
 
+@lru_cache(maxsize=1024)
 def pipeline_profile(schedule: str, pp: int, vpp: int | None, m: int) -> PipelineProfile:
     if schedule not in REGISTRY:
         raise ValueError(f"the planner has no model of schedule {schedule!r}; use one of {tuple(REGISTRY)}")

@@ -227,7 +227,7 @@ def clear_caches() -> None:
     for cache in (layout._SPLITS, layout._GROUPS, memory._PARAMS, memory._LAYERS, params._CACHE, flops._PER_TOKEN,
                   steptime._CROSS, steptime._CALLS, steptime._LAYER_COSTS):
         cache.clear()
-    for fn in (pipeline._simulate, space.layer_splits, memory._for_precision, activations._interned,
+    for fn in (pipeline._simulate, pipeline.pipeline_profile, space.layer_splits, memory._for_precision, activations._interned,
                precision._policy, precision.Precision.state_bytes):
         fn.cache_clear()
 
