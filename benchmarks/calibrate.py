@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+from dataclasses import fields
 import sys
 from pathlib import Path
 
@@ -28,7 +29,7 @@ from fivefold.planner.search import describe  # noqa: E402
 from fivefold.planner.runtime import PROFILES, Runtime, apply, profile, with_time  # noqa: E402
 from fivefold.planner.search import SearchSpace, clear_caches, evaluate, search  # noqa: E402
 from fivefold.planner.compare import rank_of  # noqa: E402
-from fivefold.planner.steptime import step_time  # noqa: E402
+from fivefold.planner.steptime import TimeAssumptions, step_time  # noqa: E402
 
 GiB = 2**30
 
@@ -38,12 +39,13 @@ FREE = {"megatron-te": ("gemm_efficiency", "fp8_gemm_efficiency", "attention_eff
         "torchtitan": ("gemm_efficiency", "fp8_gemm_efficiency", "attention_efficiency", "attention_half_keys",
                        "membound_passes", "tp_overlap", "cp_overlap")}
 """The constants fitted per runtime (physical: achieved shares of peak, overlap shares, HBM passes)."""
-HELD_OUT_OF_LOSO = ("attention_half_keys",)
+HELD_OUT_OF_LOSO = ("attention_half_keys", "expert_half_rows")
 """Fitted on all of a runtime's rows, held when a source is left out: a kernel's constant, pinned by
 one sweep (torchtitan's CP rows 28-31); left free, leaving the two H200 rows out drives it to its
 8192 bound and the memory-bound passes to 0 (two rows cannot pin seven constants)."""
 BOUNDS = {"expert_half_rows": (0.0, 8192.0), "attention_half_keys": (0.0, 8192.0), "membound_passes": (0.0, 40.0)}
 """Bounds other than (0.05, 1) for a share."""
+DEFAULTS = {f.name: f.default for f in fields(TimeAssumptions)}
 START = {"attention_half_keys": 1024.0, "expert_half_rows": 1024.0}
 """Where a fit starts for a constant whose default (0) turns its effect off."""
 
@@ -79,21 +81,29 @@ def summary(results: list[dict]) -> str:
             f"memory est/pub {min(mem):.2f}-{max(mem):.2f} over {len(mem)} rows")
 
 
-def fit(rt: Runtime, rows: list, names: tuple[str, ...]) -> Runtime:
-    """`rt` with `names` fitted: least squares of log(estimated / published) over `rows`."""
+def fit(rt: Runtime, rows: list, names: tuple[str, ...]) -> tuple[Runtime, tuple[str, ...]]:
+    """`rt` with `names` fitted: least squares of log(estimated / published) over `rows`; and the
+    names none of `rows` depends on (e.g. the fp8 rate, with no fp8 row), which take their physical
+    default (`TimeAssumptions`'s) instead of wherever a flat fit leaves them."""
     import numpy as np
     from scipy.optimize import least_squares
 
-    def residuals(x):
+    def residuals(x, names=names):
         trial = with_time(rt, **dict(zip(names, map(float, x))))
         clear_caches()  # the layer-cost caches are keyed by the constants: keep them small
         return np.array([np.log(1 + compare(c, trial)["error"]) for c in rows])
 
-    x0 = [getattr(rt.time, n) or START.get(n, 0.5) for n in names]
     lo = [BOUNDS.get(n, (0.05, 1.0))[0] for n in names]
     hi = [BOUNDS.get(n, (0.05, 1.0))[1] for n in names]
-    got = least_squares(residuals, np.clip(x0, lo, hi), bounds=(lo, hi), diff_step=0.02)
-    return with_time(rt, **{n: round(float(v), 3) for n, v in zip(names, got.x)})
+    x0 = np.clip([getattr(rt.time, n) or START.get(n, 0.5) for n in names], lo, hi)
+    base = residuals(x0)
+    unused = tuple(n for i, n in enumerate(names)
+                   if np.allclose(residuals(np.where(np.arange(len(names)) == i, x0 * 0.9, x0)), base, rtol=0, atol=1e-12))
+    if unused:
+        rt = with_time(rt, **{n: DEFAULTS[n] for n in unused})
+        return fit(rt, rows, tuple(n for n in names if n not in unused))[0], unused
+    got = least_squares(residuals, x0, bounds=(lo, hi), diff_step=0.02)
+    return with_time(rt, **{n: round(float(v), 3) for n, v in zip(names, got.x)}), ()
 
 
 def fit_report(all_cases: list, only: str | None = None) -> None:
@@ -101,7 +111,7 @@ def fit_report(all_cases: list, only: str | None = None) -> None:
         if only and name != only:
             continue
         rows = [c for c in all_cases if c.runtime == name and c.tokens_per_s]
-        fitted = fit(PROFILES[name], rows, names)
+        fitted = fit(PROFILES[name], rows, names)[0]
         errs = sorted(abs(compare(c, fitted)["error"]) for c in rows)
         print(f"{name}: fitted on rows {', '.join(str(c.run.row) for c in rows)}: "
               + ", ".join(f"{n}={getattr(fitted.time, n)}" for n in names)
@@ -110,10 +120,11 @@ def fit_report(all_cases: list, only: str | None = None) -> None:
             rest = [c for c in rows if c.run.source != source]
             if not rest:
                 continue
-            held = fit(fitted, rest, tuple(n for n in names if n not in HELD_OUT_OF_LOSO))
+            held, unused = fit(fitted, rest, tuple(n for n in names if n not in HELD_OUT_OF_LOSO))
             errs = sorted(abs(compare(c, held)["error"]) for c in rows if c.run.source == source)
             print(f"  leave out {source}: fitted on the other {len(rest)} rows, its {len(errs)} rows' |error| "
-                  f"median {statistics.median(errs):.1%}, max {errs[-1]:.1%}")
+                  f"median {statistics.median(errs):.1%}, max {errs[-1]:.1%}"
+                  + (f" ({', '.join(unused)} at the default: no row left depends on it)" if unused else ""))
 
 
 def rank_report(all_cases: list, runtime: str | None) -> None:
