@@ -28,7 +28,7 @@ from fivefold.planner.presets import hardware  # noqa: E402
 from fivefold.planner.search import describe  # noqa: E402
 from fivefold.planner.runtime import PROFILES, Runtime, apply, profile, with_time  # noqa: E402
 from fivefold.planner.search import SearchSpace, clear_caches, evaluate, search  # noqa: E402
-from fivefold.planner.compare import rank_of  # noqa: E402
+from fivefold.planner.compare import held_text, held_to, rank_of  # noqa: E402
 from fivefold.planner.steptime import TimeAssumptions, step_time  # noqa: E402
 
 GiB = 2**30
@@ -133,9 +133,9 @@ def rank_report(all_cases: list, runtime: str | None) -> None:
     the rank of the first layout with the fields the source states (the unstated ones free:
     `calibration.stated_layout`), and the top choice beside them."""
     print("| row | source | model | GPUs | published layout | unstated | rank as assumed | rank, unstated free "
-          "| step time / top | top choice |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    ranks, free_ranks, full, ratios = [], [], [], []
+          "| step time / top | top choice | beyond the top 5: held to its own |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    ranks, free_ranks, full, ratios, held_full = [], [], [], [], []
     for c in all_cases:
         rt = profile(runtime or c.runtime) if (runtime or c.runtime) in PROFILES else profile("megatron-te")
         hw, cfg = hardware(c.hardware_name), apply(c.config, rt, c.fp32_grads)
@@ -150,8 +150,10 @@ def rank_report(all_cases: list, runtime: str | None) -> None:
         free = min(filter(None, (rank, free)), default=None)
         ranks.append(rank)
         free_ranks.append(free)
+        held = held_to(published, result.ranked) if rank and rank > 5 else None
         if not c.unstated - {"fsdp", "etp"}:
             full.append(free)
+            held_full.append(bool(held) and free > 5)
         top = result.ranked[0] if result.ranked else None
         if rank and top:
             ratios.append(published.estimate.step_time / top.estimate.step_time)
@@ -159,14 +161,14 @@ def rank_report(all_cases: list, runtime: str | None) -> None:
         where = f"{rank} of {len(result.ranked)}" if rank else f"not fitting: {published.problem[:60]}"
         print(f"| {c.run.row} | {c.run.source} | {c.model_name} | {cfg.cluster.world_size} x {c.hardware_name} | "
               f"{describe(cfg)} | {', '.join(sorted(c.unstated)) or '-'} | {where} | {free or '-'} | {ratio} | "
-              f"{top.label if top else '-'} |")
+              f"{top.label if top else '-'} | {held_text(published, held).removeprefix('held to its ') if held else '-'} |")
 
     def top5(found: list) -> str:
         return f"{sum(1 for r in found if r and r <= 5)} of {len(found)}"
 
     print(f"\npublished layouts in the top 5: {top5(ranks)} as assumed; {top5(free_ranks)} with the unstated fields "
           f"free; {top5(full)} of the rows whose source states the whole layout (TP CP PP VPP DP EP mbs recompute "
-          f"split); judged not to fit: {sum(r is None for r in ranks)}; median rank of the fitting ones: "
+          f"split), and {sum(held_full)} more that rank in the top 5 held to one or two of their own choices; judged not to fit: {sum(r is None for r in ranks)}; median rank of the fitting ones: "
           f"{statistics.median([r for r in ranks if r]) if any(ranks) else '-'} as assumed, "
           f"{statistics.median([r for r in free_ranks if r]) if any(free_ranks) else '-'} unstated free")
     # many layouts lie within the time model's own error of the top: how far the published one is

@@ -196,6 +196,34 @@ def test_without_accumulation_a_layout_without_pp_takes_its_local_batch_at_once(
     assert "mbs" in capsys.readouterr().out
 
 
+def test_held_to_names_the_fewest_choices_that_rank_a_layout_first(capsys):
+    """`compare.held_to`: for a slow layout, the smallest set of its own fields that puts it in the top
+    5 and the faster half of the layouts sharing them, checked against filtering the ranking by hand;
+    no single field does it where a pair is returned. `plan --compare` prints it."""
+    import itertools
+    from fivefold.planner.compare import HOLDABLE, LAYOUT_FIELDS, candidates, held_to, rank_of
+    from fivefold.planner.space import SearchSpace
+    m, hw = model_preset("llama3-8b").model, hardware("h100-sxm")
+    ranked = search(m, hw, 16, 8, 4096, 64, "bf16", SearchSpace()).ranked
+    slow = candidates("TP8 PP2 mbs1 rc-full", m, hw, 16, 8, 4096, 64, "bf16", (1,), MemoryAssumptions(),
+                      TimeAssumptions())[0]
+    assert rank_of(slow, ranked) > 5
+    fields, rank, of = held_to(slow, ranked)
+
+    def sharing(names):
+        return [c for c in ranked if all(LAYOUT_FIELDS[f](c.plan) == LAYOUT_FIELDS[f](slow.plan) for f in names)]
+    same = sharing(fields)
+    assert rank == rank_of(slow, same) <= 5 and of == len(same) + all(c.label != slow.label for c in same)
+    assert 2 * rank <= of
+    for smaller in itertools.combinations(HOLDABLE, len(fields) - 1):
+        others = sharing(smaller)
+        r = rank_of(slow, others)
+        assert not (r <= 5 and 2 * r <= len(others) + 1)
+    assert main(["plan", "--model", "llama3-8b", "--gpus", "16", "--global-batch", "64", "--top", "1",
+                 "--compare", "TP8 PP2 mbs1 rc-full"]) == 0
+    assert re.search(r"held to its .+, it ranks \d of the \d+ layouts that share them", capsys.readouterr().out)
+
+
 def _exhaustive(m, hw, gpus, seq, batch, space):
     """The ranking by its definition, nothing pruned or skipped: every variant of every layout checked
     by every rule and sized; per (layout, optimizer, micro-batch) the first recompute mode of the

@@ -22,6 +22,7 @@ from typing import Callable
 
 from fivefold.config.schema import ClusterConfig, Config, ModelConfig, ParallelConfig, TrainingConfig
 from fivefold.errors import UserError
+from fivefold.planner.compare import LAYOUT_FIELDS
 from fivefold.planner.flops import attention_core_flops, model_flops_per_token
 from fivefold.planner.layout import Plan
 from fivefold.planner.mtp import mtp_stage_layers
@@ -264,14 +265,6 @@ def case_of(run: Run) -> Case:
     # Llama 3 s3.3: "FP32 gradient accumulation and reduce-scatter"
     return Case(run, model_name, hw_name, gpn, cfg, RUNTIME[src], tokens, memory, basis, assumed,
                 frozenset(unstated & LAYOUT_FIELDS.keys()), fp32_grads=src == "LLAMA3", accumulates=not tt)
-
-
-LAYOUT_FIELDS = {
-    "tp": lambda p: p.tp, "cp": lambda p: p.cp, "pp": lambda p: p.pp, "dp": lambda p: p.dp,
-    "ep": lambda p: p.ep, "etp": lambda p: p.etp, "vpp": lambda p: p.vpp, "micro_batch": lambda p: p.mbs,
-    "recompute": lambda p: (p.recompute, p.recompute_modules if p.recompute == "selective" else None),
-    "fsdp": lambda p: p.config.training.data_parallel_sharding_strategy, "split": lambda p: tuple(p.rank_chunks)}
-"""A layout's fields as the set's columns name them (a Plan -> the value)."""
 
 
 def stated_layout(case: Case) -> Callable[[Config], bool]:

@@ -11,10 +11,13 @@ the first recompute mode that fits. Where the layers do not divide over PP x VPP
 search would try is taken (Megatron's uneven first/last stage or the embedding/loss as layers), else
 a per-stage list as Megatron's --pipeline-model-parallel-layout writes it (61 layers on PP8 x VPP4).
 
-`rank_of` places a named layout among the ranked ones: 1 + the searched layouts that are faster.
+`rank_of` places a named layout among the ranked ones: 1 + the searched layouts that are faster;
+`held_to` finds the fewest of its own choices that, held fixed, put it among the first few (what the
+search weighs against it: a published run's constraint, or a choice that costs it).
 """
 from __future__ import annotations
 
+import itertools
 import re
 
 from fivefold.errors import UserError
@@ -116,3 +119,54 @@ def rank_of(cand: Candidate, ranked: list[Candidate]) -> int | None:
     if cand.estimate is None:
         return None
     return 1 + sum(rank_key(c) < rank_key(cand) for c in ranked)
+
+
+LAYOUT_FIELDS = {
+    "tp": lambda p: p.tp, "cp": lambda p: p.cp, "pp": lambda p: p.pp, "dp": lambda p: p.dp,
+    "ep": lambda p: p.ep, "etp": lambda p: p.etp, "vpp": lambda p: p.vpp, "micro_batch": lambda p: p.mbs,
+    "recompute": lambda p: (p.recompute, p.recompute_modules if p.recompute == "selective" else None),
+    "fsdp": lambda p: p.config.training.data_parallel_sharding_strategy, "split": lambda p: tuple(p.rank_chunks)}
+"""A layout's fields as gpu-runs.tsv's columns name them (a Plan -> the value)."""
+HOLDABLE = ("tp", "cp", "pp", "vpp", "dp", "ep", "micro_batch", "recompute", "fsdp")
+"""The fields `held_to` may hold (the split and expert TP follow from the others)."""
+
+
+def held_to(cand: Candidate, ranked: list[Candidate], top: int = 5, most: int = 2) -> tuple[tuple[str, ...], int, int] | None:
+    """The fewest (up to `most`) of `cand`'s `HOLDABLE` fields that, held to its values, put it in the
+    first `top` and the faster half of the ranked layouts sharing them (a set only it or a few slower
+    ones share says nothing): (the fields, its rank there, how many share them, itself included), the
+    best rank among the smallest such sets; None when no set does (or it does not fit)."""
+    if cand.estimate is None:
+        return None
+    mine = tuple(LAYOUT_FIELDS[f](cand.plan) for f in HOLDABLE)
+    key = rank_key(cand)
+    rows = [(tuple(LAYOUT_FIELDS[f](c.plan) for f in HOLDABLE), rank_key(c) < key) for c in ranked]
+    for size in range(1, most + 1):
+        found = []
+        for fields in itertools.combinations(range(len(HOLDABLE)), size):
+            same = [faster for values, faster in rows if all(values[i] == mine[i] for i in fields)]
+            rank = 1 + sum(same)
+            if rank <= top and 2 * rank <= len(same) + 1:  # in the better half, not alone or last
+                found.append((rank, -len(same), fields))
+        if found:
+            rank, _, fields = min(found)
+            same = [c for c, (values, _) in zip(ranked, rows) if all(values[i] == mine[i] for i in fields)]
+            return tuple(HOLDABLE[i] for i in fields), rank, len(same) + all(c.label != cand.label for c in same)
+    return None
+
+
+def held_text(cand: Candidate, held: tuple[tuple[str, ...], int, int]) -> str:
+    """`held_to`'s answer in words: "held to its PP1 and rc-full, it ranks 1 of 20"."""
+    fields, rank, of = held
+    words = {"tp": "TP{}", "cp": "CP{}", "pp": "PP{}", "vpp": "VPP{}", "dp": "DP{}", "ep": "EP{}", "micro_batch": "mbs{}"}
+    named = []
+    for f in fields:
+        value = LAYOUT_FIELDS[f](cand.plan)
+        if f == "recompute":
+            named.append("rc-" + {None: "none", "selective": "sel", "full": "full"}[value[0]]
+                         + (f"({','.join(sorted(value[1]))})" if value[1] else ""))
+        elif f == "fsdp":
+            named.append(DP_MODE_LABEL.get(value) or value)
+        else:
+            named.append(words[f].format(value))
+    return f"held to its {' and '.join(named)}, it ranks {rank} of the {of} layouts that share them"

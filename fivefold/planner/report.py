@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fivefold.config.schema import ModelConfig
 from fivefold.planner.collectives import layer_collectives
-from fivefold.planner.compare import rank_of
+from fivefold.planner.compare import held_text, held_to, rank_of
 from fivefold.planner.layout import Plan
 from fivefold.planner.memory import RankMemory, memory_per_rank
 from fivefold.planner.mtp import mtp_stage_layers
@@ -103,6 +103,9 @@ def compare_report(text: str, cand: Candidate, best: Candidate, ranked: list[Can
                 f"choice's step time")
         diffs = sorted(((e.parts[k] - b.parts.get(k, 0.0), k) for k in e.parts), reverse=True)
         head += "\n  vs the top choice, seconds per step: " + ", ".join(f"{k} {d:+.3f}" for d, k in diffs)
+        held = held_to(cand, ranked) if rank > 5 else None
+        if held:  # the choices the search weighs against it (a constraint of the run, or what costs it)
+            head += f"\n  {held_text(cand, held)}"
     lines = [head, breakdown(cand, hw)]
     if cand.estimate is not None:
         lines += ["Why:"] + [f"  - {w}" for w in why(cand, model, gpus_per_node, ranked)]
