@@ -14,6 +14,7 @@ published figure on the source's basis (reserved GiB or tensor GB, `MEMORY_BASIS
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 from dataclasses import fields
 import sys
@@ -81,29 +82,43 @@ def summary(results: list[dict]) -> str:
             f"memory est/pub {min(mem):.2f}-{max(mem):.2f} over {len(mem)} rows")
 
 
+def residuals(rt: Runtime, rows: list, names: tuple[str, ...], x) -> list[float]:
+    """log(estimated / published) of each row with `names` set to `x`."""
+    trial = with_time(rt, **dict(zip(names, map(float, x))))
+    clear_caches()  # the layer-cost caches are keyed by the constants: keep them small
+    return [math.log(1 + compare(c, trial)["error"]) for c in rows]
+
+
+def start_of(rt: Runtime, names: tuple[str, ...]) -> list[float]:
+    """Where a fit of `names` starts: the profile's values (within bounds), `START` for those off."""
+    return [min(max(getattr(rt.time, n) or START.get(n, 0.5), BOUNDS.get(n, (0.05, 1.0))[0]),
+                BOUNDS.get(n, (0.05, 1.0))[1]) for n in names]
+
+
+def unused(rt: Runtime, rows: list, names: tuple[str, ...]) -> tuple[str, ...]:
+    """The names none of `rows` depends on (e.g. the fp8 rate, with no fp8 row): 10% off moves no
+    residual."""
+    x0 = start_of(rt, names)
+    base = residuals(rt, rows, names, x0)
+    return tuple(n for i, n in enumerate(names)
+                 if residuals(rt, rows, names, [v * 0.9 if j == i else v for j, v in enumerate(x0)]) == base)
+
+
 def fit(rt: Runtime, rows: list, names: tuple[str, ...]) -> tuple[Runtime, tuple[str, ...]]:
     """`rt` with `names` fitted: least squares of log(estimated / published) over `rows`; and the
-    names none of `rows` depends on (e.g. the fp8 rate, with no fp8 row), which take their physical
-    default (`TimeAssumptions`'s) instead of wherever a flat fit leaves them."""
+    `unused` names, which take their physical default (`TimeAssumptions`'s) instead of wherever a flat
+    fit leaves them."""
     import numpy as np
     from scipy.optimize import least_squares
 
-    def residuals(x, names=names):
-        trial = with_time(rt, **dict(zip(names, map(float, x))))
-        clear_caches()  # the layer-cost caches are keyed by the constants: keep them small
-        return np.array([np.log(1 + compare(c, trial)["error"]) for c in rows])
-
+    off = unused(rt, rows, names)
+    rt = with_time(rt, **{n: DEFAULTS[n] for n in off})
+    names = tuple(n for n in names if n not in off)
     lo = [BOUNDS.get(n, (0.05, 1.0))[0] for n in names]
     hi = [BOUNDS.get(n, (0.05, 1.0))[1] for n in names]
-    x0 = np.clip([getattr(rt.time, n) or START.get(n, 0.5) for n in names], lo, hi)
-    base = residuals(x0)
-    unused = tuple(n for i, n in enumerate(names)
-                   if np.allclose(residuals(np.where(np.arange(len(names)) == i, x0 * 0.9, x0)), base, rtol=0, atol=1e-12))
-    if unused:
-        rt = with_time(rt, **{n: DEFAULTS[n] for n in unused})
-        return fit(rt, rows, tuple(n for n in names if n not in unused))[0], unused
-    got = least_squares(residuals, x0, bounds=(lo, hi), diff_step=0.02)
-    return with_time(rt, **{n: round(float(v), 3) for n, v in zip(names, got.x)}), ()
+    got = least_squares(lambda x: np.array(residuals(rt, rows, names, x)), start_of(rt, names), bounds=(lo, hi),
+                        diff_step=0.02)
+    return with_time(rt, **{n: round(float(v), 3) for n, v in zip(names, got.x)}), off
 
 
 def fit_report(all_cases: list, only: str | None = None) -> None:

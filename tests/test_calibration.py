@@ -156,19 +156,18 @@ def test_the_fitted_profiles_meet_their_stated_error_on_their_own_rows():
         assert statistics.median(errs) <= median_at_most and max(errs) <= max_at_most, (runtime, sorted(errs))
 
 
-def test_a_fit_leaves_what_its_rows_do_not_depend_on_at_the_default():
-    """Megatron-LM's table (dense, bf16) cannot set the fp8 rate or any expert constant: the fit names
-    them and leaves them at TimeAssumptions' defaults (a flat least squares would leave them anywhere),
-    and still fits the rest to that table's rows."""
-    import statistics
+def test_a_fit_knows_which_constants_its_rows_do_not_depend_on():
+    """Megatron-LM's table (dense, bf16) cannot set the fp8 rate or any expert constant: the fit
+    (`calibrate.fit`, which then leaves them at TimeAssumptions' defaults instead of wherever a flat
+    least squares would) names exactly those; with the Megatron-Core MoE report's rows, none."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    from calibrate import FREE, compare, fit
+    from calibrate import FREE, unused
     from fivefold.planner.runtime import PROFILES
-    rows = [c for c in cases() if c.run.source == "MLM-README"]
-    fitted, unused = fit(PROFILES["megatron-te"], rows, FREE["megatron-te"])
-    assert set(unused) == {"fp8_gemm_efficiency", "expert_efficiency", "expert_half_rows", "ep_overlap"}
-    assert fitted.time.fp8_gemm_efficiency is None and fitted.time.expert_half_rows == 0.0
-    assert statistics.median(abs(compare(c, fitted)["error"]) for c in rows) < 0.10
+    by_source = {s: [c for c in cases() if c.run.source == s] for s in ("MLM-README", "MCORE-MOE-2603")}
+    assert set(unused(PROFILES["megatron-te"], by_source["MLM-README"], FREE["megatron-te"])) == {
+        "fp8_gemm_efficiency", "expert_efficiency", "expert_half_rows", "ep_overlap"}
+    moe = [c for c in by_source["MCORE-MOE-2603"] if c.tokens_per_s]
+    assert unused(PROFILES["megatron-te"], moe, FREE["megatron-te"]) == ()
 
 
 def test_runtime_flag_is_checked(capsys):

@@ -217,6 +217,7 @@ def test_random_estimates(model, words, more):
     ["--gpus", "16", "--micro-batch", "0"], ["--gpus", "16", "--seq-len", "0"], ["--gpus", "16", "--global-batch", "-4"],
     ["--gpus", "16", "--gpu-memory-gib", "-1"], ["--gpus", "16", "--network-gbs", "nan"],
     ["--gpus", "16", "--allocator-overhead", "-5"], ["--gpus", "16", "--schedules", "fast"],
+    ["--gpus", "16", "--dp-modes", "zero4"],
 ])
 def test_plan_refuses_bad_sizes_before_searching(words):
     """Each used to search (a 10^12-GPU cluster for minutes), print nonsense (--top -3 printed every row

@@ -9,7 +9,7 @@ from fivefold.errors import UserError
 from fivefold.planner.pipeline import bubble_fraction, bubble_stage_times, pipeline_profile, pipeline_time
 from fivefold.planner.memory import MemoryAssumptions
 from fivefold.planner.presets import hardware, model_preset
-from fivefold.planner.search import describe, rank_key, search
+from fivefold.planner.search import DOMINATED, describe, rank_key, search
 from fivefold.planner.steptime import TimeAssumptions
 from fivefold.planner.validity import config_errors
 
@@ -182,7 +182,8 @@ def test_compare_places_a_named_layout_in_the_ranking(capsys):
 def test_without_accumulation_a_layout_without_pp_takes_its_local_batch_at_once(capsys):
     """`SearchSpace.accumulate=False` (`plan --no-accumulation`): every layout without PP runs one
     micro-batch of B / DP sequences (here up to 16, beyond the space's sizes); PP layouts keep the
-    space's micro-batch sizes, their microbatches being the pipeline's."""
+    space's micro-batch sizes, their microbatches being the pipeline's. `plan --dp-modes zero1,zero3`
+    ranks FSDP layouts where ZeRO-1 does not fit and drops them where it does."""
     from fivefold.planner.space import SearchSpace
     m, hw = model_preset("llama3-8b").model, hardware("h100-sxm")
     result = search(m, hw, 16, 8, 4096, 32, "bf16", SearchSpace(accumulate=False))
@@ -194,6 +195,10 @@ def test_without_accumulation_a_layout_without_pp_takes_its_local_batch_at_once(
     assert main(["plan", "--model", "llama3-8b", "--gpus", "16", "--global-batch", "32", "--no-accumulation",
                  "--top", "3"]) == 0
     assert "mbs" in capsys.readouterr().out
+    assert main(["plan", "--model", "llama3-70b", "--gpus", "32", "--global-batch", "128", "--dp-modes", "zero1,zero3",
+                 "--top", "400"]) == 0  # FSDP where ZeRO-1 does not fit
+    out = capsys.readouterr().out
+    assert " fsdp " in out and " distopt " in out and "a less sharded DP mode fits" in out
 
 
 def test_held_to_names_the_fewest_choices_that_rank_a_layout_first(capsys):
@@ -227,33 +232,41 @@ def test_held_to_names_the_fewest_choices_that_rank_a_layout_first(capsys):
 def _exhaustive(m, hw, gpus, seq, batch, space):
     """The ranking by its definition, nothing pruned or skipped: every variant of every layout checked
     by every rule and sized; per (layout, optimizer, micro-batch) the first recompute mode of the
-    space's order that fits is ranked (slower modes never win), timed; the rest are dropped."""
-    from fivefold.planner.search import _variant, evaluate, make_config
+    space's order that fits is ranked (slower modes never win), timed, unless a less sharded optimizer
+    fits there with no more recompute (sharding more only pays in memory); the rest are dropped."""
+    from fivefold.planner.search import SHARDING, _variant, evaluate, make_config
     from fivefold.planner.space import recompute_modes, structures
     ranked, dropped = [], []
+    modes = recompute_modes(space, m)
     for parallel in structures(m, gpus, 8, seq, space):
         base = make_config(m, gpus, 8, seq, batch, "bf16", parallel)
-        for dp_mode in space.dp_modes:
+        fits, labels = {}, []  # (dp mode, micro-batch) -> (index, candidate) of the first recompute that fits
+        for dp_mode in sorted(space.dp_modes, key=SHARDING.index):  # equal keys keep this order
             for mbs in space.micro_batch_sizes:
-                fits = None
-                for recompute in recompute_modes(space, m):
-                    cfg = _variant(base, mbs, recompute, dp_mode)
-                    cand = evaluate(cfg, hw, check=True)
-                    if cand.problem or fits:
-                        dropped.append(cand.label)
-                    else:
-                        fits = cand
-                        ranked.append(cand)
+                for i, recompute in enumerate(modes):
+                    cand = evaluate(_variant(base, mbs, recompute, dp_mode), hw, check=True)
+                    labels.append(cand.label)
+                    if not cand.problem and (dp_mode, mbs) not in fits:
+                        fits[dp_mode, mbs] = (i, cand)
+        kept = set()
+        for (dp_mode, mbs), (i, cand) in fits.items():
+            lighter = [j for (other, b), (j, _) in fits.items() if b == mbs and other != "no_shard"
+                       and SHARDING.index(other) < SHARDING.index(dp_mode)]
+            if not lighter or i < min(lighter):
+                ranked.append(cand)
+                kept.add(cand.label)
+        dropped += [label for label in labels if label not in kept]
     ranked.sort(key=rank_key)
     return ranked, set(dropped)
 
 
-@pytest.mark.parametrize("name,gpus,batch,schedules", [
-    ("moonlight-16b-a3b", 32, 256, ("gpipe", "1f1b", "interleaved", "zb-h1", "dualpipev")),  # MoE, every schedule
-    ("llama3-70b", 64, 256, ("1f1b", "interleaved")),  # dense, uneven splits, VPP up to layers / PP
-    ("deepseek-v3", 256, 1024, ("1f1b", "interleaved")),  # MLA, 61 layers, 256 experts
+@pytest.mark.parametrize("name,gpus,batch,schedules,dp_modes", [
+    ("moonlight-16b-a3b", 32, 256, ("gpipe", "1f1b", "interleaved", "zb-h1", "dualpipev"), ("optim",)),  # MoE, every schedule
+    ("llama3-70b", 64, 256, ("1f1b", "interleaved"), ("optim",)),  # dense, uneven splits, VPP up to layers / PP
+    ("deepseek-v3", 256, 1024, ("1f1b", "interleaved"), ("optim",)),  # MLA, 61 layers, 256 experts
+    ("llama3-70b", 32, 128, ("1f1b",), ("optim_grads_params", "optim", "optim_grads")),  # ZeRO-2/3 where ZeRO-1 cannot
 ])
-def test_search_equals_exhaustive(name, gpus, batch, schedules):
+def test_search_equals_exhaustive(name, gpus, batch, schedules, dp_modes):
     """The search prunes (a layout whose model state cannot fit, a recompute mode that did not fit at a
     smaller micro-batch, rules a variant cannot break), caches, and reads closed-form schedules: its
     ranked list equals the exhaustive evaluation's exactly (layouts, order, every memory and time
@@ -261,7 +274,7 @@ def test_search_equals_exhaustive(name, gpus, batch, schedules):
     from fivefold.planner.search import clear_caches
     from fivefold.planner.space import SearchSpace
     hw, m = hardware("h100-sxm"), model_preset(name).model
-    space = SearchSpace(schedules=schedules)
+    space = SearchSpace(schedules=schedules, dp_modes=dp_modes)
     clear_caches()
     fast = search(m, hw, gpus, 8, 4096, batch, space=space)
     clear_caches()
@@ -269,6 +282,9 @@ def test_search_equals_exhaustive(name, gpus, batch, schedules):
     assert [_snapshot(c) for c in fast.ranked] == [_snapshot(c) for c in ranked]
     assert {describe(cfg) for cfg, _ in fast.dropped} <= dropped
     assert any("a larger one holds no less" in why for _, why in fast.dropped)  # the pruning ran
+    if len(dp_modes) > 1:  # and the sharded modes ranked where ZeRO-1 does not fit, dropped where it does
+        assert {c.plan.config.training.data_parallel_sharding_strategy for c in fast.ranked} == set(dp_modes)
+        assert any(why == DOMINATED for _, why in fast.dropped)
 
 
 def test_closed_form_schedules_change_no_result(monkeypatch):

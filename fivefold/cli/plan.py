@@ -8,7 +8,7 @@ import time
 from fivefold.cli._planner_args import add_hardware_arguments, assumptions_of, hardware_of, positive_int
 from fivefold.errors import UserError
 from fivefold.pipeline.schedules import REGISTRY
-from fivefold.planner.compare import candidates
+from fivefold.planner.compare import DP_MODES, candidates
 from fivefold.planner.emit import FORMATS, emit
 from fivefold.planner.model_spec import resolve_model
 from fivefold.planner.params import count_params
@@ -29,6 +29,10 @@ def add_arguments(p) -> None:
                    help="no gradient accumulation: without PP each DP rank takes its whole share of the global batch "
                         "as one micro-batch (torchtitan before June 2025, or a run whose global batch is its local "
                         "batch x DP)")
+    p.add_argument("--dp-modes", metavar="MODES",
+                   help="data-parallel modes to try, comma-separated, from distopt (zero1), zero2, fsdp (zero3); a "
+                        "more sharded mode is ranked only where a less sharded one does not fit. Default: the "
+                        "runtime's (distopt; fsdp for torchtitan)")
     p.add_argument("--schedules", default="1f1b,interleaved",
                    help="pipeline schedules to try, comma-separated, from gpipe,1f1b,interleaved,zb-h1,dualpipev. "
                         "Default 1f1b,interleaved")
@@ -64,15 +68,23 @@ def run(args, extra) -> int:
     unknown = [x for x in schedules if x not in REGISTRY]
     if unknown:
         raise UserError(f"--schedules: unknown {', '.join(unknown)}; choose from {','.join(REGISTRY)}")
+    rt = profile(args.runtime)
+    dp_modes = rt.dp_modes
+    if args.dp_modes:
+        words = [x.strip().lower() for x in args.dp_modes.split(",")]
+        unknown = [w for w in words if w not in DP_MODES]
+        if unknown:
+            raise UserError(f"--dp-modes: unknown {', '.join(unknown)}; choose from distopt (zero1), zero2, fsdp (zero3)")
+        dp_modes = tuple(dict.fromkeys(DP_MODES[w] for w in words))
     counts = count_params(spec.model)
     t0 = time.perf_counter()
-    rt = profile(args.runtime)
     bf16_grads = rt.grad_reduce_in_bf16
     compared = [(text, candidates(text, spec.model, hw, args.gpus, min(gpn, args.gpus), args.seq_len,
                                   args.global_batch, args.precision, mbs, mem, ta, bf16_grads, rt.dp_modes[0])[0])
                 for text in args.compare]  # bad descriptions refused before the search
     result = search(spec.model, hw, args.gpus, min(gpn, args.gpus), args.seq_len, args.global_batch, args.precision,
-                    rt.space(micro_batch_sizes=mbs, accumulate=not args.no_accumulation, schedules=schedules), mem, ta,
+                    rt.space(micro_batch_sizes=mbs, accumulate=not args.no_accumulation, schedules=schedules,
+                             dp_modes=dp_modes), mem, ta,
                     grad_reduce_in_bf16=bf16_grads)
     elapsed = time.perf_counter() - t0
     name = spec.preset or args.model

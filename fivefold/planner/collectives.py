@@ -341,8 +341,8 @@ def step_collectives(plan: Plan, pp_rank: int) -> list[Collective]:
             # ZeRO-2/3 without PP reduce-scatter the gradients (dense and expert) after every
             # microbatch; ZeRO-3 all-gathers every unit before its forward and again before its
             # backward, per microbatch (under PP once a step: the units stay whole until the step's end)
-            times = plan.microbatches if mode != "optim" and plan.pp == 1 else 1
-            gathers = plan.microbatches if mode == "optim_grads_params" and plan.pp == 1 else 1
+            times = dp_calls_per_step(plan)
+            gathers = times if mode == "optim_grads_params" else 1
             out += [Collective("reduce_scatter", f"{group}-grad", group, grad * count * times, "step", "backward", times),
                     Collective("all_gather", f"{group}-param", group, weight * count * gathers, "step", "forward", gathers)]
             if gathers > 1:  # ZeRO-3: each unit gathered again before its backward
@@ -354,6 +354,13 @@ def step_collectives(plan: Plan, pp_rank: int) -> list[Collective]:
         else:
             out.append(Collective("all_reduce", f"{group}-grad", group, grad * count, "step", "backward"))
     return out
+
+
+def dp_calls_per_step(plan: Plan) -> int:
+    """How many times a step reduce-scatters the gradients (and ZeRO-3 gathers the parameters): every
+    microbatch under ZeRO-2/3 without PP, else once."""
+    mode = plan.config.training.sharding_strategy
+    return plan.microbatches if mode in ("optim_grads", "optim_grads_params") and plan.pp == 1 else 1
 
 
 def rank_collectives(plan: Plan, pp_rank: int) -> list[tuple[Collective, float]]:

@@ -47,8 +47,8 @@ class Runtime:
     context parallelism is ring attention only (no head all-to-all)."""
 
     def space(self, **fields) -> SearchSpace:
-        """The search space of this runtime's modes, with `fields` set."""
-        return SearchSpace(dp_modes=self.dp_modes, cp_comm_types=self.cp_comm_types, **fields)
+        """The search space of this runtime's modes, with `fields` set (they win)."""
+        return SearchSpace(**{"dp_modes": self.dp_modes, "cp_comm_types": self.cp_comm_types, **fields})
 
 
 _TE_TRAITS = ArchTraits(fp8_linear_inputs=True, expert_outputs_saved=False)

@@ -148,7 +148,9 @@ def _search(model, hw, world, gpus_per_node, seq, global_batch, precision, space
         broken = config_errors(base)
         layout = Plan(base)  # after config_errors: it writes the resolved VPP, schedule and SP back
         dp = layout.dp
-        for dp_mode in space.dp_modes:
+        lighter: dict[int, int] = {}
+        """micro-batch -> the first recompute mode (its index) that fits under a less sharded DP mode"""
+        for dp_mode in sorted(space.dp_modes, key=SHARDING.index):
             # Model state does not depend on the micro-batch or recompute: when it alone does not fit,
             # no variant does. Activations never shrink with a larger micro-batch (the schedule holds
             # min(k, m) microbatches of m = B/(mbs dp): mbs min(k, m) never falls), so a recompute mode
@@ -161,11 +163,14 @@ def _search(model, hw, world, gpus_per_node, seq, global_batch, precision, space
             for mbs in micro_batches(space, layout.pp, dp, global_batch):
                 if global_batch % (mbs * dp):
                     continue
-                for recompute in modes:
+                for i, recompute in enumerate(modes):
                     result.tried += 1
                     cfg = _variant(base, mbs, recompute, dp_mode)
                     if broken or state:
                         result.dropped.append((cfg, "; ".join(broken) or state))
+                        break
+                    if i >= lighter.get(mbs, len(modes)):  # sharding more only pays in memory
+                        result.dropped.append((cfg, DOMINATED))
                         break
                     if all(failed.get(r, (mbs,))[0] < mbs for r in modes):  # no mode fits
                         result.dropped.append((cfg, _larger(*failed[modes[-1]])))
@@ -182,9 +187,17 @@ def _search(model, hw, world, gpus_per_node, seq, global_batch, precision, space
                             failed.setdefault(recompute, (mbs, cand.problem))
                         continue
                     result.ranked.append(cand)
+                    if dp_mode != "no_shard":
+                        lighter[mbs] = min(i, lighter.get(mbs, i))
                     break  # slower recompute modes than one that fits never win
     result.ranked.sort(key=rank_key)
     return result
+
+
+SHARDING = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+"""Data-parallel modes from the least sharded: the search sizes them in this order."""
+DOMINATED = ("a less sharded DP mode fits at this micro-batch with no more recompute (sharding gradients or "
+             "parameters moves more bytes for no time: it only pays in memory)")
 
 
 def micro_batches(space: SearchSpace, pp: int, dp: int, global_batch: int) -> tuple[int, ...]:

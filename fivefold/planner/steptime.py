@@ -23,7 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from fivefold.planner.activations import ArchTraits, Sharding, layer_activation_bytes
-from fivefold.planner.collectives import Collective, cp_split, group_sizes, layer_collectives, stage_collectives, step_collectives
+from fivefold.planner.collectives import (Collective, cp_split, dp_calls_per_step, group_sizes, layer_collectives,
+                                          stage_collectives, step_collectives)
 from fivefold.planner.flops import attention_core_flops, layer_forward_flops, model_flops_per_token, output_forward_flops
 from fivefold.planner.mtp import mtp_forward_flops
 from fivefold.planner.layout import Plan
@@ -290,7 +291,7 @@ def _step_calls(plan: Plan, r: int, links: _Links, sizes: dict[str, int]) -> Tim
     """`step_collectives` of pipeline rank r, timed."""
     p = plan.config.parallel
     key = ("step", plan.tp, plan.sp, plan.cp, plan.dp, plan.pp, plan.vpp, plan.schedule, plan.ep, plan.etp, plan.edp,
-           plan.precision, plan.config.training.sharding_strategy, plan.rank_shapes[r],
+           plan.precision, plan.config.training.sharding_strategy, dp_calls_per_step(plan), plan.rank_shapes[r],
            links.cross["tp"], links.cross["embedding"], links.cross["dp"], links.cross["edp"], p.order)
     return _cached_calls(key, plan, links, lambda: _timed(step_collectives(plan, r), links, sizes))
 
