@@ -284,9 +284,9 @@ class _Ranks:
         # recompute rebuilt), each moment with the activations held and the zero-bubble schedules'
         # B-done-W-pending gradients (`PipelineProfile.moments`, in chunks); offloaded inputs stay
         # on the device only for the microbatch being computed
-        v = prof.vpp
-        at_forward, in_backward = (max(per_mb * h / v - offloaded * max(0.0, h / v - 1) + p / v * joins for h, p in front)
-                                   for front in prof.moments[r])
+        forward, backward = prof.moments[r]
+        at_forward = _held(forward, prof.vpp, per_mb, offloaded, joins)
+        in_backward = _held(backward, prof.vpp, per_mb, offloaded, joins)
         rm.activations = max(at_forward + rm.logits, in_backward + bwd + transient) - rm.logits
         rm.buffers = self.buffers
         rm.scratch = max(0.0, optimizer_phase(plan, dense, expert, largest_param(plan, r), traits, self.prec)
@@ -295,6 +295,21 @@ class _Ranks:
         rm.overhead = assume.allocator_overhead * tensors
         rm.reserve = assume.runtime_reserve
         return rm
+
+
+def _held(front: tuple[tuple[int, int], ...], v: int, per_mb: float, offloaded: float, joins: float) -> float:
+    """The most a moment of `front` holds, its (held, pending) counts in chunks (`v` a microbatch):
+    the held activations, less the offloaded inputs of all but one microbatch, plus the pending
+    ones' gradients."""
+    best = None
+    for h, p in front:
+        x = h / v
+        held = per_mb * x + joins * p / v
+        if offloaded and x > 1:
+            held -= offloaded * (x - 1)
+        if best is None or held > best:
+            best = held
+    return best
 
 
 def _covers(a: tuple[tuple[int, int], ...], b: tuple[tuple[int, int], ...]) -> bool:
