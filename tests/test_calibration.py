@@ -137,11 +137,11 @@ def test_short_attention_calls_run_below_the_kernels_rate():
 
 
 def test_torchtitan_rows_search_without_accumulation_and_without_head_all_to_all():
-    """torchtitan had no gradient accumulation before June 2025 and its CP is a ring: its cases search
-    so, and its profile's space tries p2p only."""
+    """torchtitan had no gradient accumulation before June 2025 and its CP is a ring: its December 2024
+    cases search so, and its profile's space tries p2p only."""
     from fivefold.planner.runtime import profile
     by_row = {c.run.row: c for c in cases()}
-    assert not by_row[16].accumulates and by_row[1].accumulates
+    assert not by_row[16].accumulates and by_row[34].accumulates and by_row[1].accumulates
     assert profile("torchtitan").space().cp_comm_types == ("p2p",)
     assert "a2a" in profile("megatron-te").space().cp_comm_types
 

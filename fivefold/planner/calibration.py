@@ -131,8 +131,8 @@ class Case:
     fp32_grads: bool = False
     """The source states fp32 gradient accumulation and reduction (beside its runtime's default)."""
     accumulates: bool = True
-    """The run could accumulate gradients over micro-batches (`SearchSpace.accumulate`): not torchtitan's
-    (none before June 2025; the later rows give no global batch, so it was local batch x DP)."""
+    """The run's tool could accumulate gradients over micro-batches (`SearchSpace.accumulate`): not
+    torchtitan's of December 2024 (it gained it in June 2025, PR #1238)."""
 
 
 def read_runs(path: Path = RUNS) -> list[Run]:
@@ -206,9 +206,8 @@ def case_of(run: Run) -> Case:
     mbs = int(take("micro_batch", mbs_default, "torchtitan splits the local batch into PP microbatches" if tt and pp > 1
                    else ("the stated local batch" if tt else "Megatron's default")))
     gbs_text, unit = run.get("global_batch"), run.get("global_batch_unit")
-    if tt:
-        assumed.append("no gradient accumulation (torchtitan gained it in June 2025, PR #1238; the later rows "
-                       "set no global batch, so theirs was local batch x DP)")
+    if src == "TT-2412":
+        assumed.append("no gradient accumulation (torchtitan gained it in June 2025, PR #1238)")
     if gbs_text is None and tt:
         gbs = (local or mbs) * dp
         assumed.append(f"global_batch={gbs} (local batch x DP: no gradient accumulation stated)")
@@ -264,7 +263,8 @@ def case_of(run: Run) -> Case:
         memory *= GiB if basis == "reserved GiB" else 1e9
     # Llama 3 s3.3: "FP32 gradient accumulation and reduce-scatter"
     return Case(run, model_name, hw_name, gpn, cfg, RUNTIME[src], tokens, memory, basis, assumed,
-                frozenset(unstated & LAYOUT_FIELDS.keys()), fp32_grads=src == "LLAMA3", accumulates=not tt)
+                frozenset(unstated & LAYOUT_FIELDS.keys()), fp32_grads=src == "LLAMA3",
+                accumulates=src != "TT-2412")
 
 
 def stated_layout(case: Case) -> Callable[[Config], bool]:
