@@ -122,6 +122,21 @@ def zero2_full_buffers(plan: Plan, dense: float, expert: float) -> float:
     return sum(n * (full - g) for n, g in zip((dense, expert), sharded))
 
 
+def model_state(plan: Plan, dense: float, expert: float, state_bytes: tuple, prec: Precision,
+                mode: str) -> tuple[float, float, float]:
+    """(weights, gradients, optimizer) bytes of a rank holding `dense` and `expert` parameters
+    (`state_bytes`: per dense and per expert parameter): the optimizer's offloaded share is host
+    memory; ZeRO-2/3 add their whole gradient buffers, ZeRO-3 the units in use, whole."""
+    (wd, gd, od), (we, ge, oe) = state_bytes
+    weights, grads, optimizer = dense * wd + expert * we, dense * gd + expert * ge, dense * od + expert * oe
+    optimizer *= 1 - prec.offload_fraction  # --optimizer-cpu-offload
+    if mode in ("optim_grads", "optim_grads_params"):
+        grads += zero2_full_buffers(plan, dense, expert)
+    if mode == "optim_grads_params":
+        weights += zero3_gathered(plan, dense + expert) * prec.state_bytes(1, "no_shard")[0]
+    return weights, grads, optimizer
+
+
 def zero3_gathered(plan: Plan, held: float) -> float:
     """ZeRO-3's whole parameters at the peak (fivefold.parallel.fsdp), elements, of the `held` this
     rank holds: without PP, at the end of the forward the output layer's unit is in use (the output
@@ -267,14 +282,8 @@ class _Ranks:
         rm = RankMemory(rank=r)
         detail, per_mb, transient, joins, bwd, offloaded = _layers(plan, self.shapes[r][0], r, self.sh, traits)
         dense, expert = rank_params(plan, r)
-        (wd, gd, od), (we, ge, oe) = self.state_bytes
         rm.params = dense + expert
-        rm.weights, rm.grads, rm.optimizer = dense * wd + expert * we, dense * gd + expert * ge, dense * od + expert * oe
-        rm.optimizer *= 1 - self.prec.offload_fraction  # --optimizer-cpu-offload: host memory
-        if self.mode in ("optim_grads", "optim_grads_params"):
-            rm.grads += zero2_full_buffers(plan, dense, expert)
-        if self.mode == "optim_grads_params":  # ZeRO-3: the units in use, whole
-            rm.weights += zero3_gathered(plan, dense + expert) * self.prec.state_bytes(1, "no_shard")[0]
+        rm.weights, rm.grads, rm.optimizer = model_state(plan, dense, expert, self.state_bytes, self.prec, self.mode)
         rm.detail = detail  # shared with the cache: read only
         rm.inflight = prof.inflight_microbatches(r)
         if r == plan.last_rank:

@@ -7,9 +7,11 @@ import gc
 from dataclasses import dataclass, field
 
 from fivefold.config.schema import ClusterConfig, Config, ModelConfig, ParallelConfig, TrainingConfig
+from fivefold.parallel.precision import Precision
 from fivefold.pipeline.schedules import microbatch_problem
 from fivefold.planner.layout import Plan
-from fivefold.planner.memory import MemoryAssumptions, RankMemory, peak_memory, rank_params, state_bytes_per_param
+from fivefold.planner.memory import (MemoryAssumptions, RankMemory, model_state, peak_memory, rank_params,
+                                     state_bytes_per_param)
 from fivefold.planner.presets.hardware import Hardware
 from fivefold.planner.space import SearchSpace, recompute_fields, recompute_modes, structures
 from fivefold.planner.steptime import StepEstimate, TimeAssumptions, step_time
@@ -217,15 +219,17 @@ def rank_key(c: Candidate) -> tuple[float, float]:
 
 def state_problem(cfg: Config, hw: Hardware, mem: MemoryAssumptions = MemoryAssumptions(),
                   layout: Plan | None = None) -> str | None:
-    """Why `cfg` cannot fit whatever its activations (weights + gradients + optimizer state, with the
-    allocator overhead and the runtime reserve, exceed the GPU), or None (`layout`: a Plan of the same
+    """Why `cfg` cannot fit whatever its activations (weights + gradients + optimizer state as sized,
+    ZeRO-2/3's whole buffers and gathered units included, with the allocator overhead and the runtime
+    reserve, exceed the GPU), or None (`layout`: a Plan of the same
     layout, to take its layout-only properties from)."""
     plan = Plan(cfg) if layout is None else layout.with_training(cfg)
-    wd, gd, od = state_bytes_per_param(cfg.training, plan.precision, plan.dp * plan.cp)
-    we, ge, oe = state_bytes_per_param(cfg.training, plan.precision, plan.edp)
+    t = cfg.training
+    per_param = tuple(state_bytes_per_param(t, plan.precision, d) for d in (plan.dp * plan.cp, plan.edp))
+    prec = Precision.of(t, plan.precision)
     for r in range(plan.pp):
-        dense, expert = rank_params(plan, r)
-        need = (dense * (wd + gd + od) + expert * (we + ge + oe)) * (1 + mem.allocator_overhead) + mem.runtime_reserve
+        state = model_state(plan, *rank_params(plan, r), per_param, prec, t.sharding_strategy)
+        need = sum(state) * (1 + mem.allocator_overhead) + mem.runtime_reserve
         if need > hw.memory_bytes:
             return (f"needs {need / GiB:.1f} GiB on pipeline rank {r} for model state alone, "
                     f"{(need - hw.memory_bytes) / GiB:.1f} GiB over the {hw.memory_bytes / GiB:.0f} GiB of a {hw.name}")
