@@ -227,7 +227,7 @@ def state_problem(cfg: Config, hw: Hardware, mem: MemoryAssumptions = MemoryAssu
     t = cfg.training
     per_param = tuple(state_bytes_per_param(t, plan.precision, d) for d in (plan.dp * plan.cp, plan.edp))
     prec = Precision.of(t, plan.precision)
-    for r in range(plan.pp):
+    for r in dict.fromkeys(plan.rank_classes):  # ranks of one shape hold the same parameters
         state = model_state(plan, *rank_params(plan, r), per_param, prec, t.sharding_strategy)
         need = sum(state) * (1 + mem.allocator_overhead) + mem.runtime_reserve
         if need > hw.memory_bytes:
