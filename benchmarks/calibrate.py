@@ -176,14 +176,16 @@ def rank_report(all_cases: list, runtime: str | None) -> None:
         where = f"{rank} of {len(result.ranked)}" if rank else f"not fitting: {published.problem[:60]}"
         print(f"| {c.run.row} | {c.run.source} | {c.model_name} | {cfg.cluster.world_size} x {c.hardware_name} | "
               f"{describe(cfg)} | {', '.join(sorted(c.unstated)) or '-'} | {where} | {free or '-'} | {ratio} | "
-              f"{top.label if top else '-'} | {held_text(published, held).removeprefix('held to its ') if held else '-'} |")
+              f"{top.label if top else '-'} | "
+              f"{held_text(published, held).removeprefix('held to its ') if held else '-'} |")
 
     def top5(found: list) -> str:
         return f"{sum(1 for r in found if r and r <= 5)} of {len(found)}"
 
     print(f"\npublished layouts in the top 5: {top5(ranks)} as assumed; {top5(free_ranks)} with the unstated fields "
           f"free; {top5(full)} of the rows whose source states the whole layout (TP CP PP VPP DP EP mbs recompute "
-          f"split), and {sum(held_full)} more that rank in the top 5 held to one or two of their own choices; judged not to fit: {sum(r is None for r in ranks)}; median rank of the fitting ones: "
+          f"split), and {sum(held_full)} more that rank in the top 5 held to one or two of their own choices; "
+          f"judged not to fit: {sum(r is None for r in ranks)}; median rank of the fitting ones: "
           f"{statistics.median([r for r in ranks if r]) if any(ranks) else '-'} as assumed, "
           f"{statistics.median([r for r in free_ranks if r]) if any(free_ranks) else '-'} unstated free")
     # many layouts lie within the time model's own error of the top: how far the published one is

@@ -74,7 +74,8 @@ def run(args, extra) -> int:
         words = [x.strip().lower() for x in args.dp_modes.split(",")]
         unknown = [w for w in words if w not in DP_MODES]
         if unknown:
-            raise UserError(f"--dp-modes: unknown {', '.join(unknown)}; choose from distopt (zero1), zero2, fsdp (zero3)")
+            raise UserError(f"--dp-modes: unknown {', '.join(unknown)}; "
+                            "choose from distopt (zero1), zero2, fsdp (zero3)")
         dp_modes = tuple(dict.fromkeys(DP_MODES[w] for w in words))
     counts = count_params(spec.model)
     t0 = time.perf_counter()

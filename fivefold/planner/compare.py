@@ -131,7 +131,8 @@ HOLDABLE = ("tp", "cp", "pp", "vpp", "dp", "ep", "micro_batch", "recompute", "fs
 """The fields `held_to` may hold (the split and expert TP follow from the others)."""
 
 
-def held_to(cand: Candidate, ranked: list[Candidate], top: int = 5, most: int = 2) -> tuple[tuple[str, ...], int, int] | None:
+def held_to(cand: Candidate, ranked: list[Candidate], top: int = 5,
+            most: int = 2) -> tuple[tuple[str, ...], int, int] | None:
     """The fewest (up to `most`) of `cand`'s `HOLDABLE` fields that, held to its values, put it in the
     first `top` and the faster half of the ranked layouts sharing them (a set only it or a few slower
     ones share says nothing): (the fields, its rank there, how many share them, itself included), the
@@ -158,7 +159,8 @@ def held_to(cand: Candidate, ranked: list[Candidate], top: int = 5, most: int = 
 def held_text(cand: Candidate, held: tuple[tuple[str, ...], int, int]) -> str:
     """`held_to`'s answer in words: "held to its PP1 and rc-full, it ranks 1 of 20"."""
     fields, rank, of = held
-    words = {"tp": "TP{}", "cp": "CP{}", "pp": "PP{}", "vpp": "VPP{}", "dp": "DP{}", "ep": "EP{}", "micro_batch": "mbs{}"}
+    words = {"tp": "TP{}", "cp": "CP{}", "pp": "PP{}", "vpp": "VPP{}", "dp": "DP{}", "ep": "EP{}",
+             "micro_batch": "mbs{}"}
     named = []
     for f in fields:
         value = LAYOUT_FIELDS[f](cand.plan)

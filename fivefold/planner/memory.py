@@ -40,7 +40,7 @@ from fivefold.planner.activations import (EAGER_TRAITS, OFFLOAD_MODULES, ArchTra
 from fivefold.planner.layout import Plan
 from fivefold.planner.mtp import mtp_activation_values, mtp_params
 from fivefold.planner.params import embedding_params, kv_params, kv_tp_split, layer_params
-from fivefold.planner.pipeline import pipeline_profile
+from fivefold.planner.pipeline import Front, pipeline_profile
 
 GiB = 2**30
 
@@ -306,7 +306,7 @@ class _Ranks:
         return rm
 
 
-def _held(front: tuple[tuple[int, int], ...], v: int, per_mb: float, offloaded: float, joins: float) -> float:
+def _held(front: Front, v: int, per_mb: float, offloaded: float, joins: float) -> float:
     """The most a moment of `front` holds, its (held, pending) counts in chunks (`v` a microbatch):
     the held activations, less the offloaded inputs of all but one microbatch, plus the pending
     ones' gradients."""
@@ -321,7 +321,7 @@ def _held(front: tuple[tuple[int, int], ...], v: int, per_mb: float, offloaded: 
     return best
 
 
-def _covers(a: tuple[tuple[int, int], ...], b: tuple[tuple[int, int], ...]) -> bool:
+def _covers(a: Front, b: Front) -> bool:
     """Every moment of `b` is matched or exceeded, in both counts, by one of `a`."""
     return all(any(h >= x and p >= y for h, p in a) for x, y in b)
 

@@ -221,8 +221,8 @@ def state_problem(cfg: Config, hw: Hardware, mem: MemoryAssumptions = MemoryAssu
                   layout: Plan | None = None) -> str | None:
     """Why `cfg` cannot fit whatever its activations (weights + gradients + optimizer state as sized,
     ZeRO-2/3's whole buffers and gathered units included, with the allocator overhead and the runtime
-    reserve, exceed the GPU), or None (`layout`: a Plan of the same
-    layout, to take its layout-only properties from)."""
+    reserve, exceed the GPU), or None (`layout`: a Plan of the same layout, to take its layout-only
+    properties from)."""
     plan = Plan(cfg) if layout is None else layout.with_training(cfg)
     t = cfg.training
     per_param = tuple(state_bytes_per_param(t, plan.precision, d) for d in (plan.dp * plan.cp, plan.edp))
@@ -244,8 +244,8 @@ def clear_caches() -> None:
     for cache in (layout._SPLITS, layout._GROUPS, memory._PARAMS, memory._LAYERS, params._CACHE, flops._PER_TOKEN,
                   steptime._CROSS, steptime._CALLS, steptime._LAYER_COSTS):
         cache.clear()
-    for fn in (pipeline._simulate, pipeline.pipeline_profile, space.layer_splits, memory._for_precision, activations._interned,
-               precision._policy, precision.Precision.state_bytes):
+    for fn in (pipeline._simulate, pipeline.pipeline_profile, space.layer_splits, memory._for_precision,
+               activations._interned, precision._policy, precision.Precision.state_bytes):
         fn.cache_clear()
 
 
