@@ -264,8 +264,7 @@ def stage_collectives(plan: Plan, pp_rank: int) -> list[Collective]:
     out = []
     if plan.tp > 1:
         if first:
-            out += ([Collective("reduce_scatter", "sp", "tp", M, "forward"), Collective("all_gather", "sp", "tp", M, "backward")]
-                    if plan.sp else [Collective("all_reduce", "tp", "tp", M, "forward")])
+            out += _embedding(plan, M)
         if last:
             head = _tp_half(plan, M)[:3 if plan.sp else 1]  # the output layer: a column-parallel group
             loss = [Collective("all_reduce", "tp-loss", "tp", 4 * _tokens(plan), "forward"),
@@ -291,11 +290,17 @@ def _mtp_depth(plan: Plan, M: float) -> list[Collective]:
     [enorm(emb), hnorm(h)] (2 M), its h/tp output gathered over the features (tag tp) and, under SP,
     split back to the sequence shard (whose backward gathers: tag tp)."""
     if not plan.sp:
-        return [Collective("all_reduce", "tp", "tp", M, "forward"), *_tp_half(plan, 2 * M)[:1],
-                Collective("all_gather", "tp", "tp", M, "forward")]
-    return [Collective("reduce_scatter", "sp", "tp", M, "forward"), Collective("all_gather", "sp", "tp", M, "backward"),
-            *_tp_half(plan, 2 * M)[:3],
+        return [*_embedding(plan, M), *_tp_half(plan, 2 * M)[:1], Collective("all_gather", "tp", "tp", M, "forward")]
+    return [*_embedding(plan, M), *_tp_half(plan, 2 * M)[:3],
             Collective("all_gather", "tp", "tp", M, "forward"), Collective("all_gather", "tp", "tp", M, "backward")]
+
+
+def _embedding(plan: Plan, M: float) -> list[Collective]:
+    """The vocab-parallel embedding's reduction over TP: reduce-scattered to the sequence shard under
+    SP (its backward gathers), else all-reduced."""
+    if plan.sp:
+        return [Collective("reduce_scatter", "sp", "tp", M, "forward"), Collective("all_gather", "sp", "tp", M, "backward")]
+    return [Collective("all_reduce", "tp", "tp", M, "forward")]
 
 
 def step_collectives(plan: Plan, pp_rank: int) -> list[Collective]:

@@ -24,7 +24,7 @@ from fivefold.errors import UserError
 from fivefold.pipeline.schedules import REGISTRY
 from fivefold.planner.activations import RECOMPUTE_MODULES
 from fivefold.planner.mtp import mtp_stage_layers
-from fivefold.planner.search import DP_MODE_LABEL, Candidate, evaluate, make_config, rank_key
+from fivefold.planner.search import DP_MODE_LABEL, Candidate, evaluate, make_config, rank_key, recompute_label
 from fivefold.planner.space import layer_splits
 
 _SIZE = re.compile(r"(tp|cp|pp|vpp|ep|etp|dp|mbs)(\d+)$")
@@ -165,8 +165,7 @@ def held_text(cand: Candidate, held: tuple[tuple[str, ...], int, int]) -> str:
     for f in fields:
         value = LAYOUT_FIELDS[f](cand.plan)
         if f == "recompute":
-            named.append("rc-" + {None: "none", "selective": "sel", "full": "full"}[value[0]]
-                         + (f"({','.join(sorted(value[1]))})" if value[1] else ""))
+            named.append(recompute_label(*value))
         elif f == "fsdp":
             named.append(DP_MODE_LABEL.get(value) or value)
         else:

@@ -19,7 +19,7 @@ tests/test_pipeline_registry.py), it is read instead of simulating: PP64 1F1B co
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 
 from fivefold.pipeline.ir import Kind
 from fivefold.pipeline.schedules import REGISTRY, build_schedule
@@ -36,15 +36,18 @@ Front = tuple[tuple[int, int], ...]
 
 @dataclass(frozen=True)
 class PipelineProfile:
-    inflight_chunks: tuple[int, ...]
-    """Per pipeline rank: peak number of (microbatch, model chunk) forward activations held."""
     vpp: int
     """Model chunks per rank (1 without interleaving; 2 for DualPipeV's V)."""
-    moments: tuple[tuple[Front, Front], ...] = ()
+    moments: tuple[tuple[Front, Front], ...]
     """Per pipeline rank: (at its forwards, in its backwards) the (held, pending) chunk counts that
     occur together, each kind cut to the pairs no other of it exceeds in both (`_moments`): the
-    peaks above need not coincide (DualPipeV's middle ranks hold most when little W is pending).
+    peaks of the two need not coincide (DualPipeV's middle ranks hold most when little W is pending).
     Closed-form schedules: the peak held, nothing pending."""
+
+    @cached_property
+    def inflight_chunks(self) -> tuple[int, ...]:
+        """Per pipeline rank: peak number of (microbatch, model chunk) forward activations held."""
+        return tuple(max(h for front in fronts for h, _ in front) for fronts in self.moments)
 
     def inflight_microbatches(self, rank: int) -> float:
         """Peak held activations of `rank` in units of its whole stage's per-microbatch activations."""
@@ -66,17 +69,16 @@ class PipelineProfile:
 
 @lru_cache(maxsize=1024)
 def _simulate(schedule: str, pp: int, vpp: int | None, m: int):
-    """(makespan in stage times, peak in-flight chunks per rank, chunks per rank, each rank's
-    `PipelineProfile.moments`), equal stages: the registry's closed form where it has one, else simulated."""
+    """(makespan in stage times, chunks per rank, each rank's `PipelineProfile.moments`), equal stages: the registry's closed form where it has one, else simulated."""
     kind = REGISTRY[schedule]
     if kind.equal_stages is not None and kind.rule(pp, vpp, m) is None:
         chunks = kind.chunks(vpp)
         makespan, held = kind.equal_stages(pp, chunks, m)
-        return makespan, held, (chunks,) * pp, tuple((((h, 0),), ((h, 0),)) for h in held)
+        return makespan, (chunks,) * pp, tuple((((h, 0),), ((h, 0),)) for h in held)
     s = build_schedule(schedule, pp, m, vpp)
     r = simulate(s, Costs.per_rank(s, 1 / 3, 1 / 3, 1 / 3), timeline=False)
     moments = tuple(_moments(a) for a in s.ranks)
-    return r.makespan, tuple(r.peak_in_flight), tuple(r.stages_per_rank), moments
+    return r.makespan, tuple(r.stages_per_rank), moments
 
 
 def _moments(actions) -> tuple[Front, Front]:
@@ -116,12 +118,11 @@ def pipeline_profile(schedule: str, pp: int, vpp: int | None, m: int) -> Pipelin
     if schedule not in REGISTRY:
         raise ValueError(f"the planner has no model of schedule {schedule!r}; use one of {tuple(REGISTRY)}")
     m0 = min(m, SIMULATED * pp)
-    _, held, chunks, moments = _simulate(schedule, pp, vpp, m0)
+    _, chunks, moments = _simulate(schedule, pp, vpp, m0)
     if m > m0:  # GPipe holds every microbatch: the only count that grows past the simulated ones
-        held = tuple(m * c if h == m0 * c else h for h, c in zip(held, chunks))
         moments = tuple(tuple(tuple((m * c if h == m0 * c else h, p) for h, p in front) for front in fronts)
                         for fronts, c in zip(moments, chunks))
-    return PipelineProfile(inflight_chunks=held, vpp=chunks[0], moments=moments)
+    return PipelineProfile(vpp=chunks[0], moments=moments)
 
 
 def bubble_stage_times(schedule: str, pp: int, vpp: int | None, m: int) -> float:

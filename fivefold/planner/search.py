@@ -68,10 +68,7 @@ def describe(cfg: Config) -> str:
         parts.append(f"EP{plan.ep} ETP{plan.etp}")
     parts.append(f"DP{plan.dp}")
     parts.append(f"mbs{t.micro_batch_size}")
-    rc = {None: "rc-none", "selective": "rc-sel", "full": "rc-full"}[t.recompute_granularity]
-    if t.recompute_granularity == "selective" and plan.recompute_modules != {"core_attn"}:
-        rc += f"({','.join(sorted(plan.recompute_modules))})"  # Megatron's --recompute-modules
-    parts.append(rc)
+    parts.append(recompute_label(t.recompute_granularity, plan.recompute_modules))
     parts += [DP_MODE_LABEL[t.sharding_strategy]] if DP_MODE_LABEL[t.sharding_strategy] else []
     # memory options beside the layout (counted by the planner; docs/precision.md)
     if t.optimizer_cpu_offload:
@@ -83,6 +80,15 @@ def describe(cfg: Config) -> str:
     if plan.offload_modules:
         parts.append(f"act-offload({','.join(sorted(plan.offload_modules))})")
     return " ".join(parts)
+
+
+def recompute_label(granularity: str | None, modules) -> str:
+    """rc-none, rc-sel, rc-full, or rc-sel(MODULE,...) for Megatron's --recompute-modules other than
+    the attention core alone."""
+    rc = {None: "rc-none", "selective": "rc-sel", "full": "rc-full"}[granularity]
+    if granularity == "selective" and modules and set(modules) != {"core_attn"}:
+        rc += f"({','.join(sorted(modules))})"
+    return rc
 
 
 DP_MODE_LABEL = {"optim": "distopt", "optim_grads": "zero2", "optim_grads_params": "fsdp", "no_shard": ""}
