@@ -28,7 +28,7 @@ from fivefold.planner.memory import peak_memory  # noqa: E402
 from fivefold.planner.presets import hardware  # noqa: E402
 from fivefold.planner.search import describe  # noqa: E402
 from fivefold.planner.runtime import PROFILES, Runtime, apply, profile, with_time  # noqa: E402
-from fivefold.planner.search import SearchSpace, clear_caches, evaluate, search  # noqa: E402
+from fivefold.planner.search import SearchSpace, clear_caches, evaluate, search, with_a2a_overlap  # noqa: E402
 from fivefold.planner.compare import held_text, held_to, rank_of  # noqa: E402
 from fivefold.planner.steptime import TimeAssumptions, step_time  # noqa: E402
 
@@ -36,7 +36,7 @@ GiB = 2**30
 
 
 FREE = {"megatron-te": ("gemm_efficiency", "fp8_gemm_efficiency", "attention_efficiency", "expert_efficiency",
-                         "expert_half_rows", "membound_passes", "tp_overlap", "ep_overlap"),
+                         "expert_half_rows", "membound_passes", "tp_overlap", "ep_overlap", "ep_overlap_1f1b"),
         "torchtitan": ("gemm_efficiency", "fp8_gemm_efficiency", "attention_efficiency", "attention_half_keys",
                        "membound_passes", "tp_overlap", "cp_overlap")}
 """The constants fitted per runtime (physical: achieved shares of peak, overlap shares, HBM passes)."""
@@ -144,7 +144,8 @@ def fit_report(all_cases: list, only: str | None = None) -> None:
 
 def rank_report(all_cases: list, runtime: str | None) -> None:
     """For each case, `plan`'s search on its model, GPUs, sequence, batch and precision under its
-    runtime: the published layout's rank among the fitting layouts (every unstated field as assumed),
+    runtime: the published layout's rank among the fitting layouts (every unstated field as assumed;
+    run with the runtime's switches as the search runs every layout),
     the rank of the first layout with the fields the source states (the unstated ones free:
     `calibration.stated_layout`), and the top choice beside them."""
     print("| row | source | model | GPUs | published layout | unstated | rank as assumed | rank, unstated free "
@@ -158,7 +159,9 @@ def rank_report(all_cases: list, runtime: str | None) -> None:
         result = search(cfg.model, hw, cfg.cluster.world_size, c.gpus_per_node, t.seq_length, t.global_batch_size,
                         t.precision, rt.space(accumulate=c.accumulates), rt.memory, rt.time,
                         grad_reduce_in_bf16=t.grad_reduce_in_bf16)
-        published = evaluate(cfg, hw, rt.memory, rt.time)
+        # the published layout as the search runs it: the runtime's switches (the 1F1B all-to-all
+        # overlap where allowed) are not layout choices, so a row that ran without one competes with it
+        published = evaluate(with_a2a_overlap(cfg) if rt.a2a_overlap else cfg, hw, rt.memory, rt.time)
         rank = rank_of(published, result.ranked)
         states = stated_layout(c)
         free = next((i for i, cand in enumerate(result.ranked, 1) if states(cand.config)), None)

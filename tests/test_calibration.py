@@ -165,9 +165,59 @@ def test_a_fit_knows_which_constants_its_rows_do_not_depend_on():
     from fivefold.planner.runtime import PROFILES
     by_source = {s: [c for c in cases() if c.run.source == s] for s in ("MLM-README", "MCORE-MOE-2603")}
     assert set(unused(PROFILES["megatron-te"], by_source["MLM-README"], FREE["megatron-te"])) == {
-        "fp8_gemm_efficiency", "expert_efficiency", "expert_half_rows", "ep_overlap"}
+        "fp8_gemm_efficiency", "expert_efficiency", "expert_half_rows", "ep_overlap", "ep_overlap_1f1b"}
     moe = [c for c in by_source["MCORE-MOE-2603"] if c.tokens_per_s]
     assert unused(PROFILES["megatron-te"], moe, FREE["megatron-te"]) == ()
+
+
+def test_the_1f1b_all_to_all_overlap_hides_ep_traffic_where_megatron_allows_it():
+    """Rows 47 and 48 are one run without and with --overlap-moe-expert-parallel-comm (published 1663
+    and 1862 tokens/s): the cases differ in that switch alone, the overlapped one is faster, and its EP
+    time is the un-overlapped one's times (1 - ep_overlap_1f1b) / (1 - ep_overlap). The search turns
+    it on wherever Megatron-LM's rules allow (EP > 1, VPP under PP, no full recompute), and only there."""
+    from dataclasses import replace
+    from fivefold.config.rules import a2a_overlap_problems, sizes_of
+    from fivefold.planner.presets import hardware, model_preset
+    from fivefold.planner.runtime import apply, profile
+    from fivefold.planner.search import search
+    from fivefold.planner.steptime import step_time
+    te = profile("megatron-te")
+    by_row = {c.run.row: c for c in cases()}
+    off, on = by_row[47].config, by_row[48].config
+    assert replace(off, parallel=replace(off.parallel, overlap_moe_expert_parallel_comm=True)) == on
+    hw = hardware("h100-sxm")
+    t_off, t_on = (step_time(Plan(apply(c, te)), hw, te.time) for c in (off, on))
+    assert t_on.step_time < t_off.step_time
+    ta = te.time
+    assert t_on.parts["ep"] / t_off.parts["ep"] == pytest.approx((1 - ta.ep_overlap_1f1b) / (1 - ta.ep_overlap))
+    result = search(model_preset("qwen3-30b-a3b").model, hw, 64, 8, 4096, 256, "bf16", te.space(), te.memory, ta,
+                    grad_reduce_in_bf16=True)
+    with_it = [c for c in result.ranked if c.config.parallel.overlap_moe_expert_parallel_comm]
+    assert with_it and all("a2a-overlap" in c.label for c in with_it)
+    for c in result.ranked:  # on exactly where the rules allow it
+        allowed = not a2a_overlap_problems(sizes_of(replace(c.config, parallel=replace(
+            c.config.parallel, overlap_moe_expert_parallel_comm=True))))
+        assert c.config.parallel.overlap_moe_expert_parallel_comm == allowed, c.label
+
+
+def test_nodes_hit_per_token_agree_with_the_router():
+    """`nodes_hit` (DeepEP's sends per token across nodes) against the runtime's router on random logits
+    (40,000 tokens: the sampling error of a mean is ~0.3%): within 1% with whole groups per node or no
+    group limit (measured 0.75% worst), 6.1% over where a group spans two nodes (the planner's account of
+    its even split; measured +6.1%), bound 10%."""
+    import torch
+    from fivefold.config.schema import ModelConfig
+    from fivefold.model.router import top_k
+    from fivefold.planner.steptime import nodes_hit
+    generator = torch.Generator().manual_seed(0)
+    for experts, k, groups, chosen, nodes, bound in ((256, 8, 8, 4, 8, 0.015), (256, 8, 8, 4, 4, 0.015),
+                                                       (256, 8, 8, 4, 16, 0.10), (128, 8, None, None, 4, 0.015),
+                                                       (160, 6, 8, 3, 8, 0.015)):
+        cfg = ModelConfig(num_experts=experts, moe_router_topk=k, moe_router_num_groups=groups,
+                          moe_router_group_topk=chosen)
+        node = top_k(torch.randn(40000, experts, generator=generator), cfg) // (experts // nodes)
+        measured = torch.zeros(node.shape[0], nodes).scatter_(1, node, 1).sum(1).mean().item()
+        assert nodes_hit(experts, k, groups or 1, chosen or 1, nodes) == pytest.approx(measured, rel=bound)
 
 
 def test_runtime_flag_is_checked(capsys):

@@ -41,6 +41,13 @@ CASES = [  # (words, world size, substring of the message)
     ("pp=2 num_layers=3 account_for_embedding_in_pipeline_split=true account_for_loss_in_pipeline_split=true",
      8, "(num_layers=3 + 2 for embedding/loss = 5)"),
     ("num_experts=4 moe_router_topk=6", 8, "cannot route to more than num_experts=4"),
+    # Megatron-LM's checks of the 1F1B all-to-all overlap
+    ("num_experts=4 overlap_moe_expert_parallel_comm=true", 8, "needs expert parallelism (EP > 1)"),
+    ("ep=2 num_experts=4 overlap_moe_expert_parallel_comm=true", 8, "a 16-bit model (precision=fp32"),
+    ("ep=2 num_experts=4 precision=bf16 overlap_moe_expert_parallel_comm=true recompute_granularity=full "
+     "recompute_method=uniform recompute_num_layers=1", 8, "no full recompute"),
+    ("pp=2 ep=2 num_experts=4 precision=bf16 overlap_moe_expert_parallel_comm=true", 8,
+     "interleaving under pipeline parallelism (PP=2)"),
     ("tp=0", 8, "tensor_model_parallel_size=0: must be a whole number >= 1"),
     ("seq_length=0", 8, "seq_length=0: must be a whole number >= 1"),
     ("pp=2 num_layers=6 num_layers_per_virtual_pipeline_stage=2", 8, "multiple of PP*num_layers_per_virtual"),

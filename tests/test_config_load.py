@@ -31,6 +31,22 @@ def test_megatron_flags_map_to_canonical_fields():
     assert (c.model.num_experts, c.model.moe_router_topk, c.model.moe_router_pre_softmax) == (4, 2, True)
 
 
+@pytest.mark.parametrize("words", [
+    ["--overlap-moe-expert-parallel-comm", "--expert-model-parallel-size", "2", "--num-experts", "4", "--bf16"],
+    ["cfg.comm_overlap.overlap_moe_expert_parallel_comm=true", "cfg.model.expert_model_parallel_size=2",
+     "cfg.model.num_moe_experts=4", "cfg.model.bf16=true"],
+    ["cfg.model.overlap_moe_expert_parallel_comm=true", "cfg.model.expert_model_parallel_size=2",
+     "cfg.model.num_moe_experts=4", "cfg.model.bf16=true"],
+])
+def test_the_1f1b_all_to_all_overlap_is_read_in_megatron_and_bridge_words(words):
+    """Megatron-LM's flag and both of Bridge's fields set the one canonical switch; Bridge's comm_overlap
+    None (its default: the model's setting stands) sets nothing."""
+    assert load_config(None, words, world_size=8).config.parallel.overlap_moe_expert_parallel_comm
+    kept = load_config(None, ["cfg.comm_overlap.overlap_moe_expert_parallel_comm=None", "cfg.model.num_moe_experts=4"],
+                       world_size=8)
+    assert not kept.config.parallel.overlap_moe_expert_parallel_comm
+
+
 @pytest.mark.parametrize("words, hint", [
     (["--tensor-model-paralel-size", "2"], "--tensor-model-parallel-size"),
     (["parallel.tensor_model_paralel_size=2"], "parallel.tensor_model_parallel_size"),

@@ -245,6 +245,8 @@ def classify(key: str, value: object) -> Taken:
             return Taken(NOT_BUILT, why=f" ({str(e).removesuffix(': not implemented yet')})")
     if key not in NOTES:
         if (flag := megatron_flag(name)) is not None:
+            if flag.kind == SWITCH and plain(value) is None:  # comm_overlap's None: the model's setting stands
+                return Taken(NOTE, why="None: Bridge keeps the model's setting")
             return Taken(MAPPED, [(flag.field, flag.convert(str(value)) if flag.convert else value)])
         if name in SECTION_OF and (section not in ("tokenizer", "dataset") or SECTION_OF[name] == "data"):
             return Taken(MAPPED, [(f"{SECTION_OF[name]}.{name}", value)])

@@ -51,7 +51,7 @@ def candidates(knob: str, s: dict) -> list:
         return _divisors(world)
     if knob == "vpp":
         return [None] + [v for v in _divisors(layers) if 2 <= v <= 16]
-    if knob == "sp":
+    if knob in ("sp", "a2a_overlap"):
         return [True, False]
     if knob == "seq":
         return _near_multiples(s["seq"], [2 ** k for k in range(1, 14)])

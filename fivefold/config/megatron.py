@@ -71,6 +71,7 @@ FLAGS: dict[str, Flag] = {
     "--expert-model-parallel-size": _v("parallel.expert_model_parallel_size"),
     "--expert-tensor-parallel-size": _v("parallel.expert_tensor_parallel_size"),
     "--sequence-parallel": _on("parallel.sequence_parallel"),
+    "--overlap-moe-expert-parallel-comm": _on("parallel.overlap_moe_expert_parallel_comm"),
     "--decoder-first-pipeline-num-layers": _v("parallel.decoder_first_pipeline_num_layers"),
     "--decoder-last-pipeline-num-layers": _v("parallel.decoder_last_pipeline_num_layers"),
     "--account-for-embedding-in-pipeline-split": _on("parallel.account_for_embedding_in_pipeline_split"),

@@ -21,6 +21,7 @@ KNOB_FIELDS = {
     "vpp": "parallel.virtual_pipeline_model_parallel_size", "cp": "parallel.context_parallel_size",
     "ep": "parallel.expert_model_parallel_size", "etp": "parallel.expert_tensor_parallel_size",
     "sp": "parallel.sequence_parallel", "hcp": "parallel.hierarchical_context_parallel_sizes",
+    "a2a_overlap": "parallel.overlap_moe_expert_parallel_comm",
     "cp_comm": "parallel.cp_comm_type", "schedule": "parallel.pipeline_schedule",
     "order": "parallel.order", "split": "parallel.pipeline_layers_per_stage",
     "first": "parallel.decoder_first_pipeline_num_layers",
@@ -45,7 +46,8 @@ KNOB_FIELDS = {
     "score": "model.moe_router_score_function", "rdtype": "model.moe_router_dtype",
     "groups": "model.moe_router_num_groups", "gtopk": "model.moe_router_group_topk",
     "ebias": "model.moe_router_enable_expert_bias", "brate": "model.moe_router_bias_update_rate",
-    "rscale": "model.moe_router_topk_scaling_factor",
+    "rscale": "model.moe_router_topk_scaling_factor", "mtp": "model.mtp_num_layers",
+    "precision": "training.precision",
 }
 
 
@@ -208,6 +210,7 @@ def errors(s: dict) -> list[Rule]:
     if s["gbs"] % (s["mbs"] * dp):
         out.append(Rule(KNOB_FIELDS["gbs"], s["gbs"], f"global batch must be a multiple of "
                         f"micro_batch_size*DP = {s['mbs']}*{dp} = {s['mbs'] * dp}", ("gbs", "mbs")))
+    out += a2a_overlap_problems(s)
     if s["rgran"] == "full" and s["rmethod"] not in ("uniform", "block"):
         out.append(Rule(KNOB_FIELDS["rmethod"], s["rmethod"], "full recompute needs recompute_method uniform "
                         "or block (Megatron-LM refuses without one)", ("rmethod",)))
@@ -315,6 +318,28 @@ def _moe(s: dict, dp: int) -> list[Rule]:
         out.append(Rule(KNOB_FIELDS["order"], s["order"], "the dense and expert grids must share their "
                         "pipeline groups: with this order they do not (put pp last)", ("order",)))
     return out
+
+
+def a2a_overlap_problems(s: dict) -> list[Rule]:
+    """Megatron-LM's requirements of the 1F1B all-to-all overlap (TransformerConfig's checks of
+    overlap_moe_expert_parallel_comm); the first broken one, turning the overlap off its first fix."""
+    if not s["a2a_overlap"]:
+        return []
+    field, why = KNOB_FIELDS["a2a_overlap"], "the 1F1B all-to-all overlap (overlap_moe_expert_parallel_comm) needs "
+    if s["ep"] <= 1:
+        return [Rule(field, True, why + "expert parallelism (EP > 1), as Megatron-LM requires", ("a2a_overlap", "ep"))]
+    if s["rgran"] == "full" or s["rmethod"] is not None or s["rnum"] is not None:
+        return [Rule(field, True, why + "no full recompute: recompute_granularity not full, recompute_method and "
+                     "recompute_num_layers unset (Megatron-LM refuses them together)", ("a2a_overlap", "rgran"))]
+    if s["pp"] > 1 and not s["vpp"]:
+        return [Rule(field, True, why + f"interleaving under pipeline parallelism (PP={s['pp']}): set "
+                     "virtual_pipeline_model_parallel_size, as Megatron-LM requires", ("a2a_overlap", "vpp"))]
+    if (s["mtp"] or 0) > 1:
+        return [Rule(field, True, why + f"at most one MTP layer (mtp_num_layers={s['mtp']})", ("a2a_overlap", "mtp"))]
+    if s["precision"] not in ("bf16", "fp16", "fp8"):
+        return [Rule(field, True, why + f"a 16-bit model (precision={s['precision']}: Megatron-LM refuses fp32)",
+                     ("a2a_overlap", "precision"))]
+    return []
 
 
 def _router(s: dict) -> list[Rule]:

@@ -54,6 +54,12 @@ class ParallelConfig:
     """ETP: TP inside each expert. Default None = TP (Megatron); AReaL's dialect sets 1."""
     sequence_parallel: bool = False
     """SP (Megatron's): shard norms/dropout/residual along the sequence in the TP group. Default False."""
+    overlap_moe_expert_parallel_comm: bool = False
+    """Megatron's 1F1B all-to-all overlap (--overlap-moe-expert-parallel-comm): one microbatch's EP
+    dispatch / combine run beside another's compute. A schedule choice with the same sums: fivefold's
+    runtime computes them without it; the planner times it for a runtime that has it (megatron-te).
+    Megatron-LM's rules hold: EP > 1, no full recompute, VPP when PP > 1, at most one MTP layer,
+    16-bit. Default False."""
     order: str = "tp-cp-ep-dp-pp"
     """Rank order, fastest-varying first. Default Megatron's tp-cp-ep-dp-pp."""
     pipeline_schedule: str = "1f1b"

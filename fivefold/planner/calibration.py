@@ -70,6 +70,14 @@ MEMORY_OPTIONS_OF: dict[int, tuple[dict, str]] = {
 """Rows whose source (or, marked assumed, a sibling row) names memory options beside the layout:
 TrainingConfig fields and the words they come from."""
 
+A2A_OVERLAP_OF: dict[int, str] = {
+    36: "notes: 1F1B A2A overlap ON", 39: "notes: DeepEP + EP A2A overlap", 41: "notes: 1F1B overlap ON",
+    43: "notes: 1F1B A2A overlap ON", 48: "notes: +1F1B A2A overlap (row 47 is the same run without it)",
+}
+"""Rows that ran Megatron's 1F1B all-to-all overlap (--overlap-moe-expert-parallel-comm), the
+source's words; the other MoE rows did not (37, 40, 52-55 say OFF, 47 is row 48 without it, the
+rest do not say: Megatron's default, off)."""
+
 HARDWARE = {"H100": "h100-sxm", "H100-80GB-HBM3 (700W)": "h100-sxm", "H800": "h800", "H200": "h200",
             "H100-96GB-HBM2e (500W)": "h100-96gb-500w", "GB200": "gb200", "GB300": "gb300"}
 """The set's `system` column -> hardware preset."""
@@ -241,7 +249,8 @@ def case_of(run: Run) -> Case:
     parallel = ParallelConfig(tensor_model_parallel_size=tp, sequence_parallel=tp > 1, context_parallel_size=cp,
                               pipeline_model_parallel_size=pp,
                               virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
-                              expert_model_parallel_size=ep, expert_tensor_parallel_size=etp, **split)
+                              expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
+                              overlap_moe_expert_parallel_comm=run.row in A2A_OVERLAP_OF, **split)
     training = TrainingConfig(seq_length=seq, global_batch_size=gbs, micro_batch_size=mbs, precision=precision,
                               recompute_granularity=None if rc == "none" else rc,
                               recompute_modules=list(RECOMPUTE_MODULES_OF[run.row][0])

@@ -4,8 +4,9 @@ The description is the planner's own label grammar (what `plan` prints), case-in
 any order: TPn (sequence parallelism on when n > 1; "TPn+SP" is accepted), CPn or CPn(p2p|a2a),
 PPn, VPPn, one schedule name other than 1f1b/interleaved (zb-h1, dualpipev, gpipe), EPn, ETPn, DPn
 (checked against the GPU count), mbsN, rc-none | rc-sel | rc-full, or rc-sel(MODULE,...) with Megatron's
---recompute-modules (core_attn, mla_up_proj, layernorm, mlp, moe_act, moe, shared_experts). A size left
-out is 1 (ETP: TP);
+--recompute-modules (core_attn, mla_up_proj, layernorm, mlp, moe_act, moe, shared_experts), and
+a2a-overlap (read, not required: the runtime's 1F1B all-to-all overlap is on where the search would
+put it, `SearchSpace.a2a_overlap`). A size left out is 1 (ETP: TP);
 the micro-batch and recompute left out are the search's: the smallest micro-batch of the search, and
 the first recompute mode that fits. Where the layers do not divide over PP x VPP, the split the
 search would try is taken (Megatron's uneven first/last stage or the embedding/loss as layers), else
@@ -24,13 +25,13 @@ from fivefold.errors import UserError
 from fivefold.pipeline.schedules import REGISTRY
 from fivefold.planner.activations import RECOMPUTE_MODULES
 from fivefold.planner.mtp import mtp_stage_layers
-from fivefold.planner.search import DP_MODE_LABEL, Candidate, evaluate, make_config, rank_key, recompute_label
+from fivefold.planner.search import A2A_OVERLAP, DP_MODE_LABEL, Candidate, evaluate, make_config, rank_key, recompute_label
 from fivefold.planner.space import layer_splits
 
 _SIZE = re.compile(r"(tp|cp|pp|vpp|ep|etp|dp|mbs)(\d+)$")
 _RECOMPUTE = {"rc-none": None, "rc-sel": "selective", "rc-selective": "selective", "rc-full": "full"}
 GRAMMAR = ("TPn[+SP] CPn[(p2p|a2a)] PPn VPPn EPn ETPn DPn mbsN rc-none|rc-sel[(MODULE,...)]|rc-full "
-           "[distopt|zero2|fsdp] [gpipe|zb-h1|dualpipev], e.g. \"TP4 PP8 VPP5 DP32 mbs1 rc-sel\"")
+           "[distopt|zero2|fsdp] [gpipe|zb-h1|dualpipev] [a2a-overlap], e.g. \"TP4 PP8 VPP5 DP32 mbs1 rc-sel\"")
 DP_MODES = {label: mode for mode, label in DP_MODE_LABEL.items() if label} | {"zero1": "optim", "zero3": "optim_grads_params"}
 """Words for the data-parallel mode (the labels', and ZeRO's stage names)."""
 
@@ -48,7 +49,7 @@ def parse(text: str) -> dict:
                             + ", ".join(RECOMPUTE_MODULES))
         words = words[:m.start()] + " " + words[m.end():]
     for word in words.replace(",", " ").split():
-        if word == "split":
+        if word in ("split", A2A_OVERLAP):
             continue
         if word in DP_MODES:
             out["dp_mode"] = DP_MODES[word]
@@ -75,7 +76,7 @@ def parse(text: str) -> dict:
 
 def candidates(text: str, model, hw, world: int, gpus_per_node: int, seq: int, global_batch: int, precision: str,
                micro_batches: tuple[int, ...], mem, ta, grad_reduce_in_bf16: bool = False,
-               dp_mode: str = "optim") -> list[Candidate]:
+               dp_mode: str = "optim", a2a_overlap: bool = False) -> list[Candidate]:
     """The named layout evaluated: one Candidate per reading the description leaves open (the
     recompute modes when none is named, until one fits; the search's layer splits), fastest first;
     UserError when the sizes do not make the GPU count."""
@@ -105,7 +106,7 @@ def candidates(text: str, model, hw, world: int, gpus_per_node: int, seq: int, g
         for recompute in modes:
             cfg = make_config(model, world, gpus_per_node, seq, global_batch, precision, {**parallel, **split},
                               micro_batch=mbs[0], recompute=recompute, grad_reduce_in_bf16=grad_reduce_in_bf16,
-                              recompute_modules=d["modules"], dp_mode=d["dp_mode"] or dp_mode)
+                              recompute_modules=d["modules"], dp_mode=d["dp_mode"] or dp_mode, a2a_overlap=a2a_overlap)
             c = evaluate(cfg, hw, mem, ta)
             out.append(c)
             if c.estimate is not None:

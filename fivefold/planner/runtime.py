@@ -45,10 +45,13 @@ class Runtime:
     cp_comm_types: tuple[str, ...] = ("p2p", "a2a")
     """The context-parallel exchanges the runtime has (`SearchSpace.cp_comm_types`): torchtitan's
     context parallelism is ring attention only (no head all-to-all)."""
+    a2a_overlap: bool = False
+    """The runtime has Megatron's 1F1B all-to-all overlap (`SearchSpace.a2a_overlap`)."""
 
     def space(self, **fields) -> SearchSpace:
         """The search space of this runtime's modes, with `fields` set (they win)."""
-        return SearchSpace(**{"dp_modes": self.dp_modes, "cp_comm_types": self.cp_comm_types, **fields})
+        return SearchSpace(**{"dp_modes": self.dp_modes, "cp_comm_types": self.cp_comm_types,
+                              "a2a_overlap": self.a2a_overlap, **fields})
 
 
 _TE_TRAITS = ArchTraits(fp8_linear_inputs=True, expert_outputs_saved=False)
@@ -72,12 +75,15 @@ PROFILES: dict[str, Runtime] = {r.name: r for r in [
     Runtime("megatron-te",
             MemoryAssumptions(allocator_overhead=0.02, runtime_reserve=1.0 * GiB, traits=_TE_TRAITS),
             # fitted on rows 1-9, 12-14, 36-44, 47-55 (benchmarks/calibrate.py --fit)
-            TimeAssumptions(gemm_efficiency=0.849, fp8_gemm_efficiency=0.576, attention_efficiency=0.571,
-                            attention_half_keys=_FLASH_HALF_KEYS, expert_efficiency=0.598, expert_half_rows=1621.0,
-                            membound_passes=17.06, tp_overlap=0.642, ep_overlap=0.872),
+            TimeAssumptions(gemm_efficiency=0.843, fp8_gemm_efficiency=0.563, attention_efficiency=0.571,
+                            attention_half_keys=_FLASH_HALF_KEYS, expert_efficiency=0.807, expert_half_rows=2305.0,
+                            membound_passes=16.32, tp_overlap=0.638, ep_overlap=0.47, ep_overlap_1f1b=0.721,
+                            ep_per_node=True),
             grad_reduce_in_bf16=True,
             summary="Megatron-Core + TransformerEngine: fused kernels, fp8 linear inputs, TP comm overlap, "
-                    "grouped GEMM, bf16 gradient reduction, distributed optimizer"),
+                    "grouped GEMM, bf16 gradient reduction, distributed optimizer, 1F1B all-to-all overlap "
+                    "where allowed",
+            a2a_overlap=True),
     Runtime("torchtitan",
             MemoryAssumptions(allocator_overhead=0.05, runtime_reserve=1.0 * GiB, traits=_TT_TRAITS),
             # fitted on rows 16-26, 28-35 (benchmarks/calibrate.py --fit --runtime torchtitan)

@@ -3,9 +3,11 @@ model, timed by the step-time model, ranked by step time. Layouts that break a r
 are kept with the reason."""
 from __future__ import annotations
 
+import dataclasses
 import gc
 from dataclasses import dataclass, field
 
+from fivefold.config.rules import a2a_overlap_problems, sizes_of
 from fivefold.config.schema import ClusterConfig, Config, ModelConfig, ParallelConfig, TrainingConfig
 from fivefold.parallel.precision import Precision
 from fivefold.pipeline.schedules import microbatch_problem
@@ -66,6 +68,8 @@ def describe(cfg: Config) -> str:
                      + "loss" * p.account_for_loss_in_pipeline_split)
     if cfg.model.is_moe:
         parts.append(f"EP{plan.ep} ETP{plan.etp}")
+        if p.overlap_moe_expert_parallel_comm:
+            parts.append(A2A_OVERLAP)
     parts.append(f"DP{plan.dp}")
     parts.append(f"mbs{t.micro_batch_size}")
     parts.append(recompute_label(t.recompute_granularity, plan.recompute_modules))
@@ -91,6 +95,8 @@ def recompute_label(granularity: str | None, modules) -> str:
     return rc
 
 
+A2A_OVERLAP = "a2a-overlap"
+"""How a layout label says it runs Megatron's 1F1B all-to-all overlap (`plan --compare` reads it)."""
 DP_MODE_LABEL = {"optim": "distopt", "optim_grads": "zero2", "optim_grads_params": "fsdp", "no_shard": ""}
 """How a layout label names its data-parallel mode (`plan --compare` reads the same words)."""
 
@@ -98,9 +104,12 @@ DP_MODE_LABEL = {"optim": "distopt", "optim_grads": "zero2", "optim_grads_params
 def make_config(model: ModelConfig, world: int, gpus_per_node: int, seq: int, global_batch: int,
                 precision: str, parallel: dict, micro_batch: int = 1, recompute: str | None = None,
                 distributed_optimizer: bool = True, grad_reduce_in_bf16: bool = False,
-                recompute_modules: list[str] | None = None, dp_mode: str | None = None) -> Config:
+                recompute_modules: list[str] | None = None, dp_mode: str | None = None,
+                a2a_overlap: bool = False) -> Config:
+    """A planner config; `a2a_overlap`: with Megatron's 1F1B all-to-all overlap where its rules allow
+    (`with_a2a_overlap`)."""
     nodes = max(1, world // gpus_per_node)
-    return Config(cluster=ClusterConfig(num_nodes=nodes, gpus_per_node=gpus_per_node, world_size=world),
+    cfg = Config(cluster=ClusterConfig(num_nodes=nodes, gpus_per_node=gpus_per_node, world_size=world),
                   parallel=ParallelConfig(**parallel), model=model,
                   training=TrainingConfig(seq_length=seq, global_batch_size=global_batch, micro_batch_size=micro_batch,
                                           precision=precision, recompute_granularity=recompute,
@@ -110,6 +119,15 @@ def make_config(model: ModelConfig, world: int, gpus_per_node: int, seq: int, gl
                                           use_distributed_optimizer=distributed_optimizer and dp_mode != "no_shard",
                                           data_parallel_sharding_strategy=dp_mode,
                                           grad_reduce_in_bf16=grad_reduce_in_bf16 and precision != "fp32"))
+    return with_a2a_overlap(cfg) if a2a_overlap else cfg
+
+
+def with_a2a_overlap(cfg: Config) -> Config:
+    """`cfg` with Megatron's 1F1B all-to-all overlap where Megatron-LM's rules allow it (else `cfg`)."""
+    if not cfg.model.is_moe or cfg.parallel.expert_model_parallel_size <= 1:
+        return cfg
+    on = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, overlap_moe_expert_parallel_comm=True))
+    return cfg if a2a_overlap_problems(sizes_of(on)) else on
 
 
 def evaluate(cfg: Config, hw: Hardware, mem: MemoryAssumptions = MemoryAssumptions(),
@@ -152,7 +170,7 @@ def _search(model, hw, world, gpus_per_node, seq, global_batch, precision, space
     result = SearchResult(ranked=[])
     for parallel in structures(model, world, gpus_per_node, seq, space):
         base = make_config(model, world, gpus_per_node, seq, global_batch, precision, parallel,
-                           grad_reduce_in_bf16=grad_reduce_in_bf16)
+                           grad_reduce_in_bf16=grad_reduce_in_bf16, a2a_overlap=space.a2a_overlap)
         broken = config_errors(base)
         layout = Plan(base)  # after config_errors: it writes the resolved VPP, schedule and SP back
         dp = layout.dp
@@ -251,7 +269,7 @@ def clear_caches() -> None:
                   steptime._CROSS, steptime._CALLS, steptime._LAYER_COSTS):
         cache.clear()
     for fn in (pipeline._simulate, pipeline.pipeline_profile, space.layer_splits, memory._for_precision,
-               activations._interned, precision._policy, precision.Precision.state_bytes):
+               activations._interned, precision._policy, precision.Precision.state_bytes, steptime.nodes_hit):
         fn.cache_clear()
 
 
@@ -285,4 +303,6 @@ def _variant(base: Config, mbs: int, recompute: str | None, dp_mode: str) -> Con
     cfg = object.__new__(Config)
     cfg.__dict__.update(base.__dict__)
     cfg.training = training
+    if recompute == "full" and base.parallel.overlap_moe_expert_parallel_comm:  # Megatron refuses the two
+        cfg.parallel = dataclasses.replace(base.parallel, overlap_moe_expert_parallel_comm=False)
     return cfg

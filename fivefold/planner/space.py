@@ -42,6 +42,11 @@ class SearchSpace:
     schedules: tuple[str, ...] = ("1f1b", "interleaved")
     """Pipeline schedules tried (any of gpipe, 1f1b, interleaved, zb-h1, dualpipev)."""
     cp_comm_types: tuple[str, ...] = ("p2p", "a2a")
+    a2a_overlap: bool = False
+    """MoE layouts run with Megatron's 1F1B all-to-all overlap wherever its rules allow it (EP > 1, no
+    full recompute, VPP under PP: `config.rules.a2a_overlap_problems`), for a runtime that has it
+    (`Runtime.a2a_overlap`). A runtime switch, not a layout: under the time model it only hides EP
+    traffic, so it is on where allowed rather than a second variant."""
     dp_modes: tuple[str, ...] = ("optim",)
     """Data-parallel modes tried (TrainingConfig.sharding_strategy): optim (the distributed optimizer,
     ZeRO-1), optim_grads (ZeRO-2), optim_grads_params (ZeRO-3: FSDP2, Megatron-FSDP), no_shard. The

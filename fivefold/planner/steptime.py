@@ -21,6 +21,8 @@ intra-node when all its ranks share a node (from the rank order), else the per-G
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from functools import lru_cache
+from math import comb
 
 from fivefold.planner.activations import ArchTraits, Sharding, layer_activation_bytes
 from fivefold.planner.collectives import (Collective, cp_split, dp_calls_per_step, group_sizes, layer_collectives,
@@ -71,7 +73,16 @@ class TimeAssumptions:
     tp_overlap: float = 0.0
     """Share of TP / SP (and expert-TP) traffic hidden behind GEMMs (TE userbuffers, async TP)."""
     ep_overlap: float = 0.0
-    """Share of the EP all-to-all hidden behind compute (1F1B all-to-all overlap)."""
+    """Share of the EP all-to-all hidden behind compute without the 1F1B all-to-all overlap (what the
+    dispatcher hides by itself: shared experts, its own send / receive halves)."""
+    ep_per_node: bool = False
+    """A token's EP traffic across nodes goes once per node it is routed to, then over NVLink to the
+    node's experts (DeepEP / HybridEP: Megatron's flex dispatcher); off: once per expert copy
+    (Megatron's and fivefold's all-to-all). Group-limited routing (DeepSeek-V3's node-limited
+    moe_router_group_topk) bounds those nodes (`nodes_hit`)."""
+    ep_overlap_1f1b: float | None = None
+    """Share hidden with Megatron's 1F1B all-to-all overlap (`overlap_moe_expert_parallel_comm`: one
+    microbatch's dispatch / combine beside another's compute); None = ep_overlap (no such overlap)."""
     op_level_sac: bool = False
     """Selective recompute is torchtitan's op-level SAC (`ArchTraits.op_level_sac`), not Megatron's modules."""
     cp_overlap: float = 1.0
@@ -135,6 +146,28 @@ def _crossings(plan: Plan, gpn: int) -> tuple[dict, dict[str, str]]:
     return cross, {g: "network" if v else "intra-node" for g, v in cross.items()}
 
 
+@lru_cache(maxsize=None)
+def nodes_hit(experts: int, topk: int, groups: int, chosen: int, nodes: int) -> float:
+    """Expected number of the `nodes` (each holding experts / nodes consecutive experts) one token's
+    `topk` experts fall on, under balanced routing limited to `chosen` of `groups` expert groups
+    (groups = chosen = 1: unlimited): DeepEP's / HybridEP's sends per token. Against the router
+    (`fivefold.model.router.top_k` on random logits, tests/test_calibration.py): within 1% where a node
+    holds whole groups or routing is unlimited; where a group spans nodes each chosen group is taken to
+    hold topk / chosen of the token's experts, 6% above the router's less even picks."""
+    per_node = experts // nodes
+    if groups > 1 and groups % nodes == 0:  # a node holds whole groups: it is hit when one is chosen
+        q = groups // nodes
+        p = 1 - comb(groups - q, chosen) / comb(groups, chosen)
+    elif groups > 1 and nodes % groups == 0 and topk % chosen == 0:
+        # a group spans nodes: its group chosen, and one of its topk / chosen experts (groups are
+        # chosen by their best topk / chosen scores) on the node
+        per_group, take = experts // groups, topk // chosen
+        p = chosen / groups * (1 - comb(per_group - per_node, take) / comb(per_group, take))
+    else:
+        p = 1 - comb(experts - per_node, topk) / comb(experts, topk)
+    return nodes * p
+
+
 class _Links:
     def __init__(self, plan: Plan, hw: Hardware, gpn: int, ta: TimeAssumptions):
         key = (plan.tp, plan.cp, plan.pp, plan.dp, plan.ep, plan.etp, plan.config.parallel.order, gpn)
@@ -143,6 +176,14 @@ class _Links:
         if got is None:
             got = _CROSS[key] = _crossings(plan, gpn)
         self.cross, self.names = got
+        self.ep_copies = 1.0  # network bytes per expert copy's share (`TimeAssumptions.ep_per_node`)
+        m = plan.config.model
+        if ta.ep_per_node and m.is_moe and self.cross["ep"] and plan.ep > 1:
+            nodes = plan.ep // self.cross["ep local"]
+            if m.num_experts % nodes == 0:
+                groups = m.moe_router_num_groups if m.moe_router_group_topk else 1
+                self.ep_copies = min(1.0, nodes_hit(m.num_experts, m.moe_router_topk, groups,
+                                                    m.moe_router_group_topk or 1, nodes) / m.moe_router_topk)
 
     def name(self, g: str) -> str:
         return self.names[g]
@@ -150,13 +191,15 @@ class _Links:
     def time(self, g: str, bytes_sent: float, steps: int, n: int = 0) -> float:
         """Seconds of a call of `g` (n ranks) that sends `bytes_sent` from each rank. An all-to-all
         over EP that crosses nodes sends the share of its peers outside the node over the network
-        and the rest over NVLink at once (uniform routing): the slower of the two."""
+        and the rest over NVLink at once (uniform routing): the slower of the two; sent once per
+        node hit, not per copy, under `TimeAssumptions.ep_per_node`."""
         bw = self.hw.network_bw if self.cross[g] else self.hw.intra_node_bw
         lat = self.ta.network_latency if self.cross[g] else self.ta.intra_latency
         if g == "ep" and self.cross[g] and n > 1:
             local = self.cross["ep local"]
             outside = (n - local) / (n - 1)
-            bw_time = max(bytes_sent * outside / self.hw.network_bw, bytes_sent * (1 - outside) / self.hw.intra_node_bw)
+            bw_time = max(bytes_sent * outside * self.ep_copies / self.hw.network_bw,
+                          bytes_sent * (1 - outside) / self.hw.intra_node_bw)
             return bw_time / self.ta.comm_efficiency + steps * lat
         return bytes_sent / (bw * self.ta.comm_efficiency) + steps * lat
 
@@ -297,11 +340,12 @@ def _step_calls(plan: Plan, r: int, links: _Links, sizes: dict[str, int]) -> Tim
 
 
 def _add_calls(calls: list[Collective], links: _Links, sizes: dict[str, int], parts: dict, sent: dict,
-               hidden: float = 0.0) -> None:
+               hidden: float = 0.0, ep_share: float = 0.0) -> None:
     """Add the time and wire bytes of `calls` (critical path, or hidden behind `hidden` seconds of
-    compute for those that overlap the attention core) to `parts` / `sent`, by reported part."""
+    compute for those that overlap the attention core) to `parts` / `sent`, by reported part; a share
+    of the TP traffic (the runtime's `tp_overlap`) and `ep_share` of the EP traffic are hidden."""
     overlapped = 0.0
-    hidden_share = {"tp": links.ta.tp_overlap, "ep": links.ta.ep_overlap}
+    hidden_share = {"tp": links.ta.tp_overlap, "ep": ep_share}
     timed: dict[tuple, tuple[float, float]] = {}  # calls of one kind, group and size cost the same
     for c in calls:
         key = (c.kind, c.group, c.call_bytes)
@@ -381,7 +425,8 @@ def _layer_cost(plan: Plan, links: _Links, sizes: dict[str, int], i: int, recomp
     m, p = plan.config.model, plan.config.parallel
     moe = is_moe_layer(m, i)
     # a dense layer neither computes nor calls anything over EP / ETP: layouts that differ only there share it
-    experts = (plan.ep, plan.etp, links.cross["ep"], links.cross["etp"], links.cross["ep local"]) if moe else ()
+    experts = (plan.ep, plan.etp, links.cross["ep"], links.cross["etp"], links.cross["ep local"],
+               p.overlap_moe_expert_parallel_comm) if moe else ()
     key = (id(m), moe, recomputed, plan.recompute, plan.recompute_modules, plan.mbs, plan.seq, plan.precision, plan.tp, plan.sp,
            plan.cp, p.cp_comm_type, tuple(p.hierarchical_context_parallel_sizes or ()), links.cross["tp"],
            links.cross["cp"], links.cross["tp-cp"], experts, id(links.hw), links.ta, flops_rate)
@@ -424,5 +469,7 @@ def _layer_cost_of(plan: Plan, links: _Links, sizes: dict[str, int], i: int, rec
     hidden = 3 * t_core  # the attention core, forward + backward
     calls = layer_collectives(plan, i, recomputed)
     assert all(c.group in LAYER_GROUPS for c in calls), "a layer call on a group the cache key leaves out"
-    _add_calls(calls, links, sizes, parts, sent, hidden)
+    ep_share = ta.ep_overlap_1f1b if plan.config.parallel.overlap_moe_expert_parallel_comm \
+        and ta.ep_overlap_1f1b is not None else ta.ep_overlap
+    _add_calls(calls, links, sizes, parts, sent, hidden, ep_share)
     return parts, sent

@@ -118,13 +118,14 @@ _PRESETS = [*_MLM_GPT,
                 "for each token'"),
     ModelPreset("deepseek-v3",
                 replace(_deepseek(61, 7168, 18432, 128, 1536, 256, 8, 2048, 1, 3, 129280, score="sigmoid"),
-                        mtp_num_layers=1),
+                        mtp_num_layers=1, moe_router_num_groups=8, moe_router_group_topk=4),
                 "deepseek-ai/DeepSeek-V3", 671e9, 37e9,
                 "DeepSeek-AI, 'DeepSeek-V3 Technical Report' (2024), abstract: '671B total parameters with 37B "
                 "activated for each token' (the 14B multi-token-prediction module is excluded)",
                 notes="trains its MTP module (1 layer, as config.json's num_nextn_predict_layers and Megatron-Core's "
                       "DeepSeek-V3 recipe, --mtp-num-layers 1): counted in memory, time and FLOPs; the published "
-                      "671B / 37B exclude it, as the counts here do"),
+                      "671B / 37B exclude it, as the counts here do; node-limited routing as config.json's "
+                      "n_group 8 / topk_group 4 (each token's 8 experts from 4 of 8 expert groups)"),
     ModelPreset("qwen3-30b-a3b", _qwen3_moe(48, 2048, 32, 4, 128, 768), "Qwen/Qwen3-30B-A3B", 30.5e9, 3.3e9,
                 "Hugging Face model card of Qwen/Qwen3-30B-A3B: 'Number of Parameters: 30.5B in total and 3.3B "
                 "activated'", notes="QK-norm (2 x head_dim per layer), not modelled"),
