@@ -117,6 +117,10 @@ def adjust(s: dict, dialect: str) -> list[Rule]:
                         f"parallelism (TP={s['tp']}) needs sequence parallelism (Megatron-Core <=0.14 "
                         "refuses, >=0.15 warns); SP turned on", ("sp",), "warning"))
         s["sp"] = True
+    if s["a2a_overlap"]:
+        out.append(Rule(KNOB_FIELDS["a2a_overlap"], True, "fivefold's runtime (`fivefold train`) runs the EP "
+                        "all-to-all without Megatron's 1F1B overlap: the same sums, its own schedule; "
+                        "`fivefold estimate --runtime megatron-te` times the overlap", ("a2a_overlap",), "warning"))
     return out
 
 
