@@ -105,7 +105,7 @@ _PARAMS: dict[tuple, tuple[float, float]] = {}
 """rank_params by (Plan.layer_key, rank, tp, etp, ep): the model is kept alive by layout._GROUPS."""
 
 
-def zero2_full_buffers(plan: Plan, dense: float, expert: float) -> float:
+def zero2_full_buffers(plan: Plan, dense: float, expert: float, state_bytes: tuple, prec: Precision) -> float:
     """What ZeRO-2/3's gradients hold during a step (fivefold.parallel.data) beyond the 1/d accumulators
     of `state_bytes_per_param`, bytes: under PP the schedule accumulates the gradients itself, so every
     bucket keeps its full-size buffer for the step and is reduce-scattered into its own range once,
@@ -113,13 +113,13 @@ def zero2_full_buffers(plan: Plan, dense: float, expert: float) -> float:
     forward (the logits and every activation live, no gradient buffer yet); during backward the
     activations are freed faster than the one or two buckets being filled / reduced grow (measured: DP2
     GA2 fp32 ZeRO-2, planner / measured 0.999); the expert buckets likewise (reduced per MoE layer
-    during backward)."""
+    during backward). `state_bytes`: (weights, gradients, optimizer) bytes per dense and per expert
+    parameter as sharded (`model_state`)."""
     if plan.pp == 1:
         return 0.0
-    training = plan.config.training
-    full = state_bytes_per_param(training, plan.precision, 1)[1]
-    sharded = (state_bytes_per_param(training, plan.precision, d)[1] for d in (plan.dp * plan.cp, plan.edp))
-    return sum(n * (full - g) for n, g in zip((dense, expert), sharded))
+    full = prec.state_bytes(1, "no_shard")[1]
+    (_, dense_grad, _), (_, expert_grad, _) = state_bytes
+    return dense * (full - dense_grad) + expert * (full - expert_grad)
 
 
 def model_state(plan: Plan, dense: float, expert: float, state_bytes: tuple, prec: Precision,
@@ -131,7 +131,7 @@ def model_state(plan: Plan, dense: float, expert: float, state_bytes: tuple, pre
     weights, grads, optimizer = dense * wd + expert * we, dense * gd + expert * ge, dense * od + expert * oe
     optimizer *= 1 - prec.offload_fraction  # --optimizer-cpu-offload
     if mode in ("optim_grads", "optim_grads_params"):
-        grads += zero2_full_buffers(plan, dense, expert)
+        grads += zero2_full_buffers(plan, dense, expert, state_bytes, prec)
     if mode == "optim_grads_params":
         weights += zero3_gathered(plan, dense + expert) * prec.state_bytes(1, "no_shard")[0]
     return weights, grads, optimizer
