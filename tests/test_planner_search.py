@@ -9,7 +9,7 @@ from fivefold.errors import UserError
 from fivefold.planner.pipeline import bubble_fraction, bubble_stage_times, pipeline_profile, pipeline_time
 from fivefold.planner.memory import MemoryAssumptions
 from fivefold.planner.presets import hardware, model_preset
-from fivefold.planner.search import DOMINATED, describe, rank_key, search
+from fivefold.planner.search import DOMINATED, PP_DOMINATED, describe, rank_key, search
 from fivefold.planner.steptime import TimeAssumptions
 from fivefold.planner.validity import config_errors
 
@@ -183,7 +183,7 @@ def test_without_accumulation_a_layout_without_pp_takes_its_local_batch_at_once(
     """`SearchSpace.accumulate=False` (`plan --no-accumulation`): every layout without PP runs one
     micro-batch of B / DP sequences (here up to 16, beyond the space's sizes); PP layouts keep the
     space's micro-batch sizes, their microbatches being the pipeline's. `plan --dp-modes zero1,zero3`
-    ranks FSDP layouts where ZeRO-1 does not fit and drops them where it does."""
+    ranks FSDP layouts where ZeRO-1 does not fit and drops them where it does, and under PP unsized."""
     from fivefold.planner.space import SearchSpace
     m, hw = model_preset("llama3-8b").model, hardware("h100-sxm")
     result = search(m, hw, 16, 8, 4096, 32, "bf16", SearchSpace(accumulate=False))
@@ -198,7 +198,7 @@ def test_without_accumulation_a_layout_without_pp_takes_its_local_batch_at_once(
     assert main(["plan", "--model", "llama3-70b", "--gpus", "32", "--global-batch", "128", "--dp-modes", "zero1,zero3",
                  "--top", "400"]) == 0  # FSDP where ZeRO-1 does not fit
     out = capsys.readouterr().out
-    assert " fsdp " in out and " distopt " in out and "a less sharded DP mode fits" in out
+    assert " fsdp " in out and " distopt " in out and "it never fits where ZeRO-1 does not" in out  # under PP
 
 
 def test_held_to_names_the_fewest_choices_that_rank_a_layout_first(capsys):
@@ -282,9 +282,10 @@ def test_search_equals_exhaustive(name, gpus, batch, schedules, dp_modes):
     assert [_snapshot(c) for c in fast.ranked] == [_snapshot(c) for c in ranked]
     assert {describe(cfg) for cfg, _ in fast.dropped} <= dropped
     assert any("a larger one holds no less" in why for _, why in fast.dropped)  # the pruning ran
-    if len(dp_modes) > 1:  # and the sharded modes ranked where ZeRO-1 does not fit, dropped where it does
+    if len(dp_modes) > 1:  # and the sharded modes ranked where ZeRO-1 does not fit, dropped where it does,
+        # and under PP dropped unsized (`sharded_under_pp`)
         assert {c.plan.config.training.data_parallel_sharding_strategy for c in fast.ranked} == set(dp_modes)
-        assert any(why == DOMINATED for _, why in fast.dropped)
+        assert any(why == DOMINATED for _, why in fast.dropped) and any(why == PP_DOMINATED for _, why in fast.dropped)
 
 
 def test_closed_form_schedules_change_no_result(monkeypatch):

@@ -185,12 +185,16 @@ def optimizer_phase(plan: Plan, dense: float, expert: float, largest: float, tra
     copies = (dense * prec.main_grad_copy_bytes(plan.dp * plan.cp, mode)
               + expert * prec.main_grad_copy_bytes(plan.edp, mode))
     stepping = traits.optimizer_scratch_bytes * largest + copies
-    gathering = 0.0
-    if mode in ("optim", "optim_grads"):
-        weight = prec.state_bytes(1, "no_shard")[0]
-        gathering = sum(min(2 * DEFAULT_BUCKET_BYTES, n * weight) for n, d in ((dense, plan.dp * plan.cp), (expert, plan.edp))
-                        if n and d > 1)
+    gathering = after_step_gathers(plan, dense, expert, prec) if mode in ("optim", "optim_grads") else 0.0
     return max(stepping, gathering)
+
+
+def after_step_gathers(plan: Plan, dense: float, expert: float, prec: Precision) -> float:
+    """Bytes ZeRO-1/2's all-gathers of the updated parameters hold after the step: at most two
+    buckets' full outputs at once, per domain (dense, expert) sharded over more than one rank."""
+    weight = prec.state_bytes(1, "no_shard")[0]
+    return sum(min(2 * DEFAULT_BUCKET_BYTES, n * weight) for n, d in ((dense, plan.dp * plan.cp), (expert, plan.edp))
+               if n and d > 1)
 
 
 def largest_param(plan: Plan, rank: int) -> float:

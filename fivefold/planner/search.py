@@ -12,8 +12,8 @@ from fivefold.config.schema import ClusterConfig, Config, ModelConfig, ParallelC
 from fivefold.parallel.precision import Precision
 from fivefold.pipeline.schedules import microbatch_problem
 from fivefold.planner.layout import Plan
-from fivefold.planner.memory import (MemoryAssumptions, RankMemory, model_state, peak_memory, rank_params,
-                                     state_bytes_per_param)
+from fivefold.planner.memory import (MemoryAssumptions, RankMemory, after_step_gathers, model_state, peak_memory,
+                                     rank_params, state_bytes_per_param)
 from fivefold.planner.presets.hardware import Hardware
 from fivefold.planner.space import SearchSpace, recompute_fields, recompute_modes, structures
 from fivefold.planner.steptime import StepEstimate, TimeAssumptions, step_time
@@ -183,6 +183,8 @@ def _search(model, hw, world, gpus_per_node, seq, global_batch, precision, space
             # that does not fit at one micro-batch is dropped unsized at every larger one, and once no
             # mode fits, larger micro-batches are dropped whole (one entry each).
             state = None if broken else state_problem(_variant(base, 1, None, dp_mode), hw, mem, layout)
+            if not (broken or state) and "optim" in space.dp_modes:
+                state = sharded_under_pp(_variant(base, 1, None, dp_mode), layout)
             failed: dict[str | None, tuple[int, str]] = {}
             """recompute mode -> (micro-batch, why) where it was sized and did not fit"""
             modes = recompute_modes(space, model)
@@ -258,6 +260,36 @@ def state_problem(cfg: Config, hw: Hardware, mem: MemoryAssumptions = MemoryAssu
             return (f"needs {need / GiB:.1f} GiB on pipeline rank {r} for model state alone, "
                     f"{(need - hw.memory_bytes) / GiB:.1f} GiB over the {hw.memory_bytes / GiB:.0f} GiB of a {hw.name}")
     return None
+
+
+PP_DOMINATED = ("under pipeline parallelism this DP mode holds at least what the distributed optimizer "
+                "(ZeRO-1) holds, with the same activations, and moves no fewer bytes: it never fits where "
+                "ZeRO-1 does not, and is never faster")
+
+
+def sharded_under_pp(cfg: Config, layout: Plan) -> str | None:
+    """`PP_DOMINATED` when `cfg` is ZeRO-2/3 under PP and holds no less than its ZeRO-1 twin on any
+    pipeline rank, else None. Under PP, ZeRO-2 keeps whole gradient buffers for the step and
+    reduce-scatters them once, as ZeRO-1 (`memory.zero2_full_buffers`): the same state and bytes.
+    ZeRO-3 keeps its units whole from their first forward to the step's end (`zero3_gathered`), so it
+    holds ZeRO-1's weights plus its 1/d shards, and gathers nothing after the step where ZeRO-1 does
+    (at most two buckets per domain, `optimizer_phase`, the one term it holds less of): dominated
+    where the shards outweigh those buckets, on every rank shape (tests/test_planner_search.py: the
+    search equals the exhaustive one with ZeRO-2/3 in it)."""
+    mode = cfg.training.sharding_strategy
+    if layout.pp == 1 or mode not in ("optim_grads", "optim_grads_params"):
+        return None
+    if mode == "optim_grads":
+        return PP_DOMINATED
+    plan, t = layout.with_training(cfg), cfg.training
+    prec = Precision.of(t, plan.precision)
+    (dense_shard, _, _), (expert_shard, _, _) = (state_bytes_per_param(t, plan.precision, d)
+                                                 for d in (plan.dp * plan.cp, plan.edp))
+    for r in dict.fromkeys(plan.rank_classes):
+        dense, expert = rank_params(plan, r)
+        if dense * dense_shard + expert * expert_shard < after_step_gathers(plan, dense, expert, prec):
+            return None
+    return PP_DOMINATED
 
 
 def clear_caches() -> None:
