@@ -182,9 +182,11 @@ def _search(model, hw, world, gpus_per_node, seq, global_batch, precision, space
             # min(k, m) microbatches of m = B/(mbs dp): mbs min(k, m) never falls), so a recompute mode
             # that does not fit at one micro-batch is dropped unsized at every larger one, and once no
             # mode fits, larger micro-batches are dropped whole (one entry each).
-            state = None if broken else state_problem(_variant(base, 1, None, dp_mode), hw, mem, layout)
-            if not (broken or state) and "optim" in space.dp_modes:
-                state = sharded_under_pp(_variant(base, 1, None, dp_mode), layout)
+            state = None
+            if not broken:
+                first = _variant(base, 1, None, dp_mode)
+                state = ("optim" in space.dp_modes and sharded_under_pp(first, layout)) or \
+                    state_problem(first, hw, mem, layout)
             failed: dict[str | None, tuple[int, str]] = {}
             """recompute mode -> (micro-batch, why) where it was sized and did not fit"""
             modes = recompute_modes(space, model)
