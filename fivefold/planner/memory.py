@@ -302,7 +302,8 @@ class _Ranks:
         in_backward = _held(backward, prof.vpp, per_mb, offloaded, joins)
         rm.activations = max(at_forward + rm.logits, in_backward + bwd + transient) - rm.logits
         rm.buffers = self.buffers
-        rm.scratch = max(0.0, optimizer_phase(plan, dense, expert, largest_param(plan, r), traits, self.prec)
+        largest = largest_param(plan, r) if traits.optimizer_scratch_bytes else 0.0  # read only with scratch
+        rm.scratch = max(0.0, optimizer_phase(plan, dense, expert, largest, traits, self.prec)
                          - (rm.activations + rm.logits + rm.buffers))
         tensors = rm.weights + rm.grads + rm.optimizer + rm.activations + rm.logits + rm.buffers + rm.scratch
         rm.overhead = assume.allocator_overhead * tensors

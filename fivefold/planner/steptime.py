@@ -325,7 +325,11 @@ def _stage_calls(plan: Plan, r: int, links: _Links, sizes: dict[str, int]) -> Ti
     """`stage_collectives` of pipeline rank r, timed (none hides behind compute)."""
     key = ("stage", plan.tp, plan.sp, plan.cp, plan.pp, plan.mbs, plan.seq, plan.precision, plan.rank_shapes[r][1:],
            links.cross["tp"], links.cross["pp"])
-    timed = _cached_calls(key, plan, links, lambda: _timed(stage_collectives(plan, r), links, sizes))
+    return _cached_calls(key, plan, links, lambda: _on_the_path(_timed(stage_collectives(plan, r), links, sizes)))
+
+
+def _on_the_path(timed: Timed) -> Timed:
+    """`timed`, checked to hide behind nothing (stage calls are added whole: `_add_timed`)."""
     assert all(behind is None for *_, behind, _ in timed)
     return timed
 
