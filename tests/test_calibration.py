@@ -200,6 +200,31 @@ def test_the_1f1b_all_to_all_overlap_hides_ep_traffic_where_megatron_allows_it()
         assert c.config.parallel.overlap_moe_expert_parallel_comm == allowed, c.label
 
 
+def test_each_token_dispatcher_is_timed_as_megatron_sends_it():
+    """Row 47 (Qwen3-235B, EP32 over 4 nodes) under megatron-te with each of Megatron's dispatchers:
+    flex (DeepEP, the row's) puts on the network nodes_hit / k of the all-to-all's per-copy bytes (the
+    same bytes counted, less time); allgather moves every EP rank's tokens to each rank ((ep - 1) n h
+    per call, 4 calls a layer, plus the routing maps), more than the all-to-all's 4 x n k (ep - 1) / ep
+    copies. fivefold's runtime sends an all-to-all whatever the config says (`apply`)."""
+    from dataclasses import replace
+    from fivefold.planner.presets import hardware
+    from fivefold.planner.runtime import apply, profile
+    from fivefold.planner.steptime import nodes_hit, step_time
+    te, hw = profile("megatron-te"), hardware("h100-sxm")
+    row = next(c for c in cases() if c.run.row == 47)
+    assert row.config.parallel.moe_token_dispatcher_type == "flex"
+    est = {d: step_time(Plan(apply(replace(row.config, parallel=replace(row.config.parallel, moe_token_dispatcher_type=d)),
+                                   te)), hw, te.time) for d in ("flex", "alltoall", "allgather")}
+    assert est["flex"].comm_bytes["ep"] == est["alltoall"].comm_bytes["ep"]
+    assert est["flex"].parts["ep"] < est["alltoall"].parts["ep"] < est["allgather"].parts["ep"]
+    m = row.config.model
+    assert nodes_hit(m.num_experts, m.moe_router_topk, 1, 1, 4) / m.moe_router_topk < 0.5  # 3.6 of 4 nodes for 8 copies
+    assert est["allgather"].comm_bytes["ep"] > est["alltoall"].comm_bytes["ep"] * 32 / 8 * 0.9
+    ours = apply(replace(row.config, parallel=replace(row.config.parallel, moe_token_dispatcher_type="allgather")),
+                 profile("fivefold"))
+    assert ours.parallel.moe_token_dispatcher_type == "alltoall"
+
+
 def test_nodes_hit_per_token_agree_with_the_router():
     """`nodes_hit` (DeepEP's sends per token across nodes) against the runtime's router on random logits
     (40,000 tokens: the sampling error of a mean is ~0.3%): within 1% with whole groups per node or no

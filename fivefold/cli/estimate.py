@@ -39,8 +39,11 @@ def run(args, extra) -> int:
     mem, ta = assumptions_of(args)
     rt = profile(args.runtime)
     runs = apply(cfg, rt)
-    if runs is not cfg:
+    if runs.training.grad_reduce_in_bf16 != cfg.training.grad_reduce_in_bf16:
         print(f"note: gradients reduced in bf16, as {rt.name} does (the config has grad_reduce_in_bf16=False)")
+    if runs.parallel.moe_token_dispatcher_type != cfg.parallel.moe_token_dispatcher_type:
+        print(f"note: the EP exchange timed as an all-to-all, as {rt.name} sends it (the config names the "
+              f"{cfg.parallel.moe_token_dispatcher_type} dispatcher: --runtime megatron-te times it)")
     cand = evaluate(runs, hw, mem, ta)
     if cand.estimate is None and not cand.problem.startswith("needs"):
         raise UserError(f"invalid layout: {cand.problem}")

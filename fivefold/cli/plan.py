@@ -82,7 +82,7 @@ def run(args, extra) -> int:
     bf16_grads = rt.grad_reduce_in_bf16
     compared = [(text, candidates(text, spec.model, hw, args.gpus, min(gpn, args.gpus), args.seq_len,
                                   args.global_batch, args.precision, mbs, mem, ta, bf16_grads, rt.dp_modes[0],
-                                  rt.a2a_overlap)[0])
+                                  rt.a2a_overlap, rt.dispatcher or "alltoall")[0])
                 for text in args.compare]  # bad descriptions refused before the search
     result = search(spec.model, hw, args.gpus, min(gpn, args.gpus), args.seq_len, args.global_batch, args.precision,
                     rt.space(micro_batch_sizes=mbs, accumulate=not args.no_accumulation, schedules=schedules,

@@ -68,6 +68,8 @@ def candidates(knob: str, s: dict) -> list:
         return [(a, s["cp"] // a) for a in _divisors(s["cp"])]
     if knob == "cp_comm":
         return ["p2p", "a2a", "a2a+p2p"]
+    if knob == "dispatcher":
+        return ["alltoall", "flex", "allgather"]
     if knob == "norm":
         return list(NORMALIZATIONS)
     if knob == "kv":

@@ -72,6 +72,8 @@ FLAGS: dict[str, Flag] = {
     "--expert-tensor-parallel-size": _v("parallel.expert_tensor_parallel_size"),
     "--sequence-parallel": _on("parallel.sequence_parallel"),
     "--overlap-moe-expert-parallel-comm": _on("parallel.overlap_moe_expert_parallel_comm"),
+    "--moe-token-dispatcher-type": Flag("parallel.moe_token_dispatcher_type",
+                                        convert=lambda v: "alltoall" if v == "alltoall_seq" else v),
     "--decoder-first-pipeline-num-layers": _v("parallel.decoder_first_pipeline_num_layers"),
     "--decoder-last-pipeline-num-layers": _v("parallel.decoder_last_pipeline_num_layers"),
     "--account-for-embedding-in-pipeline-split": _on("parallel.account_for_embedding_in_pipeline_split"),

@@ -10,11 +10,12 @@ without a checkpoint starts the run from scratch (megatron/training/checkpointin
 --calculate-per-token-loss its loss is the mean of per-microbatch means (megatron/core/pipeline_parallel/schedules.py).
 Our canonical defaults (YAML, other dialects) stay as they are.
 
-Four rules Megatron applies after parsing are applied here too: --swiglu without --ffn-hidden-size
+Five rules Megatron applies after parsing are applied here too: --swiglu without --ffn-hidden-size
 gives int(8h/3 / 64) * 64 (rounded down, where our canonical default rounds up); learned absolute
 positions without --max-position-embeddings (which Megatron requires) use seq_length;
 --num-query-groups counts only with --group-query-attention (megatron/training/argument_utils.py:
-without the switch the model has as many K/V heads as query heads); and --moe-router-pre-softmax
+without the switch the model has as many K/V heads as query heads); a MoE model's token dispatcher
+is allgather unless --moe-token-dispatcher-type says otherwise; and --moe-router-pre-softmax
 counts only with softmax scores (megatron/core/transformer/moe/moe_utils.py renormalises sigmoid and
 sqrtsoftplus top-k weights whatever it says, where our field would keep them unnormalised).
 """
@@ -36,6 +37,8 @@ DEFAULTS: dict[str, object] = {
     "training.calculate_per_token_loss": False,
 }
 """Canonical field -> Megatron-LM's default, where it differs from ours."""
+MOE_DEFAULTS: dict[str, object] = {"parallel.moe_token_dispatcher_type": "allgather"}
+"""Megatron-LM's defaults that differ from ours only where they mean something: in a MoE model."""
 
 
 def megatron_swiglu_ffn(hidden_size: int) -> int:
@@ -70,6 +73,11 @@ def apply_megatron_defaults(config: Config, explicit: set[str], switches: set[st
     if m.num_query_groups is not None and GQA_SWITCH not in switches:
         m.num_query_groups = None
         changed.append("model.num_query_groups")
+    for dotted, value in MOE_DEFAULTS.items() if m.num_experts else ():
+        if dotted not in explicit:
+            section, name = dotted.split(".")
+            setattr(getattr(config, section), name, value)
+            changed.append(dotted)
     if m.moe_router_pre_softmax and m.moe_router_score_function != "softmax":
         m.moe_router_pre_softmax = False
         changed.append("model.moe_router_pre_softmax")

@@ -43,7 +43,7 @@ NO_EFFECT: list[tuple[str, str]] = [  # (regular expression over the flag, why i
     (r"--(no-)?[-a-z0-9]*-fusion(-impl|-into-hybridep)?|--(no-)?(bias-[a-z]+|masked-softmax|rope|gradient-accumulation)-fusion",
      "kernel fusion: the same math"),
     (r"--(use-flash-attn|flash-attention-version|attention-backend|transformer-impl|use-mcore-models|"
-     r"use-grouped-gemm-for-[-a-z]+|moe-token-dispatcher-type|moe-flex-dispatcher-[-a-z]+|"
+     r"use-grouped-gemm-for-[-a-z]+|moe-flex-dispatcher-[-a-z]+|"
      r"moe-shared-expert-overlap|mla-down-proj-fusion|use-cpu-initialization|ddp-bucket-size|ddp-num-buckets|"
      r"ddp-pad-buckets-for-high-nccl-busbw|ddp-average-in-collective|distributed-backend|local-rank|"
      r"num-workers|dataloader-[-a-z]+|data-cache-path|no-mmap-bin-files|mmap-bin-files|"
@@ -67,7 +67,6 @@ _NO_EFFECT = [(re.compile(pattern), why) for pattern, why in NO_EFFECT]
 
 VALUE_OK: dict[str, tuple[set[str], str]] = {
     "--rotary-percent": ({"1", "1.0"}, "the whole head is rotated"),
-    "--moe-token-dispatcher-type": ({"alltoall", "allgather", "flex", "alltoall_seq"}, "the same routing"),
     "--ckpt-format": ({"torch_dist", "torch", "zarr", "fsdp_dtensor", "torch_dcp"}, "fivefold's own format"),
 }
 """Flags accepted for the values fivefold computes anyway; other values are not built."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from math import prod
 
-from fivefold.config.schema import (ACTIVATIONS, CP_COMM_TYPES, DIM_NAMES, DROP_POLICIES, NORMALIZATIONS,
+from fivefold.config.schema import (ACTIVATIONS, CP_COMM_TYPES, DIM_NAMES, DISPATCHERS, DROP_POLICIES, NORMALIZATIONS,
                                     POSITION_EMBEDDINGS, QK_NORM_SCOPES, ROUTER_DTYPES, ROUTER_SCORE_FUNCTIONS,
                                     Config, default_ffn_size)
 from fivefold.config.split import layers_per_stage
@@ -21,7 +21,7 @@ KNOB_FIELDS = {
     "vpp": "parallel.virtual_pipeline_model_parallel_size", "cp": "parallel.context_parallel_size",
     "ep": "parallel.expert_model_parallel_size", "etp": "parallel.expert_tensor_parallel_size",
     "sp": "parallel.sequence_parallel", "hcp": "parallel.hierarchical_context_parallel_sizes",
-    "a2a_overlap": "parallel.overlap_moe_expert_parallel_comm",
+    "a2a_overlap": "parallel.overlap_moe_expert_parallel_comm", "dispatcher": "parallel.moe_token_dispatcher_type",
     "cp_comm": "parallel.cp_comm_type", "schedule": "parallel.pipeline_schedule",
     "order": "parallel.order", "split": "parallel.pipeline_layers_per_stage",
     "first": "parallel.decoder_first_pipeline_num_layers",
@@ -121,6 +121,10 @@ def adjust(s: dict, dialect: str) -> list[Rule]:
         out.append(Rule(KNOB_FIELDS["a2a_overlap"], True, "fivefold's runtime (`fivefold train`) runs the EP "
                         "all-to-all without Megatron's 1F1B overlap: the same sums, its own schedule; "
                         "`fivefold estimate --runtime megatron-te` times the overlap", ("a2a_overlap",), "warning"))
+    if s["dispatcher"] != "alltoall" and s["experts"] and s["ep"] > 1:
+        out.append(Rule(KNOB_FIELDS["dispatcher"], s["dispatcher"], "fivefold's runtime (`fivefold train`) sends "
+                        "the EP exchange as an all-to-all: the same sums; `fivefold estimate --runtime megatron-te` "
+                        "times this dispatcher", ("dispatcher",), "warning"))
     return out
 
 
@@ -144,7 +148,8 @@ def _choices(s: dict) -> list[Rule]:
     for k, allowed in (("schedule", tuple(REGISTRY)), ("cp_comm", CP_COMM_TYPES), ("norm", NORMALIZATIONS),
                        ("rgran", (None, "selective", "full")), ("rmethod", (None, "uniform", "block")),
                        ("act", ACTIVATIONS), ("pos", POSITION_EMBEDDINGS), ("drop", DROP_POLICIES),
-                       ("qk_scope", QK_NORM_SCOPES), ("score", ROUTER_SCORE_FUNCTIONS), ("rdtype", ROUTER_DTYPES)):
+                       ("qk_scope", QK_NORM_SCOPES), ("score", ROUTER_SCORE_FUNCTIONS), ("rdtype", ROUTER_DTYPES),
+                       ("dispatcher", DISPATCHERS)):
         if s[k] not in allowed:
             out.append(Rule(KNOB_FIELDS[k], s[k], f"must be one of {', '.join(map(str, allowed))}", (k,)))
     dims = s["order"].split("-") if isinstance(s["order"], str) else []
@@ -332,6 +337,9 @@ def a2a_overlap_problems(s: dict) -> list[Rule]:
     field, why = KNOB_FIELDS["a2a_overlap"], "the 1F1B all-to-all overlap (overlap_moe_expert_parallel_comm) needs "
     if s["ep"] <= 1:
         return [Rule(field, True, why + "expert parallelism (EP > 1), as Megatron-LM requires", ("a2a_overlap", "ep"))]
+    if s["dispatcher"] == "allgather":
+        return [Rule(field, True, why + "the alltoall or flex token dispatcher (moe_token_dispatcher_type is "
+                     "allgather, Megatron-LM's default)", ("a2a_overlap", "dispatcher"))]
     if s["rgran"] == "full" or s["rmethod"] is not None or s["rnum"] is not None:
         return [Rule(field, True, why + "no full recompute: recompute_granularity not full, recompute_method and "
                      "recompute_num_layers unset (Megatron-LM refuses them together)", ("a2a_overlap", "rgran"))]

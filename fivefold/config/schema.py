@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields, is_dataclass
 
 CP_COMM_TYPES = ("p2p", "a2a", "a2a+p2p")
+DISPATCHERS = ("alltoall", "allgather", "flex")
 NORMALIZATIONS = ("RMSNorm", "LayerNorm")
 ACTIVATIONS = ("swiglu", "gelu")
 POSITION_EMBEDDINGS = ("rope", "learned_absolute", "none")
@@ -54,6 +55,13 @@ class ParallelConfig:
     """ETP: TP inside each expert. Default None = TP (Megatron); AReaL's dialect sets 1."""
     sequence_parallel: bool = False
     """SP (Megatron's): shard norms/dropout/residual along the sequence in the TP group. Default False."""
+    moe_token_dispatcher_type: str = "alltoall"
+    """How the EP exchange is sent (Megatron's --moe-token-dispatcher-type): alltoall (a copy of each
+    token per routed expert), allgather (the EP group's tokens gathered on every rank, the outputs
+    reduce-scattered back), flex (DeepEP / HybridEP: a token once per node it is routed to, then over
+    NVLink). The same sums: fivefold's runtime sends an all-to-all whatever this says; the planner
+    times the one named for a runtime that has them (megatron-te). Default alltoall (Megatron-LM's,
+    for a Megatron command line that leaves it out: allgather)."""
     overlap_moe_expert_parallel_comm: bool = False
     """Megatron's 1F1B all-to-all overlap (--overlap-moe-expert-parallel-comm): one microbatch's EP
     dispatch / combine run beside another's compute. A schedule choice with the same sums: fivefold's

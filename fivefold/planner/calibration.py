@@ -250,7 +250,8 @@ def case_of(run: Run) -> Case:
                               pipeline_model_parallel_size=pp,
                               virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
                               expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
-                              overlap_moe_expert_parallel_comm=run.row in A2A_OVERLAP_OF, **split)
+                              overlap_moe_expert_parallel_comm=run.row in A2A_OVERLAP_OF,
+                              moe_token_dispatcher_type=_dispatcher(run, m, assumed), **split)
     training = TrainingConfig(seq_length=seq, global_batch_size=gbs, micro_batch_size=mbs, precision=precision,
                               recompute_granularity=None if rc == "none" else rc,
                               recompute_modules=list(RECOMPUTE_MODULES_OF[run.row][0])
@@ -313,6 +314,17 @@ def _split(run: Run, m: ModelConfig, pp: int, vpp: int, assumed: list[str], unst
         assumed.append(f"layer split {options[0]} (not stated)")
         unstated.add("split")
     return options[0]
+
+
+def _dispatcher(run: Run, m: ModelConfig, assumed: list[str]) -> str:
+    """The MoE token dispatcher the notes name: DeepEP / HybridEP is Megatron's flex dispatcher, "all-to-all
+    dispatcher" its alltoall; unnamed (rows 38, 42, 44): flex, as the source's other runs (assumed)."""
+    notes = run.cells["notes"]
+    if not m.is_moe or "all-to-all dispatcher" in notes:
+        return "alltoall"
+    if "DeepEP" not in notes and "HybridEP" not in notes:
+        assumed.append("dispatcher flex (not stated: DeepEP / HybridEP, as the source's other MoE runs)")
+    return "flex"
 
 
 def _local_batch(run: Run, tt: bool) -> int | None:

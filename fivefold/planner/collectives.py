@@ -188,7 +188,12 @@ def moe_collectives(plan: Plan) -> list[Collective]:
       ETP (tag etp): the row counts all-gathered (int64, E/ep per rank), the R rows all-gathered and
         the partial expert outputs reduce-scattered over ETP (etp R h each), duals backward.
       aux loss (tag moe-aux) with TP x CP > 1: the per-expert token counts (float64, E) all-reduced
-        over TP x CP (seq_aux_loss: b x E)."""
+        over TP x CP (seq_aux_loss: b x E).
+    Megatron's allgather dispatcher (`moe_token_dispatcher_type`, a runtime that has it: megatron-te)
+    instead gathers the EP group's n tokens, routing maps (bool) and probabilities (fp32) on every
+    rank and reduce-scatters the outputs (duals backward: the tokens' gradient reduce-scattered, the
+    outputs' all-gathered); expert TP then gathers those ep n tokens. The flex dispatcher sends what
+    the all-to-all does (`steptime._Links` charges the network per node, not per copy)."""
     m = plan.config.model
     B, E = act_bytes(plan), m.num_experts
     n = _tokens(plan) / plan.tp
@@ -197,7 +202,12 @@ def moe_collectives(plan: Plan) -> list[Collective]:
     if plan.tp > 1 and not plan.sp:
         M = _tokens(plan) * m.hidden_size * B
         out += [Collective("all_gather", "tp", "tp", M, "forward"), Collective("all_gather", "tp", "tp", M, "backward")]
-    if plan.ep > 1:
+    if plan.ep > 1 and plan.config.parallel.moe_token_dispatcher_type == "allgather":
+        rows = plan.ep * n * m.hidden_size * B  # every EP rank's tokens, on each
+        out += [Collective("all_gather", "ep", "ep", plan.ep * n * E * 5, "forward"),
+                Collective("all_gather", "ep", "ep", rows, "forward"), Collective("reduce_scatter", "ep", "ep", rows, "forward"),
+                Collective("reduce_scatter", "ep", "ep", rows, "backward"), Collective("all_gather", "ep", "ep", rows, "backward")]
+    elif plan.ep > 1:
         out += [Collective("all_to_all", "ep", "ep", 8 * E, "forward")]
         out += [Collective("all_to_all", "ep", "ep", rows, phase) for phase in ("forward",) * 2 + ("backward",) * 2]
     if plan.etp > 1:

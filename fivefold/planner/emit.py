@@ -9,7 +9,7 @@ from dataclasses import fields
 import yaml
 
 from fivefold.config.megatron import FLAGS, LIST, VALUE
-from fivefold.config.megatron_defaults import DEFAULTS, GQA_SWITCH
+from fivefold.config.megatron_defaults import DEFAULTS, GQA_SWITCH, MOE_DEFAULTS
 from fivefold.errors import UserError
 from fivefold.config.schema import Config, to_dict
 
@@ -40,10 +40,12 @@ def _get(cfg: Config, dotted: str):
     return getattr(getattr(cfg, section), name)
 
 
-def _megatron_default(dotted: str):
+def _megatron_default(dotted: str, cfg: Config):
     """What a Megatron command line that leaves the field out means (fivefold.config.megatron_defaults)."""
     if dotted in DEFAULTS:
         return DEFAULTS[dotted]
+    if dotted in MOE_DEFAULTS and cfg.model.num_experts:
+        return MOE_DEFAULTS[dotted]
     section, name = dotted.split(".")
     return getattr(type(getattr(Config(), section))(), name)
 
@@ -63,7 +65,7 @@ def _flag_words(cfg: Config, dotted: str, value) -> list[str]:
     for _, name in flags:
         if FLAGS[name].const == value:
             return [name]
-    if value == _megatron_default(dotted):
+    if value == _megatron_default(dotted, cfg):
         return []
     raise UserError(f"{dotted}={value!r} has no Megatron-LM flag, so a Megatron-LM command line cannot build this "
                     "model: emit it as fivefold YAML (--emit fivefold) or RLinf YAML (--emit rlinf)")
@@ -79,7 +81,7 @@ def megatron_words(cfg: Config) -> list[str]:
         for f in fields(getattr(cfg, section)):
             dotted = f"{section}.{f.name}"
             value = _get(cfg, dotted)
-            if dotted in _REQUIRED and value is not None or value != _megatron_default(dotted):
+            if dotted in _REQUIRED and value is not None or value != _megatron_default(dotted, cfg):
                 if dotted == "model.num_query_groups" and value is not None:
                     words.append(GQA_SWITCH)  # without it Megatron-LM ignores --num-query-groups
                 words += _flag_words(cfg, dotted, value)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from fivefold.config.schema import Config, TrainingConfig
+from fivefold.config.schema import Config
 from fivefold.errors import UserError
 from fivefold.planner.activations import ArchTraits
 from fivefold.planner.memory import MemoryAssumptions
@@ -47,11 +47,15 @@ class Runtime:
     context parallelism is ring attention only (no head all-to-all)."""
     a2a_overlap: bool = False
     """The runtime has Megatron's 1F1B all-to-all overlap (`SearchSpace.a2a_overlap`)."""
+    dispatcher: str | None = None
+    """The runtime sends the EP exchange as the config's `moe_token_dispatcher_type` says, and its
+    search uses this one (megatron-te: flex, DeepEP / HybridEP, as Megatron's MoE runs across nodes
+    do); None: its own all-to-all whatever the config says (`apply`)."""
 
     def space(self, **fields) -> SearchSpace:
         """The search space of this runtime's modes, with `fields` set (they win)."""
         return SearchSpace(**{"dp_modes": self.dp_modes, "cp_comm_types": self.cp_comm_types,
-                              "a2a_overlap": self.a2a_overlap, **fields})
+                              "a2a_overlap": self.a2a_overlap, "dispatcher": self.dispatcher or "alltoall", **fields})
 
 
 _TE_TRAITS = ArchTraits(fp8_linear_inputs=True, expert_outputs_saved=False)
@@ -77,13 +81,12 @@ PROFILES: dict[str, Runtime] = {r.name: r for r in [
             # fitted on rows 1-9, 12-14, 36-44, 47-55 (benchmarks/calibrate.py --fit)
             TimeAssumptions(gemm_efficiency=0.843, fp8_gemm_efficiency=0.563, attention_efficiency=0.571,
                             attention_half_keys=_FLASH_HALF_KEYS, expert_efficiency=0.807, expert_half_rows=2305.0,
-                            membound_passes=16.32, tp_overlap=0.638, ep_overlap=0.47, ep_overlap_1f1b=0.721,
-                            ep_per_node=True),
+                            membound_passes=16.32, tp_overlap=0.638, ep_overlap=0.47, ep_overlap_1f1b=0.721),
             grad_reduce_in_bf16=True,
             summary="Megatron-Core + TransformerEngine: fused kernels, fp8 linear inputs, TP comm overlap, "
                     "grouped GEMM, bf16 gradient reduction, distributed optimizer, 1F1B all-to-all overlap "
-                    "where allowed",
-            a2a_overlap=True),
+                    "where allowed, the token dispatcher the config names (flex in its search)",
+            a2a_overlap=True, dispatcher="flex"),
     Runtime("torchtitan",
             MemoryAssumptions(allocator_overhead=0.05, runtime_reserve=1.0 * GiB, traits=_TT_TRAITS),
             # fitted on rows 16-26, 28-35 (benchmarks/calibrate.py --fit --runtime torchtitan)
@@ -109,10 +112,11 @@ def with_time(rt: Runtime, **constants: float) -> Runtime:
 
 def apply(cfg: Config, rt: Runtime, stated_fp32_grads: bool = False) -> Config:
     """`cfg` as `rt` runs it: bf16 gradients where the runtime reduces in bf16, unless the run states
-    fp32 gradients (the same `cfg` when nothing changes)."""
-    t = cfg.training
+    fp32 gradients; the EP exchange as an all-to-all where the runtime has no other dispatcher (the
+    same `cfg` when nothing changes)."""
+    t, p = cfg.training, cfg.parallel
+    if rt.dispatcher is None and p.moe_token_dispatcher_type != "alltoall":
+        cfg = replace(cfg, parallel=replace(p, moe_token_dispatcher_type="alltoall"))
     if t.precision not in ("bf16", "fp8") or stated_fp32_grads or t.grad_reduce_in_bf16 or not rt.grad_reduce_in_bf16:
         return cfg
-    fields = {f: getattr(t, f) for f in t.__dataclass_fields__}
-    fields["grad_reduce_in_bf16"] = rt.grad_reduce_in_bf16
-    return Config(cluster=cfg.cluster, parallel=cfg.parallel, model=cfg.model, training=TrainingConfig(**fields))
+    return replace(cfg, training=replace(t, grad_reduce_in_bf16=rt.grad_reduce_in_bf16))

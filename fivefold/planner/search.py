@@ -105,20 +105,20 @@ def make_config(model: ModelConfig, world: int, gpus_per_node: int, seq: int, gl
                 precision: str, parallel: dict, micro_batch: int = 1, recompute: str | None = None,
                 distributed_optimizer: bool = True, grad_reduce_in_bf16: bool = False,
                 recompute_modules: list[str] | None = None, dp_mode: str | None = None,
-                a2a_overlap: bool = False) -> Config:
+                a2a_overlap: bool = False, dispatcher: str = "alltoall") -> Config:
     """A planner config; `a2a_overlap`: with Megatron's 1F1B all-to-all overlap where its rules allow
-    (`with_a2a_overlap`)."""
+    (`with_a2a_overlap`); `dispatcher`: the MoE token dispatcher."""
     nodes = max(1, world // gpus_per_node)
     cfg = Config(cluster=ClusterConfig(num_nodes=nodes, gpus_per_node=gpus_per_node, world_size=world),
-                  parallel=ParallelConfig(**parallel), model=model,
-                  training=TrainingConfig(seq_length=seq, global_batch_size=global_batch, micro_batch_size=micro_batch,
-                                          precision=precision, recompute_granularity=recompute,
-                                          recompute_modules=recompute_modules if recompute == "selective" else None,
-                                          recompute_method="uniform" if recompute == "full" else None,
-                                          recompute_num_layers=1 if recompute == "full" else None,
-                                          use_distributed_optimizer=distributed_optimizer and dp_mode != "no_shard",
-                                          data_parallel_sharding_strategy=dp_mode,
-                                          grad_reduce_in_bf16=grad_reduce_in_bf16 and precision != "fp32"))
+                 parallel=ParallelConfig(**{"moe_token_dispatcher_type": dispatcher, **parallel}), model=model,
+                 training=TrainingConfig(seq_length=seq, global_batch_size=global_batch, micro_batch_size=micro_batch,
+                                         precision=precision, recompute_granularity=recompute,
+                                         recompute_modules=recompute_modules if recompute == "selective" else None,
+                                         recompute_method="uniform" if recompute == "full" else None,
+                                         recompute_num_layers=1 if recompute == "full" else None,
+                                         use_distributed_optimizer=distributed_optimizer and dp_mode != "no_shard",
+                                         data_parallel_sharding_strategy=dp_mode,
+                                         grad_reduce_in_bf16=grad_reduce_in_bf16 and precision != "fp32"))
     return with_a2a_overlap(cfg) if a2a_overlap else cfg
 
 
@@ -170,7 +170,8 @@ def _search(model, hw, world, gpus_per_node, seq, global_batch, precision, space
     result = SearchResult(ranked=[])
     for parallel in structures(model, world, gpus_per_node, seq, space):
         base = make_config(model, world, gpus_per_node, seq, global_batch, precision, parallel,
-                           grad_reduce_in_bf16=grad_reduce_in_bf16, a2a_overlap=space.a2a_overlap)
+                           grad_reduce_in_bf16=grad_reduce_in_bf16, a2a_overlap=space.a2a_overlap,
+                           dispatcher=space.dispatcher)
         broken = config_errors(base)
         layout = Plan(base)  # after config_errors: it writes the resolved VPP, schedule and SP back
         dp = layout.dp

@@ -42,6 +42,9 @@ class SearchSpace:
     schedules: tuple[str, ...] = ("1f1b", "interleaved")
     """Pipeline schedules tried (any of gpipe, 1f1b, interleaved, zb-h1, dualpipev)."""
     cp_comm_types: tuple[str, ...] = ("p2p", "a2a")
+    dispatcher: str = "alltoall"
+    """The token dispatcher every MoE layout is timed with (`ParallelConfig.moe_token_dispatcher_type`;
+    the runtime's, `Runtime.dispatcher`)."""
     a2a_overlap: bool = False
     """MoE layouts run with Megatron's 1F1B all-to-all overlap wherever its rules allow it (EP > 1, no
     full recompute, VPP under PP: `config.rules.a2a_overlap_problems`), for a runtime that has it

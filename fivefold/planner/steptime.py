@@ -75,11 +75,6 @@ class TimeAssumptions:
     ep_overlap: float = 0.0
     """Share of the EP all-to-all hidden behind compute without the 1F1B all-to-all overlap (what the
     dispatcher hides by itself: shared experts, its own send / receive halves)."""
-    ep_per_node: bool = False
-    """A token's EP traffic across nodes goes once per node it is routed to, then over NVLink to the
-    node's experts (DeepEP / HybridEP: Megatron's flex dispatcher); off: once per expert copy
-    (Megatron's and fivefold's all-to-all). Group-limited routing (DeepSeek-V3's node-limited
-    moe_router_group_topk) bounds those nodes (`nodes_hit`)."""
     ep_overlap_1f1b: float | None = None
     """Share hidden with Megatron's 1F1B all-to-all overlap (`overlap_moe_expert_parallel_comm`: one
     microbatch's dispatch / combine beside another's compute); None = ep_overlap (no such overlap)."""
@@ -176,9 +171,12 @@ class _Links:
         if got is None:
             got = _CROSS[key] = _crossings(plan, gpn)
         self.cross, self.names = got
-        self.ep_copies = 1.0  # network bytes per expert copy's share (`TimeAssumptions.ep_per_node`)
+        # the flex dispatcher (DeepEP / HybridEP) sends a token across nodes once per node it is routed to,
+        # then over NVLink to that node's experts: its network bytes per expert copy's (group-limited
+        # routing, DeepSeek-V3's node-limited moe_router_group_topk, bounds those nodes: `nodes_hit`)
+        self.ep_copies = 1.0
         m = plan.config.model
-        if ta.ep_per_node and m.is_moe and self.cross["ep"] and plan.ep > 1:
+        if plan.config.parallel.moe_token_dispatcher_type == "flex" and m.is_moe and self.cross["ep"] and plan.ep > 1:
             nodes = plan.ep // self.cross["ep local"]
             if m.num_experts % nodes == 0:
                 groups = m.moe_router_num_groups if m.moe_router_group_topk else 1
@@ -188,14 +186,15 @@ class _Links:
     def name(self, g: str) -> str:
         return self.names[g]
 
-    def time(self, g: str, bytes_sent: float, steps: int, n: int = 0) -> float:
+    def time(self, g: str, bytes_sent: float, steps: int, n: int = 0, kind: str = "all_to_all") -> float:
         """Seconds of a call of `g` (n ranks) that sends `bytes_sent` from each rank. An all-to-all
         over EP that crosses nodes sends the share of its peers outside the node over the network
-        and the rest over NVLink at once (uniform routing): the slower of the two; sent once per
-        node hit, not per copy, under `TimeAssumptions.ep_per_node`."""
+        and the rest over NVLink at once (uniform routing): the slower of the two; with the flex
+        dispatcher once per node hit, not per copy (`ep_copies`). Other calls (a ring) run at the
+        slowest link of their group."""
         bw = self.hw.network_bw if self.cross[g] else self.hw.intra_node_bw
         lat = self.ta.network_latency if self.cross[g] else self.ta.intra_latency
-        if g == "ep" and self.cross[g] and n > 1:
+        if g == "ep" and kind == "all_to_all" and self.cross[g] and n > 1:
             local = self.cross["ep local"]
             outside = (n - local) / (n - 1)
             bw_time = max(bytes_sent * outside * self.ep_copies / self.hw.network_bw,
@@ -275,8 +274,8 @@ def _timed(calls: list[Collective], links: _Links, sizes: dict[str, int]) -> Tim
     out = []
     for c in calls:
         n = sizes[c.group]
-        out.append((PART[c.group], links.time(c.group, c.wire_bytes(n), c.steps(n), n), c.wire_bytes(n), c.hides_behind,
-                    c.spread))
+        out.append((PART[c.group], links.time(c.group, c.wire_bytes(n), c.steps(n), n, c.kind), c.wire_bytes(n),
+                    c.hides_behind, c.spread))
     return tuple(out)
 
 
@@ -357,7 +356,7 @@ def _add_calls(calls: list[Collective], links: _Links, sizes: dict[str, int], pa
         if got is None:
             n = sizes[c.group]
             wire = c.wire_bytes(n)
-            got = timed[key] = (links.time(c.group, wire, c.steps(n), n), wire)
+            got = timed[key] = (links.time(c.group, wire, c.steps(n), n, c.kind), wire)
         t, wire = got
         sent[PART[c.group]] += wire
         if c.hides_behind == "attention":
@@ -430,7 +429,7 @@ def _layer_cost(plan: Plan, links: _Links, sizes: dict[str, int], i: int, recomp
     moe = is_moe_layer(m, i)
     # a dense layer neither computes nor calls anything over EP / ETP: layouts that differ only there share it
     experts = (plan.ep, plan.etp, links.cross["ep"], links.cross["etp"], links.cross["ep local"],
-               p.overlap_moe_expert_parallel_comm) if moe else ()
+               p.overlap_moe_expert_parallel_comm, p.moe_token_dispatcher_type) if moe else ()
     key = (id(m), moe, recomputed, plan.recompute, plan.recompute_modules, plan.mbs, plan.seq, plan.precision, plan.tp, plan.sp,
            plan.cp, p.cp_comm_type, tuple(p.hierarchical_context_parallel_sizes or ()), links.cross["tp"],
            links.cross["cp"], links.cross["tp-cp"], experts, id(links.hw), links.ta, flops_rate)

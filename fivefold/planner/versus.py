@@ -15,6 +15,7 @@ from fivefold.config.schema import Config
 from fivefold.planner.callbytes import call_bytes
 from fivefold.planner.layout import Plan
 from fivefold.planner.memory import CPU_EAGER, MemoryAssumptions, RankMemory, memory_per_rank
+from fivefold.planner.runtime import apply, profile
 
 BOOKKEEPING_TAGS = ("loss", "grad-norm", "found-inf", "metrics", "moe-metrics", "checkpoint")
 """Traffic tags of scalars for logging, clipping, loss scaling and checkpoint agreement, not model tensors."""
@@ -67,7 +68,7 @@ class RankComparison:
 
 def compare_rank(config: Config, rank: int, pp_rank: int, bytes_by_tag: dict[str, int], peak_by_kind: dict[str, int],
                  peak: int, assume: MemoryAssumptions = CPU_EAGER) -> RankComparison:
-    plan = Plan(config)
+    plan = Plan(apply(config, profile("fivefold")))  # our runtime's sends (an all-to-all whatever the dispatcher)
     model_bytes = {t: b for t, b in bytes_by_tag.items() if t not in BOOKKEEPING_TAGS}
     return RankComparison(rank=rank, pp_rank=pp_rank, est_bytes=call_bytes(plan, pp_rank), meas_bytes=model_bytes,
                           est_memory=memory_per_rank(plan, assume)[pp_rank], meas_kinds=dict(peak_by_kind),
