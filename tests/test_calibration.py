@@ -209,7 +209,8 @@ def test_each_token_dispatcher_is_timed_as_megatron_sends_it():
     from dataclasses import replace
     from fivefold.planner.presets import hardware
     from fivefold.planner.runtime import apply, profile
-    from fivefold.planner.steptime import nodes_hit, step_time
+    from fivefold.planner.links import nodes_hit
+    from fivefold.planner.steptime import step_time
     te, hw = profile("megatron-te"), hardware("h100-sxm")
     row = next(c for c in cases() if c.run.row == 47)
     assert row.config.parallel.moe_token_dispatcher_type == "flex"
@@ -233,7 +234,7 @@ def test_nodes_hit_per_token_agree_with_the_router():
     import torch
     from fivefold.config.schema import ModelConfig
     from fivefold.model.router import top_k
-    from fivefold.planner.steptime import nodes_hit
+    from fivefold.planner.links import nodes_hit
     generator = torch.Generator().manual_seed(0)
     for experts, k, groups, chosen, nodes, bound in ((256, 8, 8, 4, 8, 0.015), (256, 8, 8, 4, 4, 0.015),
                                                        (256, 8, 8, 4, 16, 0.10), (128, 8, None, None, 4, 0.015),

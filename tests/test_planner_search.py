@@ -316,9 +316,9 @@ def test_closed_form_schedules_change_no_result(monkeypatch):
 
 
 def test_spans_nodes_by_arithmetic_equals_listing_the_group():
-    """steptime._spans_nodes reads a group's lowest and highest rank instead of listing it: the same
+    """links._spans_nodes reads a group's lowest and highest rank instead of listing it: the same
     answer as the nodes of every rank of the group, on every group of a grid of layouts and orders."""
-    from fivefold.planner.steptime import _spans_nodes
+    from fivefold.planner.links import _spans_nodes
     from fivefold.topology import Layout
     for tp, cp, pp, dp, ep, etp in ((2, 2, 4, 8, 4, 1), (8, 1, 2, 4, 16, 2), (1, 4, 8, 2, 8, 1), (4, 2, 1, 16, 32, 4)):
         for order in ("tp-cp-ep-dp-pp", "tp-cp-ep-pp-dp", "tp-pp-cp-ep-dp"):

@@ -193,7 +193,7 @@ def moe_collectives(plan: Plan) -> list[Collective]:
     instead gathers the EP group's n tokens, routing maps (bool) and probabilities (fp32) on every
     rank and reduce-scatters the outputs (duals backward: the tokens' gradient reduce-scattered, the
     outputs' all-gathered); expert TP then gathers those ep n tokens. The flex dispatcher sends what
-    the all-to-all does (`steptime._Links` charges the network per node, not per copy)."""
+    the all-to-all does (`links.Links` charges the network per node, not per copy)."""
     m = plan.config.model
     B, E = act_bytes(plan), m.num_experts
     n = _tokens(plan) / plan.tp
@@ -204,9 +204,10 @@ def moe_collectives(plan: Plan) -> list[Collective]:
         out += [Collective("all_gather", "tp", "tp", M, "forward"), Collective("all_gather", "tp", "tp", M, "backward")]
     if plan.ep > 1 and plan.config.parallel.moe_token_dispatcher_type == "allgather":
         rows = plan.ep * n * m.hidden_size * B  # every EP rank's tokens, on each
-        out += [Collective("all_gather", "ep", "ep", plan.ep * n * E * 5, "forward"),
-                Collective("all_gather", "ep", "ep", rows, "forward"), Collective("reduce_scatter", "ep", "ep", rows, "forward"),
-                Collective("reduce_scatter", "ep", "ep", rows, "backward"), Collective("all_gather", "ep", "ep", rows, "backward")]
+        out += [Collective("all_gather", "ep", "ep", plan.ep * n * E * 5, "forward")]  # routing maps + probabilities
+        out += [Collective(kind, "ep", "ep", rows, phase) for kind, phase in (
+            ("all_gather", "forward"), ("reduce_scatter", "forward"), ("reduce_scatter", "backward"),
+            ("all_gather", "backward"))]
     elif plan.ep > 1:
         out += [Collective("all_to_all", "ep", "ep", 8 * E, "forward")]
         out += [Collective("all_to_all", "ep", "ep", rows, phase) for phase in ("forward",) * 2 + ("backward",) * 2]

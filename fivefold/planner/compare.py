@@ -25,7 +25,8 @@ from fivefold.errors import UserError
 from fivefold.pipeline.schedules import REGISTRY
 from fivefold.planner.activations import RECOMPUTE_MODULES
 from fivefold.planner.mtp import mtp_stage_layers
-from fivefold.planner.search import A2A_OVERLAP, DP_MODE_LABEL, Candidate, evaluate, make_config, rank_key, recompute_label
+from fivefold.planner.search import (A2A_OVERLAP, DP_MODE_LABEL, Candidate, evaluate, make_config, rank_key,
+                                     recompute_label)
 from fivefold.planner.space import layer_splits
 
 _SIZE = re.compile(r"(tp|cp|pp|vpp|ep|etp|dp|mbs)(\d+)$")

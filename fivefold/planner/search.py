@@ -299,12 +299,12 @@ def clear_caches() -> None:
     """Forget what the planner keeps across layouts and searches (layer splits and groups, parameter
     counts, layer and call costs, links, schedule simulations): a cold search, for tests."""
     from fivefold.parallel import precision
-    from fivefold.planner import activations, flops, layout, memory, params, pipeline, space, steptime
+    from fivefold.planner import activations, flops, layout, links, memory, params, pipeline, space, steptime
     for cache in (layout._SPLITS, layout._GROUPS, memory._PARAMS, memory._LAYERS, params._CACHE, flops._PER_TOKEN,
-                  steptime._CROSS, steptime._CALLS, steptime._LAYER_COSTS):
+                  links._CROSS, steptime._CALLS, steptime._LAYER_COSTS):
         cache.clear()
     for fn in (pipeline._simulate, pipeline.pipeline_profile, space.layer_splits, memory._for_precision,
-               activations._interned, precision._policy, precision.Precision.state_bytes, steptime.nodes_hit):
+               activations._interned, precision._policy, precision.Precision.state_bytes, links.nodes_hit):
         fn.cache_clear()
 
 

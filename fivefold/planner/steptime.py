@@ -16,13 +16,12 @@ reduction overlaps the last microbatch's backward (2/3 of its compute) and the d
 optimizer's parameter all-gather the first forward (1/3); what is left is exposed, as are the SP
 norm-gradient and tied-embedding all-reduces. The Adam step reads and writes ~30 bytes per local
 parameter at HBM speed. A collective of n ranks runs at the slowest link its group crosses:
-intra-node when all its ranks share a node (from the rank order), else the per-GPU network bandwidth.
+intra-node when all its ranks share a node (from the rank order), else the per-GPU network bandwidth
+(`links.py`).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from functools import lru_cache
-from math import comb
 
 from fivefold.planner.activations import ArchTraits, Sharding, layer_activation_bytes
 from fivefold.planner.collectives import (Collective, cp_split, dp_calls_per_step, group_sizes, layer_collectives,
@@ -30,11 +29,11 @@ from fivefold.planner.collectives import (Collective, cp_split, dp_calls_per_ste
 from fivefold.planner.flops import attention_core_flops, layer_forward_flops, model_flops_per_token, output_forward_flops
 from fivefold.planner.mtp import mtp_forward_flops
 from fivefold.planner.layout import Plan
+from fivefold.planner.links import Links
 from fivefold.planner.memory import rank_params
 from fivefold.planner.params import is_moe_layer, layer_params
 from fivefold.planner.pipeline import bubble_fraction, pipeline_time
 from fivefold.planner.presets.hardware import Hardware
-from fivefold.topology import Layout, Topology, parse_order
 
 
 @dataclass(frozen=True)
@@ -108,108 +107,13 @@ class StepEstimate:
         return sum(self.parts.get(k, 0.0) for k in ("tp", "cp", "ep", "pp", "dp")) / self.step_time
 
 
-def _spans_nodes(topo: Topology, dims: str, world: int, gpn: int) -> bool:
-    """Whether the group over `dims` of rank 0 or of the last rank holds ranks of two nodes. Its ranks
-    lie between its lowest (every coordinate over `dims` 0) and its highest, so it does exactly when
-    those two do: arithmetic, never listing a 512-rank DP group."""
-    names = parse_order(dims)
-    for rank in {0, world - 1}:
-        c = topo.coords(rank)
-        low = rank - sum(c[d] * topo.strides[d] for d in names)
-        high = low + sum((topo.sizes[d] - 1) * topo.strides[d] for d in names)
-        if low // gpn != high // gpn:
-            return True
-    return False
-
-
-_CROSS: dict[tuple, tuple[dict, dict]] = {}
-"""Layout sizes, order and GPUs per node -> which groups cross nodes, and each group's link by name
-(the search asks once per layout)."""
-
-
-def _crossings(plan: Plan, gpn: int) -> tuple[dict, dict[str, str]]:
-    lay = Layout(tp=plan.tp, cp=plan.cp, pp=plan.pp, dp=plan.dp, ep=plan.ep, etp=plan.etp,
-                 order=plan.config.parallel.order)
-    d, e, w = lay.dense, lay.expert, plan.world
-    cross = {"tp": _spans_nodes(d, "tp", w, gpn), "cp": _spans_nodes(d, "cp", w, gpn),
-             "pp": _spans_nodes(d, "pp", w, gpn), "dp": _spans_nodes(d, "cp-dp", w, gpn),
-             "ep": _spans_nodes(e, "ep", w, gpn), "etp": _spans_nodes(e, "etp", w, gpn),
-             "edp": _spans_nodes(e, "edp", w, gpn)}
-    cross["embedding"] = cross["pp"]  # the first and last pipeline ranks
-    cross["tp-cp"] = _spans_nodes(d, "tp-cp", w, gpn)
-    cross["ep local"] = sum(1 for r in e.group(0, "ep") if r // gpn == 0)  # EP peers in rank 0's node
-    return cross, {g: "network" if v else "intra-node" for g, v in cross.items()}
-
-
-@lru_cache(maxsize=None)
-def nodes_hit(experts: int, topk: int, groups: int, chosen: int, nodes: int) -> float:
-    """Expected number of the `nodes` (each holding experts / nodes consecutive experts) one token's
-    `topk` experts fall on, under balanced routing limited to `chosen` of `groups` expert groups
-    (groups = chosen = 1: unlimited): DeepEP's / HybridEP's sends per token. Against the router
-    (`fivefold.model.router.top_k` on random logits, tests/test_calibration.py): within 1% where a node
-    holds whole groups or routing is unlimited; where a group spans nodes each chosen group is taken to
-    hold topk / chosen of the token's experts, 6% above the router's less even picks."""
-    per_node = experts // nodes
-    if groups > 1 and groups % nodes == 0:  # a node holds whole groups: it is hit when one is chosen
-        q = groups // nodes
-        p = 1 - comb(groups - q, chosen) / comb(groups, chosen)
-    elif groups > 1 and nodes % groups == 0 and topk % chosen == 0:
-        # a group spans nodes: its group chosen, and one of its topk / chosen experts (groups are
-        # chosen by their best topk / chosen scores) on the node
-        per_group, take = experts // groups, topk // chosen
-        p = chosen / groups * (1 - comb(per_group - per_node, take) / comb(per_group, take))
-    else:
-        p = 1 - comb(experts - per_node, topk) / comb(experts, topk)
-    return nodes * p
-
-
-class _Links:
-    def __init__(self, plan: Plan, hw: Hardware, gpn: int, ta: TimeAssumptions):
-        key = (plan.tp, plan.cp, plan.pp, plan.dp, plan.ep, plan.etp, plan.config.parallel.order, gpn)
-        self.hw, self.ta = hw, ta
-        got = _CROSS.get(key)
-        if got is None:
-            got = _CROSS[key] = _crossings(plan, gpn)
-        self.cross, self.names = got
-        # the flex dispatcher (DeepEP / HybridEP) sends a token across nodes once per node it is routed to,
-        # then over NVLink to that node's experts: its network bytes per expert copy's (group-limited
-        # routing, DeepSeek-V3's node-limited moe_router_group_topk, bounds those nodes: `nodes_hit`)
-        self.ep_copies = 1.0
-        m = plan.config.model
-        if plan.config.parallel.moe_token_dispatcher_type == "flex" and m.is_moe and self.cross["ep"] and plan.ep > 1:
-            nodes = plan.ep // self.cross["ep local"]
-            if m.num_experts % nodes == 0:
-                groups = m.moe_router_num_groups if m.moe_router_group_topk else 1
-                self.ep_copies = min(1.0, nodes_hit(m.num_experts, m.moe_router_topk, groups,
-                                                    m.moe_router_group_topk or 1, nodes) / m.moe_router_topk)
-
-    def name(self, g: str) -> str:
-        return self.names[g]
-
-    def time(self, g: str, bytes_sent: float, steps: int, n: int = 0, kind: str = "all_to_all") -> float:
-        """Seconds of a call of `g` (n ranks) that sends `bytes_sent` from each rank. An all-to-all
-        over EP that crosses nodes sends the share of its peers outside the node over the network
-        and the rest over NVLink at once (uniform routing): the slower of the two; with the flex
-        dispatcher once per node hit, not per copy (`ep_copies`). Other calls (a ring) run at the
-        slowest link of their group."""
-        bw = self.hw.network_bw if self.cross[g] else self.hw.intra_node_bw
-        lat = self.ta.network_latency if self.cross[g] else self.ta.intra_latency
-        if g == "ep" and kind == "all_to_all" and self.cross[g] and n > 1:
-            local = self.cross["ep local"]
-            outside = (n - local) / (n - 1)
-            bw_time = max(bytes_sent * outside * self.ep_copies / self.hw.network_bw,
-                          bytes_sent * (1 - outside) / self.hw.intra_node_bw)
-            return bw_time / self.ta.comm_efficiency + steps * lat
-        return bytes_sent / (bw * self.ta.comm_efficiency) + steps * lat
-
-
 PART = {"tp": "tp", "etp": "tp", "tp-cp": "tp", "cp": "cp", "ep": "ep", "pp": "pp", "embedding": "pp", "dp": "dp", "edp": "dp"}
 """Which part of the step time (and of `comm_bytes`) a group's traffic is reported under."""
 
 
 def step_time(plan: Plan, hw: Hardware, ta: TimeAssumptions = TimeAssumptions()) -> StepEstimate:
     cfg, m = plan.config, plan.config.model
-    links = _Links(plan, hw, cfg.cluster.gpus_per_node, ta)
+    links = Links(plan, hw, cfg.cluster.gpus_per_node, ta)
     sizes = group_sizes(plan)
     s, cp = plan.seq, plan.cp
     gemm = ta.fp8_gemm_efficiency if plan.precision == "fp8" and ta.fp8_gemm_efficiency else ta.gemm_efficiency
@@ -270,7 +174,7 @@ Timed = tuple[tuple[str, float, float, "str | None", int], ...]
 they are spread over), in call order."""
 
 
-def _timed(calls: list[Collective], links: _Links, sizes: dict[str, int]) -> Timed:
+def _timed(calls: list[Collective], links: Links, sizes: dict[str, int]) -> Timed:
     out = []
     for c in calls:
         n = sizes[c.group]
@@ -292,7 +196,7 @@ hardware, the calls timed): the search meets the same pipeline ranks under many 
 recompute)."""
 
 
-def _cached_calls(key: tuple, plan: Plan, links: _Links, compute) -> Timed:
+def _cached_calls(key: tuple, plan: Plan, links: Links, compute) -> Timed:
     m = plan.config.model
     key = (id(m), id(links.hw), links.ta) + key
     got = _CALLS.get(key)
@@ -301,7 +205,7 @@ def _cached_calls(key: tuple, plan: Plan, links: _Links, compute) -> Timed:
     return got[2]
 
 
-def _rank_cost(plan: Plan, r: int, links: _Links, sizes: dict[str, int], flops_rate: float) -> tuple[dict, dict, float]:
+def _rank_cost(plan: Plan, r: int, links: Links, sizes: dict[str, int], flops_rate: float) -> tuple[dict, dict, float]:
     """(seconds by kind, wire bytes by kind, total seconds) of pipeline rank r for one microbatch:
     its layers, the output layer's compute on the last rank, its stage calls."""
     m = plan.config.model
@@ -320,7 +224,7 @@ def _rank_cost(plan: Plan, r: int, links: _Links, sizes: dict[str, int], flops_r
     return parts, sent, sum(parts.values())
 
 
-def _stage_calls(plan: Plan, r: int, links: _Links, sizes: dict[str, int]) -> Timed:
+def _stage_calls(plan: Plan, r: int, links: Links, sizes: dict[str, int]) -> Timed:
     """`stage_collectives` of pipeline rank r, timed (none hides behind compute)."""
     key = ("stage", plan.tp, plan.sp, plan.cp, plan.pp, plan.mbs, plan.seq, plan.precision, plan.rank_shapes[r][1:],
            links.cross["tp"], links.cross["pp"])
@@ -333,7 +237,7 @@ def _on_the_path(timed: Timed) -> Timed:
     return timed
 
 
-def _step_calls(plan: Plan, r: int, links: _Links, sizes: dict[str, int]) -> Timed:
+def _step_calls(plan: Plan, r: int, links: Links, sizes: dict[str, int]) -> Timed:
     """`step_collectives` of pipeline rank r, timed."""
     p = plan.config.parallel
     key = ("step", plan.tp, plan.sp, plan.cp, plan.dp, plan.pp, plan.vpp, plan.schedule, plan.ep, plan.etp, plan.edp,
@@ -342,7 +246,7 @@ def _step_calls(plan: Plan, r: int, links: _Links, sizes: dict[str, int]) -> Tim
     return _cached_calls(key, plan, links, lambda: _timed(step_collectives(plan, r), links, sizes))
 
 
-def _add_calls(calls: list[Collective], links: _Links, sizes: dict[str, int], parts: dict, sent: dict,
+def _add_calls(calls: list[Collective], links: Links, sizes: dict[str, int], parts: dict, sent: dict,
                hidden: float = 0.0, ep_share: float = 0.0) -> None:
     """Add the time and wire bytes of `calls` (critical path, or hidden behind `hidden` seconds of
     compute for those that overlap the attention core) to `parts` / `sent`, by reported part; a share
@@ -423,7 +327,7 @@ _LAYER_COSTS: dict[tuple, tuple] = {}
 the layer split share their layers' costs (the model is kept alive beside its id)."""
 
 
-def _layer_cost(plan: Plan, links: _Links, sizes: dict[str, int], i: int, recomputed: bool, flops_rate: float):
+def _layer_cost(plan: Plan, links: Links, sizes: dict[str, int], i: int, recomputed: bool, flops_rate: float):
     """(seconds by kind, wire bytes sent by kind) of decoder layer `i` for one microbatch on one rank."""
     m, p = plan.config.model, plan.config.parallel
     moe = is_moe_layer(m, i)
@@ -439,7 +343,7 @@ def _layer_cost(plan: Plan, links: _Links, sizes: dict[str, int], i: int, recomp
     return got[2]
 
 
-def _layer_cost_of(plan: Plan, links: _Links, sizes: dict[str, int], i: int, recomputed: bool, flops_rate: float):
+def _layer_cost_of(plan: Plan, links: Links, sizes: dict[str, int], i: int, recomputed: bool, flops_rate: float):
     m, b, s, tp, cp, ta, hw = plan.config.model, plan.mbs, plan.seq, plan.tp, plan.cp, links.ta, links.hw
     parts = dict.fromkeys(("compute", "tp", "cp", "ep"), 0.0)
     sent = dict.fromkeys(("tp", "cp", "ep"), 0.0)
