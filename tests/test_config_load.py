@@ -49,14 +49,16 @@ def test_the_1f1b_all_to_all_overlap_is_read_in_megatron_and_bridge_words(words)
 
 def test_the_token_dispatcher_is_megatrons():
     """--moe-token-dispatcher-type names the canonical field (alltoall_seq, removed from Megatron-LM, read as
-    alltoall); a Megatron command line of a MoE model without it gets Megatron-LM's default, allgather
-    (said among the defaults); our own dialect keeps alltoall."""
+    alltoall); a Megatron command line or an all-Bridge config of a MoE model without it gets their
+    default, allgather (said among the defaults); our own dialect keeps alltoall."""
     moe = ["--num-experts", "4", "--expert-model-parallel-size", "2"]
     for given, want in ((["--moe-token-dispatcher-type", "flex"], "flex"), (["--moe-token-dispatcher-type", "alltoall_seq"],
                                                                               "alltoall"), ([], "allgather")):
         assert load_config(None, moe + given, world_size=8).config.parallel.moe_token_dispatcher_type == want
     assert load_config(None, ["model.num_experts=4", "ep=2"], world_size=8).config.parallel.moe_token_dispatcher_type \
         == "alltoall"
+    bridge = load_config(None, ["cfg.model.num_moe_experts=4", "cfg.model.expert_model_parallel_size=2"], world_size=8)
+    assert bridge.config.parallel.moe_token_dispatcher_type == "allgather"  # Bridge's TransformerConfig default
 
 
 @pytest.mark.parametrize("words, hint", [

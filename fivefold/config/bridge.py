@@ -303,15 +303,17 @@ DEFAULTS = ("model.add_bias_linear", "model.gated_linear_unit", "model.normaliza
 
 
 def apply_defaults(config, explicit: set[str]) -> list[str]:
-    """Set each canonical field of DEFAULTS that no source set to Bridge's value, then Bridge's derived
-    sizes (TransformerConfig: ffn_hidden_size = 4h, with or without a GLU; learned absolute positions
-    up to seq_length). Returns the dotted fields changed."""
+    """Set each canonical field of DEFAULTS that no source set to Bridge's value, and for a MoE model its
+    token dispatcher, then Bridge's derived sizes (TransformerConfig: ffn_hidden_size = 4h, with or
+    without a GLU; learned absolute positions up to seq_length). Returns the dotted fields changed."""
     changed = []
     for key in DEFAULTS:
         for dotted, value in classify(key, SURFACE[key][1]).pairs:
             if dotted not in explicit:
                 _set(config, dotted, coerce(dotted, value), changed)
     m = config.model
+    if m.num_experts and "parallel.moe_token_dispatcher_type" not in explicit:
+        _set(config, "parallel.moe_token_dispatcher_type", SURFACE["model.moe_token_dispatcher_type"][1], changed)
     if "model.ffn_hidden_size" not in explicit:
         _set(config, "model.ffn_hidden_size", 4 * m.hidden_size, changed)
     if m.position_embedding_type == "learned_absolute" and "model.max_position_embeddings" not in explicit:
