@@ -80,14 +80,13 @@ def run(args, extra) -> int:
     counts = count_params(spec.model)
     t0 = time.perf_counter()
     bf16_grads = rt.grad_reduce_in_bf16
+    space = rt.space(micro_batch_sizes=mbs, accumulate=not args.no_accumulation, schedules=schedules, dp_modes=dp_modes)
     compared = [(text, candidates(text, spec.model, hw, args.gpus, min(gpn, args.gpus), args.seq_len,
                                   args.global_batch, args.precision, mbs, mem, ta, bf16_grads, rt.dp_modes[0],
-                                  rt.a2a_overlap, rt.dispatcher or "alltoall")[0])
+                                  space.a2a_overlap, space.dispatcher)[0])
                 for text in args.compare]  # bad descriptions refused before the search
     result = search(spec.model, hw, args.gpus, min(gpn, args.gpus), args.seq_len, args.global_batch, args.precision,
-                    rt.space(micro_batch_sizes=mbs, accumulate=not args.no_accumulation, schedules=schedules,
-                             dp_modes=dp_modes), mem, ta,
-                    grad_reduce_in_bf16=bf16_grads)
+                    space, mem, ta, grad_reduce_in_bf16=bf16_grads)
     elapsed = time.perf_counter() - t0
     name = spec.preset or args.model
     print(f"{name}: {counts.total / 1e9:.1f}B parameters ({counts.active / 1e9:.1f}B active) on {args.gpus} x "

@@ -54,11 +54,11 @@ WHY = {"model.num_query_groups": f"{GQA_SWITCH} not given: Megatron-LM ignores -
 
 
 def apply_megatron_defaults(config: Config, explicit: set[str], switches: set[str] = frozenset()) -> list[str]:
-    """Set every field of DEFAULTS that no source set (not in `explicit`) to Megatron's value; then
-    the derived widths and Megatron's GQA rule (`switches`: the fieldless flags given). Returns the
-    dotted fields changed."""
+    """Set every field of DEFAULTS (and of MOE_DEFAULTS in a MoE model) that no source set (not in
+    `explicit`) to Megatron's value; then the derived widths and Megatron's GQA rule (`switches`: the
+    fieldless flags given). Returns the dotted fields changed."""
     changed = []
-    for dotted, value in DEFAULTS.items():
+    for dotted, value in {**DEFAULTS, **(MOE_DEFAULTS if config.model.num_experts else {})}.items():
         if dotted not in explicit:
             section, name = dotted.split(".")
             setattr(getattr(config, section), name, value)
@@ -73,11 +73,6 @@ def apply_megatron_defaults(config: Config, explicit: set[str], switches: set[st
     if m.num_query_groups is not None and GQA_SWITCH not in switches:
         m.num_query_groups = None
         changed.append("model.num_query_groups")
-    for dotted, value in MOE_DEFAULTS.items() if m.num_experts else ():
-        if dotted not in explicit:
-            section, name = dotted.split(".")
-            setattr(getattr(config, section), name, value)
-            changed.append(dotted)
     if m.moe_router_pre_softmax and m.moe_router_score_function != "softmax":
         m.moe_router_pre_softmax = False
         changed.append("model.moe_router_pre_softmax")

@@ -66,8 +66,8 @@ class ParallelConfig:
     """Megatron's 1F1B all-to-all overlap (--overlap-moe-expert-parallel-comm): one microbatch's EP
     dispatch / combine run beside another's compute. A schedule choice with the same sums: fivefold's
     runtime computes them without it; the planner times it for a runtime that has it (megatron-te).
-    Megatron-LM's rules hold: EP > 1, no full recompute, VPP when PP > 1, at most one MTP layer,
-    16-bit. Default False."""
+    Megatron-LM's rules hold: EP > 1, the alltoall or flex dispatcher, no full recompute, VPP when
+    PP > 1, at most one MTP layer, 16-bit. Default False."""
     order: str = "tp-cp-ep-dp-pp"
     """Rank order, fastest-varying first. Default Megatron's tp-cp-ep-dp-pp."""
     pipeline_schedule: str = "1f1b"

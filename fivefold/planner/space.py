@@ -47,7 +47,7 @@ class SearchSpace:
     the runtime's, `Runtime.dispatcher`)."""
     a2a_overlap: bool = False
     """MoE layouts run with Megatron's 1F1B all-to-all overlap wherever its rules allow it (EP > 1, no
-    full recompute, VPP under PP: `config.rules.a2a_overlap_problems`), for a runtime that has it
+    full recompute, VPP under PP, ...: `config.rules.a2a_overlap_problems`), for a runtime that has it
     (`Runtime.a2a_overlap`). A runtime switch, not a layout: under the time model it only hides EP
     traffic, so it is on where allowed rather than a second variant."""
     dp_modes: tuple[str, ...] = ("optim",)
