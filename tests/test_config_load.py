@@ -47,6 +47,22 @@ def test_the_1f1b_all_to_all_overlap_is_read_in_megatron_and_bridge_words(words)
     assert not kept.config.parallel.overlap_moe_expert_parallel_comm
 
 
+@pytest.mark.parametrize("words", [
+    ["--microbatch-group-size-per-virtual-pipeline-stage", "3"], ["cfg.model.microbatch_group_size_per_vp_stage=3"]])
+def test_interleavings_microbatch_group_is_read_in_megatron_and_bridge_words(words):
+    """Megatron-LM's flag and Bridge's field set the group; 6 microbatches on PP2 interleaved in groups of
+    3 are valid (Megatron's rule), and without interleaving the group is ignored with a warning, as
+    Megatron-LM ignores it."""
+    sizes = ["pp=2", "vpp=2", "num_layers=4", "global_batch_size=6", "micro_batch_size=1"]
+    cfg = load_config(None, sizes + words, world_size=2).config
+    validate(cfg)
+    assert cfg.parallel.microbatch_group_size_per_vp_stage == 3
+    flat = load_config(None, ["pp=2", "num_layers=4"] + words, world_size=2).config
+    [warned] = validate(flat)
+    assert "only the interleaved schedule has (this one: 1f1b); ignored" in str(warned)
+    assert flat.parallel.microbatch_group_size_per_vp_stage is None
+
+
 def test_the_token_dispatcher_is_megatrons():
     """--moe-token-dispatcher-type names the canonical field (alltoall_seq, removed from Megatron-LM, read as
     alltoall); a Megatron command line or an all-Bridge config of a MoE model without it gets their

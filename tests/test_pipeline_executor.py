@@ -31,6 +31,7 @@ from fivefold.config.schema import Config, ModelConfig, ParallelConfig, Training
 from fivefold.data.loader import Microbatch, StepBatch
 from fivefold.model.decoder import Decoder
 from fivefold.parallel.parallelize import parallelize
+from fivefold.pipeline.stages import schedule_for
 from fivefold.runtime.mesh import Mesh
 from fivefold.topology import Layout
 from fivefold.train.step import train_step
@@ -138,6 +139,16 @@ CASES = [  # (schedule, pp, vpp, tie)
 def test_schedule_matches_one_process(workers, schedule, pp, vpp, tie):
     config = _config(pp=pp, tie=tie, pipeline_schedule=schedule, virtual_pipeline_model_parallel_size=vpp)
     _check(workers(pp).run(_train, config, 1), tie)
+
+
+def test_interleaved_in_microbatch_groups(workers):
+    """Megatron's microbatch_group_size_per_vp_stage: 8 microbatches in groups of 3, 3 and 2 (the last
+    group >= PP), forwards through chunk 0 then chunk 1 per group: the same sums in another order."""
+    config = _config(pp=2, pipeline_schedule="interleaved", virtual_pipeline_model_parallel_size=2,
+                     microbatch_group_size_per_vp_stage=3)
+    order = [(a.stage, a.mb) for a in schedule_for(config, GBS).ranks[0] if a.kind.value == "F"]
+    assert order[:6] == [(0, 0), (0, 1), (0, 2), (2, 0), (2, 1), (2, 2)] and order[-4:] == [(0, 6), (0, 7), (2, 6), (2, 7)]
+    _check(workers(2).run(_train, config, 1))
 
 
 def test_pp2_dp2(workers):

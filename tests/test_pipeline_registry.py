@@ -15,7 +15,7 @@ from fivefold.planner.layout import Plan
 from fivefold.planner.space import SearchSpace, _pipelines
 
 
-def _gpipe_lifo(pp: int, chunks: int, m: int):
+def _gpipe_lifo(pp: int, chunks: int, m: int, group: int | None):
     """GPipe whose backward passes run last microbatch first: a valid order that no built-in schedule has."""
     return [acts[:m] + acts[m:][::-1] for acts in generators.gpipe(pp, m)]
 
@@ -62,22 +62,24 @@ def test_entries_give_chunks_and_placement(name, vpp, chunks, placement):
 @pytest.mark.parametrize("name", [n for n, k in REGISTRY.items() if k.equal_stages is not None])
 def test_closed_forms_equal_the_simulator(name):
     """An entry's `equal_stages` closed form is what the planner reads instead of simulating: on every
-    (pp, chunks, microbatches) of a grid that its rule accepts (the planner simulates at most 2pp
-    microbatches, then extends linearly), its makespan equals the simulator's and its peak in-flight
+    (pp, chunks, microbatches, microbatch group) of a grid that its rule accepts (the planner simulates
+    at most 2pp microbatches, then extends linearly; the group: unset, PP + 1 and all microbatches,
+    which interleaving alone reads), its makespan equals the simulator's and its peak in-flight
     chunks per rank are the simulator's exactly, with nothing B-done-W-pending."""
     from fivefold.pipeline.simulate import Costs, simulate
     kind, tried = REGISTRY[name], 0
     for pp in (1, 2, 3, 4, 5, 8, 12, 16):
         for vpp in (None, 2, 3, 4, 5, 8, 13):
             for m in range(1, 2 * pp + 1):
-                if kind.rule(pp, vpp, m):
-                    continue
-                s = build_schedule(name, pp, m, vpp)
-                sim = simulate(s, Costs.per_rank(s, 1 / 3, 1 / 3, 1 / 3), timeline=False)
-                makespan, held = kind.equal_stages(pp, kind.chunks(vpp), m)
-                # the simulator sums thirds over up to ~400 actions per rank: equal to 1e-9 of a stage time
-                assert makespan == pytest.approx(sim.makespan, rel=0, abs=1e-9), (pp, vpp, m)
-                assert held == tuple(sim.peak_in_flight), (pp, vpp, m)
-                assert all(a.kind not in (Kind.B, Kind.W) for r in s.ranks for a in r)  # BW whole: no pending W
-                tried += 1
+                for group in dict.fromkeys((None, pp + 1, m)):
+                    if kind.rule(pp, vpp, m, group):
+                        continue
+                    s = build_schedule(name, pp, m, vpp, group)
+                    sim = simulate(s, Costs.per_rank(s, 1 / 3, 1 / 3, 1 / 3), timeline=False)
+                    makespan, held = kind.equal_stages(pp, kind.chunks(vpp), m, group)
+                    # the simulator sums thirds over up to ~400 actions per rank: equal to 1e-9 of a stage time
+                    assert makespan == pytest.approx(sim.makespan, rel=0, abs=1e-9), (pp, vpp, m, group)
+                    assert held == tuple(sim.peak_in_flight), (pp, vpp, m, group)
+                    assert all(a.kind not in (Kind.B, Kind.W) for r in s.ranks for a in r)  # BW whole: no pending W
+                    tried += 1
     assert tried > 50

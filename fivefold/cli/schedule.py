@@ -19,6 +19,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--microbatches", type=int, default=8, help="microbatches per step (default 8)")
     p.add_argument("--schedule", choices=REGISTRY, default="1f1b", help="generator (default 1f1b)")
     p.add_argument("--vpp", type=int, default=None, help="chunks per rank for --schedule interleaved")
+    p.add_argument("--group", type=int, default=None, metavar="N",
+                   help="--schedule interleaved: microbatches per group (Megatron's microbatch_group_size_per_vp_stage; "
+                        "default PP)")
     p.add_argument("--costs", default="1,1,1", metavar="F,B,W",
                    help="forward, input-backward, weight-backward cost of one rank's whole share of "
                         "layers for one microbatch; a rank's k stages each cost 1/k (default 1,1,1)")
@@ -45,7 +48,7 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
     if args.load_csv:
         schedule = lower(load_csv(args.load_csv))
     else:
-        schedule = build_schedule(args.schedule, args.pp, args.microbatches, args.vpp)
+        schedule = build_schedule(args.schedule, args.pp, args.microbatches, args.vpp, args.group)
     verify(schedule)
     f, b, w = _costs(args.costs)
     result = simulate(schedule, Costs.per_rank(schedule, f, b, w, args.p2p, args.fb_cost))

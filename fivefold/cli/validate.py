@@ -40,8 +40,9 @@ def describe(cfg: Config, all_ranks: bool, ranks: tuple[int, ...] | None = None)
     m, p = cfg.model, cfg.parallel
     s = sizes_of(cfg)
     lines = [layout_report(lay, ranks, all_ranks)]
+    group = f" microbatch group={p.microbatch_group_size_per_vp_stage}" if p.microbatch_group_size_per_vp_stage else ""
     lines.append(f"sequence_parallel={p.sequence_parallel} schedule={p.pipeline_schedule} "
-                 f"vpp={p.virtual_pipeline_model_parallel_size} layers per stage={_short_list(stage_layers(s))}")
+                 f"vpp={p.virtual_pipeline_model_parallel_size}{group} layers per stage={_short_list(stage_layers(s))}")
     lines.append(f"global batch={cfg.training.global_batch_size} micro batch={cfg.training.micro_batch_size} "
                  f"microbatches={cfg.training.global_batch_size // (cfg.training.micro_batch_size * lay.dp)}")
     lines.append(f"vocab {m.vocab_size} padded to {m.padded_vocab_size(lay.tp)} "

@@ -126,6 +126,7 @@ RENAMES = {  # Bridge field -> [(canonical field, value)]
     # the gate switch says which MLP is built
     "model.gated_linear_unit": lambda v: [("model.activation", "swiglu" if truthy(v) else "gelu")],
     "model.seq_length": _to("training.seq_length"),
+    "model.microbatch_group_size_per_vp_stage": _to("parallel.microbatch_group_size_per_vp_stage"),
     "model.moe_layer_freq": _to("model.moe_first_k_dense_layers", lambda v: first_dense_layers(str(v))),
     "model.bf16": _precision("bf16"), "model.fp16": _precision("fp16"),
     "optimizer.bf16": _precision("bf16"), "optimizer.fp16": _precision("fp16"),
@@ -202,7 +203,7 @@ RUNTIME = [(re.compile(pattern), why) for pattern, why in [
      r"moe_use_grouped_tensor|dense_grouped_gemm|fused_.*|use_te_activation_func|use_kitchen.*|kitchen_attention_backend|"
      r"inference_.*|flash_decode|mlp_chunks_for_prefill|nccl_all_reduce_for_prefill|use_inference_optimized_layers|"
      r"should_pad_vocab|test_mode|restore_modelopt_state|distribute_saved_activations|"
-     r"wgrad_deferral_limit|microbatch_group_size_per_vp_stage|use_mamba_mem_eff_path|attention_softmax_in_fp32)",
+     r"wgrad_deferral_limit|use_mamba_mem_eff_path|attention_softmax_in_fp32)",
      "a runtime, memory or kernel choice of Megatron-Core's (fivefold runs its own, with the same math)"),
     (r"optimizer\.(pin_cpu_grads|pin_cpu_params|timers|config_logger_dir|barrier_with_L1_time|"
      r"use_torch_optimizer_for_cpu_offload|store_param_remainders)", "optimizer memory or logging"),

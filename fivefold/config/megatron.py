@@ -65,6 +65,7 @@ FLAGS: dict[str, Flag] = {
     "--virtual-pipeline-model-parallel-size": _v("parallel.virtual_pipeline_model_parallel_size"),
     "--num-virtual-stages-per-pipeline-rank": _v("parallel.virtual_pipeline_model_parallel_size"),
     "--num-layers-per-virtual-pipeline-stage": _v("parallel.num_layers_per_virtual_pipeline_stage"),
+    "--microbatch-group-size-per-virtual-pipeline-stage": _v("parallel.microbatch_group_size_per_vp_stage"),
     "--context-parallel-size": _v("parallel.context_parallel_size"),
     "--cp-comm-type": _v("parallel.cp_comm_type"),
     "--hierarchical-context-parallel-sizes": Flag("parallel.hierarchical_context_parallel_sizes", LIST),

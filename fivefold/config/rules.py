@@ -29,6 +29,7 @@ KNOB_FIELDS = {
     "acc_emb": "parallel.account_for_embedding_in_pipeline_split",
     "acc_loss": "parallel.account_for_loss_in_pipeline_split",
     "vpp_layers": "parallel.num_layers_per_virtual_pipeline_stage",
+    "group": "parallel.microbatch_group_size_per_vp_stage",
     "layers": "model.num_layers", "heads": "model.num_attention_heads", "kv": "model.num_query_groups",
     "hidden": "model.hidden_size", "ffn": "model.ffn_hidden_size", "kvc": "model.kv_channels",
     "vocab": "model.vocab_size", "vocab_div": "model.make_vocab_size_divisible_by",
@@ -104,6 +105,11 @@ def adjust(s: dict, dialect: str) -> list[Rule]:
         s["vpp"] = None
     if s["vpp"] and s["vpp"] > 1 and s["schedule"] == "1f1b":
         s["schedule"] = "interleaved"
+    if s["group"] is not None and s["schedule"] != "interleaved":
+        out.append(Rule(KNOB_FIELDS["group"], s["group"], "groups microbatches per virtual stage, which only "
+                        f"the interleaved schedule has (this one: {s['schedule']}); ignored, as Megatron-LM does",
+                        ("group",), "warning"))
+        s["group"] = None
     if dialect == "skyrl" and s["sp"] != (s["tp"] > 1):
         out.append(Rule(KNOB_FIELDS["sp"], s["sp"], "SkyRL turns sequence parallelism on exactly when "
                         f"TP > 1 (TP={s['tp']}); SP set to {s['tp'] > 1}", ("sp",), "warning"))
@@ -137,7 +143,7 @@ def _positive(s: dict) -> list[Rule]:
         if not isinstance(s[k], int) or s[k] < 1:
             out.append(Rule(KNOB_FIELDS[k], s[k], "must be a whole number >= 1", (k,)))
     for k in ("vpp", "etp", "kv", "experts", "vpp_layers", "rnum", "ffn", "kvc", "moe_ffn", "shared", "first",
-              "last", "groups", "gtopk"):
+              "last", "groups", "gtopk", "group"):
         if s[k] is not None and s[k] < 1:
             out.append(Rule(KNOB_FIELDS[k], s[k], "must be >= 1 or unset", (k,)))
     return out
@@ -283,10 +289,12 @@ def _pipeline(s: dict, dp: int) -> list[Rule]:
         knobs = ("split",) if s["split"] is not None else ("pp", "vpp", "first", "last")
         out.append(Rule(KNOB_FIELDS["layers"], s["layers"], str(e), knobs))
     if s["gbs"] % (s["mbs"] * dp) == 0:
-        broken = microbatch_problem(s["schedule"], s["pp"], s["vpp"], s["gbs"] // (s["mbs"] * dp))
+        broken = microbatch_problem(s["schedule"], s["pp"], s["vpp"], s["gbs"] // (s["mbs"] * dp), s["group"])
         if broken:
-            knobs = ("gbs", "vpp", "pp") if "multiple" in broken else ("vpp", "pp", "schedule")
-            out.append(Rule(KNOB_FIELDS["vpp"], s["vpp"], broken, knobs))
+            knob = "group" if s["group"] is not None else "vpp"
+            knobs = ("group", "gbs") if knob == "group" else \
+                ("gbs", "group", "vpp", "pp") if "multiple" in broken else ("vpp", "pp", "schedule")
+            out.append(Rule(KNOB_FIELDS[knob], s[knob], broken, knobs))
     return out
 
 

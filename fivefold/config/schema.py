@@ -87,6 +87,14 @@ class ParallelConfig:
     num_layers_per_virtual_pipeline_stage: int | None = None
     """Megatron's way to ask for interleaving: layers per model chunk; VPP = num_layers / (PP x this).
     Default None (use virtual_pipeline_model_parallel_size)."""
+    microbatch_group_size_per_vp_stage: int | None = None
+    """Interleaving runs the microbatches in groups of N: a group's forwards through chunk 0, then chunk
+    1, ..., then the next group (Megatron's --microbatch-group-size-per-virtual-pipeline-stage; the
+    Llama 3 paper's tunable N). PP <= N <= microbatches, and the last group (microbatches mod N) empty
+    or at least PP: so N lets interleaving run a microbatch count that is not a multiple of PP (N =
+    all of them is breadth-first). Rank r holds 2(PP - r - 1) + (VPP - 1) N + 1 chunk activations at
+    its peak: a larger N holds more; the bubble is (PP - 1) / VPP whatever N. The same sums in any
+    order. Default None = PP (depth-first); ignored without interleaving, as Megatron-LM does."""
 
 
 @dataclass(kw_only=True)

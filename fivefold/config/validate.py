@@ -161,7 +161,7 @@ def _training_problems(t, dp_cp: int | None) -> list[Problem]:
 
 
 def _write_back(config: Config, s: dict) -> None:
-    for knob in ("vpp", "vpp_layers", "schedule", "sp", "gbs"):
+    for knob in ("vpp", "vpp_layers", "schedule", "sp", "gbs", "group"):
         section, name = KNOB_FIELDS[knob].split(".")
         setattr(getattr(config, section), name, s[knob])
 

@@ -8,9 +8,12 @@ ranks, m microbatches, rank r (0-based), v chunks per rank.
 * GPipe: every rank runs F of all m microbatches, then BW of all m. Peak in flight: m.
 * 1F1B (PipeDream-Flush): rank r warms up with min(p-r-1, m) forwards, then alternates F, BW, then
   drains the remaining BW. At most p-r microbatches in flight on rank r.
-* Interleaved 1F1B (Megatron): stage c*p + r is chunk c of rank r. Virtual microbatch k runs chunk
-  (k // p) % v of microbatch (k // (p*v))*p + k % p forward; backward walks the chunks in reverse.
-  Rank r warms up with min(2(p-r-1) + (v-1)p, m*v) forwards, then alternates F, BW; needs m % p == 0.
+* Interleaved 1F1B (Megatron): stage c*p + r is chunk c of rank r. The microbatches run in groups of N
+  (Megatron's microbatch_group_size_per_vp_stage, default p; the last group takes the remainder):
+  a group's N microbatches run chunk 0 forward, then chunk 1, ..., then the next group. Virtual
+  microbatch k is the k-th (microbatch, chunk) of that order forward; backward walks the same order
+  with the chunks reversed. Rank r warms up with min(2(p-r-1) + (v-1)N, m*v) forwards, then
+  alternates F, BW. Needs p <= N <= m and the last group empty or >= p (else it waits on itself).
 * ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism"): 1F1B with the backward split into B and W.
   Rank r may postpone up to r weight passes (its 1F1B in-flight count p-r plus r postponed W makes
   p), so B passes, on the critical path, run earlier and the postponed W fill the cooldown bubble.
@@ -43,26 +46,23 @@ def one_f_one_b(pp: int, m: int) -> list[list[Action]]:
     return ranks
 
 
-def interleaved(pp: int, vpp: int, m: int) -> list[list[Action]]:
-    total = m * vpp
-
-    def virtual(k: int, backward: bool) -> tuple[int, int]:
-        chunk = (k // pp) % vpp
-        if backward:
-            chunk = vpp - 1 - chunk
-        return chunk, (k // (pp * vpp)) * pp + k % pp
+def interleaved(pp: int, vpp: int, m: int, group: int | None = None) -> list[list[Action]]:
+    n = group or pp
+    table = [(mb, c) for start in range(0, m, n)
+             for c in range(vpp) for mb in range(start, m if start + n >= m else start + n)]
+    total = len(table)
 
     ranks = []
     for r in range(pp):
         def f(k: int) -> Action:
-            c, mb = virtual(k, False)
+            mb, c = table[k]
             return Action(Kind.F, c * pp + r, mb)
 
         def bw(k: int) -> Action:
-            c, mb = virtual(k, True)
-            return Action(Kind.BW, c * pp + r, mb)
+            mb, c = table[k]
+            return Action(Kind.BW, (vpp - 1 - c) * pp + r, mb)
 
-        warmup = min(2 * (pp - r - 1) + (vpp - 1) * pp, total)
+        warmup = min(2 * (pp - r - 1) + (vpp - 1) * n, total)
         acts = [f(k) for k in range(warmup)]
         for k in range(total - warmup):
             acts += [f(warmup + k), bw(k)]

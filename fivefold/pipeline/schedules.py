@@ -23,18 +23,19 @@ from fivefold.pipeline.lowering import lower
 @dataclass(frozen=True)
 class ScheduleKind:
     name: str
-    generate: Callable[[int, int, int], list[list[Action]]]
-    """(pp, chunks per rank, microbatches) -> each rank's compute actions in order."""
+    generate: Callable[[int, int, int, int | None], list[list[Action]]]
+    """(pp, chunks per rank, microbatches, microbatch group or None) -> each rank's compute actions in order."""
     chunks: Callable[[int | None], int]
     """The configured virtual_pipeline_model_parallel_size (None when unset) -> model chunks per rank."""
-    rule: Callable[[int, int | None, int], str | None]
-    """(pp, vpp, microbatches) -> None when this schedule can run them, else the rule broken."""
+    rule: Callable[[int, int | None, int, int | None], str | None]
+    """(pp, vpp, microbatches, microbatch group or None) -> None when this schedule can run them, else
+    the rule broken."""
     planner_vpps: Callable[[int, int, int], Iterable[int]]
     """(pp > 1, num_layers, the search's max vpp) -> the vpp values the planner tries (1 = unset)."""
     v_shape: bool = False
     """Stages in a V (rank r holds stages r and 2pp-1-r) rather than round-robin."""
-    equal_stages: Callable[[int, int, int], tuple[float, tuple[int, ...]]] | None = None
-    """(pp, chunks per rank, microbatches) -> (makespan, peak in-flight chunks per rank) of the
+    equal_stages: Callable[[int, int, int, int | None], tuple[float, tuple[int, ...]]] | None = None
+    """(pp, chunks per rank, microbatches, group) -> (makespan, peak in-flight chunks per rank) of the
     simulator with equal stages (F = B = W = 1/3 of a rank's microbatch time), in closed form, for a
     schedule whose backward is never split (nothing B-done-W-pending); None = simulate. Proven equal
     to the simulator over a grid (tests/test_pipeline_registry.py); the planner reads it instead of
@@ -49,26 +50,38 @@ def _configured(vpp: int | None) -> int:
     return vpp or 1
 
 
-def _no_vpp(name: str) -> Callable[[int, int | None, int], str | None]:
-    def rule(pp: int, vpp: int | None, m: int) -> str | None:
+def _no_vpp(name: str) -> Callable[[int, int | None, int, int | None], str | None]:
+    def rule(pp: int, vpp: int | None, m: int, group: int | None) -> str | None:
         if vpp not in (None, 1):
             return f"virtual_pipeline_model_parallel_size={vpp} applies only to the interleaved schedule, not {name}"
         return None
     return rule
 
 
-def _interleaved_rule(pp: int, vpp: int | None, m: int) -> str | None:
+def _interleaved_rule(pp: int, vpp: int | None, m: int, group: int | None) -> str | None:
+    """Megatron-LM's (forward_backward_pipelining_with_interleaving): the group N in [PP, M], and the last
+    group (M mod N) empty or at least PP; N defaults to PP, so then M must be a multiple of PP."""
     if pp < 2:
         return "interleaving (virtual pipeline stages) needs pipeline_model_parallel_size > 1"
     if not vpp or vpp < 2:
         return "interleaving needs virtual_pipeline_model_parallel_size >= 2"
-    if m % pp:
-        return (f"interleaving needs the number of microbatches ({m}) to be a multiple of "
-                f"pipeline_model_parallel_size={pp}")
+    if group is None:
+        if m % pp:
+            return (f"interleaving needs the number of microbatches ({m}) to be a multiple of "
+                    f"pipeline_model_parallel_size={pp} (or microbatch_group_size_per_vp_stage set so that "
+                    "the last group of microbatches is empty or at least PP)")
+        return None
+    if not pp <= group <= m:
+        return (f"microbatch_group_size_per_vp_stage={group} must lie in [pipeline_model_parallel_size={pp}, "
+                f"the number of microbatches={m}]")
+    if 0 < m % group < pp:
+        return (f"the last group of microbatches ({m} mod microbatch_group_size_per_vp_stage={group} = "
+                f"{m % group}) must be empty or at least pipeline_model_parallel_size={pp}: a smaller one "
+                "waits on itself (Megatron-LM refuses it)")
     return None
 
 
-def _dualpipev_rule(pp: int, vpp: int | None, m: int) -> str | None:
+def _dualpipev_rule(pp: int, vpp: int | None, m: int, group: int | None) -> str | None:
     if vpp not in (None, 2):
         return ("dualpipev always holds 2 stages per rank (V shape); leave "
                 f"virtual_pipeline_model_parallel_size unset or 2, got {vpp}")
@@ -89,25 +102,28 @@ def _v_vpps(pp: int, num_layers: int, max_vpp: int) -> Iterable[int]:
     return (1,) if num_layers >= 2 * pp else ()
 
 
-def _gpipe_equal(pp: int, chunks: int, m: int) -> tuple[float, tuple[int, ...]]:
+def _gpipe_equal(pp: int, chunks: int, m: int, group: int | None) -> tuple[float, tuple[int, ...]]:
     """GPipe: the same m + (p - 1) as 1F1B (the same float, so the two tie exactly), every microbatch held."""
     return m + (pp - 1), (m,) * pp
 
 
-def _one_f_one_b_equal(pp: int, chunks: int, m: int) -> tuple[float, tuple[int, ...]]:
+def _one_f_one_b_equal(pp: int, chunks: int, m: int, group: int | None) -> tuple[float, tuple[int, ...]]:
     """1F1B: the last microbatch's forward reaches the last rank after p - 1 forwards, and its
     backward returns after p - 1 backwards: m + (p - 1) stage times; rank r holds min(p - r, m)."""
     return m + (pp - 1), tuple(min(pp - r, m) for r in range(pp))
 
 
-def _interleaved_equal(pp: int, chunks: int, m: int) -> tuple[float, tuple[int, ...]]:
-    """Interleaved 1F1B (m a multiple of p): the bubble shrinks to (p - 1)/v (Narayanan et al.); rank r
-    holds its warm-up forwards 2(p - r - 1) + (v - 1)p, plus one, at most all m v chunks."""
-    return m + (pp - 1) / chunks, tuple(min(2 * (pp - r - 1) + (chunks - 1) * pp + 1, m * chunks) for r in range(pp))
+def _interleaved_equal(pp: int, chunks: int, m: int, group: int | None) -> tuple[float, tuple[int, ...]]:
+    """Interleaved 1F1B in groups of N microbatches (N = p unless set): the bubble shrinks to (p - 1)/v
+    (Narayanan et al.) whatever N the rule allows; rank r holds its warm-up forwards
+    2(p - r - 1) + (v - 1)N, plus one, at most all m v chunks: a larger N holds more."""
+    n = group or pp
+    return m + (pp - 1) / chunks, tuple(min(2 * (pp - r - 1) + (chunks - 1) * n + 1, m * chunks) for r in range(pp))
 
 
-def _single_chunk(generate: Callable[[int, int], list[list[Action]]]) -> Callable[[int, int, int], list[list[Action]]]:
-    return lambda pp, chunks, m: generate(pp, m)
+def _single_chunk(generate: Callable[[int, int], list[list[Action]]]
+                  ) -> Callable[[int, int, int, int | None], list[list[Action]]]:
+    return lambda pp, chunks, m, group: generate(pp, m)
 
 
 REGISTRY: dict[str, ScheduleKind] = {k.name: k for k in (
@@ -122,25 +138,28 @@ REGISTRY: dict[str, ScheduleKind] = {k.name: k for k in (
                  v_shape=True),
 )}
 
-def microbatch_problem(schedule: str, pp: int, vpp: int | None, num_microbatches: int) -> str | None:
-    """None when `schedule` can run `num_microbatches` on `pp` ranks with `vpp` chunks each, else the rule broken."""
+def microbatch_problem(schedule: str, pp: int, vpp: int | None, num_microbatches: int,
+                       group: int | None = None) -> str | None:
+    """None when `schedule` can run `num_microbatches` on `pp` ranks with `vpp` chunks each (interleaved:
+    in groups of `group`, None = PP), else the rule broken."""
     if schedule not in REGISTRY:
         return f"unknown pipeline schedule {schedule!r}; choose one of {', '.join(REGISTRY)}"
     if pp < 1:
         return f"needs pipeline_model_parallel_size >= 1, got {pp}"
     if num_microbatches < 1:
         return f"needs at least 1 microbatch, got {num_microbatches}"
-    return REGISTRY[schedule].rule(pp, vpp, num_microbatches)
+    return REGISTRY[schedule].rule(pp, vpp, num_microbatches, group)
 
 
-def build_schedule(name: str, pp: int, microbatches: int, vpp: int | None = None) -> Schedule:
-    """The lowered schedule `name` for pp ranks; UserError if its rule refuses."""
-    problem = microbatch_problem(name, pp, vpp, microbatches)
+def build_schedule(name: str, pp: int, microbatches: int, vpp: int | None = None, group: int | None = None) -> Schedule:
+    """The lowered schedule `name` for pp ranks (interleaved: microbatches in groups of `group`, None = PP);
+    UserError if its rule refuses."""
+    problem = microbatch_problem(name, pp, vpp, microbatches, group)
     if problem:
         raise UserError(f"schedule {name} with pipeline_model_parallel_size={pp}, "
                         f"virtual_pipeline_model_parallel_size={vpp}, {microbatches} microbatches: {problem}")
     kind = REGISTRY[name]
     chunks = kind.chunks(vpp)
-    ranks = kind.generate(pp, chunks, microbatches)
+    ranks = kind.generate(pp, chunks, microbatches, group)
     compute = Schedule(name, tuple(tuple(a) for a in ranks), kind.placement(pp, chunks), microbatches)
     return lower(compute)

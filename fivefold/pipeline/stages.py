@@ -54,7 +54,8 @@ def schedule_for(config: Config, num_microbatches: int) -> Schedule:
                             f"pipeline_model_parallel_size={pp} rows and global_batch_size / (micro_batch_size "
                             f"x DP) = {num_microbatches} microbatches")
     else:
-        schedule = build_schedule(p.pipeline_schedule, pp, num_microbatches, p.virtual_pipeline_model_parallel_size)
+        schedule = build_schedule(p.pipeline_schedule, pp, num_microbatches, p.virtual_pipeline_model_parallel_size,
+                                  p.microbatch_group_size_per_vp_stage)
     verify(schedule)
     return schedule
 

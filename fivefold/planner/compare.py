@@ -2,7 +2,8 @@
 
 The description is the planner's own label grammar (what `plan` prints), case-insensitive, words in
 any order: TPn (sequence parallelism on when n > 1; "TPn+SP" is accepted), CPn or CPn(p2p|a2a),
-PPn, VPPn, one schedule name other than 1f1b/interleaved (zb-h1, dualpipev, gpipe), EPn, ETPn, DPn
+PPn, VPPn, groupN (interleaving's microbatches per group, Megatron's
+--microbatch-group-size-per-virtual-pipeline-stage; default PP), one schedule name other than 1f1b/interleaved (zb-h1, dualpipev, gpipe), EPn, ETPn, DPn
 (checked against the GPU count), mbsN, rc-none | rc-sel | rc-full, or rc-sel(MODULE,...) with Megatron's
 --recompute-modules (core_attn, mla_up_proj, layernorm, mlp, moe_act, moe, shared_experts), and
 a2a-overlap (read, not required: the runtime's 1F1B all-to-all overlap is on where the search would
@@ -29,9 +30,9 @@ from fivefold.planner.search import (A2A_OVERLAP, DP_MODE_LABEL, Candidate, eval
                                      recompute_label)
 from fivefold.planner.space import layer_splits
 
-_SIZE = re.compile(r"(tp|cp|pp|vpp|ep|etp|dp|mbs)(\d+)$")
+_SIZE = re.compile(r"(tp|cp|pp|vpp|group|ep|etp|dp|mbs)(\d+)$")
 _RECOMPUTE = {"rc-none": None, "rc-sel": "selective", "rc-selective": "selective", "rc-full": "full"}
-GRAMMAR = ("TPn[+SP] CPn[(p2p|a2a)] PPn VPPn EPn ETPn DPn mbsN rc-none|rc-sel[(MODULE,...)]|rc-full "
+GRAMMAR = ("TPn[+SP] CPn[(p2p|a2a)] PPn VPPn [groupN] EPn ETPn DPn mbsN rc-none|rc-sel[(MODULE,...)]|rc-full "
            "[distopt|zero2|fsdp] [gpipe|zb-h1|dualpipev] [a2a-overlap], e.g. \"TP4 PP8 VPP5 DP32 mbs1 rc-sel\"")
 DP_MODES = {label: mode for mode, label in DP_MODE_LABEL.items() if label} | {"zero1": "optim", "zero3": "optim_grads_params"}
 """Words for the data-parallel mode (the labels', and ZeRO's stage names)."""
@@ -93,7 +94,8 @@ def candidates(text: str, model, hw, world: int, gpus_per_node: int, seq: int, g
     schedule = d["schedule"] or ("interleaved" if vpp > 1 else "1f1b")
     parallel = dict(tensor_model_parallel_size=tp, sequence_parallel=tp > 1, context_parallel_size=cp,
                     cp_comm_type=d["cp_comm"], pipeline_model_parallel_size=pp, pipeline_schedule=schedule,
-                    virtual_pipeline_model_parallel_size=vpp if schedule == "interleaved" else None)
+                    virtual_pipeline_model_parallel_size=vpp if schedule == "interleaved" else None,
+                    microbatch_group_size_per_vp_stage=s.get("group"))
     if model.is_moe:
         parallel.update(expert_model_parallel_size=s.get("ep", 1), expert_tensor_parallel_size=s.get("etp", tp))
     elif "ep" in s or "etp" in s:

@@ -134,6 +134,11 @@ class Plan:
         return self.p.pipeline_schedule
 
     @cached_property
+    def group(self) -> int | None:
+        """Interleaving's microbatches per group (Megatron's microbatch_group_size_per_vp_stage; None = PP)."""
+        return self.p.microbatch_group_size_per_vp_stage if self.schedule == "interleaved" else None
+
+    @cached_property
     def recompute(self) -> str | None:
         t = self.config.training
         return t.recompute_granularity

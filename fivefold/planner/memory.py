@@ -222,7 +222,7 @@ class _Ranks:
         self.plan = plan
         self.sh = Sharding.of(tp=plan.tp, sp=plan.sp, cp=plan.cp, etp=plan.etp, recompute=plan.recompute,
                            modules=plan.recompute_modules)
-        self.prof = pipeline_profile(plan.schedule, plan.pp, plan.vpp, plan.microbatches)
+        self.prof = pipeline_profile(plan.schedule, plan.pp, plan.vpp, plan.microbatches, plan.group)
         traits = _for_precision(assume.traits, plan.precision)
         self.assume = MemoryAssumptions(allocator_overhead=assume.allocator_overhead,
                                         runtime_reserve=assume.runtime_reserve, traits=traits)

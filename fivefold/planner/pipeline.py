@@ -68,17 +68,29 @@ class PipelineProfile:
 
 
 @lru_cache(maxsize=1024)
-def _simulate(schedule: str, pp: int, vpp: int | None, m: int):
-    """(makespan in stage times, chunks per rank, each rank's `PipelineProfile.moments`), equal stages: the registry's closed form where it has one, else simulated."""
+def _equal_stages(schedule: str, pp: int, vpp: int | None, m: int, group: int | None):
+    """(makespan in stage times, chunks per rank, each rank's `PipelineProfile.moments`) of m microbatches
+    with equal stages: the registry's closed form where it has one, else simulated on min(m, SIMULATED pp)
+    and extended linearly (each further microbatch one stage time; only GPipe's held count grows)."""
     kind = REGISTRY[schedule]
-    if kind.equal_stages is not None and kind.rule(pp, vpp, m) is None:
+    if kind.equal_stages is not None and kind.rule(pp, vpp, m, group) is None:
         chunks = kind.chunks(vpp)
-        makespan, held = kind.equal_stages(pp, chunks, m)
+        makespan, held = kind.equal_stages(pp, chunks, m, group)
         return makespan, (chunks,) * pp, tuple((((h, 0),), ((h, 0),)) for h in held)
-    s = build_schedule(schedule, pp, m, vpp)
+    m0 = min(m, SIMULATED * pp)
+    makespan, chunks, moments = _simulate(schedule, pp, vpp, m0, group)
+    if m > m0:
+        moments = tuple(tuple(tuple((m * c if h == m0 * c else h, p) for h, p in front) for front in fronts)
+                        for fronts, c in zip(moments, chunks))
+    return makespan + (m - m0), chunks, moments
+
+
+@lru_cache(maxsize=1024)
+def _simulate(schedule: str, pp: int, vpp: int | None, m: int, group: int | None):
+    """`_equal_stages` of the simulator itself."""
+    s = build_schedule(schedule, pp, m, vpp, group)
     r = simulate(s, Costs.per_rank(s, 1 / 3, 1 / 3, 1 / 3), timeline=False)
-    moments = tuple(_moments(a) for a in s.ranks)
-    return r.makespan, tuple(r.stages_per_rank), moments
+    return r.makespan, tuple(r.stages_per_rank), tuple(_moments(a) for a in s.ranks)
 
 
 def _moments(actions) -> tuple[Front, Front]:
@@ -114,33 +126,27 @@ _BACKWARD = (Kind.B, Kind.W, Kind.BW)
 
 
 @lru_cache(maxsize=1024)
-def pipeline_profile(schedule: str, pp: int, vpp: int | None, m: int) -> PipelineProfile:
+def pipeline_profile(schedule: str, pp: int, vpp: int | None, m: int, group: int | None = None) -> PipelineProfile:
     if schedule not in REGISTRY:
         raise ValueError(f"the planner has no model of schedule {schedule!r}; use one of {tuple(REGISTRY)}")
-    m0 = min(m, SIMULATED * pp)
-    _, chunks, moments = _simulate(schedule, pp, vpp, m0)
-    if m > m0:  # GPipe holds every microbatch: the only count that grows past the simulated ones
-        moments = tuple(tuple(tuple((m * c if h == m0 * c else h, p) for h, p in front) for front in fronts)
-                        for fronts, c in zip(moments, chunks))
+    _, chunks, moments = _equal_stages(schedule, pp, vpp, m, group)
     return PipelineProfile(vpp=chunks[0], moments=moments)
 
 
-def bubble_stage_times(schedule: str, pp: int, vpp: int | None, m: int) -> float:
+def bubble_stage_times(schedule: str, pp: int, vpp: int | None, m: int, group: int | None = None) -> float:
     """B_u: the idle time of m microbatches with equal stages, in units of one rank's microbatch time."""
-    m0 = min(m, SIMULATED * pp)
-    makespan = _simulate(schedule, pp, vpp, m0)[0]
-    return makespan - m0
+    return _equal_stages(schedule, pp, vpp, m, group)[0] - m
 
 
-def pipeline_time(schedule: str, stage_times: list[float], vpp: int | None, m: int) -> float:
+def pipeline_time(schedule: str, stage_times: list[float], vpp: int | None, m: int, group: int | None = None) -> float:
     """Step time of the pipeline part, from each rank's time for one microbatch (forward + backward)."""
     pp, worst = len(stage_times), max(stage_times)
     if pp == 1:
         return m * worst
-    return m * worst + bubble_stage_times(schedule, pp, vpp, m) * (sum(stage_times) - worst) / (pp - 1)
+    return m * worst + bubble_stage_times(schedule, pp, vpp, m, group) * (sum(stage_times) - worst) / (pp - 1)
 
 
-def bubble_fraction(schedule: str, pp: int, vpp: int | None, m: int) -> float:
+def bubble_fraction(schedule: str, pp: int, vpp: int | None, m: int, group: int | None = None) -> float:
     """Idle share of the pipeline time with equal stages."""
-    t = pipeline_time(schedule, [1.0] * pp, vpp, m)
+    t = pipeline_time(schedule, [1.0] * pp, vpp, m, group)
     return 1.0 - m / t

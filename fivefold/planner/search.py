@@ -58,7 +58,7 @@ def describe(cfg: Config) -> str:
         parts.append(f"CP{plan.cp}({p.cp_comm_type})")
     parts.append(f"PP{plan.pp}")
     if plan.schedule == "interleaved":
-        parts.append(f"VPP{plan.vpp}")
+        parts.append(f"VPP{plan.vpp}" + (f" group{plan.group}" if plan.group else ""))
     elif plan.schedule != "1f1b":
         parts.append(plan.schedule)
     if p.decoder_first_pipeline_num_layers or p.decoder_last_pipeline_num_layers:
@@ -303,7 +303,7 @@ def clear_caches() -> None:
     for cache in (layout._SPLITS, layout._GROUPS, memory._PARAMS, memory._LAYERS, params._CACHE, flops._PER_TOKEN,
                   links._CROSS, steptime._CALLS, steptime._LAYER_COSTS):
         cache.clear()
-    for fn in (pipeline._simulate, pipeline.pipeline_profile, space.layer_splits, memory._for_precision,
+    for fn in (pipeline._simulate, pipeline._equal_stages, pipeline.pipeline_profile, space.layer_splits, memory._for_precision,
                activations._interned, precision._policy, precision.Precision.state_bytes, links.nodes_hit):
         fn.cache_clear()
 
@@ -320,8 +320,8 @@ def _may_break(base: Config, mbs: int, dp: int) -> bool:
     fields `_variant` writes are valid together. So a full check is needed only where that rule
     refuses (it then gives the message)."""
     p, t = base.parallel, base.training
-    return microbatch_problem(p.pipeline_schedule, p.pipeline_model_parallel_size,
-                              p.virtual_pipeline_model_parallel_size, t.global_batch_size // (mbs * dp)) is not None
+    return microbatch_problem(p.pipeline_schedule, p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size,
+                              t.global_batch_size // (mbs * dp), p.microbatch_group_size_per_vp_stage) is not None
 
 
 def _variant(base: Config, mbs: int, recompute: str | None, dp_mode: str) -> Config:

@@ -129,7 +129,7 @@ def step_time(plan: Plan, hw: Hardware, ta: TimeAssumptions = TimeAssumptions())
         rank_parts.append(parts)
         rank_bytes.append(sent)
         rank_times.append(total)
-    pipe = pipeline_time(plan.schedule, rank_times, plan.vpp, n_mb)
+    pipe = pipeline_time(plan.schedule, rank_times, plan.vpp, n_mb, plan.group)
     worst = rank_times.index(max(rank_times))  # the first slowest rank
     distopt = cfg.training.use_distributed_optimizer
     step_parts, step_bytes, opt_time = {}, {}, -1.0  # of the rank whose once-per-step work is longest
@@ -164,7 +164,7 @@ def step_time(plan: Plan, hw: Hardware, ta: TimeAssumptions = TimeAssumptions())
     return StepEstimate(step_time=total, model_flops=mf, mfu=mf / (plan.world * hw.peak_flops(plan.precision) * total),
                         tokens_per_s_per_gpu=cfg.training.global_batch_size * s / total / plan.world,
                         tflops_per_gpu=mf / total / plan.world / 1e12,
-                        bubble_fraction=bubble_fraction(plan.schedule, plan.pp, plan.vpp, n_mb),
+                        bubble_fraction=bubble_fraction(plan.schedule, plan.pp, plan.vpp, n_mb, plan.group),
                         parts=parts, comm_bytes=comm_bytes,
                         links=links.names)  # shared by the layouts of one layout's links: read only
 
