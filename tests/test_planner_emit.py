@@ -10,15 +10,18 @@ from fivefold.planner.presets import MODEL_PRESETS, hardware, model_preset
 from fivefold.planner.search import search
 
 SIZES = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
-         "context_parallel_size", "expert_model_parallel_size", "expert_tensor_parallel_size", "sequence_parallel")
+         "context_parallel_size", "expert_model_parallel_size", "expert_tensor_parallel_size", "sequence_parallel",
+         "microbatch_group_size_per_vp_stage")
 SUFFIX = {"fivefold": ".yaml", "rlinf": ".yaml", "megatron": ".txt", "torchrun": ".txt", "skyrl": ".txt"}
 
 
 @pytest.fixture(scope="module")
 def planned():
-    """The five best layouts of an MoE model on 64 GPUs (EP, PP, VPP and TP all occur among them)."""
+    """The five best layouts of an MoE model on 64 GPUs (EP, PP, VPP and TP all occur among them), and
+    the best interleaved one in microbatch groups (a global batch of 96: 3 microbatches of 4 on PP2)."""
     r = search(model_preset("mixtral-8x7b").model, hardware("h100-sxm"), 64, 8, 4096, 1024)
-    return [c.config for c in r.ranked[:5]]
+    grouped = search(model_preset("llama3-8b").model, hardware("h100-sxm"), 64, 8, 4096, 96).ranked
+    return [c.config for c in r.ranked[:5]] + [next(c.config for c in grouped if c.plan.group)]
 
 
 @pytest.mark.parametrize("fmt", sorted(SUFFIX))

@@ -379,3 +379,23 @@ def test_compare_names_recompute_modules():
     assert candidates(layout + "rc-sel", *args)[0].estimate is None  # 89 GiB
     with pytest.raises(UserError, match="recompute module attention unknown; Megatron's are core_attn"):
         parse(layout + "rc-sel(attention)")
+
+
+def test_the_search_interleaves_in_microbatch_groups_where_pp_does_not_divide_the_microbatches():
+    """A global batch of 96 on 64 GPUs leaves microbatch counts (3, 6, 12, ...) that PP does not divide:
+    Megatron's default group (PP) refuses them, and the search takes the smallest group its rule allows
+    (the one that holds the fewest activations), so only counts below PP are dropped for the schedule's
+    rule; the peak in flight is the grouped warm-up, 2(p - r - 1) + (v - 1)N + 1 chunks."""
+    from fivefold.pipeline.schedules import microbatch_problem
+    from fivefold.planner.layout import Plan
+    r = search(model_preset("llama3-8b").model, hardware("h100-sxm"), 64, 8, 4096, 96)
+    refused = [Plan(cfg) for cfg, why in r.dropped if "microbatch" in why]
+    assert refused and all(p.microbatches < p.pp for p in refused)
+    grouped = [c for c in r.ranked if c.plan.group]
+    assert len(grouped) > 10
+    for c in grouped:
+        p = c.plan
+        m, pp, v, rank = p.microbatches, p.pp, p.vpp, c.memory.rank
+        assert m % pp and p.group == min(n for n in range(1, m + 1) if not microbatch_problem("interleaved", pp, v, m, n))
+        assert c.memory.inflight * v == min(2 * (pp - rank - 1) + (v - 1) * p.group + 1, m * v)
+        assert f"group{p.group}" in c.label

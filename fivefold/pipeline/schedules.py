@@ -151,6 +151,12 @@ def microbatch_problem(schedule: str, pp: int, vpp: int | None, num_microbatches
     return REGISTRY[schedule].rule(pp, vpp, num_microbatches, group)
 
 
+def smallest_group(pp: int, m: int) -> int | None:
+    """The smallest microbatch group interleaving's rule allows for m microbatches on pp ranks (None
+    when m < pp): a larger group holds more activations, and the bubble is the same."""
+    return next((n for n in range(pp, m + 1) if m % n == 0 or m % n >= pp), None)
+
+
 def build_schedule(name: str, pp: int, microbatches: int, vpp: int | None = None, group: int | None = None) -> Schedule:
     """The lowered schedule `name` for pp ranks (interleaved: microbatches in groups of `group`, None = PP);
     UserError if its rule refuses."""

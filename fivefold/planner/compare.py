@@ -3,7 +3,8 @@
 The description is the planner's own label grammar (what `plan` prints), case-insensitive, words in
 any order: TPn (sequence parallelism on when n > 1; "TPn+SP" is accepted), CPn or CPn(p2p|a2a),
 PPn, VPPn, groupN (interleaving's microbatches per group, Megatron's
---microbatch-group-size-per-virtual-pipeline-stage; default PP), one schedule name other than 1f1b/interleaved (zb-h1, dualpipev, gpipe), EPn, ETPn, DPn
+--microbatch-group-size-per-virtual-pipeline-stage; default PP, or the smallest group that runs a
+microbatch count PP does not divide, as the search takes it), one schedule name other than 1f1b/interleaved (zb-h1, dualpipev, gpipe), EPn, ETPn, DPn
 (checked against the GPU count), mbsN, rc-none | rc-sel | rc-full, or rc-sel(MODULE,...) with Megatron's
 --recompute-modules (core_attn, mla_up_proj, layernorm, mlp, moe_act, moe, shared_experts), and
 a2a-overlap (read, not required: the runtime's 1F1B all-to-all overlap is on where the search would
@@ -26,7 +27,7 @@ from fivefold.errors import UserError
 from fivefold.pipeline.schedules import REGISTRY
 from fivefold.planner.activations import RECOMPUTE_MODULES
 from fivefold.planner.mtp import mtp_stage_layers
-from fivefold.planner.search import (A2A_OVERLAP, DP_MODE_LABEL, Candidate, evaluate, make_config, rank_key,
+from fivefold.planner.search import (A2A_OVERLAP, DP_MODE_LABEL, Candidate, evaluate, make_config, rank_key, with_group,
                                      recompute_label)
 from fivefold.planner.space import layer_splits
 
@@ -107,10 +108,10 @@ def candidates(text: str, model, hw, world: int, gpus_per_node: int, seq: int, g
     out = []
     for split in splits:
         for recompute in modes:
-            cfg = make_config(model, world, gpus_per_node, seq, global_batch, precision, {**parallel, **split},
-                              micro_batch=mbs[0], recompute=recompute, grad_reduce_in_bf16=grad_reduce_in_bf16,
-                              recompute_modules=d["modules"], dp_mode=d["dp_mode"] or dp_mode, a2a_overlap=a2a_overlap,
-                              dispatcher=dispatcher)
+            cfg = with_group(make_config(model, world, gpus_per_node, seq, global_batch, precision, {**parallel, **split},
+                                         micro_batch=mbs[0], recompute=recompute, grad_reduce_in_bf16=grad_reduce_in_bf16,
+                                         recompute_modules=d["modules"], dp_mode=d["dp_mode"] or dp_mode,
+                                         a2a_overlap=a2a_overlap, dispatcher=dispatcher))
             c = evaluate(cfg, hw, mem, ta)
             out.append(c)
             if c.estimate is not None:

@@ -136,7 +136,8 @@ class Plan:
     @cached_property
     def group(self) -> int | None:
         """Interleaving's microbatches per group (Megatron's microbatch_group_size_per_vp_stage; None = PP)."""
-        return self.p.microbatch_group_size_per_vp_stage if self.schedule == "interleaved" else None
+        group = self.config.parallel.microbatch_group_size_per_vp_stage  # a search variant may set it
+        return group if self.schedule == "interleaved" else None
 
     @cached_property
     def recompute(self) -> str | None:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from fivefold.config.rules import a2a_overlap_problems, sizes_of
 from fivefold.config.schema import ClusterConfig, Config, ModelConfig, ParallelConfig, TrainingConfig
 from fivefold.parallel.precision import Precision
-from fivefold.pipeline.schedules import microbatch_problem
+from fivefold.pipeline.schedules import microbatch_problem, smallest_group
 from fivefold.planner.layout import Plan
 from fivefold.planner.memory import (MemoryAssumptions, RankMemory, after_step_gathers, model_state, peak_memory,
                                      rank_params, state_bytes_per_param)
@@ -130,6 +130,22 @@ def with_a2a_overlap(cfg: Config) -> Config:
     return cfg if a2a_overlap_problems(sizes_of(on)) else on
 
 
+def with_group(cfg: Config) -> Config:
+    """`cfg` with the smallest microbatch group that lets interleaving run its microbatch count where
+    the default group (PP) cannot, i.e. the count is not a multiple of PP (Megatron's
+    --microbatch-group-size-per-virtual-pipeline-stage, the Llama 3 paper's tunable N); else `cfg`."""
+    p, t = cfg.parallel, cfg.training
+    pp, vpp = p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size
+    if p.pipeline_schedule not in ("1f1b", "interleaved") or not vpp or vpp < 2:
+        return cfg
+    dp = cfg.cluster.resolved_world_size // (p.tensor_model_parallel_size * p.context_parallel_size * pp)
+    m = t.global_batch_size // (t.micro_batch_size * dp) if dp else 0
+    group = smallest_group(pp, m) if m % pp else None
+    if group == p.microbatch_group_size_per_vp_stage:
+        return cfg
+    return dataclasses.replace(cfg, parallel=dataclasses.replace(p, microbatch_group_size_per_vp_stage=group))
+
+
 def evaluate(cfg: Config, hw: Hardware, mem: MemoryAssumptions = MemoryAssumptions(),
              ta: TimeAssumptions = TimeAssumptions(), check: bool = True, plan: Plan | None = None) -> Candidate:
     """Check, size and time one config (`plan`: its Plan, when the caller has one); `problem` says why
@@ -169,18 +185,19 @@ def _search(model, hw, world, gpus_per_node, seq, global_batch, precision, space
             grad_reduce_in_bf16) -> SearchResult:
     result = SearchResult(ranked=[])
     for parallel in structures(model, world, gpus_per_node, seq, space):
-        base = make_config(model, world, gpus_per_node, seq, global_batch, precision, parallel,
-                           grad_reduce_in_bf16=grad_reduce_in_bf16, a2a_overlap=space.a2a_overlap,
-                           dispatcher=space.dispatcher)
+        base = with_group(make_config(model, world, gpus_per_node, seq, global_batch, precision, parallel,
+                                      grad_reduce_in_bf16=grad_reduce_in_bf16, a2a_overlap=space.a2a_overlap,
+                                      dispatcher=space.dispatcher))
         broken = config_errors(base)
         layout = Plan(base)  # after config_errors: it writes the resolved VPP, schedule and SP back
-        dp = layout.dp
+        dp, grouped = layout.dp, layout.schedule == "interleaved"
         lighter: dict[int, int] = {}
         """micro-batch -> the first recompute mode (its index) that fits under a less sharded DP mode"""
         for dp_mode in sorted(space.dp_modes, key=SHARDING.index):
             # Model state does not depend on the micro-batch or recompute: when it alone does not fit,
             # no variant does. Activations never shrink with a larger micro-batch (the schedule holds
-            # min(k, m) microbatches of m = B/(mbs dp): mbs min(k, m) never falls), so a recompute mode
+            # min(k, m) microbatches of m = B/(mbs dp): mbs min(k, m) never falls; interleaved in groups
+            # of N, mbs (v - 1) N never falls either: j times a group valid for m/j is valid for m), so a recompute mode
             # that does not fit at one micro-batch is dropped unsized at every larger one, and once no
             # mode fits, larger micro-batches are dropped whole (one entry each).
             state = None
@@ -206,7 +223,9 @@ def _search(model, hw, world, gpus_per_node, seq, global_batch, precision, space
                     if all(failed.get(r, (mbs,))[0] < mbs for r in modes):  # no mode fits
                         result.dropped.append((cfg, _larger(*failed[modes[-1]])))
                         break
-                    check = _may_break(base, mbs, dp)
+                    if grouped and (layout.group or global_batch // (mbs * dp) % layout.pp):  # a count PP does not divide
+                        cfg = with_group(cfg)
+                    check = _may_break(cfg, dp)
                     if recompute in failed and failed[recompute][0] < mbs and not check:
                         result.dropped.append((cfg, _larger(*failed[recompute])))
                         continue
@@ -313,15 +332,15 @@ def _larger(mbs: int, why: str) -> str:
     return f"{why} (at micro-batch {mbs}; a larger one holds no less)"
 
 
-def _may_break(base: Config, mbs: int, dp: int) -> bool:
-    """Whether a variant of a valid `base` (micro-batch 1, no recompute) can break a rule: the rules that
+def _may_break(cfg: Config, dp: int) -> bool:
+    """Whether a variant of a valid base (micro-batch 1, no recompute) can break a rule: the rules that
     read the micro-batch are the global batch's divisibility (the search skips those sizes) and the
-    schedule's microbatch rule (`microbatch_problem`, on B / (mbs DP) microbatches); the recompute
-    fields `_variant` writes are valid together. So a full check is needed only where that rule
-    refuses (it then gives the message)."""
-    p, t = base.parallel, base.training
+    schedule's microbatch rule (`microbatch_problem`, on B / (mbs DP) microbatches, in the variant's
+    group); the recompute fields `_variant` writes are valid together. So a full check is needed only
+    where that rule refuses (it then gives the message)."""
+    p, t = cfg.parallel, cfg.training
     return microbatch_problem(p.pipeline_schedule, p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size,
-                              t.global_batch_size // (mbs * dp), p.microbatch_group_size_per_vp_stage) is not None
+                              t.global_batch_size // (t.micro_batch_size * dp), p.microbatch_group_size_per_vp_stage) is not None
 
 
 def _variant(base: Config, mbs: int, recompute: str | None, dp_mode: str) -> Config:
