@@ -63,15 +63,16 @@ def test_entries_give_chunks_and_placement(name, vpp, chunks, placement):
 def test_closed_forms_equal_the_simulator(name):
     """An entry's `equal_stages` closed form is what the planner reads instead of simulating: on every
     (pp, chunks, microbatches, microbatch group) of a grid that its rule accepts (the planner simulates
-    at most 2pp microbatches, then extends linearly; the group: unset, PP + 1 and all microbatches,
-    which interleaving alone reads), its makespan equals the simulator's and its peak in-flight
+    at most 2pp microbatches, then extends linearly; the group: unset, and on up to 5 ranks and 5
+    chunks PP + 1 and all microbatches, which interleaving alone reads), its makespan equals the
+    simulator's and its peak in-flight
     chunks per rank are the simulator's exactly, with nothing B-done-W-pending."""
     from fivefold.pipeline.simulate import Costs, simulate
     kind, tried = REGISTRY[name], 0
     for pp in (1, 2, 3, 4, 5, 8, 12, 16):
         for vpp in (None, 2, 3, 4, 5, 8, 13):
             for m in range(1, 2 * pp + 1):
-                for group in dict.fromkeys((None, pp + 1, m)):
+                for group in dict.fromkeys((None, pp + 1, m) if pp <= 5 and (vpp or 1) <= 5 else (None,)):
                     if kind.rule(pp, vpp, m, group):
                         continue
                     s = build_schedule(name, pp, m, vpp, group)

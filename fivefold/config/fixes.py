@@ -52,8 +52,9 @@ def candidates(knob: str, s: dict) -> list:
     if knob == "vpp":
         return [None] + [v for v in _divisors(layers) if 2 <= v <= 16]
     if knob == "group":  # unset (PP), or a group the last of which is whole: a divisor of the microbatches
-        dp = world // (s["tp"] * s["pp"] * s["cp"]) if world % (s["tp"] * s["pp"] * s["cp"]) == 0 else 0
-        m = s["gbs"] // (s["mbs"] * dp) if dp and s["gbs"] else 0
+        model = s["tp"] * s["pp"] * s["cp"]
+        dp = world // model if model >= 1 and world % model == 0 else 0
+        m = s["gbs"] // (s["mbs"] * dp) if dp and s["gbs"] and s["mbs"] >= 1 else 0
         return [None] + [d for d in _divisors(m) if d >= s["pp"]][:8]
     if knob in ("sp", "a2a_overlap"):
         return [True, False]
