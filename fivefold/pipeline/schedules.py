@@ -34,16 +34,20 @@ class ScheduleKind:
     """(pp > 1, num_layers, the search's max vpp) -> the vpp values the planner tries (1 = unset)."""
     v_shape: bool = False
     """Stages in a V (rank r holds stages r and 2pp-1-r) rather than round-robin."""
-    equal_stages: Callable[[int, int, int, int | None], tuple[float, tuple[int, ...]]] | None = None
-    """(pp, chunks per rank, microbatches, group) -> (makespan, peak in-flight chunks per rank) of the
-    simulator with equal stages (F = B = W = 1/3 of a rank's microbatch time), in closed form, for a
-    schedule whose backward is never split (nothing B-done-W-pending); None = simulate. Proven equal
-    to the simulator over a grid (tests/test_pipeline_registry.py); the planner reads it instead of
-    simulating (a 64-rank 1F1B simulation costs ~0.4 s of CPU)."""
+    equal_stages: Callable[[int, int, int, int | None], "EqualStages | None"] | None = None
+    """(pp, chunks per rank, microbatches, group) -> (makespan, peak in-flight chunks per rank, the loss
+    stage's microbatches held (at the forward peak, beside a backward)) of the simulator with equal
+    stages (F = B = W = 1/3 of a rank's microbatch time), in closed form, for a schedule whose
+    backward is never split (nothing B-done-W-pending); None (the field, or its answer for some
+    counts) = simulate. Proven equal to the simulator over a grid (tests/test_pipeline_registry.py);
+    the planner reads it instead of simulating (a 64-rank 1F1B simulation costs ~0.4 s of CPU)."""
 
     def placement(self, pp: int, chunks: int) -> tuple[int, ...]:
         """Pipeline rank of each virtual stage."""
         return v_placement(pp) if self.v_shape else standard_placement(pp, chunks)
+
+
+EqualStages = tuple[float, tuple[int, ...], tuple[int, int]]
 
 
 def _configured(vpp: int | None) -> int:
@@ -102,23 +106,30 @@ def _v_vpps(pp: int, num_layers: int, max_vpp: int) -> Iterable[int]:
     return (1,) if num_layers >= 2 * pp else ()
 
 
-def _gpipe_equal(pp: int, chunks: int, m: int, group: int | None) -> tuple[float, tuple[int, ...]]:
-    """GPipe: the same m + (p - 1) as 1F1B (the same float, so the two tie exactly), every microbatch held."""
-    return m + (pp - 1), (m,) * pp
+def _gpipe_equal(pp: int, chunks: int, m: int, group: int | None) -> EqualStages:
+    """GPipe: the same m + (p - 1) as 1F1B (the same float, so the two tie exactly), every microbatch
+    held, the loss state of all m at the last forward (m - 1 beside the first backward)."""
+    return m + (pp - 1), (m,) * pp, (m, m - 1)
 
 
-def _one_f_one_b_equal(pp: int, chunks: int, m: int, group: int | None) -> tuple[float, tuple[int, ...]]:
+def _one_f_one_b_equal(pp: int, chunks: int, m: int, group: int | None) -> EqualStages:
     """1F1B: the last microbatch's forward reaches the last rank after p - 1 forwards, and its
-    backward returns after p - 1 backwards: m + (p - 1) stage times; rank r holds min(p - r, m)."""
-    return m + (pp - 1), tuple(min(pp - r, m) for r in range(pp))
+    backward returns after p - 1 backwards: m + (p - 1) stage times; rank r holds min(p - r, m); the
+    last rank differentiates each microbatch right after its forward (one loss state at a time)."""
+    return m + (pp - 1), tuple(min(pp - r, m) for r in range(pp)), (1, 0)
 
 
-def _interleaved_equal(pp: int, chunks: int, m: int, group: int | None) -> tuple[float, tuple[int, ...]]:
+def _interleaved_equal(pp: int, chunks: int, m: int, group: int | None) -> EqualStages | None:
     """Interleaved 1F1B in groups of N microbatches (N = p unless set): the bubble shrinks to (p - 1)/v
     (Narayanan et al.) whatever N the rule allows; rank r holds its warm-up forwards
-    2(p - r - 1) + (v - 1)N, plus one, at most all m v chunks: a larger N holds more."""
+    2(p - r - 1) + (v - 1)N, plus one, at most all m v chunks: a larger N holds more. In whole groups
+    the last rank's forward of the loss stage is followed by its backward (one loss state at a
+    time); a shorter last group runs its loss-stage forwards ahead of their backwards: simulated."""
     n = group or pp
-    return m + (pp - 1) / chunks, tuple(min(2 * (pp - r - 1) + (chunks - 1) * n + 1, m * chunks) for r in range(pp))
+    if m % n:
+        return None
+    return (m + (pp - 1) / chunks, tuple(min(2 * (pp - r - 1) + (chunks - 1) * n + 1, m * chunks) for r in range(pp)),
+            (1, 0))
 
 
 def _single_chunk(generate: Callable[[int, int], list[list[Action]]]

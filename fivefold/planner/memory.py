@@ -18,7 +18,10 @@ on that rank (`pipeline.py`); with full recompute, plus one layer's full activat
 backward (not at the forward peak on the last rank: the loss runs before any layer is rebuilt).
 Fixed terms: on the last rank, the final norm's saved tensors and one microbatch of logits
 (bf16) and the fp32 softmax the vocab-parallel cross entropy keeps (`ArchTraits.loss_bytes_per_logit`: eager fp32 keeps 12 bytes per
-logit); communication buffers (PP send/recv, the SP all-gather output of
+logit), and what each further loss-stage microbatch whose backward has not run keeps (the saved
+softmax and norm tensors; GPipe all m, an interleaved schedule's short last group of microbatches
+several: `PipelineProfile.moments`' final count; measured, GPipe PP2's last rank 0.881 -> 1.002);
+communication buffers (PP send/recv, the SP all-gather output of
 one layer, EP dispatch/combine buffers). Optimizer scratch: clipping and the optimizer step run after backward has freed the activations,
 so their temporaries (`ArchTraits.optimizer_scratch_bytes` per element of the rank's largest
 parameter) raise the peak only by what they exceed activations + logits + buffers by; that excess
@@ -247,9 +250,10 @@ class _Ranks:
         # the logits and the loss's fp32 softmax (see ArchTraits.loss_bytes_per_logit), the final norm's
         # saved tensors (its input, the output layer's input; + x/rms(x) unfused), MTP's
         held = traits.loss_bytes() - traits.loss_transient_bytes  # what each head keeps until its backward
-        self.logits = tokens * vocab * (heads * held + traits.loss_transient_bytes)
-        self.logits += heads * traits.norm_tensors * tokens * m.hidden_size * B / sp_div
-        self.logits += mtp_activation_values(m) * tokens * B / sp_div
+        self.loss_state = tokens * vocab * heads * held + heads * traits.norm_tensors * tokens * m.hidden_size * B / sp_div
+        self.loss_state += mtp_activation_values(m) * tokens * B / sp_div
+        """What a microbatch keeps on the last rank from its loss-stage forward to its backward."""
+        self.logits = self.loss_state + tokens * vocab * traits.loss_transient_bytes
         # the logits' gradient, the output layer's join and the loss's saved fp32 log-softmax, kept with
         # the graph until W (zero-bubble schedules)
         self.logit_joins = tokens * vocab * (B + 4)
@@ -298,8 +302,8 @@ class _Ranks:
         # B-done-W-pending gradients (`PipelineProfile.moments`, in chunks); offloaded inputs stay
         # on the device only for the microbatch being computed
         forward, backward = prof.moments[r]
-        at_forward = _held(forward, prof.vpp, per_mb, offloaded, joins)
-        in_backward = _held(backward, prof.vpp, per_mb, offloaded, joins)
+        at_forward = _held(forward, prof.vpp, per_mb, offloaded, joins, self.loss_state, 1)
+        in_backward = _held(backward, prof.vpp, per_mb, offloaded, joins, self.loss_state, 0)
         rm.activations = max(at_forward + rm.logits, in_backward + bwd + transient) - rm.logits
         rm.buffers = self.buffers
         largest = largest_param(plan, r) if traits.optimizer_scratch_bytes else 0.0  # read only with scratch
@@ -311,14 +315,16 @@ class _Ranks:
         return rm
 
 
-def _held(front: Front, v: int, per_mb: float, offloaded: float, joins: float) -> float:
-    """The most a moment of `front` holds, its (held, pending) counts in chunks (`v` a microbatch):
-    the held activations, less the offloaded inputs of all but one microbatch, plus the pending
-    ones' gradients."""
+def _held(front: Front, v: int, per_mb: float, offloaded: float, joins: float, loss_state: float,
+          counted: int) -> float:
+    """The most a moment of `front` holds, its (held, pending, final) counts (chunks, `v` a
+    microbatch): the held activations, less the offloaded inputs of all but one microbatch, plus the
+    pending ones' gradients and the loss state of the loss-stage microbatches held beyond the
+    `counted` ones the rank's logits term has (the running forward's)."""
     best = None
-    for h, p in front:
+    for h, p, f in front:
         x = h / v
-        held = per_mb * x + joins * p / v
+        held = per_mb * x + joins * p / v + loss_state * max(0, f - counted)
         if offloaded and x > 1:
             held -= offloaded * (x - 1)
         if best is None or held > best:
@@ -327,8 +333,8 @@ def _held(front: Front, v: int, per_mb: float, offloaded: float, joins: float) -
 
 
 def _covers(a: Front, b: Front) -> bool:
-    """Every moment of `b` is matched or exceeded, in both counts, by one of `a`."""
-    return all(any(h >= x and p >= y for h, p in a) for x, y in b)
+    """Every moment of `b` is matched or exceeded, in every count, by one of `a`."""
+    return all(any(h >= x and p >= y and f >= z for h, p, f in a) for x, y, z in b)
 
 
 @lru_cache(maxsize=64)

@@ -30,8 +30,8 @@ SIMULATED = 2
 every schedule's warm-up: the tests compare with 8p)."""
 
 
-Front = tuple[tuple[int, int], ...]
-"""(held, pending) chunk pairs, none exceeding another in both."""
+Front = tuple[tuple[int, int, int], ...]
+"""(held, pending, final) chunk counts, none exceeding another in all three."""
 
 
 @dataclass(frozen=True)
@@ -39,15 +39,15 @@ class PipelineProfile:
     vpp: int
     """Model chunks per rank (1 without interleaving; 2 for DualPipeV's V)."""
     moments: tuple[tuple[Front, Front], ...]
-    """Per pipeline rank: (at its forwards, in its backwards) the (held, pending) chunk counts that
-    occur together, each kind cut to the pairs no other of it exceeds in both (`_moments`): the
-    peaks of the two need not coincide (DualPipeV's middle ranks hold most when little W is pending).
-    Closed-form schedules: the peak held, nothing pending."""
+    """Per pipeline rank: (at its forwards, in its backwards) the (held, pending, final) counts that
+    occur together, each kind cut to the triples no other of it exceeds in all (`_moments`): the
+    peaks need not coincide (DualPipeV's middle ranks hold most when little W is pending).
+    Closed-form schedules: the peak held, nothing pending, their final-stage count."""
 
     @cached_property
     def inflight_chunks(self) -> tuple[int, ...]:
         """Per pipeline rank: peak number of (microbatch, model chunk) forward activations held."""
-        return tuple(max(h for front in fronts for h, _ in front) for fronts in self.moments)
+        return tuple(max(h for front in fronts for h, *_ in front) for fronts in self.moments)
 
     def inflight_microbatches(self, rank: int) -> float:
         """Peak held activations of `rank` in units of its whole stage's per-microbatch activations."""
@@ -59,12 +59,12 @@ class PipelineProfile:
         whose weight gradient (W) is not yet: zero-bubble schedules keep their graphs and the gradients
         recorded at each linear's output meanwhile. 0 where B and W run as one (BW), and for stage 0
         (its input is token ids: B has nothing to compute, W runs the whole backward)."""
-        return tuple(max(p for _, p in backward) for _, backward in self.moments)
+        return tuple(max(p for _, p, _ in backward) for _, backward in self.moments)
 
     @property
     def pending_weight_chunks_at_forward(self) -> tuple[int, ...]:
         """The same, peak over the moments a forward runs (when the last stage holds its logits)."""
-        return tuple(max(p for _, p in forward) for forward, _ in self.moments)
+        return tuple(max(p for _, p, _ in forward) for forward, _ in self.moments)
 
 
 @lru_cache(maxsize=1024)
@@ -73,15 +73,22 @@ def _equal_stages(schedule: str, pp: int, vpp: int | None, m: int, group: int | 
     with equal stages: the registry's closed form where it has one, else simulated on min(m, SIMULATED pp)
     and extended linearly (each further microbatch one stage time; only GPipe's held count grows)."""
     kind = REGISTRY[schedule]
-    if kind.equal_stages is not None and kind.rule(pp, vpp, m, group) is None:
+    closed = kind.equal_stages(pp, kind.chunks(vpp), m, group) \
+        if kind.equal_stages is not None and kind.rule(pp, vpp, m, group) is None else None
+    if closed is not None:
         chunks = kind.chunks(vpp)
-        makespan, held = kind.equal_stages(pp, chunks, m, group)
-        return makespan, (chunks,) * pp, tuple((((h, 0),), ((h, 0),)) for h in held)
-    m0 = min(m, SIMULATED * pp)
+        (makespan, held, (at_forward, in_backward)), last = closed, kind.placement(pp, chunks)[-1]
+        return makespan, (chunks,) * pp, tuple((((h, 0, at_forward if r == last else 0),),
+                                                 ((h, 0, in_backward if r == last else 0),))
+                                                for r, h in enumerate(held))
+    m0 = m if group else min(m, SIMULATED * pp)  # a group's rule reads the whole count: simulated whole
     makespan, chunks, moments = _simulate(schedule, pp, vpp, m0, group)
-    if m > m0:
-        moments = tuple(tuple(tuple((m * c if h == m0 * c else h, p) for h, p in front) for front in fronts)
-                        for fronts, c in zip(moments, chunks))
+    if m > m0:  # only what holds every simulated microbatch grows (GPipe): the rest is steady state
+        def grown(fronts: tuple[Front, Front], c: int) -> tuple[Front, Front]:
+            every = max(f for *_, f in fronts[0]) == m0  # the rank held all loss states: so it holds m
+            return tuple(tuple((m * c if h == m0 * c else h, p, f + (m - m0) * every) for h, p, f in front)
+                         for front in fronts)
+        moments = tuple(grown(fronts, c) for fronts, c in zip(moments, chunks))
     return makespan + (m - m0), chunks, moments
 
 
@@ -90,36 +97,42 @@ def _simulate(schedule: str, pp: int, vpp: int | None, m: int, group: int | None
     """`_equal_stages` of the simulator itself."""
     s = build_schedule(schedule, pp, m, vpp, group)
     r = simulate(s, Costs.per_rank(s, 1 / 3, 1 / 3, 1 / 3), timeline=False)
-    return r.makespan, tuple(r.stages_per_rank), tuple(_moments(a) for a in s.ranks)
+    return r.makespan, tuple(r.stages_per_rank), tuple(_moments(a, s.num_stages - 1) for a in s.ranks)
 
 
-def _moments(actions) -> tuple[Front, Front]:
-    """One rank's (held, pending) chunk counts at its forwards and in its backwards, in its order:
+def _moments(actions, final: int) -> tuple[Front, Front]:
+    """One rank's (held, pending, final) counts at its forwards and in its backwards, in its order:
     held = (stage, microbatch) whose F has run and whose W (or BW) has not finished, the running one
     included (as the simulator counts in flight); pending = B pieces done - W pieces done on stages
     > 0, counted after the action (an F&B is its F, then its BW: B and W together leave pending as
-    it was)."""
-    held = pending = 0
+    it was); final = microbatches of stage `final` (the loss) whose F has run and whose B (or BW) has
+    not: each keeps its loss state until then (GPipe all m at the end of the forwards), the running
+    F included, the microbatch a B / BW is differentiating not."""
+    held = pending = logits = 0
     forward, backward = set(), set()
     for a in actions:
         kind = a.kind
         if kind is Kind.F or kind is Kind.FB:
             held += 1
-            forward.add((held, pending))
+            logits += a.stage == final
+            forward.add((held, pending, logits))
             if kind is Kind.FB:
-                backward.add((held, pending))
+                logits -= a.b_stage == final
+                backward.add((held, pending, logits))
                 held -= 1
         elif kind in _BACKWARD:
             if a.stage > 0:
                 pending += (kind is Kind.B) - (kind is Kind.W)
-            backward.add((held, pending))
+            logits -= kind is not Kind.W and a.stage == final
+            backward.add((held, pending, logits))
             held -= kind is not Kind.B
     return _front(forward), _front(backward)
 
 
-def _front(pairs: set[tuple[int, int]]) -> Front:
-    """The pairs no other exceeds in both counts."""
-    return tuple(sorted(p for p in pairs if not any(q != p and q[0] >= p[0] and q[1] >= p[1] for q in pairs)))
+def _front(moments: set[tuple[int, int, int]]) -> Front:
+    """The moments no other exceeds in every count."""
+    return tuple(sorted(p for p in moments
+                        if not any(q != p and all(a >= b for a, b in zip(q, p)) for q in moments)))
 
 
 _BACKWARD = (Kind.B, Kind.W, Kind.BW)
