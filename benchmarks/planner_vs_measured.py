@@ -81,11 +81,6 @@ CASES = [
     Case("PP2 VPP2 mbs1 GA4", 2, 1, 4, parallel={"pipeline_model_parallel_size": 2,
                                                   "virtual_pipeline_model_parallel_size": 2,
                                                   "pipeline_schedule": "interleaved"}),
-    Case("PP2 VPP2 group3 mbs1 GA5", 2, 1, 5, parallel={"pipeline_model_parallel_size": 2,
-                                                         "virtual_pipeline_model_parallel_size": 2,
-                                                         "pipeline_schedule": "interleaved",
-                                                         "microbatch_group_size_per_vp_stage": 3}),
-    Case("PP2 GPipe mbs1 GA4", 2, 1, 4, parallel={"pipeline_model_parallel_size": 2, "pipeline_schedule": "gpipe"}),
     Case("PP2 x DP2 mbs1 GA2", 4, 1, 4, parallel={"pipeline_model_parallel_size": 2}),
     Case("PP2 x TP2 SP mbs1 GA4", 4, 1, 4, parallel={"pipeline_model_parallel_size": 2,
                                                       "tensor_model_parallel_size": 2, "sequence_parallel": True}),
@@ -151,6 +146,11 @@ CASES = [
          parallel={"tensor_model_parallel_size": 2, "sequence_parallel": True}),
     Case("MoE EP2 mbs2 GA2 ZeRO-3", 2, 2, 8, model=MOE, parallel={"expert_model_parallel_size": 2},
          training={"data_parallel_sharding_strategy": "optim_grads_params"}),
+    Case("PP2 VPP2 group3 mbs1 GA5", 2, 1, 5, parallel={"pipeline_model_parallel_size": 2,
+                                                         "virtual_pipeline_model_parallel_size": 2,
+                                                         "pipeline_schedule": "interleaved",
+                                                         "microbatch_group_size_per_vp_stage": 3}),
+    Case("PP2 GPipe mbs1 GA4", 2, 1, 4, parallel={"pipeline_model_parallel_size": 2, "pipeline_schedule": "gpipe"}),
 ]
 
 
