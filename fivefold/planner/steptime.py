@@ -22,6 +22,7 @@ intra-node when all its ranks share a node (from the rank order), else the per-G
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 from fivefold.planner.activations import ArchTraits, Sharding, layer_activation_bytes
 from fivefold.planner.collectives import (Collective, cp_split, dp_calls_per_step, group_sizes, layer_collectives,
@@ -121,9 +122,10 @@ def step_time(plan: Plan, hw: Hardware, ta: TimeAssumptions = TimeAssumptions())
     n_mb = plan.microbatches
     rank_times, rank_parts, rank_bytes = [], [], []
     classes = plan.rank_classes  # ranks of equal `Plan.rank_shapes` cost the same
+    keys = _keys(plan, links, flops_rate)
     for r, first in enumerate(classes):
         if first == r:
-            parts, sent, total = _rank_cost(plan, r, links, sizes, flops_rate)
+            parts, sent, total = _rank_cost(plan, r, links, sizes, flops_rate, keys)
         else:
             parts, sent, total = rank_parts[first], rank_bytes[first], rank_times[first]
         rank_parts.append(parts)
@@ -140,7 +142,7 @@ def step_time(plan: Plan, hw: Hardware, ta: TimeAssumptions = TimeAssumptions())
         behind_of = {"backward": comp * 2 / 3, "forward": comp / 3}  # what a step call can hide behind
         exposed: dict[str, float] = {}
         sent: dict[str, float] = {}
-        for part, t, wire, behind, spread in _step_calls(plan, r, links, sizes):
+        for part, t, wire, behind, spread in _step_calls(plan, r, links, sizes, keys.step):
             hide = spread * behind_of.get(behind, 0.0)
             exposed[part] = exposed.get(part, 0.0) + max(0.0, t - hide)
             sent[part] = sent.get(part, 0.0) + wire
@@ -198,21 +200,21 @@ recompute)."""
 
 def _cached_calls(key: tuple, plan: Plan, links: Links, compute) -> Timed:
     m = plan.config.model
-    key = (id(m), id(links.hw), links.ta) + key
     got = _CALLS.get(key)
     if got is None or got[0] is not m or got[1] is not links.hw:
         got = _CALLS[key] = (m, links.hw, compute())
     return got[2]
 
 
-def _rank_cost(plan: Plan, r: int, links: Links, sizes: dict[str, int], flops_rate: float) -> tuple[dict, dict, float]:
+def _rank_cost(plan: Plan, r: int, links: Links, sizes: dict[str, int], flops_rate: float,
+               keys: "_Keys") -> tuple[dict, dict, float]:
     """(seconds by kind, wire bytes by kind, total seconds) of pipeline rank r for one microbatch:
     its layers, the output layer's compute on the last rank, its stage calls."""
     m = plan.config.model
     parts = dict.fromkeys(("compute", "tp", "cp", "ep", "pp"), 0.0)
     sent = dict.fromkeys(("tp", "cp", "ep", "pp"), 0.0)
     for i, recomputed, n in plan.layer_groups(r):
-        lp, ls = _layer_cost(plan, links, sizes, i, recomputed, flops_rate)
+        lp, ls = _layer_cost(plan, links, sizes, i, recomputed, flops_rate, keys)
         for k in lp:
             parts[k] += lp[k] * n
         for k in ls:
@@ -220,15 +222,14 @@ def _rank_cost(plan: Plan, r: int, links: Links, sizes: dict[str, int], flops_ra
     if r == plan.last_rank:
         head = output_forward_flops(m) + mtp_forward_flops(m)  # + MTP's eh_proj and output layers
         parts["compute"] += 3 * head * plan.mbs * plan.seq / (plan.tp * plan.cp) / flops_rate
-    _add_timed(_stage_calls(plan, r, links, sizes), parts, sent)
+    _add_timed(_stage_calls(plan, r, links, sizes, keys.stage), parts, sent)
     return parts, sent, sum(parts.values())
 
 
-def _stage_calls(plan: Plan, r: int, links: Links, sizes: dict[str, int]) -> Timed:
-    """`stage_collectives` of pipeline rank r, timed (none hides behind compute)."""
-    key = ("stage", plan.tp, plan.sp, plan.cp, plan.pp, plan.mbs, plan.seq, plan.precision, plan.rank_shapes[r][1:],
-           links.cross["tp"], links.cross["pp"])
-    return _cached_calls(key, plan, links, lambda: _on_the_path(_timed(stage_collectives(plan, r), links, sizes)))
+def _stage_calls(plan: Plan, r: int, links: Links, sizes: dict[str, int], key: tuple) -> Timed:
+    """`stage_collectives` of pipeline rank r, timed (none hides behind compute; `key`: `_Keys.stage`)."""
+    return _cached_calls(key + plan.rank_shapes[r][1:], plan, links,
+                         lambda: _on_the_path(_timed(stage_collectives(plan, r), links, sizes)))
 
 
 def _on_the_path(timed: Timed) -> Timed:
@@ -237,13 +238,9 @@ def _on_the_path(timed: Timed) -> Timed:
     return timed
 
 
-def _step_calls(plan: Plan, r: int, links: Links, sizes: dict[str, int]) -> Timed:
-    """`step_collectives` of pipeline rank r, timed."""
-    p = plan.config.parallel
-    key = ("step", plan.tp, plan.sp, plan.cp, plan.dp, plan.pp, plan.vpp, plan.schedule, plan.ep, plan.etp, plan.edp,
-           plan.precision, plan.config.training.sharding_strategy, dp_calls_per_step(plan), plan.rank_shapes[r],
-           links.cross["tp"], links.cross["embedding"], links.cross["dp"], links.cross["edp"], p.order)
-    return _cached_calls(key, plan, links, lambda: _timed(step_collectives(plan, r), links, sizes))
+def _step_calls(plan: Plan, r: int, links: Links, sizes: dict[str, int], key: tuple) -> Timed:
+    """`step_collectives` of pipeline rank r, timed (`key`: `_Keys.step`)."""
+    return _cached_calls(key + (plan.rank_shapes[r],), plan, links, lambda: _timed(step_collectives(plan, r), links, sizes))
 
 
 def _add_calls(calls: list[Collective], links: Links, sizes: dict[str, int], parts: dict, sent: dict,
@@ -327,16 +324,41 @@ _LAYER_COSTS: dict[tuple, tuple] = {}
 the layer split share their layers' costs (the model is kept alive beside its id)."""
 
 
-def _layer_cost(plan: Plan, links: Links, sizes: dict[str, int], i: int, recomputed: bool, flops_rate: float):
-    """(seconds by kind, wire bytes sent by kind) of decoder layer `i` for one microbatch on one rank."""
+class _Keys(NamedTuple):
+    """What a plan's costs depend on besides the rank or layer, built once per step estimate (the model
+    and hardware by identity, kept alive beside what they key)."""
+    dense: tuple
+    """A dense decoder layer's (`_layer_cost`, with whether it is recomputed): nothing over EP / ETP, so
+    layouts that differ only there share it."""
+    moe: tuple
+    """A MoE layer's: the dense key and the expert layout and links."""
+    stage: tuple
+    """A rank's per-microbatch calls (`_stage_calls`, with the rank's shape but its first layer)."""
+    step: tuple
+    """A rank's once-per-step calls (`_step_calls`, with the rank's shape)."""
+
+
+def _keys(plan: Plan, links: Links, flops_rate: float) -> _Keys:
     m, p = plan.config.model, plan.config.parallel
-    moe = is_moe_layer(m, i)
-    # a dense layer neither computes nor calls anything over EP / ETP: layouts that differ only there share it
+    model = (id(m), id(links.hw), links.ta)
+    common = model + (plan.recompute, plan.recompute_modules, plan.mbs, plan.seq, plan.precision, plan.tp, plan.sp,
+                      plan.cp, p.cp_comm_type, tuple(p.hierarchical_context_parallel_sizes or ()), links.cross["tp"],
+                      links.cross["cp"], links.cross["tp-cp"], flops_rate)
     experts = (plan.ep, plan.etp, links.cross["ep"], links.cross["etp"], links.cross["ep local"],
-               p.overlap_moe_expert_parallel_comm, p.moe_token_dispatcher_type) if moe else ()
-    key = (id(m), moe, recomputed, plan.recompute, plan.recompute_modules, plan.mbs, plan.seq, plan.precision, plan.tp, plan.sp,
-           plan.cp, p.cp_comm_type, tuple(p.hierarchical_context_parallel_sizes or ()), links.cross["tp"],
-           links.cross["cp"], links.cross["tp-cp"], experts, id(links.hw), links.ta, flops_rate)
+               p.overlap_moe_expert_parallel_comm, p.moe_token_dispatcher_type) if m.is_moe else ()
+    stage = model + ("stage", plan.tp, plan.sp, plan.cp, plan.pp, plan.mbs, plan.seq, plan.precision,
+                     links.cross["tp"], links.cross["pp"])
+    step = model + ("step", plan.tp, plan.sp, plan.cp, plan.dp, plan.pp, plan.vpp, plan.schedule, plan.ep, plan.etp,
+                    plan.edp, plan.precision, plan.config.training.sharding_strategy, dp_calls_per_step(plan),
+                    links.cross["tp"], links.cross["embedding"], links.cross["dp"], links.cross["edp"], p.order)
+    return _Keys((False,) + common, (True,) + common + experts, stage, step)
+
+
+def _layer_cost(plan: Plan, links: Links, sizes: dict[str, int], i: int, recomputed: bool, flops_rate: float,
+                keys: _Keys):
+    """(seconds by kind, wire bytes sent by kind) of decoder layer `i` for one microbatch on one rank."""
+    m = plan.config.model
+    key = (recomputed,) + (keys.moe if is_moe_layer(m, i) else keys.dense)
     got = _LAYER_COSTS.get(key)
     if got is None or got[0] is not m or got[1] is not links.hw:
         got = _LAYER_COSTS[key] = (m, links.hw, _layer_cost_of(plan, links, sizes, i, recomputed, flops_rate))
