@@ -399,3 +399,17 @@ def test_the_search_interleaves_in_microbatch_groups_where_pp_does_not_divide_th
         assert m % pp and p.group == min(n for n in range(1, m + 1) if not microbatch_problem("interleaved", pp, v, m, n))
         assert c.memory.inflight * v == min(2 * (pp - rank - 1) + (v - 1) * p.group + 1, m * v)
         assert f"group{p.group}" in c.label
+
+
+@pytest.mark.parametrize("pp, m, megatron, rounds", [(4, 18, 6, None), (8, 17, 9, None), (8, 12, 12, 12), (4, 10, 5, 5),
+                                                     (4, 8, 4, 4), (4, 3, None, None)])
+def test_each_runtime_groups_microbatches_as_it_interleaves_them(pp, m, megatron, rounds):
+    """Megatron-LM takes any group in [PP, m] whose last group is empty or >= PP (the search the
+    smallest); torch.distributed.pipelining's ScheduleInterleaved1F1B (torchtitan) m // PP equal
+    rounds, refusing a count they do not divide (18 on 4 ranks: 4 rounds of 4.5)."""
+    from fivefold.pipeline.schedules import microbatch_problem, smallest_group
+    from fivefold.planner.runtime import PROFILES
+    assert smallest_group(pp, m) == megatron and smallest_group(pp, m, "rounds") == rounds
+    for group in (megatron, rounds):
+        assert group is None or microbatch_problem("interleaved", pp, 2, m, group) is None
+    assert PROFILES["torchtitan"].space().group_rule == "rounds" and PROFILES["megatron-te"].space().group_rule == "megatron"

@@ -162,9 +162,18 @@ def microbatch_problem(schedule: str, pp: int, vpp: int | None, num_microbatches
     return REGISTRY[schedule].rule(pp, vpp, num_microbatches, group)
 
 
-def smallest_group(pp: int, m: int) -> int | None:
-    """The smallest microbatch group interleaving's rule allows for m microbatches on pp ranks (None
-    when m < pp): a larger group holds more activations, and the bubble is the same."""
+GROUP_RULES = ("megatron", "rounds")
+"""How a runtime groups an interleaved schedule's microbatches (`smallest_group`)."""
+
+
+def smallest_group(pp: int, m: int, rule: str = "megatron") -> int | None:
+    """The microbatch group a runtime interleaves m microbatches on pp ranks in, None where it cannot.
+    megatron: the smallest Megatron-LM's rule allows (the last group may be shorter, but >= pp): a
+    larger group holds more activations, and the bubble is the same. rounds: torch.distributed.pipelining's
+    ScheduleInterleaved1F1B (torchtitan's): m // pp rounds of equal size, m a multiple of the rounds."""
+    if rule == "rounds":
+        rounds = m // pp
+        return m // rounds if rounds and m % rounds == 0 else None
     return next((n for n in range(pp, m + 1) if m % n == 0 or m % n >= pp), None)
 
 

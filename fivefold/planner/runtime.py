@@ -51,11 +51,15 @@ class Runtime:
     """The runtime sends the EP exchange as the config's `moe_token_dispatcher_type` says, and its
     search uses this one (megatron-te: flex, DeepEP / HybridEP, as Megatron's MoE runs across nodes
     do); None: its own all-to-all whatever the config says (`apply`)."""
+    group_rule: str = "megatron"
+    """How its interleaved schedule groups microbatches (`SearchSpace.group_rule`): torchtitan's is
+    torch.distributed.pipelining's equal rounds."""
 
     def space(self, **fields) -> SearchSpace:
         """The search space of this runtime's modes, with `fields` set (they win)."""
         return SearchSpace(**{"dp_modes": self.dp_modes, "cp_comm_types": self.cp_comm_types,
-                              "a2a_overlap": self.a2a_overlap, "dispatcher": self.dispatcher or "alltoall", **fields})
+                              "a2a_overlap": self.a2a_overlap, "dispatcher": self.dispatcher or "alltoall",
+                              "group_rule": self.group_rule, **fields})
 
 
 _TE_TRAITS = ArchTraits(fp8_linear_inputs=True, expert_outputs_saved=False)
@@ -95,7 +99,7 @@ PROFILES: dict[str, Runtime] = {r.name: r for r in [
                             cp_overlap=1.0, op_level_sac=_TT_SAC),
             grad_reduce_in_bf16=False,
             summary="torchtitan: FSDP2 (fp32 reduce), torch.compile, torchao float8, async TP",
-            dp_modes=("optim_grads_params",), cp_comm_types=("p2p",)),
+            dp_modes=("optim_grads_params",), cp_comm_types=("p2p",), group_rule="rounds"),
 ]}
 
 

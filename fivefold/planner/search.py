@@ -130,17 +130,18 @@ def with_a2a_overlap(cfg: Config) -> Config:
     return cfg if a2a_overlap_problems(sizes_of(on)) else on
 
 
-def with_group(cfg: Config) -> Config:
-    """`cfg` with the smallest microbatch group that lets interleaving run its microbatch count where
-    the default group (PP) cannot, i.e. the count is not a multiple of PP (Megatron's
-    --microbatch-group-size-per-virtual-pipeline-stage, the Llama 3 paper's tunable N); else `cfg`."""
+def with_group(cfg: Config, rule: str = "megatron") -> Config:
+    """`cfg` with the microbatch group that lets interleaving run its microbatch count where the
+    default group (PP) cannot, i.e. the count is not a multiple of PP (Megatron's
+    --microbatch-group-size-per-virtual-pipeline-stage, the Llama 3 paper's tunable N), as the
+    runtime's `rule` takes it (`smallest_group`); else `cfg`."""
     p, t = cfg.parallel, cfg.training
     pp, vpp = p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size
     if p.pipeline_schedule not in ("1f1b", "interleaved") or not vpp or vpp < 2:
         return cfg
     dp = cfg.cluster.resolved_world_size // (p.tensor_model_parallel_size * p.context_parallel_size * pp)
     m = t.global_batch_size // (t.micro_batch_size * dp) if dp else 0
-    group = smallest_group(pp, m) if m % pp else None
+    group = smallest_group(pp, m, rule) if m % pp else None
     if group == p.microbatch_group_size_per_vp_stage:
         return cfg
     return dataclasses.replace(cfg, parallel=dataclasses.replace(p, microbatch_group_size_per_vp_stage=group))
@@ -187,7 +188,7 @@ def _search(model, hw, world, gpus_per_node, seq, global_batch, precision, space
     for parallel in structures(model, world, gpus_per_node, seq, space):
         base = with_group(make_config(model, world, gpus_per_node, seq, global_batch, precision, parallel,
                                       grad_reduce_in_bf16=grad_reduce_in_bf16, a2a_overlap=space.a2a_overlap,
-                                      dispatcher=space.dispatcher))
+                                      dispatcher=space.dispatcher), space.group_rule)
         broken = config_errors(base)
         layout = Plan(base)  # after config_errors: it writes the resolved VPP, schedule and SP back
         dp, grouped = layout.dp, layout.schedule == "interleaved"
@@ -224,7 +225,7 @@ def _search(model, hw, world, gpus_per_node, seq, global_batch, precision, space
                         result.dropped.append((cfg, _larger(*failed[modes[-1]])))
                         break
                     if grouped and (layout.group or global_batch // (mbs * dp) % layout.pp):  # a count PP does not divide
-                        cfg = with_group(cfg)
+                        cfg = with_group(cfg, space.group_rule)
                     check = _may_break(cfg, dp)
                     if recompute in failed and failed[recompute][0] < mbs and not check:
                         result.dropped.append((cfg, _larger(*failed[recompute])))

@@ -50,6 +50,10 @@ class SearchSpace:
     full recompute, VPP under PP, ...: `config.rules.a2a_overlap_problems`), for a runtime that has it
     (`Runtime.a2a_overlap`). A runtime switch, not a layout: under the time model it only hides EP
     traffic, so it is on where allowed rather than a second variant."""
+    group_rule: str = "megatron"
+    """How interleaving groups a microbatch count PP does not divide (`pipeline.schedules.smallest_group`):
+    Megatron's rule (a shorter last group allowed), or torch.distributed.pipelining's equal rounds
+    (torchtitan, `Runtime.group_rule`)."""
     dp_modes: tuple[str, ...] = ("optim",)
     """Data-parallel modes tried (TrainingConfig.sharding_strategy): optim (the distributed optimizer,
     ZeRO-1), optim_grads (ZeRO-2), optim_grads_params (ZeRO-3: FSDP2, Megatron-FSDP), no_shard. The
