@@ -17,7 +17,7 @@ import math
 from itertools import combinations, product
 
 from fivefold.config.fields import resolve, set_value
-from fivefold.config.rules import KNOB_FIELDS, Rule, adjust, errors, etp_of, ffn_of, sizes_of
+from fivefold.config.rules import KNOB_FIELDS, Rule, adjust, dp_of, errors, etp_of, ffn_of, sizes_of
 from fivefold.config.schema import (ACTIVATIONS, DROP_POLICIES, NORMALIZATIONS, POSITION_EMBEDDINGS, QK_NORM_SCOPES,
                                     ROUTER_DTYPES, ROUTER_SCORE_FUNCTIONS, SECTIONS, Config)
 from fivefold.pipeline.schedules import REGISTRY
@@ -53,7 +53,7 @@ def candidates(knob: str, s: dict) -> list:
         return [None] + [v for v in _divisors(layers) if 2 <= v <= 16]
     if knob == "group":  # unset (PP), or a group the last of which is whole: a divisor of the microbatches
         model = s["tp"] * s["pp"] * s["cp"]
-        dp = world // model if model >= 1 and world % model == 0 else 0
+        dp = dp_of(s) if model >= 1 and world % model == 0 else 0
         m = s["gbs"] // (s["mbs"] * dp) if dp and s["gbs"] and s["mbs"] >= 1 else 0
         return [None] + [d for d in _divisors(m) if d >= s["pp"]][:8]
     if knob in ("sp", "a2a_overlap"):

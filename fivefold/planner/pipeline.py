@@ -71,12 +71,12 @@ class PipelineProfile:
 def _equal_stages(schedule: str, pp: int, vpp: int | None, m: int, group: int | None):
     """(makespan in stage times, chunks per rank, each rank's `PipelineProfile.moments`) of m microbatches
     with equal stages: the registry's closed form where it has one, else simulated on min(m, SIMULATED pp)
-    and extended linearly (each further microbatch one stage time; only GPipe's held count grows)."""
-    kind = REGISTRY[schedule]
-    closed = kind.equal_stages(pp, kind.chunks(vpp), m, group) \
+    (all m with a microbatch group) and extended linearly (each further microbatch one stage time; only
+    GPipe's counts grow: it holds every microbatch and every loss state)."""
+    kind, chunks = REGISTRY[schedule], REGISTRY[schedule].chunks(vpp)
+    closed = kind.equal_stages(pp, chunks, m, group) \
         if kind.equal_stages is not None and kind.rule(pp, vpp, m, group) is None else None
     if closed is not None:
-        chunks = kind.chunks(vpp)
         (makespan, held, (at_forward, in_backward)), last = closed, kind.placement(pp, chunks)[-1]
         return makespan, (chunks,) * pp, tuple((((h, 0, at_forward if r == last else 0),),
                                                  ((h, 0, in_backward if r == last else 0),))
@@ -108,23 +108,23 @@ def _moments(actions, final: int) -> tuple[Front, Front]:
     it was); final = microbatches of stage `final` (the loss) whose F has run and whose B (or BW) has
     not: each keeps its loss state until then (GPipe all m at the end of the forwards), the running
     F included, the microbatch a B / BW is differentiating not."""
-    held = pending = logits = 0
+    held = pending = loss_held = 0
     forward, backward = set(), set()
     for a in actions:
         kind = a.kind
         if kind is Kind.F or kind is Kind.FB:
             held += 1
-            logits += a.stage == final
-            forward.add((held, pending, logits))
+            loss_held += a.stage == final
+            forward.add((held, pending, loss_held))
             if kind is Kind.FB:
-                logits -= a.b_stage == final
-                backward.add((held, pending, logits))
+                loss_held -= a.b_stage == final
+                backward.add((held, pending, loss_held))
                 held -= 1
         elif kind in _BACKWARD:
             if a.stage > 0:
                 pending += (kind is Kind.B) - (kind is Kind.W)
-            logits -= kind is not Kind.W and a.stage == final
-            backward.add((held, pending, logits))
+            loss_held -= kind is not Kind.W and a.stage == final
+            backward.add((held, pending, loss_held))
             held -= kind is not Kind.B
     return _front(forward), _front(backward)
 

@@ -135,12 +135,10 @@ def with_group(cfg: Config, rule: str = "megatron") -> Config:
     default group (PP) cannot, i.e. the count is not a multiple of PP (Megatron's
     --microbatch-group-size-per-virtual-pipeline-stage, the Llama 3 paper's tunable N), as the
     runtime's `rule` takes it (`smallest_group`); else `cfg`."""
-    p, t = cfg.parallel, cfg.training
-    pp, vpp = p.pipeline_model_parallel_size, p.virtual_pipeline_model_parallel_size
+    p, vpp = cfg.parallel, cfg.parallel.virtual_pipeline_model_parallel_size
     if p.pipeline_schedule not in ("1f1b", "interleaved") or not vpp or vpp < 2:
         return cfg
-    dp = cfg.cluster.resolved_world_size // (p.tensor_model_parallel_size * p.context_parallel_size * pp)
-    m = t.global_batch_size // (t.micro_batch_size * dp) if dp else 0
+    m, pp = Plan(cfg).microbatches, p.pipeline_model_parallel_size
     group = smallest_group(pp, m, rule) if m % pp else None
     if group == p.microbatch_group_size_per_vp_stage:
         return cfg
