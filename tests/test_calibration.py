@@ -81,12 +81,12 @@ def test_the_harness_prints_a_row_per_judged_run():
     assert "median" in out and "Excluded: row 10" in out
 
 
-def _config(precision="bf16", **parallel):
+def _config(precision="bf16", dp_mode=None, **parallel):
     from fivefold.planner.presets import model_preset
     from fivefold.planner.search import make_config
     p = dict(tensor_model_parallel_size=2, sequence_parallel=True, pipeline_model_parallel_size=2)
     p.update(parallel)
-    return make_config(model_preset("llama3-8b").model, 16, 8, 4096, 64, precision, p)
+    return make_config(model_preset("llama3-8b").model, 16, 8, 4096, 64, precision, p, dp_mode=dp_mode)
 
 
 def test_megatron_te_reduces_gradients_in_bf16_and_saves_fp8_linear_inputs():
@@ -103,6 +103,40 @@ def test_megatron_te_reduces_gradients_in_bf16_and_saves_fp8_linear_inputs():
     te8, tt8 = peak_memory(Plan(fp8), te.memory), peak_memory(Plan(fp8), tt.memory)
     assert te8.detail["attention output (proj input)"] == pytest.approx(tt8.detail["attention output (proj input)"] / 2)
     assert te8.detail["q, k, v"] == tt8.detail["q, k, v"]  # flash attention's inputs stay 16-bit
+
+
+@pytest.mark.parametrize("mode", ["optim_grads", "optim_grads_params"])
+def test_megatron_fsdp_reduces_every_microbatch_under_pp(mode):
+    """megatron-te's ZeRO-2/3 is Megatron-FSDP, which reduce-scatters after every backward, also under PP
+    (Megatron-LM megatron_fsdp.py: grad_reduce_every_bprop): 1/d fp32 gradient accumulators and one
+    reduce-scatter per microbatch; ours under PP keeps whole buffers and reduces once; a run that states
+    its own gradients (Llama 3) keeps them."""
+    from fivefold.planner.collectives import step_collectives
+    from fivefold.planner.memory import memory_per_rank, rank_params
+    from fivefold.planner.runtime import apply, profile
+    te, ours = profile("megatron-te"), profile("fivefold")
+    cfg = _config("fp32", dp_mode=mode)
+    fsdp, whole = Plan(apply(cfg, te)), Plan(apply(cfg, ours))
+    assert fsdp.config.training.use_megatron_fsdp and not whole.config.training.use_megatron_fsdp
+    assert Plan(apply(cfg, te, stated_fp32_grads=True)).config.training.use_megatron_fsdp is False
+    dp, m = fsdp.dp, fsdp.microbatches
+    assert (dp, m) == (4, 16)
+    for r in range(2):
+        dense = sum(rank_params(fsdp, r))
+        assert memory_per_rank(fsdp, te.memory)[r].grads == pytest.approx(4 * dense / dp)  # fp32, 1/d each
+        assert memory_per_rank(whole, ours.memory)[r].grads == pytest.approx(4 * dense)  # the whole buffer
+        calls = {p.config.training.use_megatron_fsdp: [c for c in step_collectives(p, r) if c.tag == "dp-grad"]
+                 for p in (fsdp, whole)}
+        assert [(c.kind, c.spread) for c in calls[True]] == [("reduce_scatter", m)]
+        assert [(c.kind, c.spread) for c in calls[False]] == [("reduce_scatter", 1)]
+        assert calls[False][0].call_bytes == pytest.approx(4 * dense)
+        assert calls[True][0].call_bytes == pytest.approx(m * 4 * dense)
+    if mode == "optim_grads_params":  # units gathered per microbatch: rank 0's last layer whole, not all 16
+        from fivefold.planner.params import embedding_params
+        w, dense = 4, sum(rank_params(fsdp, 0))
+        layer = (dense - embedding_params(fsdp.config.model, 2) / 2) / 16
+        assert memory_per_rank(whole, ours.memory)[0].weights == pytest.approx(w * dense * (1 + 1 / dp))
+        assert memory_per_rank(fsdp, te.memory)[0].weights == pytest.approx(w * (dense / dp + layer))
 
 
 def test_overlap_hides_tp_traffic_and_attention_runs_at_the_bf16_rate():

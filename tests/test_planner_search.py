@@ -239,12 +239,12 @@ def _exhaustive(m, hw, gpus, seq, batch, space):
     ranked, dropped = [], []
     modes = recompute_modes(space, m)
     for parallel in structures(m, gpus, 8, seq, space):
-        base = make_config(m, gpus, 8, seq, batch, "bf16", parallel)
+        base = make_config(m, gpus, 8, seq, batch, "bf16", parallel, megatron_fsdp=space.megatron_fsdp)
         fits, labels = {}, []  # (dp mode, micro-batch) -> (index, candidate) of the first recompute that fits
         for dp_mode in sorted(space.dp_modes, key=SHARDING.index):  # equal keys keep this order
             for mbs in space.micro_batch_sizes:
                 for i, recompute in enumerate(modes):
-                    cand = evaluate(_variant(base, mbs, recompute, dp_mode), hw, check=True)
+                    cand = evaluate(_variant(base, mbs, recompute, dp_mode, space.megatron_fsdp), hw, check=True)
                     labels.append(cand.label)
                     if not cand.problem and (dp_mode, mbs) not in fits:
                         fits[dp_mode, mbs] = (i, cand)
@@ -260,13 +260,17 @@ def _exhaustive(m, hw, gpus, seq, batch, space):
     return ranked, set(dropped)
 
 
-@pytest.mark.parametrize("name,gpus,batch,schedules,dp_modes", [
-    ("moonlight-16b-a3b", 32, 256, ("gpipe", "1f1b", "interleaved", "zb-h1", "dualpipev"), ("optim",)),  # MoE, every schedule
-    ("llama3-70b", 64, 256, ("1f1b", "interleaved"), ("optim",)),  # dense, uneven splits, VPP up to layers / PP
-    ("deepseek-v3", 256, 1024, ("1f1b", "interleaved"), ("optim",)),  # MLA, 61 layers, 256 experts
-    ("llama3-70b", 32, 128, ("1f1b",), ("optim_grads_params", "optim", "optim_grads")),  # ZeRO-2/3 where ZeRO-1 cannot
+ZERO123 = ("optim_grads_params", "optim", "optim_grads")
+
+
+@pytest.mark.parametrize("name,gpus,batch,schedules,dp_modes,megatron_fsdp", [
+    ("moonlight-16b-a3b", 32, 256, ("gpipe", "1f1b", "interleaved", "zb-h1", "dualpipev"), ("optim",), False),  # MoE, every schedule
+    ("llama3-70b", 64, 256, ("1f1b", "interleaved"), ("optim",), False),  # dense, uneven splits, VPP up to layers / PP
+    ("deepseek-v3", 256, 1024, ("1f1b", "interleaved"), ("optim",), False),  # MLA, 61 layers, 256 experts
+    ("llama3-70b", 32, 128, ("1f1b",), ZERO123, False),  # ZeRO-2/3 where ZeRO-1 cannot
+    ("llama3-70b", 32, 128, ("1f1b",), ZERO123, True),  # as Megatron-FSDP: reduced every microbatch under PP too
 ])
-def test_search_equals_exhaustive(name, gpus, batch, schedules, dp_modes):
+def test_search_equals_exhaustive(name, gpus, batch, schedules, dp_modes, megatron_fsdp):
     """The search prunes (a layout whose model state cannot fit, a recompute mode that did not fit at a
     smaller micro-batch, rules a variant cannot break), caches, and reads closed-form schedules: its
     ranked list equals the exhaustive evaluation's exactly (layouts, order, every memory and time
@@ -274,7 +278,7 @@ def test_search_equals_exhaustive(name, gpus, batch, schedules, dp_modes):
     from fivefold.planner.search import clear_caches
     from fivefold.planner.space import SearchSpace
     hw, m = hardware("h100-sxm"), model_preset(name).model
-    space = SearchSpace(schedules=schedules, dp_modes=dp_modes)
+    space = SearchSpace(schedules=schedules, dp_modes=dp_modes, megatron_fsdp=megatron_fsdp)
     clear_caches()
     fast = search(m, hw, gpus, 8, 4096, batch, space=space)
     clear_caches()
@@ -283,9 +287,12 @@ def test_search_equals_exhaustive(name, gpus, batch, schedules, dp_modes):
     assert {describe(cfg) for cfg, _ in fast.dropped} <= dropped
     assert any("a larger one holds no less" in why for _, why in fast.dropped)  # the pruning ran
     if len(dp_modes) > 1:  # and the sharded modes ranked where ZeRO-1 does not fit, dropped where it does,
-        # and under PP dropped unsized (`sharded_under_pp`)
+        # and under PP dropped unsized (`sharded_under_pp`), but as Megatron-FSDP (sized: it holds less)
         assert {c.plan.config.training.data_parallel_sharding_strategy for c in fast.ranked} == set(dp_modes)
-        assert any(why == DOMINATED for _, why in fast.dropped) and any(why == PP_DOMINATED for _, why in fast.dropped)
+        assert any(why == DOMINATED for _, why in fast.dropped)
+        assert any(why == PP_DOMINATED for _, why in fast.dropped) != megatron_fsdp
+        sharded_pp = [c for c in fast.ranked if c.plan.pp > 1 and c.plan.config.training.sharding_strategy != "optim"]
+        assert bool(sharded_pp) == megatron_fsdp
 
 
 def test_closed_form_schedules_change_no_result(monkeypatch):

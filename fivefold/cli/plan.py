@@ -83,7 +83,7 @@ def run(args, extra) -> int:
     space = rt.space(micro_batch_sizes=mbs, accumulate=not args.no_accumulation, schedules=schedules, dp_modes=dp_modes)
     compared = [(text, candidates(text, spec.model, hw, args.gpus, min(gpn, args.gpus), args.seq_len,
                                   args.global_batch, args.precision, mbs, mem, ta, bf16_grads, rt.dp_modes[0],
-                                  space.a2a_overlap, space.dispatcher, space.group_rule)[0])
+                                  space.a2a_overlap, space.dispatcher, space.group_rule, space.megatron_fsdp)[0])
                 for text in args.compare]  # bad descriptions refused before the search
     result = search(spec.model, hw, args.gpus, min(gpn, args.gpus), args.seq_len, args.global_batch, args.precision,
                     space, mem, ta, grad_reduce_in_bf16=bf16_grads)

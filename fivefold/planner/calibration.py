@@ -137,7 +137,8 @@ class Case:
     """The `LAYOUT_FIELDS` the source leaves unstated: a layout of `plan`'s search with the stated
     ones is the published layout as far as the source says (`stated_layout`)."""
     fp32_grads: bool = False
-    """The source states fp32 gradient accumulation and reduction (beside its runtime's default)."""
+    """The source states its gradients: accumulated in fp32 over the microbatches, then reduce-scattered
+    once in fp32 (Llama 3 s3.3.2), not as its runtime profile's (bf16, Megatron-FSDP's every microbatch)."""
     accumulates: bool = True
     """The run's tool could accumulate gradients over micro-batches (`SearchSpace.accumulate`): not
     torchtitan's of December 2024 (it gained it in June 2025, PR #1238)."""

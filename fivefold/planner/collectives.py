@@ -354,9 +354,10 @@ def step_collectives(plan: Plan, pp_rank: int) -> list[Collective]:
         if not count or d == 1:
             continue
         if mode != "no_shard":
-            # ZeRO-2/3 without PP reduce-scatter the gradients (dense and expert) after every
-            # microbatch; ZeRO-3 all-gathers every unit before its forward and again before its
-            # backward, per microbatch (under PP once a step: the units stay whole until the step's end)
+            # ZeRO-2/3 reduce-scatter the gradients (dense and expert) after every microbatch where
+            # `Plan.reduce_every_microbatch`; ZeRO-3 then all-gathers every unit before its forward and
+            # again before its backward, per microbatch (else once a step: the units stay whole until
+            # the step's end)
             times = dp_calls_per_step(plan)
             gathers = times if mode == "optim_grads_params" else 1
             out += [Collective("reduce_scatter", f"{group}-grad", group, grad * count * times, "step", "backward", times),
@@ -374,9 +375,8 @@ def step_collectives(plan: Plan, pp_rank: int) -> list[Collective]:
 
 def dp_calls_per_step(plan: Plan) -> int:
     """How many times a step reduce-scatters the gradients (and ZeRO-3 gathers the parameters): every
-    microbatch under ZeRO-2/3 without PP, else once."""
-    mode = plan.config.training.sharding_strategy
-    return plan.microbatches if mode in ("optim_grads", "optim_grads_params") and plan.pp == 1 else 1
+    microbatch where `Plan.reduce_every_microbatch`, else once."""
+    return plan.microbatches if plan.reduce_every_microbatch else 1
 
 
 def rank_collectives(plan: Plan, pp_rank: int) -> list[tuple[Collective, float]]:

@@ -140,6 +140,16 @@ class Plan:
         return group if self.schedule == "interleaved" else None
 
     @cached_property
+    def reduce_every_microbatch(self) -> bool:
+        """ZeRO-2/3 reduce-scatter the gradients after every microbatch's backward into 1/d
+        accumulators (ZeRO-3 gathering each unit again for every forward and backward): always without
+        PP; under PP only on Megatron-FSDP (`training.use_megatron_fsdp`: megatron_fsdp.py's
+        grad_reduce_every_bprop). Under PP our runtime and torch.distributed.pipelining's schedules keep
+        whole gradient buffers (and units) for the step and reduce once."""
+        t = self.config.training
+        return t.sharding_strategy in ("optim_grads", "optim_grads_params") and (self.pp == 1 or t.use_megatron_fsdp)
+
+    @cached_property
     def recompute(self) -> str | None:
         t = self.config.training
         return t.recompute_granularity

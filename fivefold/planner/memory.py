@@ -110,43 +110,49 @@ _PARAMS: dict[tuple, tuple[float, float]] = {}
 
 def zero2_full_buffers(plan: Plan, dense: float, expert: float, state_bytes: tuple, prec: Precision) -> float:
     """What ZeRO-2/3's gradients hold during a step (fivefold.parallel.data) beyond the 1/d accumulators
-    of `state_bytes_per_param`, bytes: under PP the schedule accumulates the gradients itself, so every
+    of `state_bytes_per_param`, bytes: under PP our schedule accumulates the gradients itself, so every
     bucket keeps its full-size buffer for the step and is reduce-scattered into its own range once,
-    as ZeRO-1 (no separate accumulator); without PP none at the peak: that is at the end of the
-    forward (the logits and every activation live, no gradient buffer yet); during backward the
-    activations are freed faster than the one or two buckets being filled / reduced grow (measured: DP2
-    GA2 fp32 ZeRO-2, planner / measured 0.999); the expert buckets likewise (reduced per MoE layer
-    during backward). `state_bytes`: (weights, gradients, optimizer) bytes per dense and per expert
-    parameter as sharded (`model_state`)."""
-    if plan.pp == 1:
+    as ZeRO-1 (no separate accumulator); reduced every microbatch (`Plan.reduce_every_microbatch`:
+    without PP, or Megatron-FSDP) none at the peak: that is at the end of the forward (the logits and
+    every activation live, no gradient buffer yet); during backward the activations are freed faster
+    than the one or two buckets being filled / reduced grow (measured: DP2 GA2 fp32 ZeRO-2, planner /
+    measured 0.999); the expert buckets likewise (reduced per MoE layer during backward).
+    `state_bytes`: (weights, gradients, optimizer) bytes per dense and per expert parameter as sharded
+    (`model_state`)."""
+    if plan.reduce_every_microbatch:
         return 0.0
     full = prec.state_bytes(1, "no_shard")[1]
     (_, dense_grad, _), (_, expert_grad, _) = state_bytes
     return dense * (full - dense_grad) + expert * (full - expert_grad)
 
 
-def model_state(plan: Plan, dense: float, expert: float, state_bytes: tuple, prec: Precision,
+def model_state(plan: Plan, rank: int, dense: float, expert: float, state_bytes: tuple, prec: Precision,
                 mode: str) -> tuple[float, float, float]:
-    """(weights, gradients, optimizer) bytes of a rank holding `dense` and `expert` parameters
-    (`state_bytes`: per dense and per expert parameter): the optimizer's offloaded share is host
-    memory; ZeRO-2/3 add their whole gradient buffers, ZeRO-3 the units in use, whole."""
+    """(weights, gradients, optimizer) bytes of pipeline rank `rank`, holding `dense` and `expert`
+    parameters (`state_bytes`: per dense and per expert parameter): the optimizer's offloaded share is
+    host memory; ZeRO-2/3 add their whole gradient buffers, ZeRO-3 the units in use, whole."""
     (wd, gd, od), (we, ge, oe) = state_bytes
     weights, grads, optimizer = dense * wd + expert * we, dense * gd + expert * ge, dense * od + expert * oe
     optimizer *= 1 - prec.offload_fraction  # --optimizer-cpu-offload
     if mode in ("optim_grads", "optim_grads_params"):
         grads += zero2_full_buffers(plan, dense, expert, state_bytes, prec)
     if mode == "optim_grads_params":
-        weights += zero3_gathered(plan, dense + expert) * prec.state_bytes(1, "no_shard")[0]
+        weights += zero3_gathered(plan, rank, dense + expert) * prec.state_bytes(1, "no_shard")[0]
     return weights, grads, optimizer
 
 
-def zero3_gathered(plan: Plan, held: float) -> float:
-    """ZeRO-3's whole parameters at the peak (fivefold.parallel.fsdp), elements, of the `held` this
-    rank holds: without PP, at the end of the forward the output layer's unit is in use (the output
-    layer or, tied, the embedding it shares, and the final norm) and nothing is prefetched after it;
-    under PP every unit stays whole from its first forward to the step's end."""
-    m = plan.config.model
-    return held if plan.pp > 1 else embedding_params(m, plan.tp) / plan.tp + m.hidden_size
+def zero3_gathered(plan: Plan, rank: int, held: float) -> float:
+    """ZeRO-3's whole parameters at the peak (fivefold.parallel.fsdp), elements, of the `held` pipeline
+    rank `rank` holds: gathered for every microbatch (`Plan.reduce_every_microbatch`), at the end of
+    the forward the last unit is in use and nothing is prefetched after it: on the last rank the output
+    layer's (the output layer or, tied, the embedding it shares, and the final norm), on another its
+    largest layer; under our PP schedules every unit stays whole from its first forward to the step's end."""
+    if not plan.reduce_every_microbatch:
+        return held
+    if rank == plan.last_rank:
+        m = plan.config.model
+        return embedding_params(m, plan.tp) / plan.tp + m.hidden_size
+    return max(sum(_layer_share(plan, i)) for i, _, _ in plan.layer_groups(rank))
 
 
 def rank_params(plan: Plan, rank: int) -> tuple[float, float]:
@@ -161,11 +167,9 @@ def rank_params(plan: Plan, rank: int) -> tuple[float, float]:
 def _rank_params(plan: Plan, rank: int) -> tuple[float, float]:
     m = plan.config.model
     dense = expert = 0.0
-    kv, kv_split = kv_params(m), kv_tp_split(m, plan.tp)  # whole KV heads per rank when TP > KV heads
     for i, _, n in plan.layer_groups(rank):
-        lp = layer_params(m, i)
-        dense += ((lp.attention - kv + lp.dense_mlp) / plan.tp + kv / kv_split + lp.latent + lp.norms) * n
-        expert += lp.experts / (plan.etp * plan.ep) * n
+        d, e = _layer_share(plan, i)
+        dense, expert = dense + d * n, expert + e * n
     emb = embedding_params(m, plan.tp) / plan.tp
     if rank == plan.first_rank:
         dense += emb
@@ -174,6 +178,14 @@ def _rank_params(plan: Plan, rank: int) -> tuple[float, float]:
         dense += m.hidden_size + (0 if (m.tie_word_embeddings and not apart) else emb)
         dense += mtp_params(m, plan.tp, apart, emb)
     return dense, expert
+
+
+def _layer_share(plan: Plan, i: int) -> tuple[float, float]:
+    """(dense, expert) parameters of layer `i` on one rank."""
+    m = plan.config.model
+    lp, kv = layer_params(m, i), kv_params(m)  # whole KV heads per rank when TP > KV heads
+    dense = (lp.attention - kv + lp.dense_mlp) / plan.tp + kv / kv_tp_split(m, plan.tp) + lp.latent + lp.norms
+    return dense, lp.experts / (plan.etp * plan.ep)
 
 
 def optimizer_phase(plan: Plan, dense: float, expert: float, largest: float, traits: ArchTraits,
@@ -291,7 +303,8 @@ class _Ranks:
         detail, per_mb, transient, joins, bwd, offloaded = _layers(plan, self.shapes[r][0], r, self.sh, traits)
         dense, expert = rank_params(plan, r)
         rm.params = dense + expert
-        rm.weights, rm.grads, rm.optimizer = model_state(plan, dense, expert, self.state_bytes, self.prec, self.mode)
+        rm.weights, rm.grads, rm.optimizer = model_state(plan, r, dense, expert, self.state_bytes, self.prec,
+                                                          self.mode)
         rm.detail = detail  # shared with the cache: read only
         rm.inflight = prof.inflight_microbatches(r)
         if r == plan.last_rank:

@@ -54,12 +54,16 @@ class Runtime:
     group_rule: str = "megatron"
     """How its interleaved schedule groups microbatches (`SearchSpace.group_rule`): torchtitan's is
     torch.distributed.pipelining's equal rounds."""
+    megatron_fsdp: bool = False
+    """Its ZeRO-2/3 is Megatron-FSDP, which reduce-scatters the gradients after every microbatch's
+    backward also under PP (`training.use_megatron_fsdp`, `Plan.reduce_every_microbatch`); ours and
+    torchtitan's FSDP2 under torch.distributed.pipelining reduce once a step under PP."""
 
     def space(self, **fields) -> SearchSpace:
         """The search space of this runtime's modes, with `fields` set (they win)."""
         return SearchSpace(**{"dp_modes": self.dp_modes, "cp_comm_types": self.cp_comm_types,
                               "a2a_overlap": self.a2a_overlap, "dispatcher": self.dispatcher or "alltoall",
-                              "group_rule": self.group_rule, **fields})
+                              "group_rule": self.group_rule, "megatron_fsdp": self.megatron_fsdp, **fields})
 
 
 _TE_TRAITS = ArchTraits(fp8_linear_inputs=True, expert_outputs_saved=False)
@@ -90,7 +94,7 @@ PROFILES: dict[str, Runtime] = {r.name: r for r in [
             summary="Megatron-Core + TransformerEngine: fused kernels, fp8 linear inputs, TP comm overlap, "
                     "grouped GEMM, bf16 gradient reduction, distributed optimizer, 1F1B all-to-all overlap "
                     "where allowed, the token dispatcher the config names (flex in its search)",
-            a2a_overlap=True, dispatcher="flex"),
+            a2a_overlap=True, dispatcher="flex", megatron_fsdp=True),
     Runtime("torchtitan",
             MemoryAssumptions(allocator_overhead=0.05, runtime_reserve=1.0 * GiB, traits=_TT_TRAITS),
             # fitted on rows 16-26, 28-35 (benchmarks/calibrate.py --fit --runtime torchtitan)
@@ -115,12 +119,23 @@ def with_time(rt: Runtime, **constants: float) -> Runtime:
 
 
 def apply(cfg: Config, rt: Runtime, stated_fp32_grads: bool = False) -> Config:
-    """`cfg` as `rt` runs it: bf16 gradients where the runtime reduces in bf16, unless the run states
-    fp32 gradients; the EP exchange as an all-to-all where the runtime has no other dispatcher (the
+    """`cfg` as `rt` runs it: bf16 gradients where the runtime reduces in bf16, ZeRO-2/3 as the
+    runtime's FSDP (`Runtime.megatron_fsdp`), unless the run states its own gradients
+    (`stated_fp32_grads`: Llama 3's fp32 accumulation over the microbatches, then one fp32
+    reduce-scatter); the EP exchange as an all-to-all where the runtime has no other dispatcher (the
     same `cfg` when nothing changes)."""
     t, p = cfg.training, cfg.parallel
     if rt.dispatcher is None and p.moe_token_dispatcher_type != "alltoall":
         cfg = replace(cfg, parallel=replace(p, moe_token_dispatcher_type="alltoall"))
-    if t.precision not in ("bf16", "fp8") or stated_fp32_grads or t.grad_reduce_in_bf16 or not rt.grad_reduce_in_bf16:
-        return cfg
-    return replace(cfg, training=replace(t, grad_reduce_in_bf16=rt.grad_reduce_in_bf16))
+    changes = {}
+    if not stated_fp32_grads and megatron_fsdp(rt.megatron_fsdp, t.sharding_strategy) != t.use_megatron_fsdp:
+        changes["use_megatron_fsdp"] = not t.use_megatron_fsdp
+    if t.precision in ("bf16", "fp8") and not (stated_fp32_grads or t.grad_reduce_in_bf16) and rt.grad_reduce_in_bf16:
+        changes["grad_reduce_in_bf16"] = True
+    return replace(cfg, training=replace(t, **changes)) if changes else cfg
+
+
+def megatron_fsdp(runtime_has_it: bool, dp_mode: str) -> bool:
+    """Whether a config of `dp_mode` runs as Megatron-FSDP (`TrainingConfig.use_megatron_fsdp`) on a
+    runtime that has it: its ZeRO-2/3 (the distributed optimizer is Megatron's DDP, not Megatron-FSDP)."""
+    return runtime_has_it and dp_mode in ("optim_grads", "optim_grads_params")

@@ -15,6 +15,7 @@ from fivefold.planner.layout import Plan
 from fivefold.planner.memory import (MemoryAssumptions, RankMemory, after_step_gathers, model_state, peak_memory,
                                      rank_params, state_bytes_per_param)
 from fivefold.planner.presets.hardware import Hardware
+from fivefold.planner.runtime import megatron_fsdp as runs_megatron_fsdp
 from fivefold.planner.space import SearchSpace, recompute_fields, recompute_modes, structures
 from fivefold.planner.steptime import StepEstimate, TimeAssumptions, step_time
 from fivefold.planner.validity import config_errors
@@ -105,9 +106,10 @@ def make_config(model: ModelConfig, world: int, gpus_per_node: int, seq: int, gl
                 precision: str, parallel: dict, micro_batch: int = 1, recompute: str | None = None,
                 distributed_optimizer: bool = True, grad_reduce_in_bf16: bool = False,
                 recompute_modules: list[str] | None = None, dp_mode: str | None = None,
-                a2a_overlap: bool = False, dispatcher: str = "alltoall") -> Config:
+                a2a_overlap: bool = False, dispatcher: str = "alltoall", megatron_fsdp: bool = False) -> Config:
     """A planner config; `a2a_overlap`: with Megatron's 1F1B all-to-all overlap where its rules allow
-    (`with_a2a_overlap`); `dispatcher`: the MoE token dispatcher."""
+    (`with_a2a_overlap`); `dispatcher`: the MoE token dispatcher; `megatron_fsdp`: ZeRO-2/3 as
+    Megatron-FSDP (`runtime.megatron_fsdp`)."""
     nodes = max(1, world // gpus_per_node)
     cfg = Config(cluster=ClusterConfig(num_nodes=nodes, gpus_per_node=gpus_per_node, world_size=world),
                  parallel=ParallelConfig(**{"moe_token_dispatcher_type": dispatcher, **parallel}), model=model,
@@ -118,6 +120,7 @@ def make_config(model: ModelConfig, world: int, gpus_per_node: int, seq: int, gl
                                          recompute_num_layers=1 if recompute == "full" else None,
                                          use_distributed_optimizer=distributed_optimizer and dp_mode != "no_shard",
                                          data_parallel_sharding_strategy=dp_mode,
+                                         use_megatron_fsdp=runs_megatron_fsdp(megatron_fsdp, dp_mode),
                                          grad_reduce_in_bf16=grad_reduce_in_bf16 and precision != "fp32"))
     return with_a2a_overlap(cfg) if a2a_overlap else cfg
 
@@ -186,7 +189,7 @@ def _search(model, hw, world, gpus_per_node, seq, global_batch, precision, space
     for parallel in structures(model, world, gpus_per_node, seq, space):
         base = with_group(make_config(model, world, gpus_per_node, seq, global_batch, precision, parallel,
                                       grad_reduce_in_bf16=grad_reduce_in_bf16, a2a_overlap=space.a2a_overlap,
-                                      dispatcher=space.dispatcher), space.group_rule)
+                                      dispatcher=space.dispatcher, megatron_fsdp=space.megatron_fsdp), space.group_rule)
         broken = config_errors(base)
         layout = Plan(base)  # after config_errors: it writes the resolved VPP, schedule and SP back
         dp, grouped = layout.dp, layout.schedule == "interleaved"
@@ -201,7 +204,7 @@ def _search(model, hw, world, gpus_per_node, seq, global_batch, precision, space
             # mode fits, larger micro-batches are dropped whole (one entry each).
             state = None
             if not broken:
-                first = _variant(base, 1, None, dp_mode)
+                first = _variant(base, 1, None, dp_mode, space.megatron_fsdp)
                 state = ("optim" in space.dp_modes and sharded_under_pp(first, layout)) or \
                     state_problem(first, hw, mem, layout)
             failed: dict[str | None, tuple[int, str]] = {}
@@ -212,7 +215,7 @@ def _search(model, hw, world, gpus_per_node, seq, global_batch, precision, space
                     continue
                 for i, recompute in enumerate(modes):
                     result.tried += 1
-                    cfg = _variant(base, mbs, recompute, dp_mode)
+                    cfg = _variant(base, mbs, recompute, dp_mode, space.megatron_fsdp)
                     if broken or state:
                         result.dropped.append((cfg, "; ".join(broken) or state))
                         break
@@ -275,7 +278,7 @@ def state_problem(cfg: Config, hw: Hardware, mem: MemoryAssumptions = MemoryAssu
     per_param = tuple(state_bytes_per_param(t, plan.precision, d) for d in (plan.dp * plan.cp, plan.edp))
     prec = Precision.of(t, plan.precision)
     for r in dict.fromkeys(plan.rank_classes):  # ranks of one shape hold the same parameters
-        state = model_state(plan, *rank_params(plan, r), per_param, prec, t.sharding_strategy)
+        state = model_state(plan, r, *rank_params(plan, r), per_param, prec, t.sharding_strategy)
         need = sum(state) * (1 + mem.allocator_overhead) + mem.runtime_reserve
         if need > hw.memory_bytes:
             return (f"needs {need / GiB:.1f} GiB on pipeline rank {r} for model state alone, "
@@ -290,19 +293,22 @@ PP_DOMINATED = ("under pipeline parallelism this DP mode holds at least what the
 
 def sharded_under_pp(cfg: Config, layout: Plan) -> str | None:
     """`PP_DOMINATED` when `cfg` is ZeRO-2/3 under PP and holds no less than its ZeRO-1 twin on any
-    pipeline rank, else None. Under PP, ZeRO-2 keeps whole gradient buffers for the step and
-    reduce-scatters them once, as ZeRO-1 (`memory.zero2_full_buffers`): the same state and bytes.
+    pipeline rank, else None. Under our PP schedules, ZeRO-2 keeps whole gradient buffers for the step
+    and reduce-scatters them once, as ZeRO-1 (`memory.zero2_full_buffers`): the same state and bytes.
     ZeRO-3 keeps its units whole from their first forward to the step's end (`zero3_gathered`), so it
     holds ZeRO-1's weights plus its 1/d shards, and gathers nothing after the step where ZeRO-1 does
     (at most two buckets per domain, `optimizer_phase`, the one term it holds less of): dominated
     where the shards outweigh those buckets, on every rank shape (tests/test_planner_search.py: the
-    search equals the exhaustive one with ZeRO-2/3 in it)."""
+    search equals the exhaustive one with ZeRO-2/3 in it). Megatron-FSDP reduces every microbatch
+    (`Plan.reduce_every_microbatch`): it holds less, and is sized."""
     mode = cfg.training.sharding_strategy
     if layout.pp == 1 or mode not in ("optim_grads", "optim_grads_params"):
         return None
+    plan, t = layout.with_training(cfg), cfg.training
+    if plan.reduce_every_microbatch:
+        return None
     if mode == "optim_grads":
         return PP_DOMINATED
-    plan, t = layout.with_training(cfg), cfg.training
     prec = Precision.of(t, plan.precision)
     (dense_shard, _, _), (expert_shard, _, _) = (state_bytes_per_param(t, plan.precision, d)
                                                  for d in (plan.dp * plan.cp, plan.edp))
@@ -342,7 +348,7 @@ def _may_break(cfg: Config, dp: int) -> bool:
                               t.global_batch_size // (t.micro_batch_size * dp), p.microbatch_group_size_per_vp_stage) is not None
 
 
-def _variant(base: Config, mbs: int, recompute: str | None, dp_mode: str) -> Config:
+def _variant(base: Config, mbs: int, recompute: str | None, dp_mode: str, megatron_fsdp: bool = False) -> Config:
     """`base` (from `make_config`) with another micro-batch, recompute and data-parallel mode: the fields
     `make_config` sets, copied rather than re-initialised (neither dataclass has a __post_init__;
     the search makes one per variant)."""
@@ -350,6 +356,7 @@ def _variant(base: Config, mbs: int, recompute: str | None, dp_mode: str) -> Con
     training.__dict__.update(base.training.__dict__)
     training.micro_batch_size, training.use_distributed_optimizer = mbs, dp_mode != "no_shard"
     training.data_parallel_sharding_strategy = dp_mode
+    training.use_megatron_fsdp = runs_megatron_fsdp(megatron_fsdp, dp_mode)
     training.recompute_granularity, training.recompute_modules = recompute_fields(recompute)
     training.recompute_method = "uniform" if recompute == "full" else None
     training.recompute_num_layers = 1 if recompute == "full" else None

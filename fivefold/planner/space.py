@@ -54,6 +54,9 @@ class SearchSpace:
     """How interleaving groups a microbatch count PP does not divide (`pipeline.schedules.smallest_group`):
     Megatron's rule (a shorter last group allowed), or torch.distributed.pipelining's equal rounds
     (torchtitan, `Runtime.group_rule`)."""
+    megatron_fsdp: bool = False
+    """ZeRO-2/3 layouts run as Megatron-FSDP (`Runtime.megatron_fsdp`: gradients reduce-scattered every
+    microbatch, also under PP)."""
     dp_modes: tuple[str, ...] = ("optim",)
     """Data-parallel modes tried (TrainingConfig.sharding_strategy): optim (the distributed optimizer,
     ZeRO-1), optim_grads (ZeRO-2), optim_grads_params (ZeRO-3: FSDP2, Megatron-FSDP), no_shard. The
