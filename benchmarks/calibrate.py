@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fivefold.planner.calibration import EXCLUDED, FLOP_COUNTS, cases, flops_per_token, read_runs, stated_layout  # noqa: E402
+from fivefold.planner.calibration import EXCLUDED, FLOP_COUNTS, cases, flops_per_token, read_runs, runtime_of, stated_layout  # noqa: E402
 from fivefold.planner.layout import Plan  # noqa: E402
 from fivefold.planner.memory import peak_memory  # noqa: E402
 from fivefold.planner.presets import hardware  # noqa: E402
@@ -54,7 +54,7 @@ START = {"attention_half_keys": 1024.0, "expert_half_rows": 1024.0}
 def compare(case, runtime: str | Runtime | None = None) -> dict:
     """The planner's figures for one case, under `runtime` (default: the case's own)."""
     hw = hardware(case.hardware_name)
-    rt = runtime if isinstance(runtime, Runtime) else profile(runtime or case.runtime)
+    rt = runtime_of(case, runtime if isinstance(runtime, Runtime) else profile(runtime or case.runtime))
     plan = Plan(apply(case.config, rt, case.fp32_grads))
     mem = peak_memory(plan, rt.memory)
     est = step_time(plan, hw, rt.time)
@@ -153,7 +153,7 @@ def rank_report(all_cases: list, runtime: str | None) -> None:
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     ranks, free_ranks, full, ratios, held_full = [], [], [], [], []
     for c in all_cases:
-        rt = profile(runtime or c.runtime) if (runtime or c.runtime) in PROFILES else profile("megatron-te")
+        rt = runtime_of(c, profile(runtime or c.runtime) if (runtime or c.runtime) in PROFILES else profile("megatron-te"))
         hw, cfg = hardware(c.hardware_name), apply(c.config, rt, c.fp32_grads)
         t = cfg.training
         result = search(cfg.model, hw, cfg.cluster.world_size, c.gpus_per_node, t.seq_length, t.global_batch_size,

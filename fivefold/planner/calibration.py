@@ -28,6 +28,7 @@ from fivefold.planner.layout import Plan
 from fivefold.planner.mtp import mtp_stage_layers
 from fivefold.planner.pipeline_layout import parse_layout
 from fivefold.planner.presets import hardware, model_preset
+from fivefold.planner.runtime import Runtime, with_eager_loss
 from fivefold.planner.space import layer_splits
 
 RUNS = Path(__file__).resolve().parents[2] / "benchmarks" / "data" / "gpu-runs.tsv"
@@ -142,6 +143,10 @@ class Case:
     accumulates: bool = True
     """The run's tool could accumulate gradients over micro-batches (`SearchSpace.accumulate`): not
     torchtitan's of December 2024 (it gained it in June 2025, PR #1238)."""
+    eager_loss: bool = False
+    """The run's loss was eager `F.cross_entropy(logits.float(), labels)` (`runtime.with_eager_loss`):
+    torchtitan's of December 2024 (train.py at 9dec370: "TODO: compiling loss function causes CUDA
+    errors, turning off for now"); its June 2025 commits compile it with the model (components/loss.py)."""
 
 
 def read_runs(path: Path = RUNS) -> list[Run]:
@@ -275,7 +280,13 @@ def case_of(run: Run) -> Case:
     # Llama 3 s3.3: "FP32 gradient accumulation and reduce-scatter"
     return Case(run, model_name, hw_name, gpn, cfg, RUNTIME[src], tokens, memory, basis, assumed,
                 frozenset(unstated & LAYOUT_FIELDS.keys()), fp32_grads=src == "LLAMA3",
-                accumulates=src != "TT-2412")
+                accumulates=src != "TT-2412", eager_loss=src == "TT-2412")
+
+
+def runtime_of(case: Case, rt: Runtime) -> Runtime:
+    """`rt` (the case's runtime profile, or a trial of it) as the run's dated version ran: with the
+    eager loss where `Case.eager_loss`."""
+    return with_eager_loss(rt) if case.eager_loss else rt
 
 
 def stated_layout(case: Case) -> Callable[[Config], bool]:

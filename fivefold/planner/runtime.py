@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 
 from fivefold.config.schema import Config
 from fivefold.errors import UserError
-from fivefold.planner.activations import ArchTraits
+from fivefold.planner.activations import EAGER_TRAITS, ArchTraits
 from fivefold.planner.memory import MemoryAssumptions
 from fivefold.planner.space import SearchSpace
 from fivefold.planner.steptime import TimeAssumptions
@@ -111,6 +111,16 @@ def profile(name: str) -> Runtime:
     if name not in PROFILES:
         raise UserError(f"--runtime {name!r}: unknown; choose from {', '.join(PROFILES)}")
     return PROFILES[name]
+
+
+def with_eager_loss(rt: Runtime) -> Runtime:
+    """`rt` whose loss is eager `F.cross_entropy` on the logits cast to fp32 (torchtitan before it compiled
+    its loss): at the loss's backward the saved fp32 log-softmax, its incoming gradient and the logits'
+    gradient, 12 bytes a logit (`activations.EAGER_TRAITS`' count, measured on our eager runtime), not
+    a fused kernel's 16-bit logits and fp32 softmax."""
+    traits = replace(rt.memory.traits, loss_bytes_per_logit=EAGER_TRAITS.loss_bytes_per_logit,
+                     loss_transient_bytes=EAGER_TRAITS.loss_transient_bytes)
+    return replace(rt, memory=replace(rt.memory, traits=traits))
 
 
 def with_time(rt: Runtime, **constants: float) -> Runtime:
