@@ -131,6 +131,14 @@ def test_megatron_fsdp_reduces_every_microbatch_under_pp(mode):
         assert [(c.kind, c.spread) for c in calls[False]] == [("reduce_scatter", 1)]
         assert calls[False][0].call_bytes == pytest.approx(4 * dense)
         assert calls[True][0].call_bytes == pytest.approx(m * 4 * dense)
+    from fivefold.planner.presets import hardware, model_preset
+    from fivefold.planner.report import why
+    from fivefold.planner.search import evaluate
+    bf16 = _config(dp_mode=mode)  # the GPU model times 16-bit GEMMs
+    said = [why(evaluate(apply(bf16, rt), hardware("h100-sxm"), rt.memory, rt.time), model_preset("llama3-8b").model,
+                8)[-1] for rt in (te, ours)]
+    assert f"Megatron-FSDP: ZeRO-{2 if mode == 'optim_grads' else 3} reduce-scatters after each of the 16" in said[0]
+    assert "reduce-scatters the step's whole gradient buffers once" in said[1] and "Megatron-FSDP" not in said[1]
     if mode == "optim_grads_params":  # units gathered per microbatch: rank 0's last layer whole, not all 16
         from fivefold.planner.params import embedding_params
         w, dense = 4, sum(rank_params(fsdp, 0))

@@ -69,7 +69,14 @@ def why(c: Candidate, model: ModelConfig, gpus_per_node: int, ranked: list[Candi
     if model.is_moe:
         out.append(f"EP={p.ep} (ETP={p.etp}, expert-DP={p.edp}): {model.num_experts // p.ep} experts per rank; "
                    f"all-to-all on the {e.links['ep']} link")
-    out.append(f"DP={p.dp}: gradient traffic on the {e.links['dp']} link, exposed {e.parts['dp']:.3f} s")
+    line = f"DP={p.dp}: gradient traffic on the {e.links['dp']} link, exposed {e.parts['dp']:.3f} s"
+    mode = c.config.training.sharding_strategy
+    if mode in ("optim_grads", "optim_grads_params"):
+        fsdp = "Megatron-FSDP: " if c.config.training.use_megatron_fsdp else ""
+        line += (f"; {fsdp}{'ZeRO-2' if mode == 'optim_grads' else 'ZeRO-3'} reduce-scatters "
+                 + (f"after each of the {p.microbatches} microbatches into 1/{p.dp * p.cp} gradient shards"
+                    if p.reduce_every_microbatch else "the step's whole gradient buffers once"))
+    out.append(line)
     return out
 
 
