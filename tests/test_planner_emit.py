@@ -17,11 +17,17 @@ SUFFIX = {"fivefold": ".yaml", "rlinf": ".yaml", "megatron": ".txt", "torchrun":
 
 @pytest.fixture(scope="module")
 def planned():
-    """The five best layouts of an MoE model on 64 GPUs (EP, PP, VPP and TP all occur among them), and
-    the best interleaved one in microbatch groups (a global batch of 96: 3 microbatches of 4 on PP2)."""
+    """The five best layouts of an MoE model on 64 GPUs (EP, PP, VPP and TP all occur among them), the
+    best interleaved one in microbatch groups (a global batch of 96: 3 microbatches of 4 on PP2), and
+    megatron-te's best for Llama 3 70B with ZeRO-2 in its space: Megatron-FSDP under PP."""
+    from fivefold.planner.runtime import profile
     r = search(model_preset("mixtral-8x7b").model, hardware("h100-sxm"), 64, 8, 4096, 1024)
     grouped = search(model_preset("llama3-8b").model, hardware("h100-sxm"), 64, 8, 4096, 96).ranked
-    return [c.config for c in r.ranked[:5]] + [next(c.config for c in grouped if c.plan.group)]
+    te = profile("megatron-te")
+    fsdp = search(model_preset("llama3-70b").model, hardware("h100-sxm"), 64, 8, 4096, 256, space=te.space(
+        dp_modes=("optim", "optim_grads")), mem=te.memory, ta=te.time, grad_reduce_in_bf16=True).ranked[0].config
+    assert fsdp.training.use_megatron_fsdp and fsdp.parallel.pipeline_model_parallel_size > 1
+    return [c.config for c in r.ranked[:5]] + [next(c.config for c in grouped if c.plan.group), fsdp]
 
 
 @pytest.mark.parametrize("fmt", sorted(SUFFIX))
@@ -36,6 +42,8 @@ def test_emitted_config_reads_back_to_the_same_layout(fmt, planned, tmp_path):
             assert getattr(back.parallel, name) == getattr(cfg.parallel, name), (fmt, name, path.read_text())
         assert back.training.micro_batch_size == cfg.training.micro_batch_size
         assert back.training.global_batch_size == cfg.training.global_batch_size
+        assert back.training.sharding_strategy == cfg.training.sharding_strategy
+        assert back.training.use_megatron_fsdp == cfg.training.use_megatron_fsdp, (fmt, path.read_text())
 
 
 def _first_plan(name: str):
