@@ -19,14 +19,15 @@ SUFFIX = {"fivefold": ".yaml", "rlinf": ".yaml", "megatron": ".txt", "torchrun":
 def planned():
     """The five best layouts of an MoE model on 64 GPUs (EP, PP, VPP and TP all occur among them), the
     best interleaved one in microbatch groups (a global batch of 96: 3 microbatches of 4 on PP2), and
-    megatron-te's best for Llama 3 70B with ZeRO-2 in its space: Megatron-FSDP under PP."""
+    and megatron-te's best Megatron-FSDP layout under PP for Llama 3 70B with ZeRO-2 in its space."""
     from fivefold.planner.runtime import profile
     r = search(model_preset("mixtral-8x7b").model, hardware("h100-sxm"), 64, 8, 4096, 1024)
     grouped = search(model_preset("llama3-8b").model, hardware("h100-sxm"), 64, 8, 4096, 96).ranked
     te = profile("megatron-te")
-    fsdp = search(model_preset("llama3-70b").model, hardware("h100-sxm"), 64, 8, 4096, 256, space=te.space(
-        dp_modes=("optim", "optim_grads")), mem=te.memory, ta=te.time, grad_reduce_in_bf16=True).ranked[0].config
-    assert fsdp.training.use_megatron_fsdp and fsdp.parallel.pipeline_model_parallel_size > 1
+    fsdp = next(c.config for c in search(
+        model_preset("llama3-70b").model, hardware("h100-sxm"), 64, 8, 4096, 256, space=te.space(
+            dp_modes=("optim", "optim_grads")), mem=te.memory, ta=te.time, grad_reduce_in_bf16=True).ranked
+        if c.config.training.use_megatron_fsdp and c.config.parallel.pipeline_model_parallel_size > 1)
     return [c.config for c in r.ranked[:5]] + [next(c.config for c in grouped if c.plan.group), fsdp]
 
 

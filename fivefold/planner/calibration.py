@@ -79,6 +79,13 @@ A2A_OVERLAP_OF: dict[int, str] = {
 source's words; the other MoE rows did not (37, 40, 52-55 say OFF, 47 is row 48 without it, the
 rest do not say: Megatron's default, off)."""
 
+LLAMA3_VPP = 8
+LLAMA3_LAYOUT = "E|(t|)*126L"
+"""Llama 3 405B's pipeline (s3.3.2, not stated as numbers): 126 layers on 16 ranks, "one Transformer
+layer fewer" on the first and the last stage, so that "the first model chunk on the first stage has
+only the embedding, and the last model chunk on the last stage has only output projection and loss":
+chunks of one layer, 128 / 16 = 8 a rank, in Megatron's layout string."""
+
 HARDWARE = {"H100": "h100-sxm", "H100-80GB-HBM3 (700W)": "h100-sxm", "H800": "h800", "H200": "h200",
             "H100-96GB-HBM2e (500W)": "h100-96gb-500w", "GB200": "gb200", "GB300": "gb300"}
 """The set's `system` column -> hardware preset."""
@@ -138,8 +145,10 @@ class Case:
     """The `LAYOUT_FIELDS` the source leaves unstated: a layout of `plan`'s search with the stated
     ones is the published layout as far as the source says (`stated_layout`)."""
     fp32_grads: bool = False
-    """The source states its gradients: accumulated in fp32 over the microbatches, then reduce-scattered
-    once in fp32 (Llama 3 s3.3.2), not as its runtime profile's (bf16, Megatron-FSDP's every microbatch)."""
+    """The source states its gradients' precision: accumulated and reduce-scattered in fp32 (Llama 3
+    s3.3.4), not as its runtime profile's bf16. When they are reduced is the DP mode's: Llama 3's FSDP
+    "shards the optimizer states and gradients" (s3.3.2), which over many microbatches only a
+    reduce-scatter after each backward does (ZeRO-2 as Megatron-FSDP runs it)."""
     accumulates: bool = True
     """The run's tool could accumulate gradients over micro-batches (`SearchSpace.accumulate`): not
     torchtitan's of December 2024 (it gained it in June 2025, PR #1238)."""
@@ -232,7 +241,13 @@ def case_of(run: Run) -> Case:
         gbs = int(float(gbs_text.rstrip("M")) * 2**20) // seq if gbs_text.endswith("M") else int(gbs_text) // seq
     else:
         gbs = int(gbs_text)
-    vpp = int(take("vpp", 1, "not stated: plain 1F1B")) if pp > 1 else int(run.get("vpp") or 1)
+    if src == "LLAMA3" and run.get("vpp") is None:
+        vpp = LLAMA3_VPP
+        unstated.add("vpp")
+        assumed.append(f"vpp={vpp}: one layer a model chunk (s3.3.2: with a layer fewer the first chunk holds "
+                       f"only the embedding, the last only the output and loss: {LLAMA3_LAYOUT})")
+    else:
+        vpp = int(take("vpp", 1, "not stated: plain 1F1B")) if pp > 1 else int(run.get("vpp") or 1)
     ep = int(take("ep", 1, "dense"))
     etp = int(take("etp", 1, "Table 17: expert TP is always 1")) if m.is_moe else None
     fsdp = take("fsdp", "zero1" if RUNTIME[src] == "megatron-te" else "0",
@@ -277,7 +292,7 @@ def case_of(run: Run) -> Case:
     basis = MEMORY_BASIS.get(src) if memory is not None else None
     if memory is not None:
         memory *= GiB if basis == "reserved GiB" else 1e9
-    # Llama 3 s3.3: "FP32 gradient accumulation and reduce-scatter"
+    # Llama 3 s3.3.4: "FP32 gradient accumulation ... and also reduce-scatter gradients in FP32"
     return Case(run, model_name, hw_name, gpn, cfg, RUNTIME[src], tokens, memory, basis, assumed,
                 frozenset(unstated & LAYOUT_FIELDS.keys()), fp32_grads=src == "LLAMA3",
                 accumulates=src != "TT-2412", eager_loss=src == "TT-2412")
@@ -306,7 +321,7 @@ LAYOUT_IN_NOTES = re.compile(r"PP layout ([EtmL|()*\d]+)")
 
 def _split(run: Run, m: ModelConfig, pp: int, vpp: int, assumed: list[str], unstated: set[str]) -> dict:
     """The layer split as ParallelConfig fields: the stated layout string, Llama 3's 'first and last
-    stages one layer fewer', else the planner's own choice for PP x VPP (`layer_splits`); an assumed
+    stages one layer fewer' (`LLAMA3_LAYOUT`), else the planner's own choice for PP x VPP (`layer_splits`); an assumed
     one is said in `assumed` and "split" added to `unstated`."""
     if found := LAYOUT_IN_NOTES.search(run.cells["notes"]):
         return {"pipeline_layers_per_stage": list(parse_layout(found.group(1), pp, vpp, m.num_layers).decoder)}
@@ -319,8 +334,7 @@ def _split(run: Run, m: ModelConfig, pp: int, vpp: int, assumed: list[str], unst
                 unstated.add("split")
                 return {"pipeline_layers_per_stage": list(stages.decoder)}
     if run.source == "LLAMA3":
-        return {"decoder_first_pipeline_num_layers": (m.num_layers + 2) // pp - 1,
-                "decoder_last_pipeline_num_layers": (m.num_layers + 2) // pp - 1}
+        return {"pipeline_layers_per_stage": list(parse_layout(LLAMA3_LAYOUT, pp, vpp, m.num_layers).decoder)}
     options = layer_splits(m.num_layers, pp, vpp, last_extra=mtp_stage_layers(m))
     if options != [{}]:
         assumed.append(f"layer split {options[0]} (not stated)")

@@ -87,9 +87,9 @@ PROFILES: dict[str, Runtime] = {r.name: r for r in [
     Runtime("megatron-te",
             MemoryAssumptions(allocator_overhead=0.02, runtime_reserve=1.0 * GiB, traits=_TE_TRAITS),
             # fitted on rows 1-9, 12-14, 36-44, 47-55 (benchmarks/calibrate.py --fit)
-            TimeAssumptions(gemm_efficiency=0.843, fp8_gemm_efficiency=0.563, attention_efficiency=0.571,
-                            attention_half_keys=_FLASH_HALF_KEYS, expert_efficiency=0.807, expert_half_rows=2305.0,
-                            membound_passes=16.32, tp_overlap=0.638, ep_overlap=0.47, ep_overlap_1f1b=0.721),
+            TimeAssumptions(gemm_efficiency=0.684, fp8_gemm_efficiency=0.443, attention_efficiency=0.504,
+                            attention_half_keys=_FLASH_HALF_KEYS, expert_efficiency=0.83, expert_half_rows=2414.5,
+                            membound_passes=12.48, tp_overlap=0.948, ep_overlap=0.416, ep_overlap_1f1b=0.683),
             grad_reduce_in_bf16=True,
             summary="Megatron-Core + TransformerEngine: fused kernels, fp8 linear inputs, TP comm overlap, "
                     "grouped GEMM, bf16 gradient reduction, distributed optimizer, 1F1B all-to-all overlap "
@@ -129,16 +129,15 @@ def with_time(rt: Runtime, **constants: float) -> Runtime:
 
 
 def apply(cfg: Config, rt: Runtime, stated_fp32_grads: bool = False) -> Config:
-    """`cfg` as `rt` runs it: bf16 gradients where the runtime reduces in bf16, ZeRO-2/3 as the
-    runtime's FSDP (`Runtime.megatron_fsdp`), unless the run states its own gradients
-    (`stated_fp32_grads`: Llama 3's fp32 accumulation over the microbatches, then one fp32
-    reduce-scatter); the EP exchange as an all-to-all where the runtime has no other dispatcher (the
-    same `cfg` when nothing changes)."""
+    """`cfg` as `rt` runs it: bf16 gradients where the runtime reduces in bf16, unless the run states
+    its own (`stated_fp32_grads`: Llama 3's fp32 accumulation and reduce-scatter); ZeRO-2/3 as the
+    runtime's FSDP (`Runtime.megatron_fsdp`); the EP exchange as an all-to-all where the runtime has
+    no other dispatcher (the same `cfg` when nothing changes)."""
     t, p = cfg.training, cfg.parallel
     if rt.dispatcher is None and p.moe_token_dispatcher_type != "alltoall":
         cfg = replace(cfg, parallel=replace(p, moe_token_dispatcher_type="alltoall"))
     changes = {}
-    if not stated_fp32_grads and megatron_fsdp(rt.megatron_fsdp, t.sharding_strategy) != t.use_megatron_fsdp:
+    if megatron_fsdp(rt.megatron_fsdp, t.sharding_strategy) != t.use_megatron_fsdp:
         changes["use_megatron_fsdp"] = not t.use_megatron_fsdp
     if t.precision in ("bf16", "fp8") and not (stated_fp32_grads or t.grad_reduce_in_bf16) and rt.grad_reduce_in_bf16:
         changes["grad_reduce_in_bf16"] = True
