@@ -63,6 +63,20 @@ def test_interleavings_microbatch_group_is_read_in_megatron_and_bridge_words(wor
     assert flat.parallel.microbatch_group_size_per_vp_stage is None
 
 
+@pytest.mark.parametrize("words", [["--cp-comm-type", "allgather"], ["--cp-comm-type", "all_gather"],
+                                   ["cfg.model.cp_comm_type=all_gather"], ["cfg.model.cp_comm_type=[all_gather,all_gather]"],
+                                   ["parallel.cp_comm_type=allgather"]])
+def test_all_gather_cp_is_read_in_each_spelling(words):
+    """Megatron-LM's help says allgather, TransformerConfig and TransformerEngine all_gather, Bridge's field
+    is a per-layer list: one canonical allgather (the planner models it; `train` refuses it); different
+    exchanges per layer are not built."""
+    cfg = load_config(None, ["cp=2", "num_layers=2"] + words, world_size=2).config
+    validate(cfg)
+    assert cfg.parallel.cp_comm_type == "allgather"
+    with pytest.raises(UserError, match=r"cp_comm_type \['all_gather', 'p2p'\] .*not implemented yet"):
+        load_config(None, ["cfg.model.cp_comm_type=[all_gather,p2p]"], world_size=2)
+
+
 def test_the_token_dispatcher_is_megatrons():
     """--moe-token-dispatcher-type names the canonical field (alltoall_seq, removed from Megatron-LM, read as
     alltoall); a Megatron command line or an all-Bridge config of a MoE model without it gets their

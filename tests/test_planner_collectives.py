@@ -57,11 +57,17 @@ def test_tied_embedding_gradient_between_first_and_last_stage(schedule, ranks):
         assert call_bytes(p, r).get("embedding-grad", 0) == (emb if r in ranks else 0)
 
 
-def cp_formulas(b, s, n, t, heads, groups, d, dv, e, A, P, again=False):
-    """docs/derivations/cp_bytes.md, per layer per microbatch per rank: {(kind, phase): bytes}."""
+def cp_formulas(b, s, n, t, heads, groups, d, dv, e, A, P, again=False, gather=False):
+    """docs/derivations/cp_bytes.md, per layer per microbatch per rank: {(kind, phase): bytes}; `gather`:
+    TransformerEngine's all-gather CP (K and V of the whole sequence gathered forward and again
+    backward, dK / dV reduce-scattered in the activation dtype)."""
     a_l, g_l = heads // t, max(1, groups // t)
     G = g_l if g_l % A == 0 else a_l
     out = {}
+    if gather:
+        kv = b * s * g_l * (d + dv) * e
+        out.update({("all_gather", "forward"): kv, ("all_gather", "backward"): kv * (2 if again else 1),
+                    ("reduce_scatter", "backward"): kv})
     if P > 1:
         fwd = (P - 1) * b * G * (s / n) * (d + dv) * e
         bwd = (P - 1) * b * G * (s / n) * (d + dv) * (e + 4) + (fwd if again else 0)
@@ -75,19 +81,51 @@ def cp_formulas(b, s, n, t, heads, groups, d, dv, e, A, P, again=False):
 
 @pytest.mark.parametrize("comm,hier,tp,recompute", [("p2p", None, 1, None), ("p2p", None, 2, "selective"),
                                                     ("a2a", None, 2, None), ("a2a", None, 4, None),
-                                                    ("a2a+p2p", [2, 2], 1, None), ("a2a+p2p", [2, 2], 2, "selective")])
+                                                    ("a2a+p2p", [2, 2], 1, None), ("a2a+p2p", [2, 2], 2, "selective"),
+                                                    ("allgather", None, 1, None), ("allgather", None, 4, "selective")])
 def test_cp_bytes_follow_the_cp_helpers_formulas(comm, hier, tp, recompute):
     # tp=4 with 2 KV groups: KV replicated (g_l = 1), and under a2a with A=4 not divisible: G = a_l
     p = plan(world=4 * tp, context_parallel_size=4, cp_comm_type=comm, hierarchical_context_parallel_sizes=hier,
              tensor_model_parallel_size=tp, sequence_parallel=tp > 1)
     p.config.training.recompute_granularity = recompute
-    A, P = {"p2p": (1, 4), "a2a": (4, 1), "a2a+p2p": (2, 2)}[comm]
-    want = cp_formulas(2, 512, 4, tp, 8, 2, 32, 32, 4, A, P, again=recompute == "selective")
+    A, P = {"p2p": (1, 4), "a2a": (4, 1), "a2a+p2p": (2, 2), "allgather": (1, 1)}[comm]
+    want = cp_formulas(2, 512, 4, tp, 8, 2, 32, 32, 4, A, P, again=recompute == "selective", gather=comm == "allgather")
     calls = cp_collectives(p, forward_again=recompute == "selective")
     got = {}
     for c in calls:
         got[c.kind, c.phase] = got.get((c.kind, c.phase), 0) + c.call_bytes
     close(got, want, rtol=1e-12, site="planner.cp_collective_bytes")  # the same products in another order
+    # the ring hides behind the attention core; TransformerEngine's all-gather "cannot be overlapped"
+    assert all((c.hides_behind == "attention") == (c.kind in ("send", "recv")) for c in calls)
+
+
+def test_all_gather_cp_runs_two_chunk_calls_per_rank_and_holds_the_gathered_kv_in_backward():
+    """Rank r's two chunks attend to prefixes of r + 1 and 2CP - r of the 2CP chunks: at L / (L + h) of
+    the kernel's rate each, the pair costs what two calls over (2CP + 1) s / 4CP keys cost, on every rank
+    (`attention_call_keys`, against the sum over the calls written out); a ring step is a call over
+    s / CP keys. In backward the gathered K, V and their gradients, 2 b s g (d + dv) e, are a temporary
+    beside the MLP's."""
+    from fivefold.planner.activations import ArchTraits, Sharding, backward_transient
+    from fivefold.planner.collectives import attention_call_keys
+    from fivefold.planner.memory import memory_per_rank
+    h, s, cp = 842.0, 8192, 4
+    p = plan(world=cp, context_parallel_size=cp, cp_comm_type="allgather", seq=s)
+    chunk = s / (2 * cp)
+    for r in range(cp):
+        calls = [(r + 1) * chunk, (2 * cp - r) * chunk]  # keys of each call; work ~ keys
+        time = sum(L / (L / (L + h)) for L in calls)  # work / rate, up to one constant
+        L = attention_call_keys(p)
+        assert time == pytest.approx(sum(calls) / (L / (L + h)), rel=1e-12)
+    assert attention_call_keys(plan(world=cp, context_parallel_size=cp, seq=s)) == s / cp
+    assert attention_call_keys(plan(world=cp, context_parallel_size=cp, cp_comm_type="a2a", seq=s)) == s
+    ring = plan(world=cp, context_parallel_size=cp, seq=s, mbs=1, model=replace(DENSE, vocab_size=64))
+    gather = Plan(replace(ring.config, parallel=replace(ring.config.parallel, cp_comm_type="allgather")))
+    m = gather.config.model
+    kv = 2 * 1 * s * 2 * (32 + 32) * 4  # 2 KV groups, head dim 32, the whole sequence, twice, fp32
+    assert backward_transient(m, 0, 1, s, Sharding.of(cp=cp), ArchTraits()) == 0  # fused: nothing beside it
+    before, after = memory_per_rank(ring)[0], memory_per_rank(gather)[0]
+    # the peak moves from the forward's logits (a small vocabulary here) to the attention's backward
+    assert after.activations - before.activations == pytest.approx(kv - before.logits, rel=1e-12)
 
 
 def test_ep_and_etp_bytes_follow_the_moe_helpers_formulas():

@@ -31,6 +31,7 @@ from fivefold.config.fields import SECTION_OF, TYPES, coerce, did_you_mean
 from fivefold.config.keyed import MAPPED, NOT_BUILT, NOTE, UNKNOWN, Taken, plain, truthy
 from fivefold.config.megatron import FLAGS, SWITCH, first_dense_layers
 from fivefold.config.megatron_surface import VALUE_OK, no_effect
+from fivefold.config.schema import cp_comm_name
 from fivefold.errors import NotImplementedYet
 
 SURFACE_FILE = Path(__file__).with_name("bridge_surface.txt")
@@ -127,6 +128,7 @@ RENAMES = {  # Bridge field -> [(canonical field, value)]
     "model.gated_linear_unit": lambda v: [("model.activation", "swiglu" if truthy(v) else "gelu")],
     "model.seq_length": _to("training.seq_length"),
     "model.microbatch_group_size_per_vp_stage": _to("parallel.microbatch_group_size_per_vp_stage"),
+    "model.cp_comm_type": _to("parallel.cp_comm_type", lambda v: cp_comm_name(plain(v))),
     "model.moe_layer_freq": _to("model.moe_first_k_dense_layers", lambda v: first_dense_layers(str(v))),
     "model.bf16": _precision("bf16"), "model.fp16": _precision("fp16"),
     "optimizer.bf16": _precision("bf16"), "optimizer.fp16": _precision("fp16"),

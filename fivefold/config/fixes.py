@@ -72,7 +72,7 @@ def candidates(knob: str, s: dict) -> list:
     if knob == "hcp":
         return [(a, s["cp"] // a) for a in _divisors(s["cp"])]
     if knob == "cp_comm":
-        return ["p2p", "a2a", "a2a+p2p"]
+        return ["p2p", "a2a", "a2a+p2p", "allgather"]
     if knob == "dispatcher":
         return ["alltoall", "flex", "allgather"]
     if knob == "norm":

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from fivefold.config.megatron_surface import SURFACE, VALUE_OK, no_effect
+from fivefold.config.schema import cp_comm_name
 from fivefold.errors import NotImplementedYet, UserError
 
 VALUE, SWITCH, LIST = "value", "switch", "list"
@@ -67,7 +68,7 @@ FLAGS: dict[str, Flag] = {
     "--num-layers-per-virtual-pipeline-stage": _v("parallel.num_layers_per_virtual_pipeline_stage"),
     "--microbatch-group-size-per-virtual-pipeline-stage": _v("parallel.microbatch_group_size_per_vp_stage"),
     "--context-parallel-size": _v("parallel.context_parallel_size"),
-    "--cp-comm-type": _v("parallel.cp_comm_type"),
+    "--cp-comm-type": Flag("parallel.cp_comm_type", convert=cp_comm_name),
     "--hierarchical-context-parallel-sizes": Flag("parallel.hierarchical_context_parallel_sizes", LIST),
     "--expert-model-parallel-size": _v("parallel.expert_model_parallel_size"),
     "--expert-tensor-parallel-size": _v("parallel.expert_tensor_parallel_size"),

@@ -9,7 +9,26 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, is_dataclass
 
-CP_COMM_TYPES = ("p2p", "a2a", "a2a+p2p")
+from fivefold.errors import NotImplementedYet
+
+CP_COMM_TYPES = ("p2p", "a2a", "allgather", "a2a+p2p")
+CP_COMM_SPELLINGS = {"all_gather": "allgather"}
+"""TransformerEngine's and TransformerConfig's spelling -> ours (Megatron-LM's --cp-comm-type help)."""
+
+
+def cp_comm_name(value) -> str:
+    """A CP exchange as ours: TransformerEngine's spelling renamed; Megatron-Bridge's per-layer list
+    taken when every layer has the same one (different exchanges per layer are not built), also as a
+    command-line word "[all_gather,all_gather]"."""
+    if isinstance(value, str) and value.strip().startswith("["):
+        value = value.strip().strip("[]").replace(",", " ").split()
+    if isinstance(value, (list, tuple)):
+        if len(set(value)) != 1:
+            raise NotImplementedYet(f"cp_comm_type {list(value)} (one exchange for every layer is built)")
+        value = value[0]
+    return CP_COMM_SPELLINGS.get(str(value), str(value))
+
+
 DISPATCHERS = ("alltoall", "allgather", "flex")
 NORMALIZATIONS = ("RMSNorm", "LayerNorm")
 ACTIVATIONS = ("swiglu", "gelu")
@@ -46,7 +65,9 @@ class ParallelConfig:
     context_parallel_size: int = 1
     """CP: ranks that split the whole sequence (ring attention). Default 1."""
     cp_comm_type: str = "p2p"
-    """CP attention communication: p2p (ring), a2a (all-to-all over heads) or a2a+p2p. Default p2p."""
+    """CP attention communication: p2p (ring), a2a (all-to-all over heads), allgather (K and V gathered
+    from the whole group before attention, exposed: Llama 3's; TransformerEngine's all_gather) or
+    a2a+p2p. Default p2p."""
     hierarchical_context_parallel_sizes: list[int] | None = None
     """For cp_comm_type a2a+p2p: [a2a size, p2p size], product = CP. Default None."""
     expert_model_parallel_size: int = 1

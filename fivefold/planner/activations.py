@@ -175,6 +175,22 @@ OFFLOAD_MODULES = {
 (`layer_activation_bytes`' key)."""
 
 
+def kv_heads_and_dims(m: ModelConfig, tp: int) -> tuple[int, int, int]:
+    """(K / V heads of one TP rank, key dim, value dim): what context parallelism exchanges per token
+    (MLA's keys carry the shared rope part; replicated KV heads count once)."""
+    if m.multi_latent_attention:
+        return max(1, m.kv_heads // tp), m.qk_head_dim + m.qk_pos_emb_head_dim, m.v_head_dim
+    return max(1, m.kv_heads // tp), m.head_dim, m.head_dim
+
+
+def gathered_kv_bytes(m: ModelConfig, b: int, s: int, sh: Sharding, traits: ArchTraits) -> float:
+    """All-gather CP's backward temporaries in one attention layer: the K and V gathered from the group
+    again and their gradients at full length (TransformerEngine's AttnFuncWithCPAndKVAllGather), b s
+    tokens of the TP rank's K / V heads, twice."""
+    g, d, dv = kv_heads_and_dims(m, sh.tp)
+    return 2 * b * s * g * (d + dv) * traits.value_bytes()
+
+
 def _attention_elements(m: ModelConfig) -> tuple[int, int]:
     """(Q+K+V elements, attention-output elements) per token over all heads."""
     a = m.num_attention_heads

@@ -86,6 +86,12 @@ layer fewer" on the first and the last stage, so that "the first model chunk on 
 only the embedding, and the last model chunk on the last stage has only output projection and loss":
 chunks of one layer, 128 / 16 = 8 a rank, in Megatron's layout string."""
 
+CP_COMM_OF: dict[int, tuple[str, str]] = {
+    14: ("allgather", "notes: CP is all-gather-KV based (Llama 3 s3.3.2: K and V all-gathered, exposed, then "
+                      "attention over the local query chunks)"),
+}
+"""Rows whose context parallelism is not Megatron's default p2p ring: the exchange and the source's words."""
+
 HARDWARE = {"H100": "h100-sxm", "H100-80GB-HBM3 (700W)": "h100-sxm", "H800": "h800", "H200": "h200",
             "H100-96GB-HBM2e (500W)": "h100-96gb-500w", "GB200": "gb200", "GB300": "gb300"}
 """The set's `system` column -> hardware preset."""
@@ -268,6 +274,7 @@ def case_of(run: Run) -> Case:
     if "vpp" in unstated:
         unstated.add("split")  # a split is of PP x VPP stages
     parallel = ParallelConfig(tensor_model_parallel_size=tp, sequence_parallel=tp > 1, context_parallel_size=cp,
+                              cp_comm_type=CP_COMM_OF.get(run.row, ("p2p",))[0],
                               pipeline_model_parallel_size=pp,
                               virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
                               expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from fivefold.planner.activations import kv_heads_and_dims
 from fivefold.planner.layout import Plan
 from fivefold.planner.memory import rank_params, state_bytes_per_param
 from fivefold.planner.params import is_moe_layer, kv_params, norm_params
@@ -224,14 +225,28 @@ def moe_collectives(plan: Plan) -> list[Collective]:
 
 
 def cp_split(plan: Plan) -> tuple[int, int]:
-    """(A, P): the all-to-all and ring sizes of context parallelism (A x P = CP)."""
+    """(A, P): the all-to-all and ring sizes of context parallelism (A x P = CP; 1 x 1 under all-gather
+    CP, which neither re-lays heads nor passes a ring)."""
     p, cp = plan.config.parallel, plan.cp
     if p.cp_comm_type == "a2a":
         return cp, 1
     if p.cp_comm_type == "a2a+p2p":
         a, r = p.hierarchical_context_parallel_sizes
         return a, r
+    if p.cp_comm_type == "allgather":
+        return 1, 1
     return 1, cp
+
+
+def attention_call_keys(plan: Plan) -> float:
+    """Keys per attention-kernel call, for the kernel's length effect (`TimeAssumptions.attention_half_keys`):
+    the sequence s (one call, also after an all-to-all), s / P on a p2p ring of P (a call per step).
+    Under all-gather CP each rank runs its two chunks' calls over prefixes of r + 1 and 2 CP - r chunks
+    of s / 2CP keys (TransformerEngine's AttnFuncWithCPAndKVAllGather): at L / (L + h) of the rate each,
+    the pair takes the time of two calls over their mean, (2 CP + 1) s / 4 CP, on every rank."""
+    if plan.config.parallel.cp_comm_type == "allgather" and plan.cp > 1:
+        return (2 * plan.cp + 1) * plan.seq / (4 * plan.cp)
+    return plan.seq / cp_split(plan)[1]
 
 
 def cp_collectives(plan: Plan, forward_again: bool = False) -> list[Collective]:
@@ -242,16 +257,24 @@ def cp_collectives(plan: Plan, forward_again: bool = False) -> list[Collective]:
       all-to-all (A > 1): q, k, v in and o back, forward and again backward: n e (a_l d + G d + G dv + a_l dv).
       ring (P > 1): (P-1) K/V blocks sent and received forward, n G (d + dv) e each; backward the K/V
         again plus the fp32 dK/dV partials: n G (d + dv) (e + 4) per hop; overlapped with the attention core.
+      all-gather (TransformerEngine's, Llama 3's): K and V gathered from the CP group forward, again
+        backward, and dK / dV reduce-scattered back, CP n g_l (d + dv) e each; exposed (Megatron's
+        TransformerConfig: "The all-gather is not async, and cannot be overlapped").
     With recompute of the attention core (selective) or of the layer (full), the forward's calls run
     again in backward."""
     m = plan.config.model
     e, tp, n = act_bytes(plan), plan.tp, _tokens(plan)
     A, P = cp_split(plan)
     a_l = m.num_attention_heads // tp
-    g_l = max(1, m.kv_heads // tp)
+    g_l, d, dv = kv_heads_and_dims(m, tp)
     G = g_l if g_l % A == 0 else a_l
-    d, dv = (m.qk_head_dim + m.qk_pos_emb_head_dim, m.v_head_dim) if m.multi_latent_attention else (m.head_dim, m.head_dim)
     out = []
+    if plan.cp > 1 and plan.config.parallel.cp_comm_type == "allgather":
+        kv = plan.cp * n * g_l * (d + dv) * e
+        out += [Collective("all_gather", "cp", "cp", kv, "forward"), Collective("all_gather", "cp", "cp", kv, "backward"),
+                Collective("reduce_scatter", "cp", "cp", kv, "backward")]
+        if forward_again:
+            out.append(Collective("all_gather", "cp", "cp", kv, "backward"))
     if A > 1:
         qkvo = n * e * (a_l * d + G * d + G * dv + a_l * dv)
         out += [Collective("all_to_all", "cp", "cp", qkvo, "forward"), Collective("all_to_all", "cp", "cp", qkvo, "backward")]

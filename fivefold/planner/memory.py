@@ -39,7 +39,7 @@ from functools import lru_cache
 from fivefold.config.schema import TrainingConfig
 from fivefold.parallel.precision import DEFAULT_BUCKET_BYTES, Precision
 from fivefold.planner.activations import (EAGER_TRAITS, OFFLOAD_MODULES, ArchTraits, Sharding, backward_transient, full_recompute_transient,
-                                          layer_activation_bytes, weight_grad_join_bytes)
+                                          gathered_kv_bytes, layer_activation_bytes, weight_grad_join_bytes)
 from fivefold.planner.layout import Plan
 from fivefold.planner.mtp import mtp_activation_values, mtp_params
 from fivefold.planner.params import embedding_params, kv_params, kv_tp_split, layer_params
@@ -364,7 +364,8 @@ def _layers(plan: Plan, kinds: tuple, r: int, sh: Sharding, traits: ArchTraits):
     """(activation bytes by tensor, per-microbatch total, recompute transient, W-pending join bytes,
     backward transient) of rank r's layers, whose kinds are `kinds` ((MoE?, recomputed?, count), ...)."""
     m, b, s = plan.config.model, plan.mbs, plan.seq
-    key = (id(m), kinds, b, s, sh, traits, plan.offload_modules)
+    gathers = plan.cp > 1 and plan.config.parallel.cp_comm_type == "allgather"
+    key = (id(m), kinds, b, s, sh, traits, plan.offload_modules, gathers)
     got = _LAYERS.get(key)
     if got is not None and got[0] is m:
         return got[1]
@@ -383,7 +384,7 @@ def _layers(plan: Plan, kinds: tuple, r: int, sh: Sharding, traits: ArchTraits):
         offloaded += sum(saved.get(key, 0.0) for key in offload) * n
         transient = max(transient, peak)
         joins += weight_grad_join_bytes(m, i, b, s, sh, traits) * n
-        bwd = max(bwd, backward_transient(m, i, b, s, sh, traits))
+        bwd = max(bwd, backward_transient(m, i, b, s, sh, traits), gathered_kv_bytes(m, b, s, sh, traits) if gathers else 0.0)
     out = (detail, per_mb, transient, joins, bwd, offloaded)
     _LAYERS[key] = (m, out)
     return out

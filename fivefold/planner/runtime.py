@@ -87,9 +87,9 @@ PROFILES: dict[str, Runtime] = {r.name: r for r in [
     Runtime("megatron-te",
             MemoryAssumptions(allocator_overhead=0.02, runtime_reserve=1.0 * GiB, traits=_TE_TRAITS),
             # fitted on rows 1-9, 12-14, 36-44, 47-55 (benchmarks/calibrate.py --fit)
-            TimeAssumptions(gemm_efficiency=0.684, fp8_gemm_efficiency=0.443, attention_efficiency=0.504,
-                            attention_half_keys=_FLASH_HALF_KEYS, expert_efficiency=0.83, expert_half_rows=2414.5,
-                            membound_passes=12.48, tp_overlap=0.948, ep_overlap=0.416, ep_overlap_1f1b=0.683),
+            TimeAssumptions(gemm_efficiency=0.685, fp8_gemm_efficiency=0.445, attention_efficiency=0.51,
+                            attention_half_keys=_FLASH_HALF_KEYS, expert_efficiency=0.83, expert_half_rows=2418.5,
+                            membound_passes=12.70, tp_overlap=0.96, ep_overlap=0.419, ep_overlap_1f1b=0.687),
             grad_reduce_in_bf16=True,
             summary="Megatron-Core + TransformerEngine: fused kernels, fp8 linear inputs, TP comm overlap, "
                     "grouped GEMM, bf16 gradient reduction, distributed optimizer, 1F1B all-to-all overlap "

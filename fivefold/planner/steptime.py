@@ -25,7 +25,7 @@ from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 from fivefold.planner.activations import ArchTraits, Sharding, layer_activation_bytes
-from fivefold.planner.collectives import (Collective, cp_split, dp_calls_per_step, group_sizes, layer_collectives,
+from fivefold.planner.collectives import (Collective, attention_call_keys, dp_calls_per_step, group_sizes, layer_collectives,
                                           stage_collectives, step_collectives)
 from fivefold.planner.flops import attention_core_flops, layer_forward_flops, model_flops_per_token, output_forward_flops
 from fivefold.planner.mtp import mtp_forward_flops
@@ -376,7 +376,7 @@ def _layer_cost_of(plan: Plan, links: Links, sizes: dict[str, int], i: int, reco
     linear = layer_forward_flops(m, i, s) * b * s - core - experts
     attn_rate = hw.bf16_flops * (ta.attention_efficiency or ta.gemm_efficiency)
     if ta.attention_half_keys:
-        keys = s / cp_split(plan)[1]
+        keys = attention_call_keys(plan)
         attn_rate *= keys / (keys + ta.attention_half_keys)
     t_core = core / (tp * cp) / attn_rate
     t_linear = linear / (tp * cp) / flops_rate
