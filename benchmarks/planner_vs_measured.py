@@ -151,6 +151,9 @@ CASES = [
                                                          "pipeline_schedule": "interleaved",
                                                          "microbatch_group_size_per_vp_stage": 3}),
     Case("PP2 GPipe mbs1 GA4", 2, 1, 4, parallel={"pipeline_model_parallel_size": 2, "pipeline_schedule": "gpipe"}),
+    Case("MoE EP2 mbs2 capacity 1.25 padded", 2, 2, 4, model={**MOE, "moe_expert_capacity_factor": 1.25,
+                                                                "moe_pad_expert_input_to_capacity": True},
+         parallel={"expert_model_parallel_size": 2}),
 ]
 
 

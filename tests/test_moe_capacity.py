@@ -14,7 +14,8 @@ import torch
 
 from _tol import close
 from fivefold.config.schema import to_dict
-from fivefold.model.capacity import expert_capacity, within_capacity
+from fivefold.capacity import expert_capacity
+from fivefold.model.capacity import within_capacity
 from fivefold.model.moe import MoE
 from fivefold.parallel.experts import swiglu_rows
 import test_moe

@@ -149,6 +149,24 @@ def test_ep_and_etp_bytes_follow_the_moe_helpers_formulas():
         assert by_tag(step, "tp-grad") == (4 * (norms + E * h * 8) if tp > 1 else 0)
 
 
+@pytest.mark.parametrize("factor,pad,share", [(None, False, 1.0), (0.5, False, 0.5), (1.25, False, 1.0),
+                                              (1.25, True, 1.25), (8.0, True, 4.0)])
+def test_token_dropping_scales_the_routed_rows(factor, pad, share):
+    """A router call over n = b s / (tp cp) = 512 tokens, k = 2 of E = 8 experts: routing balanced, each
+    expert fills to n k / E = 128 rows, so a capacity factor drops only below 1; padded, every expert
+    computes exactly min(ceil(128 c), n) rows: 160 at c = 1.25, all 512 at c = 8 (capacity > n). The
+    EP dispatch / combine rows and the expert activations scale alike."""
+    from fivefold.planner.activations import ArchTraits, Sharding, layer_activation_bytes, routed_share
+    m = replace(MOE, num_experts=8, moe_expert_capacity_factor=factor, moe_pad_expert_input_to_capacity=pad)
+    assert routed_share(m, 512) == share
+    capped, dropless = (plan(world=2, model=x, expert_model_parallel_size=2, mbs=1, seq=512)
+                        for x in (m, replace(m, moe_expert_capacity_factor=None, moe_pad_expert_input_to_capacity=False)))
+    assert by_tag(moe_collectives(capped), "ep") - 8 * 8 == pytest.approx(share * (by_tag(moe_collectives(dropless), "ep") - 8 * 8))
+    saved = [layer_activation_bytes(x.config.model, 1, 1, 512, Sharding.of(), ArchTraits())["expert inputs"]
+             for x in (capped, dropless)]
+    assert saved[0] == pytest.approx(share * saved[1])
+
+
 def test_sp_layer_is_ten_activation_tensors_and_wire_bytes_follow_the_algorithms():
     p = plan(world=4, tensor_model_parallel_size=4, sequence_parallel=True, precision="bf16")
     M = 2 * 512 * 256 * 2

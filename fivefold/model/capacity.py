@@ -20,14 +20,9 @@ tokens, each with its own capacity, as Megatron does (docs/moe.md).
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
-
-def expert_capacity(tokens: int, topk: int, num_experts: int, factor: float) -> int:
-    """Megatron-Core's get_capacity(num_tokens=tokens * topk, ...)."""
-    return math.ceil(tokens * topk / num_experts * factor)
+from fivefold.capacity import expert_capacity
 
 
 def within_capacity(experts: torch.Tensor, weights: torch.Tensor, num_experts: int, factor: float,
@@ -53,9 +48,3 @@ def within_capacity(experts: torch.Tensor, weights: torch.Tensor, num_experts: i
     rank_in_expert = torch.empty_like(flat)
     rank_in_expert[order] = torch.arange(n * k, device=flat.device) - starts[flat[order]]
     return (rank_in_expert < capacity).view(n, k)
-
-
-def padded_size(tokens: int, topk: int, num_experts: int, factor: float) -> int:
-    """Rows every expert computes with moe_pad_expert_input_to_capacity: its capacity, or all n
-    tokens when the capacity exceeds them (Megatron's capacity mask is then all ones)."""
-    return min(expert_capacity(tokens, topk, num_experts, factor), tokens)

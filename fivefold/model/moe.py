@@ -22,7 +22,8 @@ from torch import nn
 
 from fivefold.config.schema import ROUTER_SCORE_FUNCTIONS, Config, ModelConfig
 from fivefold.errors import NotImplementedYet, UserError
-from fivefold.model.capacity import padded_size, within_capacity
+from fivefold.capacity import padded_size
+from fivefold.model.capacity import within_capacity
 from fivefold.model.mlp import SwiGLU, dense_mlp
 from fivefold.model.recompute import is_recomputing
 from fivefold.model.router import AttachAuxLoss, Router, count_load, update_expert_bias

@@ -163,7 +163,8 @@ def moe_forward(x: torch.Tensor, experts_idx: torch.Tensor, weights: torch.Tenso
         starts = torch.cumsum(counts, 0) - counts
         by_expert = flat[order]
         slots = by_expert * pad_to + torch.arange(len(order), device=x.device) - starts[by_expert]
-        rows = rows.new_zeros(num_experts * pad_to, rows.shape[1]).index_copy(0, slots, rows)
+        # index_put keeps only the slots for backward (index_copy would save a copy of the rows)
+        rows = rows.new_zeros(num_experts * pad_to, rows.shape[1]).index_put((slots,), rows)  # (E pad_to, h)
         counts = torch.full_like(counts, pad_to)
     n = ep.size if ep is not None else 1
     if n > 1:

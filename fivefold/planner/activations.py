@@ -34,6 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
+from fivefold.capacity import padded_size
 from fivefold.config.schema import ModelConfig
 from fivefold.planner.params import is_moe_layer, kv_tp_split
 
@@ -175,6 +176,22 @@ OFFLOAD_MODULES = {
 (`layer_activation_bytes`' key)."""
 
 
+def routed_share(m: ModelConfig, tokens: float) -> float:
+    """Expert rows computed (and dispatched) per routed assignment of a router call over `tokens`
+    tokens (b s / (tp cp): a rank's tokens of one micro-batch): 1 dropless, routing balanced as
+    everywhere here; with a capacity factor c, min(1, c) (balanced routing fills every expert to
+    n k / E, so only c < 1 drops); padded to capacity, every expert computes exactly
+    padded_size(n, k, E, c) rows (fivefold.capacity): E x that / (n k)."""
+    c = m.moe_expert_capacity_factor
+    if c is None:
+        return 1.0
+    k, E = m.moe_router_topk, m.num_experts
+    if m.moe_pad_expert_input_to_capacity:
+        n = max(1, round(tokens))
+        return E * padded_size(n, k, E, c) / (n * k)
+    return min(1.0, c)
+
+
 def kv_heads_and_dims(m: ModelConfig, tp: int) -> tuple[int, int, int]:
     """(K / V heads of one TP rank, key dim, value dim): what context parallelism exchanges per token
     (MLA's keys carry the shared rope part; replicated KV heads count once)."""
@@ -271,7 +288,7 @@ def layer_activation_bytes(m: ModelConfig, index: int, b: int, s: int, sh: Shard
         if sh.recomputes("moe"):  # the whole MoE MLP reruns from its input (kept above)
             return out
         k, f_e = m.moe_router_topk, (m.moe_ffn_hidden_size or m.ffn_size)
-        copies = k * b * s * sh.etp / (sh.tp * sh.cp)  # token copies on this rank's experts
+        copies = k * b * s * sh.etp / (sh.tp * sh.cp) * routed_share(m, b * s / (sh.tp * sh.cp))  # rows on this rank's experts
         out["router scores (fp32)"] = tokens * m.num_experts * 4 / sp_div
         out["expert inputs"] = copies * h * LB
         if traits.expert_outputs_saved:
@@ -327,7 +344,7 @@ def _mlp_width(m: ModelConfig, index: int, b: int, s: int, sh: Sharding) -> floa
     tokens = b * s / sh.cp
     if not is_moe_layer(m, index):
         return tokens * m.ffn_size / sh.tp
-    copies = m.moe_router_topk * b * s * sh.etp / (sh.tp * sh.cp)
+    copies = m.moe_router_topk * b * s * sh.etp / (sh.tp * sh.cp) * routed_share(m, b * s / (sh.tp * sh.cp))
     f_s = m.moe_shared_expert_intermediate_size or 0
     return copies * (m.moe_ffn_hidden_size or m.ffn_size) / sh.etp + tokens * f_s / sh.tp
 

@@ -47,7 +47,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from fivefold.planner.activations import kv_heads_and_dims
+from fivefold.planner.activations import kv_heads_and_dims, routed_share
 from fivefold.planner.layout import Plan
 from fivefold.planner.memory import rank_params, state_bytes_per_param
 from fivefold.planner.params import is_moe_layer, kv_params, norm_params
@@ -198,7 +198,7 @@ def moe_collectives(plan: Plan) -> list[Collective]:
     m = plan.config.model
     B, E = act_bytes(plan), m.num_experts
     n = _tokens(plan) / plan.tp
-    rows = n * m.moe_router_topk * m.hidden_size * B  # n k routed rows; balanced R = n k
+    rows = n * m.moe_router_topk * routed_share(m, n) * m.hidden_size * B  # n k routed rows; balanced R = n k
     out = []
     if plan.tp > 1 and not plan.sp:
         M = _tokens(plan) * m.hidden_size * B

@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
-from fivefold.planner.activations import ArchTraits, Sharding, layer_activation_bytes
+from fivefold.planner.activations import ArchTraits, Sharding, layer_activation_bytes, routed_share
 from fivefold.planner.collectives import (Collective, attention_call_keys, dp_calls_per_step, group_sizes, layer_collectives,
                                           stage_collectives, step_collectives)
 from fivefold.planner.flops import attention_core_flops, layer_forward_flops, model_flops_per_token, output_forward_flops
@@ -382,12 +382,13 @@ def _layer_cost_of(plan: Plan, links: Links, sizes: dict[str, int], i: int, reco
     t_linear = linear / (tp * cp) / flops_rate
     t_experts = 0.0
     if experts:
-        rows = m.moe_router_topk * b * s * plan.etp / (tp * cp) / (m.num_experts / plan.ep)  # per local expert
+        share = routed_share(m, b * s / (tp * cp))  # rows computed per assignment (capacity)
+        rows = m.moe_router_topk * b * s * plan.etp / (tp * cp) / (m.num_experts / plan.ep) * share  # per local expert
         # the linear rate scaled by how grouped GEMMs fare against dense ones
         expert_rate = flops_rate * (ta.expert_efficiency or ta.gemm_efficiency) / ta.gemm_efficiency
         if ta.expert_half_rows:
             expert_rate *= rows / (rows + ta.expert_half_rows)
-        t_experts = experts / (tp * cp) / expert_rate
+        t_experts = experts * share / (tp * cp) / expert_rate
     t_fwd = t_core + t_linear + t_experts
     extra = t_fwd if recomputed else _selective_rerun(plan, i, t_core, t_linear, t_experts, flops_rate, hw, ta)
     parts["compute"] = 3 * t_fwd + extra
