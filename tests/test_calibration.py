@@ -105,6 +105,31 @@ def test_megatron_te_reduces_gradients_in_bf16_and_saves_fp8_linear_inputs():
     assert te8.detail["q, k, v"] == tt8.detail["q, k, v"]  # flash attention's inputs stay 16-bit
 
 
+def test_megatron_te_keeps_fp8_weight_copies_over_the_step():
+    """Megatron-Core passes is_first_microbatch to TransformerEngine, which keeps each decoder linear's
+    fp8 weight copies (weight and transpose, or MXFP8's two usages) over the step: 2 bytes per weight
+    element of the rank's layers (not norms, embedding or output layer), 1 with fp8 primary weights;
+    none under bf16, nor torchtitan's per-GEMM casts. (Row 46 of gpu-runs.tsv, excluded, prints 169 GB
+    for DeepSeek-V3 at PP8 VPP4 EP32 in MXFP8; row 38's layout in fp8 without its offloads sizes to
+    171 GB of tensors with the copies, 160 without.)"""
+    from dataclasses import replace
+    from fivefold.planner.memory import memory_per_rank
+    from fivefold.planner.params import layer_params
+    from fivefold.planner.runtime import profile
+    te, tt = profile("megatron-te"), profile("torchtitan")
+    fp8, bf16 = Plan(_config("fp8")), Plan(_config())
+    m = fp8.config.model
+    for r in range(2):
+        linear = sum(n * ((layer_params(m, i).attention + layer_params(m, i).dense_mlp) / fp8.tp)
+                     for i, _, n in fp8.layer_groups(r))  # llama3-8b: whole KV heads per TP2 rank
+        with_copies, without = memory_per_rank(fp8, te.memory)[r].weights, memory_per_rank(bf16, te.memory)[r].weights
+        assert with_copies - without == pytest.approx(2 * linear, rel=1e-12)
+        assert memory_per_rank(fp8, tt.memory)[r].weights == without
+        primary = Plan(replace(fp8.config, training=replace(fp8.config.training, fp8_param_gather=True)))
+        state = memory_per_rank(primary, replace(te.memory, traits=replace(te.memory.traits, fp8_weight_cache=False)))
+        assert memory_per_rank(primary, te.memory)[r].weights - state[r].weights == pytest.approx(linear, rel=1e-12)
+
+
 @pytest.mark.parametrize("mode", ["optim_grads", "optim_grads_params"])
 def test_megatron_fsdp_reduces_every_microbatch_under_pp(mode):
     """megatron-te's ZeRO-2/3 is Megatron-FSDP, which reduce-scatters after every backward, also under PP

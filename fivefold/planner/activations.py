@@ -84,6 +84,13 @@ class ArchTraits:
     16-bit inputs. False: every saved tensor is 16-bit (torchao's Float8Linear, our runtime)."""
     linear_input_bytes: float | None = None
     """Bytes of a saved linear input; None = value_bytes (set by `for_precision`)."""
+    fp8_weight_cache: bool = False
+    """Under fp8, each decoder linear keeps the fp8 copies of its weight that its GEMMs read, from the
+    step's first microbatch to its last (TransformerEngine's weight workspaces, which Megatron-Core
+    keeps by passing is_first_microbatch: extensions/transformer_engine.py): the weight and its
+    transpose (Hopper recipes) or its rowwise and columnwise MXFP8 copies (Blackwell), 2 bytes per
+    element; 1 with fp8 primary weights (--fp8-param-gather: only the other usage is made). False:
+    the casts are per GEMM (torchao's Float8Linear, our runtime)."""
     expert_outputs_saved: bool = True
     """The probability-weighted combine saves the experts' outputs (h per token copy) for the router
     weights' gradient. False: Megatron-Core's memory-efficient permutation applies the weights inside

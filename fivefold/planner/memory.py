@@ -188,6 +188,18 @@ def _layer_share(plan: Plan, i: int) -> tuple[float, float]:
     return dense, lp.experts / (plan.etp * plan.ep)
 
 
+def fp8_weight_cache(plan: Plan, rank: int) -> float:
+    """Bytes of the fp8 weight copies the decoder linears of pipeline rank `rank` keep over a step
+    (`ArchTraits.fp8_weight_cache`): 2 per element of their weights (norms, embeddings and the output
+    layer stay 16-bit), 1 with fp8 primary weights."""
+    m = plan.config.model
+    linear = 0.0
+    for i, _, n in plan.layer_groups(rank):
+        dense, expert = _layer_share(plan, i)
+        linear += (dense - layer_params(m, i).norms + expert) * n
+    return linear * (1 if plan.config.training.fp8_param_gather else 2)
+
+
 def optimizer_phase(plan: Plan, dense: float, expert: float, largest: float, traits: ArchTraits,
                     prec: Precision | None = None) -> float:
     """Bytes allocated after backward, on top of the model state: while AdamW steps, its eager
@@ -305,6 +317,8 @@ class _Ranks:
         rm.params = dense + expert
         rm.weights, rm.grads, rm.optimizer = model_state(plan, r, dense, expert, self.state_bytes, self.prec,
                                                           self.mode)
+        if traits.fp8_weight_cache and plan.precision == "fp8":
+            rm.weights += fp8_weight_cache(plan, r)
         rm.detail = detail  # shared with the cache: read only
         rm.inflight = prof.inflight_microbatches(r)
         if r == plan.last_rank:

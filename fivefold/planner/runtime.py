@@ -66,9 +66,10 @@ class Runtime:
                               "group_rule": self.group_rule, "megatron_fsdp": self.megatron_fsdp, **fields})
 
 
-_TE_TRAITS = ArchTraits(fp8_linear_inputs=True, expert_outputs_saved=False)
-"""Fused RMSNorm / SwiGLU / cross entropy (Megatron's counts), flash attention, fp8 linear inputs,
-memory-efficient permutation (the router weights applied before the experts' down-projection)."""
+_TE_TRAITS = ArchTraits(fp8_linear_inputs=True, expert_outputs_saved=False, fp8_weight_cache=True)
+"""Fused RMSNorm / SwiGLU / cross entropy (Megatron's counts), flash attention, fp8 linear inputs and
+cached fp8 weights, memory-efficient permutation (the router weights applied before the experts'
+down-projection)."""
 _TT_SAC = True
 """torchtitan's selective recompute: `selective_ac_option = "op"` (its default), in memory and in time."""
 _TT_TRAITS = ArchTraits(op_level_sac=_TT_SAC)
