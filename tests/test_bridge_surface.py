@@ -44,7 +44,8 @@ def test_the_surface_is_bridges_and_every_field_is_classified():
         assert seen[key] in (MAPPED, NOTE, NOT_BUILT), key
     counts = {how: sum(1 for h in seen.values() if h == how) for how in (MAPPED, NOTE, NOT_BUILT)}
     assert counts[MAPPED] > 100 and counts[NOTE] > 300 and counts[NOT_BUILT] > 200, counts
-    assert all(seen[k] == NOT_BUILT for k in ("model.fp8", "model.window_size", "optimizer.decoupled_lr",
+    assert seen["model.fp8"] == MAPPED  # fp8 for the planner (`train` refuses it)
+    assert all(seen[k] == NOT_BUILT for k in ("model.fp4", "model.window_size", "optimizer.decoupled_lr",
                                               "scheduler.weight_decay_incr_style"))
     assert all(seen[k] == NOTE for k in ("logger.log_throughput", "ddp.overlap_grad_reduce", "model.batch_p2p_comm",
                                          "checkpoint.fully_parallel_save", "ft.enable_ft_package"))
@@ -110,14 +111,14 @@ def test_unknown_key_gets_did_you_mean_and_unbuilt_keys_are_named_at_once():
                                         r"model.num_moe_experts"):
         load_config(None, ["cfg.model.num_experts=8"])
     with pytest.raises(NotImplementedYet) as e:
-        load_config(None, ["cfg.model.fp8=hybrid", "cfg.optimizer.decoupled_lr=1e-3", "cfg.model.num_layers=2",
-                           "cfg.mixed_precision=bf16_with_fp8_delayed_scaling_mixed"])
-    assert str(e.value).startswith("keys cfg.model.fp8, cfg.optimizer.decoupled_lr, cfg.mixed_precision (mixed_precision"
-                                   "=bf16_with_fp8_delayed_scaling_mixed (built recipes:")
+        load_config(None, ["cfg.model.fp4=e2m1", "cfg.optimizer.decoupled_lr=1e-3", "cfg.model.num_layers=2",
+                           "cfg.mixed_precision=bf16_with_nvfp4_mixed"])
+    assert str(e.value).startswith("keys cfg.model.fp4, cfg.optimizer.decoupled_lr, cfg.mixed_precision (mixed_precision"
+                                   "=bf16_with_nvfp4_mixed (built recipes:")
     assert str(e.value).endswith("not implemented yet")
 
 
 def test_fields_at_bridges_default_are_accepted_whatever_they_are():
     """A dumped Bridge config names every field; one at Bridge's default builds nothing, so it is noted."""
-    loaded = load_config(None, ["cfg.model.fp8=None", "cfg.model.window_size=None", "cfg.model.num_layers=2"])
-    assert "cfg.model.fp8: Bridge's default" in " ".join(map(str, loaded.warnings))
+    loaded = load_config(None, ["cfg.model.fp4=None", "cfg.model.window_size=None", "cfg.model.num_layers=2"])
+    assert "cfg.model.fp4: Bridge's default" in " ".join(map(str, loaded.warnings))

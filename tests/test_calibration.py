@@ -108,8 +108,8 @@ def test_megatron_te_reduces_gradients_in_bf16_and_saves_fp8_linear_inputs():
 def test_megatron_te_keeps_fp8_weight_copies_over_the_step():
     """Megatron-Core passes is_first_microbatch to TransformerEngine, which keeps each decoder linear's
     fp8 weight copies (weight and transpose, or MXFP8's two usages) over the step: 2 bytes per weight
-    element of the rank's layers (not norms, embedding or output layer), 1 with fp8 primary weights;
-    none under bf16, nor torchtitan's per-GEMM casts. (Row 46 of gpu-runs.tsv, excluded, prints 169 GB
+    element of the rank's layers (not norms, embedding or output layer), 1 with fp8 primary weights,
+    their scales too under MXFP8; none under bf16, nor torchtitan's per-GEMM casts. (Row 46 of gpu-runs.tsv, excluded, prints 169 GB
     for DeepSeek-V3 at PP8 VPP4 EP32 in MXFP8; row 38's layout in fp8 without its offloads sizes to
     171 GB of tensors with the copies, 160 without.)"""
     from dataclasses import replace
@@ -128,6 +128,11 @@ def test_megatron_te_keeps_fp8_weight_copies_over_the_step():
         primary = Plan(replace(fp8.config, training=replace(fp8.config.training, fp8_param_gather=True)))
         state = memory_per_rank(primary, replace(te.memory, traits=replace(te.memory.traits, fp8_weight_cache=False)))
         assert memory_per_rank(primary, te.memory)[r].weights - state[r].weights == pytest.approx(linear, rel=1e-12)
+        # MXFP8: an e8m0 scale per 32 values on each copy and on each saved linear input
+        mx = Plan(replace(fp8.config, training=replace(fp8.config.training, fp8_recipe="mxfp8")))
+        scaled, plain = memory_per_rank(mx, te.memory)[r], memory_per_rank(fp8, te.memory)[r]
+        assert scaled.weights - without == pytest.approx(2 * linear * (1 + 1 / 32), rel=1e-12)
+        assert scaled.detail["qkv input"] == pytest.approx(plain.detail["qkv input"] * (1 + 1 / 32), rel=1e-12)
 
 
 @pytest.mark.parametrize("mode", ["optim_grads", "optim_grads_params"])

@@ -77,6 +77,22 @@ def test_all_gather_cp_is_read_in_each_spelling(words):
         load_config(None, ["cfg.model.cp_comm_type=[all_gather,p2p]"], world_size=2)
 
 
+@pytest.mark.parametrize("words", [["--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "mxfp8"],
+                                   ["--fp8-format", "hybrid", "--fp8-recipe", "mxfp8", "--bf16"],
+                                   ["cfg.mixed_precision=bf16_with_mxfp8_mixed"],
+                                   ["cfg.model.fp8=hybrid", "cfg.model.fp8_recipe=mxfp8", "cfg.model.bf16=true"]])
+def test_fp8_is_read_in_megatron_and_bridge_words(words):
+    """Megatron-LM's --fp8-format beside --bf16 (in either order), Bridge's fp8 recipe names and its
+    TransformerConfig fields: fp8 GEMMs on bf16 parameters with the named scaling (for the planner;
+    `train` refuses fp8). Megatron's custom quantizer recipe is refused with the built ones."""
+    cfg = load_config(None, ["num_layers=2"] + words, world_size=8).config
+    validate(cfg)
+    assert (cfg.training.precision, cfg.training.fp8_format, cfg.training.fp8_recipe) == ("fp8", "hybrid", "mxfp8")
+    custom = load_config(None, ["--bf16", "--fp8-format", "e4m3", "--fp8-recipe", "custom"], world_size=8).config
+    with pytest.raises(ConfigError, match="training.fp8_recipe='custom': must be one of delayed, tensorwise, blockwise, mxfp8"):
+        validate(custom)
+
+
 def test_the_token_dispatcher_is_megatrons():
     """--moe-token-dispatcher-type names the canonical field (alltoall_seq, removed from Megatron-LM, read as
     alltoall); a Megatron command line or an all-Bridge config of a MoE model without it gets their

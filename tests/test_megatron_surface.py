@@ -20,7 +20,7 @@ def test_the_surface_is_megatrons_and_every_mapped_flag_is_in_it():
     assert {f for f, flag in FLAGS.items() if not flag.ours and f not in SURFACE} == LEGACY
 
 
-@pytest.mark.parametrize("flag", ["--fp8-format", "--squared-relu", "--init-method-xavier-uniform",
+@pytest.mark.parametrize("flag", ["--squared-relu", "--init-method-xavier-uniform",
                                   "--fp4-format", "--heterogeneous-layers-config-path"])
 def test_math_changing_flags_are_not_taken_as_no_effect(flag):
     assert flag in SURFACE and flag not in FLAGS and no_effect(flag) is None
@@ -28,7 +28,8 @@ def test_math_changing_flags_are_not_taken_as_no_effect(flag):
 
 def test_llama3_8b_fp8_script_refuses_only_what_is_not_built():
     """Megatron-LM's examples/llama/train_llama3_8b_h100_fp8.sh, its flags scaled to a tiny model: the
-    speed and logging flags are accepted (and listed), every flag not built is named in one message."""
+    speed and logging flags are accepted (and listed), every flag not built is named in one message; its
+    fp8 flags are read (fp8 for the planner; `train` refuses fp8, tests/test_train_cli.py)."""
     words = ("--use-mcore-models --num-layers 2 --hidden-size 64 --ffn-hidden-size 128 --num-attention-heads 4 "
              "--group-query-attention --num-query-groups 2 --kv-channels 16 --seq-length 64 "
              "--max-position-embeddings 64 --position-embedding-type rope --rotary-base 1000000 --rotary-percent 1.0 "
@@ -48,28 +49,29 @@ def test_llama3_8b_fp8_script_refuses_only_what_is_not_built():
     with pytest.raises(NotImplementedYet) as e:
         parse_flags(words)
     named = str(e.value).split("Megatron-LM flags ")[1].split(" (they change")[0].split(", ")
-    assert named == ["--decoupled-lr", "--decoupled-min-lr", "--fp8-format",
-                     "--fp8-amax-history-len", "--fp8-amax-compute-algo"]
+    assert named == ["--decoupled-lr", "--decoupled-min-lr"]
     kept = [w for w in words if w not in set(named)]  # without them (and their values) it is read
-    drop_values = {"5.0e-4", "4.5e-5", "hybrid", "1024", "max"}
+    drop_values = {"5.0e-4", "4.5e-5"}
     loaded = load_config(None, [w for w in kept if w not in drop_values])
     notes = " ".join(str(w) for w in loaded.warnings)
-    for flag in ("--use-mcore-models", "--overlap-grad-reduce", "--manual-gc", "--num-workers"):
+    for flag in ("--use-mcore-models", "--overlap-grad-reduce", "--manual-gc", "--num-workers", "--fp8-amax-history-len"):
         assert flag in notes
     m = loaded.config.model  # the model flags are mapped (config.megatron_defaults fills the rest)
     assert (m.activation, m.normalization, m.add_bias_linear, m.position_embedding_type, m.apply_layernorm_1p,
             m.attention_dropout, m.hidden_dropout, m.tie_word_embeddings) == \
         ("swiglu", "RMSNorm", False, "rope", True, 0.0, 0.0, False)
-    # --fp8-param-gather is read (the planner counts fp8 weights); without --fp8-format the run is bf16,
-    # and validation names the fix
-    assert loaded.config.training.fp8_param_gather
+    # --fp8-format makes the run fp8 beside --bf16 (Megatron's delayed scaling); --fp8-param-gather needs it
+    t = loaded.config.training
+    assert (t.precision, t.fp8_format, t.fp8_recipe, t.fp8_param_gather) == ("fp8", "hybrid", "delayed", True)
+    validate(loaded.config)
+    without = load_config(None, [w for w in kept if w not in drop_values | {"--fp8-format", "hybrid"}])
     with pytest.raises(UserError, match="fp8 primary weights need fp8 training"):
-        validate(loaded.config)
+        validate(without.config)
 
 
 def test_unknown_and_unbuilt_flags_are_reported_together():
     with pytest.raises(UserError, match=r"unknown flag --swigluu \(did you mean --swiglu\?\) \| Megatron-LM flag "
-                                        r"--fp8-format \(they change what is trained\): not implemented yet"):
-        parse_flags(["--swigluu", "--fp8-format", "hybrid"])
+                                        r"--squared-relu \(they change what is trained\): not implemented yet"):
+        parse_flags(["--swigluu", "--squared-relu"])
     with pytest.raises(NotImplementedYet, match=r"--rotary-percent 0.5 \(accepted: 1, 1.0\)"):
         parse_flags(["--rotary-percent", "0.5"])

@@ -78,3 +78,21 @@ def test_every_preset_reads_back_to_the_same_model_layout_and_training(fmt, ever
         for section in ("model", "parallel", "training"):
             want, got = to_dict(getattr(cfg, section)), to_dict(getattr(loaded.config, section))
             assert got == want, (name, fmt, section, {k: (want[k], got[k]) for k in want if want[k] != got[k]})
+
+
+def test_fp8_plans_emit_megatrons_fp8_flags_and_mxfp8_needs_blackwell(capsys, tmp_path):
+    """`plan --precision fp8 --fp8-recipe mxfp8` on GB200 emits --bf16 --fp8-format hybrid --fp8-recipe
+    mxfp8, which reads back to the same precision and scaling; on an H100 the recipe is refused before
+    the search (TransformerEngine runs MXFP8 on Blackwell only)."""
+    from fivefold.cli import main
+    words = ["plan", "--model", "llama3-8b", "--gpus", "8", "--precision", "fp8", "--fp8-recipe", "mxfp8",
+             "--runtime", "megatron-te", "--top", "1"]
+    assert main(words + ["--gpu", "gb200", "--emit", "megatron"]) == 0
+    out = capsys.readouterr().out
+    assert "--bf16" in out and "--fp8-format hybrid" in out and "--fp8-recipe mxfp8" in out
+    path = tmp_path / "plan.txt"
+    path.write_text(out[out.index("torchrun"):])  # the emitted command line
+    t = load_config(str(path), world_size=8, gpus_per_node=8).config.training
+    assert (t.precision, t.fp8_recipe) == ("fp8", "mxfp8")
+    assert main(words + ["--gpu", "h100-sxm"]) == 2
+    assert "mxfp8 runs on Blackwell tensor cores" in capsys.readouterr().err

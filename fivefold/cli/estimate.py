@@ -37,6 +37,9 @@ def run(args, extra) -> int:
     for w in validate(cfg, loaded.dialect):  # every error with its fix; fills Megatron's defaults (global batch)
         print(w)
     mem, ta = assumptions_of(args)
+    problem = hw.fp8_recipe_problem(cfg.training.precision, cfg.training.fp8_recipe)
+    if problem:
+        raise UserError(problem)
     rt = profile(args.runtime)
     runs = apply(cfg, rt)
     if runs.training.grad_reduce_in_bf16 != cfg.training.grad_reduce_in_bf16:

@@ -6,6 +6,7 @@ import collections
 import time
 
 from fivefold.cli._planner_args import add_hardware_arguments, assumptions_of, hardware_of, positive_int
+from fivefold.config.schema import FP8_RECIPES
 from fivefold.errors import UserError
 from fivefold.pipeline.schedules import REGISTRY
 from fivefold.planner.compare import DP_MODES, candidates
@@ -37,6 +38,9 @@ def add_arguments(p) -> None:
                    help="pipeline schedules to try, comma-separated, from gpipe,1f1b,interleaved,zb-h1,dualpipev. "
                         "Default 1f1b,interleaved")
     p.add_argument("--precision", choices=("bf16", "fp8"), default="bf16", help="GEMM precision. Default bf16")
+    p.add_argument("--fp8-recipe", choices=FP8_RECIPES, default="delayed",
+                   help="fp8 scaling with --precision fp8 (Megatron's --fp8-recipe; mxfp8 needs a Blackwell GPU). "
+                        "Default delayed")
     p.add_argument("--top", type=positive_int, default=10, help="rows of the ranked table. Default 10")
     p.add_argument("--explain", action="store_true", help="why the top choice, and the seeds' rules beside it")
     p.add_argument("--emit", choices=FORMATS, help="print the top layout in this dialect")
@@ -80,10 +84,12 @@ def run(args, extra) -> int:
     counts = count_params(spec.model)
     t0 = time.perf_counter()
     bf16_grads = rt.grad_reduce_in_bf16
-    space = rt.space(micro_batch_sizes=mbs, accumulate=not args.no_accumulation, schedules=schedules, dp_modes=dp_modes)
+    space = rt.space(micro_batch_sizes=mbs, accumulate=not args.no_accumulation, schedules=schedules, dp_modes=dp_modes,
+                     fp8_recipe=args.fp8_recipe)
     compared = [(text, candidates(text, spec.model, hw, args.gpus, min(gpn, args.gpus), args.seq_len,
                                   args.global_batch, args.precision, mbs, mem, ta, bf16_grads, rt.dp_modes[0],
-                                  space.a2a_overlap, space.dispatcher, space.group_rule, space.megatron_fsdp)[0])
+                                  space.a2a_overlap, space.dispatcher, space.group_rule, space.megatron_fsdp,
+                                  space.fp8_recipe)[0])
                 for text in args.compare]  # bad descriptions refused before the search
     result = search(spec.model, hw, args.gpus, min(gpn, args.gpus), args.seq_len, args.global_batch, args.precision,
                     space, mem, ta, grad_reduce_in_bf16=bf16_grads)

@@ -87,11 +87,22 @@ RECIPES = {"bf16_mixed": "bf16", "fp16_mixed": "fp16", "32-true": "fp32", "fp32"
 """Megatron-Bridge's mixed-precision recipe names (training/mixed_precision.py) that are built here."""
 
 
+FP8_RECIPE_NAMES = {f"{p}_with_{name}_mixed": scaling for p in ("bf16", "fp16") for name, scaling in (
+    ("fp8_delayed_scaling", "delayed"), ("fp8_current_scaling", "tensorwise"), ("fp8_subchannel_scaling", "blockwise"),
+    ("mxfp8", "mxfp8"))}
+"""Bridge's fp8 recipe names (training/mixed_precision.py: fp8="hybrid" and their fp8_recipe), read for
+the planner: 16-bit parameters, fp8 GEMMs (`train` refuses fp8)."""
+
+
 def recipe(value):
-    """`mixed_precision: bf16_mixed` (a recipe name): the precision; fp8 / fp4 recipes are not built."""
+    """`mixed_precision: bf16_mixed` (a recipe name): the precision (fp8 and its scaling for Bridge's fp8
+    recipes); fp4 recipes are not built."""
     word = str(plain(value))
+    if word in FP8_RECIPE_NAMES:
+        return [("training.precision", "fp8"), ("training.fp8_format", "hybrid"),
+                ("training.fp8_recipe", FP8_RECIPE_NAMES[word])]
     if word not in RECIPES:
-        raise NotImplementedYet(f"mixed_precision={word} (built recipes: {', '.join(RECIPES)})")
+        raise NotImplementedYet(f"mixed_precision={word} (built recipes: {', '.join([*RECIPES, *FP8_RECIPE_NAMES])})")
     return [("training.precision", RECIPES[word])]
 
 
@@ -138,6 +149,8 @@ RENAMES = {  # Bridge field -> [(canonical field, value)]
     "optimizer.exp_avg_sq_dtype": _state_dtype("training.exp_avg_sq_dtype"),
     "optimizer.main_params_dtype": _state_dtype("training.main_params_dtype"),
     "model.fp8_param": _fp8_param, "mixed_precision.fp8_param": _fp8_param,
+    "model.fp8": _to("training.fp8_format"), "mixed_precision.fp8": _to("training.fp8_format"),
+    "model.fp8_recipe": _to("training.fp8_recipe"), "mixed_precision.fp8_recipe": _to("training.fp8_recipe"),
     "ddp.grad_reduce_in_fp32": _to("training.accumulate_allreduce_grads_in_fp32"),
     "mixed_precision.grad_reduce_in_fp32": _to("training.accumulate_allreduce_grads_in_fp32"),
     "dataset.data_path": _to("data.path"),

@@ -74,6 +74,9 @@ def load_config(path: str | None, words: list[str] = (), *, world_size: int | No
         if value is not None:
             set_value(config, dotted, value, explicit)
     _check_cluster(config, explicit)
+    if config.training.fp8_format is not None and config.training.precision != "fp8":
+        # Megatron's --fp8-format beside --bf16 (whatever their order): fp8 GEMMs on 16-bit parameters
+        set_value(config, "training.precision", "fp8", explicit)
     if dialects and set(dialects) == {MEGATRON}:  # a Megatron command line: what it leaves out is Megatron's default
         changed = apply_megatron_defaults(config, explicit, switches)
         if changed:

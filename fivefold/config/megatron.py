@@ -179,6 +179,8 @@ FLAGS: dict[str, Flag] = {
     "--exp-avg-sq-dtype": _v("training.exp_avg_sq_dtype"),
     "--main-params-dtype": _v("training.main_params_dtype"),
     "--fp8-param-gather": _on("training.fp8_param_gather"),
+    "--fp8-format": _v("training.fp8_format"),
+    "--fp8-recipe": _v("training.fp8_recipe"),
     "--optimizer-offload-fraction": _v("training.optimizer_offload_fraction"),
     "--recompute-granularity": _v("training.recompute_granularity"),
     "--recompute-method": _v("training.recompute_method"),

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field, fields, is_dataclass
 from fivefold.errors import NotImplementedYet
 
 CP_COMM_TYPES = ("p2p", "a2a", "allgather", "a2a+p2p")
+FP8_FORMATS = ("e4m3", "hybrid")
+FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
 CP_COMM_SPELLINGS = {"all_gather": "allgather"}
 """TransformerEngine's and TransformerConfig's spelling -> ours (Megatron-LM's --cp-comm-type help)."""
 
@@ -383,6 +385,13 @@ class TrainingConfig:
     fp8_param_gather: bool = False
     """fp8: the model keeps its primary weights in fp8 (1 byte) and all-gathers them so, the main
     parameters staying in the optimizer (--fp8-param-gather; planner only). Default False."""
+    fp8_format: str | None = None
+    """TransformerEngine's fp8 formats (Megatron's --fp8-format, TransformerConfig.fp8): e4m3 or hybrid
+    (e4m3 forward, e5m2 gradients); setting it makes the precision fp8 (planner only). Default None."""
+    fp8_recipe: str = "delayed"
+    """fp8 scaling (--fp8-recipe): delayed or tensorwise (a scale per tensor), blockwise (1x128 and
+    128x128 blocks, Hopper), mxfp8 (a scale per 32 values, Blackwell's tensor cores only); read under
+    fp8 only (planner only). Default delayed, Megatron's."""
     optimizer_cpu_offload: bool = False
     """Keep (a share of) the fp32 main parameters and AdamW state in host memory and step them there
     (--optimizer-cpu-offload). Default False."""

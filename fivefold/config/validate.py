@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from fivefold.config.fixes import first_that_holds, search
 from fivefold.config.rules import KNOB_FIELDS, adjust, dp_of, errors, sizes_of
-from fivefold.config.schema import Config
+from fivefold.config.schema import FP8_FORMATS, FP8_RECIPES, Config
 from fivefold.errors import UserError
 from fivefold.train.batch_sizes import BatchSizes
 from fivefold.topology import Layout
@@ -139,13 +139,19 @@ def _training_problems(t, dp_cp: int | None) -> list[Problem]:
             out.append(Problem(f"training.{name}", value, "only the precision-aware optimizer keeps optimizer state "
                                "other than fp32 (Megatron asserts the same)",
                                "use_precision_aware_optimizer=True (--use-precision-aware-optimizer)"))
+    if t.fp8_format not in (None, *FP8_FORMATS):
+        out.append(Problem("training.fp8_format", t.fp8_format, f"must be one of {', '.join(FP8_FORMATS)}",
+                           "fp8_format=hybrid (--fp8-format hybrid)"))
+    if t.fp8_recipe not in FP8_RECIPES:
+        out.append(Problem("training.fp8_recipe", t.fp8_recipe, f"must be one of {', '.join(FP8_RECIPES)} (Megatron's "
+                           "custom quantizer factory is not built)", "fp8_recipe=delayed (--fp8-recipe delayed)"))
     if t.fp8_param_gather and t.precision != "fp8":
         out.append(Problem("training.fp8_param_gather", True, f"fp8 primary weights need fp8 training (precision is "
                            f"{t.precision})", "precision=fp8, or drop --fp8-param-gather"))
     if not 0.0 < t.optimizer_offload_fraction <= 1.0:
         out.append(Problem("training.optimizer_offload_fraction", t.optimizer_offload_fraction,
                            "the offloaded share must be in (0, 1]", "optimizer_offload_fraction=1.0"))
-    if t.grad_reduce_in_bf16 and t.precision != "bf16":
+    if t.grad_reduce_in_bf16 and t.precision not in ("bf16", "fp8"):
         out.append(Problem("training.grad_reduce_in_bf16", True, f"bf16 gradient reduction needs bf16 parameters "
                            f"(precision is {t.precision})", "precision=bf16 (--bf16), or drop --grad-reduce-in-bf16"))
     for name, value, ok, fix in (

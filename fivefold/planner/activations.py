@@ -39,6 +39,12 @@ from fivefold.config.schema import ModelConfig
 from fivefold.planner.params import is_moe_layer, kv_tp_split
 
 
+FP8_SCALE_BYTES = {"mxfp8": 1 / 32, "blockwise": 4 / 128}
+"""Bytes of scale per fp8 value an activation carries beside its byte, by recipe: MXFP8 an e8m0 scale
+per 32 values, blockwise an fp32 scale per 1 x 128 block (its weights' 128 x 128 blocks: ~0); one
+scale per tensor (delayed, tensorwise): ~0."""
+
+
 @dataclass(frozen=True)
 class ArchTraits:
     """What the activation count needs beyond ModelConfig (defaults: our Llama-style decoder)."""
@@ -108,14 +114,16 @@ class ArchTraits:
     def linear_bytes(self) -> float:
         return self.linear_input_bytes if self.linear_input_bytes is not None else self.value_bytes()
 
-    def for_precision(self, precision: str) -> ArchTraits:
-        """These traits with bytes_per_value fixed by the run's precision where it was left None."""
+    def for_precision(self, precision: str, recipe: str = "delayed") -> ArchTraits:
+        """These traits with bytes_per_value fixed by the run's precision where it was left None (an fp8
+        linear input: 1 byte and its `recipe`'s scales)."""
         out = self
         if self.bytes_per_value is None:
             out = replace(out, bytes_per_value=4 if precision == "fp32" else 2)
         if self.fp8_linear_inputs and precision == "fp8" and self.linear_input_bytes is None:
-            out = replace(out, linear_input_bytes=1)
+            out = replace(out, linear_input_bytes=1 + FP8_SCALE_BYTES.get(recipe, 0.0))
         return out
+
 
     def loss_bytes(self) -> float:
         return self.loss_bytes_per_logit if self.loss_bytes_per_logit is not None else self.value_bytes() + 4

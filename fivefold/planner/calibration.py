@@ -287,7 +287,7 @@ def case_of(run: Run) -> Case:
                               recompute_method="uniform" if rc == "full" else None,
                               recompute_num_layers=1 if rc == "full" else None,
                               use_distributed_optimizer=strategy != "no_shard",
-                              data_parallel_sharding_strategy=strategy, **options)
+                              data_parallel_sharding_strategy=strategy, fp8_recipe=_fp8_recipe(run, tt), **options)
     cfg = Config(cluster=ClusterConfig(num_nodes=max(1, gpus // gpn), gpus_per_node=min(gpn, gpus), world_size=gpus),
                  parallel=parallel, model=m, training=training)
     tokens = run.num("tokens_per_s_per_gpu")
@@ -347,6 +347,17 @@ def _split(run: Run, m: ModelConfig, pp: int, vpp: int, assumed: list[str], unst
         assumed.append(f"layer split {options[0]} (not stated)")
         unstated.add("split")
     return options[0]
+
+
+def _fp8_recipe(run: Run, tt: bool) -> str:
+    """The fp8 scaling the notes name: MXFP8 (the MoE report's Blackwell runs), blockwise (its H100 run),
+    torchao's tensorwise Float8 for torchtitan; Megatron's default (delayed) where fp8 is not run."""
+    notes = run.cells["notes"]
+    if "MXFP8" in notes:
+        return "mxfp8"
+    if "blockwise FP8" in notes:
+        return "blockwise"
+    return "tensorwise" if tt else "delayed"
 
 
 def _dispatcher(run: Run, m: ModelConfig, assumed: list[str]) -> str:

@@ -80,7 +80,7 @@ def parse(text: str) -> dict:
 def candidates(text: str, model, hw, world: int, gpus_per_node: int, seq: int, global_batch: int, precision: str,
                micro_batches: tuple[int, ...], mem, ta, grad_reduce_in_bf16: bool = False,
                dp_mode: str = "optim", a2a_overlap: bool = False, dispatcher: str = "alltoall",
-               group_rule: str = "megatron", megatron_fsdp: bool = False) -> list[Candidate]:
+               group_rule: str = "megatron", megatron_fsdp: bool = False, fp8_recipe: str = "delayed") -> list[Candidate]:
     """The named layout evaluated: one Candidate per reading the description leaves open (the
     recompute modes when none is named, until one fits; the search's layer splits), fastest first;
     UserError when the sizes do not make the GPU count."""
@@ -112,7 +112,7 @@ def candidates(text: str, model, hw, world: int, gpus_per_node: int, seq: int, g
             cfg = make_config(model, world, gpus_per_node, seq, global_batch, precision, {**parallel, **split},
                               micro_batch=mbs[0], recompute=recompute, grad_reduce_in_bf16=grad_reduce_in_bf16,
                               recompute_modules=d["modules"], dp_mode=d["dp_mode"] or dp_mode, a2a_overlap=a2a_overlap,
-                              dispatcher=dispatcher, megatron_fsdp=megatron_fsdp)
+                              dispatcher=dispatcher, megatron_fsdp=megatron_fsdp, fp8_recipe=fp8_recipe)
             c = evaluate(cfg if "group" in s else with_group(cfg, group_rule), hw, mem, ta)
             out.append(c)
             if c.estimate is not None:

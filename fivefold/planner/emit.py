@@ -55,6 +55,8 @@ def _flag_words(cfg: Config, dotted: str, value) -> list[str]:
     switch that stores `value`; [] when only a switch exists and `value` is what leaving it out means."""
     if dotted == "model.moe_first_k_dense_layers":  # Megatron-LM says it per layer
         return ["--moe-layer-freq", f"([0]*{value}+[1]*{cfg.model.num_layers - value})"]
+    if dotted == "training.precision" and value == "fp8":  # fp8 GEMMs on bf16 parameters
+        return ["--bf16"] + ([] if cfg.training.fp8_format else ["--fp8-format", "hybrid"])
     flags = sorted((f.ours, name) for name, f in FLAGS.items() if f.field == dotted)
     for _, name in flags:
         f = FLAGS[name]

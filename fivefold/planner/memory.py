@@ -38,8 +38,9 @@ from functools import lru_cache
 
 from fivefold.config.schema import TrainingConfig
 from fivefold.parallel.precision import DEFAULT_BUCKET_BYTES, Precision
-from fivefold.planner.activations import (EAGER_TRAITS, OFFLOAD_MODULES, ArchTraits, Sharding, backward_transient, full_recompute_transient,
-                                          gathered_kv_bytes, layer_activation_bytes, weight_grad_join_bytes)
+from fivefold.planner.activations import (EAGER_TRAITS, FP8_SCALE_BYTES, OFFLOAD_MODULES, ArchTraits, Sharding,
+                                          backward_transient, full_recompute_transient, gathered_kv_bytes,
+                                          layer_activation_bytes, weight_grad_join_bytes)
 from fivefold.planner.layout import Plan
 from fivefold.planner.mtp import mtp_activation_values, mtp_params
 from fivefold.planner.params import embedding_params, kv_params, kv_tp_split, layer_params
@@ -191,13 +192,15 @@ def _layer_share(plan: Plan, i: int) -> tuple[float, float]:
 def fp8_weight_cache(plan: Plan, rank: int) -> float:
     """Bytes of the fp8 weight copies the decoder linears of pipeline rank `rank` keep over a step
     (`ArchTraits.fp8_weight_cache`): 2 per element of their weights (norms, embeddings and the output
-    layer stay 16-bit), 1 with fp8 primary weights."""
+    layer stay 16-bit), 1 with fp8 primary weights; with MXFP8 each copy carries its scales."""
     m = plan.config.model
     linear = 0.0
     for i, _, n in plan.layer_groups(rank):
         dense, expert = _layer_share(plan, i)
         linear += (dense - layer_params(m, i).norms + expert) * n
-    return linear * (1 if plan.config.training.fp8_param_gather else 2)
+    t = plan.config.training
+    per_copy = 1 + (FP8_SCALE_BYTES["mxfp8"] if t.fp8_recipe == "mxfp8" else 0.0)  # MXFP8 scales both copies
+    return linear * per_copy * (1 if t.fp8_param_gather else 2)
 
 
 def optimizer_phase(plan: Plan, dense: float, expert: float, largest: float, traits: ArchTraits,
@@ -250,7 +253,7 @@ class _Ranks:
         self.sh = Sharding.of(tp=plan.tp, sp=plan.sp, cp=plan.cp, etp=plan.etp, recompute=plan.recompute,
                            modules=plan.recompute_modules)
         self.prof = pipeline_profile(plan.schedule, plan.pp, plan.vpp, plan.microbatches, plan.group)
-        traits = _for_precision(assume.traits, plan.precision)
+        traits = _for_precision(assume.traits, plan.precision, plan.config.training.fp8_recipe)
         self.assume = MemoryAssumptions(allocator_overhead=assume.allocator_overhead,
                                         runtime_reserve=assume.runtime_reserve, traits=traits)
         # ranks of the same shape (layers by kind, ends) hold the same per-microbatch state
@@ -365,8 +368,8 @@ def _covers(a: Front, b: Front) -> bool:
 
 
 @lru_cache(maxsize=64)
-def _for_precision(traits: ArchTraits, precision: str) -> ArchTraits:
-    return traits.for_precision(precision)
+def _for_precision(traits: ArchTraits, precision: str, recipe: str) -> ArchTraits:
+    return traits.for_precision(precision, recipe)
 
 
 _LAYERS: dict[tuple, tuple] = {}

@@ -11,6 +11,7 @@ from fivefold.config.rules import a2a_overlap_problems, sizes_of
 from fivefold.config.schema import ClusterConfig, Config, ModelConfig, ParallelConfig, TrainingConfig
 from fivefold.parallel.precision import Precision
 from fivefold.pipeline.schedules import microbatch_problem, smallest_group
+from fivefold.errors import UserError
 from fivefold.planner.layout import Plan
 from fivefold.planner.memory import (MemoryAssumptions, RankMemory, after_step_gathers, model_state, peak_memory,
                                      rank_params, state_bytes_per_param)
@@ -106,10 +107,11 @@ def make_config(model: ModelConfig, world: int, gpus_per_node: int, seq: int, gl
                 precision: str, parallel: dict, micro_batch: int = 1, recompute: str | None = None,
                 distributed_optimizer: bool = True, grad_reduce_in_bf16: bool = False,
                 recompute_modules: list[str] | None = None, dp_mode: str | None = None,
-                a2a_overlap: bool = False, dispatcher: str = "alltoall", megatron_fsdp: bool = False) -> Config:
+                a2a_overlap: bool = False, dispatcher: str = "alltoall", megatron_fsdp: bool = False,
+                fp8_recipe: str = "delayed") -> Config:
     """A planner config; `a2a_overlap`: with Megatron's 1F1B all-to-all overlap where its rules allow
     (`with_a2a_overlap`); `dispatcher`: the MoE token dispatcher; `megatron_fsdp`: ZeRO-2/3 as
-    Megatron-FSDP (`runtime.megatron_fsdp`)."""
+    Megatron-FSDP (`runtime.megatron_fsdp`); `fp8_recipe`: the scaling under fp8."""
     nodes = max(1, world // gpus_per_node)
     cfg = Config(cluster=ClusterConfig(num_nodes=nodes, gpus_per_node=gpus_per_node, world_size=world),
                  parallel=ParallelConfig(**{"moe_token_dispatcher_type": dispatcher, **parallel}), model=model,
@@ -121,7 +123,8 @@ def make_config(model: ModelConfig, world: int, gpus_per_node: int, seq: int, gl
                                          use_distributed_optimizer=distributed_optimizer and dp_mode != "no_shard",
                                          data_parallel_sharding_strategy=dp_mode,
                                          use_megatron_fsdp=runs_megatron_fsdp(megatron_fsdp, dp_mode),
-                                         grad_reduce_in_bf16=grad_reduce_in_bf16 and precision != "fp32"))
+                                         grad_reduce_in_bf16=grad_reduce_in_bf16 and precision != "fp32",
+                                         fp8_recipe=fp8_recipe))
     return with_a2a_overlap(cfg) if a2a_overlap else cfg
 
 
@@ -172,7 +175,11 @@ def search(model: ModelConfig, hw: Hardware, world: int, gpus_per_node: int, seq
            precision: str = "bf16", space: SearchSpace = SearchSpace(), mem: MemoryAssumptions = MemoryAssumptions(),
            ta: TimeAssumptions = TimeAssumptions(), grad_reduce_in_bf16: bool = False) -> SearchResult:
     """Every layout of `space` for `model` on `world` GPUs, fitting ones ranked fastest first
-    (`grad_reduce_in_bf16`: the runtime's gradient dtype, `runtime.Runtime`)."""
+    (`grad_reduce_in_bf16`: the runtime's gradient dtype, `runtime.Runtime`); UserError where the GPU
+    cannot run the space's fp8 recipe."""
+    problem = hw.fp8_recipe_problem(precision, space.fp8_recipe)
+    if problem:
+        raise UserError(problem)
     collecting = gc.isenabled()
     gc.disable()  # reference counting frees what the search drops; the collector's passes over the
     try:          # growing heap of candidates were 5-15% of a 1024-GPU search
@@ -189,7 +196,8 @@ def _search(model, hw, world, gpus_per_node, seq, global_batch, precision, space
     for parallel in structures(model, world, gpus_per_node, seq, space):
         base = with_group(make_config(model, world, gpus_per_node, seq, global_batch, precision, parallel,
                                       grad_reduce_in_bf16=grad_reduce_in_bf16, a2a_overlap=space.a2a_overlap,
-                                      dispatcher=space.dispatcher, megatron_fsdp=space.megatron_fsdp), space.group_rule)
+                                      dispatcher=space.dispatcher, megatron_fsdp=space.megatron_fsdp,
+                                      fp8_recipe=space.fp8_recipe), space.group_rule)
         broken = config_errors(base)
         layout = Plan(base)  # after config_errors: it writes the resolved VPP, schedule and SP back
         dp, grouped = layout.dp, layout.schedule == "interleaved"

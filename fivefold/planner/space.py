@@ -57,6 +57,9 @@ class SearchSpace:
     megatron_fsdp: bool = False
     """ZeRO-2/3 layouts run as Megatron-FSDP (`Runtime.megatron_fsdp`: gradients reduce-scattered every
     microbatch, also under PP)."""
+    fp8_recipe: str = "delayed"
+    """The fp8 scaling every layout runs under fp8 (`TrainingConfig.fp8_recipe`: its scales' bytes; MXFP8
+    only on Blackwell)."""
     dp_modes: tuple[str, ...] = ("optim",)
     """Data-parallel modes tried (TrainingConfig.sharding_strategy): optim (the distributed optimizer,
     ZeRO-1), optim_grads (ZeRO-2), optim_grads_params (ZeRO-3: FSDP2, Megatron-FSDP), no_shard. The

@@ -33,7 +33,17 @@ class Hardware:
     """Per-GPU, per-direction network bandwidth between nodes (bytes/s)."""
     gpus_per_node: int = 8
     """GPUs in one intra-node domain. Default 8."""
+    mxfp8: bool = False
+    """Tensor cores that take MXFP8's block scales (Blackwell): what --fp8-recipe mxfp8 needs."""
     source: str = ""
+
+    def fp8_recipe_problem(self, precision: str, recipe: str) -> str | None:
+        """Why this GPU cannot run fp8 with `recipe` (TransformerEngine: MXFP8 needs compute capability
+        10.0, Blackwell), or None."""
+        if precision == "fp8" and recipe == "mxfp8" and not self.mxfp8:
+            return (f"--fp8-recipe mxfp8 runs on Blackwell tensor cores (b200, gb200, gb300), not on a {self.name}: "
+                    "use --fp8-recipe delayed, tensorwise or blockwise")
+        return None
 
     def peak_flops(self, precision: str) -> float:
         if precision == "fp8":
@@ -62,7 +72,7 @@ HARDWARE_PRESETS: dict[str, Hardware] = {h.name: h for h in [
     Hardware(name="a100-80gb", bf16_flops=312 * T, fp8_flops=None, memory_bytes=80 * GiB,
              memory_bw=2.039e12, intra_node_bw=300 * GBs, network_bw=25 * GBs,
              source="NVIDIA A100 datasheet (SXM4 80GB); NVLink3 600 GB/s bidirectional; 200 Gb/s HDR per GPU"),
-    Hardware(name="b200", bf16_flops=2250 * T, fp8_flops=4500 * T, memory_bytes=180e9,
+    Hardware(name="b200", mxfp8=True, bf16_flops=2250 * T, fp8_flops=4500 * T, memory_bytes=180e9,
              memory_bw=8.0e12, intra_node_bw=900 * GBs, network_bw=50 * GBs,
              source="NVIDIA DGX/HGX B200 datasheet (per GPU: 1/8 of 72 PF fp8 sparse, 1440 GB, 64 TB/s); "
                     "NVLink5 1.8 TB/s bidirectional; 400 Gb/s per GPU"),
@@ -78,12 +88,12 @@ HARDWARE_PRESETS: dict[str, Hardware] = {h.name: h for h in [
                     "power cap is not a datasheet figure: it lowers achieved clocks, so it shows in the "
                     "fitted efficiencies); HBM2e bandwidth 2.4 TB/s assumed (6 stacks x 3.2 Gb/s pins); "
                     "capacity 95 GiB as torch reports it (an assumption: the doc prints only usage)"),
-    Hardware(name="gb200", bf16_flops=2500 * T, fp8_flops=5000 * T, memory_bytes=186e9,
+    Hardware(name="gb200", mxfp8=True, bf16_flops=2500 * T, fp8_flops=5000 * T, memory_bytes=186e9,
              memory_bw=8.0e12, intra_node_bw=900 * GBs, network_bw=50 * GBs, gpus_per_node=72,
              source="NVIDIA GB200 NVL72 datasheet, per GPU (1/72 of the rack): 180 PF dense bf16 / 360 PF "
                     "dense fp8 (MXFP8), 13.4 TB HBM3e, 8 TB/s; NVLink5 1.8 TB/s bidirectional in a 72-GPU "
                     "domain; ConnectX-7 400 Gb/s per GPU"),
-    Hardware(name="gb300", bf16_flops=2500 * T, fp8_flops=5000 * T, memory_bytes=288e9,
+    Hardware(name="gb300", mxfp8=True, bf16_flops=2500 * T, fp8_flops=5000 * T, memory_bytes=288e9,
              memory_bw=8.0e12, intra_node_bw=900 * GBs, network_bw=100 * GBs, gpus_per_node=72,
              source="NVIDIA GB300 NVL72 datasheet, per GPU: the GB200's dense bf16 / fp8 (the Blackwell "
                     "Ultra gains are in fp4), 288 GB HBM3e, 8 TB/s; NVLink5 1.8 TB/s bidirectional in a "
