@@ -207,6 +207,14 @@ def routed_share(m: ModelConfig, tokens: float) -> float:
     return min(1.0, c)
 
 
+def routed_copies(m: ModelConfig, b: int, s: int, sh: Sharding) -> float:
+    """Token copies one rank's experts compute per microbatch: the k b s / (tp cp) assignments of its
+    router call, gathered over expert TP, at `routed_share` rows each."""
+    n = b * s / (sh.tp * sh.cp)
+    copies = m.moe_router_topk * n * sh.etp
+    return copies if m.moe_expert_capacity_factor is None else copies * routed_share(m, n)
+
+
 def kv_heads_and_dims(m: ModelConfig, tp: int) -> tuple[int, int, int]:
     """(K / V heads of one TP rank, key dim, value dim): what context parallelism exchanges per token
     (MLA's keys carry the shared rope part; replicated KV heads count once)."""
@@ -302,8 +310,8 @@ def layer_activation_bytes(m: ModelConfig, index: int, b: int, s: int, sh: Shard
     if is_moe_layer(m, index):
         if sh.recomputes("moe"):  # the whole MoE MLP reruns from its input (kept above)
             return out
-        k, f_e = m.moe_router_topk, (m.moe_ffn_hidden_size or m.ffn_size)
-        copies = k * b * s * sh.etp / (sh.tp * sh.cp) * routed_share(m, b * s / (sh.tp * sh.cp))  # rows on this rank's experts
+        f_e = m.moe_ffn_hidden_size or m.ffn_size
+        copies = routed_copies(m, b, s, sh)  # rows on this rank's experts
         out["router scores (fp32)"] = tokens * m.num_experts * 4 / sp_div
         out["expert inputs"] = copies * h * LB
         if traits.expert_outputs_saved:
@@ -359,7 +367,7 @@ def _mlp_width(m: ModelConfig, index: int, b: int, s: int, sh: Sharding) -> floa
     tokens = b * s / sh.cp
     if not is_moe_layer(m, index):
         return tokens * m.ffn_size / sh.tp
-    copies = m.moe_router_topk * b * s * sh.etp / (sh.tp * sh.cp) * routed_share(m, b * s / (sh.tp * sh.cp))
+    copies = routed_copies(m, b, s, sh)
     f_s = m.moe_shared_expert_intermediate_size or 0
     return copies * (m.moe_ffn_hidden_size or m.ffn_size) / sh.etp + tokens * f_s / sh.tp
 

@@ -263,6 +263,7 @@ class _Ranks:
                             state_bytes_per_param(training, plan.precision, plan.edp))
         self.prec = Precision.of(training, plan.precision)
         self.mode = training.sharding_strategy
+        self.gathers = plan.cp > 1 and plan.config.parallel.cp_comm_type == "allgather"
         self._fixed()
 
     def _fixed(self) -> None:
@@ -315,7 +316,8 @@ class _Ranks:
         plan, prof, assume = self.plan, self.prof, self.assume
         traits = assume.traits
         rm = RankMemory(rank=r)
-        detail, per_mb, transient, joins, bwd, offloaded = _layers(plan, self.shapes[r][0], r, self.sh, traits)
+        detail, per_mb, transient, joins, bwd, offloaded = _layers(plan, self.shapes[r][0], r, self.sh, traits,
+                                                                    self.gathers)
         dense, expert = rank_params(plan, r)
         rm.params = dense + expert
         rm.weights, rm.grads, rm.optimizer = model_state(plan, r, dense, expert, self.state_bytes, self.prec,
@@ -377,11 +379,11 @@ _LAYERS: dict[tuple, tuple] = {}
 alive beside its id): the search sizes the same shapes under many layouts."""
 
 
-def _layers(plan: Plan, kinds: tuple, r: int, sh: Sharding, traits: ArchTraits):
+def _layers(plan: Plan, kinds: tuple, r: int, sh: Sharding, traits: ArchTraits, gathers: bool):
     """(activation bytes by tensor, per-microbatch total, recompute transient, W-pending join bytes,
-    backward transient) of rank r's layers, whose kinds are `kinds` ((MoE?, recomputed?, count), ...)."""
+    backward transient) of rank r's layers, whose kinds are `kinds` ((MoE?, recomputed?, count), ...);
+    `gathers`: all-gather CP (its gathered K/V a backward temporary)."""
     m, b, s = plan.config.model, plan.mbs, plan.seq
-    gathers = plan.cp > 1 and plan.config.parallel.cp_comm_type == "allgather"
     key = (id(m), kinds, b, s, sh, traits, plan.offload_modules, gathers)
     got = _LAYERS.get(key)
     if got is not None and got[0] is m:
