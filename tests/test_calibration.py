@@ -234,6 +234,30 @@ def test_torchtitans_december_2024_loss_is_eager():
     assert eager.rank == fused.rank == 0 and eager.logits - fused.logits == pytest.approx(6 * tokens * vocab)
     for row in (16, 17, 18, 19, 20, 21, 22, 23):
         assert 0.9 <= compare(by_row[row])["memory_ratio"] <= 1.05, row
+    # under TP the loss is torch's DTensor loss_parallel, eager: 16 bytes per local logit at its peak
+    # (row 24: TP8, local batch 16 x 8192 tokens, the vocabulary split 8 ways)
+    tp_eager, tp_fused = (compare(c)["memory"] for c in (by_row[24], replace(by_row[24], eager_loss=False)))
+    tokens, local_vocab = 16 * 8192, by_row[24].config.model.padded_vocab_size(8) / 8  # 129024: a multiple of 128 x TP
+    assert tp_eager.logits - tp_fused.logits == pytest.approx((16 - 6) * tokens * local_vocab)
+
+
+def test_loss_parallel_holds_16_bytes_a_local_logit_eagerly():
+    """torch.distributed.tensor.parallel.loss_parallel's cross entropy on fp32-cast vocab-sharded
+    logits, eager, against F.cross_entropy on one rank's logits: the peak of live bytes from the
+    profiler's allocation events over forward + backward, per local logit (2 gloo ranks; the planner's
+    `runtime.EAGER_LOSS_PARALLEL_TRANSIENT` + 4 held, and `EAGER_TRAITS`' 12)."""
+    import subprocess
+    script = ROOT / "tests" / "_loss_parallel_peak.py"
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                          str(script)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = dict(line.split() for line in out.stdout.splitlines() if line.startswith(("plain", "loss_parallel")))
+    from fivefold.planner.activations import EAGER_TRAITS
+    from fivefold.planner.runtime import EAGER_LOSS_PARALLEL_TRANSIENT
+    # within 1%: a few scalars and DTensor's bookkeeping beside the (T, V) tensors (12.00 / 16.02 measured)
+    assert float(got["plain"]) == pytest.approx(EAGER_TRAITS.loss_bytes(), rel=0.01)
+    held = EAGER_TRAITS.loss_bytes() - EAGER_TRAITS.loss_transient_bytes
+    assert float(got["loss_parallel"]) == pytest.approx(EAGER_LOSS_PARALLEL_TRANSIENT + held, rel=0.01)
 
 
 def test_the_fitted_profiles_meet_their_stated_error_on_their_own_rows():

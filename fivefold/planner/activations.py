@@ -71,6 +71,11 @@ class ArchTraits:
     loss_transient_bytes: float = 0.0
     """Of `loss_bytes`, what only the loss being differentiated holds (eager: the log-softmax's incoming
     gradient and the logits' gradient, 8): with MTP's heads, each keeps the rest until its backward."""
+    tp_loss_transient_bytes: float | None = None
+    """`loss_transient_bytes` where TP splits the vocabulary and the loss is torch's DTensor loss_parallel
+    run eagerly (torchtitan's before it compiled its loss): its decomposed log-softmax and backward hold
+    two more fp32 copies at their peak, 16 bytes per local logit in all (measured on CPU, torch 2.13,
+    against F.cross_entropy's 12); None = `loss_transient_bytes`."""
     optimizer_scratch_bytes: float = 0.0
     """Bytes per element of the rank's largest parameter that clipping + the optimizer step allocate
     (fused/multi-tensor kernels: ~0). Eager: the fp64 copy and square in the norm, 16."""

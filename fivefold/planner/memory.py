@@ -281,7 +281,10 @@ class _Ranks:
         self.loss_state = tokens * vocab * heads * held + heads * traits.norm_tensors * tokens * m.hidden_size * B / sp_div
         self.loss_state += mtp_activation_values(m) * tokens * B / sp_div
         """What a microbatch keeps on the last rank from its loss-stage forward to its backward."""
-        self.logits = self.loss_state + tokens * vocab * traits.loss_transient_bytes
+        transient = traits.loss_transient_bytes
+        if plan.tp > 1 and traits.tp_loss_transient_bytes is not None:
+            transient = traits.tp_loss_transient_bytes
+        self.logits = self.loss_state + tokens * vocab * transient
         # the logits' gradient, the output layer's join and the loss's saved fp32 log-softmax, kept with
         # the graph until W (zero-bubble schedules)
         self.logit_joins = tokens * vocab * (B + 4)
