@@ -129,7 +129,6 @@ class ArchTraits:
             out = replace(out, linear_input_bytes=1 + FP8_SCALE_BYTES.get(recipe, 0.0))
         return out
 
-
     def loss_bytes(self) -> float:
         return self.loss_bytes_per_logit if self.loss_bytes_per_logit is not None else self.value_bytes() + 4
 
@@ -216,8 +215,7 @@ def routed_copies(m: ModelConfig, b: int, s: int, sh: Sharding) -> float:
     """Token copies one rank's experts compute per microbatch: the k b s / (tp cp) assignments of its
     router call, gathered over expert TP, at `routed_share` rows each."""
     n = b * s / (sh.tp * sh.cp)
-    copies = m.moe_router_topk * n * sh.etp
-    return copies if m.moe_expert_capacity_factor is None else copies * routed_share(m, n)
+    return m.moe_router_topk * n * sh.etp * routed_share(m, n)
 
 
 def kv_heads_and_dims(m: ModelConfig, tp: int) -> tuple[int, int, int]:

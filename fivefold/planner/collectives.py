@@ -244,7 +244,7 @@ def attention_call_keys(plan: Plan) -> float:
     Under all-gather CP each rank runs its two chunks' calls over prefixes of r + 1 and 2 CP - r chunks
     of s / 2CP keys (TransformerEngine's AttnFuncWithCPAndKVAllGather): at L / (L + h) of the rate each,
     the pair takes the time of two calls over their mean, (2 CP + 1) s / 4 CP, on every rank."""
-    if plan.config.parallel.cp_comm_type == "allgather" and plan.cp > 1:
+    if plan.cp_gathers_kv:
         return (2 * plan.cp + 1) * plan.seq / (4 * plan.cp)
     return plan.seq / cp_split(plan)[1]
 
@@ -269,7 +269,7 @@ def cp_collectives(plan: Plan, forward_again: bool = False) -> list[Collective]:
     g_l, d, dv = kv_heads_and_dims(m, tp)
     G = g_l if g_l % A == 0 else a_l
     out = []
-    if plan.cp > 1 and plan.config.parallel.cp_comm_type == "allgather":
+    if plan.cp_gathers_kv:
         kv = plan.cp * n * g_l * (d + dv) * e
         out += [Collective("all_gather", "cp", "cp", kv, "forward"), Collective("all_gather", "cp", "cp", kv, "backward"),
                 Collective("reduce_scatter", "cp", "cp", kv, "backward")]

@@ -52,7 +52,8 @@ _GROUPS: dict[tuple, tuple] = {}
 micro-batch / optimizer variants, so the grouping is computed once per split, not once per Plan."""
 
 
-_LAYOUT_ONLY = ("p", "tp", "sp", "cp", "pp", "vpp", "ep", "etp", "world", "dp", "edp", "schedule", "placement")
+_LAYOUT_ONLY = ("p", "tp", "sp", "cp", "cp_gathers_kv", "pp", "vpp", "ep", "etp", "world", "dp", "edp", "schedule",
+                "placement")
 """Plan properties read from the cluster, model and parallel sections only, computed once per layout
 for `Plan.with_training` (not `rank_chunks`: the layer groupings are cached by split, so most layouts
 never read it)."""
@@ -79,6 +80,11 @@ class Plan:
     @cached_property
     def cp(self) -> int:
         return self.p.context_parallel_size
+
+    @cached_property
+    def cp_gathers_kv(self) -> bool:
+        """All-gather context parallelism over more than one rank: each rank gathers the whole K and V."""
+        return self.cp > 1 and self.p.cp_comm_type == "allgather"
 
     @cached_property
     def pp(self) -> int:

@@ -105,8 +105,9 @@ def state_bytes_per_param(training: TrainingConfig, precision: str, d: int) -> t
     return Precision.of(training, precision).state_bytes(shards, training.sharding_strategy)
 
 
-_PARAMS: dict[tuple, tuple[float, float]] = {}
-"""rank_params by (Plan.layer_key, rank, tp, etp, ep): the model is kept alive by layout._GROUPS."""
+_PARAMS: dict[tuple, tuple[float, float] | float] = {}
+"""rank_params by (Plan.layer_key, rank, tp, etp, ep), and under ("linear", ...) the same key the
+decoder linears' parameters (`fp8_weight_cache`): the model is kept alive by layout._GROUPS."""
 
 
 def zero2_full_buffers(plan: Plan, dense: float, expert: float, state_bytes: tuple, prec: Precision) -> float:
@@ -193,11 +194,13 @@ def fp8_weight_cache(plan: Plan, rank: int) -> float:
     """Bytes of the fp8 weight copies the decoder linears of pipeline rank `rank` keep over a step
     (`ArchTraits.fp8_weight_cache`): 2 per element of their weights (norms, embeddings and the output
     layer stay 16-bit), 1 with fp8 primary weights; with MXFP8 each copy carries its scales."""
-    m = plan.config.model
-    linear = 0.0
-    for i, _, n in plan.layer_groups(rank):
-        dense, expert = _layer_share(plan, i)
-        linear += (dense - layer_params(m, i).norms + expert) * n
+    key = ("linear", plan.layer_key, rank, plan.tp, plan.etp, plan.ep)
+    linear = _PARAMS.get(key)
+    if linear is None:  # a search meets each rank's layers under many variants
+        m = plan.config.model
+        linear = _PARAMS[key] = sum((dense - layer_params(m, i).norms + expert) * n
+                                    for i, _, n in plan.layer_groups(rank)
+                                    for dense, expert in [_layer_share(plan, i)])
     t = plan.config.training
     per_copy = 1 + (FP8_SCALE_BYTES["mxfp8"] if t.fp8_recipe == "mxfp8" else 0.0)  # MXFP8 scales both copies
     return linear * per_copy * (1 if t.fp8_param_gather else 2)
@@ -263,7 +266,6 @@ class _Ranks:
                             state_bytes_per_param(training, plan.precision, plan.edp))
         self.prec = Precision.of(training, plan.precision)
         self.mode = training.sharding_strategy
-        self.gathers = plan.cp > 1 and plan.config.parallel.cp_comm_type == "allgather"
         self._fixed()
 
     def _fixed(self) -> None:
@@ -320,7 +322,7 @@ class _Ranks:
         traits = assume.traits
         rm = RankMemory(rank=r)
         detail, per_mb, transient, joins, bwd, offloaded = _layers(plan, self.shapes[r][0], r, self.sh, traits,
-                                                                    self.gathers)
+                                                                    plan.cp_gathers_kv)
         dense, expert = rank_params(plan, r)
         rm.params = dense + expert
         rm.weights, rm.grads, rm.optimizer = model_state(plan, r, dense, expert, self.state_bytes, self.prec,

@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 
 from fivefold.config.rules import a2a_overlap_problems, sizes_of
 from fivefold.config.schema import ClusterConfig, Config, ModelConfig, ParallelConfig, TrainingConfig
+from fivefold.errors import UserError
 from fivefold.parallel.precision import Precision
 from fivefold.pipeline.schedules import microbatch_problem, smallest_group
-from fivefold.errors import UserError
 from fivefold.planner.layout import Plan
 from fivefold.planner.memory import (MemoryAssumptions, RankMemory, after_step_gathers, model_state, peak_memory,
                                      rank_params, state_bytes_per_param)
