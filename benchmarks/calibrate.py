@@ -44,12 +44,12 @@ HELD_OUT_OF_LOSO = ("attention_half_keys", "expert_half_rows")
 """Fitted on all of a runtime's rows, held when a source is left out: a kernel's constant, pinned by
 one sweep (torchtitan's CP rows 28-31); left free, leaving the two H200 rows out drives it to its
 8192 bound and the memory-bound passes to 0 (two rows cannot pin seven constants)."""
-MAMF = 0.83
-"""No kernel runs faster than the best matmul measured on the device class: the Maximum Achievable
-Matmul FLOPS of stas00/ml-engineering (compute/accelerator/README.md, a brute-force search over bf16
-shapes): H100 SXM 792.1 of 989 TFLOP/s (80.1%), GH200 821.0 (83.0%). A fit above it (megatron-te's
-GEMM share went to 0.84 before Llama 3's layout was read as its paper says) trades a physical
-constant for another's error."""
+MAMF = 1.0
+"""No kernel runs faster than the best matmul measured on the device class: the shares are of that
+ceiling (`Hardware.achievable_flops`: stas00/ml-engineering's Maximum Achievable Matmul FLOPS, per GPU
+and precision), so their bound is 1. Session 18 bounded shares of the datasheet peak by 0.83 instead (the
+best ceiling then known, GH200's); a fit above the ceiling (megatron-te's GEMM share went to 0.84 of
+peak before Llama 3's layout was read as its paper says) trades a physical constant for another's error."""
 BOUNDS = {"expert_half_rows": (0.0, 8192.0), "attention_half_keys": (0.0, 8192.0), "membound_passes": (0.0, 40.0),
           **{n: (0.05, MAMF) for n in ("gemm_efficiency", "fp8_gemm_efficiency", "attention_efficiency",
                                        "expert_efficiency")}}

@@ -294,7 +294,7 @@ def _middle_rank(cfg, rt, hw, ta=None) -> tuple[dict, dict]:
     ta = ta or rt.time
     plan = Plan(apply(cfg, rt))
     links = Links(plan, hw, cfg.cluster.gpus_per_node, ta)
-    rate = hw.peak_flops(plan.precision) * ta.gemm_efficiency
+    rate = hw.achievable_flops(plan.precision) * ta.gemm_efficiency
     parts, sent, _ = _rank_cost(plan, 1, links, group_sizes(plan), rate, _keys(plan, links, rate))
     return parts, sent
 

@@ -45,7 +45,8 @@ def add_hardware_arguments(p: argparse.ArgumentParser) -> None:
                         "(Megatron-Core + TransformerEngine), torchtitan; docs/planner_calibration.md. "
                         "Default fivefold")
     g.add_argument("--gemm-efficiency", type=float, default=None,
-                   help="achieved share of peak FLOP/s for linear GEMMs (calibrate from a measured step). "
+                   help="achieved share of the GPU's measured matmul ceiling (MAMF) for linear GEMMs "
+                        "(calibrate from a measured step). "
                         f"Default: the runtime's ({TimeAssumptions.gemm_efficiency} for fivefold)")
     g.add_argument("--comm-efficiency", type=float, default=None,
                    help=f"achieved share of link bandwidth. Default: the runtime's ({TimeAssumptions.comm_efficiency})")

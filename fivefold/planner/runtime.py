@@ -76,7 +76,7 @@ _TT_TRAITS = ArchTraits(op_level_sac=_TT_SAC)
 """Megatron's counts for compiled blocks, flash attention, 16-bit saved inputs (torchao float8), and
 selective recompute as torchtitan's default `selective_ac_option = "op"`."""
 
-_FLASH_HALF_KEYS = 842.0
+_FLASH_HALF_KEYS = 1435.0
 """Keys per call at which a flash kernel runs at half its rate (`TimeAssumptions.attention_half_keys`):
 fitted on torchtitan's rows, whose CP sweep (rows 28-31: 405B at 8192 tokens, CP 1-8, calls of 8192
 down to 1024 keys) pins it; Megatron's rows hardly move it (their fit is as good with it as at 0:
@@ -88,9 +88,9 @@ PROFILES: dict[str, Runtime] = {r.name: r for r in [
     Runtime("megatron-te",
             MemoryAssumptions(allocator_overhead=0.02, runtime_reserve=1.0 * GiB, traits=_TE_TRAITS),
             # fitted on rows 1-9, 12-14, 36-44, 47-55 (benchmarks/calibrate.py --fit)
-            TimeAssumptions(gemm_efficiency=0.685, fp8_gemm_efficiency=0.445, attention_efficiency=0.51,
-                            attention_half_keys=_FLASH_HALF_KEYS, expert_efficiency=0.83, expert_half_rows=2418.5,
-                            membound_passes=12.70, tp_overlap=0.96, ep_overlap=0.419, ep_overlap_1f1b=0.687),
+            TimeAssumptions(gemm_efficiency=0.865, fp8_gemm_efficiency=0.626, attention_efficiency=0.674,
+                            attention_half_keys=_FLASH_HALF_KEYS, expert_efficiency=1.0, expert_half_rows=2389.5,
+                            membound_passes=11.31, tp_overlap=0.898, ep_overlap=0.439, ep_overlap_1f1b=0.676),
             grad_reduce_in_bf16=True,
             summary="Megatron-Core + TransformerEngine: fused kernels, fp8 linear inputs, TP comm overlap, "
                     "grouped GEMM, bf16 gradient reduction, distributed optimizer, 1F1B all-to-all overlap "
@@ -99,8 +99,8 @@ PROFILES: dict[str, Runtime] = {r.name: r for r in [
     Runtime("torchtitan",
             MemoryAssumptions(allocator_overhead=0.05, runtime_reserve=1.0 * GiB, traits=_TT_TRAITS),
             # fitted on rows 16-26, 28-35 (benchmarks/calibrate.py --fit --runtime torchtitan)
-            TimeAssumptions(gemm_efficiency=0.633, fp8_gemm_efficiency=0.605, attention_efficiency=0.175,
-                            attention_half_keys=_FLASH_HALF_KEYS, membound_passes=14.33, tp_overlap=0.05,
+            TimeAssumptions(gemm_efficiency=0.789, fp8_gemm_efficiency=0.851, attention_efficiency=0.221,
+                            attention_half_keys=_FLASH_HALF_KEYS, membound_passes=13.22, tp_overlap=0.05,
                             cp_overlap=1.0, op_level_sac=_TT_SAC),
             grad_reduce_in_bf16=False,
             summary="torchtitan: FSDP2 (fp32 reduce), torch.compile, torchao float8, async TP",

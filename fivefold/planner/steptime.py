@@ -2,8 +2,10 @@
 crosses, plus the pipeline bubble.
 
 Per pipeline rank r and microbatch:
-  compute   hardware FLOPs / (TP*CP) / (peak * gemm_efficiency); hardware = 3 x forward, + 1 forward
-            of recomputed layers (full) or of the attention core (selective).
+  compute   hardware FLOPs / (TP*CP) / (ceiling * gemm_efficiency); hardware = 3 x forward, + 1 forward
+            of recomputed layers (full) or of the attention core (selective); ceiling = the best matmul
+            measured on the GPU class at the run's precision (`Hardware.achievable_flops`, MAMF), so an
+            achieved share means the same on an H100 and on a GB200.
   comm      every call of `collectives.py` (the list the measured byte checks use: what the runtime
             issues), converted to the bytes that leave the rank (ring all-reduce 2(n-1)/n x call
             bytes, all-gather / reduce-scatter / all-to-all (n-1)/n, send 1, recv 0) and timed on the
@@ -39,8 +41,9 @@ from fivefold.planner.presets.hardware import Hardware
 
 @dataclass(frozen=True)
 class TimeAssumptions:
-    gemm_efficiency: float = 0.6
-    """Achieved share of peak FLOP/s for the model's GEMMs and attention. Default 0.6 (calibrate)."""
+    gemm_efficiency: float = 0.75
+    """Achieved share of the measured matmul ceiling (`Hardware.achievable_flops`) for the model's GEMMs
+    and attention. Default 0.75: 0.6 of an H100's bf16 peak (its ceiling is 80.3% of it)."""
     comm_efficiency: float = 0.8
     """Achieved share of link bandwidth for collectives and p2p. Default 0.8."""
     intra_latency: float = 5e-6
@@ -50,19 +53,19 @@ class TimeAssumptions:
     optimizer_bytes_per_param: float = 30.0
     """HBM bytes the Adam step moves per local parameter. Default 30."""
     fp8_gemm_efficiency: float | None = None
-    """Achieved share of the fp8 peak for linear-layer GEMMs under fp8 (quantisation, scaling and
-    casts included); None = gemm_efficiency."""
+    """Achieved share of the fp8 matmul ceiling for linear-layer GEMMs under fp8 (quantisation, scaling
+    and casts included); None = gemm_efficiency."""
     attention_efficiency: float | None = None
-    """Achieved share of the bf16 peak for the attention core (a flash kernel: bf16 under every
-    recipe); None = gemm_efficiency."""
+    """Achieved share of the bf16 matmul ceiling for the attention core (a flash kernel: bf16 under
+    every recipe); None = gemm_efficiency."""
     attention_half_keys: float = 0.0
     """Keys per attention-kernel call at which the flash kernel reaches half of its rate:
     attention_efficiency x L / (L + this), L = the sequence, or one ring step's chunk (s / P) under a
     p2p CP ring (an all-to-all CP keeps the whole sequence, fewer heads). Short calls spend more of
     their time loading queries, writing outputs and on masked diagonal tiles. 0 = no length effect."""
     expert_efficiency: float | None = None
-    """Achieved share of peak for routed-expert (grouped) GEMMs with many rows per expert; None =
-    gemm_efficiency."""
+    """Achieved share of the matmul ceiling for routed-expert (grouped) GEMMs with many rows per expert;
+    None = gemm_efficiency."""
     expert_half_rows: float = 0.0
     """Rows per expert (token copies on one expert per microbatch) at which grouped GEMMs reach half
     of `expert_efficiency`: efficiency x n / (n + this). 0 = no size effect."""
@@ -118,7 +121,7 @@ def step_time(plan: Plan, hw: Hardware, ta: TimeAssumptions = TimeAssumptions())
     sizes = group_sizes(plan)
     s, cp = plan.seq, plan.cp
     gemm = ta.fp8_gemm_efficiency if plan.precision == "fp8" and ta.fp8_gemm_efficiency else ta.gemm_efficiency
-    flops_rate = hw.peak_flops(plan.precision) * gemm  # linear layers
+    flops_rate = hw.achievable_flops(plan.precision) * gemm  # linear layers
     n_mb = plan.microbatches
     rank_times, rank_parts, rank_bytes = [], [], []
     classes = plan.rank_classes  # ranks of equal `Plan.rank_shapes` cost the same
@@ -374,7 +377,7 @@ def _layer_cost_of(plan: Plan, links: Links, sizes: dict[str, int], i: int, reco
     core = attention_core_flops(m, s) * b * s
     experts = 2 * lp.active_experts * b * s
     linear = layer_forward_flops(m, i, s) * b * s - core - experts
-    attn_rate = hw.bf16_flops * (ta.attention_efficiency or ta.gemm_efficiency)
+    attn_rate = hw.achievable_flops("bf16") * (ta.attention_efficiency or ta.gemm_efficiency)
     if ta.attention_half_keys:
         keys = attention_call_keys(plan)
         attn_rate *= keys / (keys + ta.attention_half_keys)
