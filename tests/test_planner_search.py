@@ -9,7 +9,7 @@ from fivefold.errors import UserError
 from fivefold.planner.pipeline import bubble_fraction, bubble_stage_times, pipeline_profile, pipeline_time
 from fivefold.planner.memory import MemoryAssumptions
 from fivefold.planner.presets import hardware, model_preset
-from fivefold.planner.search import DOMINATED, PP_DOMINATED, describe, rank_key, search
+from fivefold.planner.search import DOMINATED, PP_DOMINATED, describe, evaluate, make_config, rank_key, search
 from fivefold.planner.steptime import TimeAssumptions
 from fivefold.planner.validity import config_errors
 
@@ -65,6 +65,30 @@ def test_hardware_yaml_and_overrides(tmp_path):
     assert hardware("h100", {"bf16_tflops": 500}).bf16_flops == 500e12
     with pytest.raises(UserError, match="unknown GPU"):
         hardware("tpu-v5")
+
+
+def test_achieved_shares_are_of_the_measured_matmul_ceiling(tmp_path):
+    """Every preset carries the best matmul measured on its GPU class as a share of its datasheet peak
+    (ml-engineering's MAMF table: an H100's bf16 794.5 of 989 TFLOP/s, a GB200's 1822 of 2500), a
+    YAML or an override can state its own, and the time model's GEMMs run at that ceiling times the
+    runtime's share: halving the ceiling doubles the compute part of a one-GPU step, nothing else."""
+    from dataclasses import replace
+    from fivefold.planner.presets.hardware import HARDWARE_PRESETS
+    h100, gb200 = hardware("h100-sxm"), hardware("gb200")
+    assert h100.achievable_flops("bf16") == pytest.approx(794.5e12, rel=1e-3)
+    assert h100.achievable_flops("fp8") == pytest.approx(1402.6e12, rel=1e-3)
+    assert gb200.achievable_flops("bf16") == pytest.approx(1822e12, rel=1e-6)
+    assert all(0.5 < h.matmul_ceiling < 0.9 for h in HARDWARE_PRESETS.values())
+    f = tmp_path / "measured.yaml"
+    f.write_text("base: h100-sxm\nmatmul_ceiling: 0.5\n")
+    assert hardware(str(f)).achievable_flops("bf16") == pytest.approx(0.5 * h100.bf16_flops)
+    assert hardware("h100", {"bf16_tflops": 500}).achievable_flops("bf16") == pytest.approx(500e12 * h100.matmul_ceiling)
+    cfg = make_config(model_preset("llama3-8b").model, 8, 8, 2048, 8, "bf16", {})  # DP8, distributed optimizer
+    slower = replace(h100, matmul_ceiling=h100.matmul_ceiling / 2)
+    # the default profile charges no memory-bound passes: its compute is GEMMs and attention alone
+    full, half = (evaluate(cfg, hw, check=False).estimate.parts for hw in (h100, slower))
+    close(half["compute"], 2 * full["compute"], rtol=1e-12, site="planner.matmul_ceiling_scales_compute")
+    assert half["optimizer"] == full["optimizer"]
 
 
 @pytest.mark.parametrize("argv,message", [
