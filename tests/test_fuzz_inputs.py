@@ -199,7 +199,7 @@ def test_output_into_head_ends_quietly():
 
 planner_words = st.lists(st.one_of(
     st.tuples(st.sampled_from(["--gpus", "--gpus-per-node", "--gpu", "--gpu-memory-gib", "--bf16-tflops",
-                               "--network-gbs", "--gemm-efficiency", "--allocator-overhead"]),
+                               "--network-gbs", "--gemm-efficiency", "--allocator-overhead", "--matmul-ceiling"]),
               st.one_of(sizes.map(str), st.sampled_from(["h100-sxm", "b200", "x", "nan", "-inf", "0.5"]))).map(list),
 ), max_size=3).map(lambda ws: [w for g in ws for w in g])
 
@@ -217,7 +217,8 @@ def test_random_estimates(model, words, more):
     ["--gpus", "16", "--micro-batch", "0"], ["--gpus", "16", "--seq-len", "0"], ["--gpus", "16", "--global-batch", "-4"],
     ["--gpus", "16", "--gpu-memory-gib", "-1"], ["--gpus", "16", "--network-gbs", "nan"],
     ["--gpus", "16", "--allocator-overhead", "-5"], ["--gpus", "16", "--schedules", "fast"],
-    ["--gpus", "16", "--dp-modes", "zero4"],
+    ["--gpus", "16", "--dp-modes", "zero4"], ["--gpus", "16", "--matmul-ceiling", "1.5"],
+    ["--gpus", "16", "--matmul-ceiling", "nan"],
 ])
 def test_plan_refuses_bad_sizes_before_searching(words):
     """Each used to search (a 10^12-GPU cluster for minutes), print nonsense (--top -3 printed every row

@@ -38,6 +38,10 @@ def add_hardware_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gpu-memory-gib", type=positive_float, help="override HBM capacity (GiB)")
     g.add_argument("--bf16-tflops", type=positive_float, help="override peak dense bf16 TFLOP/s")
     g.add_argument("--fp8-tflops", type=positive_float, help="override peak dense fp8 TFLOP/s")
+    g.add_argument("--matmul-ceiling", type=float, default=None,
+                   help="the best bf16 matmul measured on your GPU (e.g. ml-engineering's mamf-finder.py) as a "
+                        "share of its peak; the achieved shares of --runtime are shares of it. Default: the "
+                        "preset's (0.803 for an H100)")
     g.add_argument("--intra-node-gbs", type=positive_float, help="override intra-node GB/s per GPU per direction")
     g.add_argument("--network-gbs", type=positive_float, help="override network GB/s per GPU per direction")
     g.add_argument("--runtime", default="fivefold", choices=tuple(PROFILES),
@@ -56,9 +60,11 @@ def add_hardware_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def hardware_of(args) -> Hardware:
+    if args.matmul_ceiling is not None and not 0 < args.matmul_ceiling <= 1:
+        raise UserError(f"--matmul-ceiling={args.matmul_ceiling} must be in (0, 1] (a share of the bf16 peak)")
     hw = hardware(args.gpu, {"memory_gib": args.gpu_memory_gib, "bf16_tflops": args.bf16_tflops,
                              "fp8_tflops": args.fp8_tflops, "intra_node_gbs": args.intra_node_gbs,
-                             "network_gbs": args.network_gbs})
+                             "network_gbs": args.network_gbs, "matmul_ceiling": args.matmul_ceiling})
     return hw
 
 
