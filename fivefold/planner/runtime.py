@@ -11,7 +11,8 @@ its achieved rates per op class and overlap per collective (`TimeAssumptions`):
                reduction (Megatron-Bridge's performance configs: --grad-reduce-in-bf16), the
                distributed optimizer, PYTORCH_CUDA_ALLOC_CONF=expandable_segments (little slack).
   torchtitan   FSDP2 (fp32 reduce), torch.compile'd blocks, torchao Float8Linear (fp8 GEMMs,
-               16-bit saved inputs), async TP where enabled.
+               16-bit saved inputs), one TP overlap share fitted over its rows (most ran async TP;
+               plain and async TP are not told apart).
 
 The time constants marked fitted come from `python benchmarks/calibrate.py --fit`: a least-squares fit
 of log(estimated / published tokens/s) over the rows of gpu-runs.tsv that ran on that runtime (docs/
@@ -103,7 +104,8 @@ PROFILES: dict[str, Runtime] = {r.name: r for r in [
                             attention_half_keys=_FLASH_HALF_KEYS, membound_passes=13.22, tp_overlap=0.05,
                             cp_overlap=1.0, op_level_sac=_TT_SAC),
             grad_reduce_in_bf16=False,
-            summary="torchtitan: FSDP2 (fp32 reduce), torch.compile, torchao float8, async TP",
+            summary="torchtitan: FSDP2 (fp32 reduce), torch.compile, torchao float8, TP as its published rows ran it "
+                    "(mostly async TP)",
             dp_modes=("optim_grads_params",), cp_comm_types=("p2p",), group_rule="rounds"),
 ]}
 
