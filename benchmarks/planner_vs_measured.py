@@ -154,6 +154,11 @@ CASES = [
     Case("MoE EP2 mbs2 capacity 1.25 padded", 2, 2, 4, model={**MOE, "moe_expert_capacity_factor": 1.25,
                                                                 "moe_pad_expert_input_to_capacity": True},
          parallel={"expert_model_parallel_size": 2}),
+    Case("CP2 allgather mbs2", 2, 2, 2, parallel={"context_parallel_size": 2, "cp_comm_type": "allgather"}),
+    Case("TP2 SP x CP2 allgather mbs1 full recompute", 4, 1, 1,
+         parallel={"tensor_model_parallel_size": 2, "sequence_parallel": True, "context_parallel_size": 2,
+                   "cp_comm_type": "allgather"},
+         training={"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}),
 ]
 
 

@@ -32,7 +32,8 @@ from fivefold.runtime.mesh import Mesh
 from fivefold.topology import Layout
 
 ATTN_LAYOUTS = [("p2p-cp2", dict(cp=2, dp=2)), ("p2p-cp4", dict(cp=4)), ("a2a-cp2", dict(cp=2, dp=2, cp_a2a=2)),
-                ("a2a+p2p-cp4", dict(cp=4, cp_a2a=2)), ("a2a-cp4", dict(cp=4, cp_a2a=4))]
+                ("a2a+p2p-cp4", dict(cp=4, cp_a2a=2)), ("a2a-cp4", dict(cp=4, cp_a2a=4)),
+                ("allgather-cp2", dict(cp=2, dp=2, cp_gather=True)), ("allgather-cp4", dict(cp=4, cp_gather=True))]
 HEADS = [(4, 2, 16, 8), (4, 1, 8, 8), (4, 4, 8, 12)]
 """(query heads, KV heads, q/k head dim, v head dim): GQA with dv != d (MLA's shape), MQA (a2a must
 copy the single KV head), MHA with dv > d."""
@@ -69,7 +70,7 @@ def _attention_case(rank, world):
         o = cp.attention(q, k, v, docs=DOCS)
         o.backward(do)
         results[name, "docs"] = (cp.rank, o.detach(), q.grad, k.grad, v.grad)
-        if cp.a2a.size == 1:  # the ring with its K/V in 4 pieces (the default at these lengths is 2)
+        if cp.a2a.size == 1 and not cp.gathers:  # the ring with its K/V in 4 pieces (the default at these lengths is 2)
             for key, shape, docs in (("pieces", HEADS[0], None), ("pieces+docs", DOC_SHAPE, DOCS)):
                 q, k, v, do = (split_sequence(t, 2, cp.size, cp.rank) for t in _qkv(*shape))
                 q, k, v = (t.requires_grad_(True) for t in (q, k, v))
@@ -124,7 +125,7 @@ def test_cp_attention_with_documents_equals_one_process(attention_runs, name):
                   case=f"{name} rank {r}")
 
 
-@pytest.mark.parametrize("name", [n for n, sizes in ATTN_LAYOUTS if "cp_a2a" not in sizes])
+@pytest.mark.parametrize("name", [n for n, sizes in ATTN_LAYOUTS if "cp_a2a" not in sizes and "cp_gather" not in sizes])
 def test_ring_in_more_pieces_equals_one_process(attention_runs, name):
     """The same ring with its K/V in 4 pieces per rank (with and without documents)."""
     n = dict(ATTN_LAYOUTS)[name]["cp"]
@@ -228,8 +229,10 @@ def test_split_and_positions_cover_the_sequence_once():
 
 
 def _sizes(name):
-    """(A, P): all-to-all size and ring size of a layout."""
+    """(A, P): all-to-all size and ring size of a layout (an all-gather layout has neither: 1, 1)."""
     sizes = dict(ATTN_LAYOUTS)[name]
+    if sizes.get("cp_gather"):
+        return 1, 1
     a2a = sizes.get("cp_a2a", 1)
     return a2a, sizes["cp"] // a2a
 
@@ -246,10 +249,19 @@ def _by_kind(table):
 @pytest.mark.parametrize("name", [n for n, _ in ATTN_LAYOUTS])
 def test_cp_call_bytes_match_the_formulas(attention_runs, name):
     """docs/derivations/cp_bytes.md, per rank: ring (P > 1) forward (P-1) b G (s/n) (d+dv) e sent, backward
-    (P-1) b G (s/n) (d+dv) (e+4); a2a (A > 1) b (s/n) e (a d + G d + G dv + a dv) each way."""
+    (P-1) b G (s/n) (d+dv) (e+4); a2a (A > 1) b (s/n) e (a d + G d + G dv + a dv) each way; all-gather
+    K and V gathered (b g s (d+dv) e, counted as the gathered bytes) forward and again backward, and dK / dV
+    reduce-scattered (the same, counted as the unscattered input), two calls each."""
     A, P = _sizes(name)
     n, e = A * P, 4  # fp32 inputs
     for a, g, d, dv in HEADS:
+        if dict(ATTN_LAYOUTS)[name].get("cp_gather"):
+            kv = B * g * S * (d + dv) * e
+            for res in attention_runs:  # exact
+                fwd, bwd = res[name, (a, g, d, dv)][5:7]
+                assert _by_kind(fwd) == {"all_gather": (2, kv)}, (a, g, d, dv)
+                assert _by_kind(bwd) == {"all_gather": (2, kv), "reduce_scatter": (2, kv)}, (a, g, d, dv)
+            continue
         G = g if g % A == 0 else a
         ring_f = (P - 1) * B * G * (S // n) * (d + dv) * e
         ring_b = (P - 1) * B * G * (S // n) * (d + dv) * (e + 4)
@@ -300,6 +312,7 @@ TRAIN_LAYOUTS = {
     "cp2-tp2-sp": (dict(context_parallel_size=2, tensor_model_parallel_size=2, sequence_parallel=True), {}),
     "cp2-p2p-dp2-zero": (dict(context_parallel_size=2), dict(use_distributed_optimizer=True)),
     "pp2-cp2-1f1b": (dict(context_parallel_size=2, pipeline_model_parallel_size=2, pipeline_schedule="1f1b"), {}),
+    "cp4-allgather": (dict(context_parallel_size=4, cp_comm_type="allgather"), {}),
 }
 
 DOCS_FLAGS = dict(reset_attention_mask=True, reset_position_ids=True, eod_mask_loss=True)
@@ -307,6 +320,8 @@ DOC_LAYOUTS = {  # packed documents (Megatron's --reset-attention-mask --reset-p
     "docs-cp2-tp2-sp": dict(context_parallel_size=2, tensor_model_parallel_size=2, sequence_parallel=True),
     "docs-cp2-a2a-dp2": dict(context_parallel_size=2, cp_comm_type="a2a"),
     "docs-pp2-cp2": dict(context_parallel_size=2, pipeline_model_parallel_size=2, pipeline_schedule="1f1b"),
+    "docs-cp2-allgather-tp2-sp": dict(context_parallel_size=2, cp_comm_type="allgather", tensor_model_parallel_size=2,
+                                      sequence_parallel=True),
 }
 MOE_DOC_LAYOUTS = {  # the same documents through an MoE model's expert all-to-all
     "docs-moe-cp2-ep2": dict(context_parallel_size=2, expert_model_parallel_size=2),
@@ -404,6 +419,8 @@ def _cp_bytes_per_layer(parallel: dict, b: int = 2, s: int = 64, e: int = 4, for
     """docs/derivations/cp_bytes.md for the tiny model: send + recv + all_to_all bytes, forward + backward (or forward
     only), of one layer and microbatch on one rank (4 heads, 2 KV heads, d = dv = 16, fp32)."""
     n, t = parallel["context_parallel_size"], parallel.get("tensor_model_parallel_size", 1)
+    if parallel.get("cp_comm_type") == "allgather":  # K, V gathered forward and again backward, dK / dV reduce-scattered
+        return (1 if forward_only else 3) * b * max(2 // t, 1) * s * 2 * 16 * e
     A = {"p2p": 1, "a2a": n}.get(parallel.get("cp_comm_type", "p2p")) or parallel["hierarchical_context_parallel_sizes"][0]
     P, a, g, d = n // A, 4 // t, max(2 // t, 1), 16
     G = g if g % A == 0 else a

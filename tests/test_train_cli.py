@@ -48,7 +48,7 @@ def test_unknown_override_key(tmp_path):
 @pytest.mark.parametrize("words,needle", [
     (["--optimizer", "sgd"], "optimizers other than adamw"),
     (["--num-experts", "4", "--moe-router-load-balancing-type", "sinkhorn"], "sinkhorn load balancing"),
-    (["--context-parallel-size", "2", "--cp-comm-type", "all_gather"], "all-gather context parallelism"),
+    (["--recompute-granularity", "selective", "--recompute-modules", "mlp"], "selective recompute of modules other"),
 ])
 def test_not_implemented_knob(tmp_path, words, needle):
     _refused(_train(tmp_path, TINY, *words, nproc=2), needle, "not implemented yet")

@@ -196,6 +196,6 @@ def layout_of(config: Config) -> Layout:
     p, world = config.parallel, config.cluster.resolved_world_size
     tp, cp, pp = p.tensor_model_parallel_size, p.context_parallel_size, p.pipeline_model_parallel_size
     etp = p.expert_tensor_parallel_size if p.expert_tensor_parallel_size is not None else tp
-    a2a = {"p2p": 1, "a2a": cp}.get(p.cp_comm_type) or (p.hierarchical_context_parallel_sizes or [1])[0]
+    a2a = {"p2p": 1, "allgather": 1, "a2a": cp}.get(p.cp_comm_type) or (p.hierarchical_context_parallel_sizes or [1])[0]
     return Layout(tp=tp, cp=cp, pp=pp, dp=world // (tp * cp * pp), ep=p.expert_model_parallel_size, etp=etp,
-                  order=p.order, cp_a2a=a2a if cp > 1 else 1)
+                  order=p.order, cp_a2a=a2a if cp > 1 else 1, cp_gather=cp > 1 and p.cp_comm_type == "allgather")

@@ -15,7 +15,8 @@ group of p ranks; cp_comm_type p2p: a = 1, a2a: p = 1, a2a+p2p: [a, p]):
      their log-sum-exp. With p = 1 this is plain causal attention on the whole sequence.
   3. all-to-all back to (b, heads, s/n, dv).
 The a2a groups are consecutive CP ranks and the ring groups stride over them (Layout.cp_a2a), which
-is what makes step 1's re-ordering a load-balanced split of size 2p.
+is what makes step 1's re-ordering a load-balanced split of size 2p. cp_comm_type allgather (a = 1):
+K and V gathered from the whole group instead of a ring (allgather_attention; Layout.cp_gather).
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ import torch.nn.functional as F
 from fivefold.data.loader import IGNORE_INDEX
 from fivefold.errors import UserError
 from fivefold.ops.attention import Documents, attention as backend_attention
+from fivefold.parallel.allgather_attention import allgather_attention
 from fivefold.parallel.ring_attention import ring_attention
 from fivefold.runtime import comm
 from fivefold.runtime.mesh import Group
@@ -121,6 +123,8 @@ class ContextParallel:
     a2a: Group
     ring: Group
     tag: str = "cp"
+    gathers: bool = False
+    """K and V all-gathered over `ring` (the whole group; cp_comm_type allgather) instead of a ring."""
 
     @property
     def size(self) -> int:
@@ -136,6 +140,8 @@ class ContextParallel:
         """Causal softmax(q k^T * scale) v over the whole sequence, for this rank's tokens.
         q (b, a, s/cp, d), k (b, g, s/cp, d), v (b, g, s/cp, dv) -> (b, a, s/cp, dv); a % g == 0.
         `docs`: the global document boundaries of the whole (b, s) batch (each attends to itself)."""
+        if self.gathers:
+            return allgather_attention(q, k, v, self.ring, tag=self.tag, scale=scale, docs=docs)
         n = self.a2a.size
         if n > 1:
             if k.shape[1] % n:  # too few KV heads to split: give every query head its own copy
@@ -168,7 +174,7 @@ def context_parallel_of(mesh, heads_per_rank: int) -> ContextParallel | None:
     the query heads of this TP rank, which the all-to-all splits over the a2a group."""
     if mesh is None or mesh.cp.size == 1:
         return None
-    cp = ContextParallel(mesh.group("cp-a2a"), mesh.group("cp-ring"))
+    cp = ContextParallel(mesh.group("cp-a2a"), mesh.group("cp-ring"), gathers=mesh.layout.cp_gather)
     if heads_per_rank % cp.a2a.size:
         raise UserError(f"all-to-all context parallelism over {cp.a2a.size} ranks needs the {heads_per_rank} "
                         f"attention heads per TP rank divisible by {cp.a2a.size} (lower the a2a size of "

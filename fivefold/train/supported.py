@@ -33,8 +33,6 @@ RUNTIME_KNOBS: list[Knob] = [
          "sinkhorn load balancing (aux_loss, seq_aux_loss and none run)"),
     Knob("training.precision", _is("fp32", "bf16", "fp16"), "fp8 (the planner models it; the runtime trains fp32, bf16, fp16)"),
     Knob("training.optimizer", _is("adamw"), "optimizers other than adamw"),
-    Knob("parallel.cp_comm_type", _is("p2p", "a2a", "a2a+p2p"),
-         "all-gather context parallelism (the planner models it; the runtime runs p2p, a2a and a2a+p2p)"),
     Knob("training.recompute_modules", lambda v: v is None or list(v) == ["core_attn"],
          "selective recompute of modules other than core_attn (the planner models Megatron's modules; the runtime "
          "recomputes the attention core)"),
