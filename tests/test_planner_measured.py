@@ -19,7 +19,8 @@ from benchmarks.planner_vs_measured import CASES, MEMORY_TOL, run_case
 
 CHOSEN = ["CP2 p2p mbs2", "TP2 SP mbs2", "PP2 ZB-H1 mbs1 GA4 tied", "TP2 SP mbs2 full recompute", "TP2 SP MLA mbs2",
           "GQA1 TP2 SP mbs2", "qk-norm TP2 SP mbs2", "MTP1 TP2 SP mbs2", "PP2 DualPipeV mbs1 GA4",
-          "PP2 VPP2 group3 mbs1 GA5", "MoE EP2 mbs2 capacity 1.25 padded", "TP2 SP x CP2 allgather mbs1 full recompute"]
+          "PP2 VPP2 group3 mbs1 GA5", "MoE EP2 mbs2 capacity 1.25 padded",
+          "TP2 SP x CP2 allgather mbs1 full recompute"]
 """Context parallelism by ring attention (K/V blocks sent and received, gradients over DP x CP); TP
 with sequence parallelism (all-gathers / reduce-scatters,
 SP-norm gradient all-reduce, vocab-parallel loss); a zero-bubble pipeline with tied embeddings (p2p

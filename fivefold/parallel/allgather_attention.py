@@ -98,8 +98,9 @@ class AllGatherAttention(torch.autograd.Function):
         with traffic.span("compute", tag):
             for rows, x in _chunks(group.rank, n, c):
                 for keys, causal, pieces in _blocks(x, c, torch.arange(x * c, (x + 1) * c), ctx.docs):
-                    dq_t, dk_t, dv_t = block_backward(do[:, :, rows], q[:, :, rows], k_all[:, :, keys], v_all[:, :, keys],
-                                                      out_c[:, :, rows], lse[:, :, rows], scale, causal, pieces)
+                    dq_t, dk_t, dv_t = block_backward(do[:, :, rows], q[:, :, rows], k_all[:, :, keys],
+                                                      v_all[:, :, keys], out_c[:, :, rows], lse[:, :, rows], scale,
+                                                      causal, pieces)
                     dq[:, :, rows] += dq_t
                     dk_all[:, :, keys] += dk_t
                     dv_all[:, :, keys] += dv_t
@@ -107,7 +108,8 @@ class AllGatherAttention(torch.autograd.Function):
         del k_all, v_all
         back = torch.argsort(order)  # position order -> CP-index order, then each rank's own two chunks
         with traffic.span("reduce_scatter", tag):
-            dk, dv = (raw.reduce_scatter(g[:, :, back].to(t.dtype), 2, group, tag) for g, t in ((dk_all, k), (dv_all, v)))
+            dk, dv = (raw.reduce_scatter(g[:, :, back].to(t.dtype), 2, group, tag)
+                      for g, t in ((dk_all, k), (dv_all, v)))
         return dq.to(q.dtype), dk, dv, None, None, None, None
 
 
