@@ -9,7 +9,8 @@ Every row runs forward + backward of causal attention over one sequence of --seq
   one process      F.scaled_dot_product_attention on the whole sequence (torch's CPU flash kernel)
   ours CPn <type>  fivefold.parallel.context.ContextParallel: each of n ranks holds 2 of the 2n
                    load-balanced chunks; p2p = ring (K/V rotate, log-sum-exp merge), a2a = all-to-all
-                   over heads then whole-sequence SDPA, a2a+p2p = both
+                   over heads then whole-sequence SDPA, a2a+p2p = both, allgather = K/V gathered from
+                   every rank (Llama 3's; gathered again in backward, dK/dV reduce-scattered)
   torch CPn        torch.distributed.tensor.experimental.context_parallel (ring, round-robin load
                    balance) on the same ranks, when this build supports it on this device
 Columns: median step time of the slowest rank and its ratio to one process; peak bytes of tensors
@@ -39,7 +40,8 @@ from fivefold.testing.harness import Workers  # noqa: E402
 from fivefold.topology import Layout  # noqa: E402
 
 LAYOUTS = [  # (CP size, comm type, a2a size)
-    (2, "p2p", 1), (4, "p2p", 1), (2, "a2a", 2), (4, "a2a", 4), (4, "a2a+p2p", 2),
+    (2, "p2p", 1), (4, "p2p", 1), (2, "a2a", 2), (4, "a2a", 4), (4, "a2a+p2p", 2), (2, "allgather", 1),
+    (4, "allgather", 1),
 ]
 
 
@@ -65,10 +67,10 @@ def _one_process(args) -> dict:
     return {"time": t, "peak": peak, "out": out}
 
 
-def _ours(rank: int, world: int, args, a2a: int) -> dict:
+def _ours(rank: int, world: int, args, a2a: int, gather: bool) -> dict:
     torch.set_num_threads(1)
-    mesh = Mesh.build(Layout(cp=world, cp_a2a=a2a))
-    cp = ContextParallel(mesh.group("cp-a2a"), mesh.group("cp-ring"))
+    mesh = Mesh.build(Layout(cp=world, cp_a2a=a2a, cp_gather=gather))
+    cp = ContextParallel(mesh.group("cp-a2a"), mesh.group("cp-ring"), gathers=gather)
     q, k, v, do = (split_sequence(t, 2, cp.size, cp.rank).clone() for t in _inputs(args))
     q, k, v = (t.requires_grad_() for t in (q, k, v))
 
@@ -143,12 +145,13 @@ def main(argv=None) -> int:
     try:
         for n, kind, a2a in LAYOUTS:
             pool = pools.setdefault(n, Workers(n, timeout=900))
-            outs = pool.run(_ours, args, a2a)
+            outs = pool.run(_ours, args, a2a, kind == "allgather")
             t, peak = max(o["time"] for o in outs), max(o["peak"] for o in outs)
             diff = float((_gather_order(outs, n, args.seq) - ref["out"]).abs().max())
-            want = formula_bytes(args, n, a2a)
+            want = None if kind == "allgather" else formula_bytes(args, n, a2a)  # the formula is the ring's / a2a's
+            formula = f"{want / 2**20:.1f} | {peak / want:.3f}" if want else "- | -"
             print(f"| ours CP{n} {kind} | {t * 1e3:.1f} | {t / ref['time']:.2f} | {peak / 2**20:.1f} | "
-                  f"{peak / ref['peak']:.2f} | {want / 2**20:.1f} | {peak / want:.3f} | {diff:.1e} |", flush=True)
+                  f"{peak / ref['peak']:.2f} | {formula} | {diff:.1e} |", flush=True)
         for n in sorted(pools):
             outs = pools[n].run(_torch, args)
             if "error" in outs[0]:

@@ -8,7 +8,8 @@ chunk x then attends to the keys before it in full and to its own chunk causally
 merged by log-sum-exp as ring attention merges them (a causal call over a prefix of keys would need
 bottom-right alignment). Only q, the local k, v and the merged O and L are saved, not the gathered
 K/V: backward gathers them again, takes each block's gradients from the merged O and L (as
-RingAttention.backward does), and reduce-scatters the whole-sequence dK / dV back to their chunks.
+RingAttention.backward does; the keys before a chunk a chunk at a time, so a call's dK / dV
+temporary is a chunk's, not the prefix's), and reduce-scatters the whole-sequence dK / dV back to their chunks.
 Per layer and microbatch: two all-gathers forward, two backward, two reduce-scatters backward, each of
 the whole sequence's K or V of this rank's KV heads, on the critical path (TransformerEngine's are not
 overlapped either); `planner.collectives.cp_collectives` counts the same.
@@ -37,13 +38,15 @@ def _chunks(r: int, n: int, c: int) -> list[tuple[slice, int]]:
     return [(slice(0, c), r), (slice(c, 2 * c), 2 * n - 1 - r)]
 
 
-def _blocks(x: int, c: int, rows_pos: torch.Tensor, docs: Documents | None):
-    """The key blocks chunk x attends to: (keys, causal, document pieces), its own chunk first."""
-    own = slice(x * c, (x + 1) * c)
-    out = [(own, True, docs.pieces(rows_pos, rows_pos, causal=True) if docs else None)]
-    if x:
-        before = slice(0, x * c)
-        out.append((before, False, docs.pieces(rows_pos, torch.arange(x * c), causal=False) if docs else None))
+def _blocks(x: int, c: int, docs: Documents | None, tiled: bool = False):
+    """The key blocks chunk x attends to: (keys, causal, document pieces), its own chunk first, then
+    the keys before it as one block or (`tiled`, backward: each call's dK / dV temporary stays a
+    chunk's) chunk by chunk."""
+    rows = torch.arange(x * c, (x + 1) * c)
+    out = [(slice(x * c, (x + 1) * c), True, docs.pieces(rows, rows, causal=True) if docs else None)]
+    before = [(y * c, (y + 1) * c) for y in range(x)] if tiled else [(0, x * c)] if x else []
+    for lo, hi in before:
+        out.append((slice(lo, hi), False, docs.pieces(rows, torch.arange(lo, hi), causal=False) if docs else None))
     return [(keys, causal, pieces) for keys, causal, pieces in out if pieces is None or pieces]
 
 
@@ -65,7 +68,7 @@ class AllGatherAttention(torch.autograd.Function):
         with traffic.span("compute", tag):
             for rows, x in _chunks(group.rank, n, c):
                 first = True
-                for keys, causal, pieces in _blocks(x, c, torch.arange(x * c, (x + 1) * c), docs):
+                for keys, causal, pieces in _blocks(x, c, docs):
                     o_i, l_i = block_forward(q[:, :, rows], k_all[:, :, keys], v_all[:, :, keys], scale, causal, pieces)
                     if first:  # the own block gives every row at least itself
                         out[:, :, rows], lse[:, :, rows] = o_i.float(), l_i
@@ -97,7 +100,7 @@ class AllGatherAttention(torch.autograd.Function):
         dv_all = torch.zeros(v_all.shape, dtype=torch.float32, device=v.device)
         with traffic.span("compute", tag):
             for rows, x in _chunks(group.rank, n, c):
-                for keys, causal, pieces in _blocks(x, c, torch.arange(x * c, (x + 1) * c), ctx.docs):
+                for keys, causal, pieces in _blocks(x, c, ctx.docs, tiled=True):
                     dq_t, dk_t, dv_t = block_backward(do[:, :, rows], q[:, :, rows], k_all[:, :, keys],
                                                       v_all[:, :, keys], out_c[:, :, rows], lse[:, :, rows], scale,
                                                       causal, pieces)
