@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from _tol import close
 from fivefold.ops.attention import Documents, attention, block_backward, block_forward
-from fivefold.parallel.ring_attention import _merge_
+from fivefold.parallel.ring_attention import merge_
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 CASES = [pytest.param("cpu", torch.float32, id="cpu-fp32"),
@@ -48,7 +48,7 @@ def test_blocks_merged_by_lse_equal_one_call(device, dtype, dv):
         if out is None:
             out, lse = o_i.float(), l_i.clone()
         else:
-            _merge_(out, lse, o_i, l_i)
+            merge_(out, lse, o_i, l_i)
     tol = TOL[dtype]
     close(out, ref[:, :, rows], rtol=tol, atol=tol, site="backend.merge", case=f"{device} {dtype} dv={dv}")
     dq = torch.zeros_like(q[:, :, rows], dtype=torch.float32)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from fivefold.ops.attention import Documents, block_backward, block_forward
-from fivefold.parallel.ring_attention import _merge_
+from fivefold.parallel.ring_attention import merge_
 from fivefold.runtime import collectives as raw
 from fivefold.runtime import traffic
 from fivefold.runtime.mesh import Group
@@ -74,7 +74,7 @@ class AllGatherAttention(torch.autograd.Function):
                         out[:, :, rows], lse[:, :, rows] = o_i.float(), l_i
                         first = False
                     else:
-                        _merge_(out[:, :, rows], lse[:, :, rows], o_i, l_i)
+                        merge_(out[:, :, rows], lse[:, :, rows], o_i, l_i)
                     del o_i, l_i
         del k_all, v_all
         ctx.save_for_backward(q, k, v, out, lse)

@@ -132,7 +132,7 @@ def _wait(works) -> None:
         w.wait()
 
 
-def _merge_(out: torch.Tensor, lse: torch.Tensor, o_i: torch.Tensor, l_i: torch.Tensor) -> None:
+def merge_(out: torch.Tensor, lse: torch.Tensor, o_i: torch.Tensor, l_i: torch.Tensor) -> None:
     """In place: L = logaddexp(L, L_i), O = O exp(L_old - L) + O_i exp(L_i - L) (out, lse fp32 views).
     Rows with L_i = -inf (no key of their document in the block) keep O and L: exp(-inf) = 0."""
     new = torch.logaddexp(lse, l_i)
@@ -175,7 +175,7 @@ class RingAttention(torch.autograd.Function):
                 for (i, p), (kp, vp) in sorted(held.items()):
                     for a, b, pieces in geo.tiles(i, p):
                         o_t, l_t = block_forward(q[:, :, a:b], kp, vp, scale, False, pieces)
-                        _merge_(out[:, :, a:b], lse[:, :, a:b], o_t, l_t)
+                        merge_(out[:, :, a:b], lse[:, :, a:b], o_t, l_t)
                         del o_t, l_t
             _wait(works)
             del works  # the sent pieces are free once their sends are done
