@@ -159,6 +159,10 @@ CASES = [
          parallel={"tensor_model_parallel_size": 2, "sequence_parallel": True, "context_parallel_size": 2,
                    "cp_comm_type": "allgather"},
          training={"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}),
+    Case("CP2 allgather mbs2 bf16", 2, 2, 2, parallel={"context_parallel_size": 2, "cp_comm_type": "allgather"},
+         training={"precision": "bf16"}),
+    Case("CP2 p2p mbs2 bf16", 2, 2, 2, parallel={"context_parallel_size": 2, "cp_comm_type": "p2p"},
+         training={"precision": "bf16"}),
 ]
 
 
