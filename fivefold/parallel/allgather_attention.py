@@ -16,26 +16,30 @@ overlapped either); `planner.collectives.cp_collectives` counts the same.
 """
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 
 from fivefold.ops.attention import Documents, block_backward, block_forward
+from fivefold.parallel.chunks import chunk_ids, local_positions
 from fivefold.parallel.ring_attention import merge_
 from fivefold.runtime import collectives as raw
 from fivefold.runtime import traffic
 from fivefold.runtime.mesh import Group
 
 
-def _position_order(n: int, c: int, device) -> torch.Tensor:
-    """Index into the gathered (CP-index ordered) sequence that puts it in position order: position
-    chunk x sits on rank j = x (first half) or 2n-1-x (second half)."""
-    rank_of = [x if x < n else 2 * n - 1 - x for x in range(2 * n)]
-    half = [0 if x < n else 1 for x in range(2 * n)]
-    return torch.cat([torch.arange(c, device=device) + (2 * rank_of[x] + half[x]) * c for x in range(2 * n)])
+@lru_cache(maxsize=16)
+def _gathered_order(n: int, c: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(positions, order): the global positions of the gathered sequence in CP-index order (rank j's two
+    chunks at [2jc, 2(j+1)c)), and their argsort, which puts it in position order (once per shape, not
+    per layer)."""
+    positions = torch.cat([local_positions(2 * c, n, j, device) for j in range(n)])
+    return positions, torch.argsort(positions)
 
 
-def _chunks(r: int, n: int, c: int) -> list[tuple[slice, int]]:
+def _query_chunks(r: int, n: int, c: int) -> list[tuple[slice, int]]:
     """This rank's two query chunks: (their rows in the local q, their chunk index x in the sequence)."""
-    return [(slice(0, c), r), (slice(c, 2 * c), 2 * n - 1 - r)]
+    return [(slice(i * c, (i + 1) * c), x) for i, x in enumerate(chunk_ids(n, r))]
 
 
 def _blocks(x: int, c: int, docs: Documents | None, tiled: bool = False):
@@ -61,12 +65,12 @@ class AllGatherAttention(torch.autograd.Function):
     @staticmethod
     def _forward(ctx, q, k, v, group: Group, tag: str, scale: float, docs):
         n, c = group.size, q.shape[2] // 2
-        order = _position_order(n, c, q.device)
+        _, order = _gathered_order(n, c, q.device)
         k_all, v_all = (raw.all_gather(t, 2, group, tag)[:, :, order] for t in (k, v))  # (b, g, s, d|dv)
         out = q.new_empty((*q.shape[:3], v.shape[-1]), dtype=torch.float32)
         lse = q.new_empty(q.shape[:3], dtype=torch.float32)
         with traffic.span("compute", tag):
-            for rows, x in _chunks(group.rank, n, c):
+            for rows, x in _query_chunks(group.rank, n, c):
                 first = True
                 for keys, causal, pieces in _blocks(x, c, docs):
                     o_i, l_i = block_forward(q[:, :, rows], k_all[:, :, keys], v_all[:, :, keys], scale, causal, pieces)
@@ -91,7 +95,7 @@ class AllGatherAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         group, tag, scale = ctx.group, ctx.tag, ctx.scale
         n, c = group.size, q.shape[2] // 2
-        order = _position_order(n, c, q.device)
+        positions, order = _gathered_order(n, c, q.device)
         with traffic.span("all_gather", tag):
             k_all, v_all = (raw.all_gather(t, 2, group, tag)[:, :, order] for t in (k, v))
         do, out_c = do.to(q.dtype), out.to(q.dtype)  # the kernels take O in the compute dtype
@@ -99,7 +103,7 @@ class AllGatherAttention(torch.autograd.Function):
         dk_all = torch.zeros(k_all.shape, dtype=torch.float32, device=k.device)
         dv_all = torch.zeros(v_all.shape, dtype=torch.float32, device=v.device)
         with traffic.span("compute", tag):
-            for rows, x in _chunks(group.rank, n, c):
+            for rows, x in _query_chunks(group.rank, n, c):
                 for keys, causal, pieces in _blocks(x, c, ctx.docs, tiled=True):
                     dq_t, dk_t, dv_t = block_backward(do[:, :, rows], q[:, :, rows], k_all[:, :, keys],
                                                       v_all[:, :, keys], out_c[:, :, rows], lse[:, :, rows], scale,
@@ -109,9 +113,8 @@ class AllGatherAttention(torch.autograd.Function):
                     dv_all[:, :, keys] += dv_t
                     del dq_t, dk_t, dv_t
         del k_all, v_all
-        back = torch.argsort(order)  # position order -> CP-index order, then each rank's own two chunks
-        with traffic.span("reduce_scatter", tag):
-            dk, dv = (raw.reduce_scatter(g[:, :, back].to(t.dtype), 2, group, tag)
+        with traffic.span("reduce_scatter", tag):  # back in CP-index order: each rank gets its own two chunks
+            dk, dv = (raw.reduce_scatter(g[:, :, positions].to(t.dtype), 2, group, tag)
                       for g, t in ((dk_all, k), (dv_all, v)))
         return dq.to(q.dtype), dk, dv, None, None, None, None
 

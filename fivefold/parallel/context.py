@@ -29,29 +29,10 @@ from fivefold.data.loader import IGNORE_INDEX
 from fivefold.errors import UserError
 from fivefold.ops.attention import Documents, attention as backend_attention
 from fivefold.parallel.allgather_attention import allgather_attention
+from fivefold.parallel.chunks import local_positions, split_sequence
 from fivefold.parallel.ring_attention import ring_attention
 from fivefold.runtime import comm
 from fivefold.runtime.mesh import Group
-
-
-def chunk_ids(n: int, r: int) -> tuple[int, int]:
-    """The two chunks (of 2n) CP rank r of n keeps: r and 2n-1-r."""
-    return r, 2 * n - 1 - r
-
-
-def split_sequence(x: torch.Tensor, dim: int, n: int, r: int) -> torch.Tensor:
-    """x (.., s, ..) -> (.., s/n, ..): chunks r and 2n-1-r of 2n along `dim`, concatenated."""
-    if n == 1:
-        return x
-    if x.shape[dim] % (2 * n):
-        raise ValueError(f"context parallelism: sequence of {x.shape[dim]} is not divisible by 2*CP={2 * n}")
-    chunks = x.chunk(2 * n, dim)
-    return torch.cat([chunks[i] for i in chunk_ids(n, r)], dim)
-
-
-def local_positions(s_local: int, n: int, r: int, device=None) -> torch.Tensor:
-    """The global positions (s_local,) of CP rank r's tokens (s_local = s/n): its RoPE positions."""
-    return split_sequence(torch.arange(s_local * n, device=device), 0, n, r)
 
 
 def local_document_positions(positions: torch.Tensor, s_local: int, n: int, r: int) -> torch.Tensor:

@@ -228,8 +228,9 @@ def kv_heads_and_dims(m: ModelConfig, tp: int) -> tuple[int, int, int]:
 
 def gathered_kv_bytes(m: ModelConfig, b: int, s: int, sh: Sharding, traits: ArchTraits) -> float:
     """All-gather CP's backward temporaries in one attention layer: the K and V gathered from the group
-    again and their gradients at full length (TransformerEngine's AttnFuncWithCPAndKVAllGather), b s
-    tokens of the TP rank's K / V heads, twice."""
+    again and their gradients at full length (TransformerEngine's AttnFuncWithCPAndKVAllGather, and
+    ours: fivefold/parallel/allgather_attention.py, whose gradients are fp32 under bf16), b s tokens of
+    the TP rank's K / V heads, twice."""
     g, d, dv = kv_heads_and_dims(m, sh.tp)
     return 2 * b * s * g * (d + dv) * traits.value_bytes()
 

@@ -250,14 +250,15 @@ def attention_call_keys(plan: Plan) -> float:
 
 
 def cp_collectives(plan: Plan, forward_again: bool = False) -> list[Collective]:
-    """Context parallelism per layer and microbatch (fivefold/parallel/{context,ring_attention}.py).
+    """Context parallelism per layer and microbatch (fivefold/parallel/{context,ring_attention,
+    allgather_attention}.py).
     Per TP rank: a_l = heads/tp query heads, g_l = KV groups/tp (1 when replicated), G = the KV heads
     exchanged (g_l, or a_l where the all-to-all must first copy KV heads to their query heads), head
     dims d (q/k) and dv, e activation bytes, n = b s/cp tokens; CP = A (all-to-all) x P (ring).
       all-to-all (A > 1): q, k, v in and o back, forward and again backward: n e (a_l d + G d + G dv + a_l dv).
       ring (P > 1): (P-1) K/V blocks sent and received forward, n G (d + dv) e each; backward the K/V
         again plus the fp32 dK/dV partials: n G (d + dv) (e + 4) per hop; overlapped with the attention core.
-      all-gather (TransformerEngine's, Llama 3's): K and V gathered from the CP group forward, again
+      all-gather (TransformerEngine's, Llama 3's, ours): K and V gathered from the CP group forward, again
         backward, and dK / dV reduce-scattered back, CP n g_l (d + dv) e each; exposed (Megatron's
         TransformerConfig: "The all-gather is not async, and cannot be overlapped").
     With recompute of the attention core (selective) or of the layer (full), the forward's calls run
