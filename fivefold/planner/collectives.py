@@ -379,14 +379,16 @@ def step_collectives(plan: Plan, pp_rank: int) -> list[Collective]:
             continue
         if mode != "no_shard":
             # ZeRO-2/3 reduce-scatter the gradients (dense and expert) after every microbatch where
-            # `Plan.reduce_every_microbatch`; ZeRO-3 then all-gathers every unit before its forward and
-            # again before its backward, per microbatch (else once a step: the units stay whole until
-            # the step's end)
+            # `Plan.reduce_every_microbatch`; ZeRO-3 then frees every unit after its forward and
+            # all-gathers it before its forward and again before its backward, per microbatch, also
+            # when the step is one microbatch (else once a step: the units stay whole until the
+            # step's end)
             times = dp_calls_per_step(plan)
-            gathers = times if mode == "optim_grads_params" else 1
+            zero3 = mode == "optim_grads_params"
+            gathers = times if zero3 else 1
             out += [Collective("reduce_scatter", f"{group}-grad", group, grad * count * times, "step", "backward", times),
                     Collective("all_gather", f"{group}-param", group, weight * count * gathers, "step", "forward", gathers)]
-            if gathers > 1:  # ZeRO-3: each unit gathered again before its backward
+            if zero3 and plan.reduce_every_microbatch:  # each unit gathered again before its backward
                 out.append(Collective("all_gather", f"{group}-param", group, weight * count * gathers, "step",
                                       "backward", gathers))
             if group == "dp" and _instances(plan) > 1:  # HSDP: each reduced chunk summed over the instances
