@@ -164,6 +164,8 @@ CASES = [
     Case("CP2 p2p mbs2 bf16", 2, 2, 2, parallel={"context_parallel_size": 2, "cp_comm_type": "p2p"},
          training={"precision": "bf16"}),
     Case("DP2 mbs2 ZeRO-3", 2, 2, 4, training={"data_parallel_sharding_strategy": "optim_grads_params"}),
+    Case("DP2 mbs2 ZeRO-3 MTP1 tied", 2, 2, 4, model={"mtp_num_layers": 1, "tie_word_embeddings": True},
+         training={"data_parallel_sharding_strategy": "optim_grads_params"}),
 ]
 
 

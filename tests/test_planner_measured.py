@@ -77,8 +77,8 @@ def test_estimates_match_one_measured_step(pools, name):
 
 
 
-@pytest.mark.parametrize("name", ["DP2 mbs2 GA2 ZeRO-2", "DP2 mbs2 GA2 ZeRO-3", "DP2 mbs2 ZeRO-3", "DP2 mbs2 bf16 ZeRO-1",
-                                  "DP2 mbs2 bf16",
+@pytest.mark.parametrize("name", ["DP2 mbs2 GA2 ZeRO-2", "DP2 mbs2 GA2 ZeRO-3", "DP2 mbs2 ZeRO-3",
+                                  "DP2 mbs2 ZeRO-3 MTP1 tied", "DP2 mbs2 bf16 ZeRO-1", "DP2 mbs2 bf16",
                                   "PP2 x DP2 mbs1 GA2 ZeRO-3 tied", "PP2 x DP2 mbs1 GA2 bf16 ZeRO-2",
                                   "MoE DP2 mbs2 GA2 ZeRO-2"])
 def test_dp_modes_and_precisions_match_one_measured_step(pools, name):
@@ -86,7 +86,9 @@ def test_dp_modes_and_precisions_match_one_measured_step(pools, name):
     (fivefold.parallel.precision, DPMode): ZeRO-2's per-microbatch reduce-scatters and freed buffers,
     ZeRO-3's gathers of every unit before its forward and its backward, also in a step of one
     microbatch (the planner counted only the forward's there until session 20: dp-param 0.5 of the
-    measured; under PP once a step, the units whole until its end),
+    measured), and again within a forward where a unit is called again after it was freed (a tied
+    output layer, each MTP depth's embedding and output layer: 0.75 of the measured until session
+    20); under PP once a step, the units whole until its end;
     bf16 parameters with fp32 gradients and main parameters, replicated or sharded by ZeRO-1 (the
     all-gather moves bf16; under PP, ZeRO-2's full buffers reduce-scattered once, whose completed
     calls must not keep gloo's copy of the input and the output chunk alive through the optimizer

@@ -12,7 +12,9 @@ references to the weights are valid again once the unit is gathered — the FSDP
 
 Per microbatch:
   forward   a unit's forward pre-hook gathers it (all-gather of the chunks, tag dp-param) and starts
-            the all-gather of the next unit (prefetch); its forward post-hook frees it;
+            the all-gather of the next unit (prefetch; not when a recompute runs the forward inside
+            backward); its forward post-hook frees it, so a unit called again (a tied output layer,
+            MTP's embedding and output layer) is gathered again;
   backward  a hook on the unit's output gradient gathers it again before its backward (and starts
             the all-gather of the unit before it, whose backward comes next); when its
             gradient bucket completes, the bucket is reduce-scattered (ZeRO-2, per microbatch) and the
@@ -114,7 +116,9 @@ class ParamSharding:
     def _before_forward(self, i: int) -> None:
         for b in self.units[i][1]:
             self.gather(b)
-        if i + 1 < len(self.units):  # prefetch the next unit while this one computes
+        # prefetch the next unit while this one computes; not in a recompute inside backward, whose
+        # next unit has had its backward (a gather there was never used: once a step under full recompute)
+        if i + 1 < len(self.units) and i not in self._in_backward:
             for b in self.units[i + 1][1]:
                 self._launch_gather(b)
 

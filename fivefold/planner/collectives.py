@@ -50,7 +50,7 @@ from typing import NamedTuple
 from fivefold.planner.activations import kv_heads_and_dims, routed_share
 from fivefold.planner.layout import Plan
 from fivefold.planner.memory import rank_params, state_bytes_per_param
-from fivefold.planner.params import is_moe_layer, kv_params, norm_params
+from fivefold.planner.params import embedding_params, is_moe_layer, kv_params, norm_params
 
 GRAD_BYTES = 4
 """Gradients are fp32 (main grads) under every precision."""
@@ -386,8 +386,9 @@ def step_collectives(plan: Plan, pp_rank: int) -> list[Collective]:
             times = dp_calls_per_step(plan)
             zero3 = mode == "optim_grads_params"
             gathers = times if zero3 else 1
+            gathered = count + (zero3_regathered(plan, pp_rank) if zero3 and group == "dp" else 0.0)
             out += [Collective("reduce_scatter", f"{group}-grad", group, grad * count * times, "step", "backward", times),
-                    Collective("all_gather", f"{group}-param", group, weight * count * gathers, "step", "forward", gathers)]
+                    Collective("all_gather", f"{group}-param", group, weight * gathered * gathers, "step", "forward", gathers)]
             if zero3 and plan.reduce_every_microbatch:  # each unit gathered again before its backward
                 out.append(Collective("all_gather", f"{group}-param", group, weight * count * gathers, "step",
                                       "backward", gathers))
@@ -397,6 +398,23 @@ def step_collectives(plan: Plan, pp_rank: int) -> list[Collective]:
         else:
             out.append(Collective("all_reduce", f"{group}-grad", group, grad * count, "step", "backward"))
     return out
+
+
+def zero3_regathered(plan: Plan, pp_rank: int) -> float:
+    """Parameters ZeRO-3 gathers again within one forward (`Plan.reduce_every_microbatch`: every unit
+    freed after each use, fivefold.parallel.fsdp): the embedding's unit where the rank calls it again
+    (a tied output layer; each multi-token-prediction depth's input embedding) and the output layer's
+    for each MTP depth. Backward gathers each unit once (it stays whole until its bucket is reduced).
+    Under PP without it the units stay whole for the step: none."""
+    if not plan.reduce_every_microbatch:
+        return 0.0
+    m = plan.config.model
+    first, last = pp_rank == plan.first_rank, pp_rank == plan.last_rank
+    depths = (m.mtp_num_layers or 0) if last else 0
+    heads = 1 + depths if last else 0
+    embedding_uses = first + depths + (heads if m.tie_word_embeddings else 0)
+    head_uses = 0 if m.tie_word_embeddings else heads
+    return (max(0, embedding_uses - 1) + max(0, head_uses - 1)) * embedding_params(m, plan.tp) / plan.tp
 
 
 def dp_calls_per_step(plan: Plan) -> int:
