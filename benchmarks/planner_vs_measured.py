@@ -3,6 +3,12 @@
 
     python benchmarks/planner_vs_measured.py            # every layout below, a table
     python benchmarks/planner_vs_measured.py --only 0 3 # some of them
+    python benchmarks/planner_vs_measured.py --random 40 --seed 1   # 40 layouts drawn at random
+
+`--random` draws valid layouts of 2 or 4 ranks over every dimension and mode the runtime trains
+together (TP +/- SP, CP by ring / all-to-all / all-gather, PP by each schedule, DP by each ZeRO mode,
+EP, fp32 / bf16 (+ bf16 gradients), recompute, micro-batch, accumulation, tied embeddings, GQA):
+combinations the fixed cases below do not hold, to find where the planner and the runtime part.
 
 For each layout of a ~10M-parameter Llama-style model (hidden 256, 8 layers, vocab 8192, seq 256),
 one step is run on the harness (`fivefold.testing.measure.measure_step`: warm-up step, then the
@@ -15,6 +21,7 @@ memory ratio is furthest from 1). Exit code 1 when a layout misses either goal.
 from __future__ import annotations
 
 import argparse
+import random
 import sys
 import time
 from dataclasses import dataclass, field, replace
@@ -165,7 +172,8 @@ CASES = [
          training={"precision": "bf16"}),
     Case("DP2 mbs2 ZeRO-3", 2, 2, 4, training={"data_parallel_sharding_strategy": "optim_grads_params"}),
     Case("DP2 mbs2 ZeRO-3 MTP1 tied", 2, 2, 4, model={"mtp_num_layers": 1, "tie_word_embeddings": True},
-         training={"data_parallel_sharding_strategy": "optim_grads_params"}),
+         training={"data_parallel_sharding_strategy": "optim_grads_params"}),    Case("CP2 a2a mbs1 GA2 GQA2 selective recompute", 2, 1, 2, model={"num_query_groups": 2},
+         parallel={"context_parallel_size": 2, "cp_comm_type": "a2a"}, training={"recompute_granularity": "selective"}),
 ]
 
 
@@ -248,11 +256,64 @@ def misses(rows: list[RankComparison], zero3: bool = False) -> list[str]:
     return out
 
 
+FULL_RECOMPUTE = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+DP_MODES = {"no_shard": {}, "optim": {"use_distributed_optimizer": True},
+            "optim_grads": {"data_parallel_sharding_strategy": "optim_grads"},
+            "optim_grads_params": {"data_parallel_sharding_strategy": "optim_grads_params"}}
+
+
+def random_cases(count: int, seed: int) -> list[Case]:
+    """`count` layouts drawn with `seed` that the config rules accept and the runtime trains."""
+    from fivefold.planner.validity import config_errors
+    from fivefold.train.supported import unsupported
+    rng, out = random.Random(seed), []
+    while len(out) < count:
+        world, tp, cp, pp = rng.choice([2, 4]), rng.choice([1, 2]), rng.choice([1, 2]), rng.choice([1, 2])
+        if world % (tp * cp * pp):
+            continue
+        dp, moe = world // (tp * cp * pp), rng.random() < 0.3
+        parallel = {"tensor_model_parallel_size": tp, "context_parallel_size": cp, "pipeline_model_parallel_size": pp,
+                    "expert_model_parallel_size": rng.choice([1, 2]) if moe else 1}
+        if tp > 1:
+            parallel["sequence_parallel"] = rng.random() < 0.6
+        if cp > 1:
+            parallel["cp_comm_type"] = rng.choice(["p2p", "a2a", "allgather"])
+        if pp > 1:
+            parallel["pipeline_schedule"] = rng.choice(["1f1b", "interleaved", "zb-h1", "gpipe", "dualpipev"])
+            if parallel["pipeline_schedule"] == "interleaved":
+                parallel["virtual_pipeline_model_parallel_size"] = 2
+        model = {**(MOE if moe else {}), **({"tie_word_embeddings": True} if rng.random() < 0.3 else {}),
+                 **({"num_query_groups": 2} if rng.random() < 0.3 else {})}
+        mode = rng.choice(list(DP_MODES))
+        training = {"precision": rng.choice(["fp32", "bf16"]), **DP_MODES[mode]}
+        if training["precision"] == "bf16" and rng.random() < 0.4:
+            training["grad_reduce_in_bf16"] = True
+        recompute = rng.choice([None, None, "full", "selective"])
+        training.update(FULL_RECOMPUTE if recompute == "full" else
+                        {"recompute_granularity": "selective"} if recompute == "selective" else {})
+        mbs, accumulate = rng.choice([1, 2]), rng.choice([1, 2, 4] if pp == 1 else [2, 4])
+        name = (f"random {seed}.{len(out)}: TP{tp}{'+SP' if parallel.get('sequence_parallel') else ''} "
+                f"CP{cp}{'(' + parallel['cp_comm_type'] + ')' if cp > 1 else ''} "
+                f"PP{pp}{'(' + parallel['pipeline_schedule'] + ')' if pp > 1 else ''} DP{dp} "
+                f"EP{parallel['expert_model_parallel_size']} {mode} {training['precision']}"
+                f"{' bf16-grads' if training.get('grad_reduce_in_bf16') else ''} rc-{recompute or 'none'} mbs{mbs} "
+                f"GA{accumulate}{' MoE' if moe else ''}{' tied' if 'tie_word_embeddings' in model else ''}"
+                f"{' GQA2' if 'num_query_groups' in model else ''}")
+        case = Case(name, world, mbs, mbs * dp * accumulate, model=model, parallel=parallel, training=training)
+        cfg = case.config()
+        if not config_errors(cfg) and not unsupported(cfg):
+            out.append(case)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", type=int, nargs="*", help="indices into CASES")
+    ap.add_argument("--random", type=int, metavar="N", help="N layouts drawn at random instead (see above)")
+    ap.add_argument("--seed", type=int, default=0, help="the draw's seed (default 0)")
     args = ap.parse_args(argv)
-    cases = [CASES[i] for i in args.only] if args.only else CASES
+    cases = random_cases(args.random, args.seed) if args.random else \
+        [CASES[i] for i in args.only] if args.only else CASES
     pools: dict = {}
     print(HEADER)
     failed = []

@@ -175,7 +175,8 @@ def layer_collectives(plan: Plan, index: int, recomputed: bool = False) -> list[
         again = again[:-1]
     out += again  # the same calls, made again during backward
     if plan.cp > 1:
-        out += cp_collectives(plan, recomputed or (selective and "core_attn" in plan.recompute_modules))
+        out += cp_collectives(plan, recomputed or (selective and "core_attn" in plan.recompute_modules),
+                              core_only=not recomputed)
     return out
 
 
@@ -249,7 +250,7 @@ def attention_call_keys(plan: Plan) -> float:
     return plan.seq / cp_split(plan)[1]
 
 
-def cp_collectives(plan: Plan, forward_again: bool = False) -> list[Collective]:
+def cp_collectives(plan: Plan, forward_again: bool = False, core_only: bool = False) -> list[Collective]:
     """Context parallelism per layer and microbatch (fivefold/parallel/{context,ring_attention,
     allgather_attention}.py).
     Per TP rank: a_l = heads/tp query heads, g_l = KV groups/tp (1 when replicated), G = the KV heads
@@ -262,7 +263,8 @@ def cp_collectives(plan: Plan, forward_again: bool = False) -> list[Collective]:
         backward, and dK / dV reduce-scattered back, CP n g_l (d + dv) e each; exposed (Megatron's
         TransformerConfig: "The all-gather is not async, and cannot be overlapped").
     With recompute of the attention core (selective) or of the layer (full), the forward's calls run
-    again in backward."""
+    again in backward; of the core alone (`core_only`) not the all-to-all of o back, which feeds no
+    saved tensor (torch.utils.checkpoint stops once the last one is recomputed)."""
     m = plan.config.model
     e, tp, n = act_bytes(plan), plan.tp, _tokens(plan)
     A, P = cp_split(plan)
@@ -280,7 +282,8 @@ def cp_collectives(plan: Plan, forward_again: bool = False) -> list[Collective]:
         qkvo = n * e * (a_l * d + G * d + G * dv + a_l * dv)
         out += [Collective("all_to_all", "cp", "cp", qkvo, "forward"), Collective("all_to_all", "cp", "cp", qkvo, "backward")]
         if forward_again:
-            out.append(Collective("all_to_all", "cp", "cp", qkvo, "backward"))
+            qkv = qkvo - n * e * a_l * dv if core_only else qkvo
+            out.append(Collective("all_to_all", "cp", "cp", qkv, "backward"))
     if P > 1:
         kv = (P - 1) * n * G * (d + dv)
         for kind in ("send", "recv"):
