@@ -86,12 +86,18 @@ def _train(rank: int, world: int, config: Config, dp: int, save: Path | None = N
     from fivefold.runtime import comm
     from fivefold.parallel.param_meta import named_metas
 
+    from fivefold.model.recompute import is_recomputing
+
     p = config.parallel
     mesh = Mesh.build(Layout(pp=p.pipeline_model_parallel_size, tp=p.tensor_model_parallel_size, dp=dp))
     mbs = config.training.micro_batch_size
     pipe = build_pipeline(config, mesh, GBS // (mbs * dp), device=torch.device("cpu"))
     parts = parallelize(pipe, mesh, config)
     losses, grads, norms = [], {}, []
+    reruns = {s: 0 for s in pipe.stages}  # a layer's forward run again by recompute, per stage
+    for s, stage in pipe.stages.items():
+        for layer in stage.layers.values():
+            layer.register_forward_pre_hook(lambda *_, s=s: reruns.__setitem__(s, reruns[s] + is_recomputing()))
     for step in range(STEPS):
         r = train_step(parts, _batch(step, mesh.coords["dp"], dp, mbs), lr=3e-3, clip_grad=1.0,
                        device=torch.device("cpu"))
@@ -106,14 +112,14 @@ def _train(rank: int, world: int, config: Config, dp: int, save: Path | None = N
     if save is not None:
         ckpt.save_checkpoint(save, STEPS, model=pipe.module, optimizer=parts.dp, rank=rank, writes_params=mesh.dp.rank == 0,
                              barrier=lambda: comm.barrier(mesh.group("world")), extra={})
-    return losses, grads, norms, {n: q.detach().clone() for n, q in pipe.module.named_parameters()}
+    return losses, grads, norms, {n: q.detach().clone() for n, q in pipe.module.named_parameters()}, reruns
 
 
 def _check(results, tie: bool = False):
     ref_losses, ref_grads, ref_norms = _reference(tie)
     seen = set()
     test = os.environ.get("PYTEST_CURRENT_TEST", "").split("::")[-1].split(" ")[0]
-    for rank, (losses, grads, norms, _) in enumerate(results):
+    for rank, (losses, grads, norms, *_) in enumerate(results):
         # fp32 sums reordered (see module docstring): rtol 1e-6 on the losses, 1e-4 on the norms
         # (the norm counts every TP shard and PP stage once, replicated and tied copies once)
         close(losses, ref_losses, rtol=1e-6, site="pipeline.losses", case=f"{test} rank {rank}")
@@ -139,6 +145,20 @@ CASES = [  # (schedule, pp, vpp, tie)
 def test_schedule_matches_one_process(workers, schedule, pp, vpp, tie):
     config = _config(pp=pp, tie=tie, pipeline_schedule=schedule, virtual_pipeline_model_parallel_size=vpp)
     _check(workers(pp).run(_train, config, 1), tie)
+
+
+def test_zb_h1_full_recompute_reruns_each_layer_once_in_b_and_once_in_w(workers):
+    """Full recompute under the split backward: B's input-gradient pass reruns a checkpointed layer's
+    forward, and W reruns it once for all its weight groups (one graph task; once per group until
+    session 20: 5-7 times, holding each rerun's activations); the first stage, whose input is token ids,
+    has no B (its W is one plain backward): once. Same sums as the one-process run."""
+    config = _config(pp=2, pipeline_schedule="zb-h1")
+    config.training.recompute_granularity, config.training.recompute_method = "full", "uniform"
+    config.training.recompute_num_layers = 1
+    results = workers(2).run(_train, config, 1)
+    _check(results)
+    layers, microbatches = config.model.num_layers // 2, GBS * STEPS
+    assert [r[-1] for r in results] == [{0: layers * microbatches}, {1: 2 * layers * microbatches}]
 
 
 def test_interleaved_in_microbatch_groups(workers):
@@ -184,7 +204,7 @@ def test_pp2_tp2_zb_h1_checkpoint_loads_in_one_process(workers, tmp_path):
     ckpt.load_checkpoint(step_dir(tmp_path, STEPS), model=model, optimizer=None, rank=0, world_size=1)
     loaded = dict(model.named_parameters())
     seen = set()
-    for (_, grads, _, final) in results:
+    for (_, grads, _, final, _) in results:
         for name, value in final.items():
             spec = grads[name][1]
             assert torch.equal(value, loaded[name].detach() if spec is None else spec.of(loaded[name].detach()))

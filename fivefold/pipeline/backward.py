@@ -9,9 +9,11 @@ starts from those joins with the recorded gradients and walks only the weights' 
     dL/dtheta = sum over joins j of (d out_j / d theta)^T  g_j,   g_j = dL/d out_j recorded during B
 
 so nothing on the input path is computed twice. Weights joined by a common node (a weight used at
-two places, or two weights sharing a node) form one group and get one `autograd.grad` call; in a
-group with several joins, a pre-hook pins each join's gradient to its recorded value, so gradient
-that reaches one join through another is not counted twice. Weights whose branch never meets the
+two places, or two weights sharing a node) form one group; W takes every group in one
+`autograd.grad` call, a pre-hook pinning each join's gradient to its recorded value, so gradient
+that reaches one join through another is not counted twice, and a checkpointed span (full
+recompute) reruns its forward once in W (it ran once per group until session 20: the span's
+forward and its TP / CP calls 5-7 more times per microbatch). Weights whose branch never meets the
 input path (all of them on the first stage, whose input is token ids) are computed by W with a
 plain backward from the output. The idea is torch.distributed.pipelining's stage_backward_input /
 stage_backward_weight; this is a smaller rewrite of it.
@@ -156,25 +158,26 @@ def backward_input(output: torch.Tensor, grad_output: torch.Tensor | None, stage
 
 
 def backward_weight(plan: WeightPlan) -> None:
-    """W: accumulate dL/dtheta into each param's .grad from what B recorded; frees the graph."""
+    """W: accumulate dL/dtheta into each param's .grad from what B recorded (every group in one graph
+    task, see the module docstring); frees the graph."""
+    edges, grads, params, joins = [], [], [], []
     for g in plan.groups:
-        edges, grads = [], []
         for j, recorded in zip(g.joins, g.grads):
             for k, gr in enumerate(recorded or ()):
                 if gr is not None:
                     edges.append(GradientEdge(j, k))
                     grads.append(gr)
-        if not edges:
-            continue
-        handles = [j.register_prehook(lambda _, r=r: r) for j, r in zip(g.joins, g.grads)] \
-            if len(g.joins) > 1 else []
+            joins.append((j, recorded))
+        params += g.params
+    if edges:
+        handles = [j.register_prehook(lambda _, r=r: r) for j, r in joins]
         try:
-            dw = torch.autograd.grad(edges, [get_gradient_edge(p) for p in g.params], grads,
+            dw = torch.autograd.grad(edges, [get_gradient_edge(p) for p in params], grads,
                                      retain_graph=plan.output is not None, allow_unused=True)
         finally:
             for h in handles:
                 h.remove()
-        _accumulate(g.params, dw)
+        _accumulate(params, dw)
     if plan.unjoined:
         dw = torch.autograd.grad([plan.output], [get_gradient_edge(p) for p in plan.unjoined],
                                  [plan.grad_output], allow_unused=True)
