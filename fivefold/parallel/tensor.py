@@ -37,6 +37,7 @@ from torch import nn
 from fivefold.parallel.heads import HeadSplit
 from fivefold.parallel.param_meta import KVReplica, ParamMeta, Shard, mark_all, named_metas, new_param, set_meta
 from fivefold.runtime import comm, traffic
+from fivefold.runtime.backward_pass import input_grad_wanted, weight_grads_wanted
 from fivefold.runtime.mesh import Group
 
 SEQ_DIM = 1
@@ -79,25 +80,30 @@ class _ColumnParallel(torch.autograd.Function):
         group, sp = ctx.group, ctx.sp
         dtype = grad_ys[0].dtype  # under autocast the forward ran in bf16: backward matmuls too
         weights = [w.to(dtype) for w in weights]
-        gathered = comm.all_gather(x, SEQ_DIM, group, "sp", async_op=True) if sp else None
+        # only what this pass uses: a zero-bubble schedule's B wants dX alone, its W the weights'
+        # gradients alone (fivefold.runtime.backward_pass), each without the other's matmuls and call
+        want_x, want_w = input_grad_wanted(ctx, 0), weight_grads_wanted()
+        gathered = comm.all_gather(x, SEQ_DIM, group, "sp", async_op=True) if sp and want_w else None
         grad_x = None
         work = None
-        if ctx.needs_input_grad[0]:
+        if want_x:
             grad_x = sum(g @ w for g, w in zip(grad_ys, weights))  # (b, s, h), partial over TP
-        if sp:
-            x_full, gather_work = gathered
-            gather_work.wait()
-        else:
-            x_full = x
         if grad_x is not None and group.size > 1:
             if sp:
                 grad_x, work = comm.reduce_scatter(grad_x, SEQ_DIM, group, "sp", async_op=True)  # (b, s/tp, h)
             else:
                 work = comm.all_reduce_async(grad_x, group, "tp")
-        _mark("tp-weight-grad", "start")
-        x2 = x_full.reshape(-1, x_full.shape[-1]).to(dtype)  # (b*s, h)
-        grad_ws = [g.reshape(-1, g.shape[-1]).t() @ x2 for g in grad_ys]  # each (out_j/tp, h)
-        _mark("tp-weight-grad", "end")
+        grad_ws = [None] * len(weights)
+        if want_w:
+            if sp:
+                x_full, gather_work = gathered
+                gather_work.wait()
+            else:
+                x_full = x
+            _mark("tp-weight-grad", "start")
+            x2 = x_full.reshape(-1, x_full.shape[-1]).to(dtype)  # (b*s, h)
+            grad_ws = [g.reshape(-1, g.shape[-1]).t() @ x2 for g in grad_ys]  # each (out_j/tp, h)
+            _mark("tp-weight-grad", "end")
         if work is not None:
             work.wait()
         return (grad_x, None, None, *grad_ws)

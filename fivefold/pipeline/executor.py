@@ -213,7 +213,7 @@ class PipelineExecutor:
                 st.plans[key] = plan
                 self._pass_input_grad(key, dx, st)
             elif piece.kind is Kind.W:
-                backward_weight(st.plans.pop(key))
+                backward_weight(st.plans.pop(key), one_task=self.stages[key[0]].recompute.granularity == "full")
                 st.free(key)
             else:  # BW
                 dx = backward_full(st.outputs[key], st.grad_of(key, self.last), st.inputs.get(key),
