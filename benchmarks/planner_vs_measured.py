@@ -67,6 +67,9 @@ class Case:
                                               micro_batch_size=self.mbs, **{"precision": "fp32", **self.training}))
 
 
+FULL_RECOMPUTE = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+
+
 CASES = [
     Case("DP1 mbs2", 1, 2, 2),
     Case("DP2 mbs2", 2, 2, 4),
@@ -173,7 +176,9 @@ CASES = [
     Case("DP2 mbs2 ZeRO-3", 2, 2, 4, training={"data_parallel_sharding_strategy": "optim_grads_params"}),
     Case("DP2 mbs2 ZeRO-3 MTP1 tied", 2, 2, 4, model={"mtp_num_layers": 1, "tie_word_embeddings": True},
          training={"data_parallel_sharding_strategy": "optim_grads_params"}),    Case("CP2 a2a mbs1 GA2 GQA2 selective recompute", 2, 1, 2, model={"num_query_groups": 2},
-         parallel={"context_parallel_size": 2, "cp_comm_type": "a2a"}, training={"recompute_granularity": "selective"}),
+         parallel={"context_parallel_size": 2, "cp_comm_type": "a2a"}, training={"recompute_granularity": "selective"}),    Case("PP2 ZB-H1 x TP2 SP mbs2 GA2 full recompute", 4, 2, 4,
+         parallel={"pipeline_model_parallel_size": 2, "pipeline_schedule": "zb-h1", "tensor_model_parallel_size": 2,
+                   "sequence_parallel": True}, training=FULL_RECOMPUTE),
 ]
 
 
@@ -256,7 +261,6 @@ def misses(rows: list[RankComparison], zero3: bool = False) -> list[str]:
     return out
 
 
-FULL_RECOMPUTE = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
 DP_MODES = {"no_shard": {}, "optim": {"use_distributed_optimizer": True},
             "optim_grads": {"data_parallel_sharding_strategy": "optim_grads"},
             "optim_grads_params": {"data_parallel_sharding_strategy": "optim_grads_params"}}

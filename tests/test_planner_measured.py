@@ -20,7 +20,8 @@ from benchmarks.planner_vs_measured import CASES, MEMORY_TOL, run_case
 CHOSEN = ["CP2 p2p mbs2", "TP2 SP mbs2", "PP2 ZB-H1 mbs1 GA4 tied", "TP2 SP mbs2 full recompute", "TP2 SP MLA mbs2",
           "GQA1 TP2 SP mbs2", "qk-norm TP2 SP mbs2", "MTP1 TP2 SP mbs2", "PP2 DualPipeV mbs1 GA4",
           "PP2 VPP2 group3 mbs1 GA5", "MoE EP2 mbs2 capacity 1.25 padded",
-          "TP2 SP x CP2 allgather mbs1 full recompute", "CP2 a2a mbs1 GA2 GQA2 selective recompute"]
+          "TP2 SP x CP2 allgather mbs1 full recompute", "CP2 a2a mbs1 GA2 GQA2 selective recompute",
+          "PP2 ZB-H1 x TP2 SP mbs2 GA2 full recompute"]
 """Context parallelism by ring attention (K/V blocks sent and received, gradients over DP x CP); TP
 with sequence parallelism (all-gathers / reduce-scatters,
 SP-norm gradient all-reduce, vocab-parallel loss); a zero-bubble pipeline with tied embeddings (p2p
@@ -40,14 +41,16 @@ counted); MoE padded to a capacity of 1.25 (every expert computes, holds and rec
 capacity of rows: EP bytes 1.25x the dropless ones); all-gather CP under TP2 + SP with full recompute
 (K / V gathered forward, again in the recomputed forward and in backward, dK / dV reduce-scattered;
 the gathered K / V and their gradients a backward temporary); the all-to-all with selective recompute
-(q, k, v exchanged again in backward, not o: 1.09 of the measured until session 20): 2-4 ranks,
-~4-10 s each."""
+(q, k, v exchanged again in backward, not o: 1.09 of the measured until session 20); a zero-bubble
+schedule under TP2 + SP with full recompute (each B the whole backward, so nothing waits for W; the
+last stage held 3.4x the planner's and moved 1.5x its SP bytes until session 20): 2-4 ranks, ~4-10 s
+each."""
 
 MODEL_TAG = {"CP2 p2p mbs2": "cp", "TP2 SP mbs2": "sp", "PP2 ZB-H1 mbs1 GA4 tied": "pp", "TP2 SP mbs2 full recompute": "sp",
              "TP2 SP MLA mbs2": "sp", "GQA1 TP2 SP mbs2": "tp-grad", "qk-norm TP2 SP mbs2": "tp-grad",
              "MTP1 TP2 SP mbs2": "tp", "PP2 DualPipeV mbs1 GA4": "pp", "PP2 VPP2 group3 mbs1 GA5": "pp",
              "MoE EP2 mbs2 capacity 1.25 padded": "ep", "TP2 SP x CP2 allgather mbs1 full recompute": "cp",
-             "CP2 a2a mbs1 GA2 GQA2 selective recompute": "cp"}
+             "CP2 a2a mbs1 GA2 GQA2 selective recompute": "cp", "PP2 ZB-H1 x TP2 SP mbs2 GA2 full recompute": "sp"}
 
 
 @pytest.fixture(scope="module")

@@ -11,12 +11,10 @@ starts from those joins with the recorded gradients and walks only the weights' 
 so nothing on the input path is computed twice. Weights joined by a common node (a weight used at
 two places, or two weights sharing a node) form one group and get one `autograd.grad` call; in a
 group with several joins, a pre-hook pins each join's gradient to its recorded value, so gradient
-that reaches one join through another is not counted twice. A stage with checkpointed spans (full
-recompute) instead takes every group in one call (`one_task`), pinned alike: each graph task reruns
-a span's forward (torch.utils.checkpoint keys its recomputed tensors by the task), so one call per
-group reran each layer 5-9 times in W and held what the reruns rebuilt (until session 20); one call
-walks the input path between the joins as well (the pins keep the sums exact), a backward's worth of
-input-gradient work that costs less than those reruns. Weights whose branch never meets the
+that reaches one join through another is not counted twice. Each call is its own graph task, and
+torch.utils.checkpoint keys what it recomputes by the task: a checkpointed span (full recompute)
+would rerun its forward in B and again in every group's call of W (the executor runs such a stage's
+B as the whole backward instead, fivefold.pipeline.executor). Weights whose branch never meets the
 input path (all of them on the first stage, whose input is token ids) are computed by W with a
 plain backward from the output. The idea is torch.distributed.pipelining's stage_backward_input /
 stage_backward_weight; this is a smaller rewrite of it.
@@ -162,36 +160,26 @@ def backward_input(output: torch.Tensor, grad_output: torch.Tensor | None, stage
     return dx, plan
 
 
-def _weight_grads(groups: list[_Group], retain: bool) -> None:
-    """One `autograd.grad` call from the joins of `groups` with their recorded gradients to their
-    weights; with several joins, each join's gradient pinned to its recorded value."""
-    edges, grads, params, joins = [], [], [], []
-    for g in groups:
+def backward_weight(plan: WeightPlan) -> None:
+    """W: accumulate dL/dtheta into each param's .grad from what B recorded; frees the graph."""
+    for g in plan.groups:
+        edges, grads = [], []
         for j, recorded in zip(g.joins, g.grads):
             for k, gr in enumerate(recorded or ()):
                 if gr is not None:
                     edges.append(GradientEdge(j, k))
                     grads.append(gr)
-            joins.append((j, recorded))
-        params += g.params
-    if not edges:
-        return
-    handles = [j.register_prehook(lambda _, r=r: r) for j, r in joins] if len(joins) > 1 else []
-    try:
-        dw = torch.autograd.grad(edges, [get_gradient_edge(p) for p in params], grads, retain_graph=retain,
-                                 allow_unused=True)
-    finally:
-        for h in handles:
-            h.remove()
-    _accumulate(params, dw)
-
-
-def backward_weight(plan: WeightPlan, one_task: bool = False) -> None:
-    """W: accumulate dL/dtheta into each param's .grad from what B recorded; frees the graph.
-    `one_task` (a stage with checkpointed spans): every group in one graph task (see the module
-    docstring), else one per group."""
-    for groups in [plan.groups] if one_task else [[g] for g in plan.groups]:
-        _weight_grads(groups, retain=plan.output is not None)
+        if not edges:
+            continue
+        handles = [j.register_prehook(lambda _, r=r: r) for j, r in zip(g.joins, g.grads)] \
+            if len(g.joins) > 1 else []
+        try:
+            dw = torch.autograd.grad(edges, [get_gradient_edge(p) for p in g.params], grads,
+                                     retain_graph=plan.output is not None, allow_unused=True)
+        finally:
+            for h in handles:
+                h.remove()
+        _accumulate(g.params, dw)
     if plan.unjoined:
         dw = torch.autograd.grad([plan.output], [get_gradient_edge(p) for p in plan.unjoined],
                                  [plan.grad_output], allow_unused=True)

@@ -5,7 +5,8 @@ can return dL/dx; token ids on stage 0), the output y (hidden (b, s, h), or on t
 scaled loss sum(token CE) * loss_scale), and dL/dy once it arrives. Actions:
 
   F        y = stage(x); on the last stage y = loss_sum * loss_scale (the loss sum is recorded)
-  B        dL/dx only (backward.backward_input), keeping what W needs
+  B        dL/dx only (backward.backward_input), keeping what W needs; on a stage with full
+           recompute the whole backward (as BW: a split one reruns the checkpointed forward per graph task)
   W        dL/dtheta from what B recorded (backward.backward_weight), accumulated into .grad
   BW       both in one pass (backward.backward_full); F&B runs its F, then its BW
   SEND_*/RECV_*  a run of consecutive communication actions is posted as one batched p2p call
@@ -207,13 +208,20 @@ class PipelineExecutor:
             key = (piece.stage, piece.mb)
             if piece.kind is Kind.F:
                 self._forward(key, st)
+            elif piece.kind is Kind.B and self.stages[key[0]].recompute.granularity == "full":
+                # a split backward would rerun the checkpointed spans in B and in each of W's graph
+                # tasks (fivefold.pipeline.backward): B runs the whole backward, its W only frees
+                dx = backward_full(st.outputs[key], st.grad_of(key, self.last), st.inputs.get(key),
+                                   self.params(key[0]))
+                self._pass_input_grad(key, dx, st)
             elif piece.kind is Kind.B:
                 dx, plan = backward_input(st.outputs[key], st.grad_of(key, self.last),
                                           st.inputs.get(key), self.params(key[0]))
                 st.plans[key] = plan
                 self._pass_input_grad(key, dx, st)
             elif piece.kind is Kind.W:
-                backward_weight(st.plans.pop(key), one_task=self.stages[key[0]].recompute.granularity == "full")
+                if key in st.plans:
+                    backward_weight(st.plans.pop(key))
                 st.free(key)
             else:  # BW
                 dx = backward_full(st.outputs[key], st.grad_of(key, self.last), st.inputs.get(key),

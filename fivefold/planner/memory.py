@@ -334,6 +334,8 @@ class _Ranks:
         if r == plan.last_rank:
             rm.logits = self.logits
             joins += self.logit_joins
+        if plan.recompute == "full":  # a zero-bubble B runs the whole backward there: nothing waits for W
+            joins = 0.0               # (fivefold.pipeline.executor)
         # the peak is at a forward (the last rank's logits) or in a layer's backward (with the layer a
         # recompute rebuilt), each moment with the activations held and the zero-bubble schedules'
         # B-done-W-pending gradients (`PipelineProfile.moments`, in chunks); offloaded inputs stay

@@ -68,7 +68,7 @@ class PipelineProfile:
 
 
 @lru_cache(maxsize=1024)
-def _equal_stages(schedule: str, pp: int, vpp: int | None, m: int, group: int | None):
+def _equal_stages(schedule: str, pp: int, vpp: int | None, m: int, group: int | None, fused: bool = False):
     """(makespan in stage times, chunks per rank, each rank's `PipelineProfile.moments`) of m microbatches
     with equal stages: the registry's closed form where it has one, else simulated on min(m, SIMULATED pp)
     (all m with a microbatch group) and extended linearly (each further microbatch one stage time; only
@@ -82,7 +82,7 @@ def _equal_stages(schedule: str, pp: int, vpp: int | None, m: int, group: int | 
                                                  ((h, 0, in_backward if r == last else 0),))
                                                 for r, h in enumerate(held))
     m0 = m if group else min(m, SIMULATED * pp)  # a group's rule reads the whole count: simulated whole
-    makespan, chunks, moments = _simulate(schedule, pp, vpp, m0, group)
+    makespan, chunks, moments = _simulate(schedule, pp, vpp, m0, group, fused)
     if m > m0:  # only what holds every simulated microbatch grows (GPipe): the rest is steady state
         def grown(fronts: tuple[Front, Front], c: int) -> tuple[Front, Front]:
             every = max(f for *_, f in fronts[0]) == m0  # the rank held all loss states: so it holds m
@@ -93,10 +93,10 @@ def _equal_stages(schedule: str, pp: int, vpp: int | None, m: int, group: int | 
 
 
 @lru_cache(maxsize=1024)
-def _simulate(schedule: str, pp: int, vpp: int | None, m: int, group: int | None):
-    """`_equal_stages` of the simulator itself."""
+def _simulate(schedule: str, pp: int, vpp: int | None, m: int, group: int | None, fused: bool = False):
+    """`_equal_stages` of the simulator itself (`fused`: every B the whole backward, W nothing)."""
     s = build_schedule(schedule, pp, m, vpp, group)
-    r = simulate(s, Costs.per_rank(s, 1 / 3, 1 / 3, 1 / 3), timeline=False)
+    r = simulate(s, Costs.per_rank(s, 1 / 3, 2 / 3 if fused else 1 / 3, 0.0 if fused else 1 / 3), timeline=False)
     return r.makespan, tuple(r.stages_per_rank), tuple(_moments(a, s.num_stages - 1) for a in s.ranks)
 
 
@@ -146,20 +146,24 @@ def pipeline_profile(schedule: str, pp: int, vpp: int | None, m: int, group: int
     return PipelineProfile(vpp=chunks[0], moments=moments)
 
 
-def bubble_stage_times(schedule: str, pp: int, vpp: int | None, m: int, group: int | None = None) -> float:
-    """B_u: the idle time of m microbatches with equal stages, in units of one rank's microbatch time."""
-    return _equal_stages(schedule, pp, vpp, m, group)[0] - m
+def bubble_stage_times(schedule: str, pp: int, vpp: int | None, m: int, group: int | None = None,
+                       fused: bool = False) -> float:
+    """B_u: the idle time of m microbatches with equal stages, in units of one rank's microbatch time
+    (`fused`: the runtime runs each split backward's B as the whole backward, as under full recompute)."""
+    return _equal_stages(schedule, pp, vpp, m, group, fused)[0] - m
 
 
-def pipeline_time(schedule: str, stage_times: list[float], vpp: int | None, m: int, group: int | None = None) -> float:
+def pipeline_time(schedule: str, stage_times: list[float], vpp: int | None, m: int, group: int | None = None,
+                  fused: bool = False) -> float:
     """Step time of the pipeline part, from each rank's time for one microbatch (forward + backward)."""
     pp, worst = len(stage_times), max(stage_times)
     if pp == 1:
         return m * worst
-    return m * worst + bubble_stage_times(schedule, pp, vpp, m, group) * (sum(stage_times) - worst) / (pp - 1)
+    return m * worst + bubble_stage_times(schedule, pp, vpp, m, group, fused) * (sum(stage_times) - worst) / (pp - 1)
 
 
-def bubble_fraction(schedule: str, pp: int, vpp: int | None, m: int, group: int | None = None) -> float:
+def bubble_fraction(schedule: str, pp: int, vpp: int | None, m: int, group: int | None = None,
+                    fused: bool = False) -> float:
     """Idle share of the pipeline time with equal stages."""
-    t = pipeline_time(schedule, [1.0] * pp, vpp, m, group)
+    t = pipeline_time(schedule, [1.0] * pp, vpp, m, group, fused)
     return 1.0 - m / t

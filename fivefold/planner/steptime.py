@@ -134,7 +134,8 @@ def step_time(plan: Plan, hw: Hardware, ta: TimeAssumptions = TimeAssumptions())
         rank_parts.append(parts)
         rank_bytes.append(sent)
         rank_times.append(total)
-    pipe = pipeline_time(plan.schedule, rank_times, plan.vpp, n_mb, plan.group)
+    fused = plan.recompute == "full"  # the runtime's zero-bubble B is then the whole backward (executor)
+    pipe = pipeline_time(plan.schedule, rank_times, plan.vpp, n_mb, plan.group, fused)
     worst = rank_times.index(max(rank_times))  # the first slowest rank
     distopt = cfg.training.use_distributed_optimizer
     step_parts, step_bytes, opt_time = {}, {}, -1.0  # of the rank whose once-per-step work is longest
@@ -169,7 +170,7 @@ def step_time(plan: Plan, hw: Hardware, ta: TimeAssumptions = TimeAssumptions())
     return StepEstimate(step_time=total, model_flops=mf, mfu=mf / (plan.world * hw.peak_flops(plan.precision) * total),
                         tokens_per_s_per_gpu=cfg.training.global_batch_size * s / total / plan.world,
                         tflops_per_gpu=mf / total / plan.world / 1e12,
-                        bubble_fraction=bubble_fraction(plan.schedule, plan.pp, plan.vpp, n_mb, plan.group),
+                        bubble_fraction=bubble_fraction(plan.schedule, plan.pp, plan.vpp, n_mb, plan.group, fused),
                         parts=parts, comm_bytes=comm_bytes,
                         links=links.names)  # shared by the layouts of one layout's links: read only
 
