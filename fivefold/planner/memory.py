@@ -128,6 +128,22 @@ def zero2_full_buffers(plan: Plan, dense: float, expert: float, state_bytes: tup
     return dense * (full - dense_grad) + expert * (full - expert_grad)
 
 
+def backward_buckets(plan: Plan, rank: int, dense: float, prec: Precision, mode: str) -> float:
+    """ZeRO-2/3 reducing every microbatch (`Plan.reduce_every_microbatch`): full-size gradient buffers
+    that exist only during backward (fivefold.parallel.data: allocated at a bucket's first gradient,
+    freed once its reduce-scatter is done, which the next bucket's launch waits for): at most the
+    bucket being filled and the one in flight, from the start of backward while the activations are
+    all held. ZeRO-2's buckets hold `DEFAULT_BUCKET_BYTES` of parameters, ZeRO-3's one unit each (on
+    the last rank the output layer's and a layer's, else two layers')."""
+    if not plan.reduce_every_microbatch or mode not in ("optim_grads", "optim_grads_params"):
+        return 0.0
+    weight, grad, _ = prec.state_bytes(1, "no_shard")
+    if mode == "optim_grads":
+        return min(2 * DEFAULT_BUCKET_BYTES / weight, dense) * grad
+    layer = max(sum(_layer_share(plan, i)) for i, _, _ in plan.layer_groups(rank))
+    return min(zero3_gathered(plan, rank, dense) + layer, dense) * grad
+
+
 def model_state(plan: Plan, rank: int, dense: float, expert: float, state_bytes: tuple, prec: Precision,
                 mode: str) -> tuple[float, float, float]:
     """(weights, gradients, optimizer) bytes of pipeline rank `rank`, holding `dense` and `expert`
@@ -343,6 +359,7 @@ class _Ranks:
         forward, backward = prof.moments[r]
         at_forward = _held(forward, prof.vpp, per_mb, offloaded, joins, self.loss_state, 1)
         in_backward = _held(backward, prof.vpp, per_mb, offloaded, joins, self.loss_state, 0)
+        in_backward += backward_buckets(plan, r, dense, self.prec, self.mode)
         rm.activations = max(at_forward + rm.logits, in_backward + bwd + transient) - rm.logits
         rm.buffers = self.buffers
         largest = largest_param(plan, r) if traits.optimizer_scratch_bytes else 0.0  # read only with scratch
