@@ -179,6 +179,7 @@ CASES = [
          parallel={"context_parallel_size": 2, "cp_comm_type": "a2a"}, training={"recompute_granularity": "selective"}),    Case("PP2 ZB-H1 x TP2 SP mbs2 GA2 full recompute", 4, 2, 4,
          parallel={"pipeline_model_parallel_size": 2, "pipeline_schedule": "zb-h1", "tensor_model_parallel_size": 2,
                    "sequence_parallel": True}, training=FULL_RECOMPUTE),
+    Case("DP2 mbs1 GA4 ZeRO-2", 2, 1, 8, training={"data_parallel_sharding_strategy": "optim_grads"}),
 ]
 
 
@@ -268,6 +269,55 @@ def sharded(case: Case) -> bool:
     t = case.config().training
     return t.sharding_strategy != "no_shard" and case.world // (case.parallel.get("tensor_model_parallel_size", 1) *
                                                                 case.parallel.get("pipeline_model_parallel_size", 1)) > 1
+
+
+DP_MODES = {"no_shard": {}, "optim": {"use_distributed_optimizer": True},
+            "optim_grads": {"data_parallel_sharding_strategy": "optim_grads"},
+            "optim_grads_params": {"data_parallel_sharding_strategy": "optim_grads_params"}}
+
+
+def random_cases(count: int, seed: int) -> list[Case]:
+    """`count` layouts drawn with `seed` that the config rules accept and the runtime trains."""
+    from fivefold.planner.validity import config_errors
+    from fivefold.train.supported import unsupported
+    rng, out = random.Random(seed), []
+    while len(out) < count:
+        world, tp, cp, pp = rng.choice([2, 4]), rng.choice([1, 2]), rng.choice([1, 2]), rng.choice([1, 2])
+        if world % (tp * cp * pp):
+            continue
+        dp, moe = world // (tp * cp * pp), rng.random() < 0.3
+        parallel = {"tensor_model_parallel_size": tp, "context_parallel_size": cp, "pipeline_model_parallel_size": pp,
+                    "expert_model_parallel_size": rng.choice([1, 2]) if moe else 1}
+        if tp > 1:
+            parallel["sequence_parallel"] = rng.random() < 0.6
+        if cp > 1:
+            parallel["cp_comm_type"] = rng.choice(["p2p", "a2a", "allgather"])
+        if pp > 1:
+            parallel["pipeline_schedule"] = rng.choice(["1f1b", "interleaved", "zb-h1", "gpipe", "dualpipev"])
+            if parallel["pipeline_schedule"] == "interleaved":
+                parallel["virtual_pipeline_model_parallel_size"] = 2
+        model = {**(MOE if moe else {}), **({"tie_word_embeddings": True} if rng.random() < 0.3 else {}),
+                 **({"num_query_groups": 2} if rng.random() < 0.3 else {})}
+        mode = rng.choice(list(DP_MODES))
+        training = {"precision": rng.choice(["fp32", "bf16"]), **DP_MODES[mode]}
+        if training["precision"] == "bf16" and rng.random() < 0.4:
+            training["grad_reduce_in_bf16"] = True
+        recompute = rng.choice([None, None, "full", "selective"])
+        training.update(FULL_RECOMPUTE if recompute == "full" else
+                        {"recompute_granularity": "selective"} if recompute == "selective" else {})
+        mbs, accumulate = rng.choice([1, 2]), rng.choice([1, 2, 4] if pp == 1 else [2, 4])
+        name = (f"random {seed}.{len(out)}: TP{tp}{'+SP' if parallel.get('sequence_parallel') else ''} "
+                f"CP{cp}{'(' + parallel['cp_comm_type'] + ')' if cp > 1 else ''} "
+                f"PP{pp}{'(' + parallel['pipeline_schedule'] + ')' if pp > 1 else ''} DP{dp} "
+                f"EP{parallel['expert_model_parallel_size']} {mode} {training['precision']}"
+                f"{' bf16-grads' if training.get('grad_reduce_in_bf16') else ''} rc-{recompute or 'none'} mbs{mbs} "
+                f"GA{accumulate}{' MoE' if moe else ''}{' tied' if 'tie_word_embeddings' in model else ''}"
+                f"{' GQA2' if 'num_query_groups' in model else ''}")
+        case = Case(name, world, mbs, mbs * dp * accumulate, model=model, parallel=parallel, training=training)
+        cfg = case.config()
+        if not config_errors(cfg) and not unsupported(cfg):
+            out.append(case)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
