@@ -180,6 +180,8 @@ CASES = [
          parallel={"pipeline_model_parallel_size": 2, "pipeline_schedule": "zb-h1", "tensor_model_parallel_size": 2,
                    "sequence_parallel": True}, training=FULL_RECOMPUTE),
     Case("DP2 mbs1 GA4 ZeRO-2", 2, 1, 8, training={"data_parallel_sharding_strategy": "optim_grads"}),
+    Case("CP2 p2p mbs1 ZeRO-1", 2, 1, 1, parallel={"context_parallel_size": 2},
+         training={"use_distributed_optimizer": True}),
 ]
 
 

@@ -79,6 +79,9 @@ class ArchTraits:
     optimizer_scratch_bytes: float = 0.0
     """Bytes per element of the rank's largest parameter that clipping + the optimizer step allocate
     (fused/multi-tensor kernels: ~0). Eager: the fp64 copy and square in the norm, 16."""
+    reduce_scatter_copy: bool = False
+    """The backend's reduce-scatter holds a full-size copy of its input beside its output chunk until it
+    completes (gloo: ProcessGroupGloo reduces a copy, then scatters); NCCL reduces in place: False."""
     flash_needs_equal_head_dims: bool = False
     """The fused attention kernel only takes q/k and v of one head dim, so where they differ (MLA:
     dn + dr != dv) the runtime zero-pads v to the q/k width (fivefold.ops.attention._widen) and slices
@@ -137,7 +140,7 @@ GPT3_TRAITS = ArchTraits(gated_mlp=False, dropout=True, flash_attention=False, b
 """Korthikanti et al.'s GPT-3 setting."""
 
 EAGER_TRAITS = ArchTraits(norm_tensors=3, mlp_inner_tensors=4, loss_bytes_per_logit=12.0, loss_transient_bytes=8.0,
-                          optimizer_scratch_bytes=16.0,
+                          optimizer_scratch_bytes=16.0, reduce_scatter_copy=True,
                           flash_needs_equal_head_dims=True, backward_inner_tensors=3)
 """fivefold's own eager runtime in fp32 (unfused RMSNorm and SwiGLU, F.cross_entropy, per-tensor
 AdamW, fp64 gradient norm), as measured on CPU."""
