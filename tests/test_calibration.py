@@ -169,12 +169,17 @@ def test_megatron_fsdp_reduces_every_microbatch_under_pp(mode):
                 8)[-1] for rt in (te, ours)]
     assert f"Megatron-FSDP: ZeRO-{2 if mode == 'optim_grads' else 3} reduce-scatters after each of the 16" in said[0]
     assert "reduce-scatters the step's whole gradient buffers once" in said[1] and "Megatron-FSDP" not in said[1]
-    if mode == "optim_grads_params":  # units gathered per microbatch: rank 0's last layer whole, not all 16
+    if mode == "optim_grads_params":  # units gathered per microbatch: whole only while in use (in backward
+        # the unit and the prefetched one, with their gradient buckets), not all 16 for the step
+        from fivefold.parallel.precision import Precision
+        from fivefold.planner.memory import backward_buckets
         from fivefold.planner.params import embedding_params
         w, dense = 4, sum(rank_params(fsdp, 0))
         layer = (dense - embedding_params(fsdp.config.model, 2) / 2) / 16
         assert memory_per_rank(whole, ours.memory)[0].weights == pytest.approx(w * dense * (1 + 1 / dp))
-        assert memory_per_rank(fsdp, te.memory)[0].weights == pytest.approx(w * (dense / dp + layer))
+        assert memory_per_rank(fsdp, te.memory)[0].weights == pytest.approx(w * dense / dp)
+        prec = Precision.of(fsdp.config.training, fsdp.precision)
+        assert backward_buckets(fsdp, 0, dense, prec, mode) == pytest.approx(2 * layer * (w + 4))
 
 
 def test_overlap_hides_tp_traffic_and_attention_runs_at_the_bf16_rate():

@@ -79,6 +79,12 @@ class ArchTraits:
     optimizer_scratch_bytes: float = 0.0
     """Bytes per element of the rank's largest parameter that clipping + the optimizer step allocate
     (fused/multi-tensor kernels: ~0). Eager: the fp64 copy and square in the norm, 16."""
+    fsdp_root_whole: bool = False
+    """ZeRO-3 without PP keeps the root unit (the embedding, final norm and output layer) and the last
+    decoder layer gathered from the forward to their backward: torch's fully_shard does not reshard its
+    root after forward, and torchtitan's apply_fsdp sets reshard_after_forward=False on the last layer
+    (9dec370 and its June 2025 "default" policy); ours frees every unit after each use
+    (fivefold.parallel.fsdp): False."""
     reduce_scatter_copy: bool = False
     """The backend's reduce-scatter holds a full-size copy of its input beside its output chunk until it
     completes (gloo: ProcessGroupGloo reduces a copy, then scatters); NCCL reduces in place: False."""

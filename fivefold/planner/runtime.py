@@ -73,9 +73,10 @@ cached fp8 weights, memory-efficient permutation (the router weights applied bef
 down-projection)."""
 _TT_SAC = True
 """torchtitan's selective recompute: `selective_ac_option = "op"` (its default), in memory and in time."""
-_TT_TRAITS = ArchTraits(op_level_sac=_TT_SAC)
-"""Megatron's counts for compiled blocks, flash attention, 16-bit saved inputs (torchao float8), and
-selective recompute as torchtitan's default `selective_ac_option = "op"`."""
+_TT_TRAITS = ArchTraits(op_level_sac=_TT_SAC, fsdp_root_whole=True)
+"""Megatron's counts for compiled blocks, flash attention, 16-bit saved inputs (torchao float8),
+selective recompute as torchtitan's default `selective_ac_option = "op"`, and FSDP2's root unit kept
+gathered through the microbatch."""
 
 _FLASH_HALF_KEYS = 1435.0
 """Keys per call at which a flash kernel runs at half its rate (`TimeAssumptions.attention_half_keys`):
