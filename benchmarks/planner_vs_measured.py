@@ -182,6 +182,8 @@ CASES = [
     Case("DP2 mbs1 GA4 ZeRO-2", 2, 1, 8, training={"data_parallel_sharding_strategy": "optim_grads"}),
     Case("CP2 p2p mbs1 ZeRO-1", 2, 1, 1, parallel={"context_parallel_size": 2},
          training={"use_distributed_optimizer": True}),
+    Case("DP2 mbs2 GA2 ZeRO-3 full recompute", 2, 2, 8,
+         training={"data_parallel_sharding_strategy": "optim_grads_params", **FULL_RECOMPUTE}),
 ]
 
 
