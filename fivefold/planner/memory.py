@@ -128,7 +128,7 @@ def zero2_full_buffers(plan: Plan, dense: float, expert: float, state_bytes: tup
     return dense * (full - dense_grad) + expert * (full - expert_grad)
 
 
-def backward_buckets(plan: Plan, rank: int, dense: float, prec: Precision, mode: str) -> float:
+def backward_buckets(plan: Plan, rank: int, dense: float, prec: Precision, mode: str, expert: float = 0.0) -> float:
     """ZeRO-2/3 reducing every microbatch (`Plan.reduce_every_microbatch`): full-size gradient buffers
     that exist only during backward (fivefold.parallel.data: allocated at a bucket's first gradient,
     freed once its reduce-scatter is done, which the next bucket's launch waits for): at most the
@@ -140,8 +140,9 @@ def backward_buckets(plan: Plan, rank: int, dense: float, prec: Precision, mode:
     if not plan.reduce_every_microbatch or mode not in ("optim_grads", "optim_grads_params"):
         return 0.0
     weight, grad, _ = prec.state_bytes(1, "no_shard")
-    if mode == "optim_grads":
-        return min(2 * DEFAULT_BUCKET_BYTES / weight, dense) * grad
+    if mode == "optim_grads":  # per domain (the routed experts' reducer is another) sharded over > 1 rank
+        return sum(min(2 * DEFAULT_BUCKET_BYTES / weight, n) * grad
+                   for n, d in ((dense, plan.dp * plan.cp), (expert, plan.edp)) if n and d > 1)
     layer = max(sum(_layer_share(plan, i)) for i, _, _ in plan.layer_groups(rank))
     return min(zero3_gathered(plan, rank, dense) + layer, dense) * (weight + grad)
 
@@ -150,7 +151,8 @@ def model_state(plan: Plan, rank: int, dense: float, expert: float, state_bytes:
                 mode: str) -> tuple[float, float, float]:
     """(weights, gradients, optimizer) bytes of pipeline rank `rank`, holding `dense` and `expert`
     parameters (`state_bytes`: per dense and per expert parameter): the optimizer's offloaded share is
-    host memory; ZeRO-2/3 add their whole gradient buffers, ZeRO-3 the units in use, whole."""
+    host memory; ZeRO-2/3 under PP add their whole gradient buffers, ZeRO-3 there its units whole
+    (reducing every microbatch, what is whole only while in use is `backward_buckets`)."""
     (wd, gd, od), (we, ge, oe) = state_bytes
     weights, grads, optimizer = dense * wd + expert * we, dense * gd + expert * ge, dense * od + expert * oe
     optimizer *= 1 - prec.offload_fraction  # --optimizer-cpu-offload
@@ -389,7 +391,7 @@ class _Ranks:
         forward, backward = prof.moments[r]
         at_forward = _held(forward, prof.vpp, per_mb, offloaded, joins, self.loss_state, 1)
         in_backward = _held(backward, prof.vpp, per_mb, offloaded, joins, self.loss_state, 0)
-        in_backward += backward_buckets(plan, r, dense, self.prec, self.mode)
+        in_backward += backward_buckets(plan, r, dense, self.prec, self.mode, expert)
         rm.activations = max(at_forward + rm.logits, in_backward + bwd + transient) - rm.logits
         rm.buffers = self.buffers
         largest = largest_param(plan, r) if traits.optimizer_scratch_bytes else 0.0  # read only with scratch
