@@ -391,7 +391,8 @@ class _Ranks:
         forward, backward = prof.moments[r]
         at_forward = _held(forward, prof.vpp, per_mb, offloaded, joins, self.loss_state, 1)
         in_backward = _held(backward, prof.vpp, per_mb, offloaded, joins, self.loss_state, 0)
-        in_backward += backward_buckets(plan, r, dense, self.prec, self.mode, expert)
+        if self.mode in ("optim_grads", "optim_grads_params"):  # (a call the search's ZeRO-1 layouts skip)
+            in_backward += backward_buckets(plan, r, dense, self.prec, self.mode, expert)
         rm.activations = max(at_forward + rm.logits, in_backward + bwd + transient) - rm.logits
         rm.buffers = self.buffers
         largest = largest_param(plan, r) if traits.optimizer_scratch_bytes else 0.0  # read only with scratch
