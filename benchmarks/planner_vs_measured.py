@@ -30,6 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fivefold.config.schema import ClusterConfig, Config, ModelConfig, ParallelConfig, TrainingConfig  # noqa: E402
+from fivefold.config.validate import layout_of  # noqa: E402
 from fivefold.planner.versus import RankComparison, compare_rank  # noqa: E402
 
 MiB = 2**20
@@ -125,11 +126,11 @@ CASES = [
          training={"data_parallel_sharding_strategy": "optim_grads_params"}),
     Case("MoE EP2 mbs2", 2, 2, 4, model=MOE, parallel={"expert_model_parallel_size": 2}),
     Case("TP2 SP mbs2 full recompute", 2, 2, 2, parallel={"tensor_model_parallel_size": 2, "sequence_parallel": True},
-         training={"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}),
+         training=FULL_RECOMPUTE),
     Case("MoE EP2 mbs2 full recompute", 2, 2, 4, model=MOE, parallel={"expert_model_parallel_size": 2},
-         training={"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}),
+         training=FULL_RECOMPUTE),
     Case("TP2 mbs2 full recompute", 2, 2, 2, parallel={"tensor_model_parallel_size": 2},
-         training={"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}),
+         training=FULL_RECOMPUTE),
     Case("MoE EP2 x TP2 SP ETP1 mbs1", 4, 1, 2, model=MOE,
          parallel={"tensor_model_parallel_size": 2, "sequence_parallel": True, "expert_model_parallel_size": 2,
                    "expert_tensor_parallel_size": 1}),
@@ -144,7 +145,7 @@ CASES = [
                    "expert_tensor_parallel_size": 1}),
     Case("MoE shared EP2 mbs2 full recompute", 2, 2, 4, model={**MOE, "moe_shared_expert_intermediate_size": 256},
          parallel={"expert_model_parallel_size": 2},
-         training={"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}),
+         training=FULL_RECOMPUTE),
     Case("MoE DP2 mbs2 GA2 ZeRO-2", 2, 2, 8, model=MOE, training={"data_parallel_sharding_strategy": "optim_grads"}),
     Case("GQA1 TP2 SP mbs2", 2, 2, 2, model={"num_query_groups": 1},
          parallel={"tensor_model_parallel_size": 2, "sequence_parallel": True}),
@@ -168,15 +169,17 @@ CASES = [
     Case("TP2 SP x CP2 allgather mbs1 full recompute", 4, 1, 1,
          parallel={"tensor_model_parallel_size": 2, "sequence_parallel": True, "context_parallel_size": 2,
                    "cp_comm_type": "allgather"},
-         training={"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}),
+         training=FULL_RECOMPUTE),
     Case("CP2 allgather mbs2 bf16", 2, 2, 2, parallel={"context_parallel_size": 2, "cp_comm_type": "allgather"},
          training={"precision": "bf16"}),
     Case("CP2 p2p mbs2 bf16", 2, 2, 2, parallel={"context_parallel_size": 2, "cp_comm_type": "p2p"},
          training={"precision": "bf16"}),
     Case("DP2 mbs2 ZeRO-3", 2, 2, 4, training={"data_parallel_sharding_strategy": "optim_grads_params"}),
     Case("DP2 mbs2 ZeRO-3 MTP1 tied", 2, 2, 4, model={"mtp_num_layers": 1, "tie_word_embeddings": True},
-         training={"data_parallel_sharding_strategy": "optim_grads_params"}),    Case("CP2 a2a mbs1 GA2 GQA2 selective recompute", 2, 1, 2, model={"num_query_groups": 2},
-         parallel={"context_parallel_size": 2, "cp_comm_type": "a2a"}, training={"recompute_granularity": "selective"}),    Case("PP2 ZB-H1 x TP2 SP mbs2 GA2 full recompute", 4, 2, 4,
+         training={"data_parallel_sharding_strategy": "optim_grads_params"}),
+    Case("CP2 a2a mbs1 GA2 GQA2 selective recompute", 2, 1, 2, model={"num_query_groups": 2},
+         parallel={"context_parallel_size": 2, "cp_comm_type": "a2a"}, training={"recompute_granularity": "selective"}),
+    Case("PP2 ZB-H1 x TP2 SP mbs2 GA2 full recompute", 4, 2, 4,
          parallel={"pipeline_model_parallel_size": 2, "pipeline_schedule": "zb-h1", "tensor_model_parallel_size": 2,
                    "sequence_parallel": True}, training=FULL_RECOMPUTE),
     Case("DP2 mbs1 GA4 ZeRO-2", 2, 1, 8, training={"data_parallel_sharding_strategy": "optim_grads"}),
@@ -270,9 +273,9 @@ def misses(rows: list[RankComparison], sharded: bool = False) -> list[str]:
 
 def sharded(case: Case) -> bool:
     """The case's DP mode shards the optimizer (or more) over more than one DP x CP rank."""
-    t = case.config().training
-    return t.sharding_strategy != "no_shard" and case.world // (case.parallel.get("tensor_model_parallel_size", 1) *
-                                                                case.parallel.get("pipeline_model_parallel_size", 1)) > 1
+    cfg = case.config()
+    layout = layout_of(cfg)
+    return cfg.training.sharding_strategy != "no_shard" and layout.dp * layout.cp > 1
 
 
 DP_MODES = {"no_shard": {}, "optim": {"use_distributed_optimizer": True},

@@ -208,13 +208,7 @@ class PipelineExecutor:
             key = (piece.stage, piece.mb)
             if piece.kind is Kind.F:
                 self._forward(key, st)
-            elif piece.kind is Kind.B and self.stages[key[0]].recompute.granularity == "full":
-                # a split backward would rerun the checkpointed spans in B and in each of W's graph
-                # tasks (fivefold.pipeline.backward): B runs the whole backward, its W only frees
-                dx = backward_full(st.outputs[key], st.grad_of(key, self.last), st.inputs.get(key),
-                                   self.params(key[0]))
-                self._pass_input_grad(key, dx, st)
-            elif piece.kind is Kind.B:
+            elif piece.kind is Kind.B and self.stages[key[0]].recompute.granularity != "full":
                 dx, plan = backward_input(st.outputs[key], st.grad_of(key, self.last),
                                           st.inputs.get(key), self.params(key[0]))
                 st.plans[key] = plan
@@ -223,11 +217,14 @@ class PipelineExecutor:
                 if key in st.plans:
                     backward_weight(st.plans.pop(key))
                 st.free(key)
-            else:  # BW
+            else:  # BW; or B on a stage with full recompute: a split backward would rerun the checkpointed
+                # spans in B and in each of W's graph tasks (fivefold.pipeline.backward), so B runs the
+                # whole backward and its W only frees
                 dx = backward_full(st.outputs[key], st.grad_of(key, self.last), st.inputs.get(key),
                                    self.params(key[0]))
                 self._pass_input_grad(key, dx, st)
-                st.free(key)
+                if piece.kind is not Kind.B:
+                    st.free(key)
 
     def _forward(self, key: Key, st: "_StepState") -> None:
         s, mb = key

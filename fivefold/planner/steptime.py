@@ -353,8 +353,8 @@ def _keys(plan: Plan, links: Links, flops_rate: float) -> _Keys:
     stage = model + ("stage", plan.tp, plan.sp, plan.cp, plan.pp, plan.mbs, plan.seq, plan.precision,
                      links.cross["tp"], links.cross["pp"])
     step = model + ("step", plan.tp, plan.sp, plan.cp, plan.dp, plan.pp, plan.vpp, plan.schedule, plan.ep, plan.etp,
-                    plan.edp, plan.precision, plan.config.training.sharding_strategy, plan.reduce_every_microbatch, dp_calls_per_step(plan),
-                    links.cross["tp"], links.cross["embedding"], links.cross["dp"], links.cross["edp"], p.order)
+                    plan.edp, plan.precision, plan.config.training.sharding_strategy, plan.reduce_every_microbatch,
+                    dp_calls_per_step(plan), links.cross["tp"], links.cross["embedding"], links.cross["dp"], links.cross["edp"], p.order)
     return _Keys((False,) + common, (True,) + common + experts, stage, step)
 
 

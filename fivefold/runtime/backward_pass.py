@@ -42,6 +42,6 @@ def input_grad_wanted(ctx, i: int) -> bool:
     node = ctx.next_functions[i][0]
     if node is None:
         return False
-    if not node.next_functions and type(node).__name__ == "AccumulateGrad":
+    if type(node).__name__ == "AccumulateGrad":
         return True
     return torch._C._will_engine_execute_node(node)
