@@ -69,6 +69,10 @@ class Case:
 
 
 FULL_RECOMPUTE = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+BF16_GRADS = {"precision": "bf16", "grad_reduce_in_bf16": True}
+DP_MODES = {"no_shard": {}, "optim": {"use_distributed_optimizer": True},
+            "optim_grads": {"data_parallel_sharding_strategy": "optim_grads"},
+            "optim_grads_params": {"data_parallel_sharding_strategy": "optim_grads_params"}}
 
 
 CASES = [
@@ -187,6 +191,12 @@ CASES = [
          training={"use_distributed_optimizer": True}),
     Case("DP2 mbs2 GA2 ZeRO-3 full recompute", 2, 2, 8,
          training={"data_parallel_sharding_strategy": "optim_grads_params", **FULL_RECOMPUTE}),
+    Case("CP2 a2a mbs1 GQA2 bf16 bf16-grads ZeRO-1", 2, 1, 1, model={"num_query_groups": 2},
+         parallel={"context_parallel_size": 2, "cp_comm_type": "a2a"}, training={**BF16_GRADS, **DP_MODES["optim"]}),
+    Case("DP2 mbs1 GA2 seq64 tied bf16 bf16-grads ZeRO-3", 2, 1, 4, model={"tie_word_embeddings": True}, seq=64,
+         training={**BF16_GRADS, **DP_MODES["optim_grads_params"]}),
+    Case("PP2 1F1B mbs1 GA2 seq64 bf16 bf16-grads ZeRO-3", 2, 1, 2, parallel={"pipeline_model_parallel_size": 2},
+         seq=64, training={**BF16_GRADS, **DP_MODES["optim_grads_params"]}),
 ]
 
 
@@ -203,19 +213,22 @@ def run_case(pools: dict, case: Case) -> list[RankComparison]:
     return out
 
 
-def representatives(rows: list[RankComparison]) -> list[RankComparison]:
-    """Per pipeline stage, the rank whose memory ratio is furthest from 1."""
+def representatives(rows: list[RankComparison], sharded: bool = False) -> list[RankComparison]:
+    """Per pipeline stage, the rank whose memory is compared with the planner's (`misses`): under a
+    sharded DP mode the one with the highest peak, else the one whose ratio is furthest from 1."""
+    def further(r: RankComparison, cur: RankComparison) -> bool:
+        return r.meas_peak > cur.meas_peak if sharded else abs(r.memory_ratio - 1) > abs(cur.memory_ratio - 1)
     best: dict[int, RankComparison] = {}
     for r in rows:
         cur = best.get(r.pp_rank)
-        if cur is None or abs(r.memory_ratio - 1) > abs(cur.memory_ratio - 1):
+        if cur is None or further(r, cur):
             best[r.pp_rank] = r
     return [best[k] for k in sorted(best)]
 
 
-def format_rows(name: str, rows: list[RankComparison]) -> list[str]:
+def format_rows(name: str, rows: list[RankComparison], sharded: bool = False) -> list[str]:
     lines = []
-    for r in representatives(rows):
+    for r in representatives(rows, sharded):
         tags = r.tags or ["-"]
         comm = "; ".join(f"{t} {r.est_bytes.get(t, 0) / MiB:.3f}/{r.meas_bytes.get(t, 0) / MiB:.3f} "
                          f"({r.bytes_ratio(t):.4f})" for t in tags if t != "-") or "none/none"
@@ -250,6 +263,12 @@ of each pipeline stage, which it must not be below)."""
 
 
 def misses(rows: list[RankComparison], sharded: bool = False) -> list[str]:
+    """What exceeds the goals. Memory: each rank's peak within `MEMORY_TOL` of its stage's estimate;
+    under a sharded DP mode (`sharded`) the stage's highest peak, as the planner sizes a stage by its
+    busiest rank: which rank's chunk holds the largest piece of a parameter, whose gradient norm's
+    and AdamW's temporaries set the eager optimizer phase, depends on where the chunk boundaries fall
+    (`memory.largest_main`; measured, bf16 ZeRO-1 over CP2 with 16-bit gradients: the rank holding the
+    embedding whole 1.000, the other 1.179), so the others' peaks are lower."""
     out = []
     for t in ROUTED_TAGS:
         est, meas = sum(r.est_bytes.get(t, 0) for r in rows), sum(r.meas_bytes.get(t, 0) for r in rows)
@@ -266,6 +285,7 @@ def misses(rows: list[RankComparison], sharded: bool = False) -> list[str]:
         for t in r.tags:
             if t not in ROUTED_TAGS + owned and abs(r.bytes_ratio(t) - 1) > BYTES_TOL:
                 out.append(f"rank {r.rank} {t}: bytes ratio {r.bytes_ratio(t):.4f}")
+    for r in representatives(rows, sharded) if sharded else rows:
         if abs(r.memory_ratio - 1) > MEMORY_TOL:
             out.append(f"rank {r.rank}: memory ratio {r.memory_ratio:.3f}")
     return out
@@ -276,11 +296,6 @@ def sharded(case: Case) -> bool:
     cfg = case.config()
     layout = layout_of(cfg)
     return cfg.training.sharding_strategy != "no_shard" and layout.dp * layout.cp > 1
-
-
-DP_MODES = {"no_shard": {}, "optim": {"use_distributed_optimizer": True},
-            "optim_grads": {"data_parallel_sharding_strategy": "optim_grads"},
-            "optim_grads_params": {"data_parallel_sharding_strategy": "optim_grads_params"}}
 
 
 def random_cases(count: int, seed: int) -> list[Case]:
@@ -342,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for case in cases:
             rows = run_case(pools, case)
-            print("\n".join(format_rows(case.name, rows)), flush=True)
+            print("\n".join(format_rows(case.name, rows, sharded(case))), flush=True)
             failed += [f"{case.name}: {m}" for m in misses(rows, sharded(case))]
     finally:
         for p in pools.values():

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.planner_vs_measured import CASES, MEMORY_TOL, run_case
+from benchmarks.planner_vs_measured import CASES, MEMORY_TOL, representatives, run_case, sharded
 
 CHOSEN = ["CP2 p2p mbs2", "TP2 SP mbs2", "PP2 ZB-H1 mbs1 GA4 tied", "TP2 SP mbs2 full recompute", "TP2 SP MLA mbs2",
           "GQA1 TP2 SP mbs2", "qk-norm TP2 SP mbs2", "MTP1 TP2 SP mbs2", "PP2 DualPipeV mbs1 GA4",
@@ -88,7 +88,9 @@ def test_estimates_match_one_measured_step(pools, name):
                                   "DP2 mbs2 ZeRO-3 MTP1 tied", "DP2 mbs2 bf16 ZeRO-1", "DP2 mbs2 bf16",
                                   "CP2 p2p mbs1 ZeRO-1", "DP2 mbs2 GA2 ZeRO-3 full recompute",
                                   "PP2 x DP2 mbs1 GA2 ZeRO-3 tied", "PP2 x DP2 mbs1 GA2 bf16 ZeRO-2",
-                                  "MoE DP2 mbs2 GA2 ZeRO-2"])
+                                  "MoE DP2 mbs2 GA2 ZeRO-2", "CP2 a2a mbs1 GQA2 bf16 bf16-grads ZeRO-1",
+                                  "DP2 mbs1 GA2 seq64 tied bf16 bf16-grads ZeRO-3",
+                                  "PP2 1F1B mbs1 GA2 seq64 bf16 bf16-grads ZeRO-3"])
 def test_dp_modes_and_precisions_match_one_measured_step(pools, name):
     """The planner reads the runtime's precision policy and data-parallel mode
     (fivefold.parallel.precision, DPMode): ZeRO-2's per-microbatch reduce-scatters and freed buffers
@@ -107,13 +109,23 @@ def test_dp_modes_and_precisions_match_one_measured_step(pools, name):
     calls must not keep gloo's copy of the input and the output chunk alive through the optimizer
     step: 0.75 before `Work.wait` let go of them); routed experts replicated over DP2 under ZeRO-2,
     whose gradients are reduce-scattered after every microbatch like the dense ones (the planner
-    counted them once a step until session 13: edp-grad 0.5 of the measured):
-    call bytes exact and peak memory within the goal. (MemTracker files the gradient buffers and main
-    copies of these runs under other kinds than the planner does, so only the total is compared;
-    benchmarks/planner_vs_measured.py has the other precisions and modes.)"""
+    counted them once a step until session 13: edp-grad 0.5 of the measured); bf16 with 16-bit
+    gradients at a micro-batch of one, where the optimizer phase is the peak (the eager gradient norm's
+    temporaries, 16 bytes per element of the largest tensor stepped, beside the fp32 copies of the
+    gradients): the largest tensor is a ZeRO chunk's piece (ZeRO-3: half the embedding, 1.164 when the
+    planner took it whole until session 21), and ZeRO-3's units kept whole through a pipelined step are
+    freed before it (1.076 when they were not); under ZeRO-1 only the rank whose bucket chunk holds the
+    embedding whole reaches the planner's peak (the other's peak is the loss, 1.179 of its own):
+    call bytes exact and peak memory within the goal, on each rank or, under a sharded DP mode, on each
+    stage's busiest rank with none above the planner (`misses`). (MemTracker files the gradient buffers
+    and main copies of these runs under other kinds than the planner does, so only the total is
+    compared; benchmarks/planner_vs_measured.py has the other precisions and modes.)"""
     case = next(c for c in CASES if c.name == name)
-    for r in run_case(pools, case):
+    rows = run_case(pools, case)
+    for r in rows:
         assert r.tags and {t: r.est_bytes.get(t, 0) for t in r.tags} == {t: r.meas_bytes.get(t, 0) for t in r.tags}
+        assert r.memory_ratio >= 1 - MEMORY_TOL, (r.rank, r.est_memory.as_dict(), r.meas_kinds)
+    for r in representatives(rows, sharded(case)) if sharded(case) else rows:
         assert abs(r.memory_ratio - 1) <= MEMORY_TOL, (r.rank, r.est_memory.as_dict(), r.meas_kinds)
 
 

@@ -33,6 +33,7 @@ memory) and a runtime reserve (CUDA context + NCCL workspaces) that the allocato
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -158,9 +159,16 @@ def model_state(plan: Plan, rank: int, dense: float, expert: float, state_bytes:
     optimizer *= 1 - prec.offload_fraction  # --optimizer-cpu-offload
     if mode in ("optim_grads", "optim_grads_params"):
         grads += zero2_full_buffers(plan, dense, expert, state_bytes, prec)
-    if mode == "optim_grads_params" and not plan.reduce_every_microbatch:  # whole for the step (PP)
-        weights += zero3_gathered(plan, rank, dense + expert) * prec.state_bytes(1, "no_shard")[0]
+    weights += whole_for_step(plan, rank, dense + expert, prec, mode)
     return weights, grads, optimizer
+
+
+def whole_for_step(plan: Plan, rank: int, held: float, prec: Precision, mode: str) -> float:
+    """Bytes of ZeRO-3's units whole from their first forward to the end of a pipelined step's
+    reduction (fivefold.parallel.fsdp), of the `held` parameters of pipeline rank `rank`; 0 otherwise."""
+    if mode != "optim_grads_params" or plan.reduce_every_microbatch:
+        return 0.0
+    return zero3_gathered(plan, rank, held) * prec.state_bytes(1, "no_shard")[0]
 
 
 def root_params(plan: Plan, rank: int) -> float:
@@ -239,17 +247,19 @@ def fp8_weight_cache(plan: Plan, rank: int) -> float:
 
 
 def optimizer_phase(plan: Plan, dense: float, expert: float, largest: float, traits: ArchTraits,
-                    prec: Precision | None = None) -> float:
+                    prec: Precision | None = None, released: float = 0.0) -> float:
     """Bytes allocated after backward, on top of the model state: while AdamW steps, its eager
     temporaries (`optimizer_scratch_bytes` per element of the largest parameter) and, with 16-bit
     gradients, the fp32 copies of the main gradients (`Precision.main_grad_copy_bytes`); then ZeRO-1/2's
     all-gathers of the updated parameters, at most two buckets' full outputs at once
-    (fivefold.parallel.distributed_optimizer). The larger phase counts."""
+    (fivefold.parallel.distributed_optimizer). The larger phase counts. `released`: model-state bytes
+    freed once the gradients are reduced, before the step (ZeRO-3's units whole for a pipelined step:
+    measured, bf16 PP2 ZeRO-3, the norm's scratch on the shards alone, 64.16 MiB for 64.16)."""
     training = plan.config.training
     prec, mode = prec or Precision.of(training, plan.precision), training.sharding_strategy
     copies = (dense * prec.main_grad_copy_bytes(plan.dp * plan.cp, mode)
               + expert * prec.main_grad_copy_bytes(plan.edp, mode))
-    stepping = traits.optimizer_scratch_bytes * largest + copies
+    stepping = traits.optimizer_scratch_bytes * largest + copies - released
     gathering = after_step_gathers(plan, dense, expert, prec) if mode in ("optim", "optim_grads") else 0.0
     reducing = 0.0
     if traits.reduce_scatter_copy and mode != "no_shard" and not plan.reduce_every_microbatch:
@@ -276,16 +286,34 @@ def after_step_gathers(plan: Plan, dense: float, expert: float, prec: Precision)
                if n and d > 1)
 
 
-def largest_param(plan: Plan, rank: int) -> float:
-    """Elements of the largest single parameter tensor on pipeline rank `rank`: an embedding /
-    output-layer shard where it holds one, else the widest linear shard of its layers."""
+def largest_main(plan: Plan, rank: int, weight_bytes: float) -> float:
+    """Elements of the largest tensor the optimizer steps on the busiest rank of pipeline rank `rank`
+    (what the eager gradient norm's and AdamW's temporaries are sized by): the largest parameter (an
+    embedding / output-layer shard where the rank holds one, else the widest linear shard of its
+    layers), or under a sharded DP mode the largest piece of one that a rank's chunk holds
+    (fivefold.parallel.distributed_optimizer): ZeRO-1/2 cut each gradient bucket (`DEFAULT_BUCKET_BYTES`
+    of `weight_bytes` parameters) in d chunks, ZeRO-3 each unit (a layer, the embedding, the final
+    norm with the output layer). Measured, bf16 ZeRO-3 DP x CP 2: the embedding's half, not all of it.
+    Which rank's chunk holds a piece that large depends on where the boundaries fall; the others'
+    are smaller (their peak can be another moment)."""
     m = plan.config.model
-    h = m.hidden_size
-    largest = max(m.ffn_size * h / plan.tp, m.num_attention_heads * m.head_dim * h / plan.tp)
+    h, mode, d = m.hidden_size, plan.config.training.sharding_strategy, plan.dp * plan.cp
+    dense, expert = rank_params(plan, rank)
+    shares = [_layer_share(plan, i) for i, _, _ in plan.layer_groups(rank)] or [(0.0, 0.0)]
+    layer, expert_layer = (max(share) for share in zip(*shares))
+    # (elements, the ZeRO-3 unit holding them, the parameters of their domain, its shards)
+    candidates = [(max(m.ffn_size, m.num_attention_heads * m.head_dim) * h / plan.tp, layer, dense, d)]
     if m.is_moe:
-        largest = max(largest, (m.moe_ffn_hidden_size or m.ffn_size) * h / plan.etp)
+        candidates.append(((m.moe_ffn_hidden_size or m.ffn_size) * h / plan.etp, expert_layer, expert, plan.edp))
     if rank in (plan.first_rank, plan.last_rank):
-        largest = max(largest, embedding_params(m, plan.tp) / plan.tp)
+        emb = embedding_params(m, plan.tp) / plan.tp
+        candidates.append((emb, emb + h * (rank == plan.last_rank), dense, d))
+    largest = 0.0
+    for n, unit, domain, shards in candidates:
+        if mode != "no_shard" and shards > 1:
+            chunked = unit if mode == "optim_grads_params" else min(DEFAULT_BUCKET_BYTES / weight_bytes, domain)
+            n = min(n, math.ceil(chunked / shards))
+        largest = max(largest, n)
     return largest
 
 
@@ -395,8 +423,10 @@ class _Ranks:
             in_backward += backward_buckets(plan, r, dense, self.prec, self.mode, expert)
         rm.activations = max(at_forward + rm.logits, in_backward + bwd + transient) - rm.logits
         rm.buffers = self.buffers
-        largest = largest_param(plan, r) if traits.optimizer_scratch_bytes else 0.0  # read only with scratch
-        rm.scratch = max(0.0, optimizer_phase(plan, dense, expert, largest, traits, self.prec)
+        largest = (largest_main(plan, r, self.prec.state_bytes(1, "no_shard")[0])
+                   if traits.optimizer_scratch_bytes else 0.0)  # read only with scratch
+        released = whole_for_step(plan, r, dense + expert, self.prec, self.mode)
+        rm.scratch = max(0.0, optimizer_phase(plan, dense, expert, largest, traits, self.prec, released)
                          - (rm.activations + rm.logits + rm.buffers))
         tensors = rm.weights + rm.grads + rm.optimizer + rm.activations + rm.logits + rm.buffers + rm.scratch
         rm.overhead = assume.allocator_overhead * tensors
