@@ -197,6 +197,9 @@ CASES = [
          training={**BF16_GRADS, **DP_MODES["optim_grads_params"]}),
     Case("PP2 1F1B mbs1 GA2 seq64 bf16 bf16-grads ZeRO-3", 2, 1, 2, parallel={"pipeline_model_parallel_size": 2},
          seq=64, training={**BF16_GRADS, **DP_MODES["optim_grads_params"]}),
+    Case("DP2 mbs1 GA4 ZeRO-2 full recompute", 2, 1, 8, training={**DP_MODES["optim_grads"], **FULL_RECOMPUTE}),
+    Case("DP2 mbs1 GA4 ZeRO-3 full recompute", 2, 1, 8,
+         training={**DP_MODES["optim_grads_params"], **FULL_RECOMPUTE}),
 ]
 
 

@@ -247,14 +247,16 @@ def fp8_weight_cache(plan: Plan, rank: int) -> float:
 
 
 def optimizer_phase(plan: Plan, dense: float, expert: float, largest: float, traits: ArchTraits,
-                    prec: Precision | None = None, released: float = 0.0) -> float:
+                    prec: Precision | None = None, released: float = 0.0,
+                    units: tuple[float, float] = (0.0, 0.0)) -> float:
     """Bytes allocated after backward, on top of the model state: while AdamW steps, its eager
     temporaries (`optimizer_scratch_bytes` per element of the largest parameter) and, with 16-bit
     gradients, the fp32 copies of the main gradients (`Precision.main_grad_copy_bytes`); then ZeRO-1/2's
     all-gathers of the updated parameters, at most two buckets' full outputs at once
     (fivefold.parallel.distributed_optimizer). The larger phase counts. `released`: model-state bytes
     freed once the gradients are reduced, before the step (ZeRO-3's units whole for a pipelined step:
-    measured, bf16 PP2 ZeRO-3, the norm's scratch on the shards alone, 64.16 MiB for 64.16)."""
+    measured, bf16 PP2 ZeRO-3, the norm's scratch on the shards alone, 64.16 MiB for 64.16). `units`:
+    ZeRO-3's largest unit of each domain (dense, expert), elements (`reduce_scatter_copies`)."""
     training = plan.config.training
     prec, mode = prec or Precision.of(training, plan.precision), training.sharding_strategy
     copies = (dense * prec.main_grad_copy_bytes(plan.dp * plan.cp, mode)
@@ -262,20 +264,33 @@ def optimizer_phase(plan: Plan, dense: float, expert: float, largest: float, tra
     stepping = traits.optimizer_scratch_bytes * largest + copies - released
     gathering = after_step_gathers(plan, dense, expert, prec) if mode in ("optim", "optim_grads") else 0.0
     reducing = 0.0
-    if traits.reduce_scatter_copy and mode != "no_shard" and not plan.reduce_every_microbatch:
-        reducing = reduce_scatter_copies(plan, dense, expert, prec)
+    if traits.reduce_scatter_copy and mode != "no_shard":
+        reducing = reduce_scatter_copies(plan, dense, expert, prec, units)
     return max(stepping, gathering, reducing)
 
 
-def reduce_scatter_copies(plan: Plan, dense: float, expert: float, prec: Precision) -> float:
-    """Bytes the step's reduce-scatters of whole gradient buffers hold where the backend reduces a copy
-    (`ArchTraits.reduce_scatter_copy`): ZeRO-1 (and ZeRO-2 / 3 under PP) reduce once, and every
-    bucket's 1/d output chunk waits for the step while one copy (at most a bucket's) is reduced at a
-    time (measured, gloo: one bucket 20.3 MiB + its chunk 10.1; two of 24.5 and 16 MiB: 24.5 + 20.3
-    of chunks). Per domain sharded over more than one rank."""
+def reduce_scatter_copies(plan: Plan, dense: float, expert: float, prec: Precision,
+                          units: tuple[float, float] = (0.0, 0.0)) -> float:
+    """Bytes the reduce-scatters of whole gradient buffers hold where the backend reduces a copy
+    (`ArchTraits.reduce_scatter_copy`), per domain sharded over more than one rank. ZeRO-1 (and
+    ZeRO-2 / 3 under PP) reduce once, after backward: every bucket's 1/d output chunk waits for the
+    step while one copy (at most a bucket's) is reduced at a time (measured, gloo: one bucket 20.3 MiB
+    + its chunk 10.1; two of 24.5 and 16 MiB: 24.5 + 20.3 of chunks). ZeRO-2 / 3 reducing every
+    microbatch: at the end of backward a bucket (ZeRO-3: a unit, at most `units`) is whole beside its
+    copy and its output chunk while the next one, complete, waits for it to launch (measured, fp32
+    DP2 ZeRO-2 with full recompute at mbs1: buckets of 24.5 and 16 MiB, 24.5 + 24.5 + 12.25 + 16 over
+    the model state at the peak; TP2 x DP2: one bucket of 19.3 MiB, 48.2)."""
     weight, grad, _ = prec.state_bytes(1, "no_shard")
-    return sum((min(DEFAULT_BUCKET_BYTES / weight, n) + n / d) * grad
-               for n, d in ((dense, plan.dp * plan.cp), (expert, plan.edp)) if n and d > 1)
+    total = 0.0
+    for n, d, unit in ((dense, plan.dp * plan.cp, units[0]), (expert, plan.edp, units[1])):
+        if not n or d <= 1:
+            continue
+        bucket = min(unit or DEFAULT_BUCKET_BYTES / weight, n)
+        if plan.reduce_every_microbatch:
+            total += (2 * bucket + bucket / d + min(bucket, n - bucket)) * grad
+        else:
+            total += (bucket + n / d) * grad
+    return total
 
 
 def after_step_gathers(plan: Plan, dense: float, expert: float, prec: Precision) -> float:
@@ -297,17 +312,16 @@ def largest_main(plan: Plan, rank: int, weight_bytes: float) -> float:
     Which rank's chunk holds a piece that large depends on where the boundaries fall; the others'
     are smaller (their peak can be another moment)."""
     m = plan.config.model
-    h, mode, d = m.hidden_size, plan.config.training.sharding_strategy, plan.dp * plan.cp
+    mode, d = plan.config.training.sharding_strategy, plan.dp * plan.cp
     dense, expert = rank_params(plan, rank)
-    shares = [_layer_share(plan, i) for i, _, _ in plan.layer_groups(rank)] or [(0.0, 0.0)]
-    layer, expert_layer = (max(share) for share in zip(*shares))
+    layer, end, expert_layer = zero3_units(plan, rank)
     # (elements, the ZeRO-3 unit holding them, the parameters of their domain, its shards)
-    candidates = [(max(m.ffn_size, m.num_attention_heads * m.head_dim) * h / plan.tp, layer, dense, d)]
+    candidates = [(max(m.ffn_size, m.num_attention_heads * m.head_dim) * m.hidden_size / plan.tp, layer, dense, d)]
     if m.is_moe:
-        candidates.append(((m.moe_ffn_hidden_size or m.ffn_size) * h / plan.etp, expert_layer, expert, plan.edp))
-    if rank in (plan.first_rank, plan.last_rank):
-        emb = embedding_params(m, plan.tp) / plan.tp
-        candidates.append((emb, emb + h * (rank == plan.last_rank), dense, d))
+        candidates.append(((m.moe_ffn_hidden_size or m.ffn_size) * m.hidden_size / plan.etp, expert_layer, expert,
+                           plan.edp))
+    if end:
+        candidates.append((embedding_params(m, plan.tp) / plan.tp, end, dense, d))
     largest = 0.0
     for n, unit, domain, shards in candidates:
         if mode != "no_shard" and shards > 1:
@@ -315,6 +329,18 @@ def largest_main(plan: Plan, rank: int, weight_bytes: float) -> float:
             n = min(n, math.ceil(chunked / shards))
         largest = max(largest, n)
     return largest
+
+
+def zero3_units(plan: Plan, rank: int) -> tuple[float, float, float]:
+    """Elements of ZeRO-3's largest units on pipeline rank `rank` (fivefold.parallel.fsdp): a decoder
+    layer's dense parameters; the embedding on the first rank, the final norm with the output layer on
+    the last (the larger where both; 0 elsewhere); a MoE layer's routed experts."""
+    m = plan.config.model
+    shares = [_layer_share(plan, i) for i, _, _ in plan.layer_groups(rank)] or [(0.0, 0.0)]
+    layer, expert_layer = (max(share) for share in zip(*shares))
+    emb = embedding_params(m, plan.tp) / plan.tp
+    end = emb + m.hidden_size if rank == plan.last_rank else emb if rank == plan.first_rank else 0.0
+    return layer, end, expert_layer
 
 
 def memory_per_rank(plan: Plan, assume: MemoryAssumptions = MemoryAssumptions()) -> list[RankMemory]:
@@ -426,7 +452,11 @@ class _Ranks:
         largest = (largest_main(plan, r, self.prec.state_bytes(1, "no_shard")[0])
                    if traits.optimizer_scratch_bytes else 0.0)  # read only with scratch
         released = whole_for_step(plan, r, dense + expert, self.prec, self.mode)
-        rm.scratch = max(0.0, optimizer_phase(plan, dense, expert, largest, traits, self.prec, released)
+        units = (0.0, 0.0)
+        if self.mode == "optim_grads_params" and traits.reduce_scatter_copy:
+            layer, end, expert_layer = zero3_units(plan, r)
+            units = (max(layer, end), expert_layer)
+        rm.scratch = max(0.0, optimizer_phase(plan, dense, expert, largest, traits, self.prec, released, units)
                          - (rm.activations + rm.logits + rm.buffers))
         tensors = rm.weights + rm.grads + rm.optimizer + rm.activations + rm.logits + rm.buffers + rm.scratch
         rm.overhead = assume.allocator_overhead * tensors
