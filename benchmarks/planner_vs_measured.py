@@ -200,6 +200,9 @@ CASES = [
     Case("DP2 mbs1 GA4 ZeRO-2 full recompute", 2, 1, 8, training={**DP_MODES["optim_grads"], **FULL_RECOMPUTE}),
     Case("DP2 mbs1 GA4 ZeRO-3 full recompute", 2, 1, 8,
          training={**DP_MODES["optim_grads_params"], **FULL_RECOMPUTE}),
+    Case("CP2 allgather x DP2 mbs1 GA2 GQA2 ZeRO-3", 4, 1, 4, model={"num_query_groups": 2},
+         parallel={"context_parallel_size": 2, "cp_comm_type": "allgather"}, training=DP_MODES["optim_grads_params"]),
+    Case("MoE DP2 mbs1 GQA2 ZeRO-2", 2, 1, 2, model={**MOE, "num_query_groups": 2}, training=DP_MODES["optim_grads"]),
 ]
 
 

@@ -90,7 +90,8 @@ def test_estimates_match_one_measured_step(pools, name):
                                   "PP2 x DP2 mbs1 GA2 ZeRO-3 tied", "PP2 x DP2 mbs1 GA2 bf16 ZeRO-2",
                                   "MoE DP2 mbs2 GA2 ZeRO-2", "CP2 a2a mbs1 GQA2 bf16 bf16-grads ZeRO-1",
                                   "DP2 mbs1 GA2 seq64 tied bf16 bf16-grads ZeRO-3",
-                                  "PP2 1F1B mbs1 GA2 seq64 bf16 bf16-grads ZeRO-3", "DP2 mbs1 GA4 ZeRO-2 full recompute"])
+                                  "PP2 1F1B mbs1 GA2 seq64 bf16 bf16-grads ZeRO-3", "DP2 mbs1 GA4 ZeRO-2 full recompute",
+                                  "CP2 allgather x DP2 mbs1 GA2 GQA2 ZeRO-3", "MoE DP2 mbs1 GQA2 ZeRO-2"])
 def test_dp_modes_and_precisions_match_one_measured_step(pools, name):
     """The planner reads the runtime's precision policy and data-parallel mode
     (fivefold.parallel.precision, DPMode): ZeRO-2's per-microbatch reduce-scatters and freed buffers
@@ -118,7 +119,10 @@ def test_dp_modes_and_precisions_match_one_measured_step(pools, name):
     embedding whole reaches the planner's peak (the other's peak is the loss, 1.179 of its own);
     ZeRO-2 with full recompute at mbs1, whose peak is the end of backward (gloo reduces a copy of the
     bucket in flight, beside its output chunk, while the next bucket waits to launch: 0.846 until
-    session 21):
+    session 21); ZeRO-3 at mbs1 on the last rank, whose peak is the output layer's backward (its unit
+    gathered again, its weight gradient beside the bucket it is added into, the next unit prefetched:
+    0.935 until session 21); MoE under ZeRO-2 at mbs1, whose routed experts are reduced a MoE layer at
+    a time (1.20 when the planner sized their buckets as the dense ones, in session 21):
     call bytes exact and peak memory within the goal, on each rank or, under a sharded DP mode, on each
     stage's busiest rank with none above the planner (`misses`). (MemTracker files the gradient buffers
     and main copies of these runs under other kinds than the planner does, so only the total is

@@ -134,7 +134,8 @@ def backward_buckets(plan: Plan, rank: int, dense: float, prec: Precision, mode:
     that exist only during backward (fivefold.parallel.data: allocated at a bucket's first gradient,
     freed once its reduce-scatter is done, which the next bucket's launch waits for): at most the
     bucket being filled and the one in flight, from the start of backward while the activations are
-    all held. ZeRO-2's buckets hold `DEFAULT_BUCKET_BYTES` of parameters, ZeRO-3's one unit each (on
+    all held. ZeRO-2's buckets hold `DEFAULT_BUCKET_BYTES` of parameters (the routed experts' a MoE
+    layer's, `expert_bucket`: measured, MoE DP4 ZeRO-2 at mbs1 1.091 when it was the cap), ZeRO-3's one unit each (on
     the last rank the output layer's and a layer's, else two layers'), whose weights are then whole
     too (gathered again for the backward, the next one prefetched; at the loss, after the output
     layer's forward freed it, none is: measured, DP2 mbs2 GA2 ZeRO-3 1.036 when it was counted there)."""
@@ -142,10 +143,18 @@ def backward_buckets(plan: Plan, rank: int, dense: float, prec: Precision, mode:
         return 0.0
     weight, grad, _ = prec.state_bytes(1, "no_shard")
     if mode == "optim_grads":  # per domain (the routed experts' reducer is another) sharded over > 1 rank
-        return sum(min(2 * DEFAULT_BUCKET_BYTES / weight, n) * grad
-                   for n, d in ((dense, plan.dp * plan.cp), (expert, plan.edp)) if n and d > 1)
+        return sum(min(2 * bucket, n) * grad for n, d, bucket in ((dense, plan.dp * plan.cp, DEFAULT_BUCKET_BYTES / weight),
+                                                                (expert, plan.edp, expert_bucket(plan, rank, weight)))
+                   if n and d > 1)
     layer = max(sum(_layer_share(plan, i)) for i, _, _ in plan.layer_groups(rank))
     return min(zero3_gathered(plan, rank, dense) + layer, dense) * (weight + grad)
+
+
+def expert_bucket(plan: Plan, rank: int, weight_bytes: float) -> float:
+    """Elements of a gradient bucket of the routed experts' reducer on pipeline rank `rank`: without
+    PP a MoE layer's experts, reduced as soon as backward has passed the layer
+    (fivefold.parallel.data_parallel), else `DEFAULT_BUCKET_BYTES` of `weight_bytes` parameters."""
+    return zero3_units(plan, rank)[2] if plan.pp == 1 else DEFAULT_BUCKET_BYTES / weight_bytes
 
 
 def model_state(plan: Plan, rank: int, dense: float, expert: float, state_bytes: tuple, prec: Precision,
@@ -447,15 +456,24 @@ class _Ranks:
         in_backward = _held(backward, prof.vpp, per_mb, offloaded, joins, self.loss_state, 0)
         if self.mode in ("optim_grads", "optim_grads_params"):  # (a call the search's ZeRO-1 layouts skip)
             in_backward += backward_buckets(plan, r, dense, self.prec, self.mode, expert)
-        rm.activations = max(at_forward + rm.logits, in_backward + bwd + transient) - rm.logits
+        head = 0.0
+        if r == plan.last_rank and self.mode == "optim_grads_params" and plan.reduce_every_microbatch:
+            # the output layer's backward, the loss's tensors freed: its unit gathered again, its weight
+            # gradient computed beside the bucket it is added into, the next unit prefetched (measured,
+            # all-gather CP2 x DP2 fp32 ZeRO-3 at mbs1: the peak, 0.935 when it was not counted)
+            layer, end, _ = zero3_units(plan, r)
+            weight, grad, _ = self.prec.state_bytes(1, "no_shard")
+            head = at_forward + end * (weight + 2 * grad) + layer * weight
+        rm.activations = max(at_forward + rm.logits, head, in_backward + bwd + transient) - rm.logits
         rm.buffers = self.buffers
         largest = (largest_main(plan, r, self.prec.state_bytes(1, "no_shard")[0])
                    if traits.optimizer_scratch_bytes else 0.0)  # read only with scratch
         released = whole_for_step(plan, r, dense + expert, self.prec, self.mode)
         units = (0.0, 0.0)
-        if self.mode == "optim_grads_params" and traits.reduce_scatter_copy:
-            layer, end, expert_layer = zero3_units(plan, r)
-            units = (max(layer, end), expert_layer)
+        if traits.reduce_scatter_copy and self.mode != "no_shard":  # the buckets: ZeRO-3's units, the experts'
+            layer, end, _ = zero3_units(plan, r)
+            units = (max(layer, end) if self.mode == "optim_grads_params" else 0.0,
+                     expert_bucket(plan, r, self.prec.state_bytes(1, "no_shard")[0]))
         rm.scratch = max(0.0, optimizer_phase(plan, dense, expert, largest, traits, self.prec, released, units)
                          - (rm.activations + rm.logits + rm.buffers))
         tensors = rm.weights + rm.grads + rm.optimizer + rm.activations + rm.logits + rm.buffers + rm.scratch
