@@ -254,7 +254,10 @@ ROUTED_TAGS = ("ep", "etp")
 backward) moves the rows this rank RECEIVES, which only balanced routing makes equal to the n k it
 sends; the planner assumes balance. Over all ranks the received rows equal the sent ones, so "ep"
 is compared as the layout's total; "etp" pads to the largest row count in the ETP group, which
-imbalance only raises (the estimate is then a lower bound)."""
+imbalance only raises (the estimate is then a lower bound: forced balanced routing draws random
+scores, balanced only in expectation, so a draw's padding is 1-2% above the planner's; a miss only
+where the estimate is above the measured)."""
+EXACT_ROUTED_TAGS = ("ep",)
 
 
 OWNED_TAGS = ("tp-grad",)
@@ -278,7 +281,7 @@ def misses(rows: list[RankComparison], sharded: bool = False) -> list[str]:
     out = []
     for t in ROUTED_TAGS:
         est, meas = sum(r.est_bytes.get(t, 0) for r in rows), sum(r.meas_bytes.get(t, 0) for r in rows)
-        if meas and abs(est / meas - 1) > BYTES_TOL:
+        if meas and (abs(est / meas - 1) if t in EXACT_ROUTED_TAGS else est / meas - 1) > BYTES_TOL:
             out.append(f"{t}: total bytes ratio over the ranks {est / meas:.4f}")
     owned = OWNED_TAGS if sharded else ()
     for t in owned:

@@ -77,8 +77,13 @@ class ArchTraits:
     two more fp32 copies at their peak, 16 bytes per local logit in all (measured on CPU, torch 2.13,
     against F.cross_entropy's 12); None = `loss_transient_bytes`."""
     optimizer_scratch_bytes: float = 0.0
-    """Bytes per element of the rank's largest parameter that clipping + the optimizer step allocate
-    (fused/multi-tensor kernels: ~0). Eager: the fp64 copy and square in the norm, 16."""
+    """Bytes per element of the rank's largest parameter counted in the gradient norm that clipping +
+    the optimizer step allocate (fused/multi-tensor kernels: ~0). Eager: the fp64 copy and square in
+    the norm, 16."""
+    step_scratch_bytes: float = 0.0
+    """The same for the optimizer step alone, what a parameter left out of the norm costs (a tied
+    output layer's copy on the last pipeline stage). Eager per-tensor AdamW: the denominator's square
+    root and quotient, 8 (measured: 16.25 MiB for a 2M-element piece)."""
     fsdp_root_whole: bool = False
     """ZeRO-3 without PP keeps the root unit (the embedding, final norm and output layer) and the last
     decoder layer gathered from the forward to their backward: torch's fully_shard does not reshard its
@@ -146,7 +151,7 @@ GPT3_TRAITS = ArchTraits(gated_mlp=False, dropout=True, flash_attention=False, b
 """Korthikanti et al.'s GPT-3 setting."""
 
 EAGER_TRAITS = ArchTraits(norm_tensors=3, mlp_inner_tensors=4, loss_bytes_per_logit=12.0, loss_transient_bytes=8.0,
-                          optimizer_scratch_bytes=16.0, reduce_scatter_copy=True,
+                          optimizer_scratch_bytes=16.0, step_scratch_bytes=8.0, reduce_scatter_copy=True,
                           flash_needs_equal_head_dims=True, backward_inner_tensors=3)
 """fivefold's own eager runtime in fp32 (unfused RMSNorm and SwiGLU, F.cross_entropy, per-tensor
 AdamW, fp64 gradient norm), as measured on CPU."""

@@ -255,11 +255,12 @@ def fp8_weight_cache(plan: Plan, rank: int) -> float:
     return linear * per_copy * (1 if t.fp8_param_gather else 2)
 
 
-def optimizer_phase(plan: Plan, dense: float, expert: float, largest: float, traits: ArchTraits,
+def optimizer_phase(plan: Plan, dense: float, expert: float, largest: tuple[float, float], traits: ArchTraits,
                     prec: Precision | None = None, released: float = 0.0,
                     units: tuple[float, float] = (0.0, 0.0)) -> float:
     """Bytes allocated after backward, on top of the model state: while AdamW steps, its eager
-    temporaries (`optimizer_scratch_bytes` per element of the largest parameter) and, with 16-bit
+    temporaries (`largest_main`: `optimizer_scratch_bytes` per element of the largest tensor counted in
+    the gradient norm, `step_scratch_bytes` of the largest of all) and, with 16-bit
     gradients, the fp32 copies of the main gradients (`Precision.main_grad_copy_bytes`); then ZeRO-1/2's
     all-gathers of the updated parameters, at most two buckets' full outputs at once
     (fivefold.parallel.distributed_optimizer). The larger phase counts. `released`: model-state bytes
@@ -270,7 +271,8 @@ def optimizer_phase(plan: Plan, dense: float, expert: float, largest: float, tra
     prec, mode = prec or Precision.of(training, plan.precision), training.sharding_strategy
     copies = (dense * prec.main_grad_copy_bytes(plan.dp * plan.cp, mode)
               + expert * prec.main_grad_copy_bytes(plan.edp, mode))
-    stepping = traits.optimizer_scratch_bytes * largest + copies - released
+    counted, stepped = largest
+    stepping = max(traits.optimizer_scratch_bytes * counted, traits.step_scratch_bytes * stepped) + copies - released
     gathering = after_step_gathers(plan, dense, expert, prec) if mode in ("optim", "optim_grads") else 0.0
     reducing = 0.0
     if traits.reduce_scatter_copy and mode != "no_shard":
@@ -284,22 +286,23 @@ def reduce_scatter_copies(plan: Plan, dense: float, expert: float, prec: Precisi
     (`ArchTraits.reduce_scatter_copy`), per domain sharded over more than one rank. ZeRO-1 (and
     ZeRO-2 / 3 under PP) reduce once, after backward: every bucket's 1/d output chunk waits for the
     step while one copy (at most a bucket's) is reduced at a time (measured, gloo: one bucket 20.3 MiB
-    + its chunk 10.1; two of 24.5 and 16 MiB: 24.5 + 20.3 of chunks). ZeRO-2 / 3 reducing every
+    + its chunk 10.1; two of 24.5 and 16 MiB: 24.5 + 20.3 of chunks), the domains one after the
+    other (measured, PP2 x DP2 bf16 ZeRO-2 with MoE: 1.066 when both copies counted). ZeRO-2 / 3 reducing every
     microbatch: at the end of backward a bucket (ZeRO-3: a unit, at most `units`) is whole beside its
     copy and its output chunk while the next one, complete, waits for it to launch (measured, fp32
     DP2 ZeRO-2 with full recompute at mbs1: buckets of 24.5 and 16 MiB, 24.5 + 24.5 + 12.25 + 16 over
     the model state at the peak; TP2 x DP2: one bucket of 19.3 MiB, 48.2)."""
     weight, grad, _ = prec.state_bytes(1, "no_shard")
-    total = 0.0
+    held = copy = 0.0
     for n, d, unit in ((dense, plan.dp * plan.cp, units[0]), (expert, plan.edp, units[1])):
         if not n or d <= 1:
             continue
         bucket = min(unit or DEFAULT_BUCKET_BYTES / weight, n)
         if plan.reduce_every_microbatch:
-            total += (2 * bucket + bucket / d + min(bucket, n - bucket)) * grad
-        else:
-            total += (bucket + n / d) * grad
-    return total
+            held += (2 * bucket + bucket / d + min(bucket, n - bucket)) * grad
+        else:  # the domains one after the other: the larger copy
+            held, copy = held + n / d * grad, max(copy, bucket * grad)
+    return held + copy
 
 
 def after_step_gathers(plan: Plan, dense: float, expert: float, prec: Precision) -> float:
@@ -310,8 +313,10 @@ def after_step_gathers(plan: Plan, dense: float, expert: float, prec: Precision)
                if n and d > 1)
 
 
-def largest_main(plan: Plan, rank: int, weight_bytes: float) -> float:
-    """Elements of the largest tensor the optimizer steps on the busiest rank of pipeline rank `rank`
+def largest_main(plan: Plan, rank: int, weight_bytes: float) -> tuple[float, float]:
+    """Elements of the largest tensor the optimizer steps on the busiest rank of pipeline rank `rank`,
+    of those counted in the gradient norm and of all (a tied output layer's copy on the last stage
+    of a pipeline is left out of the norm: fivefold.parallel.data_parallel's `not_counted`)
     (what the eager gradient norm's and AdamW's temporaries are sized by): the largest parameter (an
     embedding / output-layer shard where the rank holds one, else the widest linear shard of its
     layers), or under a sharded DP mode the largest piece of one that a rank's chunk holds
@@ -324,20 +329,23 @@ def largest_main(plan: Plan, rank: int, weight_bytes: float) -> float:
     mode, d = plan.config.training.sharding_strategy, plan.dp * plan.cp
     dense, expert = rank_params(plan, rank)
     layer, end, expert_layer = zero3_units(plan, rank)
-    # (elements, the ZeRO-3 unit holding them, the parameters of their domain, its shards)
-    candidates = [(max(m.ffn_size, m.num_attention_heads * m.head_dim) * m.hidden_size / plan.tp, layer, dense, d)]
+    # (elements, the ZeRO-3 unit holding them, the parameters of their domain, its shards, in the norm)
+    candidates = [(max(m.ffn_size, m.num_attention_heads * m.head_dim) * m.hidden_size / plan.tp, layer, dense, d,
+                   True)]
     if m.is_moe:
         candidates.append(((m.moe_ffn_hidden_size or m.ffn_size) * m.hidden_size / plan.etp, expert_layer, expert,
-                           plan.edp))
-    if end:
-        candidates.append((embedding_params(m, plan.tp) / plan.tp, end, dense, d))
-    largest = 0.0
-    for n, unit, domain, shards in candidates:
+                           plan.edp, True))
+    if end:  # a tied output layer's copy on the last stage of a pipeline is left out of the norm
+        copy = m.tie_word_embeddings and plan.pp > 1 and rank == plan.last_rank
+        candidates.append((embedding_params(m, plan.tp) / plan.tp, end, dense, d, not copy))
+    counted = stepped = 0.0
+    for n, unit, domain, shards, in_norm in candidates:
         if mode != "no_shard" and shards > 1:
             chunked = unit if mode == "optim_grads_params" else min(DEFAULT_BUCKET_BYTES / weight_bytes, domain)
             n = min(n, math.ceil(chunked / shards))
-        largest = max(largest, n)
-    return largest
+        stepped = max(stepped, n)
+        counted = max(counted, n) if in_norm else counted
+    return counted, stepped
 
 
 def zero3_units(plan: Plan, rank: int) -> tuple[float, float, float]:
@@ -467,7 +475,7 @@ class _Ranks:
         rm.activations = max(at_forward + rm.logits, head, in_backward + bwd + transient) - rm.logits
         rm.buffers = self.buffers
         largest = (largest_main(plan, r, self.prec.state_bytes(1, "no_shard")[0])
-                   if traits.optimizer_scratch_bytes else 0.0)  # read only with scratch
+                   if traits.optimizer_scratch_bytes else (0.0, 0.0))  # read only with scratch
         released = whole_for_step(plan, r, dense + expert, self.prec, self.mode)
         units = (0.0, 0.0)
         if traits.reduce_scatter_copy and self.mode != "no_shard":  # the buckets: ZeRO-3's units, the experts'
