@@ -203,6 +203,9 @@ CASES = [
     Case("CP2 allgather x DP2 mbs1 GA2 GQA2 ZeRO-3", 4, 1, 4, model={"num_query_groups": 2},
          parallel={"context_parallel_size": 2, "cp_comm_type": "allgather"}, training=DP_MODES["optim_grads_params"]),
     Case("MoE DP2 mbs1 GQA2 ZeRO-2", 2, 1, 2, model={**MOE, "num_query_groups": 2}, training=DP_MODES["optim_grads"]),
+    Case("MoE TP2 SP ETP2 mbs2", 2, 2, 2, model=MOE, parallel={"tensor_model_parallel_size": 2, "sequence_parallel": True}),
+    Case("MoE PP2 x TP2 SP ETP2 mbs2 GA4", 4, 2, 8, model=MOE,
+         parallel={"tensor_model_parallel_size": 2, "sequence_parallel": True, "pipeline_model_parallel_size": 2}),
 ]
 
 

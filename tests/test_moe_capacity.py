@@ -121,6 +121,33 @@ def test_layer_output_is_the_kept_assignments_sum_and_padding_changes_nothing():
         close(q.grad, p.grad, rtol=0, atol=1e-6, site="capacity.padded_param_grads", case=name)
 
 
+def test_dropping_saves_no_copy_of_the_expert_outputs():
+    """Putting the kept assignments' outputs back in place (zeros where dropped) keeps only their
+    indices for backward, not the outputs (index_copy saved its source: one more (kept, h) tensor per
+    MoE layer; the planner counts the combine's own (t k, h), fivefold.planner.activations)."""
+    from fivefold.parallel.experts import moe_forward
+    x = torch.randn(32, test_moe.H, generator=torch.Generator().manual_seed(5), requires_grad=True)
+    layer = _layer(0.75, pad=False)
+    routing = layer.router(x.detach(), 2, None)
+    keep = within_capacity(routing.experts, routing.weights, E, 0.75, "probs", 2)
+    experts = [layer.experts[str(e)] for e in range(E)]
+
+    def saved_bytes(keep):
+        storages = {}
+        def pack(t):
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            moe_forward(x, routing.experts, routing.weights, experts, E, None, None, keep=keep)
+        return sum(storages.values())
+
+    kept = int(keep.sum())
+    all_kept = saved_bytes(torch.ones_like(keep))
+    # every assignment kept: the same rows as without dropping, plus the kept assignments' indices
+    assert all_kept - saved_bytes(None) <= 2 * keep.numel() * 8, (all_kept, saved_bytes(None))
+    assert kept < keep.numel() and saved_bytes(keep) < all_kept
+
+
 CAPACITY = dict(moe_expert_capacity_factor=1.0)
 # name -> (world, parallel, whether the router calls see the one-process micro-batch's tokens)
 LAYOUTS = {

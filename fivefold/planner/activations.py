@@ -27,7 +27,9 @@ torch's MemTracker on CPU (benchmarks/planner_vs_measured.py):
 Routed experts (dropless, balanced routing, Megatron's all-to-all dispatcher): a rank of an
 expert-TP group of size etp processes N_e = k*b*s*etp/(tp*cp) token copies; it saves their inputs
 (N_e*h), the gate/up outputs and the down-projection input (N_e*3*f_e/etp) and the expert outputs
-for the probability-weighted combine (N_e*h), plus the router's fp32 scores (E per token).
+for the probability-weighted combine (k*b*s*h/(tp*cp): its own assignments, after the expert-TP
+reduce-scatter; dropped or padding rows are not among them), plus the router's fp32 scores (E per
+token).
 """
 from __future__ import annotations
 
@@ -332,8 +334,8 @@ def layer_activation_bytes(m: ModelConfig, index: int, b: int, s: int, sh: Shard
         copies = routed_copies(m, b, s, sh)  # rows on this rank's experts
         out["router scores (fp32)"] = tokens * m.num_experts * 4 / sp_div
         out["expert inputs"] = copies * h * LB
-        if traits.expert_outputs_saved:
-            out["expert outputs"] = copies * h * B
+        if traits.expert_outputs_saved:  # the combine's: k per token of this rank's (dropped ones zero)
+            out["expert outputs"] = m.moe_router_topk * tokens / sh.tp * h * B
         out["expert fc1 outputs"] = copies * (inner - 1) * B * f_e / sh.etp
         if not sh.recomputes("moe_act"):  # the activation's output: the down-projection's input
             out["expert activation outputs"] = copies * LB * f_e / sh.etp

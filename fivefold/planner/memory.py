@@ -22,7 +22,7 @@ logit), and what each further loss-stage microbatch whose backward has not run k
 softmax and norm tensors; GPipe all m, an interleaved schedule's short last group of microbatches
 several: `PipelineProfile.moments`' final count; measured, GPipe PP2's last rank 0.881 -> 1.002);
 communication buffers (PP send/recv, the SP all-gather output of
-one layer, EP dispatch/combine buffers). Optimizer scratch: clipping and the optimizer step run after backward has freed the activations,
+one layer, EP dispatch/combine buffers, expert TP's gathered rows and their partial outputs). Optimizer scratch: clipping and the optimizer step run after backward has freed the activations,
 so their temporaries (`ArchTraits.optimizer_scratch_bytes` per element of the rank's largest
 parameter) raise the peak only by what they exceed activations + logits + buffers by; that excess
 is the "scratch" kind (0 for fused optimizers, and whenever activations dominate).
@@ -410,8 +410,8 @@ class _Ranks:
         buffers = tokens * m.hidden_size * B * (4 / sp_div if plan.pp > 1 else 0)  # PP send/recv, fwd + bwd
         if plan.tp > 1:
             buffers += tokens * m.hidden_size * B  # one gathered (SP) or reduced (TP) layer input
-        if m.is_moe and plan.ep > 1:
-            buffers += 2 * m.moe_router_topk * tokens / plan.tp * plan.etp * m.hidden_size * B  # dispatch + combine
+        if m.is_moe and (plan.ep > 1 or plan.etp > 1):  # dispatch + combine (expert TP: gathered, reduced)
+            buffers += 2 * m.moe_router_topk * tokens / plan.tp * plan.etp * m.hidden_size * B
         self.buffers = buffers
 
     def candidates(self) -> list[int]:
