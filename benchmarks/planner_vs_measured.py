@@ -206,6 +206,9 @@ CASES = [
     Case("MoE TP2 SP ETP2 mbs2", 2, 2, 2, model=MOE, parallel={"tensor_model_parallel_size": 2, "sequence_parallel": True}),
     Case("MoE PP2 x TP2 SP ETP2 mbs2 GA4", 4, 2, 8, model=MOE,
          parallel={"tensor_model_parallel_size": 2, "sequence_parallel": True, "pipeline_model_parallel_size": 2}),
+    Case("CP2 a2a x DP2 mbs1 GA2 tied ZeRO-3 full recompute", 4, 1, 4, model={"tie_word_embeddings": True},
+         parallel={"context_parallel_size": 2, "cp_comm_type": "a2a"},
+         training={**DP_MODES["optim_grads_params"], **FULL_RECOMPUTE}),
 ]
 
 

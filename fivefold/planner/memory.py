@@ -482,12 +482,30 @@ class _Ranks:
             layer, end, _ = zero3_units(plan, r)
             units = (max(layer, end) if self.mode == "optim_grads_params" else 0.0,
                      expert_bucket(plan, r, self.prec.state_bytes(1, "no_shard")[0]))
-        rm.scratch = max(0.0, optimizer_phase(plan, dense, expert, largest, traits, self.prec, released, units)
-                         - (rm.activations + rm.logits + rm.buffers))
+        phase = optimizer_phase(plan, dense, expert, largest, traits, self.prec, released, units)
+        rm.scratch = max(0.0, max(phase, self.tied_embedding_backward(r)) - (rm.activations + rm.logits + rm.buffers))
         tensors = rm.weights + rm.grads + rm.optimizer + rm.activations + rm.logits + rm.buffers + rm.scratch
         rm.overhead = assume.allocator_overhead * tensors
         rm.reserve = assume.runtime_reserve
         return rm
+
+
+    def tied_embedding_backward(self, r: int) -> float:
+        """Bytes beyond the model state at the embedding's backward, the end of backward on a rank
+        whose tied embedding is also its output layer (without PP: one parameter): autograd adds the output
+        layer's weight gradient, held since the start of backward, to the embedding's before either
+        reaches the parameter, all three whole; ZeRO-3 reducing every microbatch has the unit gathered
+        again and the last layer's bucket in flight (measured, CP2 x DP2 fp32 ZeRO-3 with full
+        recompute at mbs1: the peak, 0.886 when it was not counted)."""
+        plan, m = self.plan, self.plan.config.model
+        if not (m.tie_word_embeddings and plan.pp == 1):
+            return 0.0
+        weight, grad, _ = self.prec.state_bytes(1, "no_shard")
+        held = 3 * embedding_params(m, plan.tp) / plan.tp * weight
+        if self.mode == "optim_grads_params" and plan.reduce_every_microbatch:
+            layer, end, _ = zero3_units(plan, r)
+            held += end * weight + layer * grad * (1 + 1 / (plan.dp * plan.cp))
+        return held
 
 
 def _held(front: Front, v: int, per_mb: float, offloaded: float, joins: float, loss_state: float,
