@@ -22,10 +22,13 @@ logit), and what each further loss-stage microbatch whose backward has not run k
 softmax and norm tensors; GPipe all m, an interleaved schedule's short last group of microbatches
 several: `PipelineProfile.moments`' final count; measured, GPipe PP2's last rank 0.881 -> 1.002);
 communication buffers (PP send/recv, the SP all-gather output of
-one layer, EP dispatch/combine buffers, expert TP's gathered rows and their partial outputs). Optimizer scratch: clipping and the optimizer step run after backward has freed the activations,
-so their temporaries (`ArchTraits.optimizer_scratch_bytes` per element of the rank's largest
-parameter) raise the peak only by what they exceed activations + logits + buffers by; that excess
-is the "scratch" kind (0 for fused optimizers, and whenever activations dominate).
+one layer, EP dispatch/combine buffers, expert TP's gathered rows and their partial outputs).
+Optimizer scratch: clipping and the optimizer step run after backward has freed the activations,
+so their temporaries (`ArchTraits.optimizer_scratch_bytes` per element of the rank's largest tensor
+stepped, a ZeRO chunk's piece under a sharded mode: `largest_main`), and the moments at the end of
+backward that hold little activation (gloo's reduce-scatter copies, a tied embedding's gradients),
+raise the peak only by what they exceed activations + logits + buffers by; that excess is the
+"scratch" kind (0 for fused optimizers, and whenever activations dominate).
 With --optimizer-cpu-offload, the offloaded share of the optimizer state (main parameters + AdamW
 moments) is host memory and not counted; with --fine-grained-activation-offloading, so are the
 offloaded module inputs of every microbatch in flight but the one being computed. Then a stated allocator overhead (share of all tensor
