@@ -474,7 +474,8 @@ class _Ranks:
             # all-gather CP2 x DP2 fp32 ZeRO-3 at mbs1: the peak, 0.935 when it was not counted)
             layer, end, _ = zero3_units(plan, r)
             weight, grad, _ = self.prec.state_bytes(1, "no_shard")
-            head = at_forward + end * (weight + 2 * grad) + layer * weight
+            gathered = 0.0 if traits.fsdp_root_whole else end + layer  # FSDP2's root and last layer: whole already
+            head = at_forward + end * 2 * grad + gathered * weight
         rm.activations = max(at_forward + rm.logits, head, in_backward + bwd + transient) - rm.logits
         rm.buffers = self.buffers
         largest = (largest_main(plan, r, self.prec.state_bytes(1, "no_shard")[0])
