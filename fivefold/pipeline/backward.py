@@ -9,7 +9,7 @@ starts from those joins with the recorded gradients and walks only the weights' 
     dL/dtheta = sum over joins j of (d out_j / d theta)^T  g_j,   g_j = dL/d out_j recorded during B
 
 so nothing on the input path is computed twice. Weights joined by a common node (a weight used at
-two places, or two weights sharing a node) form one group and get one `autograd.grad` call; in a
+two places, or two weights sharing a node) form one group and get one backward call; in a
 group with several joins, a pre-hook pins each join's gradient to its recorded value, so gradient
 that reaches one join through another is not counted twice. Each call is its own graph task, and
 torch.utils.checkpoint keys what it recomputes by the task: a checkpointed span (full recompute)
@@ -17,7 +17,8 @@ would rerun its forward in B and again in every group's call of W (the executor 
 B as the whole backward instead, fivefold.pipeline.executor). Weights whose branch never meets the
 input path (all of them on the first stage, whose input is token ids) are computed by W with a
 plain backward from the output. The idea is torch.distributed.pipelining's stage_backward_input /
-stage_backward_weight; this is a smaller rewrite of it.
+stage_backward_weight; this is a smaller rewrite of it. BW and W add each weight's gradient where it
+accumulates as autograd makes it (`_accumulate`), not all of a stage's at the end of the call.
 
 Outputs are passed as GradientEdges, not tensors, so an output whose storage was freed after its
 send (Megatron's deallocate trick) still backpropagates: autograd checks the incoming gradient
