@@ -78,6 +78,10 @@ class ArchTraits:
     run eagerly (torchtitan's before it compiled its loss): its decomposed log-softmax and backward hold
     two more fp32 copies at their peak, 16 bytes per local logit in all (measured on CPU, torch 2.13,
     against F.cross_entropy's 12); None = `loss_transient_bytes`."""
+    vocab_parallel_keeps_logits: bool = False
+    """Under TP the vocab-parallel loss (fivefold.parallel.cross_entropy) upcasts 16-bit logits to fp32
+    while the 16-bit logits stay alive: their bytes per local logit more at the loss's peak
+    (measured, TP2 SP bf16: the loss's peak 16-bit logits + fp32 copy + shifted + exp)."""
     optimizer_scratch_bytes: float = 0.0
     """Bytes per element of the rank's largest parameter counted in the gradient norm that clipping +
     the optimizer step allocate (fused/multi-tensor kernels: ~0). Eager: the fp64 copy and square in
@@ -154,6 +158,7 @@ GPT3_TRAITS = ArchTraits(gated_mlp=False, dropout=True, flash_attention=False, b
 
 EAGER_TRAITS = ArchTraits(norm_tensors=3, mlp_inner_tensors=4, loss_bytes_per_logit=12.0, loss_transient_bytes=8.0,
                           optimizer_scratch_bytes=16.0, step_scratch_bytes=8.0, reduce_scatter_copy=True,
+                          vocab_parallel_keeps_logits=True,
                           flash_needs_equal_head_dims=True, backward_inner_tensors=3)
 """fivefold's own eager runtime in fp32 (unfused RMSNorm and SwiGLU, F.cross_entropy, per-tensor
 AdamW, fp64 gradient norm), as measured on CPU."""

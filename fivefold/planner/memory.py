@@ -406,6 +406,8 @@ class _Ranks:
         transient = traits.loss_transient_bytes
         if plan.tp > 1 and traits.tp_loss_transient_bytes is not None:
             transient = traits.tp_loss_transient_bytes
+        elif plan.tp > 1 and traits.vocab_parallel_keeps_logits and B < 4:
+            transient += B  # the 16-bit logits beside their fp32 copy (ArchTraits.vocab_parallel_keeps_logits)
         self.logits = self.loss_state + tokens * vocab * transient
         # the logits' gradient, the output layer's join and the loss's saved fp32 log-softmax, kept with
         # the graph until W (zero-bubble schedules)
