@@ -143,8 +143,9 @@ def test_dropping_saves_no_copy_of_the_expert_outputs():
 
     kept = int(keep.sum())
     all_kept = saved_bytes(torch.ones_like(keep))
-    # every assignment kept: the same rows as without dropping, plus the kept assignments' indices
-    assert all_kept - saved_bytes(None) <= 2 * keep.numel() * 8, (all_kept, saved_bytes(None))
+    # every assignment kept: the same rows as without dropping, plus the kept assignments' int64
+    # indices (measured: exactly those, t k * 8 bytes; index_copy added the rows, t k * h * 4)
+    assert all_kept - saved_bytes(None) <= keep.numel() * 8, (all_kept, saved_bytes(None))
     assert kept < keep.numel() and saved_bytes(keep) < all_kept
 
 

@@ -108,11 +108,10 @@ def backward_full(output: torch.Tensor, grad_output: torch.Tensor | None, stage_
     with_input = stage_input is not None and stage_input.requires_grad
     if grad_output is None:
         grad_output = torch.ones((), dtype=output.dtype, device=output.device)
+    _accumulate([_edge(output)], [grad_output], ([stage_input] if with_input else []) + params)
     if not with_input:
-        _accumulate([_edge(output)], [grad_output], params)
         return None
-    _accumulate([_edge(output)], [grad_output], [stage_input, *params])  # the input's into its .grad
-    dx, stage_input.grad = stage_input.grad, None
+    dx, stage_input.grad = stage_input.grad, None  # the input's gradient, accumulated into its .grad
     return dx
 
 

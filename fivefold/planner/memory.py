@@ -109,9 +109,10 @@ def state_bytes_per_param(training: TrainingConfig, precision: str, d: int) -> t
     return Precision.of(training, precision).state_bytes(shards, training.sharding_strategy)
 
 
-_PARAMS: dict[tuple, tuple[float, float] | float] = {}
+_PARAMS: dict[tuple, tuple | float] = {}
 """rank_params by (Plan.layer_key, rank, tp, etp, ep), and under ("linear", ...) the same key the
-decoder linears' parameters (`fp8_weight_cache`): the model is kept alive by layout._GROUPS."""
+decoder linears' parameters (`fp8_weight_cache`), under ("units", ...) `zero3_units`: the model is
+kept alive by layout._GROUPS."""
 
 
 def zero2_full_buffers(plan: Plan, dense: float, expert: float, state_bytes: tuple, prec: Precision) -> float:
@@ -354,7 +355,16 @@ def largest_main(plan: Plan, rank: int, weight_bytes: float) -> tuple[float, flo
 def zero3_units(plan: Plan, rank: int) -> tuple[float, float, float]:
     """Elements of ZeRO-3's largest units on pipeline rank `rank` (fivefold.parallel.fsdp): a decoder
     layer's dense parameters; the embedding on the first rank, the final norm with the output layer on
-    the last (the larger where both; 0 elsewhere); a MoE layer's routed experts."""
+    the last (the larger where both; 0 elsewhere); a MoE layer's routed experts. Cached as
+    `rank_params` (a rank's memory reads them up to four times)."""
+    key = ("units", plan.layer_key, rank, plan.tp, plan.etp, plan.ep)
+    got = _PARAMS.get(key)
+    if got is None:
+        got = _PARAMS[key] = _zero3_units(plan, rank)
+    return got
+
+
+def _zero3_units(plan: Plan, rank: int) -> tuple[float, float, float]:
     m = plan.config.model
     shares = [_layer_share(plan, i) for i, _, _ in plan.layer_groups(rank)] or [(0.0, 0.0)]
     layer, expert_layer = (max(share) for share in zip(*shares))
@@ -494,7 +504,6 @@ class _Ranks:
         rm.overhead = assume.allocator_overhead * tensors
         rm.reserve = assume.runtime_reserve
         return rm
-
 
     def tied_embedding_backward(self, r: int) -> float:
         """Bytes beyond the model state at the embedding's backward, the end of backward on a rank
