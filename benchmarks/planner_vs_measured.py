@@ -209,6 +209,14 @@ CASES = [
     Case("CP2 a2a x DP2 mbs1 GA2 tied ZeRO-3 full recompute", 4, 1, 4, model={"tie_word_embeddings": True},
          parallel={"context_parallel_size": 2, "cp_comm_type": "a2a"},
          training={**DP_MODES["optim_grads_params"], **FULL_RECOMPUTE}),
+    Case("PP2 ZB-H1 x CP2 allgather mbs1 GA2", 4, 1, 2,
+         parallel={"pipeline_model_parallel_size": 2, "pipeline_schedule": "zb-h1", "context_parallel_size": 2,
+                   "cp_comm_type": "allgather"}),
+    Case("PP2 ZB-H1 x TP2 mbs2 GA2", 4, 2, 4,
+         parallel={"pipeline_model_parallel_size": 2, "pipeline_schedule": "zb-h1", "tensor_model_parallel_size": 2}),
+    Case("PP2 ZB-H1 x DP2 mbs2 GA2 ZeRO-1 full recompute", 4, 2, 8,
+         parallel={"pipeline_model_parallel_size": 2, "pipeline_schedule": "zb-h1"},
+         training={**DP_MODES["optim"], **FULL_RECOMPUTE}),
 ]
 
 

@@ -188,6 +188,11 @@ def test_pending_weight_gradients_come_from_the_schedule():
     assert pipeline_profile("1f1b", 4, None, 8).pending_weight_chunks == (0, 0, 0, 0)
     s = build_schedule("zb-h1", 2, 4, None)
     assert [str(a) for a in s.ranks[1] if a.kind in (Kind.B, Kind.W)][-3:] == ["1B3", "1W2", "1W3"]
+    # under full recompute each B is the whole backward (fivefold.pipeline.executor): a microbatch's
+    # activations go at its B, so ZB-H1 holds what 1F1B does and nothing waits for W
+    for p, m in ((2, 4), (4, 8), (3, 7)):
+        fused = pipeline_profile("zb-h1", p, None, m, fused=True)
+        assert fused.moments == pipeline_profile("1f1b", p, None, m).moments and not any(fused.pending_weight_chunks)
     # DualPipeV, 2 ranks, 8 microbatches: rank 1 holds 5 chunks when nothing is W-pending and 2 when
     # 2 are, never 5 and 2 at once (rank 1 holds no loss stage: the V puts it on rank 0); the held
     # counts peak where the simulator's in-flight count does

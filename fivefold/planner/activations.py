@@ -132,6 +132,10 @@ class ArchTraits:
     True: torchtitan's op-level selective activation checkpointing: each block keeps its input, the
     attention kernel's outputs and every other matmul's output (`op_sac_saved`); the rest, routed
     experts included, reruns in backward."""
+    weight_grad_copy: bool = False
+    """A weight's gradient is made whole, then added into the buffer it accumulates in (eager autograd:
+    True, measured: the output layer's, vocab x h, at the start of a zero-bubble W on the last rank).
+    False: Megatron-Core's gradient-accumulation fusion writes the weight-gradient GEMM into main_grad."""
 
     def value_bytes(self) -> int:
         return self.bytes_per_value or 2
@@ -158,7 +162,7 @@ GPT3_TRAITS = ArchTraits(gated_mlp=False, dropout=True, flash_attention=False, b
 
 EAGER_TRAITS = ArchTraits(norm_tensors=3, mlp_inner_tensors=4, loss_bytes_per_logit=12.0, loss_transient_bytes=8.0,
                           optimizer_scratch_bytes=16.0, step_scratch_bytes=8.0, reduce_scatter_copy=True,
-                          vocab_parallel_keeps_logits=True,
+                          vocab_parallel_keeps_logits=True, weight_grad_copy=True,
                           flash_needs_equal_head_dims=True, backward_inner_tensors=3)
 """fivefold's own eager runtime in fp32 (unfused RMSNorm and SwiGLU, F.cross_entropy, per-tensor
 AdamW, fp64 gradient norm), as measured on CPU."""

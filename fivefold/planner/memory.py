@@ -385,7 +385,10 @@ class _Ranks:
         self.plan = plan
         self.sh = Sharding.of(tp=plan.tp, sp=plan.sp, cp=plan.cp, etp=plan.etp, recompute=plan.recompute,
                            modules=plan.recompute_modules)
-        self.prof = pipeline_profile(plan.schedule, plan.pp, plan.vpp, plan.microbatches, plan.group)
+        # under full recompute a zero-bubble B is the whole backward (fivefold.pipeline.executor): its
+        # microbatch's activations are freed there, not at its W
+        self.prof = pipeline_profile(plan.schedule, plan.pp, plan.vpp, plan.microbatches, plan.group,
+                                     plan.recompute == "full")
         traits = _for_precision(assume.traits, plan.precision, plan.config.training.fp8_recipe)
         self.assume = MemoryAssumptions(allocator_overhead=assume.allocator_overhead,
                                         runtime_reserve=assume.runtime_reserve, traits=traits)
@@ -420,8 +423,13 @@ class _Ranks:
             transient += B  # the 16-bit logits beside their fp32 copy (ArchTraits.vocab_parallel_keeps_logits)
         self.logits = self.loss_state + tokens * vocab * transient
         # the logits' gradient, the output layer's join and the loss's saved fp32 log-softmax, kept with
-        # the graph until W (zero-bubble schedules)
-        self.logit_joins = tokens * vocab * (B + 4)
+        # the graph until W (zero-bubble schedules); the vocab-parallel loss (TP) turns its saved fp32
+        # softmax into the gradient in place, so in fp32 they are one tensor (measured, ZB-H1 x TP2 at
+        # mbs2: 1.09 of the last stage when counted twice)
+        self.logit_joins = tokens * vocab * (4 if plan.tp > 1 and B >= 4 else B + 4)
+        # a zero-bubble W on the last rank starts with the output layer's weight gradient, beside every
+        # pending join (ArchTraits.weight_grad_copy)
+        self.head_weight_grad = embedding_params(m, plan.tp) / plan.tp * B
         buffers = tokens * m.hidden_size * B * (4 / sp_div if plan.pp > 1 else 0)  # PP send/recv, fwd + bwd
         if plan.tp > 1:
             buffers += tokens * m.hidden_size * B  # one gathered (SP) or reduced (TP) layer input
@@ -468,8 +476,11 @@ class _Ranks:
         if r == plan.last_rank:
             rm.logits = self.logits
             joins += self.logit_joins
+        w_start = 0.0  # what a W holds beyond the pending joins as it starts
         if plan.recompute == "full":  # a zero-bubble B runs the whole backward there: nothing waits for W
             joins = 0.0               # (fivefold.pipeline.executor)
+        elif r == plan.last_rank and prof.pending_weight_chunks[r] and traits.weight_grad_copy:
+            w_start = self.head_weight_grad  # (measured, ZB-H1 x all-gather CP2 at mbs1: 0.939 without)
         # the peak is at a forward (the last rank's logits) or in a layer's backward (with the layer a
         # recompute rebuilt), each moment with the activations held and the zero-bubble schedules'
         # B-done-W-pending gradients (`PipelineProfile.moments`, in chunks); offloaded inputs stay
@@ -488,7 +499,7 @@ class _Ranks:
             weight, grad, _ = self.prec.state_bytes(1, "no_shard")
             gathered = 0.0 if traits.fsdp_root_whole else end + layer  # FSDP2's root and last layer: whole already
             head = at_forward + end * 2 * grad + gathered * weight
-        rm.activations = max(at_forward + rm.logits, head, in_backward + bwd + transient) - rm.logits
+        rm.activations = max(at_forward + rm.logits, head, in_backward + max(bwd + transient, w_start)) - rm.logits
         rm.buffers = self.buffers
         largest = (largest_main(plan, r, self.prec.state_bytes(1, "no_shard")[0])
                    if traits.optimizer_scratch_bytes else (0.0, 0.0))  # read only with scratch

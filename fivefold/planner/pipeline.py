@@ -97,17 +97,18 @@ def _simulate(schedule: str, pp: int, vpp: int | None, m: int, group: int | None
     """`_equal_stages` of the simulator itself (`fused`: every B the whole backward, W nothing)."""
     s = build_schedule(schedule, pp, m, vpp, group)
     r = simulate(s, Costs.per_rank(s, 1 / 3, 2 / 3 if fused else 1 / 3, 0.0 if fused else 1 / 3), timeline=False)
-    return r.makespan, tuple(r.stages_per_rank), tuple(_moments(a, s.num_stages - 1) for a in s.ranks)
+    return r.makespan, tuple(r.stages_per_rank), tuple(_moments(a, s.num_stages - 1, fused) for a in s.ranks)
 
 
-def _moments(actions, final: int) -> tuple[Front, Front]:
+def _moments(actions, final: int, fused: bool = False) -> tuple[Front, Front]:
     """One rank's (held, pending, final) counts at its forwards and in its backwards, in its order:
     held = (stage, microbatch) whose F has run and whose W (or BW) has not finished, the running one
     included (as the simulator counts in flight); pending = B pieces done - W pieces done on stages
     > 0, counted after the action (an F&B is its F, then its BW: B and W together leave pending as
     it was); final = microbatches of stage `final` (the loss) whose F has run and whose B (or BW) has
     not: each keeps its loss state until then (GPipe all m at the end of the forwards), the running
-    F included, the microbatch a B / BW is differentiating not."""
+    F included, the microbatch a B / BW is differentiating not. `fused`: each B runs the whole
+    backward (a BW), its W only drops the references (the stage input, a layer input)."""
     held = pending = loss_held = 0
     forward, backward = set(), set()
     for a in actions:
@@ -120,12 +121,14 @@ def _moments(actions, final: int) -> tuple[Front, Front]:
                 loss_held -= a.b_stage == final
                 backward.add((held, pending, loss_held))
                 held -= 1
+        elif fused and kind is Kind.W:
+            continue
         elif kind in _BACKWARD:
-            if a.stage > 0:
+            if a.stage > 0 and not fused:
                 pending += (kind is Kind.B) - (kind is Kind.W)
             loss_held -= kind is not Kind.W and a.stage == final
             backward.add((held, pending, loss_held))
-            held -= kind is not Kind.B
+            held -= kind is not Kind.B or fused
     return _front(forward), _front(backward)
 
 
@@ -139,10 +142,12 @@ _BACKWARD = (Kind.B, Kind.W, Kind.BW)
 
 
 @lru_cache(maxsize=1024)
-def pipeline_profile(schedule: str, pp: int, vpp: int | None, m: int, group: int | None = None) -> PipelineProfile:
+def pipeline_profile(schedule: str, pp: int, vpp: int | None, m: int, group: int | None = None,
+                     fused: bool = False) -> PipelineProfile:
+    """`fused`: the runtime runs each split backward's B as the whole backward (full recompute)."""
     if schedule not in REGISTRY:
         raise ValueError(f"the planner has no model of schedule {schedule!r}; use one of {tuple(REGISTRY)}")
-    _, chunks, moments = _equal_stages(schedule, pp, vpp, m, group)
+    _, chunks, moments = _equal_stages(schedule, pp, vpp, m, group, fused)
     return PipelineProfile(vpp=chunks[0], moments=moments)
 
 
