@@ -427,9 +427,6 @@ class _Ranks:
         # softmax into the gradient in place, so in fp32 they are one tensor (measured, ZB-H1 x TP2 at
         # mbs2: 1.09 of the last stage when counted twice)
         self.logit_joins = tokens * vocab * (4 if plan.tp > 1 and B >= 4 else B + 4)
-        # a zero-bubble W on the last rank starts with the output layer's weight gradient, beside every
-        # pending join (ArchTraits.weight_grad_copy)
-        self.head_weight_grad = embedding_params(m, plan.tp) / plan.tp * B
         buffers = tokens * m.hidden_size * B * (4 / sp_div if plan.pp > 1 else 0)  # PP send/recv, fwd + bwd
         if plan.tp > 1:
             buffers += tokens * m.hidden_size * B  # one gathered (SP) or reduced (TP) layer input
@@ -479,8 +476,10 @@ class _Ranks:
         w_start = 0.0  # what a W holds beyond the pending joins as it starts
         if plan.recompute == "full":  # a zero-bubble B runs the whole backward there: nothing waits for W
             joins = 0.0               # (fivefold.pipeline.executor)
-        elif r == plan.last_rank and prof.pending_weight_chunks[r] and traits.weight_grad_copy:
-            w_start = self.head_weight_grad  # (measured, ZB-H1 x all-gather CP2 at mbs1: 0.939 without)
+        elif traits.weight_grad_copy and r == plan.last_rank and prof.pending_weight_chunks[r]:
+            # a zero-bubble W on the last rank starts with the output layer's weight gradient, beside
+            # every pending join (measured, ZB-H1 x all-gather CP2 at mbs1: 0.939 without)
+            w_start = embedding_params(plan.config.model, plan.tp) / plan.tp * traits.value_bytes()
         # the peak is at a forward (the last rank's logits) or in a layer's backward (with the layer a
         # recompute rebuilt), each moment with the activations held and the zero-bubble schedules'
         # B-done-W-pending gradients (`PipelineProfile.moments`, in chunks); offloaded inputs stay
@@ -501,10 +500,11 @@ class _Ranks:
             head = at_forward + end * 2 * grad + gathered * weight
         # each moment with the communication buffers in use then: none at the loss on the last rank
         # (measured: the last stages of the PP rows were 1.002-1.034 with a layer's buffers counted there)
-        held, rm.buffers = max((at_forward + rm.logits, 0.0 if r == plan.last_rank else self.buffers),
-                               (head, self.buffers), (in_backward + max(bwd + transient, w_start), self.buffers),
-                               key=sum)
-        rm.activations = held - rm.logits
+        at_loss, in_layer = at_forward + rm.logits, max(head, in_backward + max(bwd + transient, w_start))
+        rm.buffers = self.buffers
+        if r == plan.last_rank and at_loss > in_layer + rm.buffers:
+            rm.buffers, in_layer = 0.0, at_loss
+        rm.activations = max(at_loss, in_layer) - rm.logits
         largest = (largest_main(plan, r, self.prec.state_bytes(1, "no_shard")[0])
                    if traits.optimizer_scratch_bytes else (0.0, 0.0))  # read only with scratch
         released = whole_for_step(plan, r, dense + expert, self.prec, self.mode)

@@ -53,7 +53,7 @@ class PipelineProfile:
         """Peak held activations of `rank` in units of its whole stage's per-microbatch activations."""
         return self.inflight_chunks[rank] / self.vpp
 
-    @property
+    @cached_property
     def pending_weight_chunks(self) -> tuple[int, ...]:
         """Per pipeline rank: peak number of (microbatch, chunk) whose input gradient (B) is done and
         whose weight gradient (W) is not yet: zero-bubble schedules keep their graphs and the gradients
