@@ -22,7 +22,8 @@ logit), and what each further loss-stage microbatch whose backward has not run k
 softmax and norm tensors; GPipe all m, an interleaved schedule's short last group of microbatches
 several: `PipelineProfile.moments`' final count; measured, GPipe PP2's last rank 0.881 -> 1.002);
 communication buffers (PP send/recv, the SP all-gather output of
-one layer, EP dispatch/combine buffers, expert TP's gathered rows and their partial outputs).
+one layer, EP dispatch/combine buffers, expert TP's gathered rows and their partial outputs), in use
+at a layer's moments, not at the last rank's loss (measured: the last stages 1.002-1.034 when they were).
 Optimizer scratch: clipping and the optimizer step run after backward has freed the activations,
 so their temporaries (`ArchTraits.optimizer_scratch_bytes` per element of the rank's largest tensor
 stepped, a ZeRO chunk's piece under a sharded mode: `largest_main`), and the moments at the end of
