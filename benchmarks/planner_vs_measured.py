@@ -217,6 +217,9 @@ CASES = [
     Case("PP2 ZB-H1 x DP2 mbs2 GA2 ZeRO-1 full recompute", 4, 2, 8,
          parallel={"pipeline_model_parallel_size": 2, "pipeline_schedule": "zb-h1"},
          training={**DP_MODES["optim"], **FULL_RECOMPUTE}),
+    Case("MoE TP2 x CP2 a2a x EP2 mbs1 GA2 full recompute", 4, 1, 2, model=MOE,
+         parallel={"tensor_model_parallel_size": 2, "context_parallel_size": 2, "cp_comm_type": "a2a",
+                   "expert_model_parallel_size": 2}, training=FULL_RECOMPUTE),
 ]
 
 

@@ -145,14 +145,17 @@ def test_dp_modes_and_precisions_match_one_measured_step(pools, name):
         assert abs(r.memory_ratio - 1) <= MEMORY_TOL, (r.rank, r.est_memory.as_dict(), r.meas_kinds)
 
 
-@pytest.mark.parametrize("name", ["MoE EP2 mbs2", "MoE shared TP2 SP x EP2 ETP1 mbs2"])
+@pytest.mark.parametrize("name", ["MoE EP2 mbs2", "MoE shared TP2 SP x EP2 ETP1 mbs2",
+                                  "MoE TP2 x CP2 a2a x EP2 mbs1 GA2 full recompute"])
 def test_moe_layout_matches_one_measured_step(pools, name):
     """Routed experts over EP2 (forced balanced routing, as the planner assumes; the first layer dense):
     the expert-parallel all-to-alls within 1% summed over the ranks (a rank's combine moves the rows it
     receives; `ROUTED_TAGS`), every other tag exact, the expert gradients reduced over expert-DP, and
     peak memory within 5% (measured 0.96-1.02 over the MoE rows of benchmarks/planner_vs_measured.py);
     also with a shared expert under TP2 + SP beside EP2 x ETP1 (its MLP half's SP collectives, the
-    router and norms' TP gradient all-reduce)."""
+    router and norms' TP gradient all-reduce), and under TP2 without SP with full recompute (the
+    recomputed forward stops before the layer's output all-gather over TP: 1.167 of the tp bytes when
+    it was counted again, session 22)."""
     from benchmarks.planner_vs_measured import ROUTED_TAGS
     case = next(c for c in CASES if c.name == name)
     rows = run_case(pools, case)
