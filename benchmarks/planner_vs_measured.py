@@ -4,11 +4,14 @@
     python benchmarks/planner_vs_measured.py            # every layout below, a table
     python benchmarks/planner_vs_measured.py --only 0 3 # some of them
     python benchmarks/planner_vs_measured.py --random 40 --seed 1   # 40 layouts drawn at random
+    python benchmarks/planner_vs_measured.py --random 40 --seed 1 --wide  # and model features
 
 `--random` draws valid layouts of 2 or 4 ranks over every dimension and mode the runtime trains
 together (TP +/- SP, CP by ring / all-to-all / all-gather, PP by each schedule, DP by each ZeRO mode,
 EP, fp32 / bf16 (+ bf16 gradients), recompute, micro-batch, accumulation, tied embeddings, GQA):
 combinations the fixed cases below do not hold, to find where the planner and the runtime part.
+`--wide` also draws model features (MLA, an MTP depth, q/k norms, one KV head, shared experts, expert
+capacity padded or dropping) from a stream of its own, so a seed's layouts without it stay as drawn.
 
 For each layout of a ~10M-parameter Llama-style model (hidden 256, 8 layers, vocab 8192, seq 256),
 one step is run on the harness (`fivefold.testing.measure.measure_step`: warm-up step, then the
@@ -324,11 +327,44 @@ def sharded(case: Case) -> bool:
     return cfg.training.sharding_strategy != "no_shard" and layout.dp * layout.cp > 1
 
 
-def random_cases(count: int, seed: int) -> list[Case]:
-    """`count` layouts drawn with `seed` that the config rules accept and the runtime trains."""
+MLA = {"multi_latent_attention": True, "q_lora_rank": 96, "kv_lora_rank": 64, "qk_head_dim": 64,
+       "qk_pos_emb_head_dim": 32, "v_head_dim": 64}
+
+
+def model_features(rng: random.Random, model: dict) -> tuple[dict, str]:
+    """`--wide`: model features drawn into `model` (a copy), and their tags for the layout's name."""
+    model, tags = dict(model), []
+    if rng.random() < 0.2:
+        model.update(MLA)
+        model.pop("num_query_groups", None)
+        tags.append("MLA")
+    elif rng.random() < 0.15:
+        model["num_query_groups"] = 1
+        tags.append("GQA1")
+    if rng.random() < 0.2:
+        model["mtp_num_layers"] = 1
+        tags.append("MTP1")
+    if rng.random() < 0.2:
+        model["qk_layernorm"] = True
+        tags.append("qk-norm")
+    if model.get("num_experts"):
+        if rng.random() < 0.3:
+            model["moe_shared_expert_intermediate_size"] = 256
+            tags.append("shared")
+        if rng.random() < 0.5:
+            pad = rng.random() < 0.5
+            model.update(moe_expert_capacity_factor=1.25, moe_pad_expert_input_to_capacity=pad)
+            tags.append("cap1.25-" + ("padded" if pad else "dropping"))
+    return model, "".join(" " + t for t in tags)
+
+
+def random_cases(count: int, seed: int, wide: bool = False) -> list[Case]:
+    """`count` layouts drawn with `seed` that the config rules accept and the runtime trains (`wide`:
+    with `model_features`, drawn from a stream of their own)."""
     from fivefold.planner.validity import config_errors
     from fivefold.train.supported import unsupported
     rng, out = random.Random(seed), []
+    features = random.Random(f"{seed} wide")
     while len(out) < count:
         world, tp, cp, pp = rng.choice([2, 4]), rng.choice([1, 2]), rng.choice([1, 2]), rng.choice([1, 2])
         if world % (tp * cp * pp):
@@ -354,13 +390,14 @@ def random_cases(count: int, seed: int) -> list[Case]:
         training.update(FULL_RECOMPUTE if recompute == "full" else
                         {"recompute_granularity": "selective"} if recompute == "selective" else {})
         mbs, accumulate = rng.choice([1, 2]), rng.choice([1, 2, 4] if pp == 1 else [2, 4])
-        name = (f"random {seed}.{len(out)}: TP{tp}{'+SP' if parallel.get('sequence_parallel') else ''} "
+        model, wide_tags = model_features(features, model) if wide else (model, "")
+        name = (f"random {seed}{'w' if wide else ''}.{len(out)}: TP{tp}{'+SP' if parallel.get('sequence_parallel') else ''} "
                 f"CP{cp}{'(' + parallel['cp_comm_type'] + ')' if cp > 1 else ''} "
                 f"PP{pp}{'(' + parallel['pipeline_schedule'] + ')' if pp > 1 else ''} DP{dp} "
                 f"EP{parallel['expert_model_parallel_size']} {mode} {training['precision']}"
                 f"{' bf16-grads' if training.get('grad_reduce_in_bf16') else ''} rc-{recompute or 'none'} mbs{mbs} "
                 f"GA{accumulate}{' MoE' if moe else ''}{' tied' if 'tie_word_embeddings' in model else ''}"
-                f"{' GQA2' if 'num_query_groups' in model else ''}")
+                f"{' GQA2' if model.get('num_query_groups') == 2 else ''}{wide_tags}")
         case = Case(name, world, mbs, mbs * dp * accumulate, model=model, parallel=parallel, training=training)
         cfg = case.config()
         if not config_errors(cfg) and not unsupported(cfg):
@@ -373,8 +410,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", type=int, nargs="*", help="indices into CASES")
     ap.add_argument("--random", type=int, metavar="N", help="N layouts drawn at random instead (see above)")
     ap.add_argument("--seed", type=int, default=0, help="the draw's seed (default 0)")
+    ap.add_argument("--wide", action="store_true", help="with --random: also draw model features (see above)")
     args = ap.parse_args(argv)
-    cases = random_cases(args.random, args.seed) if args.random else \
+    cases = random_cases(args.random, args.seed, args.wide) if args.random else \
         [CASES[i] for i in args.only] if args.only else CASES
     pools: dict = {}
     print(HEADER)

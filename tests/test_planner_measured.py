@@ -170,7 +170,8 @@ def test_moe_layout_matches_one_measured_step(pools, name):
 def test_random_layouts_are_valid_and_drawn_again_alike():
     """`benchmarks/planner_vs_measured.py --random N --seed S` (docs/planner_measured.md): the same seed
     draws the same layouts, every one valid by the config rules and trainable, and a draw of 40 spans
-    the dimensions and modes it is for (pure config: milliseconds, no rank started)."""
+    the dimensions and modes it is for, with `--wide` the model features too (pure config:
+    milliseconds, no rank started)."""
     from benchmarks.planner_vs_measured import random_cases
     from fivefold.planner.validity import config_errors
     from fivefold.train.supported import unsupported
@@ -181,3 +182,10 @@ def test_random_layouts_are_valid_and_drawn_again_alike():
     for what in ("TP2+SP", "CP2(p2p)", "CP2(a2a)", "CP2(allgather)", "PP2(zb-h1)", "PP2(dualpipev)", "EP2",
                  "optim_grads_params", "bf16", "rc-full", "rc-selective", "MoE", "tied", "GQA2"):
         assert what in seen, what
+    # --wide: model features from a stream of their own, so the draw without them is the one above
+    wide = random_cases(40, 1, wide=True)
+    assert not any(config_errors(c.config()) or unsupported(c.config()) for c in wide)
+    seen = {word for c in wide for word in c.name.split()}
+    for what in ("MLA", "GQA1", "MTP1", "qk-norm", "shared", "cap1.25-padded", "cap1.25-dropping"):
+        assert what in seen, what
+    assert [c.name for c in drawn] == [c.name for c in random_cases(40, 1)]
