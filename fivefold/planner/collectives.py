@@ -161,23 +161,23 @@ def layer_collectives(plan: Plan, index: int, recomputed: bool = False) -> list[
     M = _tokens(plan) * m.hidden_size * act_bytes(plan)
     out = _mla_attention(plan) if m.multi_latent_attention else _tp_half(plan, M)  # attention
     moe = is_moe_layer(m, index)
-    if not moe or m.moe_shared_expert_intermediate_size:
-        out += _tp_half(plan, M)  # dense MLP, or the shared experts of a MoE layer
+    mlp = _tp_half(plan, M) if not moe or m.moe_shared_expert_intermediate_size else []  # dense, or shared experts
     expert_calls = moe_collectives(plan) if moe else []
-    out += expert_calls
+    out += mlp + expert_calls
     selective = plan.recompute == "selective"
     rerun = out if recomputed else (expert_calls if selective and moe and "moe" in plan.recompute_modules else [])
     again = [c for c in rerun if c.phase == "forward"]
     if recomputed and again:
-        # torch.utils.checkpoint stops recomputing once the last saved tensor is back: a layer's output
-        # reduction feeds no saved tensor and is not rerun: a dense layer's (the MLP's reduce-scatter /
-        # all-reduce), a MoE layer's under TP without SP (its output all-gathered over TP, the first of
-        # `moe_collectives`; measured, TP2 x CP2 x EP2 MoE: 1.167 of the tp bytes when rerun); a MoE
-        # layer's combine is rerun (the probability-weighted sum keeps its output)
-        if not moe:
-            again = again[:-1]
-        elif plan.tp > 1 and not plan.sp:
-            again = [c for c in again if c is not expert_calls[0]]
+        # torch.utils.checkpoint stops recomputing once the last saved tensor is back, so the layer's
+        # last call, its output's reduction, is not rerun: the dense MLP's or the shared experts' (they
+        # run after the routed ones: measured, TP2+SP MoE with shared experts 1.064 of the sp bytes
+        # when rerun), else a MoE layer's output all-gather over TP without SP (the first of
+        # `moe_collectives`; TP2 x CP2 x EP2: 1.167 of the tp bytes); a MoE layer's combine is rerun
+        # (the probability-weighted sum keeps its output)
+        last = [c for c in mlp if c.phase == "forward"][-1:]
+        if not last and plan.tp > 1 and not plan.sp:
+            last = expert_calls[:1]
+        again = [c for c in again if not any(c is x for x in last)]
     out += again  # the same calls, made again during backward
     if plan.cp > 1:
         out += cp_collectives(plan, recomputed or (selective and "core_attn" in plan.recompute_modules),
@@ -315,6 +315,14 @@ def stage_collectives(plan: Plan, pp_rank: int) -> list[Collective]:
             out += head + loss
             for _ in range(m.mtp_num_layers or 0):
                 out += _mtp_depth(plan, M) + head + loss  # each depth's head and loss again
+    if last and m.mtp_num_layers and plan.cp > 1:
+        # MTP's targets: the microbatch's token ids and labels (int64 pairs) gathered over CP to be
+        # rolled (fivefold.model.mtp.rolled_targets), over the all-to-all part of CP first, then the ring
+        a, p = cp_split(plan)
+        pairs = plan.mbs * plan.seq * 2 * 8
+        if a > 1 and p > 1:
+            out.append(Collective("all_gather", "mtp-roll", "cp", pairs / p, "forward"))
+        out.append(Collective("all_gather", "mtp-roll", "cp", pairs, "forward"))
     boundary = M / (plan.tp if plan.sp else 1)  # (b, s/cp, h), (b, s/(cp tp), h) under SP
     placement = plan.placement
     for s, r in enumerate(placement):
