@@ -129,9 +129,15 @@ HEADLINE = (8, dict(tensor_model_parallel_size=2, sequence_parallel=True, expert
                     expert_tensor_parallel_size=1, pipeline_model_parallel_size=2))
 
 
-def _mtp_config(data: Path, world: int = 1, parallel: dict | None = None, dsv3: bool = False):
+TIED = (2, dict(pipeline_model_parallel_size=2, pipeline_schedule="zb-h1"))
+"""A tied output layer under a zero-bubble schedule: the last stage's embedding copy is the output
+layer that MTP also embeds and projects with, so W's weight groups share graph nodes."""
+
+
+def _mtp_config(data: Path, world: int = 1, parallel: dict | None = None, dsv3: bool = False, tied: bool = False):
     cfg = moe_config(data, world, parallel)
-    cfg.model = replace(cfg.model, mtp_num_layers=1, mtp_loss_scaling_factor=0.3, **(DSV3 if dsv3 else {}))
+    cfg.model = replace(cfg.model, mtp_num_layers=1, mtp_loss_scaling_factor=0.3, tie_word_embeddings=tied,
+                        **(DSV3 if dsv3 else {}))
     return cfg
 
 
@@ -140,17 +146,17 @@ def runs(tmp_path_factory, workers):
     root = tmp_path_factory.mktemp("mtp")
     data = corpus(root / "corpus")
     data_dir = prepare(_mtp_config(data), root)
-    for name, dsv3 in (("ref", False), ("ref-dsv3", True)):
+    for name, dsv3, tied in (("ref", False, False), ("ref-dsv3", True, False), ("ref-tied", False, True)):
         (root / name).mkdir()
         with _one_thread():
-            train(_mtp_config(data, dsv3=dsv3), one_process_context(root / name), data_dir, progress=False)
-    for name, (world, parallel) in {**LAYOUTS, "dsv3": HEADLINE}.items():
-        cfg = _mtp_config(data, world, parallel, dsv3=name == "dsv3")
+            train(_mtp_config(data, dsv3=dsv3, tied=tied), one_process_context(root / name), data_dir, progress=False)
+    for name, (world, parallel) in {**LAYOUTS, "dsv3": HEADLINE, "tied-zb-h1": TIED}.items():
+        cfg = _mtp_config(data, world, parallel, dsv3=name == "dsv3", tied=name == "tied-zb-h1")
         workers(world).run(_train_rank, to_dict(cfg), str(root / name), str(data_dir))
     return {"root": root, "data": data}
 
 
-def _compare(runs, name: str, ref: str, dsv3: bool) -> None:
+def _compare(runs, name: str, ref: str, dsv3: bool, tied: bool = False) -> None:
     root = runs["root"]
     got, want = _metrics(root / name), _metrics(root / ref)
     assert len(got) == len(want) == 3 and all(m["mtp_loss"] > 0 for m in want)
@@ -162,7 +168,7 @@ def _compare(runs, name: str, ref: str, dsv3: bool) -> None:
     # whose gradient is not summed with stage 0's moves pp2's by 9.4e-4.
     for key, bound in (("loss", 1e-6), ("mtp_loss", 1e-6), ("grad_norm", 3e-6)):
         close([m[key] for m in got], [m[key] for m in want], rtol=bound, site=f"mtp.layouts.{key}", case=name)
-    cfg = _mtp_config(runs["data"], dsv3=dsv3)
+    cfg = _mtp_config(runs["data"], dsv3=dsv3, tied=tied)
     mine, theirs = Decoder(cfg.model), Decoder(cfg.model)
     for model, folder in ((mine, root / name), (theirs, root / ref)):
         ckpt.load_checkpoint(folder / "checkpoints", model=model, optimizer=None, rank=0, world_size=1)
@@ -186,6 +192,14 @@ def test_deepseek_v3_like_model_on_8_ranks_equals_one_process(runs):
     """TP2+SP x EP4 (ETP1) x PP2: MLA, sigmoid group-limited routing with the expert bias, a shared
     expert, the first layer dense, one MTP layer on the last stage (with its embedding copy)."""
     _compare(runs, "dsv3", "ref-dsv3", dsv3=True)
+
+
+def test_tied_output_layer_under_zero_bubble_equals_one_process(runs):
+    """PP2 ZB-H1 with a tied output layer: the last stage's embedding copy is the main head, MTP's
+    embedding and MTP's head, so W's weight groups share nodes below their joins (W freed the graph
+    after its first group and the second raised 'backward through the graph a second time' until
+    session 22)."""
+    _compare(runs, "tied-zb-h1", "ref-tied", dsv3=False, tied=True)
 
 
 def test_mtp_settings_not_built_are_refused():

@@ -161,7 +161,11 @@ def backward_input(output: torch.Tensor, grad_output: torch.Tensor | None, stage
 
 
 def backward_weight(plan: WeightPlan) -> None:
-    """W: accumulate dL/dtheta into each param's .grad from what B recorded; frees the graph."""
+    """W: accumulate dL/dtheta into each param's .grad from what B recorded; frees the graph. Each
+    call but the last keeps the graph: groups may share nodes below their joins (a tied output
+    layer that MTP also embeds and projects with on the last stage: the second call found the saved
+    tensors freed), and what a call would free is alive at W's start anyway."""
+    calls = []
     for g in plan.groups:
         edges, grads = [], []
         for j, recorded in zip(g.joins, g.grads):
@@ -169,12 +173,13 @@ def backward_weight(plan: WeightPlan) -> None:
                 if gr is not None:
                     edges.append(GradientEdge(j, k))
                     grads.append(gr)
-        if not edges:
-            continue
+        if edges:
+            calls.append((g, edges, grads))
+    for i, (g, edges, grads) in enumerate(calls):
         handles = [j.register_prehook(lambda _, r=r: r) for j, r in zip(g.joins, g.grads)] \
             if len(g.joins) > 1 else []
         try:
-            _accumulate(edges, grads, g.params, retain_graph=plan.output is not None)
+            _accumulate(edges, grads, g.params, retain_graph=plan.output is not None or i + 1 < len(calls))
         finally:
             for h in handles:
                 h.remove()
