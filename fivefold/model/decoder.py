@@ -114,9 +114,10 @@ class Decoder(nn.Module):
 
     def set_recompute(self, recompute: Recompute) -> None:
         """Activation recompute from now on (fivefold.model.recompute: full spans of layers, or the
-        core attention of every layer); Recompute() turns it off."""
+        core attention of every layer, MTP's included, as Megatron's attention reads it from the
+        config every layer shares); Recompute() turns it off."""
         self.recompute = recompute
-        for layer in self.layers.values():
+        for layer in [*self.layers.values(), *(d.layer for d in self.mtp or ())]:
             layer.attn.recompute_core = recompute.core_attention
 
     def _positions(self, s: int, device, docs) -> torch.Tensor:

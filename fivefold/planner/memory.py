@@ -426,8 +426,11 @@ class _Ranks:
         # the logits' gradient, the output layer's join and the loss's saved fp32 log-softmax, kept with
         # the graph until W (zero-bubble schedules); the vocab-parallel loss (TP) turns its saved fp32
         # softmax into the gradient in place, so in fp32 they are one tensor (measured, ZB-H1 x TP2 at
-        # mbs2: 1.09 of the last stage when counted twice)
-        self.logit_joins = tokens * vocab * (4 if plan.tp > 1 and B >= 4 else B + 4)
+        # mbs2: 1.09 of the last stage when counted twice); each MTP depth's head again, and where its
+        # branches meet the input path: eh_proj's input (the concatenation) and output, the hnorm and
+        # final-norm gain products (measured, PP2 ZB-H1 MTP1 at mbs2: 0.796 without them)
+        self.logit_joins = heads * tokens * vocab * (4 if plan.tp > 1 and B >= 4 else B + 4)
+        self.logit_joins += (heads - 1) * tokens * m.hidden_size * B * (4 / sp_div + 1 / plan.tp)
         buffers = tokens * m.hidden_size * B * (4 / sp_div if plan.pp > 1 else 0)  # PP send/recv, fwd + bwd
         if plan.tp > 1:
             buffers += tokens * m.hidden_size * B  # one gathered (SP) or reduced (TP) layer input
@@ -479,8 +482,12 @@ class _Ranks:
             joins = 0.0               # (fivefold.pipeline.executor)
         elif traits.weight_grad_copy and r == plan.last_rank and prof.pending_weight_chunks[r]:
             # a zero-bubble W on the last rank starts with the output layer's weight gradient, beside
-            # every pending join (measured, ZB-H1 x all-gather CP2 at mbs1: 0.939 without)
-            w_start = embedding_params(plan.config.model, plan.tp) / plan.tp * traits.value_bytes()
+            # every pending join (measured, ZB-H1 x all-gather CP2 at mbs1: 0.939 without); with MTP
+            # one per head, and one per depth of the embedding copy it embeds with, summed in one call
+            # (measured, PP2 ZB-H1 MTP1: 3 of them)
+            m = plan.config.model
+            uses = 1 + 2 * (m.mtp_num_layers or 0)
+            w_start = uses * embedding_params(m, plan.tp) / plan.tp * traits.value_bytes()
         # the peak is at a forward (the last rank's logits) or in a layer's backward (with the layer a
         # recompute rebuilt), each moment with the activations held and the zero-bubble schedules'
         # B-done-W-pending gradients (`PipelineProfile.moments`, in chunks); offloaded inputs stay
