@@ -225,7 +225,7 @@ CASES = [
                    "expert_model_parallel_size": 2}, training=FULL_RECOMPUTE),
     Case("PP2 ZB-H1 mbs2 GA4 MTP1", 2, 2, 8, model={"mtp_num_layers": 1},
          parallel={"pipeline_model_parallel_size": 2, "pipeline_schedule": "zb-h1"}),
-    Case("CP2 allgather mbs1 GA2 MTP1 selective recompute", 2, 1, 2, model={"mtp_num_layers": 1},
+    Case("CP2 allgather mbs2 GA2 MTP1 selective recompute", 2, 2, 4, model={"mtp_num_layers": 1},
          parallel={"context_parallel_size": 2, "cp_comm_type": "allgather"}, training={"recompute_granularity": "selective"}),
     Case("TP2 SP x EP2 ETP1 mbs2 MoE shared full recompute", 2, 2, 2, model={**MOE, "moe_shared_expert_intermediate_size": 256},
          parallel={"tensor_model_parallel_size": 2, "sequence_parallel": True, "expert_model_parallel_size": 2,

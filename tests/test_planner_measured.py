@@ -24,7 +24,8 @@ CHOSEN = ["CP2 p2p mbs2", "TP2 SP mbs2", "PP2 ZB-H1 mbs1 GA4 tied", "TP2 SP mbs2
           "GQA1 TP2 SP mbs2", "qk-norm TP2 SP mbs2", "MTP1 TP2 SP mbs2", "PP2 DualPipeV mbs1 GA4",
           "PP2 VPP2 group3 mbs1 GA5", "MoE EP2 mbs2 capacity 1.25 padded",
           "TP2 SP x CP2 allgather mbs1 full recompute", "CP2 a2a mbs1 GA2 GQA2 selective recompute",
-          "PP2 ZB-H1 x TP2 SP mbs2 GA2 full recompute", "PP2 ZB-H1 x TP2 mbs2 GA2", "PP2 ZB-H1 x CP2 allgather mbs1 GA2"]
+          "PP2 ZB-H1 x TP2 SP mbs2 GA2 full recompute", "PP2 ZB-H1 x TP2 mbs2 GA2", "PP2 ZB-H1 x CP2 allgather mbs1 GA2",
+          "CP2 allgather mbs2 GA2 MTP1 selective recompute"]
 """Context parallelism by ring attention (K/V blocks sent and received, gradients over DP x CP); TP
 with sequence parallelism (all-gathers / reduce-scatters,
 SP-norm gradient all-reduce, vocab-parallel loss); a zero-bubble pipeline with tied embeddings (p2p
@@ -49,15 +50,18 @@ schedule under TP2 + SP with full recompute (each B the whole backward, so nothi
 last stage held 3.4x the planner's and moved 1.5x its SP bytes until session 20); ZB-H1 under TP2
 without SP (the vocab-parallel loss's fp32 softmax is the logits' gradient waiting for W, one tensor:
 1.081 when counted as two, session 22) and under all-gather CP2 at mbs1 (the last stage's W starts
-with the output layer's weight gradient beside the pending joins: 0.939 without it): 2-4 ranks, ~4-10 s
-each."""
+with the output layer's weight gradient beside the pending joins: 0.939 without it); MTP under
+all-gather CP with selective recompute (the rolled targets' gather; MTP's layer recomputes its
+attention core too, so the K / V gathers run again: 1.029 of the cp bytes when it did not): 2-4
+ranks, ~4-10 s each."""
 
 MODEL_TAG = {"CP2 p2p mbs2": "cp", "TP2 SP mbs2": "sp", "PP2 ZB-H1 mbs1 GA4 tied": "pp", "TP2 SP mbs2 full recompute": "sp",
              "TP2 SP MLA mbs2": "sp", "GQA1 TP2 SP mbs2": "tp-grad", "qk-norm TP2 SP mbs2": "tp-grad",
              "MTP1 TP2 SP mbs2": "tp", "PP2 DualPipeV mbs1 GA4": "pp", "PP2 VPP2 group3 mbs1 GA5": "pp",
              "MoE EP2 mbs2 capacity 1.25 padded": "ep", "TP2 SP x CP2 allgather mbs1 full recompute": "cp",
              "CP2 a2a mbs1 GA2 GQA2 selective recompute": "cp", "PP2 ZB-H1 x TP2 SP mbs2 GA2 full recompute": "sp",
-             "PP2 ZB-H1 x TP2 mbs2 GA2": "tp", "PP2 ZB-H1 x CP2 allgather mbs1 GA2": "cp"}
+             "PP2 ZB-H1 x TP2 mbs2 GA2": "tp", "PP2 ZB-H1 x CP2 allgather mbs1 GA2": "cp",
+             "CP2 allgather mbs2 GA2 MTP1 selective recompute": "mtp-roll"}
 
 
 @pytest.fixture(scope="module")
