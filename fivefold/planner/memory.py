@@ -508,7 +508,7 @@ class _Ranks:
             head = at_forward + end * 2 * grad + gathered * weight
         # each moment with the communication buffers in use then: none at the loss on the last rank
         # (measured: the last stages of the PP rows were 1.002-1.034 with a layer's buffers counted there)
-        at_loss, in_layer = at_forward + rm.logits, max(head, in_backward + max(bwd + transient, w_start))
+        at_loss, in_layer = at_forward + rm.logits, max(head, in_backward + bwd + transient, in_backward + w_start)
         rm.buffers = self.buffers
         if r == plan.last_rank and at_loss > in_layer + rm.buffers:
             rm.buffers, in_layer = 0.0, at_loss
