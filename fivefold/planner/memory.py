@@ -463,7 +463,7 @@ class _Ranks:
         traits = assume.traits
         rm = RankMemory(rank=r)
         detail, per_mb, transient, joins, bwd, offloaded = _layers(plan, self.shapes[r][0], r, self.sh, traits,
-                                                                    plan.cp_gathers_kv)
+                                                                    plan.cp_gathers_kv, prof.defers_weights)
         dense, expert = rank_params(plan, r)
         rm.params = dense + expert
         rm.weights, rm.grads, rm.optimizer = model_state(plan, r, dense, expert, self.state_bytes, self.prec,
@@ -578,12 +578,13 @@ _LAYERS: dict[tuple, tuple] = {}
 alive beside its id): the search sizes the same shapes under many layouts."""
 
 
-def _layers(plan: Plan, kinds: tuple, r: int, sh: Sharding, traits: ArchTraits, gathers: bool):
+def _layers(plan: Plan, kinds: tuple, r: int, sh: Sharding, traits: ArchTraits, gathers: bool, deferred: bool):
     """(activation bytes by tensor, per-microbatch total, recompute transient, W-pending join bytes,
     backward transient) of rank r's layers, whose kinds are `kinds` ((MoE?, recomputed?, count), ...);
-    `gathers`: all-gather CP (its gathered K/V a backward temporary)."""
+    `gathers`: all-gather CP (its gathered K/V a backward temporary); `deferred`: the schedule defers
+    W (else no join waits: 0)."""
     m, b, s = plan.config.model, plan.mbs, plan.seq
-    key = (id(m), kinds, b, s, sh, traits, plan.offload_modules, gathers)
+    key = (id(m), kinds, b, s, sh, traits, plan.offload_modules, gathers, deferred)
     got = _LAYERS.get(key)
     if got is not None and got[0] is m:
         return got[1]
@@ -601,7 +602,8 @@ def _layers(plan: Plan, kinds: tuple, r: int, sh: Sharding, traits: ArchTraits, 
             per_mb += v * n
         offloaded += sum(saved.get(key, 0.0) for key in offload) * n
         transient = max(transient, peak)
-        joins += weight_grad_join_bytes(m, i, b, s, sh, traits) * n
+        if deferred:
+            joins += weight_grad_join_bytes(m, i, b, s, sh, traits) * n
         bwd = max(bwd, backward_transient(m, i, b, s, sh, traits), gathered_kv_bytes(m, b, s, sh, traits) if gathers else 0.0)
     out = (detail, per_mb, transient, joins, bwd, offloaded)
     _LAYERS[key] = (m, out)

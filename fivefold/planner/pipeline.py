@@ -61,6 +61,11 @@ class PipelineProfile:
         (its input is token ids: B has nothing to compute, W runs the whole backward)."""
         return tuple(max(p for _, p, _ in backward) for _, backward in self.moments)
 
+    @cached_property
+    def defers_weights(self) -> bool:
+        """Some rank holds B-done-W-pending gradients at some moment (a zero-bubble schedule)."""
+        return any(p for fronts in self.moments for front in fronts for _, p, _ in front)
+
     @property
     def pending_weight_chunks_at_forward(self) -> tuple[int, ...]:
         """The same, peak over the moments a forward runs (when the last stage holds its logits)."""
