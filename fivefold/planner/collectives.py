@@ -174,10 +174,9 @@ def layer_collectives(plan: Plan, index: int, recomputed: bool = False) -> list[
         # when rerun), else a MoE layer's output all-gather over TP without SP (the first of
         # `moe_collectives`; TP2 x CP2 x EP2: 1.167 of the tp bytes); a MoE layer's combine is rerun
         # (the probability-weighted sum keeps its output)
-        last = [c for c in mlp if c.phase == "forward"][-1:]
-        if not last and plan.tp > 1 and not plan.sp:
-            last = expert_calls[:1]
-        again = [c for c in again if not any(c is x for x in last)]
+        mlp_forward = [c for c in mlp if c.phase == "forward"]
+        last = mlp_forward[-1] if mlp_forward else expert_calls[0] if plan.tp > 1 and not plan.sp else None
+        again = [c for c in again if c is not last]
     out += again  # the same calls, made again during backward
     if plan.cp > 1:
         out += cp_collectives(plan, recomputed or (selective and "core_attn" in plan.recompute_modules),

@@ -477,10 +477,9 @@ class _Ranks:
         if r == plan.last_rank:
             rm.logits = self.logits
             joins += self.logit_joins
-        w_start = 0.0  # what a W holds beyond the pending joins as it starts
-        if plan.recompute == "full":  # a zero-bubble B runs the whole backward there: nothing waits for W
-            joins = 0.0               # (fivefold.pipeline.executor)
-        elif traits.weight_grad_copy and r == plan.last_rank and prof.pending_weight_chunks[r]:
+        w_start = 0.0  # what a W holds beyond the pending joins as it starts (none pend under full
+        # recompute: the profile's B is then the whole backward)
+        if traits.weight_grad_copy and r == plan.last_rank and prof.pending_weight_chunks[r]:
             # a zero-bubble W on the last rank starts with the output layer's weight gradient, beside
             # every pending join (measured, ZB-H1 x all-gather CP2 at mbs1: 0.939 without); with MTP
             # one per head, and one per depth of the embedding copy it embeds with, summed in one call

@@ -63,8 +63,9 @@ class PipelineProfile:
 
     @cached_property
     def defers_weights(self) -> bool:
-        """Some rank holds B-done-W-pending gradients at some moment (a zero-bubble schedule)."""
-        return any(p for fronts in self.moments for front in fronts for _, p, _ in front)
+        """Some rank holds B-done-W-pending gradients at some moment (a zero-bubble schedule; pending
+        grows only at a B, a backward moment)."""
+        return any(self.pending_weight_chunks)
 
     @property
     def pending_weight_chunks_at_forward(self) -> tuple[int, ...]:
