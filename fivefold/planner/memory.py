@@ -414,8 +414,9 @@ class _Ranks:
         # the logits and the loss's fp32 softmax (see ArchTraits.loss_bytes_per_logit), the final norm's
         # saved tensors (its input, the output layer's input; + x/rms(x) unfused), MTP's
         held = traits.loss_bytes() - traits.loss_transient_bytes  # what each head keeps until its backward
-        self.loss_state = tokens * vocab * heads * held + heads * traits.norm_tensors * tokens * m.hidden_size * B / sp_div
-        self.loss_state += mtp_activation_values(m) * tokens * B / sp_div
+        logit_held, norm_held = tokens * vocab * held, traits.norm_tensors * tokens * m.hidden_size * B / sp_div
+        side = mtp_activation_values(m) * tokens * B / sp_div
+        self.loss_state = heads * (logit_held + norm_held) + side
         """What a microbatch keeps on the last rank from its loss-stage forward to its backward."""
         transient = traits.loss_transient_bytes
         if plan.tp > 1 and traits.tp_loss_transient_bytes is not None:
@@ -437,6 +438,34 @@ class _Ranks:
         if m.is_moe and (plan.ep > 1 or plan.etp > 1):  # dispatch + combine (expert TP: gathered, reduced)
             buffers += 2 * m.moe_router_topk * tokens / plan.tp * plan.etp * m.hidden_size * B
         self.buffers = buffers
+        self.heads_backward, self.waiting = self._heads_backward(logit_held, norm_held, side)
+
+    def _heads_backward(self, logit_held: float, norm_held: float, side: float) -> tuple[float, float]:
+        """(beyond the held layers but one MTP layer: the moment the heads' backward holds the most,
+        the output layer's weight gradient held through the decoder's backward) on the last rank, where a
+        backward makes the weight gradients (eager, not zero-bubble: its W makes them, `w_start`).
+        Each head makes the output layer's gradient whole, each MTP depth's lookup the embedding's, and
+        autograd holds a parameter's gradient in its input buffer until its last use there is
+        differentiated, summing out of place (buffer, new, sum: 3 at once). The heads run from the last
+        depth down to the main one, each depth's lookup after its head. Tied (one parameter, also the
+        last stage's embedding copy under PP): the peak is at the last depth's lookup, the other heads'
+        losses not yet differentiated. Untied: at the next head's sum, the embedding's buffer beside it
+        while a lookup is still to come (PP1: the main one; deeper depths). Without PP the embedding's
+        lookup comes last, so with a tied output layer or MTP one gradient waits through the decoder's
+        backward. Measured (PP1 seq64 mbs1, 8192 x 256 fp32: 8 MiB each): MTP1 4, tied 3, MTP2 4 (the
+        main loss's log-softmax beside it), tied 3 (two beside it)."""
+        plan, traits, m = self.plan, self.assume.traits, self.plan.config.model
+        if not traits.weight_grad_copy or self.prof.pending_weight_chunks[plan.last_rank]:
+            return 0.0, 0.0
+        depths, tied = m.mtp_num_layers or 0, m.tie_word_embeddings
+        grad = embedding_params(m, plan.tp) / plan.tp * traits.value_bytes()
+        waiting = grad if plan.pp == 1 and (tied or depths) else 0.0
+        if not depths:
+            return 0.0, waiting
+        remaining = depths if tied else depths - 1  # heads whose loss is not yet differentiated
+        buffers = 3 + (not tied and (plan.pp == 1 or depths > 1))
+        per_depth = side / depths
+        return remaining * logit_held + (remaining + 1) * norm_held + (depths - 1) * per_depth + buffers * grad, waiting
 
     def candidates(self) -> list[int]:
         """The ranks that can hold the most memory, ascending: a rank is left out when an earlier rank
@@ -462,8 +491,8 @@ class _Ranks:
         plan, prof, assume = self.plan, self.prof, self.assume
         traits = assume.traits
         rm = RankMemory(rank=r)
-        detail, per_mb, transient, joins, bwd, offloaded = _layers(plan, self.shapes[r][0], r, self.sh, traits,
-                                                                    plan.cp_gathers_kv, prof.defers_weights)
+        detail, per_mb, transient, joins, bwd, offloaded, last = _layers(plan, self.shapes[r][0], r, self.sh, traits,
+                                                                          plan.cp_gathers_kv, prof.defers_weights)
         dense, expert = rank_params(plan, r)
         rm.params = dense + expert
         rm.weights, rm.grads, rm.optimizer = model_state(plan, r, dense, expert, self.state_bytes, self.prec,
@@ -507,7 +536,11 @@ class _Ranks:
             head = at_forward + end * 2 * grad + gathered * weight
         # each moment with the communication buffers in use then: none at the loss on the last rank
         # (measured: the last stages of the PP rows were 1.002-1.034 with a layer's buffers counted there)
-        at_loss, in_layer = at_forward + rm.logits, max(head, in_backward + bwd + transient, in_backward + w_start)
+        waiting = self.waiting if r == plan.last_rank else 0.0
+        at_loss = at_forward + rm.logits
+        in_layer = max(head, in_backward + bwd + transient + waiting, in_backward + w_start)
+        if r == plan.last_rank and self.heads_backward:  # the heads' moment: MTP's last layer done, no buffers
+            at_loss = max(at_loss, in_backward - last + self.heads_backward)
         rm.buffers = self.buffers
         if r == plan.last_rank and at_loss > in_layer + rm.buffers:
             rm.buffers, in_layer = 0.0, at_loss
@@ -579,7 +612,7 @@ alive beside its id): the search sizes the same shapes under many layouts."""
 
 def _layers(plan: Plan, kinds: tuple, r: int, sh: Sharding, traits: ArchTraits, gathers: bool, deferred: bool):
     """(activation bytes by tensor, per-microbatch total, recompute transient, W-pending join bytes,
-    backward transient) of rank r's layers, whose kinds are `kinds` ((MoE?, recomputed?, count), ...);
+    backward transient, offloaded bytes, one layer of the last group's bytes) of rank r's layers, whose kinds are `kinds` ((MoE?, recomputed?, count), ...);
     `gathers`: all-gather CP (its gathered K/V a backward temporary); `deferred`: the schedule defers
     W (else no join waits: 0)."""
     m, b, s = plan.config.model, plan.mbs, plan.seq
@@ -588,7 +621,7 @@ def _layers(plan: Plan, kinds: tuple, r: int, sh: Sharding, traits: ArchTraits, 
     if got is not None and got[0] is m:
         return got[1]
     detail: dict[str, float] = {}
-    per_mb, transient, joins, bwd, offloaded = 0.0, 0.0, 0.0, 0.0, 0.0
+    per_mb, transient, joins, bwd, offloaded, last = 0.0, 0.0, 0.0, 0.0, 0.0, 0.0
     offload = [OFFLOAD_MODULES[name] for name in plan.offload_modules]
     for i, recomputed, n in plan.layer_groups(r):
         layer_sh = sh if recomputed or plan.recompute != "full" else \
@@ -596,15 +629,17 @@ def _layers(plan: Plan, kinds: tuple, r: int, sh: Sharding, traits: ArchTraits, 
         saved = layer_activation_bytes(m, i, b, s, layer_sh, traits)
         reruns = recomputed or (sh.recompute == "selective" and traits.op_level_sac)  # the layer's backward rebuilds it
         peak = full_recompute_transient(m, i, b, s, sh, traits) if reruns else 0.0
+        last = 0.0
         for k, v in saved.items():
             detail[k] = detail.get(k, 0.0) + v * n
             per_mb += v * n
+            last += v
         offloaded += sum(saved.get(key, 0.0) for key in offload) * n
         transient = max(transient, peak)
         if deferred:
             joins += weight_grad_join_bytes(m, i, b, s, sh, traits) * n
         bwd = max(bwd, backward_transient(m, i, b, s, sh, traits), gathered_kv_bytes(m, b, s, sh, traits) if gathers else 0.0)
-    out = (detail, per_mb, transient, joins, bwd, offloaded)
+    out = (detail, per_mb, transient, joins, bwd, offloaded, last)
     _LAYERS[key] = (m, out)
     return out
 
