@@ -134,12 +134,13 @@ def zero2_full_buffers(plan: Plan, dense: float, expert: float, state_bytes: tup
     return dense * (full - dense_grad) + expert * (full - expert_grad)
 
 
-def backward_buckets(plan: Plan, rank: int, dense: float, prec: Precision, mode: str, expert: float = 0.0) -> float:
+def backward_buckets(plan: Plan, rank: int, dense: float, prec: Precision, mode: str, expert: float = 0.0,
+                     filling: bool = False) -> float:
     """ZeRO-2/3 reducing every microbatch (`Plan.reduce_every_microbatch`): full-size gradient buffers
     that exist only during backward (fivefold.parallel.data: allocated at a bucket's first gradient,
     freed once its reduce-scatter is done, which the next bucket's launch waits for): at most the
     bucket being filled and the one in flight, from the start of backward while the activations are
-    all held. ZeRO-2's buckets hold `DEFAULT_BUCKET_BYTES` of parameters (the routed experts' a MoE
+    all held (`filling`: the first alone). ZeRO-2's buckets hold `DEFAULT_BUCKET_BYTES` of parameters (the routed experts' a MoE
     layer's, `expert_bucket`: measured, MoE DP4 ZeRO-2 at mbs1 1.091 when it was the cap), ZeRO-3's one unit each (on
     the last rank the output layer's and a layer's, else two layers'), whose weights are then whole
     too (gathered again for the backward, the next one prefetched; at the loss, after the output
@@ -148,7 +149,7 @@ def backward_buckets(plan: Plan, rank: int, dense: float, prec: Precision, mode:
         return 0.0
     weight, grad, _ = prec.state_bytes(1, "no_shard")
     if mode == "optim_grads":  # per domain (the routed experts' reducer is another) sharded over > 1 rank
-        return sum(min(2 * bucket, n) * grad for n, d, bucket in ((dense, plan.dp * plan.cp, DEFAULT_BUCKET_BYTES / weight),
+        return sum(min((1 if filling else 2) * bucket, n) * grad for n, d, bucket in ((dense, plan.dp * plan.cp, DEFAULT_BUCKET_BYTES / weight),
                                                                 (expert, plan.edp, expert_bucket(plan, rank, weight)))
                    if n and d > 1)
     layer = max(sum(_layer_share(plan, i)) for i, _, _ in plan.layer_groups(rank))
@@ -438,22 +439,29 @@ class _Ranks:
         if m.is_moe and (plan.ep > 1 or plan.etp > 1):  # dispatch + combine (expert TP: gathered, reduced)
             buffers += 2 * m.moe_router_topk * tokens / plan.tp * plan.etp * m.hidden_size * B
         self.buffers = buffers
-        self.heads_backward, self.waiting = self._heads_backward(logit_held, norm_held, side)
+        # a head's loss differentiated: F.cross_entropy's two fp32 gradients; the vocab-parallel loss (TP)
+        # turns its saved softmax into the gradient in place, cast to a 16-bit run's dtype
+        differentiated = (B if B < 4 else 0) if plan.tp > 1 else traits.loss_transient_bytes
+        self.heads_backward, self.waiting = self._heads_backward(logit_held, norm_held, side, tokens * vocab * differentiated)
 
-    def _heads_backward(self, logit_held: float, norm_held: float, side: float) -> tuple[float, float]:
-        """(beyond the held layers but one MTP layer: the moment the heads' backward holds the most,
-        the output layer's weight gradient held through the decoder's backward) on the last rank, where a
-        backward makes the weight gradients (eager, not zero-bubble: its W makes them, `w_start`).
-        Each head makes the output layer's gradient whole, each MTP depth's lookup the embedding's, and
-        autograd holds a parameter's gradient in its input buffer until its last use there is
-        differentiated, summing out of place (buffer, new, sum: 3 at once). The heads run from the last
-        depth down to the main one, each depth's lookup after its head. Tied (one parameter, also the
-        last stage's embedding copy under PP): the peak is at the last depth's lookup, the other heads'
-        losses not yet differentiated. Untied: at the next head's sum, the embedding's buffer beside it
-        while a lookup is still to come (PP1: the main one; deeper depths). Without PP the embedding's
-        lookup comes last, so with a tied output layer or MTP one gradient waits through the decoder's
-        backward. Measured (PP1 seq64 mbs1, 8192 x 256 fp32: 8 MiB each): MTP1 4, tied 3, MTP2 4 (the
-        main loss's log-softmax beside it), tied 3 (two beside it)."""
+    def _heads_backward(self, logit_held: float, norm_held: float, side: float, differentiated: float
+                        ) -> tuple[float, float]:
+        """(beyond the held layers but one MTP layer and one gradient bucket: the most the heads'
+        backward holds, the output layer's weight gradient held through the decoder's backward) on the
+        last rank, where a backward makes the weight gradients (eager, not zero-bubble: its W makes them,
+        `w_start`). Each head makes the output layer's gradient whole, each MTP depth's lookup the
+        embedding's, and autograd holds a parameter's gradient in its input buffer until its last use
+        there is differentiated, summing out of place (buffer, new, sum: 3 at once). The heads run from
+        the last depth down to the main one, each depth's lookup after its head. Two moments: a sum
+        (tied, one parameter, also the last stage's embedding copy under PP: the last depth's lookup,
+        every other head's loss not yet differentiated; untied: the next head's, beside the
+        embedding's buffer while a lookup is still to come: the main one without PP, a shallower
+        depth's) and the next head's loss differentiated (`differentiated` a head's transient bytes)
+        beside the buffers. Without PP the embedding's lookup comes last, so with a tied output layer or
+        MTP one gradient waits through the decoder's backward. Measured (PP1 seq64 mbs1, 8192 x 256 fp32:
+        8 MiB each): MTP1 4 at a sum, tied 3 (the main loss's log-softmax beside it), MTP2 4 (one beside
+        it), tied 3 (two); the next loss's moment: all-gather CP2 x DP2 ZeRO-2 bf16 MTP1 tied (0.907 when
+        neither was counted)."""
         plan, traits, m = self.plan, self.assume.traits, self.plan.config.model
         if not traits.weight_grad_copy or self.prof.pending_weight_chunks[plan.last_rank]:
             return 0.0, 0.0
@@ -462,10 +470,11 @@ class _Ranks:
         waiting = grad if plan.pp == 1 and (tied or depths) else 0.0
         if not depths:
             return 0.0, waiting
-        remaining = depths if tied else depths - 1  # heads whose loss is not yet differentiated
-        buffers = 3 + (not tied and (plan.pp == 1 or depths > 1))
-        per_depth = side / depths
-        return remaining * logit_held + (remaining + 1) * norm_held + (depths - 1) * per_depth + buffers * grad, waiting
+        lookup = not tied and (plan.pp == 1 or depths > 1)  # the embedding's buffer beside the heads'
+        states = (depths - 1) * (logit_held + side / depths) + depths * norm_held
+        summed = (logit_held + norm_held) * tied + (3 + lookup) * grad
+        next_loss = logit_held + differentiated + (1 + lookup) * grad
+        return states + max(summed, next_loss), waiting
 
     def candidates(self) -> list[int]:
         """The ranks that can hold the most memory, ascending: a rank is left out when an earlier rank
@@ -522,9 +531,12 @@ class _Ranks:
         # on the device only for the microbatch being computed
         forward, backward = prof.moments[r]
         at_forward = _held(forward, prof.vpp, per_mb, offloaded, joins, self.loss_state, 1)
-        in_backward = _held(backward, prof.vpp, per_mb, offloaded, joins, self.loss_state, 0)
+        in_backward = held = _held(backward, prof.vpp, per_mb, offloaded, joins, self.loss_state, 0)
+        heads = held - last + self.heads_backward if r == plan.last_rank and self.heads_backward else 0.0
         if self.mode in ("optim_grads", "optim_grads_params"):  # (a call the search's ZeRO-1 layouts skip)
             in_backward += backward_buckets(plan, r, dense, self.prec, self.mode, expert)
+            if heads:  # MTP's layer made the first bucket's gradients, none is in flight yet
+                heads += backward_buckets(plan, r, dense, self.prec, self.mode, expert, filling=True)
         head = 0.0
         if r == plan.last_rank and self.mode == "optim_grads_params" and plan.reduce_every_microbatch:
             # the output layer's backward, the loss's tensors freed: its unit gathered again, its weight
@@ -539,8 +551,7 @@ class _Ranks:
         waiting = self.waiting if r == plan.last_rank else 0.0
         at_loss = at_forward + rm.logits
         in_layer = max(head, in_backward + bwd + transient + waiting, in_backward + w_start)
-        if r == plan.last_rank and self.heads_backward:  # the heads' moment: MTP's last layer done, no buffers
-            at_loss = max(at_loss, in_backward - last + self.heads_backward)
+        at_loss = max(at_loss, heads)  # like the loss's, a moment without communication buffers
         rm.buffers = self.buffers
         if r == plan.last_rank and at_loss > in_layer + rm.buffers:
             rm.buffers, in_layer = 0.0, at_loss
