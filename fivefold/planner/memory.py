@@ -447,7 +447,7 @@ class _Ranks:
     def _heads_backward(self, logit_held: float, norm_held: float, side: float, differentiated: float
                         ) -> tuple[float, float]:
         """(beyond the held layers but one MTP layer and one gradient bucket: the most the heads'
-        backward holds, the output layer's weight gradient held through the decoder's backward) on the
+        backward holds, the elements of the gradient held through the decoder's backward) on the
         last rank, where a backward makes the weight gradients (eager, not zero-bubble: its W makes them,
         `w_start`). Each head makes the output layer's gradient whole, each MTP depth's lookup the
         embedding's, and autograd holds a parameter's gradient in its input buffer until its last use
@@ -466,8 +466,11 @@ class _Ranks:
         if not traits.weight_grad_copy or self.prof.pending_weight_chunks[plan.last_rank]:
             return 0.0, 0.0
         depths, tied = m.mtp_num_layers or 0, m.tie_word_embeddings
-        grad = embedding_params(m, plan.tp) / plan.tp * traits.value_bytes()
-        waiting = grad if plan.pp == 1 and (tied or depths) else 0.0
+        params = embedding_params(m, plan.tp) / plan.tp
+        grad = params * traits.value_bytes()
+        # (ZeRO-3 reducing every microbatch counts the output layer's unit's gradient in its buckets)
+        zero3 = self.mode == "optim_grads_params" and plan.reduce_every_microbatch
+        waiting = params if plan.pp == 1 and (tied or depths) and not zero3 else 0.0
         if not depths:
             return 0.0, waiting
         lookup = not tied and (plan.pp == 1 or depths > 1)  # the embedding's buffer beside the heads'
@@ -533,10 +536,14 @@ class _Ranks:
         at_forward = _held(forward, prof.vpp, per_mb, offloaded, joins, self.loss_state, 1)
         in_backward = held = _held(backward, prof.vpp, per_mb, offloaded, joins, self.loss_state, 0)
         heads = held - last + self.heads_backward if r == plan.last_rank and self.heads_backward else 0.0
+        waiting = self.waiting if r == plan.last_rank else 0.0
         if self.mode in ("optim_grads", "optim_grads_params"):  # (a call the search's ZeRO-1 layouts skip)
-            in_backward += backward_buckets(plan, r, dense, self.prec, self.mode, expert)
+            # the waiting gradient's parameter, the first, is in the last bucket: not filled before
+            # it unless that is the only one (measured, DP2 ZeRO-2 tied: 1.056 when counted in both)
+            apart = waiting if dense * self.prec.state_bytes(1, "no_shard")[0] > DEFAULT_BUCKET_BYTES else 0.0
+            in_backward += backward_buckets(plan, r, dense - apart, self.prec, self.mode, expert)
             if heads:  # MTP's layer made the first bucket's gradients, none is in flight yet
-                heads += backward_buckets(plan, r, dense, self.prec, self.mode, expert, filling=True)
+                heads += backward_buckets(plan, r, dense - apart, self.prec, self.mode, expert, filling=True)
         head = 0.0
         if r == plan.last_rank and self.mode == "optim_grads_params" and plan.reduce_every_microbatch:
             # the output layer's backward, the loss's tensors freed: its unit gathered again, its weight
@@ -548,9 +555,8 @@ class _Ranks:
             head = at_forward + end * 2 * grad + gathered * weight
         # each moment with the communication buffers in use then: none at the loss on the last rank
         # (measured: the last stages of the PP rows were 1.002-1.034 with a layer's buffers counted there)
-        waiting = self.waiting if r == plan.last_rank else 0.0
         at_loss = at_forward + rm.logits
-        in_layer = max(head, in_backward + bwd + transient + waiting, in_backward + w_start)
+        in_layer = max(head, in_backward + bwd + transient + waiting * traits.value_bytes(), in_backward + w_start)
         at_loss = max(at_loss, heads)  # like the loss's, a moment without communication buffers
         rm.buffers = self.buffers
         if r == plan.last_rank and at_loss > in_layer + rm.buffers:
