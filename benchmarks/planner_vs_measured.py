@@ -230,6 +230,17 @@ CASES = [
     Case("TP2 SP x EP2 ETP1 mbs2 MoE shared full recompute", 2, 2, 2, model={**MOE, "moe_shared_expert_intermediate_size": 256},
          parallel={"tensor_model_parallel_size": 2, "sequence_parallel": True, "expert_model_parallel_size": 2,
                    "expert_tensor_parallel_size": 1}, training=FULL_RECOMPUTE),
+    Case("MTP2 mbs1 seq64", 1, 1, 1, seq=64, model={"mtp_num_layers": 2}),
+    Case("MTP2 tied mbs1 seq64", 1, 1, 1, seq=64, model={"mtp_num_layers": 2, "tie_word_embeddings": True}),
+    Case("DP2 mbs1 GA2 ZeRO-2 tied MTP1", 2, 1, 4, model={"mtp_num_layers": 1, "tie_word_embeddings": True},
+         training=DP_MODES["optim_grads"]),
+    Case("DP2 mbs1 GA2 ZeRO-2 tied GQA2", 2, 1, 4, model={"tie_word_embeddings": True, "num_query_groups": 2},
+         training=DP_MODES["optim_grads"]),
+    Case("CP2 allgather x DP2 mbs2 GA2 ZeRO-3 MTP1", 4, 2, 8, model={"mtp_num_layers": 1},
+         parallel={"context_parallel_size": 2, "cp_comm_type": "allgather"}, training=DP_MODES["optim_grads_params"]),
+    Case("CP2 a2a x TP2 SP mbs2 GA2 ZeRO-2 MoE MTP1", 4, 2, 4, model={**MOE, "mtp_num_layers": 1},
+         parallel={"tensor_model_parallel_size": 2, "sequence_parallel": True, "context_parallel_size": 2,
+                   "cp_comm_type": "a2a"}, training=DP_MODES["optim_grads"]),
 ]
 
 
