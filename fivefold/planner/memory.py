@@ -24,6 +24,9 @@ several: `PipelineProfile.moments`' final count; measured, GPipe PP2's last rank
 communication buffers (PP send/recv, the SP all-gather output of
 one layer, EP dispatch/combine buffers, expert TP's gathered rows and their partial outputs), in use
 at a layer's moments, not at the last rank's loss (measured: the last stages 1.002-1.034 when they were).
+Eager autograd (`ArchTraits.weight_grad_copy`): the heads' backward on the last rank, where each
+head's output-layer gradient and each MTP depth's embedding gradient wait whole in autograd's input
+buffers to be summed (`_Ranks._heads_backward`; at few tokens per rank the step's peak).
 Optimizer scratch: clipping and the optimizer step run after backward has freed the activations,
 so their temporaries (`ArchTraits.optimizer_scratch_bytes` per element of the rank's largest tensor
 stepped, a ZeRO chunk's piece under a sharded mode: `largest_main`), and the moments at the end of
