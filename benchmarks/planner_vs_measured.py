@@ -241,6 +241,8 @@ CASES = [
     Case("CP2 a2a x TP2 SP mbs2 GA2 ZeRO-2 MoE MTP1", 4, 2, 4, model={**MOE, "mtp_num_layers": 1},
          parallel={"tensor_model_parallel_size": 2, "sequence_parallel": True, "context_parallel_size": 2,
                    "cp_comm_type": "a2a"}, training=DP_MODES["optim_grads"]),
+    Case("MoE TP2 SP mbs1 ZeRO-2 over one DP rank", 2, 1, 1, model=MOE,
+         parallel={"tensor_model_parallel_size": 2, "sequence_parallel": True}, training=DP_MODES["optim_grads"]),
 ]
 
 
