@@ -4,8 +4,8 @@ from benchmarks/planner_vs_measured.py (which runs all of them and prints the ta
 Tolerances are the planner issue's goals, not fitted: model-communication call bytes within 1%
 (they are a closed form of the parameter count and shapes; the DP gradient all-reduce is in fact
 exact, asserted as such), peak tensor memory within 5% (the planner leaves out kilobyte-sized
-tensors: RoPE tables, token ids, AdamW's step counters, ~0.1% without PP). Over the 84 layouts of
-benchmarks/planner_vs_measured.py (2026-11-27, session 22; a sharded layout's busiest rank per stage)
+tensors: RoPE tables, token ids, AdamW's step counters, ~0.1% without PP). Over the 90 layouts of
+benchmarks/planner_vs_measured.py (2026-11-27, session 23; a sharded layout's busiest rank per stage)
 the measured range is 0.974 (ZeRO-3 with MTP and a tied embedding) to 1.025 (ZB-H1 x TP2 without SP,
 stage 0); the last stages were up to 1.034 (MoE PP2 x TP2 SP ETP2) until a layer's communication
 buffers stopped counting at the loss (session 22); ZB-H1's last rank with a tied embedding 0.962 until a W's start counted the
