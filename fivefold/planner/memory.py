@@ -143,8 +143,9 @@ def backward_buckets(plan: Plan, rank: int, dense: float, prec: Precision, mode:
     that exist only during backward (fivefold.parallel.data: allocated at a bucket's first gradient,
     freed once its reduce-scatter is done, which the next bucket's launch waits for): at most the
     bucket being filled and the one in flight, from the start of backward while the activations are
-    all held (`filling`: the first alone). ZeRO-2's buckets hold `DEFAULT_BUCKET_BYTES` of parameters (the routed experts' a MoE
-    layer's, `expert_bucket`: measured, MoE DP4 ZeRO-2 at mbs1 1.091 when it was the cap), ZeRO-3's one unit each (on
+    all held (`filling`: the first alone). ZeRO-2's buckets hold `DEFAULT_BUCKET_BYTES` of parameters
+    (the routed experts' a MoE layer's, `expert_bucket`: measured, MoE DP4 ZeRO-2 at mbs1 1.091 when it
+    was the cap), ZeRO-3's one unit each (on
     the last rank the output layer's and a layer's, else two layers'), whose weights are then whole
     too (gathered again for the backward, the next one prefetched; at the loss, after the output
     layer's forward freed it, none is: measured, DP2 mbs2 GA2 ZeRO-3 1.036 when it was counted there)."""
@@ -153,8 +154,8 @@ def backward_buckets(plan: Plan, rank: int, dense: float, prec: Precision, mode:
     weight, grad, _ = prec.state_bytes(1, "no_shard")
     if mode == "optim_grads":  # per domain (the routed experts' reducer is another), also over one rank:
         # the runtime's reducer fills its buckets there too (measured, TP2 SP ZeRO-2 MoE at DP1: 0.951 without)
-        return sum(min((1 if filling else 2) * bucket, n) * grad
-                   for n, bucket in ((dense, DEFAULT_BUCKET_BYTES / weight), (expert, expert_bucket(plan, rank, weight))))
+        domains = ((dense, DEFAULT_BUCKET_BYTES / weight), (expert, expert_bucket(plan, rank, weight)))
+        return sum(min((1 if filling else 2) * bucket, n) * grad for n, bucket in domains)
     layer = max(sum(_layer_share(plan, i)) for i, _, _ in plan.layer_groups(rank))
     return min(zero3_gathered(plan, rank, dense) + layer, dense) * (weight + grad)
 
@@ -445,7 +446,8 @@ class _Ranks:
         # a head's loss differentiated: F.cross_entropy's two fp32 gradients; the vocab-parallel loss (TP)
         # turns its saved softmax into the gradient in place, cast to a 16-bit run's dtype
         differentiated = (B if B < 4 else 0) if plan.tp > 1 else traits.loss_transient_bytes
-        self.heads_backward, self.waiting = self._heads_backward(logit_held, norm_held, side, tokens * vocab * differentiated)
+        self.heads_backward, self.waiting = self._heads_backward(logit_held, norm_held, side,
+                                                                 tokens * vocab * differentiated)
 
     def _heads_backward(self, logit_held: float, norm_held: float, side: float, differentiated: float
                         ) -> tuple[float, float]:
@@ -558,9 +560,8 @@ class _Ranks:
             head = at_forward + end * 2 * grad + gathered * weight
         # each moment with the communication buffers in use then: none at the loss on the last rank
         # (measured: the last stages of the PP rows were 1.002-1.034 with a layer's buffers counted there)
-        at_loss = at_forward + rm.logits
+        at_loss = max(at_forward + rm.logits, heads)  # the heads' backward: a moment without buffers too
         in_layer = max(head, in_backward + bwd + transient + waiting * traits.value_bytes(), in_backward + w_start)
-        at_loss = max(at_loss, heads)  # like the loss's, a moment without communication buffers
         rm.buffers = self.buffers
         if r == plan.last_rank and at_loss > in_layer + rm.buffers:
             rm.buffers, in_layer = 0.0, at_loss
@@ -632,9 +633,9 @@ alive beside its id): the search sizes the same shapes under many layouts."""
 
 def _layers(plan: Plan, kinds: tuple, r: int, sh: Sharding, traits: ArchTraits, gathers: bool, deferred: bool):
     """(activation bytes by tensor, per-microbatch total, recompute transient, W-pending join bytes,
-    backward transient, offloaded bytes, one layer of the last group's bytes) of rank r's layers, whose kinds are `kinds` ((MoE?, recomputed?, count), ...);
-    `gathers`: all-gather CP (its gathered K/V a backward temporary); `deferred`: the schedule defers
-    W (else no join waits: 0)."""
+    backward transient, offloaded bytes, one layer of the last group's bytes) of rank r's layers, whose
+    kinds are `kinds` ((MoE?, recomputed?, count), ...); `gathers`: all-gather CP (its gathered K/V a
+    backward temporary); `deferred`: the schedule defers W (else no join waits: 0)."""
     m, b, s = plan.config.model, plan.mbs, plan.seq
     key = (id(m), kinds, b, s, sh, traits, plan.offload_modules, gathers, deferred)
     got = _LAYERS.get(key)
@@ -649,11 +650,10 @@ def _layers(plan: Plan, kinds: tuple, r: int, sh: Sharding, traits: ArchTraits, 
         saved = layer_activation_bytes(m, i, b, s, layer_sh, traits)
         reruns = recomputed or (sh.recompute == "selective" and traits.op_level_sac)  # the layer's backward rebuilds it
         peak = full_recompute_transient(m, i, b, s, sh, traits) if reruns else 0.0
-        last = 0.0
         for k, v in saved.items():
             detail[k] = detail.get(k, 0.0) + v * n
             per_mb += v * n
-            last += v
+        last = sum(saved.values())
         offloaded += sum(saved.get(key, 0.0) for key in offload) * n
         transient = max(transient, peak)
         if deferred:
