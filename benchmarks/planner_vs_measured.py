@@ -243,6 +243,10 @@ CASES = [
                    "cp_comm_type": "a2a"}, training=DP_MODES["optim_grads"]),
     Case("MoE TP2 SP mbs1 ZeRO-2 over one DP rank", 2, 1, 1, model=MOE,
          parallel={"tensor_model_parallel_size": 2, "sequence_parallel": True}, training=DP_MODES["optim_grads"]),
+    Case("PP2 mbs1 GA2 MTP1 tied seq64", 2, 1, 2, seq=64, model={"mtp_num_layers": 1, "tie_word_embeddings": True},
+         parallel={"pipeline_model_parallel_size": 2}),
+    Case("TP2 SP mbs1 MTP2 seq64", 2, 1, 1, seq=64, model={"mtp_num_layers": 2},
+         parallel={"tensor_model_parallel_size": 2, "sequence_parallel": True}),
 ]
 
 

@@ -173,7 +173,8 @@ def test_moe_layout_matches_one_measured_step(pools, name):
 
 
 @pytest.mark.parametrize("name", ["MTP2 mbs1 seq64", "DP2 mbs1 GA2 ZeRO-2 tied MTP1",
-                                  "CP2 allgather x DP2 mbs2 GA2 ZeRO-3 MTP1", "DP2 mbs1 GA2 ZeRO-2 tied GQA2"])
+                                  "CP2 allgather x DP2 mbs2 GA2 ZeRO-3 MTP1", "DP2 mbs1 GA2 ZeRO-2 tied GQA2",
+                                  "PP2 mbs1 GA2 MTP1 tied seq64", "TP2 SP mbs1 MTP2 seq64"])
 def test_heads_backward_matches_one_measured_step(pools, name):
     """Without PP at few tokens per rank the peak is in the heads' backward (planner `_heads_backward`,
     session 23): each MTP head makes the output layer's weight gradient whole and each depth's lookup
@@ -181,10 +182,11 @@ def test_heads_backward_matches_one_measured_step(pools, name):
     differentiated, summing out of place (MTP2 at seq64: 4 of them at the first depth's sum beside
     the main loss's log-softmax, 0.938 when not counted); under ZeRO-2 the next head's loss is
     differentiated beside them and the first bucket (tied MTP1: 0.923); under all-gather CP2 x DP2
-    ZeRO-3 at mbs2 the same on the CP rank with the most (0.828). Without MTP a tied output layer's
-    gradient waits through the decoder's backward too, but its bucket, the last, is not filled before
-    it (1.056 when both were counted). Bytes exact, memory within the goal (measured 0.976-1.003);
-    1-4 ranks, ~2-8 s each."""
+    ZeRO-3 at mbs2 the same on the CP rank with the most (0.828); on the last stage of PP2, where the
+    tied embedding copy is the head (0.878); under TP2 + SP, whose vocab-parallel loss differentiates
+    in place (0.938). Without MTP a tied output layer's gradient waits through the decoder's backward
+    too, but its bucket, the last, is not filled before it (1.056 when both were counted). Bytes
+    exact, memory within the goal (measured 0.976-1.003); 1-4 ranks, ~2-8 s each."""
     case = next(c for c in CASES if c.name == name)
     for r in run_case(pools, case):
         assert {t: r.est_bytes.get(t, 0) for t in r.tags} == {t: r.meas_bytes.get(t, 0) for t in r.tags}
