@@ -416,6 +416,8 @@ class _Ranks:
         sp_div = plan.tp if plan.sp else 1
         heads = 1 + (m.mtp_num_layers or 0)  # MTP: another output layer per depth (planner/mtp.py)
         vocab = m.padded_vocab_size(plan.tp) / plan.tp
+        self.head_params = vocab * m.hidden_size
+        """The output layer's elements on one rank of the last pipeline rank (or, tied, the embedding's)."""
         # the logits and the loss's fp32 softmax (see ArchTraits.loss_bytes_per_logit), the final norm's
         # saved tensors (its input, the output layer's input; + x/rms(x) unfused), MTP's
         held = traits.loss_bytes() - traits.loss_transient_bytes  # what each head keeps until its backward
@@ -471,7 +473,7 @@ class _Ranks:
         if not traits.weight_grad_copy or self.prof.pending_weight_chunks[plan.last_rank]:
             return 0.0, 0.0
         depths, tied = m.mtp_num_layers or 0, m.tie_word_embeddings
-        params = embedding_params(m, plan.tp) / plan.tp
+        params = self.head_params
         grad = params * traits.value_bytes()
         # (ZeRO-3 reducing every microbatch counts the output layer's unit's gradient in its buckets)
         zero3 = self.mode == "optim_grads_params" and plan.reduce_every_microbatch
@@ -530,9 +532,8 @@ class _Ranks:
             # every pending join (measured, ZB-H1 x all-gather CP2 at mbs1: 0.939 without); with MTP
             # one per head, and one per depth of the embedding copy it embeds with, summed in one call
             # (measured, PP2 ZB-H1 MTP1: 3 of them)
-            m = plan.config.model
-            uses = 1 + 2 * (m.mtp_num_layers or 0)
-            w_start = uses * embedding_params(m, plan.tp) / plan.tp * traits.value_bytes()
+            uses = 1 + 2 * (plan.config.model.mtp_num_layers or 0)
+            w_start = uses * self.head_params * traits.value_bytes()
         # the peak is at a forward (the last rank's logits) or in a layer's backward (with the layer a
         # recompute rebuilt), each moment with the activations held and the zero-bubble schedules'
         # B-done-W-pending gradients (`PipelineProfile.moments`, in chunks); offloaded inputs stay
@@ -592,7 +593,7 @@ class _Ranks:
         if not (m.tie_word_embeddings and plan.pp == 1):
             return 0.0
         weight, grad, _ = self.prec.state_bytes(1, "no_shard")
-        held = 3 * embedding_params(m, plan.tp) / plan.tp * weight
+        held = 3 * self.head_params * weight
         if self.mode == "optim_grads_params" and plan.reduce_every_microbatch:
             layer, end, _ = zero3_units(plan, r)
             held += end * weight + layer * grad * (1 + 1 / (plan.dp * plan.cp))
