@@ -169,8 +169,7 @@ class DataParallel:
         self.metas: dict[int, ParamMeta] = metas_of(model)
         zero3 = self.mode is DPMode.OPTIM_GRADS_PARAMS
         shard = self.mode is not DPMode.NO_SHARD
-        self._per_microbatch = self.mode in (DPMode.OPTIM_GRADS, DPMode.OPTIM_GRADS_PARAMS) and not pipelined
-        grads = dict(grad_dtype=self.precision.grad_dtype, per_microbatch=self._per_microbatch)
+        grads = dict(grad_dtype=self.precision.grad_dtype)
         dense_group = mesh.group(GradDomain.DENSE.group)
         if training.num_distributed_optimizer_instances > 1:  # HSDP: shard within an instance
             dense_group, grads["replicate"] = mesh.split(GradDomain.DENSE.group,
@@ -178,6 +177,7 @@ class DataParallel:
         if zero3:  # one bucket per unit, of the unit's dense parameters (experts: per MoE layer, below)
             units = [[p for p in ps if not self.metas[id(p)].is_expert] for _, ps in units_of(model)]
             grads["units"] = [u for u in units if u]
+        dense_every = self._every_microbatch(dense_group, pipelined)
         params = list(model.parameters())
         experts = [p for p in params if self.metas[id(p)].is_expert]
         self._expert_sync = False
@@ -185,15 +185,19 @@ class DataParallel:
         if experts if moe is None else moe:
             dense = [p for p in params if not self.metas[id(p)].is_expert]
             units = [ps for _, ps in self._expert_layers] if self._expert_layers else None
+            expert_group = mesh.group("edp-grad")
             self.domains = [
-                _Domain(GradDomain.DENSE, dense, reducer_cls(dense, dense_group, shard=shard, **grads), mesh.tp),
+                _Domain(GradDomain.DENSE, dense, reducer_cls(dense, dense_group, shard=shard, **grads,
+                                                             per_microbatch=dense_every), mesh.tp),
                 _Domain(GradDomain.EXPERT, experts,
-                        reducer_cls(experts, mesh.group("edp-grad"), shard=shard, tag="edp-grad",
+                        reducer_cls(experts, expert_group, shard=shard, tag="edp-grad",
+                                    per_microbatch=self._every_microbatch(expert_group, pipelined),
                                     **{**grads, "units": units, "replicate": None}), mesh.group("etp-ep"))]
             self.norm_over: Group | None = mesh.pp
             """With two domains: their norms are combined, then added over this group."""
         else:
-            self.domains = [_Domain(GradDomain.DENSE, params, reducer_cls(params, dense_group, shard=shard, **grads),
+            self.domains = [_Domain(GradDomain.DENSE, params, reducer_cls(params, dense_group, shard=shard, **grads,
+                                                                          per_microbatch=dense_every),
                                     mesh.group("model-parallel"))]
             self.norm_over = None
         self.shardings = [ParamSharding(model, d.reducer, "edp-param" if d.kind is GradDomain.EXPERT else "dp-param",
@@ -251,6 +255,15 @@ class DataParallel:
     def param_groups(self) -> list[dict]:
         return [g for opt in self.optimizers for g in opt.param_groups]
 
+    def _every_microbatch(self, group, pipelined: bool) -> bool:
+        """Whether a domain over `group` reduce-scatters after every microbatch: ZeRO-2/3 unless a
+        pipeline schedule runs the backward. ZeRO-2 over one rank has nothing to shard (its 1/n
+        accumulator would be the whole buffer): it keeps whole buffers for the step, as ZeRO-1 does,
+        without per-microbatch buckets."""
+        if pipelined or self.mode not in (DPMode.OPTIM_GRADS, DPMode.OPTIM_GRADS_PARAMS):
+            return False
+        return self.mode is DPMode.OPTIM_GRADS_PARAMS or group.size > 1
+
     @property
     def shards_state(self) -> bool:
         """Whether each DP rank holds a different part of the optimizer state (every rank saves its own)."""
@@ -273,8 +286,9 @@ class DataParallel:
         microbatch, unless pipelined), expert buckets as backward passes their MoE layer (see the module
         docstring)."""
         for d in self.domains:
-            d.reducer.prepare((last or self._per_microbatch) and d.kind is GradDomain.DENSE)
-        self._expert_sync = (last or self._per_microbatch) and bool(self._expert_layers)
+            d.reducer.prepare((last or d.reducer.per_microbatch) and d.kind is GradDomain.DENSE)
+        experts = self.domains[-1].reducer  # (the dense one when the model has no experts)
+        self._expert_sync = (last or experts.per_microbatch) and bool(self._expert_layers)
         for s in self.shardings:
             s.new_microbatch()
 

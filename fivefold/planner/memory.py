@@ -108,9 +108,13 @@ def state_bytes_per_param(training: TrainingConfig, precision: str, d: int) -> t
     """(weights, gradients, optimizer) bytes per parameter under the runtime's precision policy
     (fivefold.parallel.precision: the same object the runtime builds its buffers from) with
     `precision` for the parameters, the optimizer sharded over d ranks with the distributed optimizer."""
-    n = training.num_distributed_optimizer_instances  # HSDP: sharded within an instance of d/n ranks
-    shards = d // n if n > 1 and d % n == 0 else d
-    return Precision.of(training, precision).state_bytes(shards, training.sharding_strategy)
+    return Precision.of(training, precision).state_bytes(_shards(training, d), training.sharding_strategy)
+
+
+def _shards(training: TrainingConfig, d: int) -> int:
+    """Ranks the dense domain of d is sharded over: HSDP shards within an instance of d/n ranks."""
+    n = training.num_distributed_optimizer_instances
+    return d // n if n > 1 and d % n == 0 else d
 
 
 _PARAMS: dict[tuple, tuple | float] = {}
@@ -152,10 +156,11 @@ def backward_buckets(plan: Plan, rank: int, dense: float, prec: Precision, mode:
     if not plan.reduce_every_microbatch or mode not in ("optim_grads", "optim_grads_params"):
         return 0.0
     weight, grad, _ = prec.state_bytes(1, "no_shard")
-    if mode == "optim_grads":  # per domain (the routed experts' reducer is another), also over one rank:
-        # the runtime's reducer fills its buckets there too (measured, TP2 SP ZeRO-2 MoE at DP1: 0.951 without)
-        domains = ((dense, DEFAULT_BUCKET_BYTES / weight), (expert, expert_bucket(plan, rank, weight)))
-        return sum(min((1 if filling else 2) * bucket, n) * grad for n, bucket in domains)
+    if mode == "optim_grads":  # per domain (the routed experts' reducer is another) sharded over more than
+        # one rank: over one, the runtime keeps whole buffers for the step, as ZeRO-1 (`model_state` counts them)
+        domains = ((dense, DEFAULT_BUCKET_BYTES / weight, _shards(plan.config.training, plan.dp * plan.cp)),
+                   (expert, expert_bucket(plan, rank, weight), plan.edp))
+        return sum(min((1 if filling else 2) * bucket, n) * grad for n, bucket, d in domains if d > 1)
     layer = max(sum(_layer_share(plan, i)) for i, _, _ in plan.layer_groups(rank))
     return min(zero3_gathered(plan, rank, dense) + layer, dense) * (weight + grad)
 
