@@ -201,6 +201,16 @@ def test_compare_places_a_named_layout_in_the_ranking(capsys):
     out = capsys.readouterr().out
     assert re.search(r'Compared "tp8 pp2 rc-full": rank \d+ of \d+, [\d.]+x the top choice', out)
     assert "layout: TP8+SP PP2 DP1 mbs1 rc-full" in out
+    # one that breaks a rule has no memory to show (none was sized); one that does not fit shows its own
+    assert main(["plan", "--model", "mixtral-8x7b", "--gpus", "16", "--global-batch", "64", "--top", "1",
+                 "--micro-batch", "1", "--compare", "TP2 EP3"]) == 0
+    out = capsys.readouterr().out
+    assert 'Compared "TP2 EP3": breaks a rule, so it has no rank' in out
+    assert "memory per GPU" not in out.split("Compared")[1] and "\ndropped: " in out
+    assert main(["plan", "--model", "llama3-8b", "--gpus", "16", "--global-batch", "64", "--top", "1",
+                 "--compare", "TP1 PP1 mbs4 rc-none"]) == 0
+    out = capsys.readouterr().out.split("Compared")[1]
+    assert '"TP1 PP1 mbs4 rc-none": does not fit, so it has no rank' in out and "memory per GPU" in out
 
 
 def test_without_accumulation_a_layout_without_pp_takes_its_local_batch_at_once(capsys):

@@ -31,6 +31,8 @@ def table(cands: list[Candidate], top: int) -> str:
 def breakdown(c: Candidate, hw: Hardware) -> str:
     """Memory by kind (worst pipeline rank) and time by kind of one layout."""
     m, lines = c.memory, [f"layout: {c.label}"]
+    if not c.sized:  # a broken rule: nothing was sized
+        return "\n".join(lines + [f"dropped: {c.problem}"])
     lines.append(f"memory per GPU (pipeline rank {m.rank}, {m.inflight:g} microbatches in flight), GiB:")
     for k, v in m.as_dict().items():
         lines.append(f"  {k:<12} {v / GiB:8.2f}")
@@ -103,7 +105,7 @@ def compare_report(text: str, cand: Candidate, best: Candidate, ranked: list[Can
     what the top choice does differently."""
     rank = rank_of(cand, ranked)
     if rank is None:
-        head = f"Compared \"{text}\": does not fit or breaks a rule, so it has no rank"
+        head = f"Compared \"{text}\": {'does not fit' if cand.sized else 'breaks a rule'}, so it has no rank"
     else:
         e, b = cand.estimate, best.estimate
         head = (f"Compared \"{text}\": rank {rank} of {len(ranked)}, {e.step_time / b.step_time:.2f}x the top "

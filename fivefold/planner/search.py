@@ -38,6 +38,12 @@ class Candidate:
         return Plan(self.config)
 
     @property
+    def sized(self) -> bool:
+        """Whether its memory was computed (it fits, or needs more than the GPU has); not where it
+        breaks a rule (`memory` is then empty)."""
+        return self.problem is None or self.problem.startswith("needs")
+
+    @property
     def label(self) -> str:
         return describe(self.config)
 
@@ -240,10 +246,10 @@ def _search(model, hw, world, gpus_per_node, seq, global_batch, precision, space
                         result.dropped.append((cfg, _larger(*failed[recompute])))
                         continue
                     cand = evaluate(cfg, hw, mem, ta, check=check, plan=layout.with_training(cfg))
-                    result.sized += cand.problem is None or cand.problem.startswith("needs")
+                    result.sized += cand.sized
                     if cand.problem:
                         result.dropped.append((cfg, cand.problem))
-                        if cand.problem.startswith("needs"):
+                        if cand.sized:
                             failed.setdefault(recompute, (mbs, cand.problem))
                         continue
                     result.ranked.append(cand)
