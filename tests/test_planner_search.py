@@ -199,7 +199,10 @@ def test_compare_places_a_named_layout_in_the_ranking(capsys):
     assert main(["plan", "--model", "llama3-8b", "--gpus", "16", "--global-batch", "64", "--top", "2",
                  "--compare", "tp8 pp2 rc-full"]) == 0
     out = capsys.readouterr().out
-    assert re.search(r'Compared "tp8 pp2 rc-full": rank \d+ of \d+, [\d.]+x the top choice', out)
+    # (rc-full where less recompute fits: a variant the search itself never ranks, the rank where it
+    # would stand)
+    assert re.search(r'Compared "tp8 pp2 rc-full": rank (\d+) of (\d+) \(not a variant the search ranks: where it '
+                     r'would stand\), [\d.]+x the top choice', out)
     assert "layout: TP8+SP PP2 DP1 mbs1 rc-full" in out
     # one that breaks a rule has no memory to show (none was sized); one that does not fit shows its own
     assert main(["plan", "--model", "mixtral-8x7b", "--gpus", "16", "--global-batch", "64", "--top", "1",

@@ -108,8 +108,10 @@ def compare_report(text: str, cand: Candidate, best: Candidate, ranked: list[Can
         head = f"Compared \"{text}\": {'does not fit' if cand.sized else 'breaks a rule'}, so it has no rank"
     else:
         e, b = cand.estimate, best.estimate
-        head = (f"Compared \"{text}\": rank {rank} of {len(ranked)}, {e.step_time / b.step_time:.2f}x the top "
-                f"choice's step time")
+        searched = any(c.label == cand.label for c in ranked)
+        head = (f"Compared \"{text}\": rank {rank} of {len(ranked)}" + ("" if searched else
+                " (not a variant the search ranks: where it would stand)")
+                + f", {e.step_time / b.step_time:.2f}x the top choice's step time")
         diffs = sorted(((e.parts[k] - b.parts.get(k, 0.0), k) for k in e.parts), reverse=True)
         head += "\n  vs the top choice, seconds per step: " + ", ".join(f"{k} {d:+.3f}" for d, k in diffs)
         held = held_to(cand, ranked) if rank > 5 else None
