@@ -58,3 +58,23 @@ def test_cli_refuses_with_the_rule(capsys):
                  "--microbatches", "6"]) == 2
     assert "multiple of pipeline_model_parallel_size=4" in capsys.readouterr().err
     assert main(["schedule", "--load-csv", str(EXAMPLE), "--costs", "1,1"]) == 2
+
+
+def test_cli_output_files(tmp_path, capsys):
+    """`schedule --png / --csv` and `plan --plot` (fivefold.cli._outputs): a picture named for another
+    format is refused before any work, a missing folder is made, a path that cannot be written is one
+    line (exit 2), never a traceback."""
+    png = tmp_path / "new" / "deeper" / "s.png"
+    assert main(["schedule", "--pp", "2", "--microbatches", "4", "--png", str(png)]) == 0
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    blocker = tmp_path / "file"
+    blocker.write_text("")  # a file where the folder should be
+    assert main(["schedule", "--pp", "2", "--microbatches", "4", "--csv", str(blocker / "s.csv")]) == 2
+    assert f"--csv {blocker / 's.csv'}: cannot write it" in capsys.readouterr().err
+    for argv in (["schedule", "--png", str(tmp_path / "s.txt")],
+                 ["plan", "--model", "llama3-8b", "--gpus", "8", "--plot", str(tmp_path / "m.jpg")]):
+        with pytest.raises(SystemExit) as e:  # argparse: exit 2 with the usage
+            main(argv)
+        assert e.value.code == 2 and "name the picture FILE.png (or .pdf, .svg)" in capsys.readouterr().err
+    assert main(["plan", "--model", "llama3-8b", "--gpus", "8", "--top", "2", "--plot", str(blocker / "m.png")]) == 2
+    assert f"--plot {blocker / 'm.png'}: cannot write it" in capsys.readouterr().err

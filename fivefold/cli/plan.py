@@ -5,6 +5,7 @@ import argparse
 import collections
 import time
 
+from fivefold.cli._outputs import picture_file, writing
 from fivefold.cli._planner_args import add_hardware_arguments, assumptions_of, hardware_of, positive_int
 from fivefold.config.schema import FP8_RECIPES
 from fivefold.errors import UserError
@@ -44,7 +45,7 @@ def add_arguments(p) -> None:
     p.add_argument("--top", type=positive_int, default=10, help="rows of the ranked table. Default 10")
     p.add_argument("--explain", action="store_true", help="why the top choice, and the seeds' rules beside it")
     p.add_argument("--emit", choices=FORMATS, help="print the top layout in this dialect")
-    p.add_argument("--plot", metavar="FILE.png", help="stacked memory bars of the top layouts")
+    p.add_argument("--plot", metavar="FILE.png", type=picture_file, help="stacked memory bars of the top layouts")
     p.add_argument("--compare", action="append", default=[], metavar="LAYOUT",
                    help='a layout to place beside the ranking and explain, e.g. "TP4 PP8 VPP5" (repeatable; '
                         "grammar in docs/planner.md)")
@@ -126,7 +127,8 @@ def run(args, extra) -> int:
         print(emit(best.config, args.emit, name))
     if args.plot:
         from fivefold.planner.plot import plot_memory
-        plot_memory(result.ranked[:args.top], hw.memory_bytes, args.plot, f"{name} on {args.gpus} x {hw.name}")
+        with writing("--plot", args.plot):
+            plot_memory(result.ranked[:args.top], hw.memory_bytes, args.plot, f"{name} on {args.gpus} x {hw.name}")
         print(f"wrote {args.plot}")
     return 0
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 
+from fivefold.cli._outputs import picture_file, writing
 from fivefold.errors import UserError
 from fivefold.pipeline.csvio import load_csv, save_csv
 from fivefold.pipeline.lowering import lower
@@ -28,7 +29,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fb-cost", type=float, default=None, metavar="X",
                    help="cost of a DualPipeV F&B action for a whole rank share (default F+B+W: no overlap)")
     p.add_argument("--p2p", type=float, default=0.0, help="p2p latency per message (default 0)")
-    p.add_argument("--png", metavar="FILE", help="draw the timeline to FILE")
+    p.add_argument("--png", metavar="FILE.png", type=picture_file, help="draw the timeline to FILE.png")
     p.add_argument("--csv", metavar="FILE", help="write the schedule (with sends/receives) to FILE")
     p.add_argument("--load-csv", metavar="FILE", help="read a hand-written schedule instead of generating one")
     p.add_argument("--width", type=int, default=160, help="text timeline width in characters")
@@ -55,9 +56,11 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
     print(text_timeline(schedule, result, args.width))
     print(summary(schedule, result))
     if args.csv:
-        save_csv(schedule, args.csv)
+        with writing("--csv", args.csv):
+            save_csv(schedule, args.csv)
         print(f"wrote {args.csv}")
     if args.png:
-        draw_png(schedule, result, args.png)
+        with writing("--png", args.png):
+            draw_png(schedule, result, args.png)
         print(f"wrote {args.png}")
     return 0
