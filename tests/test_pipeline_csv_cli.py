@@ -78,3 +78,19 @@ def test_cli_output_files(tmp_path, capsys):
         assert e.value.code == 2 and "name the picture FILE.png (or .pdf, .svg)" in capsys.readouterr().err
     assert main(["plan", "--model", "llama3-8b", "--gpus", "8", "--top", "2", "--plot", str(blocker / "m.png")]) == 2
     assert f"--plot {blocker / 'm.png'}: cannot write it" in capsys.readouterr().err
+
+
+def test_cli_output_folders(tmp_path, capsys):
+    """A command's output folder (`train --out`, `rl --out`, `plot --out`, export's OUT_DIR) is made
+    before any work or rank starts; where it cannot be (a file in the way), one line and exit 2."""
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n{"step": 2, "loss": 4.0}\n')
+    examples = Path(__file__).resolve().parents[1] / "examples"
+    for argv, says in ((["train", str(examples / "demo.yaml"), "--out", str(blocker / "run")], f"--out {blocker / 'run'}"),
+                       (["rl", str(examples / "grpo.yaml"), "--out", str(blocker)], f"--out {blocker}: a file is there"),
+                       (["plot", str(tmp_path), "--out", str(blocker / "p")], f"--out {blocker / 'p'}"),
+                       (["export", str(tmp_path), str(blocker / "hf")], f"OUT_DIR's folder {blocker}: a file is there")):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert "Traceback" not in err and says in err, err

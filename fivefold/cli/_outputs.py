@@ -1,9 +1,11 @@
-"""Files a command writes beside its printout (a picture, a schedule table): the name checked before
-the work starts, the folder made when written, an error writing it said in one line (exit 2)."""
+"""Where a command writes: a run's or a checkpoint's folder made before the work starts, a file beside
+the printout (a picture, a schedule table) named for its format; an error making or writing either is
+one line (exit 2), never a traceback."""
 from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 from pathlib import Path
 
 from fivefold.errors import UserError
@@ -27,3 +29,19 @@ def writing(flag: str, path: str):
         yield path
     except OSError as e:
         raise UserError(f"{flag} {path}: cannot write it ({e.strerror or e})") from None
+
+
+def output_folder(flag: str, path) -> Path:
+    """Make the folder a command writes into (with its parents) before any work or rank starts; a path
+    that cannot be a writable folder (a file in its way, no permission) ends the command with `flag`,
+    the path and the reason."""
+    folder = Path(path)
+    if folder.exists() and not folder.is_dir():
+        raise UserError(f"{flag} {folder}: a file is there, not a folder (remove it, or give another path)")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"{flag} {folder}: cannot make the folder ({e.strerror or e})") from None
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise UserError(f"{flag} {folder}: the folder is not writable")
+    return folder

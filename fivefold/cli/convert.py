@@ -8,6 +8,7 @@ from pathlib import Path
 import yaml
 
 from fivefold.checkpoint.convert import convert
+from fivefold.cli._outputs import output_folder
 from fivefold.checkpoint.io import read_metadata
 from fivefold.config.load import load_config
 from fivefold.config.validate import validate
@@ -33,6 +34,6 @@ def run(args, extra) -> int:
         base.write_text(yaml.safe_dump(meta["config"]))
         loaded = load_config(str(base), extra, world_size=args.world_size)
     validate(loaded.config, loaded.dialect)
-    out = convert(folder, Path(args.dst), loaded.config, log=lambda line: print(line, flush=True))
+    out = convert(folder, output_folder("DST", args.dst), loaded.config, log=lambda line: print(line, flush=True))
     print(f"wrote {out}")
     return 0

@@ -3,6 +3,9 @@ Hugging Face `save_pretrained` folder (fivefold.model.hf_export)."""
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
+
+from fivefold.cli._outputs import output_folder
 
 HELP = "write a checkpoint (any layout) as a Hugging Face folder: config.json + safetensors (+ index, tokenizer)"
 
@@ -16,6 +19,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args, extra: list[str]) -> int:
     from fivefold.model.hf_export import export_hf
 
+    output_folder("OUT_DIR's folder", Path(args.out_dir).resolve().parent)  # OUT_DIR is written beside, then moved
     out = export_hf(args.checkpoint, args.out_dir, max_shard_size=args.max_shard_size)
     print(f"wrote {out} (load with transformers: AutoModelForCausalLM.from_pretrained({str(out)!r}))")
     return 0

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from fivefold.cli._outputs import output_folder
 from fivefold.data.sources import json_lines
 from fivefold.errors import UserError
 from fivefold.train.metrics import plot_loss_curve
@@ -53,8 +54,7 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
         raise UserError(f"--what {args.what!r}: choose from {', '.join(PICTURES)} (comma-separated)")
     path = _metrics_file(args.run)
     rows = _rows(path)
-    out = Path(args.out) if args.out else path.parent
-    out.mkdir(parents=True, exist_ok=True)
+    out = output_folder("--out", args.out or path.parent)
     if "loss" in what:
         print(f"wrote {plot_loss_curve(path, out / 'loss.png', title=args.title)}")
     if "expert-load" in what:

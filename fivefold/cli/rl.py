@@ -11,6 +11,7 @@ from pathlib import Path
 
 import yaml
 
+from fivefold.cli._outputs import output_folder
 from fivefold.errors import UserError
 
 HELP = "GRPO post-training on a verifiable toy task (actor, rollout and reference on every rank)"
@@ -38,8 +39,8 @@ def run(args, extra: list[str]) -> int:
         raise UserError(f"{path}: needs a grpo: section (see examples/grpo.yaml)")
     grpo = raw.pop("grpo")
     GRPOConfig.of(grpo)  # unknown keys refused before any rank starts
-    out = Path(args.out)
-    (out / "logs").mkdir(parents=True, exist_ok=True)
+    out = output_folder("--out", args.out)
+    (out / "logs").mkdir(exist_ok=True)
     actor = out / "actor.yaml"
     actor.write_text(yaml.safe_dump(raw))
     loaded = load_config(str(actor), extra, world_size=args.nproc)

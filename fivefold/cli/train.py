@@ -11,6 +11,7 @@ import os
 import sys
 from pathlib import Path
 
+from fivefold.cli._outputs import output_folder
 from fivefold.config.schema import Config, to_dict
 from fivefold.errors import UserError
 
@@ -106,8 +107,8 @@ def run(args, extra: list[str]) -> int:
     timeout_s = timeout_of(config.training)
     nproc = config.cluster.resolved_world_size if world is None else world
     config.cluster.world_size = nproc
-    out = Path(args.out)
-    (out / "logs").mkdir(parents=True, exist_ok=True)
+    out = output_folder("--out", args.out)
+    (out / "logs").mkdir(exist_ok=True)
     if under_torchrun:
         return _run_under_torchrun(config, out)
     data_dir = prepare(config, out)
