@@ -86,7 +86,7 @@ def _rank_params(config: Config, mesh: Mesh) -> Iterable[tuple[str, torch.Tensor
 def convert(src: str | Path, dst: str | Path, config: Config, *, log: Callable[[str], None] = print) -> Path:
     """Write checkpoint `src` (a folder or a root) as the ranks of `config`'s layout would, into the
     root `dst` (its step_N folder, `latest`); returns the new folder."""
-    folder, meta = read_metadata(src)
+    folder, meta = read_metadata(src, "SRC")
     layout = layout_of(config)
     out = step_dir(Path(dst), meta["step"])
     if out.exists():

@@ -188,11 +188,12 @@ def _newest_finite(checkpoints: list[Path]) -> Path | None:
     return finite[-1] if finite else None
 
 
-def read_metadata(path: str | Path) -> tuple[Path, dict]:
-    """(checkpoint folder, its metadata) for a folder or a root; UserError when there is none."""
+def read_metadata(path: str | Path, what: str = "--load") -> tuple[Path, dict]:
+    """(checkpoint folder, its metadata) for a folder or a root; UserError when there is none (`what`:
+    how the command names the path: a flag, or its positional argument)."""
     found = resolve(path)
     if found is None:
-        raise UserError(f"--load {path}: no complete checkpoint there (a folder with metadata.json, or a root "
+        raise UserError(f"{what} {path}: no complete checkpoint there (a folder with metadata.json, or a root "
                         f"with step_* folders){foreign_format(Path(path))}")
     try:
         return found, json.loads((found / "metadata.json").read_text())

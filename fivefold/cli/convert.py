@@ -28,7 +28,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args, extra) -> int:
-    folder, meta = read_metadata(args.src)
+    folder, meta = read_metadata(args.src, "SRC")
     with tempfile.TemporaryDirectory() as tmp:  # the checkpoint's config as the base the layout words change
         base = Path(tmp) / "config.yaml"
         base.write_text(yaml.safe_dump(meta["config"]))

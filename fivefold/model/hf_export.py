@@ -171,7 +171,7 @@ def _size_bytes(text: str) -> int:
 
 def export_hf(checkpoint: str | Path, out_dir: str | Path, *, max_shard_size: str = "5GB") -> Path:
     """Write `checkpoint` (a step folder or a root with `latest`) as a save_pretrained folder."""
-    folder, meta = read_metadata(checkpoint)
+    folder, meta = read_metadata(checkpoint, "CHECKPOINT")
     if "config" not in meta:
         raise UserError(f"checkpoint {folder}: its metadata has no config (not written by fivefold train)")
     config = config_from_dict(meta["config"])
