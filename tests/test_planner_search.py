@@ -193,7 +193,7 @@ def test_compare_places_a_named_layout_in_the_ranking(capsys):
     assert layer_splits(61, 8, 4) == [] and layer_splits(61, 8, 4, explicit=True) == [
         {"pipeline_layers_per_stage": [1] + [2] * 29 + [1, 1]}]
     for bad, says in (("TP2 PQ4", "cannot read 'pq4'"), ("TP2 DP4", "DP4 with TP*CP*PP = 2 makes 8 GPUs, not 16"),
-                      ("TP2 TP4", "TP given twice"), ("TP2 EP2", "MoE models only")):
+                      ("TP2 TP4", "TP given twice"), ("TP2 EP2", "MoE models only"), (" ", "name a layout")):
         with pytest.raises(UserError, match=re.escape(says)):
             candidates(bad, m, hw, 16, 8, 4096, 64, "bf16", (1,), MemoryAssumptions(), TimeAssumptions())
     assert main(["plan", "--model", "llama3-8b", "--gpus", "16", "--global-batch", "64", "--top", "2",

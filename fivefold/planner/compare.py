@@ -42,6 +42,8 @@ DP_MODES = {label: mode for mode, label in DP_MODE_LABEL.items() if label} | {"z
 def parse(text: str) -> dict:
     """The words of a layout description -> {"sizes": {...}, "cp_comm": ..., "schedule": ..., "recompute": ...}."""
     sizes, out = {}, {"cp_comm": "p2p", "schedule": None, "recompute": "search", "modules": None, "dp_mode": None}
+    if not text.strip():
+        raise UserError(f"--compare {text!r}: name a layout; the grammar is {GRAMMAR}")
     words = text.lower()
     m = re.search(r"rc-sel(?:ective)?\(([^)]*)\)", words)
     if m:  # rc-sel(layernorm,moe): Megatron's --recompute-modules
