@@ -100,14 +100,15 @@ def _hf(cfg: ModelConfig, ours, ids: torch.Tensor, steps: int):
     return _timed(step, steps)
 
 
-def _planner_peak(cfg: ModelConfig, seq: int, hw_name: str) -> float:
+def _planner(cfg: ModelConfig, seq: int, hw_name: str):
+    """The planner's candidate for this layout (runtime `fivefold`: its memory and step time)."""
     from fivefold.config.schema import Config, TrainingConfig
     from fivefold.planner.presets import hardware
     from fivefold.planner.search import evaluate
     config = Config(model=cfg, training=TrainingConfig(seq_length=seq, micro_batch_size=1, global_batch_size=1,
                                                        precision="bf16"))
     config.cluster.world_size = 1
-    return evaluate(config, hardware(hw_name), check=False).memory.total
+    return evaluate(config, hardware(hw_name), check=False)
 
 
 def main(argv=None) -> int:
@@ -125,7 +126,7 @@ def main(argv=None) -> int:
     hw = hardware(_hardware_name())
     ids = torch.randint(0, cfg.vocab_size, (1, args.seq + 1), generator=torch.Generator().manual_seed(0)).cuda()
     flops = model_flops_per_token(cfg, args.seq)
-    planned = _planner_peak(cfg, args.seq, hw.name)
+    planned = _planner(cfg, args.seq, hw.name)
     (t, peak, loss), ours = _ours(cfg, ids, args.steps)
     rows = [("fivefold", t, peak, loss)]
     if not args.no_hf:
@@ -138,12 +139,16 @@ def main(argv=None) -> int:
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; Llama ~1B ({cfg.num_layers} layers, hidden "
           f"{cfg.hidden_size}), seq {args.seq}, bf16 autocast, fp32 AdamW; median of {args.steps} steps; "
           f"model FLOPs/token {flops / 1e9:.2f} G; peak {hw.bf16_flops / 1e12:.0f} TFLOP/s ({hw.name})\n")
-    print("| implementation | step ms | tokens/s | MFU | peak GiB | planner GiB | first loss |")
-    print("|---|---|---|---|---|---|---|")
+    print("| implementation | step ms | planner ms | tokens/s | MFU | peak GiB | planner GiB | first loss |")
+    print("|---|---|---|---|---|---|---|---|")
     for name, t, peak, loss in rows:
         tps = args.seq / t
-        print(f"| {name} | {t * 1e3:.1f} | {tps:,.0f} | {tps * flops / hw.bf16_flops:.1%} | {peak / GiB:.2f} | "
-              f"{planned / GiB if name == 'fivefold' else float('nan'):.2f} | {loss:.4f} |")
+        ours = name == "fivefold"
+        print(f"| {name} | {t * 1e3:.1f} | {planned.estimate.step_time * 1e3 if ours else float('nan'):.1f} | "
+              f"{tps:,.0f} | {tps * flops / hw.bf16_flops:.1%} | {peak / GiB:.2f} | "
+              f"{planned.memory.total / GiB if ours else float('nan'):.2f} | {loss:.4f} |")
+    parts = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in planned.estimate.parts.items() if v)
+    print(f"\nplanner (runtime fivefold): step {planned.estimate.step_time * 1e3:.1f} ms ({parts}); memory {planned.memory}")
     return 0
 
 

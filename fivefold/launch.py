@@ -49,6 +49,16 @@ def _die_with_parent() -> None:
         pass
 
 
+def place(config, local_ranks: int, rank: int = 0) -> None:
+    """Settle `config.cluster.device` for `local_ranks` ranks on this node before a rank starts (the
+    ranks read the answer from the config); rank 0 prints why `auto` chose the CPU beside GPUs."""
+    from fivefold.runtime.mesh import resolve_device
+
+    config.cluster.device, notice = resolve_device(config.cluster.device, local_ranks)
+    if notice and rank == 0:
+        print(notice, file=sys.stderr)
+
+
 def rank_env(rank: int, world: int, port: int) -> dict[str, str]:
     env = dict(os.environ)
     env.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),

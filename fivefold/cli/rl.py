@@ -27,7 +27,7 @@ def run(args, extra: list[str]) -> int:
     from fivefold.config.load import load_config
     from fivefold.config.schema import to_dict
     from fivefold.config.validate import validate
-    from fivefold.launch import launch
+    from fivefold.launch import launch, place
     from fivefold.rl.grpo import GRPOConfig
     from fivefold.watchdog import timeout_of
 
@@ -48,6 +48,7 @@ def run(args, extra: list[str]) -> int:
     config = loaded.config
     nproc = config.cluster.resolved_world_size
     config.cluster.world_size = nproc
+    place(config, nproc)
     spec = out / "run.json"
     spec.write_text(json.dumps({"job": "rl", "config": to_dict(config), "grpo": grpo, "out": str(out),
                                 "data_dir": str(out)}, indent=1))

@@ -92,7 +92,7 @@ def prepare(config: Config, out: Path) -> Path:
 
 
 def run(args, extra: list[str]) -> int:
-    from fivefold.launch import launch
+    from fivefold.launch import launch, place
     from fivefold.train.metrics import check_wandb
     from fivefold.train.supported import check_supported
     from fivefold.watchdog import timeout_of
@@ -110,7 +110,9 @@ def run(args, extra: list[str]) -> int:
     out = output_folder("--out", args.out)
     (out / "logs").mkdir(exist_ok=True)
     if under_torchrun:
+        place(config, int(os.environ.get("LOCAL_WORLD_SIZE", nproc)), int(os.environ["RANK"]))
         return _run_under_torchrun(config, out)
+    place(config, nproc)
     data_dir = prepare(config, out)
     spec = out / "run.json"
     spec.write_text(json.dumps({"config": to_dict(config), "out": str(out), "data_dir": str(data_dir)}, indent=1))

@@ -14,6 +14,8 @@ from fivefold.errors import NotImplementedYet
 CP_COMM_TYPES = ("p2p", "a2a", "allgather", "a2a+p2p")
 FP8_FORMATS = ("e4m3", "hybrid")
 FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
+DEVICES = ("auto", "cuda", "cpu")
+"""cluster.device: where the ranks run (fivefold.runtime.mesh.resolve_device)."""
 CP_COMM_SPELLINGS = {"all_gather": "allgather"}
 """TransformerEngine's and TransformerConfig's spelling -> ours (Megatron-LM's --cp-comm-type help)."""
 
@@ -50,6 +52,10 @@ class ClusterConfig:
     """Accelerators (or CPU ranks) per node. Default 8, as RLinf assumes."""
     world_size: int | None = None
     """Total ranks; default num_nodes * gpus_per_node when not given."""
+    device: str = "auto"
+    """Where the ranks run: cuda (NCCL, one GPU per rank on each node), cpu (gloo, one thread per rank),
+    or auto: cuda where every rank on the node has a GPU of its own, else cpu with a notice (a 4-rank
+    example on a 1-GPU machine runs on its CPU). Default auto."""
 
     @property
     def resolved_world_size(self) -> int:

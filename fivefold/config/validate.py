@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from fivefold.config.fixes import first_that_holds, search
 from fivefold.config.rules import KNOB_FIELDS, adjust, dp_of, errors, sizes_of
-from fivefold.config.schema import FP8_FORMATS, FP8_RECIPES, Config
+from fivefold.config.schema import DEVICES, FP8_FORMATS, FP8_RECIPES, Config
 from fivefold.errors import UserError
 from fivefold.train.batch_sizes import BatchSizes
 from fivefold.topology import Layout
@@ -50,7 +50,7 @@ def validate(config: Config, dialect: str = "fivefold", *, raise_errors: bool = 
     fixes = search(base, broken, dialect) if broken else {}
     problems = [Problem(r.field, r.value, r.rule, first_that_holds(config, fixes.get(i, []), dialect))
                 for i, r in enumerate(broken)] + _training_problems(config.training, None if broken else dp_of(s) * s["cp"]) \
-        + _data_problems(config.data) + _module_problems(config.training)
+        + _data_problems(config.data) + _module_problems(config.training) + _cluster_problems(config.cluster)
     warnings = [Problem(r.field, r.value, r.rule, "applied", "warning") for r in warned]
     if not broken:
         warnings += _soft_warnings(s)
@@ -99,6 +99,12 @@ def _module_problems(t) -> list[Problem]:
         elif names and not needs:
             out.append(Problem(f"training.{field}", names, "the modules take effect only with their switch", fix))
     return out
+
+
+def _cluster_problems(c) -> list[Problem]:
+    if c.device not in DEVICES:
+        return [Problem("cluster.device", c.device, f"must be one of {', '.join(DEVICES)}", "device=auto")]
+    return []
 
 
 def _data_problems(d) -> list[Problem]:

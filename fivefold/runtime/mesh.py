@@ -15,27 +15,50 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from fivefold.errors import UserError
 from fivefold.topology import Layout
 
 
-def init_distributed(timeout: timedelta = timedelta(minutes=5)) -> tuple[int, int, torch.device]:
+def resolve_device(requested: str, local_ranks: int, gpus: int | None = None) -> tuple[str, str | None]:
+    """"cuda" or "cpu" for `local_ranks` ranks on one node with `gpus` CUDA devices (None: those this
+    process sees), and a notice where `auto` falls back to the CPU although there are GPUs. Each rank
+    needs a GPU of its own (NCCL refuses two ranks on one device); `cuda` without enough is a UserError."""
+    if gpus is None:
+        gpus = torch.cuda.device_count()
+    if requested == "cpu" or (requested == "auto" and gpus == 0):
+        return "cpu", None
+    if gpus >= local_ranks:
+        return "cuda", None
+    ranks = f"{local_ranks} ranks on this node but {gpus} CUDA device{'s' if gpus != 1 else ''}"
+    if requested == "cuda" and gpus == 0:
+        raise UserError(f"cluster.device=cuda: torch {torch.__version__} sees no CUDA device here: set "
+                        "cluster.device: cpu (or auto), or run where a GPU and a CUDA build of torch are")
+    if requested == "cuda":
+        raise UserError(f"cluster.device=cuda: {ranks} (one GPU per rank): start at most {gpus} ranks per node "
+                        "(--nproc, torchrun --nproc-per-node) or set cluster.device: cpu")
+    return "cpu", (f"note: {ranks}: the ranks run on the CPU (gloo). For the GPUs start at most {gpus} ranks per "
+                   "node; cluster.device: cuda makes this an error, cluster.device: cpu silences it")
+
+
+def init_distributed(timeout: timedelta = timedelta(minutes=5), device: str = "auto") -> tuple[int, int, torch.device]:
     """Join the job described by the torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK,
-    MASTER_ADDR, MASTER_PORT): NCCL on CUDA (with gloo for CPU tensors), else gloo with one intra-op thread per rank (several
-    ranks share the CPU cores; default threading oversubscribes them ~20x).
-    Returns (rank, world_size, device)."""
+    LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT) on `device` (`resolve_device`): NCCL on CUDA (with gloo
+    for CPU tensors), else gloo with one intra-op thread per rank (several ranks share the CPU cores;
+    default threading oversubscribes them ~20x). Returns (rank, world_size, device)."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    if torch.cuda.is_available():
+    kind, _ = resolve_device(device, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    if kind == "cuda":
         # NCCL for tensors on the GPU; gloo beside it for the small CPU bookkeeping tensors (loss
         # sums, grad-norm squares, peak memory), which NCCL cannot reduce.
-        device, backend = torch.device("cuda", local_rank), "cuda:nccl,cpu:gloo"
-        torch.cuda.set_device(device)
+        where, backend = torch.device("cuda", local_rank), "cuda:nccl,cpu:gloo"
+        torch.cuda.set_device(where)
     else:
-        device, backend = torch.device("cpu"), "gloo"
+        where, backend = torch.device("cpu"), "gloo"
         torch.set_num_threads(1)
     if not dist.is_initialized():
         dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
-    return rank, world, device
+    return rank, world, where
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,8 @@ rank, fires first; torch's timeout remains a backstop."""
 def init_rank(config: Config, out_dir: Path) -> RankContext:
     """Join the process group (NCCL on CUDA, gloo on CPU) and build this rank's mesh."""
     with heartbeat.in_flight("init_process_group", "init", "world"):
-        rank, world, device = init_distributed(timeout=timedelta(seconds=timeout_of(config.training) + PG_SLACK_S))
+        rank, world, device = init_distributed(timeout=timedelta(seconds=timeout_of(config.training) + PG_SLACK_S),
+                                              device=config.cluster.device)
     layout = layout_of(config)
     if layout.world_size != world:
         raise UserError(f"the layout needs {layout.world_size} ranks, the job has {world}")
