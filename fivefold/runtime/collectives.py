@@ -16,6 +16,11 @@ import torch.distributed as dist
 from fivefold.runtime import heartbeat, traffic
 from fivefold.runtime.mesh import Group
 
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+"""torch 2.13's names; torch 2.11-2.12 have the same ops (same arguments) only as `*_into_tensor` /
+`*_tensor`, which 2.13 deprecates."""
+
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
@@ -81,9 +86,9 @@ def all_gather(t: torch.Tensor, dim: int, group: Group, tag: str, async_op: bool
     traffic.record("all_gather", tag, group.name, flat.nbytes)
     if not async_op:
         with heartbeat.in_flight("all_gather", tag, group.name):
-            dist.all_gather_single(flat, front, group=group.pg)
+            _all_gather_single(flat, front, group=group.pg)
         return flat.movedim(0, dim).contiguous()
-    work = dist.all_gather_single(flat, front, group=group.pg, async_op=True)
+    work = _all_gather_single(flat, front, group=group.pg, async_op=True)
     if dim == 0:  # flat is the result already (ZeRO's parameter gather): no second buffer, no copy
         return flat, Work([work], "all_gather", tag, group=group.name)
     shape = list(t.shape)
@@ -105,9 +110,9 @@ def reduce_scatter(t: torch.Tensor, dim: int, group: Group, tag: str, async_op: 
     traffic.record("reduce_scatter", tag, group.name, front.nbytes)
     if not async_op:
         with heartbeat.in_flight("reduce_scatter", tag, group.name):
-            dist.reduce_scatter_single(chunk, front, group=group.pg)
+            _reduce_scatter_single(chunk, front, group=group.pg)
         return chunk.movedim(0, dim).contiguous()
-    work = dist.reduce_scatter_single(chunk, front, group=group.pg, async_op=True)
+    work = _reduce_scatter_single(chunk, front, group=group.pg, async_op=True)
     if dim == 0:  # chunk is the result already (gradient buckets): no second buffer, no copy
         return chunk, Work([work], "reduce_scatter", tag, group=group.name)
     shape = list(t.shape)
