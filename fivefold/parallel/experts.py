@@ -81,23 +81,32 @@ def _run_local(x: torch.Tensor, counts: list[int], experts: list[nn.Module], gro
     return torch.cat(outs) if outs else x[:0] * 0  # (R, h); empty stays in the graph
 
 
-class _ContiguousGrad(torch.autograd.Function):
-    """Identity whose backward makes the gradient contiguous: _grouped_mm's backward refuses the
-    stride-0 gradients that sums and broadcasts hand back."""
+class _GroupedMM(torch.autograd.Function):
+    """Rows [offsets[e-1], offsets[e]) of x (R, in) times weights[e]^T ((out, in), an nn.Linear weight),
+    keeping the weights themselves for backward. torch._grouped_mm wants them stacked, (E, in, out),
+    and its own autograd keeps that stacked copy until backward: per projection, every local expert's
+    weight once more per layer and microbatch in flight (192 MiB a layer for 64 experts of 1024 x 512
+    in bf16; measured on an H200, benchmarks/RESULTS.md). The backward stacks them again (a transient)
+    and runs the two grouped matmuls torch's autograd runs, bit for bit (tests/test_moe.py)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
-        return x.view_as(x)
+    def forward(ctx, x: torch.Tensor, offsets: torch.Tensor, *weights: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, offsets, *weights)
+        return torch._grouped_mm(x, torch.stack(weights).transpose(1, 2), offs=offsets)
 
     @staticmethod
-    def backward(ctx, g: torch.Tensor) -> torch.Tensor:
-        return g.contiguous()
+    def backward(ctx, dy: torch.Tensor):
+        x, offsets, *weights = ctx.saved_tensors
+        dy = dy.contiguous()  # _grouped_mm refuses the stride-0 gradients that sums and broadcasts hand back
+        dx = torch._grouped_mm(dy, torch.stack(weights), offs=offsets) if ctx.needs_input_grad[0] else None
+        dw = torch._grouped_mm(dy.t(), x, offs=offsets).unbind(0) if any(ctx.needs_input_grad[2:]) \
+            else (None,) * len(weights)  # (E, out, in): each expert's weight gradient
+        return dx, None, *dw
 
 
 def _grouped(x: torch.Tensor, weights: list[torch.Tensor], offsets: torch.Tensor) -> torch.Tensor:
     """Rows [offsets[e-1], offsets[e]) of x (R, in) times weights[e]^T ((out, in), an nn.Linear weight)."""
-    w = torch.stack(weights).transpose(1, 2)  # (E_loc, in, out): a copy for this call, not kept
-    return _ContiguousGrad.apply(torch._grouped_mm(x, w, offs=offsets))
+    return _GroupedMM.apply(x, offsets, *weights)
 
 
 def _grouped_swiglu(x: torch.Tensor, counts: list[int], experts: list[nn.Module]) -> torch.Tensor:
