@@ -84,11 +84,21 @@ fitted on torchtitan's rows, whose CP sweep (rows 28-31: 405B at 8192 tokens, CP
 down to 1024 keys) pins it; Megatron's rows hardly move it (their fit is as good with it as at 0:
 median 7.3% vs 7.2%), so its profile takes the same kernel-level constant."""
 
+_OURS_ON_HOPPER = TimeAssumptions(gemm_efficiency=0.987, attention_efficiency=0.376, membound_passes=25.3,
+                                  optimizer_bytes_per_param=145.5)
+"""Our eager runtime's rates, measured per op class on an H200 (torch 2.11, bf16, one GPU; the profiler's
+kernel times of a 4-layer ~1B-wide Llama at seq 4096, benchmarks/RESULTS.md "fivefold on one GPU"):
+cuBLAS GEMMs at 0.987 of the matmul ceiling, cuDNN's SDPA at 0.376 (4096 keys), the unfused norms,
+SwiGLU, RoPE, casts and residual adds 25.3 passes over the layer's activations (Megatron's counts) at
+HBM bandwidth, and the step's unfused optimizer work (fp64 gradient norm, clipping, per-tensor AdamW
+on fp32 main parameters, the bf16 copy back, zeroing the gradient buffer) 145.5 bytes per parameter at
+0.8 of it. Measured on one shape: other GEMM and sequence sizes are extrapolated."""
+
 PROFILES: dict[str, Runtime] = {r.name: r for r in [
     # the eager implementation's saved tensors (EAGER_TRAITS) on a GPU too: a ~1B Llama in bf16 on an H200,
     # 4 / 8 / 16 layers, measured 1.012 / 1.007 / 1.004 of this estimate's allocated bytes (Megatron's
     # fused counts: 1.137 / 1.117 / 1.107); benchmarks/RESULTS.md, "fivefold on one GPU"
-    Runtime("fivefold", MemoryAssumptions(traits=EAGER_TRAITS), TimeAssumptions(), grad_reduce_in_bf16=False,
+    Runtime("fivefold", MemoryAssumptions(traits=EAGER_TRAITS), _OURS_ON_HOPPER, grad_reduce_in_bf16=False,
             summary="our runtime: eager kernels, fp32 gradients, TP/EP traffic exposed"),
     Runtime("megatron-te",
             MemoryAssumptions(allocator_overhead=0.02, runtime_reserve=1.0 * GiB, traits=_TE_TRAITS),
