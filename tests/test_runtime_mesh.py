@@ -63,3 +63,38 @@ def test_one_rank_mesh_without_process_group():
 def test_layout_must_match_world():
     with pytest.raises(ValueError, match="needs 2 ranks"):
         Mesh.build(Layout(dp=2))
+
+
+def test_device_is_a_gpu_per_rank_or_the_cpu():
+    """cluster.device: auto takes CUDA only where every rank on the node has a GPU of its own (NCCL
+    refuses two ranks on one device), else the CPU with a note naming both counts; cuda refuses a node
+    with fewer GPUs than ranks, naming the fix; cpu is the CPU whatever the node has."""
+    from fivefold.errors import UserError
+    from fivefold.runtime.mesh import resolve_device
+    assert resolve_device("auto", 4, gpus=0) == ("cpu", None)
+    assert resolve_device("auto", 4, gpus=8) == ("cuda", None)
+    kind, note = resolve_device("auto", 4, gpus=1)
+    assert kind == "cpu" and "4 ranks on this node but 1 CUDA device" in note and "cluster.device: cuda" in note
+    assert resolve_device("cpu", 1, gpus=8) == ("cpu", None)
+    assert resolve_device("cuda", 8, gpus=8) == ("cuda", None)
+    with pytest.raises(UserError, match="4 ranks on this node but 2 CUDA devices.*at most 2 ranks per node"):
+        resolve_device("cuda", 4, gpus=2)
+    with pytest.raises(UserError, match="sees no CUDA device.*cluster.device: cpu"):
+        resolve_device("cuda", 1, gpus=0)
+
+
+def test_train_refuses_a_device_it_cannot_give_every_rank(tmp_path, capsys, monkeypatch):
+    """`train` settles the device before any rank starts: cuda on a node with too few GPUs, or a device
+    name it does not know, is one message and exit 2, and no rank's log exists."""
+    from pathlib import Path
+
+    from fivefold.cli import main
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    demo = Path(__file__).resolve().parents[1] / "examples" / "demo.yaml"
+    for device, says in (("cuda", "cluster.device=cuda: 4 ranks on this node but 1 CUDA device"),
+                         ("tpu", "cluster.device='tpu': must be one of auto, cuda, cpu")):
+        out = tmp_path / device
+        assert main(["train", str(demo), f"cluster.device={device}", "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert says in err and "Traceback" not in err, err
+        assert not list(out.glob("logs/rank-*"))
