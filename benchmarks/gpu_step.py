@@ -9,7 +9,7 @@ fp32 master weights under bf16 autocast, forward + backward + AdamW, on the same
 Printed, per side: median step time, tokens/s, MFU = model FLOPs per token (the planner's formula,
 fivefold.planner.flops.model_flops_per_token: 6 x matmul params + causal attention) x tokens/s / the
 GPU's bf16 dense peak (the planner's hardware preset), peak allocated memory next to the planner's
-estimate for this layout (fivefold.planner.search.evaluate), and the first step's loss of each.
+estimate for this layout (fivefold.planner.search.evaluate, runtime fivefold: memory and step time), and the first step's loss of each.
 """
 from __future__ import annotations
 
