@@ -9,7 +9,9 @@ fp32 master weights under bf16 autocast, forward + backward + AdamW, on the same
 Printed, per side: median step time, tokens/s, MFU = model FLOPs per token (the planner's formula,
 fivefold.planner.flops.model_flops_per_token: 6 x matmul params + causal attention) x tokens/s / the
 GPU's bf16 dense peak (the planner's hardware preset), peak allocated memory next to the planner's
-estimate for this layout (fivefold.planner.search.evaluate, runtime fivefold: memory and step time), and the first step's loss of each.
+estimate for this layout (fivefold.planner.search.evaluate, runtime fivefold: memory and step time; it
+plans our runtime's bf16, fp32 main parameters beside 16-bit ones, not this script's autocast), and the
+first step's loss of each.
 """
 from __future__ import annotations
 
@@ -104,11 +106,13 @@ def _planner(cfg: ModelConfig, seq: int, hw_name: str):
     """The planner's candidate for this layout (runtime `fivefold`: its memory and step time)."""
     from fivefold.config.schema import Config, TrainingConfig
     from fivefold.planner.presets import hardware
+    from fivefold.planner.runtime import profile
     from fivefold.planner.search import evaluate
     config = Config(model=cfg, training=TrainingConfig(seq_length=seq, micro_batch_size=1, global_batch_size=1,
                                                        precision="bf16"))
     config.cluster.world_size = 1
-    return evaluate(config, hardware(hw_name), check=False)
+    ours = profile("fivefold")
+    return evaluate(config, hardware(hw_name), ours.memory, ours.time, check=False)
 
 
 def main(argv=None) -> int:
