@@ -11,7 +11,7 @@ import pytest
 from fivefold.errors import UserError
 from fivefold.planner.calibration import EXCLUDED, FLOP_COUNTS, case_of, cases, flops_per_token, read_runs, stated_layout
 from fivefold.planner.layout import Plan
-from fivefold.planner.pipeline_layout import parse_layout
+from fivefold.config.pipeline_layout import parse_layout
 from fivefold.planner.validity import config_errors
 
 ROOT = Path(__file__).resolve().parents[1]

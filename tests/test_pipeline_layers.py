@@ -1,4 +1,6 @@
 """Layers per stage for every placement: even, uneven (first/last, account-for), explicit, DualPipeV's V."""
+import re
+
 import pytest
 
 from fivefold.config.schema import ParallelConfig
@@ -35,3 +37,45 @@ def test_explicit_list_and_refusals():
         stage_layer_counts(5, s, ParallelConfig(pipeline_layers_per_stage=[1, 1, 3]))
     with pytest.raises(UserError, match="do not split evenly"):
         stage_layer_counts(5, s, ParallelConfig())
+
+
+def test_megatron_layout_string_places_the_stages():
+    """--pipeline-model-parallel-layout: validate turns the string into decoder layers per virtual stage
+    and VPP = stages / PP (interleaved), as Megatron-LM derives them, an empty stage included; a string
+    that does not fit the sizes, or puts an MTP layer (m) away from the loss (our runtime runs MTP beside
+    the loss), is refused naming why (the latter by `train` alone: Megatron runs it, so the planner takes it).
+    Training with it is the run with the same explicit pipeline_layers_per_stage (the runtime reads only
+    the resolved list)."""
+    from fivefold.errors import NotImplementedYet
+    from fivefold.train.supported import check_supported
+    from fivefold.config.load import load_config
+    from fivefold.config.validate import ConfigError, validate
+    base = ["--num-layers", "8", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+            "--max-position-embeddings", "64", "--micro-batch-size", "1", "--global-batch-size", "8",
+            "--pipeline-model-parallel-size", "2"]
+
+    def resolved(layout, *extra):
+        config = load_config(None, base + list(extra) + ["--pipeline-model-parallel-layout", layout], world_size=2).config
+        validate(config, "megatron")
+        p = config.parallel
+        return p.pipeline_layers_per_stage, p.virtual_pipeline_model_parallel_size, p.pipeline_schedule
+
+    assert resolved("Et*3|t*5L") == ([3, 5], None, "1f1b")
+    assert resolved("Et*2|(tt|)*2t*2L") == ([2, 2, 2, 2], 2, "interleaved")
+    assert resolved("Et*8|L") == ([8, 0], None, "1f1b")
+    assert resolved("Et*2|t*2|t*2|t*2mL", "--mtp-num-layers", "1") == ([2, 2, 2, 2], 2, "interleaved")
+    away = load_config(None, base + ["--mtp-num-layers", "1", "--pipeline-model-parallel-layout", "Et*3m|t*5L"],
+                       world_size=2).config
+    validate(away, "megatron")
+    assert away.parallel.pipeline_layers_per_stage == [3, 5]
+    with pytest.raises(NotImplementedYet, match=re.escape("an MTP layer (m) in another pipeline stage than the loss")):
+        check_supported(away)
+    for layout, extra, says in (("Et|(tt|)*3tL", [], "has 5 stages, not a multiple of pipeline_model_parallel_size=2"),
+                                ("Et*3|t*4L", [], "places 7 decoder layers (t); num_layers=8"),
+                                ("Et*3|t*5L", ["--mtp-num-layers", "1"], "places 0 MTP layers (m); mtp_num_layers=1"),
+                                ("Et*3|t*5L", ["--virtual-pipeline-model-parallel-size", "2"], "VPP=1; virtual_pipeline"),
+                                ("Et*3|t*5L", ["--decoder-first-pipeline-num-layers", "3"], "places the layers itself"),
+                                ("Et*3(|t*5L", [], "'(' without ')'"),
+                                ("t*3|Et*5L", [], "E (the embedding) must be in the first stage only")):
+        with pytest.raises(ConfigError, match=re.escape(says)):
+            resolved(layout, *extra)

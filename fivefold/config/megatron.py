@@ -83,6 +83,7 @@ FLAGS: dict[str, Flag] = {
     "--pipeline-schedule": Flag("parallel.pipeline_schedule", ours=True),
     "--pipeline-schedule-csv": Flag("parallel.pipeline_schedule_csv", ours=True),
     "--pipeline-layers-per-stage": Flag("parallel.pipeline_layers_per_stage", LIST, ours=True),
+    "--pipeline-model-parallel-layout": _v("parallel.pipeline_model_parallel_layout"),
     # model
     "--num-layers": _v("model.num_layers"),
     "--hidden-size": _v("model.hidden_size"),

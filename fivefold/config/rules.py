@@ -13,7 +13,9 @@ from math import prod
 from fivefold.config.schema import (ACTIVATIONS, CP_COMM_TYPES, DIM_NAMES, DISPATCHERS, DROP_POLICIES, NORMALIZATIONS,
                                     POSITION_EMBEDDINGS, QK_NORM_SCOPES, ROUTER_DTYPES, ROUTER_SCORE_FUNCTIONS,
                                     Config, default_ffn_size)
+from fivefold.config.pipeline_layout import parse_layout
 from fivefold.config.split import layers_per_stage
+from fivefold.errors import UserError
 from fivefold.pipeline.schedules import REGISTRY, microbatch_problem
 
 KNOB_FIELDS = {
@@ -29,6 +31,7 @@ KNOB_FIELDS = {
     "acc_emb": "parallel.account_for_embedding_in_pipeline_split",
     "acc_loss": "parallel.account_for_loss_in_pipeline_split",
     "vpp_layers": "parallel.num_layers_per_virtual_pipeline_stage",
+    "pp_layout": "parallel.pipeline_model_parallel_layout",
     "group": "parallel.microbatch_group_size_per_vp_stage",
     "layers": "model.num_layers", "heads": "model.num_attention_heads", "kv": "model.num_query_groups",
     "hidden": "model.hidden_size", "ffn": "model.ffn_hidden_size", "kvc": "model.kv_channels",
@@ -91,6 +94,10 @@ def adjust(s: dict, dialect: str) -> list[Rule]:
     if s["gbs"] is None and isinstance(s["mbs"], int) and s["tp"] * s["pp"] * s["cp"] > 0 \
             and s["world"] % (s["tp"] * s["pp"] * s["cp"]) == 0:
         s["gbs"] = s["mbs"] * dp_of(s)  # Megatron's default global batch
+    stages = _layout_stages(s)
+    if stages is not None and not _layout_problem(s, stages):  # Megatron derives VPP from the string
+        s["split"], v = stages.decoder, stages.stages // s["pp"]
+        s["vpp"] = v if v > 1 else None
     n, units = s["vpp_layers"], s["layers"] + bool(s["acc_emb"]) + bool(s["acc_loss"])
     if n and isinstance(n, int) and n >= 1 and s["pp"] >= 1 and units % (s["pp"] * n) == 0:
         v = units // (s["pp"] * n)
@@ -278,8 +285,47 @@ def stage_layers(s: dict) -> list[int]:
                             bool(s["acc_loss"]))
 
 
+def _layout_stages(s: dict):
+    """The parsed pipeline_model_parallel_layout (a StageLayout), or None (unset, or not parseable:
+    `_pipeline` says why)."""
+    if not s["pp_layout"]:
+        return None
+    try:
+        return parse_layout(s["pp_layout"])
+    except UserError:
+        return None
+
+
+def _layout_problem(s: dict, stages) -> str | None:
+    """Why the parsed layout string cannot be trained with the other sizes of `s` (None: it can)."""
+    given = [KNOB_FIELDS[k] for k in ("vpp_layers", "first", "last") if s[k] is not None]
+    if given:
+        return f"places the layers itself: unset {', '.join(given)} (Megatron-LM refuses both)"
+    if s["split"] is not None and tuple(s["split"]) != stages.decoder:
+        return f"places {list(stages.decoder)} decoder layers per stage; pipeline_layers_per_stage says {list(s['split'])}"
+    pp = s["pp"]
+    if stages.stages % pp:
+        return f"has {stages.stages} stages, not a multiple of pipeline_model_parallel_size={pp}"
+    if s["vpp"] not in (None, stages.stages // pp):
+        return (f"has {stages.stages} stages: PP={pp} x VPP={stages.stages // pp}; virtual_pipeline_model_parallel_size "
+                f"says {s['vpp']} (unset it: the string sets it)")
+    if sum(stages.decoder) != s["layers"]:
+        return f"places {sum(stages.decoder)} decoder layers (t); num_layers={s['layers']}"
+    mtp = s["mtp"] or 0
+    if sum(stages.mtp) != mtp:
+        return f"places {sum(stages.mtp)} MTP layers (m); mtp_num_layers={mtp}"
+    return None
+
+
 def _pipeline(s: dict, dp: int) -> list[Rule]:
     out = []
+    if s["pp_layout"]:
+        try:
+            problem = _layout_problem(s, parse_layout(s["pp_layout"]))
+        except UserError as e:
+            problem = str(e).split(": ", 1)[-1]
+        if problem:
+            return [Rule(KNOB_FIELDS["pp_layout"], s["pp_layout"], problem, ("pp_layout",))]
     if s["vpp_layers"]:
         return [Rule(KNOB_FIELDS["vpp_layers"], s["vpp_layers"], f"num_layers={s['layers']} must be a "
                      f"multiple of PP*num_layers_per_virtual_pipeline_stage", ("vpp_layers", "pp"))]

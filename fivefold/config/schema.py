@@ -105,6 +105,11 @@ class ParallelConfig:
     """Path of a hand-written schedule in the IR's CSV form; overrides pipeline_schedule. Default None."""
     pipeline_layers_per_stage: list[int] | None = None
     """Explicit decoder layers per pipeline stage (sums to num_layers). Default None (even split)."""
+    pipeline_model_parallel_layout: str | None = None
+    """Megatron's --pipeline-model-parallel-layout: the virtual stages in model order, `|` between them, `E`
+    the embedding (first stage), `t` a decoder layer, `m` an MTP layer (with `L`, the loss, in the last
+    stage: our runtime runs MTP beside the loss), `X*n` / `(...)*n` repeats, e.g. `Et*3|(tt|)*5|tmL`.
+    validate resolves it into pipeline_layers_per_stage and VPP = stages / PP. Default None."""
     decoder_first_pipeline_num_layers: int | None = None
     """Layers on the first pipeline stage (Megatron's uneven split). Default None."""
     decoder_last_pipeline_num_layers: int | None = None

@@ -176,6 +176,8 @@ def _write_back(config: Config, s: dict) -> None:
     for knob in ("vpp", "vpp_layers", "schedule", "sp", "gbs", "group"):
         section, name = KNOB_FIELDS[knob].split(".")
         setattr(getattr(config, section), name, s[knob])
+    if s["pp_layout"]:  # the string's stages, resolved by rules.adjust
+        config.parallel.pipeline_layers_per_stage = list(s["split"])
 
 
 def _soft_warnings(s: dict) -> list[Problem]:

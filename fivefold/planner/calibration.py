@@ -26,7 +26,7 @@ from fivefold.planner.compare import LAYOUT_FIELDS
 from fivefold.planner.flops import attention_core_flops, model_flops_per_token
 from fivefold.planner.layout import Plan
 from fivefold.planner.mtp import mtp_stage_layers
-from fivefold.planner.pipeline_layout import parse_layout
+from fivefold.config.pipeline_layout import parse_layout
 from fivefold.planner.presets import hardware, model_preset
 from fivefold.planner.runtime import Runtime, with_eager_loss
 from fivefold.planner.space import layer_splits

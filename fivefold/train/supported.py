@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from fivefold.config.pipeline_layout import parse_layout
 from fivefold.config.schema import Config
 from fivefold.data.tokenizer import TYPES as TOKENIZER_TYPES
 from fivefold.errors import NotImplementedYet
@@ -43,6 +44,9 @@ RUNTIME_KNOBS: list[Knob] = [
     Knob("training.fine_grained_activation_offloading", _is(False),
          "fine-grained activation offloading (--offload-modules: the planner models it; the runtime keeps every "
          "activation on the device)"),
+    Knob("parallel.pipeline_model_parallel_layout", lambda v: v is None or not any(parse_layout(v).mtp[:-1]),
+         "an MTP layer (m) in another pipeline stage than the loss (L; the planner takes the string as Megatron runs "
+         "it; the runtime runs MTP beside the loss: write every m in the last stage, e.g. `...|tmL`)"),
     Knob("data.tokenizer_type", _is(*TOKENIZER_TYPES),
          "Megatron tokenizer types other than HuggingFaceTokenizer, GPT2BPETokenizer and NullTokenizer (give "
          "--tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR with a local tokenizer.json)"),
