@@ -247,6 +247,10 @@ CASES = [
          parallel={"pipeline_model_parallel_size": 2}),
     Case("TP2 SP mbs1 MTP2 seq64", 2, 1, 1, seq=64, model={"mtp_num_layers": 2},
          parallel={"tensor_model_parallel_size": 2, "sequence_parallel": True}),
+    # grouped expert GEMMs (moe_grouped_gemm, every CUDA run's default): they save what the loop saves
+    Case("MoE DP2 mbs2 grouped", 2, 2, 4, model={**MOE, "moe_grouped_gemm": True}),
+    Case("MoE EP2 mbs2 bf16 grouped", 2, 2, 4, model={**MOE, "moe_grouped_gemm": True},
+         parallel={"expert_model_parallel_size": 2}, training={"precision": "bf16"}),
 ]
 
 
