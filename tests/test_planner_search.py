@@ -137,6 +137,18 @@ def test_explain_says_which_rule_a_seed_row_breaks(capsys):
     assert "not usable here" in row.splitlines()[1] and "MoE folding" in row.splitlines()[1]
 
 
+@pytest.mark.parametrize("runtime", ["fivefold", "torchtitan"])
+def test_explain_sizes_seed_layouts_as_the_search_does(capsys, runtime):
+    """--explain's readings of the seeds' rules are sized and timed with the runtime's assumptions, as
+    the ranked layouts are: each is in the search's space, so none is faster than the top choice (they
+    were sized with the default assumptions whatever --runtime said: a seed layout 0.42x the top
+    choice's step time under our measured profile)."""
+    assert main(["plan", "--model", "llama3-8b", "--gpus", "16", "--global-batch", "256", "--top", "1",
+                 "--explain", "--runtime", runtime]) == 0
+    ratios = [float(x) for x in re.findall(r"\(([0-9.]+)x the top choice\)", capsys.readouterr().out)]
+    assert ratios and min(ratios) >= 1.0, ratios
+
+
 def _snapshot(c):
     """Everything a ranked or dropped candidate reports, floats exact."""
     e = c.estimate

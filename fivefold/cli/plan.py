@@ -14,7 +14,7 @@ from fivefold.planner.compare import DP_MODES, candidates
 from fivefold.planner.emit import FORMATS, emit
 from fivefold.planner.model_spec import resolve_model
 from fivefold.planner.params import count_params
-from fivefold.planner.report import compare_report, explain, seed_memory_example, table
+from fivefold.planner.report import Assumed, compare_report, explain, seed_memory_example, table
 from fivefold.planner.runtime import profile
 from fivefold.planner.search import describe, search
 
@@ -115,7 +115,7 @@ def run(args, extra) -> int:
     if args.explain:
         print()
         print(explain(best, spec.model, spec.preset, counts.total, hw, args.gpus, gpn, args.seq_len,
-                      args.global_batch, args.precision, result.ranked))
+                      args.global_batch, args.precision, result.ranked, Assumed(mem, ta, bf16_grads, rt.dp_modes[0])))
         if spec.preset == "llama3-70b":
             print()
             print(seed_memory_example(spec.model, counts.total, hw))

@@ -2,15 +2,18 @@
 --explain (why this layout, the seeds' rules side by side), seed 002's memory example."""
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from fivefold.config.schema import ModelConfig
 from fivefold.planner.collectives import layer_collectives
 from fivefold.planner.compare import held_text, held_to, rank_of
 from fivefold.planner.layout import Plan
-from fivefold.planner.memory import RankMemory, memory_per_rank
+from fivefold.planner.memory import MemoryAssumptions, RankMemory, memory_per_rank
 from fivefold.planner.mtp import mtp_stage_layers
 from fivefold.planner.presets.hardware import Hardware
 from fivefold.planner.search import Candidate, evaluate, make_config
 from fivefold.planner.space import layer_splits
+from fivefold.planner.steptime import TimeAssumptions
 from fivefold.planner.seeds import (GB, SEED_ACCOUNTING_EXPLAINED, SeedRule, rules_for, seed_memory_accounting,
                                     sequence_rule)
 
@@ -124,9 +127,10 @@ def compare_report(text: str, cand: Candidate, best: Candidate, ranked: list[Can
 
 
 def seed_candidate(rule: SeedRule, model: ModelConfig, hw: Hardware, world: int, gpus_per_node: int, seq: int,
-                   global_batch: int, precision: str) -> tuple[Candidate | None, str]:
+                   global_batch: int, precision: str, assume: Assumed) -> tuple[Candidate | None, str]:
     """The fastest fitting reading of a seed rule (ranges tried; where the layers do not divide over
-    PP, the uneven splits the search itself tries; recompute added if needed), or why none."""
+    PP, the uneven splits the search itself tries; recompute added if needed), or why none; sized and
+    timed as the search's layouts are (`assume`: the runtime's)."""
     best, reasons = None, []
     for tp in rule.tp:
         for pp in rule.pp:
@@ -135,8 +139,9 @@ def seed_candidate(rule: SeedRule, model: ModelConfig, hw: Hardware, world: int,
                                 context_parallel_size=rule.cp, expert_model_parallel_size=rule.ep, **split)
                 for recompute in (None, "selective", "full"):
                     cfg = make_config(model, world, gpus_per_node, seq, global_batch, precision, parallel,
-                                      recompute=recompute)
-                    c = evaluate(cfg, hw)
+                                      recompute=recompute, grad_reduce_in_bf16=assume.grad_reduce_in_bf16,
+                                      dp_mode=assume.dp_mode)
+                    c = evaluate(cfg, hw, assume.mem, assume.ta)
                     if c.estimate is None:
                         reasons.append(f"TP{tp} PP{pp} rc={recompute}: {c.problem}")
                         if not c.problem.startswith("needs"):
@@ -148,9 +153,17 @@ def seed_candidate(rule: SeedRule, model: ModelConfig, hw: Hardware, world: int,
     return best, "; ".join(reasons[-1:])
 
 
+class Assumed(NamedTuple):
+    """What the search assumed of the runtime, for the layouts a report sizes itself (seed rules)."""
+    mem: MemoryAssumptions
+    ta: TimeAssumptions
+    grad_reduce_in_bf16: bool = False
+    dp_mode: str | None = None
+
+
 def explain(best: Candidate, model: ModelConfig, preset: str | None, total_params: float, hw: Hardware,
             world: int, gpus_per_node: int, seq: int, global_batch: int, precision: str,
-            ranked: list[Candidate] = ()) -> str:
+            ranked: list[Candidate] = (), assume: Assumed = Assumed(MemoryAssumptions(), TimeAssumptions())) -> str:
     lines = ["Top choice", breakdown(best, hw), "", "Why:"]
     lines += [f"  - {w}" for w in why(best, model, gpus_per_node, ranked)]
     text, cp, sp = sequence_rule(seq)
@@ -160,7 +173,7 @@ def explain(best: Candidate, model: ModelConfig, preset: str | None, total_param
                  f"{'consistent' if (best.plan.cp >= cp and (best.plan.sp or not sp or best.plan.tp == 1)) else 'differs'}"
                  f" (top choice CP={best.plan.cp}, SP={best.plan.sp})")
     for rule in rules_for(preset, total_params, world, gpus_per_node):
-        c, why_not = seed_candidate(rule, model, hw, world, gpus_per_node, seq, global_batch, precision)
+        c, why_not = seed_candidate(rule, model, hw, world, gpus_per_node, seq, global_batch, precision, assume)
         if c is None:
             lines.append(f"  {rule.source}: {rule.text}\n      -> not usable here: {why_not}")
         else:
