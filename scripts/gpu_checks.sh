@@ -1,12 +1,12 @@
 #!/bin/bash
 # The checks only a GPU can run, as one call of a lent GPU machine (~5 min on an H200):
-#   bash scripts/gpu_checks.sh            # writes what it measured to $OUT (default /tmp/gpu_checks)
+#   bash scripts/gpu_checks.sh            # writes what it measured to $OUT (default runs/gpu_checks/out; runs under runs/gpu_checks)
 # 1. the CUDA cases of the tests, failures in full (the tolerance log: scripts/tolerances.py report);
 # 2. our runtime on one GPU, the rows of benchmarks/data/gpu/fivefold-h200.tsv (step ms, peak MiB);
 # 3. the MoE row under --profile: the kernel trace to split its time (benchmarks/RESULTS.md, "fivefold on one GPU");
 # 4. the README's demo on a machine with fewer GPUs than its 4 ranks (cluster.device auto: the CPU);
 # 5. the CPU suite on the machine's own torch (CUDA hidden), as far as its time allows.
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD OUT=${OUT:-/tmp/gpu_checks}
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD RUNS=runs/gpu_checks OUT=${OUT:-runs/gpu_checks/out}
 mkdir -p "$OUT"
 step() { echo; echo "=== $1 ($(date +%T))"; }
 quiet() { tr '\r' '\n' | grep -v "^train:" | tail -"${1:-8}"; }
@@ -18,13 +18,13 @@ FIVEFOLD_TOL_LOG=$OUT/tol.jsonl timeout 150 python3 -m pytest -q -p no:cacheprov
 step "our runtime on one GPU (benchmarks/data/gpu)"
 D=benchmarks/data/gpu
 for n in 16 8 4; do
-  timeout 60 python3 -m fivefold train $D/llama1b.yaml --out /tmp/l$n --num-layers $n --train-iters 8 2>&1 | quiet 6 | head -3
-  cp /tmp/l$n/metrics.jsonl "$OUT/llama1b-${n}L.jsonl"
+  timeout 60 python3 -m fivefold train $D/llama1b.yaml --out $RUNS/l$n --num-layers $n --train-iters 8 2>&1 | quiet 6 | head -3
+  cp $RUNS/l$n/metrics.jsonl "$OUT/llama1b-${n}L.jsonl"
 done
-timeout 120 python3 -m fivefold train $D/moe.yaml --out /tmp/moe --train-iters 12 --profile 2>&1 | quiet 6 | head -3
-cp /tmp/moe/metrics.jsonl "$OUT/moe.jsonl"; gzip -c /tmp/moe/profile/rank-0.pt.trace.json > "$OUT/moe_trace.json.gz"
+timeout 120 python3 -m fivefold train $D/moe.yaml --out $RUNS/moe --train-iters 12 --profile 2>&1 | quiet 6 | head -3
+cp $RUNS/moe/metrics.jsonl "$OUT/moe.jsonl"; gzip -c $RUNS/moe/profile/rank-0.pt.trace.json > "$OUT/moe_trace.json.gz"
 step "demo, 4 ranks (auto: one GPU is too few)"
-timeout 60 python3 -m fivefold train examples/demo.yaml --out /tmp/demo --train-iters 3 2>&1 | quiet 8
+timeout 60 python3 -m fivefold train examples/demo.yaml --out $RUNS/demo --train-iters 3 2>&1 | quiet 8
 step "CPU suite on this torch, CUDA hidden (capped at 150 s)"
 CUDA_VISIBLE_DEVICES= timeout 150 python3 -m pytest -v -p no:cacheprovider -p no:benchmark -n 14 --tb=line -W ignore \
   --ignore=tests/test_indexed_data.py > "$OUT/suite.txt" 2>&1  # -v: each result as it comes, kept if time runs out
