@@ -49,15 +49,25 @@ def test_megatron_layout_string_places_the_stages():
     from fivefold.errors import NotImplementedYet
     from fivefold.train.supported import check_supported
     from fivefold.config.load import load_config
+    from fivefold.config.schema import to_dict
     from fivefold.config.validate import ConfigError, validate
     base = ["--num-layers", "8", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
             "--max-position-embeddings", "64", "--micro-batch-size", "1", "--global-batch-size", "8",
             "--pipeline-model-parallel-size", "2"]
 
-    def resolved(layout, *extra):
-        config = load_config(None, base + list(extra) + ["--pipeline-model-parallel-layout", layout], world_size=2).config
+    def validated(words):
+        config = load_config(None, base + words, world_size=2).config
         validate(config, "megatron")
+        return config
+
+    def resolved(layout, *extra):
+        config = validated(list(extra) + ["--pipeline-model-parallel-layout", layout])
         p = config.parallel
+        explicit = validated(list(extra) + ["--pipeline-layers-per-stage", *map(str, p.pipeline_layers_per_stage),
+                                            "--virtual-pipeline-model-parallel-size",
+                                            str(p.virtual_pipeline_model_parallel_size or 1)])
+        p.pipeline_model_parallel_layout = None  # the one field the runtime does not read
+        assert to_dict(config) == to_dict(explicit), layout  # what trains is the explicit split's run
         return p.pipeline_layers_per_stage, p.virtual_pipeline_model_parallel_size, p.pipeline_schedule
 
     assert resolved("Et*3|t*5L") == ([3, 5], None, "1f1b")

@@ -94,8 +94,8 @@ def adjust(s: dict, dialect: str) -> list[Rule]:
     if s["gbs"] is None and isinstance(s["mbs"], int) and s["tp"] * s["pp"] * s["cp"] > 0 \
             and s["world"] % (s["tp"] * s["pp"] * s["cp"]) == 0:
         s["gbs"] = s["mbs"] * dp_of(s)  # Megatron's default global batch
-    stages = _layout_stages(s)
-    if stages is not None and not _layout_problem(s, stages):  # Megatron derives VPP from the string
+    stages, problem = _layout(s)
+    if stages is not None and not problem:  # Megatron derives VPP from the string
         s["split"], v = stages.decoder, stages.stages // s["pp"]
         s["vpp"] = v if v > 1 else None
     n, units = s["vpp_layers"], s["layers"] + bool(s["acc_emb"]) + bool(s["acc_loss"])
@@ -285,15 +285,16 @@ def stage_layers(s: dict) -> list[int]:
                             bool(s["acc_loss"]))
 
 
-def _layout_stages(s: dict):
-    """The parsed pipeline_model_parallel_layout (a StageLayout), or None (unset, or not parseable:
-    `_pipeline` says why)."""
+def _layout(s: dict):
+    """(the parsed pipeline_model_parallel_layout, why it cannot be trained with the other sizes of
+    `s`): (None, None) when unset, (None, why) when it does not parse."""
     if not s["pp_layout"]:
-        return None
+        return None, None
     try:
-        return parse_layout(s["pp_layout"])
-    except UserError:
-        return None
+        stages = parse_layout(s["pp_layout"])
+    except UserError as e:
+        return None, str(e).split(": ", 1)[-1]  # the message without its flag and value (the Rule names them)
+    return stages, _layout_problem(s, stages)
 
 
 def _layout_problem(s: dict, stages) -> str | None:
@@ -319,13 +320,9 @@ def _layout_problem(s: dict, stages) -> str | None:
 
 def _pipeline(s: dict, dp: int) -> list[Rule]:
     out = []
-    if s["pp_layout"]:
-        try:
-            problem = _layout_problem(s, parse_layout(s["pp_layout"]))
-        except UserError as e:
-            problem = str(e).split(": ", 1)[-1]
-        if problem:
-            return [Rule(KNOB_FIELDS["pp_layout"], s["pp_layout"], problem, ("pp_layout",))]
+    _, problem = _layout(s)
+    if problem:
+        return [Rule(KNOB_FIELDS["pp_layout"], s["pp_layout"], problem, ("pp_layout",))]
     if s["vpp_layers"]:
         return [Rule(KNOB_FIELDS["vpp_layers"], s["vpp_layers"], f"num_layers={s['layers']} must be a "
                      f"multiple of PP*num_layers_per_virtual_pipeline_stage", ("vpp_layers", "pp"))]

@@ -163,7 +163,9 @@ class Assumed(NamedTuple):
 
 def explain(best: Candidate, model: ModelConfig, preset: str | None, total_params: float, hw: Hardware,
             world: int, gpus_per_node: int, seq: int, global_batch: int, precision: str,
-            ranked: list[Candidate] = (), assume: Assumed = Assumed(MemoryAssumptions(), TimeAssumptions())) -> str:
+            ranked: list[Candidate], assume: Assumed) -> str:
+    """The top choice's breakdown and why, then the seeds' rules of thumb beside it, each sized and timed
+    with `assume` (the search's: a default here would time them for another runtime than the ranking)."""
     lines = ["Top choice", breakdown(best, hw), "", "Why:"]
     lines += [f"  - {w}" for w in why(best, model, gpus_per_node, ranked)]
     text, cp, sp = sequence_rule(seq)
