@@ -18,16 +18,11 @@ if TYPE_CHECKING:
 
 def _spans_nodes(topo: Topology, dims: str, world: int, gpn: int) -> bool:
     """Whether the group over `dims` of rank 0 or of the last rank holds ranks of two nodes. Its ranks
-    lie between its lowest (every coordinate over `dims` 0) and its highest, so it does exactly when
-    those two do: arithmetic, never listing a 512-rank DP group."""
-    names = parse_order(dims)
-    for rank in {0, world - 1}:
-        c = topo.coords(rank)
-        low = rank - sum(c[d] * topo.strides[d] for d in names)
-        high = low + sum((topo.sizes[d] - 1) * topo.strides[d] for d in names)
-        if low // gpn != high // gpn:
-            return True
-    return False
+    lie between its lowest and its highest, `span` apart (every coordinate over `dims` from 0 to its
+    last), so it does exactly when those two do: arithmetic, never listing a 512-rank DP group. Rank 0's
+    group runs from 0 up, the last rank's down to the last rank."""
+    span = sum((topo.sizes[d] - 1) * topo.strides[d] for d in parse_order(dims))
+    return span >= gpn or (world - 1 - span) // gpn != (world - 1) // gpn
 
 
 _CROSS: dict[tuple, tuple[dict, dict]] = {}
@@ -39,13 +34,13 @@ def _crossings(plan: Plan, gpn: int) -> tuple[dict, dict[str, str]]:
     lay = Layout(tp=plan.tp, cp=plan.cp, pp=plan.pp, dp=plan.dp, ep=plan.ep, etp=plan.etp,
                  order=plan.config.parallel.order)
     d, e, w = lay.dense, lay.expert, plan.world
-    cross = {"tp": _spans_nodes(d, "tp", w, gpn), "cp": _spans_nodes(d, "cp", w, gpn),
-             "pp": _spans_nodes(d, "pp", w, gpn), "dp": _spans_nodes(d, "cp-dp", w, gpn),
-             "ep": _spans_nodes(e, "ep", w, gpn), "etp": _spans_nodes(e, "etp", w, gpn),
-             "edp": _spans_nodes(e, "edp", w, gpn)}
+    cross = {g: _spans_nodes(topo, dims, w, gpn) for g, topo, dims in (
+        ("tp", d, "tp"), ("cp", d, "cp"), ("pp", d, "pp"), ("dp", d, "cp-dp"), ("ep", e, "ep"), ("etp", e, "etp"),
+        ("edp", e, "edp"))}
     cross["embedding"] = cross["pp"]  # the first and last pipeline ranks
     cross["tp-cp"] = _spans_nodes(d, "tp-cp", w, gpn)
-    cross["ep local"] = sum(1 for r in e.group(0, "ep") if r // gpn == 0)  # EP peers in rank 0's node
+    # EP peers in rank 0's node: rank 0's EP group is 0, stride, 2 stride, ... (ep of them)
+    cross["ep local"] = min(plan.ep, (gpn - 1) // e.strides["ep"] + 1)
     return cross, {g: "network" if v else "intra-node" for g, v in cross.items()}
 
 
