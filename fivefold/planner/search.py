@@ -158,23 +158,26 @@ def with_group(cfg: Config, rule: str = "megatron") -> Config:
 
 
 def evaluate(cfg: Config, hw: Hardware, mem: MemoryAssumptions = MemoryAssumptions(),
-             ta: TimeAssumptions = TimeAssumptions(), check: bool = True, plan: Plan | None = None) -> Candidate:
-    """Check, size and time one config (`plan`: its Plan, when the caller has one); `problem` says why
-    it is dropped."""
+             ta: TimeAssumptions = TimeAssumptions(), check: bool = True, plan: Plan | None = None,
+             sized: RankMemory | None = None) -> Candidate:
+    """Check, size and time one config (`plan`: its Plan, when the caller has one; `sized`: its peak
+    memory, when the caller has sized a config the memory model cannot tell from it); `problem` says
+    why it is dropped."""
     if check:
         broken = config_errors(cfg)
         if broken:
             return Candidate(cfg, RankMemory(rank=0), problem="; ".join(broken))
     plan = Plan(cfg) if plan is None or check else plan
-    try:
-        worst = peak_memory(plan, mem)
-    except ValueError as e:
-        return Candidate(cfg, RankMemory(rank=0), problem=str(e))
-    if worst.total > hw.memory_bytes:
-        over = (worst.total - hw.memory_bytes) / GiB
-        return Candidate(cfg, worst, problem=f"needs {worst.total / GiB:.1f} GiB on pipeline rank {worst.rank}, "
+    if sized is None:
+        try:
+            sized = peak_memory(plan, mem)
+        except ValueError as e:
+            return Candidate(cfg, RankMemory(rank=0), problem=str(e))
+    if sized.total > hw.memory_bytes:
+        over = (sized.total - hw.memory_bytes) / GiB
+        return Candidate(cfg, sized, problem=f"needs {sized.total / GiB:.1f} GiB on pipeline rank {sized.rank}, "
                                              f"{over:.1f} GiB over the {hw.memory_bytes / GiB:.0f} GiB of a {hw.name}")
-    return Candidate(cfg, worst, estimate=step_time(plan, hw, ta))
+    return Candidate(cfg, sized, estimate=step_time(plan, hw, ta))
 
 
 def search(model: ModelConfig, hw: Hardware, world: int, gpus_per_node: int, seq: int, global_batch: int,
@@ -199,11 +202,18 @@ def search(model: ModelConfig, hw: Hardware, world: int, gpus_per_node: int, seq
 def _search(model, hw, world, gpus_per_node, seq, global_batch, precision, space, mem, ta,
             grad_reduce_in_bf16) -> SearchResult:
     result = SearchResult(ranked=[])
+    twin, known = None, {}
+    """The last layout but its CP exchange, and what sizing its variants found: the memory model reads
+    the exchange only as whether it gathers K and V (`memory.peak_memory`), so a layout's p2p and a2a
+    twins (consecutive in `structures`) hold the same: (DP mode, micro-batch, recompute) -> RankMemory,
+    DP mode -> the model-state check."""
     for parallel in structures(model, world, gpus_per_node, seq, space):
         base = with_group(make_config(model, world, gpus_per_node, seq, global_batch, precision, parallel,
                                       grad_reduce_in_bf16=grad_reduce_in_bf16, a2a_overlap=space.a2a_overlap,
                                       dispatcher=space.dispatcher, megatron_fsdp=space.megatron_fsdp,
                                       fp8_recipe=space.fp8_recipe), space.group_rule)
+        if cp_twin(base) != twin:
+            twin, known = cp_twin(base), {}
         broken = config_errors(base)
         layout = Plan(base)  # after config_errors: it writes the resolved VPP, schedule and SP back
         dp, grouped = layout.dp, layout.schedule == "interleaved"
@@ -218,9 +228,11 @@ def _search(model, hw, world, gpus_per_node, seq, global_batch, precision, space
             # mode fits, larger micro-batches are dropped whole (one entry each).
             state = None
             if not broken:
-                first = _variant(base, 1, None, dp_mode, space.megatron_fsdp)
-                state = ("optim" in space.dp_modes and sharded_under_pp(first, layout)) or \
-                    state_problem(first, hw, mem, layout)
+                if dp_mode not in known:
+                    first = _variant(base, 1, None, dp_mode, space.megatron_fsdp)
+                    known[dp_mode] = ("optim" in space.dp_modes and sharded_under_pp(first, layout)) or \
+                        state_problem(first, hw, mem, layout)
+                state = known[dp_mode]
             failed: dict[str | None, tuple[int, str]] = {}
             """recompute mode -> (micro-batch, why) where it was sized and did not fit"""
             modes = recompute_modes(space, model)
@@ -245,8 +257,11 @@ def _search(model, hw, world, gpus_per_node, seq, global_batch, precision, space
                     if recompute in failed and failed[recompute][0] < mbs and not check:
                         result.dropped.append((cfg, _larger(*failed[recompute])))
                         continue
-                    cand = evaluate(cfg, hw, mem, ta, check=check, plan=layout.with_training(cfg))
+                    cand = evaluate(cfg, hw, mem, ta, check=check, plan=layout.with_training(cfg),
+                                    sized=known.get((dp_mode, mbs, recompute)))
                     result.sized += cand.sized
+                    if cand.sized:
+                        known[(dp_mode, mbs, recompute)] = cand.memory
                     if cand.problem:
                         result.dropped.append((cfg, cand.problem))
                         if cand.sized:
@@ -258,6 +273,13 @@ def _search(model, hw, world, gpus_per_node, seq, global_batch, precision, space
                     break  # slower recompute modes than one that fits never win
     result.ranked.sort(key=rank_key)
     return result
+
+
+def cp_twin(cfg: Config) -> tuple:
+    """What tells `cfg`'s layout from its twins of another CP exchange (p2p, a2a): its parallel fields
+    but `cp_comm_type`, and whether it gathers K and V (the one way the memory model reads the exchange)."""
+    p = cfg.parallel
+    return tuple(v for k, v in vars(p).items() if k != "cp_comm_type") + (p.cp_comm_type == "allgather",)
 
 
 SHARDING = ("no_shard", "optim", "optim_grads", "optim_grads_params")
