@@ -149,8 +149,9 @@ def _mla_attention(plan: Plan) -> list[Collective]:
     return out + _tp_half(plan, per * m.hidden_size)[3:]  # o: reduce-scatter forward, all-gather backward
 
 
-def layer_collectives(plan: Plan, index: int, recomputed: bool = False) -> list[Collective]:
-    """Decoder layer `index`'s calls for one microbatch on one rank (`recomputed`: fully recomputed).
+def layer_collectives(plan: Plan, index: int, recomputed: bool = False, cp_calls: bool = True) -> list[Collective]:
+    """Decoder layer `index`'s calls for one microbatch on one rank (`recomputed`: fully recomputed;
+    `cp_calls`: with context parallelism's, which come last).
     What recompute reruns in backward calls again: a fully recomputed layer its forward's calls (a dense
     layer's but the last: torch.utils.checkpoint stops once every saved tensor is recomputed, and the
     MLP's output reduction feeds none), selective recompute of `moe` the MoE layer's forward calls, of
@@ -178,7 +179,7 @@ def layer_collectives(plan: Plan, index: int, recomputed: bool = False) -> list[
         last = mlp_forward[-1] if mlp_forward else expert_calls[0] if plan.tp > 1 and not plan.sp else None
         again = [c for c in again if c is not last]
     out += again  # the same calls, made again during backward
-    if plan.cp > 1:
+    if plan.cp > 1 and cp_calls:
         out += cp_collectives(plan, recomputed or (selective and "core_attn" in plan.recompute_modules),
                               core_only=not recomputed)
     return out

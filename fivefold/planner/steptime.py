@@ -27,8 +27,8 @@ from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 from fivefold.planner.activations import ArchTraits, Sharding, layer_activation_bytes, routed_share
-from fivefold.planner.collectives import (Collective, attention_call_keys, dp_calls_per_step, group_sizes, layer_collectives,
-                                          stage_collectives, step_collectives)
+from fivefold.planner.collectives import (Collective, attention_call_keys, cp_collectives, dp_calls_per_step, group_sizes,
+                                          layer_collectives, stage_collectives, step_collectives)
 from fivefold.planner.flops import attention_core_flops, layer_forward_flops, model_flops_per_token, output_forward_flops
 from fivefold.planner.mtp import mtp_forward_flops
 from fivefold.planner.layout import Plan
@@ -237,9 +237,17 @@ def _stage_calls(plan: Plan, r: int, links: Links, sizes: dict[str, int], key: t
 
 
 def _on_the_path(timed: Timed) -> Timed:
-    """`timed`, checked to hide behind nothing (stage calls are added whole: `_add_timed`)."""
+    """`timed`, checked to hide behind nothing (stage calls are added whole: `_add_timed`), its pipeline
+    sends and receives (four per chunk boundary: tens under VPP) as one entry. A rank's layers report
+    nothing under pp (`_rank_cost` adds them first), so their sum taken here, in call order from 0,
+    is the float `_add_timed` would reach adding them one by one."""
     assert all(behind is None for *_, behind, _ in timed)
-    return timed
+    t = wire = 0.0
+    for part, seconds, sent, *_ in timed:
+        if part == "pp":
+            t += seconds
+            wire += sent
+    return tuple(c for c in timed if c[0] != "pp") + ((("pp", t, wire, None, 1),) if wire or t else ())
 
 
 def _step_calls(plan: Plan, r: int, links: Links, sizes: dict[str, int], key: tuple) -> Timed:
@@ -272,42 +280,56 @@ def _add_calls(calls: list[Collective], links: Links, sizes: dict[str, int], par
         parts["cp"] += max(0.0, overlapped - hidden * links.ta.cp_overlap)
 
 
-def _selective_rerun(plan: Plan, i: int, t_core: float, t_linear: float, t_experts: float, flops_rate: float,
-                     hw: Hardware, ta: TimeAssumptions) -> float:
-    """Seconds selective recompute adds to layer `i`'s backward per microbatch: the forward of what it
-    recomputes. torchtitan's op-level SAC (`op_level_sac`): the matmuls whose outputs it does not keep
-    (every other one: half the linear time) and the routed experts. Megatron's --recompute-modules:
-    core_attn the attention core; mla_up_proj the q / kv up-projections; mlp a dense MLP; moe the
-    router, routed and shared experts (its dispatch / combine run again too: `layer_collectives`);
+def _selective_rerun(t_core: float, t_experts: float, flops_rate: float, hw: Hardware, work: "_Work") -> float:
+    """Seconds selective recompute adds to a layer's backward per microbatch: the forward of what it
+    recomputes (`_rerun_work` says which), from the layer's attention core and routed-expert seconds."""
+    if work.rerun is None:
+        return 0.0
+    if work.rerun == "sac":
+        return work.t_linear / 2 + t_experts
+    core, experts, tokens, matmul, dropped = work.rerun
+    t = t_core if core else 0.0
+    if experts:
+        t += t_experts
+    t += 2 * tokens * matmul / flops_rate
+    return t if dropped is None else t + 2 * dropped / hw.memory_bw
+
+
+def _rerun_work(plan: Plan, i: int, ta: TimeAssumptions):
+    """What selective recompute reruns in layer `i`'s backward: None (no selective recompute), "sac"
+    (torchtitan's op-level SAC, `op_level_sac`: the matmuls whose outputs it does not keep, every other
+    one: half the linear time, and the routed experts), or Megatron's --recompute-modules as (the
+    attention core again?, the routed experts again?, tokens per rank, parameters the rerun multiplies
+    each token by (TP-split), bytes the memory-bound modules write again and read or None). core_attn
+    the attention core; mla_up_proj the q / kv up-projections; mlp a dense MLP; moe the router,
+    routed and shared experts (its dispatch / combine run again too: `layer_collectives`);
     shared_experts those; layernorm and moe_act are memory-bound: their dropped outputs written again
     and their inputs read, at HBM bandwidth."""
     if plan.recompute != "selective":
-        return 0.0
+        return None
     if ta.op_level_sac:
-        return t_linear / 2 + t_experts
+        return "sac"
     m, sh = plan.config.model, _sharding(plan)
     tokens = plan.mbs * plan.seq / (plan.tp * plan.cp)  # per rank, TP-split linears
     lp, moe = layer_params(m, i), is_moe_layer(m, i)
     matmul = 0.0  # parameters the rerun multiplies each token by, split by TP
-    t = t_core if sh.recomputes("core_attn") else 0.0
     if m.multi_latent_attention and sh.recomputes("mla_up_proj"):
         a = m.num_attention_heads
         matmul += (m.q_lora_rank or 0) * a * (m.qk_head_dim + m.qk_pos_emb_head_dim)
         matmul += m.kv_lora_rank * a * (m.qk_head_dim + m.v_head_dim)
     if (not moe and sh.recomputes("mlp")) or (moe and (sh.recomputes("moe") or sh.recomputes("shared_experts"))):
         matmul += lp.dense_mlp  # the dense MLP or the shared experts
-    if moe and sh.recomputes("moe"):
+    experts = moe and sh.recomputes("moe")
+    if experts:
         matmul += m.hidden_size * m.num_experts * plan.tp  # the router, replicated: each rank routes its tokens
-        t += t_experts
-    t += 2 * tokens * matmul / flops_rate
-    if not sh.modules & {"layernorm", "moe_act"}:
-        return t
-    kept = Sharding.of(tp=sh.tp, sp=sh.sp, cp=sh.cp, etp=sh.etp)
-    traits = _traits(plan.precision)
-    dropped = sum(layer_activation_bytes(m, i, plan.mbs, plan.seq, kept, traits).values()) - \
-        sum(layer_activation_bytes(m, i, plan.mbs, plan.seq, replace(sh, modules=sh.modules & {"layernorm", "moe_act"}),
-                                   traits).values())
-    return t + 2 * dropped / hw.memory_bw
+    dropped = None
+    if sh.modules & {"layernorm", "moe_act"}:
+        kept = Sharding.of(tp=sh.tp, sp=sh.sp, cp=sh.cp, etp=sh.etp)
+        traits = _traits(plan.precision)
+        dropped = sum(layer_activation_bytes(m, i, plan.mbs, plan.seq, kept, traits).values()) - \
+            sum(layer_activation_bytes(m, i, plan.mbs, plan.seq,
+                                       replace(sh, modules=sh.modules & {"layernorm", "moe_act"}), traits).values())
+    return sh.recomputes("core_attn"), experts, tokens, matmul, dropped
 
 
 def _sharding(plan: Plan) -> Sharding:
@@ -371,18 +393,64 @@ def _layer_cost(plan: Plan, links: Links, sizes: dict[str, int], i: int, recompu
 
 def _layer_cost_of(plan: Plan, links: Links, sizes: dict[str, int], i: int, recomputed: bool, flops_rate: float):
     m, b, s, tp, cp, ta, hw = plan.config.model, plan.mbs, plan.seq, plan.tp, plan.cp, links.ta, links.hw
-    parts = dict.fromkeys(("compute", "tp", "cp", "ep"), 0.0)
-    sent = dict.fromkeys(("tp", "cp", "ep"), 0.0)
     # each op class at its own rate: linear GEMMs, the attention core (bf16 flash), grouped experts
-    lp = layer_params(m, i)
     core = attention_core_flops(m, s) * b * s
-    experts = 2 * lp.active_experts * b * s
-    linear = layer_forward_flops(m, i, s) * b * s - core - experts
     attn_rate = hw.achievable_flops("bf16") * (ta.attention_efficiency or ta.gemm_efficiency)
     if ta.attention_half_keys:
         keys = attention_call_keys(plan)
         attn_rate *= keys / (keys + ta.attention_half_keys)
     t_core = core / (tp * cp) / attn_rate
+    work = _layer_work(plan, links, sizes, i, recomputed, flops_rate)
+    t_fwd = t_core + work.t_linear + work.t_experts
+    extra = t_fwd if recomputed else _selective_rerun(t_core, work.t_experts, flops_rate, hw, work)
+    parts = {"compute": 3 * t_fwd + extra, **work.parts}
+    if ta.membound_passes:
+        parts["compute"] += ta.membound_passes * work.touched / hw.memory_bw
+    sent = dict(work.sent)
+    calls = cp_collectives(plan, recomputed or (plan.recompute == "selective" and "core_attn" in plan.recompute_modules),
+                           core_only=not recomputed) if cp > 1 else []
+    assert all(c.group == "cp" for c in calls), "a CP call on a group the shared work counts"
+    _add_calls(calls, links, sizes, parts, sent, 3 * t_core)  # hidden: the attention core, forward + backward
+    return parts, sent
+
+
+class _Work(NamedTuple):
+    """What a layer's cost shares with its twin of another CP exchange (the exchange sets the attention
+    core's rate and the CP calls, `cp_collectives`, alone): its linear and routed-expert seconds, what
+    selective recompute reruns (`_rerun_work`), the activation bytes memory-bound work touches, and
+    its calls but CP's, timed (seconds and wire bytes by part, on tp and ep only)."""
+    t_linear: float
+    t_experts: float
+    rerun: object
+    touched: float
+    parts: dict
+    sent: dict
+
+
+_LAYER_WORK: dict[tuple, tuple] = {}
+"""A layer's `_Work`, by what it depends on (the model and hardware kept alive beside their ids)."""
+
+
+def _layer_work(plan: Plan, links: Links, sizes: dict[str, int], i: int, recomputed: bool, flops_rate: float) -> _Work:
+    m, p = plan.config.model, plan.config.parallel
+    moe = is_moe_layer(m, i)
+    key = (recomputed, moe, id(m), id(links.hw), links.ta, plan.recompute, plan.recompute_modules, plan.mbs, plan.seq,
+           plan.precision, plan.tp, plan.sp, plan.cp, links.cross["tp"], links.cross["tp-cp"], flops_rate)
+    if moe:
+        key += (plan.ep, plan.etp, links.cross["ep"], links.cross["etp"], links.cross["ep local"],
+                p.overlap_moe_expert_parallel_comm, p.moe_token_dispatcher_type)
+    got = _LAYER_WORK.get(key)
+    if got is None or got[0] is not m or got[1] is not links.hw:
+        got = _LAYER_WORK[key] = (m, links.hw, _layer_work_of(plan, links, sizes, i, recomputed, flops_rate))
+    return got[2]
+
+
+def _layer_work_of(plan: Plan, links: Links, sizes: dict[str, int], i: int, recomputed: bool, flops_rate: float) -> _Work:
+    m, b, s, tp, cp, ta = plan.config.model, plan.mbs, plan.seq, plan.tp, plan.cp, links.ta
+    lp = layer_params(m, i)
+    core = attention_core_flops(m, s) * b * s
+    experts = 2 * lp.active_experts * b * s
+    linear = layer_forward_flops(m, i, s) * b * s - core - experts
     t_linear = linear / (tp * cp) / flops_rate
     t_experts = 0.0
     if experts:
@@ -393,17 +461,16 @@ def _layer_cost_of(plan: Plan, links: Links, sizes: dict[str, int], i: int, reco
         if ta.expert_half_rows:
             expert_rate *= rows / (rows + ta.expert_half_rows)
         t_experts = experts * share / (tp * cp) / expert_rate
-    t_fwd = t_core + t_linear + t_experts
-    extra = t_fwd if recomputed else _selective_rerun(plan, i, t_core, t_linear, t_experts, flops_rate, hw, ta)
-    parts["compute"] = 3 * t_fwd + extra
+    touched = 0.0
     if ta.membound_passes:
         sh = Sharding.of(tp=tp, sp=plan.sp, cp=cp, etp=plan.etp)
         touched = sum(layer_activation_bytes(m, i, b, s, sh, _traits(plan.precision)).values())
-        parts["compute"] += ta.membound_passes * touched / hw.memory_bw
-    hidden = 3 * t_core  # the attention core, forward + backward
-    calls = layer_collectives(plan, i, recomputed)
-    assert all(c.group in LAYER_GROUPS for c in calls), "a layer call on a group the cache key leaves out"
+    parts = dict.fromkeys(("tp", "cp", "ep"), 0.0)
+    sent = dict.fromkeys(("tp", "cp", "ep"), 0.0)
+    calls = layer_collectives(plan, i, recomputed, cp_calls=False)
+    assert all(c.group in LAYER_GROUPS and c.group != "cp" for c in calls), \
+        "a layer call on a group the cache key leaves out"
     ep_share = ta.ep_overlap_1f1b if plan.config.parallel.overlap_moe_expert_parallel_comm \
         and ta.ep_overlap_1f1b is not None else ta.ep_overlap
-    _add_calls(calls, links, sizes, parts, sent, hidden, ep_share)
-    return parts, sent
+    _add_calls(calls, links, sizes, parts, sent, 0.0, ep_share)
+    return _Work(t_linear, t_experts, None if recomputed else _rerun_work(plan, i, ta), touched, parts, sent)
