@@ -151,7 +151,27 @@ def _mla_attention(plan: Plan) -> list[Collective]:
 
 def layer_collectives(plan: Plan, index: int, recomputed: bool = False, cp_calls: bool = True) -> list[Collective]:
     """Decoder layer `index`'s calls for one microbatch on one rank (`recomputed`: fully recomputed;
-    `cp_calls`: with context parallelism's, which come last).
+    `cp_calls`: with context parallelism's, which come last): its attention and MLP calls
+    (`dense_collectives`), then the routed experts', what recompute calls again and CP's
+    (`later_collectives`)."""
+    attention, mlp = dense_collectives(plan, index)
+    return attention + mlp + later_collectives(plan, index, recomputed, attention, mlp, cp_calls)
+
+
+def dense_collectives(plan: Plan, index: int) -> tuple[list[Collective], list[Collective]]:
+    """Decoder layer `index`'s attention calls and its MLP's (a dense MLP, or a MoE layer's shared
+    experts; none without them): what neither recompute, EP nor CP changes."""
+    m = plan.config.model
+    M = _tokens(plan) * m.hidden_size * act_bytes(plan)
+    attention = _mla_attention(plan) if m.multi_latent_attention else _tp_half(plan, M)
+    mlp = _tp_half(plan, M) if not is_moe_layer(m, index) or m.moe_shared_expert_intermediate_size else []
+    return attention, mlp
+
+
+def later_collectives(plan: Plan, index: int, recomputed: bool, attention: list[Collective], mlp: list[Collective],
+                      cp_calls: bool = True) -> list[Collective]:
+    """The calls of decoder layer `index` after its attention and MLP ones (`dense_collectives`, the
+    same objects): the routed experts', what recompute calls again, CP's (with `cp_calls`).
     What recompute reruns in backward calls again: a fully recomputed layer its forward's calls (a dense
     layer's but the last: torch.utils.checkpoint stops once every saved tensor is recomputed, and the
     MLP's output reduction feeds none), selective recompute of `moe` the MoE layer's forward calls, of
@@ -159,14 +179,11 @@ def layer_collectives(plan: Plan, index: int, recomputed: bool = False, cp_calls
     and EP2 full-recompute rows of benchmarks/planner_vs_measured.py, and MoE layers with shared
     experts under TP2+SP (expert TP, and EP2 x ETP1) and EP2 full recompute (EP within 1%)."""
     m = plan.config.model
-    M = _tokens(plan) * m.hidden_size * act_bytes(plan)
-    out = _mla_attention(plan) if m.multi_latent_attention else _tp_half(plan, M)  # attention
     moe = is_moe_layer(m, index)
-    mlp = _tp_half(plan, M) if not moe or m.moe_shared_expert_intermediate_size else []  # dense, or shared experts
     expert_calls = moe_collectives(plan) if moe else []
-    out += mlp + expert_calls
     selective = plan.recompute == "selective"
-    rerun = out if recomputed else (expert_calls if selective and moe and "moe" in plan.recompute_modules else [])
+    rerun = attention + mlp + expert_calls if recomputed else \
+        (expert_calls if selective and moe and "moe" in plan.recompute_modules else [])
     again = [c for c in rerun if c.phase == "forward"]
     if recomputed and again:
         # torch.utils.checkpoint stops recomputing once the last saved tensor is back, so the layer's
@@ -178,7 +195,7 @@ def layer_collectives(plan: Plan, index: int, recomputed: bool = False, cp_calls
         mlp_forward = [c for c in mlp if c.phase == "forward"]
         last = mlp_forward[-1] if mlp_forward else expert_calls[0] if plan.tp > 1 and not plan.sp else None
         again = [c for c in again if c is not last]
-    out += again  # the same calls, made again during backward
+    out = expert_calls + again  # `again`: the same calls, made again during backward
     if plan.cp > 1 and cp_calls:
         out += cp_collectives(plan, recomputed or (selective and "core_attn" in plan.recompute_modules),
                               core_only=not recomputed)

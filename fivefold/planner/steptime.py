@@ -28,7 +28,7 @@ from typing import NamedTuple
 
 from fivefold.planner.activations import ArchTraits, Sharding, layer_activation_bytes, routed_share
 from fivefold.planner.collectives import (Collective, attention_call_keys, cp_collectives, dp_calls_per_step, group_sizes,
-                                          layer_collectives, stage_collectives, step_collectives)
+                                          dense_collectives, later_collectives, stage_collectives, step_collectives)
 from fivefold.planner.flops import attention_core_flops, layer_forward_flops, model_flops_per_token, output_forward_flops
 from fivefold.planner.mtp import mtp_forward_flops
 from fivefold.planner.layout import Plan
@@ -447,11 +447,7 @@ def _layer_work(plan: Plan, links: Links, sizes: dict[str, int], i: int, recompu
 
 def _layer_work_of(plan: Plan, links: Links, sizes: dict[str, int], i: int, recomputed: bool, flops_rate: float) -> _Work:
     m, b, s, tp, cp, ta = plan.config.model, plan.mbs, plan.seq, plan.tp, plan.cp, links.ta
-    lp = layer_params(m, i)
-    core = attention_core_flops(m, s) * b * s
-    experts = 2 * lp.active_experts * b * s
-    linear = layer_forward_flops(m, i, s) * b * s - core - experts
-    t_linear = linear / (tp * cp) / flops_rate
+    experts = 2 * layer_params(m, i).active_experts * b * s
     t_experts = 0.0
     if experts:
         share = routed_share(m, b * s / (tp * cp))  # rows computed per assignment (capacity)
@@ -465,12 +461,46 @@ def _layer_work_of(plan: Plan, links: Links, sizes: dict[str, int], i: int, reco
     if ta.membound_passes:
         sh = Sharding.of(tp=tp, sp=plan.sp, cp=cp, etp=plan.etp)
         touched = sum(layer_activation_bytes(m, i, b, s, sh, _traits(plan.precision)).values())
-    parts = dict.fromkeys(("tp", "cp", "ep"), 0.0)
-    sent = dict.fromkeys(("tp", "cp", "ep"), 0.0)
-    calls = layer_collectives(plan, i, recomputed, cp_calls=False)
+    dense = _dense_work(plan, links, sizes, i, flops_rate)
+    parts, sent = dict(dense.parts), dict(dense.sent)  # the attention and MLP calls come first
+    calls = later_collectives(plan, i, recomputed, dense.attention, dense.mlp, cp_calls=False)
     assert all(c.group in LAYER_GROUPS and c.group != "cp" for c in calls), \
         "a layer call on a group the cache key leaves out"
     ep_share = ta.ep_overlap_1f1b if plan.config.parallel.overlap_moe_expert_parallel_comm \
         and ta.ep_overlap_1f1b is not None else ta.ep_overlap
     _add_calls(calls, links, sizes, parts, sent, 0.0, ep_share)
-    return _Work(t_linear, t_experts, None if recomputed else _rerun_work(plan, i, ta), touched, parts, sent)
+    return _Work(dense.t_linear, t_experts, None if recomputed else _rerun_work(plan, i, ta), touched, parts, sent)
+
+
+class _DenseWork(NamedTuple):
+    """What a layer's work shares with its twins of another recompute mode or expert layout: its
+    attention and MLP calls (`dense_collectives`), timed (seconds and wire bytes by part), and its
+    linear layers' seconds (all but the attention core and the routed experts)."""
+    attention: list
+    mlp: list
+    parts: dict
+    sent: dict
+    t_linear: float
+
+
+_DENSE_WORK: dict[tuple, tuple] = {}
+"""A layer's `_DenseWork`, by what it depends on (the model and hardware kept alive beside their ids)."""
+
+
+def _dense_work(plan: Plan, links: Links, sizes: dict[str, int], i: int, flops_rate: float) -> _DenseWork:
+    m = plan.config.model
+    key = (is_moe_layer(m, i), id(m), id(links.hw), links.ta, plan.mbs, plan.seq, plan.precision, plan.tp, plan.sp,
+           plan.cp, links.cross["tp"], flops_rate)
+    got = _DENSE_WORK.get(key)
+    if got is None or got[0] is not m or got[1] is not links.hw:
+        b, s = plan.mbs, plan.seq
+        core = attention_core_flops(m, s) * b * s
+        experts = 2 * layer_params(m, i).active_experts * b * s
+        t_linear = (layer_forward_flops(m, i, s) * b * s - core - experts) / (plan.tp * plan.cp) / flops_rate
+        attention, mlp = dense_collectives(plan, i)
+        assert all(c.group == "tp" for c in attention + mlp), "a layer call on a group the cache key leaves out"
+        parts = dict.fromkeys(("tp", "cp", "ep"), 0.0)
+        sent = dict.fromkeys(("tp", "cp", "ep"), 0.0)
+        _add_calls(attention + mlp, links, sizes, parts, sent)
+        got = _DENSE_WORK[key] = (m, links.hw, _DenseWork(attention, mlp, parts, sent, t_linear))
+    return got[2]
