@@ -373,27 +373,30 @@ def test_closed_form_schedules_change_no_result(monkeypatch):
 
 
 def test_spans_nodes_by_arithmetic_equals_listing_the_group():
-    """links._spans_nodes reads a group's lowest and highest rank instead of listing it: the same
-    answer as the nodes of every rank of the group, on every group of a grid of layouts and orders;
-    and `_crossings`' EP peers in rank 0's node, by stride, as many as listing its EP group finds."""
+    """links._crossings reads each group's lowest and highest rank from the grids' strides instead of
+    building the topology and listing the group: the same answer as the nodes of every rank of the
+    group, on every group of a grid of layouts and orders; and its EP peers in rank 0's node, by stride,
+    as many as listing that EP group finds."""
     from types import SimpleNamespace
 
-    from fivefold.planner.links import _crossings, _spans_nodes
+    from fivefold.planner.links import _crossings
     from fivefold.topology import Layout
+    groups = {"tp": ("dense", "tp"), "cp": ("dense", "cp"), "pp": ("dense", "pp"), "dp": ("dense", "cp-dp"),
+              "tp-cp": ("dense", "tp-cp"), "ep": ("expert", "ep"), "etp": ("expert", "etp"), "edp": ("expert", "edp")}
     for tp, cp, pp, dp, ep, etp in ((2, 2, 4, 8, 4, 1), (8, 1, 2, 4, 16, 2), (1, 4, 8, 2, 8, 1), (4, 2, 1, 16, 32, 4)):
         for order in ("tp-cp-ep-dp-pp", "tp-cp-ep-pp-dp", "tp-pp-cp-ep-dp"):
             lay = Layout(tp=tp, cp=cp, pp=pp, dp=dp, ep=ep, etp=etp, order=order)
             w = lay.world_size
-            for topo, groups in ((lay.dense, ("tp", "cp", "pp", "cp-dp", "tp-cp")), (lay.expert, ("ep", "etp", "edp"))):
-                for dims in groups:
-                    for gpn in (1, 4, 8, 64):
-                        listed = any(len({r // gpn for r in topo.group(rank, dims)}) > 1 for rank in {0, w - 1})
-                        assert _spans_nodes(topo, dims, w, gpn) == listed, (order, dims, gpn)
-            plan = SimpleNamespace(tp=tp, cp=cp, pp=pp, dp=dp, ep=ep, etp=etp, world=w,
+            plan = SimpleNamespace(tp=tp, cp=cp, pp=pp, dp=dp, ep=ep, etp=etp, edp=lay.edp, world=w,
                                    config=SimpleNamespace(parallel=SimpleNamespace(order=order)))
             for gpn in (1, 4, 8, 64):
+                cross = _crossings(plan, gpn)[0]
+                for g, (grid, dims) in groups.items():
+                    topo = getattr(lay, grid)
+                    listed = any(len({r // gpn for r in topo.group(rank, dims)}) > 1 for rank in {0, w - 1})
+                    assert cross[g] == listed, (order, g, gpn)
                 local = sum(1 for r in lay.expert.group(0, "ep") if r // gpn == 0)
-                assert _crossings(plan, gpn)[0]["ep local"] == local, (order, gpn)
+                assert cross["ep local"] == local, (order, gpn)
 
 
 def test_mtp_work_on_the_last_stage_shifts_its_layers_to_the_first():
