@@ -353,11 +353,11 @@ the layer split share their layers' costs (the model is kept alive beside its id
 class _Keys(NamedTuple):
     """What a plan's costs depend on besides the rank or layer, built once per step estimate (the model
     and hardware by identity, kept alive beside what they key)."""
-    dense: tuple
-    """A dense decoder layer's (`_layer_cost`, with whether it is recomputed): nothing over EP / ETP, so
-    layouts that differ only there share it."""
-    moe: tuple
-    """A MoE layer's: the dense key and the expert layout and links."""
+    layers: tuple[tuple, tuple, tuple, tuple]
+    """A decoder layer's (`_layer_cost`), at 2 x (MoE?) + (recomputed?): a dense layer's says nothing of
+    EP / ETP, so layouts that differ only there share it; a MoE layer's adds the expert layout and
+    links. A layer full recompute leaves alone (multi-token prediction's) costs what it costs without
+    recompute: its key says none."""
     stage: tuple
     """A rank's per-microbatch calls (`_stage_calls`, with the rank's shape but its first layer)."""
     step: tuple
@@ -367,24 +367,27 @@ class _Keys(NamedTuple):
 def _keys(plan: Plan, links: Links, flops_rate: float) -> _Keys:
     m, p = plan.config.model, plan.config.parallel
     model = (id(m), id(links.hw), links.ta)
-    common = model + (plan.recompute, plan.recompute_modules, plan.mbs, plan.seq, plan.precision, plan.tp, plan.sp,
-                      plan.cp, p.cp_comm_type, tuple(p.hierarchical_context_parallel_sizes or ()), links.cross["tp"],
-                      links.cross["cp"], links.cross["tp-cp"], flops_rate)
+    common = (plan.recompute_modules, plan.mbs, plan.seq, plan.precision, plan.tp, plan.sp, plan.cp, p.cp_comm_type,
+              tuple(p.hierarchical_context_parallel_sizes or ()), links.cross["tp"], links.cross["cp"],
+              links.cross["tp-cp"], flops_rate)
     experts = (plan.ep, plan.etp, links.cross["ep"], links.cross["etp"], links.cross["ep local"],
                p.overlap_moe_expert_parallel_comm, p.moe_token_dispatcher_type) if m.is_moe else ()
+    kept = None if plan.recompute == "full" else plan.recompute  # what a layer it leaves alone runs under
+    layers = tuple((recomputed, moe) + model + (plan.recompute if recomputed else kept,) + common + (experts if moe else ())
+                   for moe in (False, True) for recomputed in (False, True))
     stage = model + ("stage", plan.tp, plan.sp, plan.cp, plan.pp, plan.mbs, plan.seq, plan.precision,
                      links.cross["tp"], links.cross["pp"])
     step = model + ("step", plan.tp, plan.sp, plan.cp, plan.dp, plan.pp, plan.vpp, plan.schedule, plan.ep, plan.etp,
                     plan.edp, plan.precision, plan.config.training.sharding_strategy, plan.reduce_every_microbatch,
                     dp_calls_per_step(plan), links.cross["tp"], links.cross["embedding"], links.cross["dp"], links.cross["edp"], p.order)
-    return _Keys((False,) + common, (True,) + common + experts, stage, step)
+    return _Keys(layers, stage, step)
 
 
 def _layer_cost(plan: Plan, links: Links, sizes: dict[str, int], i: int, recomputed: bool, flops_rate: float,
                 keys: _Keys):
     """(seconds by kind, wire bytes sent by kind) of decoder layer `i` for one microbatch on one rank."""
     m = plan.config.model
-    key = (recomputed,) + (keys.moe if is_moe_layer(m, i) else keys.dense)
+    key = keys.layers[2 * is_moe_layer(m, i) + recomputed]
     got = _LAYER_COSTS.get(key)
     if got is None or got[0] is not m or got[1] is not links.hw:
         got = _LAYER_COSTS[key] = (m, links.hw, _layer_cost_of(plan, links, sizes, i, recomputed, flops_rate))
@@ -434,7 +437,8 @@ _LAYER_WORK: dict[tuple, tuple] = {}
 def _layer_work(plan: Plan, links: Links, sizes: dict[str, int], i: int, recomputed: bool, flops_rate: float) -> _Work:
     m, p = plan.config.model, plan.config.parallel
     moe = is_moe_layer(m, i)
-    key = (recomputed, moe, id(m), id(links.hw), links.ta, plan.recompute, plan.recompute_modules, plan.mbs, plan.seq,
+    recompute = plan.recompute if recomputed or plan.recompute != "full" else None  # (as `_Keys.layers`)
+    key = (recomputed, moe, id(m), id(links.hw), links.ta, recompute, plan.recompute_modules, plan.mbs, plan.seq,
            plan.precision, plan.tp, plan.sp, plan.cp, links.cross["tp"], links.cross["tp-cp"], flops_rate)
     if moe:
         key += (plan.ep, plan.etp, links.cross["ep"], links.cross["etp"], links.cross["ep local"],
