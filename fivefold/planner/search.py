@@ -202,6 +202,7 @@ def search(model: ModelConfig, hw: Hardware, world: int, gpus_per_node: int, seq
 def _search(model, hw, world, gpus_per_node, seq, global_batch, precision, space, mem, ta,
             grad_reduce_in_bf16) -> SearchResult:
     result = SearchResult(ranked=[])
+    trainings: dict[tuple, TrainingConfig] = {}  # the variants' training sections (`_variant`)
     twin, known = None, {}
     """The last layout but its CP exchange, and what sizing its variants found: the memory model reads
     the exchange only as whether it gathers K and V (`memory.peak_memory`), so a layout's p2p and a2a
@@ -229,7 +230,7 @@ def _search(model, hw, world, gpus_per_node, seq, global_batch, precision, space
             state = None
             if not broken:
                 if dp_mode not in known:
-                    first = _variant(base, 1, None, dp_mode, space.megatron_fsdp)
+                    first = _variant(base, 1, None, dp_mode, space.megatron_fsdp, trainings)
                     known[dp_mode] = ("optim" in space.dp_modes and sharded_under_pp(first, layout)) or \
                         state_problem(first, hw, mem, layout)
                 state = known[dp_mode]
@@ -241,7 +242,7 @@ def _search(model, hw, world, gpus_per_node, seq, global_batch, precision, space
                     continue
                 for i, recompute in enumerate(modes):
                     result.tried += 1
-                    cfg = _variant(base, mbs, recompute, dp_mode, space.megatron_fsdp)
+                    cfg = _variant(base, mbs, recompute, dp_mode, space.megatron_fsdp, trainings)
                     if broken or state:
                         result.dropped.append((cfg, "; ".join(broken) or state))
                         break
@@ -385,18 +386,26 @@ def _may_break(cfg: Config, dp: int) -> bool:
                               t.global_batch_size // (t.micro_batch_size * dp), p.microbatch_group_size_per_vp_stage) is not None
 
 
-def _variant(base: Config, mbs: int, recompute: str | None, dp_mode: str, megatron_fsdp: bool = False) -> Config:
+def _variant(base: Config, mbs: int, recompute: str | None, dp_mode: str, megatron_fsdp: bool = False,
+             trainings: dict | None = None) -> Config:
     """`base` (from `make_config`) with another micro-batch, recompute and data-parallel mode: the fields
     `make_config` sets, copied rather than re-initialised (neither dataclass has a __post_init__;
-    the search makes one per variant)."""
-    training = object.__new__(TrainingConfig)
-    training.__dict__.update(base.training.__dict__)
-    training.micro_batch_size, training.use_distributed_optimizer = mbs, dp_mode != "no_shard"
-    training.data_parallel_sharding_strategy = dp_mode
-    training.use_megatron_fsdp = runs_megatron_fsdp(megatron_fsdp, dp_mode)
-    training.recompute_granularity, training.recompute_modules = recompute_fields(recompute)
-    training.recompute_method = "uniform" if recompute == "full" else None
-    training.recompute_num_layers = 1 if recompute == "full" else None
+    the search makes one per variant). `trainings`: the training sections made so far, by (micro-batch,
+    recompute, mode), shared by every layout of one search (`make_config` writes the same training
+    section for each: its arguments are the search's); the sections are read only."""
+    key = (mbs, recompute, dp_mode)
+    training = trainings.get(key) if trainings is not None else None
+    if training is None:
+        training = object.__new__(TrainingConfig)
+        training.__dict__.update(base.training.__dict__)
+        training.micro_batch_size, training.use_distributed_optimizer = mbs, dp_mode != "no_shard"
+        training.data_parallel_sharding_strategy = dp_mode
+        training.use_megatron_fsdp = runs_megatron_fsdp(megatron_fsdp, dp_mode)
+        training.recompute_granularity, training.recompute_modules = recompute_fields(recompute)
+        training.recompute_method = "uniform" if recompute == "full" else None
+        training.recompute_num_layers = 1 if recompute == "full" else None
+        if trainings is not None:
+            trainings[key] = training
     cfg = object.__new__(Config)
     cfg.__dict__.update(base.__dict__)
     cfg.training = training
