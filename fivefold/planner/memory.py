@@ -51,7 +51,7 @@ from fivefold.planner.activations import (EAGER_TRAITS, FP8_SCALE_BYTES, OFFLOAD
                                           layer_activation_bytes, weight_grad_join_bytes)
 from fivefold.planner.layout import Plan
 from fivefold.planner.mtp import mtp_activation_values, mtp_params
-from fivefold.planner.params import embedding_params, kv_params, kv_tp_split, layer_params
+from fivefold.planner.params import embedding_params, is_moe_layer, kv_params, kv_tp_split, layer_params
 from fivefold.planner.pipeline import Front, pipeline_profile
 
 GiB = 2**30
@@ -651,22 +651,44 @@ def _layers(plan: Plan, kinds: tuple, r: int, sh: Sharding, traits: ArchTraits, 
     per_mb, transient, joins, bwd, offloaded, last = 0.0, 0.0, 0.0, 0.0, 0.0, 0.0
     offload = [OFFLOAD_MODULES[name] for name in plan.offload_modules]
     for i, recomputed, n in plan.layer_groups(r):
-        layer_sh = sh if recomputed or plan.recompute != "full" else \
-            Sharding.of(tp=sh.tp, sp=sh.sp, cp=sh.cp, etp=sh.etp, recompute=None)
-        saved = layer_activation_bytes(m, i, b, s, layer_sh, traits)
-        reruns = recomputed or (sh.recompute == "selective" and traits.op_level_sac)  # the layer's backward rebuilds it
-        peak = full_recompute_transient(m, i, b, s, sh, traits) if reruns else 0.0
+        saved, total, peak, join, held = _layer_kind(plan, i, recomputed, sh, traits, gathers, deferred)
         for k, v in saved.items():
             detail[k] = detail.get(k, 0.0) + v * n
             per_mb += v * n
-        last = sum(saved.values())
+        last = total
         offloaded += sum(saved.get(key, 0.0) for key in offload) * n
         transient = max(transient, peak)
-        if deferred:
-            joins += weight_grad_join_bytes(m, i, b, s, sh, traits) * n
-        bwd = max(bwd, backward_transient(m, i, b, s, sh, traits), gathered_kv_bytes(m, b, s, sh, traits) if gathers else 0.0)
+        joins += join * n
+        bwd = max(bwd, held)
     out = (detail, per_mb, transient, joins, bwd, offloaded, last)
     _LAYERS[key] = (m, out)
+    return out
+
+
+_KINDS: dict[tuple, tuple] = {}
+"""One layer's terms of `_layers` by what they depend on (its kind, not its index: layers of a kind
+hold the same, as `_LAYERS`' keys assume; the model kept alive beside its id): the same kinds recur
+on many ranks and splits."""
+
+
+def _layer_kind(plan: Plan, i: int, recomputed: bool, sh: Sharding, traits: ArchTraits, gathers: bool,
+                deferred: bool) -> tuple:
+    """(activation bytes by tensor, their total, recompute transient, W-pending join bytes, backward
+    transient) of layer `i` (`_layers`' arguments)."""
+    m, b, s = plan.config.model, plan.mbs, plan.seq
+    left = not recomputed and plan.recompute == "full"  # a layer full recompute leaves alone (MTP's)
+    key = (id(m), is_moe_layer(m, i), recomputed, left, b, s, sh, traits, gathers, deferred)
+    got = _KINDS.get(key)
+    if got is not None and got[0] is m:
+        return got[1]
+    layer_sh = Sharding.of(tp=sh.tp, sp=sh.sp, cp=sh.cp, etp=sh.etp, recompute=None) if left else sh
+    saved = layer_activation_bytes(m, i, b, s, layer_sh, traits)
+    reruns = recomputed or (sh.recompute == "selective" and traits.op_level_sac)  # the layer's backward rebuilds it
+    peak = full_recompute_transient(m, i, b, s, sh, traits) if reruns else 0.0
+    join = weight_grad_join_bytes(m, i, b, s, sh, traits) if deferred else 0.0
+    held = max(backward_transient(m, i, b, s, sh, traits), gathered_kv_bytes(m, b, s, sh, traits) if gathers else 0.0)
+    out = (saved, sum(saved.values()), peak, join, held)
+    _KINDS[key] = (m, out)
     return out
 
 

@@ -361,7 +361,7 @@ def clear_caches() -> None:
     counts, layer and call costs, links, schedule simulations): a cold search, for tests."""
     from fivefold.parallel import precision
     from fivefold.planner import activations, flops, layout, links, memory, params, pipeline, space, steptime
-    for cache in (layout._SPLITS, layout._GROUPS, memory._PARAMS, memory._LAYERS, params._CACHE, flops._PER_TOKEN,
+    for cache in (layout._SPLITS, layout._GROUPS, memory._PARAMS, memory._LAYERS, memory._KINDS, params._CACHE, flops._PER_TOKEN,
                   links._CROSS, steptime._CALLS, steptime._LAYER_COSTS, steptime._LAYER_WORK,
                   steptime._DENSE_WORK):
         cache.clear()
