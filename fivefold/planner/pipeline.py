@@ -173,6 +173,7 @@ def pipeline_time(schedule: str, stage_times: list[float], vpp: int | None, m: i
     return m * worst + bubble_stage_times(schedule, pp, vpp, m, group, fused) * (sum(stage_times) - worst) / (pp - 1)
 
 
+@lru_cache(maxsize=4096)
 def bubble_fraction(schedule: str, pp: int, vpp: int | None, m: int, group: int | None = None,
                     fused: bool = False) -> float:
     """Idle share of the pipeline time with equal stages."""

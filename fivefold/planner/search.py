@@ -361,12 +361,13 @@ def clear_caches() -> None:
     counts, layer and call costs, links, schedule simulations): a cold search, for tests."""
     from fivefold.parallel import precision
     from fivefold.planner import activations, flops, layout, links, memory, params, pipeline, space, steptime
-    for cache in (layout._SPLITS, layout._GROUPS, memory._PARAMS, memory._LAYERS, memory._KINDS, params._CACHE, flops._PER_TOKEN,
-                  links._CROSS, steptime._CALLS, steptime._LAYER_COSTS, steptime._LAYER_WORK,
+    for cache in (layout._SPLITS, layout._GROUPS, memory._PARAMS, memory._LAYERS, memory._KINDS, params._CACHE,
+                  flops._PER_TOKEN, links._CROSS, steptime._CALLS, steptime._LAYER_COSTS, steptime._LAYER_WORK,
                   steptime._DENSE_WORK):
         cache.clear()
-    for fn in (pipeline._simulate, pipeline._equal_stages, pipeline.pipeline_profile, space.layer_splits, memory._for_precision,
-               activations._interned, precision._policy, precision.Precision.state_bytes, links.nodes_hit):
+    for fn in (pipeline._simulate, pipeline._equal_stages, pipeline.pipeline_profile, pipeline.bubble_fraction,
+               space.layer_splits, memory._for_precision, activations._interned, precision._policy,
+               precision.Precision.state_bytes, links.nodes_hit):
         fn.cache_clear()
 
 

@@ -145,11 +145,10 @@ def step_time(plan: Plan, hw: Hardware, ta: TimeAssumptions = TimeAssumptions())
         comp = rank_parts[r]["compute"]
         behind_of = {"backward": comp * 2 / 3, "forward": comp / 3}  # what a step call can hide behind
         exposed: dict[str, float] = {}
-        sent: dict[str, float] = {}
-        for part, t, wire, behind, spread in _step_calls(plan, r, links, sizes, keys.step):
+        calls, sent = _step_calls(plan, r, links, sizes, keys.step)
+        for part, t, behind, spread in calls:
             hide = spread * behind_of.get(behind, 0.0)
             exposed[part] = exposed.get(part, 0.0) + max(0.0, t - hide)
-            sent[part] = sent.get(part, 0.0) + wire
         dense, expert = rank_params(plan, r)
         local = (dense / (plan.dp * cp) + expert / plan.edp) if distopt else dense + expert
         opt = local * ta.optimizer_bytes_per_param / (hw.memory_bw * 0.8)
@@ -250,9 +249,17 @@ def _on_the_path(timed: Timed) -> Timed:
     return tuple(c for c in timed if c[0] != "pp") + ((("pp", t, wire, None, 1),) if wire or t else ())
 
 
-def _step_calls(plan: Plan, r: int, links: Links, sizes: dict[str, int], key: tuple) -> Timed:
-    """`step_collectives` of pipeline rank r, timed (`key`: `_Keys.step`)."""
-    return _cached_calls(key + (plan.rank_shapes[r],), plan, links, lambda: _timed(step_collectives(plan, r), links, sizes))
+def _step_calls(plan: Plan, r: int, links: Links, sizes: dict[str, int], key: tuple) -> tuple[tuple, dict]:
+    """`step_collectives` of pipeline rank r, timed (`key`: `_Keys.step`): (part, seconds, what they hide
+    behind, microbatches they are spread over) per call, in call order, and the wire bytes by part
+    (summed in call order: read only)."""
+    def timed():
+        calls, sent = [], {}
+        for part, t, wire, behind, spread in _timed(step_collectives(plan, r), links, sizes):
+            calls.append((part, t, behind, spread))
+            sent[part] = sent.get(part, 0.0) + wire
+        return tuple(calls), sent
+    return _cached_calls(key + (plan.rank_shapes[r],), plan, links, timed)
 
 
 def _add_calls(calls: list[Collective], links: Links, sizes: dict[str, int], parts: dict, sent: dict,
@@ -372,8 +379,9 @@ def _keys(plan: Plan, links: Links, flops_rate: float) -> _Keys:
               links.cross["tp-cp"], flops_rate)
     experts = (plan.ep, plan.etp, links.cross["ep"], links.cross["etp"], links.cross["ep local"],
                p.overlap_moe_expert_parallel_comm, p.moe_token_dispatcher_type) if m.is_moe else ()
-    kept = None if plan.recompute == "full" else plan.recompute  # what a layer it leaves alone runs under
-    layers = tuple((recomputed, moe) + model + (plan.recompute if recomputed else kept,) + common + (experts if moe else ())
+    full = plan.recompute == "full"  # (only full recompute marks layers recomputed: `Plan.layer_groups`)
+    layers = tuple((recomputed, moe) + model + ((None, "full")[recomputed] if full else plan.recompute,) + common
+                   + (experts if moe else ()) if (m.is_moe or not moe) and (full or not recomputed) else None
                    for moe in (False, True) for recomputed in (False, True))
     stage = model + ("stage", plan.tp, plan.sp, plan.cp, plan.pp, plan.mbs, plan.seq, plan.precision,
                      links.cross["tp"], links.cross["pp"])
@@ -388,6 +396,7 @@ def _layer_cost(plan: Plan, links: Links, sizes: dict[str, int], i: int, recompu
     """(seconds by kind, wire bytes sent by kind) of decoder layer `i` for one microbatch on one rank."""
     m = plan.config.model
     key = keys.layers[2 * is_moe_layer(m, i) + recomputed]
+    assert key is not None, "a layer kind `_keys` did not expect"
     got = _LAYER_COSTS.get(key)
     if got is None or got[0] is not m or got[1] is not links.hw:
         got = _LAYER_COSTS[key] = (m, links.hw, _layer_cost_of(plan, links, sizes, i, recomputed, flops_rate))
