@@ -419,11 +419,31 @@ def _layer_cost_of(plan: Plan, links: Links, sizes: dict[str, int], i: int, reco
     if ta.membound_passes:
         parts["compute"] += ta.membound_passes * work.touched / hw.memory_bw
     sent = dict(work.sent)
-    calls = cp_collectives(plan, recomputed or (plan.recompute == "selective" and "core_attn" in plan.recompute_modules),
-                           core_only=not recomputed) if cp > 1 else []
-    assert all(c.group == "cp" for c in calls), "a CP call on a group the shared work counts"
-    _add_calls(calls, links, sizes, parts, sent, 3 * t_core)  # hidden: the attention core, forward + backward
+    if cp > 1:  # only CP's calls report under cp (`_layer_work_of`): their sums, from 0, are the layer's
+        parts["cp"], sent["cp"] = _cp_calls(plan, links, sizes, recomputed, t_core)
     return parts, sent
+
+
+_CP_CALLS: dict[tuple, tuple] = {}
+"""A layer's CP calls timed, by what they depend on (the model and hardware kept alive beside their
+ids): the same under every expert layout and layer kind."""
+
+
+def _cp_calls(plan: Plan, links: Links, sizes: dict[str, int], recomputed: bool, t_core: float) -> tuple[float, float]:
+    """(seconds, wire bytes) of a layer's CP calls (`cp_collectives`) for one microbatch, the ring's
+    hidden behind the attention core (`t_core` seconds forward: forward + backward 3x)."""
+    m, p = plan.config.model, plan.config.parallel
+    again = recomputed or (plan.recompute == "selective" and "core_attn" in plan.recompute_modules)
+    key = (again, recomputed, id(m), id(links.hw), links.ta, plan.mbs, plan.seq, plan.precision, plan.tp, plan.cp,
+           p.cp_comm_type, tuple(p.hierarchical_context_parallel_sizes or ()), links.cross["cp"])
+    got = _CP_CALLS.get(key)
+    if got is None or got[0] is not m or got[1] is not links.hw:
+        calls = cp_collectives(plan, again, core_only=not recomputed)
+        assert all(c.group == "cp" for c in calls), "a CP call on a group the cache key leaves out"
+        parts, sent = {"cp": 0.0}, {"cp": 0.0}
+        _add_calls(calls, links, sizes, parts, sent, 3 * t_core)  # hidden: the attention core, forward + backward
+        got = _CP_CALLS[key] = (m, links.hw, (parts["cp"], sent["cp"]))
+    return got[2]
 
 
 class _Work(NamedTuple):
