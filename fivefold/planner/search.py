@@ -363,7 +363,7 @@ def clear_caches() -> None:
     from fivefold.planner import activations, flops, layout, links, memory, params, pipeline, space, steptime
     for cache in (layout._SPLITS, layout._GROUPS, memory._PARAMS, memory._LAYERS, memory._KINDS, params._CACHE,
                   flops._PER_TOKEN, links._CROSS, steptime._CALLS, steptime._LAYER_COSTS, steptime._LAYER_WORK,
-                  steptime._DENSE_WORK, steptime._CP_CALLS):
+                  steptime._DENSE_WORK, steptime._CP_CALLS, steptime._ACTIVATIONS):
         cache.clear()
     for fn in (pipeline._simulate, pipeline._equal_stages, pipeline.pipeline_profile, pipeline.bubble_fraction,
                space.layer_splits, memory._for_precision, activations._interned, precision._policy,

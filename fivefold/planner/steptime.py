@@ -492,8 +492,9 @@ def _layer_work_of(plan: Plan, links: Links, sizes: dict[str, int], i: int, reco
         t_experts = experts * share / (tp * cp) / expert_rate
     touched = 0.0
     if ta.membound_passes:
-        sh = Sharding.of(tp=tp, sp=plan.sp, cp=cp, etp=plan.etp)
-        touched = sum(layer_activation_bytes(m, i, b, s, sh, _traits(plan.precision)).values())
+        touched = _activations(("touched", id(m), is_moe_layer(m, i), b, s, tp, plan.sp, cp, plan.etp, plan.precision), m,
+                               lambda: sum(layer_activation_bytes(m, i, b, s, Sharding.of(tp=tp, sp=plan.sp, cp=cp, etp=plan.etp),
+                                                                  _traits(plan.precision)).values()))
     dense = _dense_work(plan, links, sizes, i, flops_rate)
     parts, sent = dict(dense.parts), dict(dense.sent)  # the attention and MLP calls come first
     calls = later_collectives(plan, i, recomputed, dense.attention, dense.mlp, cp_calls=False)
@@ -502,7 +503,22 @@ def _layer_work_of(plan: Plan, links: Links, sizes: dict[str, int], i: int, reco
     ep_share = ta.ep_overlap_1f1b if plan.config.parallel.overlap_moe_expert_parallel_comm \
         and ta.ep_overlap_1f1b is not None else ta.ep_overlap
     _add_calls(calls, links, sizes, parts, sent, 0.0, ep_share)
-    return _Work(dense.t_linear, t_experts, None if recomputed else _rerun_work(plan, i, ta), touched, parts, sent)
+    rerun = None if recomputed else _activations(
+        ("rerun", id(m), is_moe_layer(m, i), b, s, tp, plan.sp, cp, plan.etp, plan.recompute, plan.recompute_modules,
+         plan.precision, ta.op_level_sac), m, lambda: _rerun_work(plan, i, ta))
+    return _Work(dense.t_linear, t_experts, rerun, touched, parts, sent)
+
+
+_ACTIVATIONS: dict[tuple, tuple] = {}
+"""A layer's activation bytes that memory-bound work touches, and what selective recompute reruns, by
+what they depend on (neither the expert layout nor the links; the model kept alive beside its id)."""
+
+
+def _activations(key: tuple, m, compute):
+    got = _ACTIVATIONS.get(key)
+    if got is None or got[0] is not m:
+        got = _ACTIVATIONS[key] = (m, compute())
+    return got[1]
 
 
 class _DenseWork(NamedTuple):
