@@ -380,9 +380,11 @@ def _keys(plan: Plan, links: Links, flops_rate: float) -> _Keys:
     experts = (plan.ep, plan.etp, links.cross["ep"], links.cross["etp"], links.cross["ep local"],
                p.overlap_moe_expert_parallel_comm, p.moe_token_dispatcher_type) if m.is_moe else ()
     full = plan.recompute == "full"  # (only full recompute marks layers recomputed: `Plan.layer_groups`)
-    layers = tuple((recomputed, moe) + model + ((None, "full")[recomputed] if full else plan.recompute,) + common
-                   + (experts if moe else ()) if (m.is_moe or not moe) and (full or not recomputed) else None
-                   for moe in (False, True) for recomputed in (False, True))
+    kept = model + (None if full else plan.recompute,) + common
+    rerun = model + ("full",) + common if full else None
+    layers = ((False, False) + kept, (True, False) + rerun if full else None,
+              (False, True) + kept + experts if m.is_moe else None,
+              (True, True) + rerun + experts if full and m.is_moe else None)
     stage = model + ("stage", plan.tp, plan.sp, plan.cp, plan.pp, plan.mbs, plan.seq, plan.precision,
                      links.cross["tp"], links.cross["pp"])
     step = model + ("step", plan.tp, plan.sp, plan.cp, plan.dp, plan.pp, plan.vpp, plan.schedule, plan.ep, plan.etp,
