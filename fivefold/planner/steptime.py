@@ -214,17 +214,16 @@ def _rank_cost(plan: Plan, r: int, links: Links, sizes: dict[str, int], flops_ra
     """(seconds by kind, wire bytes by kind, total seconds) of pipeline rank r for one microbatch:
     its layers, the output layer's compute on the last rank, its stage calls."""
     m = plan.config.model
-    parts = dict.fromkeys(("compute", "tp", "cp", "ep", "pp"), 0.0)
-    sent = dict.fromkeys(("tp", "cp", "ep", "pp"), 0.0)
+    compute = tp = cp = ep = sent_tp = sent_cp = sent_ep = 0.0
     for i, recomputed, n in plan.layer_groups(r):
-        lp, ls = _layer_cost(plan, links, sizes, i, recomputed, flops_rate, keys)
-        for k in lp:
-            parts[k] += lp[k] * n
-        for k in ls:
-            sent[k] += ls[k] * n
+        c, t, x, e, sent_t, sent_x, sent_e = _layer_cost(plan, links, sizes, i, recomputed, flops_rate, keys)
+        compute, tp, cp, ep = compute + c * n, tp + t * n, cp + x * n, ep + e * n
+        sent_tp, sent_cp, sent_ep = sent_tp + sent_t * n, sent_cp + sent_x * n, sent_ep + sent_e * n
     if r == plan.last_rank:
         head = output_forward_flops(m) + mtp_forward_flops(m)  # + MTP's eh_proj and output layers
-        parts["compute"] += 3 * head * plan.mbs * plan.seq / (plan.tp * plan.cp) / flops_rate
+        compute += 3 * head * plan.mbs * plan.seq / (plan.tp * plan.cp) / flops_rate
+    parts = {"compute": compute, "tp": tp, "cp": cp, "ep": ep, "pp": 0.0}
+    sent = {"tp": sent_tp, "cp": sent_cp, "ep": sent_ep, "pp": 0.0}
     _add_timed(_stage_calls(plan, r, links, sizes, keys.stage), parts, sent)
     return parts, sent, sum(parts.values())
 
@@ -394,8 +393,9 @@ def _keys(plan: Plan, links: Links, flops_rate: float) -> _Keys:
 
 
 def _layer_cost(plan: Plan, links: Links, sizes: dict[str, int], i: int, recomputed: bool, flops_rate: float,
-                keys: _Keys):
-    """(seconds by kind, wire bytes sent by kind) of decoder layer `i` for one microbatch on one rank."""
+                keys: _Keys) -> tuple[float, ...]:
+    """Seconds of compute, tp, cp and ep, then wire bytes sent over tp, cp and ep, of decoder layer `i`
+    for one microbatch on one rank."""
     m = plan.config.model
     key = keys.layers[2 * is_moe_layer(m, i) + recomputed]
     assert key is not None, "a layer kind `_keys` did not expect"
@@ -417,13 +417,13 @@ def _layer_cost_of(plan: Plan, links: Links, sizes: dict[str, int], i: int, reco
     work = _layer_work(plan, links, sizes, i, recomputed, flops_rate)
     t_fwd = t_core + work.t_linear + work.t_experts
     extra = t_fwd if recomputed else _selective_rerun(t_core, work.t_experts, flops_rate, hw, work)
-    parts = {"compute": 3 * t_fwd + extra, **work.parts}
+    compute = 3 * t_fwd + extra
     if ta.membound_passes:
-        parts["compute"] += ta.membound_passes * work.touched / hw.memory_bw
-    sent = dict(work.sent)
-    if cp > 1:  # only CP's calls report under cp (`_layer_work_of`): their sums, from 0, are the layer's
-        parts["cp"], sent["cp"] = _cp_calls(plan, links, sizes, recomputed, t_core)
-    return parts, sent
+        compute += ta.membound_passes * work.touched / hw.memory_bw
+    parts, sent = work.parts, work.sent
+    # only CP's calls report under cp (`_layer_work_of`): their sums, from 0, are the layer's
+    t_cp, sent_cp = _cp_calls(plan, links, sizes, recomputed, t_core) if cp > 1 else (parts["cp"], sent["cp"])
+    return compute, parts["tp"], t_cp, parts["ep"], sent["tp"], sent_cp, sent["ep"]
 
 
 _CP_CALLS: dict[tuple, tuple] = {}
