@@ -156,6 +156,29 @@ def _snapshot(c):
             None if e is None else (e.step_time, e.mfu, e.bubble_fraction, e.parts, e.comm_bytes, e.links))
 
 
+def test_cached_calls_tell_the_cp_exchanges_apart():
+    """A layout's estimate after its twins of other CP exchanges filled the caches equals its estimate
+    from cold caches: DeepSeek-V3's MTP gathers its targets over CP in two steps under a2a+p2p and in
+    one otherwise (`collectives.stage_collectives`), and the layer and stage calls are cached by what
+    they read (a warm a2a+p2p estimate once reused p2p's stage calls: 15 us less a step)."""
+    from fivefold.planner.search import clear_caches
+    m, hw = model_preset("deepseek-v3").model, hardware("h100-sxm")
+
+    def layout(comm, **hcp):
+        return make_config(m, 1024, 8, 4096, 4096, "bf16", dict(
+            context_parallel_size=4, cp_comm_type=comm, pipeline_model_parallel_size=16, expert_model_parallel_size=32,
+            expert_tensor_parallel_size=1, decoder_first_pipeline_num_layers=4, decoder_last_pipeline_num_layers=1, **hcp))
+    hierarchical = dict(hierarchical_context_parallel_sizes=[2, 2])
+    clear_caches()
+    cold = evaluate(layout("a2a+p2p", **hierarchical), hw)
+    clear_caches()
+    for comm in ("p2p", "a2a"):
+        evaluate(layout(comm), hw)
+    warm = evaluate(layout("a2a+p2p", **hierarchical), hw)
+    clear_caches()
+    assert cold.problem is None and _snapshot(warm) == _snapshot(cold)
+
+
 @pytest.mark.parametrize("name,gpus,schedules", [
     ("moonlight-16b-a3b", 32, ("gpipe", "1f1b", "interleaved", "zb-h1", "dualpipev")),  # MLA, MoE after a dense layer
     ("llama3-70b", 64, ("1f1b", "interleaved")),  # dense, uneven splits

@@ -27,8 +27,9 @@ from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 from fivefold.planner.activations import ArchTraits, Sharding, layer_activation_bytes, routed_share
-from fivefold.planner.collectives import (Collective, attention_call_keys, cp_collectives, dp_calls_per_step, group_sizes,
-                                          dense_collectives, later_collectives, stage_collectives, step_collectives)
+from fivefold.planner.collectives import (Collective, attention_call_keys, cp_collectives, cp_split, dense_collectives,
+                                          dp_calls_per_step, group_sizes, later_collectives, stage_collectives,
+                                          step_collectives)
 from fivefold.planner.flops import attention_core_flops, layer_forward_flops, model_flops_per_token, output_forward_flops
 from fivefold.planner.mtp import mtp_forward_flops
 from fivefold.planner.layout import Plan
@@ -385,7 +386,8 @@ def _keys(plan: Plan, links: Links, flops_rate: float) -> _Keys:
               (False, True) + kept + experts if m.is_moe else None,
               (True, True) + rerun + experts if full and m.is_moe else None)
     stage = model + ("stage", plan.tp, plan.sp, plan.cp, plan.pp, plan.mbs, plan.seq, plan.precision,
-                     links.cross["tp"], links.cross["pp"])
+                     links.cross["tp"], links.cross["pp"], links.cross["cp"],
+                     min(cp_split(plan)) > 1)  # MTP's targets gathered in two steps under a2a+p2p CP
     step = model + ("step", plan.tp, plan.sp, plan.cp, plan.dp, plan.pp, plan.vpp, plan.schedule, plan.ep, plan.etp,
                     plan.edp, plan.precision, plan.config.training.sharding_strategy, plan.reduce_every_microbatch,
                     dp_calls_per_step(plan), links.cross["tp"], links.cross["embedding"], links.cross["dp"], links.cross["edp"], p.order)
