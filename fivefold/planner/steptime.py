@@ -124,26 +124,17 @@ def step_time(plan: Plan, hw: Hardware, ta: TimeAssumptions = TimeAssumptions())
     gemm = ta.fp8_gemm_efficiency if plan.precision == "fp8" and ta.fp8_gemm_efficiency else ta.gemm_efficiency
     flops_rate = hw.achievable_flops(plan.precision) * gemm  # linear layers
     n_mb = plan.microbatches
-    rank_times, rank_parts, rank_bytes = [], [], []
     classes = plan.rank_classes  # ranks of equal `Plan.rank_shapes` cost the same
     keys = _keys(plan, links, flops_rate)
-    for r, first in enumerate(classes):
-        if first == r:
-            parts, sent, total = _rank_cost(plan, r, links, sizes, flops_rate, keys)
-        else:
-            parts, sent, total = rank_parts[first], rank_bytes[first], rank_times[first]
-        rank_parts.append(parts)
-        rank_bytes.append(sent)
-        rank_times.append(total)
+    costs = {r: _rank_cost(plan, r, links, sizes, flops_rate, keys) for r in dict.fromkeys(classes)}
+    rank_times = [costs[first][2] for first in classes]
     fused = plan.recompute == "full"  # the runtime's zero-bubble B is then the whole backward (executor)
     pipe = pipeline_time(plan.schedule, rank_times, plan.vpp, n_mb, plan.group, fused)
-    worst = rank_times.index(max(rank_times))  # the first slowest rank
+    worst = classes[rank_times.index(max(rank_times))]  # the first slowest rank's class
     distopt = cfg.training.use_distributed_optimizer
     step_parts, step_bytes, opt_time = {}, {}, -1.0  # of the rank whose once-per-step work is longest
-    for r, first in enumerate(classes):
-        if first != r:
-            continue
-        comp = rank_parts[r]["compute"]
+    for r, (rank_parts, _, _) in costs.items():
+        comp = rank_parts["compute"]
         behind_of = {"backward": comp * 2 / 3, "forward": comp / 3}  # what a step call can hide behind
         exposed: dict[str, float] = {}
         calls, sent = _step_calls(plan, r, links, sizes, keys.step)
@@ -157,13 +148,14 @@ def step_time(plan: Plan, hw: Hardware, ta: TimeAssumptions = TimeAssumptions())
             step_parts, step_bytes, opt_time = exposed, sent, opt
     total = pipe + sum(step_parts.values()) + opt_time
     mf = model_flops_per_token(m, s) * cfg.training.global_batch_size * s
-    parts = {k: v * n_mb for k, v in rank_parts[worst].items()}
-    parts["bubble"] = pipe - n_mb * rank_times[worst]
+    worst_parts, worst_bytes, worst_time = costs[worst]
+    parts = {k: v * n_mb for k, v in worst_parts.items()}
+    parts["bubble"] = pipe - n_mb * worst_time
     parts["dp"] = 0.0
     for k, v in step_parts.items():
         parts[k] = parts.get(k, 0.0) + v
     parts["optimizer"] = opt_time
-    comm_bytes = {k: v * n_mb for k, v in rank_bytes[worst].items()}
+    comm_bytes = {k: v * n_mb for k, v in worst_bytes.items()}
     comm_bytes["dp"] = 0.0
     for k, v in step_bytes.items():
         comm_bytes[k] = comm_bytes.get(k, 0.0) + v
