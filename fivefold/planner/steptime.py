@@ -378,8 +378,8 @@ def _keys(plan: Plan, links: Links, flops_rate: float) -> _Keys:
               (False, True) + kept + experts if m.is_moe else None,
               (True, True) + rerun + experts if full and m.is_moe else None)
     stage = model + ("stage", plan.tp, plan.sp, plan.cp, plan.pp, plan.mbs, plan.seq, plan.precision,
-                     links.cross["tp"], links.cross["pp"], links.cross["cp"],
-                     min(cp_split(plan)) > 1)  # MTP's targets gathered in two steps under a2a+p2p CP
+                     links.cross["tp"], links.cross["pp"], links.cross["cp"],  # MTP's targets gathered in two
+                     p.cp_comm_type == "a2a+p2p" and min(cp_split(plan)) > 1)  # steps under a2a+p2p CP
     step = model + ("step", plan.tp, plan.sp, plan.cp, plan.dp, plan.pp, plan.vpp, plan.schedule, plan.ep, plan.etp,
                     plan.edp, plan.precision, plan.config.training.sharding_strategy, plan.reduce_every_microbatch,
                     dp_calls_per_step(plan), links.cross["tp"], links.cross["embedding"], links.cross["dp"], links.cross["edp"], p.order)
