@@ -213,8 +213,8 @@ def _search(model, hw, world, gpus_per_node, seq, global_batch, precision, space
                                       grad_reduce_in_bf16=grad_reduce_in_bf16, a2a_overlap=space.a2a_overlap,
                                       dispatcher=space.dispatcher, megatron_fsdp=space.megatron_fsdp,
                                       fp8_recipe=space.fp8_recipe), space.group_rule)
-        if cp_twin(base) != twin:
-            twin, known = cp_twin(base), {}
+        if (key := cp_twin(base)) != twin:
+            twin, known = key, {}
         broken = config_errors(base)
         layout = Plan(base)  # after config_errors: it writes the resolved VPP, schedule and SP back
         dp, grouped = layout.dp, layout.schedule == "interleaved"
