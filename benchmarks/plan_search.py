@@ -1,5 +1,5 @@
 """Search time of the planner on 1024 H100s: DeepSeek-V3 671B (MoE) and Llama 3 405B (dense); goal
-under a second of CPU each, also in the issue's larger space (FSDP beside the distributed optimizer).
+under a second of CPU each, also in the larger space with FSDP beside the distributed optimizer.
 
     python benchmarks/plan_search.py      # prints one Markdown row per case for benchmarks/RESULTS.md
 
