@@ -26,27 +26,6 @@ def parse_order(order: str) -> list[str]:
     return dims
 
 
-def grid_strides(sizes: dict[str, int], dims: list[str]) -> dict[str, int]:
-    """Each dimension's rank stride in a grid of `sizes` laid out in `dims` order, fastest first."""
-    strides, stride = {}, 1
-    for d in dims:
-        strides[d] = stride
-        stride *= sizes.get(d, 1)
-    return strides
-
-
-def dense_dims(order: str) -> list[str]:
-    """The dense grid's dimensions (tp, cp, dp, pp) in a layout's `order`."""
-    return [d for d in parse_order(order) if d != "ep"]
-
-
-def expert_dims(order: str) -> list[str]:
-    """The expert grid's dimensions in a layout's `order`: Megatron's expert generator, the same order
-    with tp -> etp, cp -> 1, dp -> edp."""
-    rename = {"tp": "etp", "dp": "edp"}
-    return [rename.get(d, d) for d in parse_order(order) if d != "cp"]
-
-
 class Topology:
     """`sizes` maps dimension name -> size; `order` lists the dimensions, fastest-varying first."""
 
@@ -58,7 +37,11 @@ class Topology:
         self.dims = dims
         self.sizes = {d: int(sizes.get(d, 1)) for d in dims}
         self.world_size = prod(self.sizes.values())
-        self.strides = grid_strides(self.sizes, dims)
+        self.strides = {}
+        stride = 1
+        for d in dims:
+            self.strides[d] = stride
+            stride *= self.sizes[d]
 
     def __repr__(self) -> str:
         return "Topology(" + ", ".join(f"{d}={self.sizes[d]}" for d in self.dims) + ")"
@@ -156,11 +139,15 @@ class Layout:
 
     @cached_property
     def dense(self) -> Topology:
-        return Topology({"tp": self.tp, "cp": self.cp, "dp": self.dp, "pp": self.pp}, dense_dims(self.order))
+        dims = [d for d in parse_order(self.order) if d != "ep"]
+        return Topology({"tp": self.tp, "cp": self.cp, "dp": self.dp, "pp": self.pp}, dims)
 
     @cached_property
     def expert(self) -> Topology:
-        return Topology({"etp": self.etp, "ep": self.ep, "edp": self.edp, "pp": self.pp}, expert_dims(self.order))
+        # Megatron's expert generator: the same order with tp -> etp, cp -> 1, dp -> edp.
+        rename = {"tp": "etp", "dp": "edp"}
+        dims = [rename.get(d, d) for d in parse_order(self.order) if d != "cp"]
+        return Topology({"etp": self.etp, "ep": self.ep, "edp": self.edp, "pp": self.pp}, dims)
 
     @cached_property
     def _cp_split(self) -> Topology:

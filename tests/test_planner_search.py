@@ -396,10 +396,9 @@ def test_closed_form_schedules_change_no_result(monkeypatch):
 
 
 def test_spans_nodes_by_arithmetic_equals_listing_the_group():
-    """links._crossings reads each group's lowest and highest rank from the grids' strides instead of
-    building the topology and listing the group: the same answer as the nodes of every rank of the
-    group, on every group of a grid of layouts and orders; and its EP peers in rank 0's node, by stride,
-    as many as listing that EP group finds."""
+    """links._crossings reads each group's lowest and highest rank by arithmetic instead of listing the
+    group: the same answer as the nodes of every rank of the group, on every group of a grid of layouts
+    and orders; and its EP peers in rank 0's node, by stride, as many as listing that EP group finds."""
     from types import SimpleNamespace
 
     from fivefold.planner.links import _crossings

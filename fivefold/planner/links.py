@@ -10,19 +10,18 @@ from typing import TYPE_CHECKING
 
 from fivefold.planner.layout import Plan
 from fivefold.planner.presets.hardware import Hardware
-from fivefold.topology import dense_dims, expert_dims, grid_strides, parse_order
+from fivefold.topology import Layout, Topology, parse_order
 
 if TYPE_CHECKING:
     from fivefold.planner.steptime import TimeAssumptions
 
 
-def _spans_nodes(sizes: dict[str, int], strides: dict[str, int], dims: str, world: int, gpn: int) -> bool:
-    """Whether the group over `dims` of rank 0 or of the last rank, in a grid of `sizes` with rank
-    `strides` (`topology.Topology`'s), holds ranks of two nodes. Its ranks lie between its lowest and
-    its highest, `span` apart (every coordinate over `dims` from 0 to its last), so it does exactly
-    when those two do: arithmetic, never listing a 512-rank DP group. Rank 0's group runs from 0 up,
-    the last rank's down to the last rank."""
-    span = sum((sizes[d] - 1) * strides[d] for d in parse_order(dims))
+def _spans_nodes(topo: Topology, dims: str, world: int, gpn: int) -> bool:
+    """Whether the group over `dims` of rank 0 or of the last rank holds ranks of two nodes. Its ranks
+    lie between its lowest and its highest, `span` apart (every coordinate over `dims` from 0 to its
+    last), so it does exactly when those two do: arithmetic, never listing a 512-rank DP group. Rank 0's
+    group runs from 0 up, the last rank's down to the last rank."""
+    span = sum((topo.sizes[d] - 1) * topo.strides[d] for d in parse_order(dims))
     return span >= gpn or (world - 1 - span) // gpn != (world - 1) // gpn
 
 
@@ -32,18 +31,16 @@ _CROSS: dict[tuple, tuple[dict, dict]] = {}
 
 
 def _crossings(plan: Plan, gpn: int) -> tuple[dict, dict[str, str]]:
-    """The dense and expert grids' strides as `topology.Layout` lays them out, read without building it."""
-    order, w = plan.config.parallel.order, plan.world
-    d = {"tp": plan.tp, "cp": plan.cp, "dp": plan.dp, "pp": plan.pp}
-    e = {"etp": plan.etp, "ep": plan.ep, "edp": plan.edp, "pp": plan.pp}
-    ds, es = grid_strides(d, dense_dims(order)), grid_strides(e, expert_dims(order))
-    cross = {g: _spans_nodes(*grid, dims, w, gpn) for g, grid, dims in (
-        ("tp", (d, ds), "tp"), ("cp", (d, ds), "cp"), ("pp", (d, ds), "pp"), ("dp", (d, ds), "cp-dp"),
-        ("ep", (e, es), "ep"), ("etp", (e, es), "etp"), ("edp", (e, es), "edp"))}
+    lay = Layout(tp=plan.tp, cp=plan.cp, pp=plan.pp, dp=plan.dp, ep=plan.ep, etp=plan.etp,
+                 order=plan.config.parallel.order)
+    d, e, w = lay.dense, lay.expert, plan.world
+    cross = {g: _spans_nodes(topo, dims, w, gpn) for g, topo, dims in (
+        ("tp", d, "tp"), ("cp", d, "cp"), ("pp", d, "pp"), ("dp", d, "cp-dp"), ("ep", e, "ep"), ("etp", e, "etp"),
+        ("edp", e, "edp"))}
     cross["embedding"] = cross["pp"]  # the first and last pipeline ranks
-    cross["tp-cp"] = _spans_nodes(d, ds, "tp-cp", w, gpn)
+    cross["tp-cp"] = _spans_nodes(d, "tp-cp", w, gpn)
     # EP peers in rank 0's node: rank 0's EP group is 0, stride, 2 stride, ... (ep of them)
-    cross["ep local"] = min(plan.ep, (gpn - 1) // es["ep"] + 1)
+    cross["ep local"] = min(plan.ep, (gpn - 1) // e.strides["ep"] + 1)
     return cross, {g: "network" if v else "intra-node" for g, v in cross.items()}
 
 
