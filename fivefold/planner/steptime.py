@@ -194,11 +194,12 @@ hardware, the calls timed): the search meets the same pipeline ranks under many 
 recompute)."""
 
 
-def _cached_calls(key: tuple, plan: Plan, links: Links, compute) -> Timed:
-    m = plan.config.model
-    got = _CALLS.get(key)
-    if got is None or got[0] is not m or got[1] is not links.hw:
-        got = _CALLS[key] = (m, links.hw, compute())
+def _kept(cache: dict, key: tuple, m, hw, compute):
+    """`compute()`, kept in `cache` under `key`, which names the model and the hardware (None: not read)
+    by id: both are kept alive beside the value and checked by identity, so a reused id never hits."""
+    got = cache.get(key)
+    if got is None or got[0] is not m or got[1] is not hw:
+        got = cache[key] = (m, hw, compute())
     return got[2]
 
 
@@ -223,8 +224,8 @@ def _rank_cost(plan: Plan, r: int, links: Links, sizes: dict[str, int], flops_ra
 
 def _stage_calls(plan: Plan, r: int, links: Links, sizes: dict[str, int], key: tuple) -> Timed:
     """`stage_collectives` of pipeline rank r, timed (none hides behind compute; `key`: `_Keys.stage`)."""
-    return _cached_calls(key + plan.rank_shapes[r][1:], plan, links,
-                         lambda: _on_the_path(_timed(stage_collectives(plan, r), links, sizes)))
+    return _kept(_CALLS, key + plan.rank_shapes[r][1:], plan.config.model, links.hw,
+                 lambda: _on_the_path(_timed(stage_collectives(plan, r), links, sizes)))
 
 
 def _on_the_path(timed: Timed) -> Timed:
@@ -251,7 +252,7 @@ def _step_calls(plan: Plan, r: int, links: Links, sizes: dict[str, int], key: tu
             calls.append((part, t, behind, spread))
             sent[part] = sent.get(part, 0.0) + wire
         return tuple(calls), sent
-    return _cached_calls(key + (plan.rank_shapes[r],), plan, links, timed)
+    return _kept(_CALLS, key + (plan.rank_shapes[r],), plan.config.model, links.hw, timed)
 
 
 def _add_calls(calls: list[Collective], links: Links, sizes: dict[str, int], parts: dict, sent: dict,
@@ -393,7 +394,7 @@ def _layer_cost(plan: Plan, links: Links, sizes: dict[str, int], i: int, recompu
     m = plan.config.model
     key = keys.layers[2 * is_moe_layer(m, i) + recomputed]
     assert key is not None, "a layer kind `_keys` did not expect"
-    got = _LAYER_COSTS.get(key)
+    got = _LAYER_COSTS.get(key)  # (`_kept` inline: the search's most frequent lookup)
     if got is None or got[0] is not m or got[1] is not links.hw:
         got = _LAYER_COSTS[key] = (m, links.hw, _layer_cost_of(plan, links, sizes, i, recomputed, flops_rate))
     return got[2]
@@ -432,14 +433,14 @@ def _cp_calls(plan: Plan, links: Links, sizes: dict[str, int], recomputed: bool,
     again = recomputed or (plan.recompute == "selective" and "core_attn" in plan.recompute_modules)
     key = (again, recomputed, id(m), id(links.hw), links.ta, plan.mbs, plan.seq, plan.precision, plan.tp, plan.cp,
            p.cp_comm_type, tuple(p.hierarchical_context_parallel_sizes or ()), links.cross["cp"])
-    got = _CP_CALLS.get(key)
-    if got is None or got[0] is not m or got[1] is not links.hw:
+
+    def timed():
         calls = cp_collectives(plan, again, core_only=not recomputed)
         assert all(c.group == "cp" for c in calls), "a CP call on a group the cache key leaves out"
         parts, sent = {"cp": 0.0}, {"cp": 0.0}
         _add_calls(calls, links, sizes, parts, sent, 3 * t_core)  # hidden: the attention core, forward + backward
-        got = _CP_CALLS[key] = (m, links.hw, (parts["cp"], sent["cp"]))
-    return got[2]
+        return parts["cp"], sent["cp"]
+    return _kept(_CP_CALLS, key, m, links.hw, timed)
 
 
 class _Work(NamedTuple):
@@ -468,13 +469,12 @@ def _layer_work(plan: Plan, links: Links, sizes: dict[str, int], i: int, recompu
     if moe:
         key += (plan.ep, plan.etp, links.cross["ep"], links.cross["etp"], links.cross["ep local"],
                 p.overlap_moe_expert_parallel_comm, p.moe_token_dispatcher_type)
-    got = _LAYER_WORK.get(key)
-    if got is None or got[0] is not m or got[1] is not links.hw:
-        got = _LAYER_WORK[key] = (m, links.hw, _layer_work_of(plan, links, sizes, i, recomputed, flops_rate))
-    return got[2]
+    return _kept(_LAYER_WORK, key, m, links.hw,
+                 lambda: _layer_work_of(plan, links, sizes, i, recomputed, flops_rate))
 
 
-def _layer_work_of(plan: Plan, links: Links, sizes: dict[str, int], i: int, recomputed: bool, flops_rate: float) -> _Work:
+def _layer_work_of(plan: Plan, links: Links, sizes: dict[str, int], i: int, recomputed: bool,
+                   flops_rate: float) -> _Work:
     m, b, s, tp, cp, ta = plan.config.model, plan.mbs, plan.seq, plan.tp, plan.cp, links.ta
     experts = 2 * layer_params(m, i).active_experts * b * s
     t_experts = 0.0
@@ -488,9 +488,9 @@ def _layer_work_of(plan: Plan, links: Links, sizes: dict[str, int], i: int, reco
         t_experts = experts * share / (tp * cp) / expert_rate
     touched = 0.0
     if ta.membound_passes:
-        touched = _activations(("touched", id(m), is_moe_layer(m, i), b, s, tp, plan.sp, cp, plan.etp, plan.precision), m,
-                               lambda: sum(layer_activation_bytes(m, i, b, s, Sharding.of(tp=tp, sp=plan.sp, cp=cp, etp=plan.etp),
-                                                                  _traits(plan.precision)).values()))
+        key = ("touched", id(m), is_moe_layer(m, i), b, s, tp, plan.sp, cp, plan.etp, plan.precision)
+        touched = _kept(_ACTIVATIONS, key, m, None, lambda: sum(layer_activation_bytes(
+            m, i, b, s, Sharding.of(tp=tp, sp=plan.sp, cp=cp, etp=plan.etp), _traits(plan.precision)).values()))
     dense = _dense_work(plan, links, sizes, i, flops_rate)
     parts, sent = dict(dense.parts), dict(dense.sent)  # the attention and MLP calls come first
     calls = later_collectives(plan, i, recomputed, dense.attention, dense.mlp, cp_calls=False)
@@ -499,22 +499,17 @@ def _layer_work_of(plan: Plan, links: Links, sizes: dict[str, int], i: int, reco
     ep_share = ta.ep_overlap_1f1b if plan.config.parallel.overlap_moe_expert_parallel_comm \
         and ta.ep_overlap_1f1b is not None else ta.ep_overlap
     _add_calls(calls, links, sizes, parts, sent, 0.0, ep_share)
-    rerun = None if recomputed else _activations(
-        ("rerun", id(m), is_moe_layer(m, i), b, s, tp, plan.sp, cp, plan.etp, plan.recompute, plan.recompute_modules,
-         plan.precision, ta.op_level_sac), m, lambda: _rerun_work(plan, i, ta))
+    rerun = None
+    if not recomputed:
+        key = ("rerun", id(m), is_moe_layer(m, i), b, s, tp, plan.sp, cp, plan.etp, plan.recompute,
+               plan.recompute_modules, plan.precision, ta.op_level_sac)
+        rerun = _kept(_ACTIVATIONS, key, m, None, lambda: _rerun_work(plan, i, ta))
     return _Work(dense.t_linear, t_experts, rerun, touched, parts, sent)
 
 
 _ACTIVATIONS: dict[tuple, tuple] = {}
 """A layer's activation bytes that memory-bound work touches, and what selective recompute reruns, by
 what they depend on (neither the expert layout nor the links; the model kept alive beside its id)."""
-
-
-def _activations(key: tuple, m, compute):
-    got = _ACTIVATIONS.get(key)
-    if got is None or got[0] is not m:
-        got = _ACTIVATIONS[key] = (m, compute())
-    return got[1]
 
 
 class _DenseWork(NamedTuple):
@@ -536,8 +531,8 @@ def _dense_work(plan: Plan, links: Links, sizes: dict[str, int], i: int, flops_r
     m = plan.config.model
     key = (is_moe_layer(m, i), id(m), id(links.hw), links.ta, plan.mbs, plan.seq, plan.precision, plan.tp, plan.sp,
            plan.cp, links.cross["tp"], flops_rate)
-    got = _DENSE_WORK.get(key)
-    if got is None or got[0] is not m or got[1] is not links.hw:
+
+    def work():
         b, s = plan.mbs, plan.seq
         core = attention_core_flops(m, s) * b * s
         experts = 2 * layer_params(m, i).active_experts * b * s
@@ -547,5 +542,5 @@ def _dense_work(plan: Plan, links: Links, sizes: dict[str, int], i: int, flops_r
         parts = dict.fromkeys(("tp", "cp", "ep"), 0.0)
         sent = dict.fromkeys(("tp", "cp", "ep"), 0.0)
         _add_calls(attention + mlp, links, sizes, parts, sent)
-        got = _DENSE_WORK[key] = (m, links.hw, _DenseWork(attention, mlp, parts, sent, t_linear))
-    return got[2]
+        return _DenseWork(attention, mlp, parts, sent, t_linear)
+    return _kept(_DENSE_WORK, key, m, links.hw, work)
