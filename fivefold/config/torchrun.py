@@ -2,8 +2,8 @@
 a config's words is read, not skipped.
 
 OPTIONS is the whole option list of torch/distributed/run.py (torch 2.13's `get_args_parser`;
-tests/test_torchrun_options.py reads that parser's source and checks the table covers it). Each
-option is
+tests/test_torchrun_options.py reads the installed torch's parser source and checks the table is it,
+less the options of later releases, `SINCE`). Each option is
 
   taken     it says the job's size: --nproc-per-node (cluster.gpus_per_node; `gpu`, `auto`, `cpu`,
             `xpu` mean "this node's devices", the config's own value), --nnodes (cluster.num_nodes;
@@ -59,6 +59,9 @@ OPTIONS: dict[tuple[str, ...], tuple[str, str | None, str]] = {
     ("--shutdown-timeout", "--shutdown_timeout"): (VALUE, None, _WATCH),
 }
 BY_NAME = {name: spec for names, spec in OPTIONS.items() for name in names}
+SINCE = {"--shutdown-timeout": (2, 12), "--shutdown_timeout": (2, 12)}
+"""Options the oldest torch we run on (2.11) lacks -> the torch release that added them; a launcher
+line of a newer torch is read the same on an older one (they change nothing that is trained)."""
 LAUNCHERS = ("torchrun", "torch.distributed.run")
 
 
