@@ -26,6 +26,14 @@ def parse_order(order: str) -> list[str]:
     return dims
 
 
+def split_group(ranks: list[int], parts: int) -> tuple[list[list[int]], list[list[int]]]:
+    """HSDP's two kinds of group from one group's `ranks` (in coordinate order): `parts` consecutive
+    pieces (the "shard" groups, len / parts ranks each) and the ranks at one place in every piece (the
+    "replicate" groups, `parts` ranks each)."""
+    size = len(ranks) // parts
+    return [ranks[i * size: (i + 1) * size] for i in range(parts)], [ranks[j::size] for j in range(size)]
+
+
 class Topology:
     """`sizes` maps dimension name -> size; `order` lists the dimensions, fastest-varying first."""
 

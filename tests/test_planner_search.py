@@ -179,6 +179,34 @@ def test_cached_calls_tell_the_cp_exchanges_apart():
     assert cold.problem is None and _snapshot(warm) == _snapshot(cold)
 
 
+def test_cached_step_calls_tell_the_gradient_dtype_and_instances_apart():
+    """A rank's once-per-step calls are cached by what they read: after a layout with fp32 gradients
+    and one distributed-optimizer instance filled the caches, the same layout reducing bf16 gradients
+    (Megatron's --grad-reduce-in-bf16, the megatron-te profile's) or in two instances (HSDP) is
+    estimated as from cold caches (a warm estimate once sent fp32 gradients' bytes: 1.5x)."""
+    import dataclasses
+    from fivefold.planner.search import clear_caches
+    m, hw = model_preset("llama3-8b").model, hardware("h100-sxm")
+    fp32 = make_config(m, 16, 8, 4096, 64, "bf16", dict(tensor_model_parallel_size=2, sequence_parallel=True))
+    others = [make_config(m, 16, 8, 4096, 64, "bf16", dict(tensor_model_parallel_size=2, sequence_parallel=True),
+                          grad_reduce_in_bf16=True),
+              dataclasses.replace(fp32, training=dataclasses.replace(fp32.training,
+                                                                      num_distributed_optimizer_instances=2))]
+    for other in others:
+        clear_caches()
+        cold = evaluate(other, hw)
+        clear_caches()
+        evaluate(fp32, hw)
+        warm = evaluate(other, hw)
+        assert cold.problem is None and _snapshot(warm) == _snapshot(cold)
+        assert cold.estimate.comm_bytes["dp"] != evaluate(fp32, hw).estimate.comm_bytes["dp"]
+    # HSDP over 16 ranks in two instances (fivefold.runtime.mesh.split): each TP2 x DP4 shard piece is
+    # one node's, its replicate groups join the two nodes
+    assert {g: cold.estimate.links[g] for g in ("dp", "dp-replicate")} == {"dp": "intra-node", "dp-replicate": "network"}
+    assert "ep local" not in cold.estimate.links  # (a count of ranks, not a link)
+    clear_caches()
+
+
 @pytest.mark.parametrize("name,gpus,schedules", [
     ("moonlight-16b-a3b", 32, ("gpipe", "1f1b", "interleaved", "zb-h1", "dualpipev")),  # MLA, MoE after a dense layer
     ("llama3-70b", 64, ("1f1b", "interleaved")),  # dense, uneven splits
@@ -409,7 +437,7 @@ def test_spans_nodes_by_arithmetic_equals_listing_the_group():
         for order in ("tp-cp-ep-dp-pp", "tp-cp-ep-pp-dp", "tp-pp-cp-ep-dp"):
             lay = Layout(tp=tp, cp=cp, pp=pp, dp=dp, ep=ep, etp=etp, order=order)
             w = lay.world_size
-            plan = SimpleNamespace(tp=tp, cp=cp, pp=pp, dp=dp, ep=ep, etp=etp, edp=lay.edp, world=w,
+            plan = SimpleNamespace(tp=tp, cp=cp, pp=pp, dp=dp, ep=ep, etp=etp, edp=lay.edp, world=w, instances=1,
                                    config=SimpleNamespace(parallel=SimpleNamespace(order=order)))
             for gpn in (1, 4, 8, 64):
                 cross = _crossings(plan, gpn)[0]

@@ -99,13 +99,7 @@ def act_bytes(plan: Plan) -> int:
 def group_sizes(plan: Plan) -> dict[str, int]:
     return {"tp": plan.tp, "etp": plan.etp, "cp": plan.cp, "ep": plan.ep, "pp": plan.pp, "embedding": 2,
             "tp-cp": plan.tp * plan.cp,
-            "dp": plan.dp * plan.cp // _instances(plan), "dp-replicate": _instances(plan), "edp": plan.edp}
-
-
-def _instances(plan: Plan) -> int:
-    """HSDP's distributed-optimizer instances: the DP x CP group sharded within each, replicated across."""
-    n = plan.config.training.num_distributed_optimizer_instances
-    return n if n > 1 and (plan.dp * plan.cp) % n == 0 else 1
+            "dp": plan.dp * plan.cp // plan.instances, "dp-replicate": plan.instances, "edp": plan.edp}
 
 
 def _tokens(plan: Plan) -> float:
@@ -425,9 +419,9 @@ def step_collectives(plan: Plan, pp_rank: int) -> list[Collective]:
             if zero3 and plan.reduce_every_microbatch:  # each unit gathered again before its backward
                 out.append(Collective("all_gather", f"{group}-param", group, weight * count * gathers, "step",
                                       "backward", gathers))
-            if group == "dp" and _instances(plan) > 1:  # HSDP: each reduced chunk summed over the instances
+            if group == "dp" and plan.instances > 1:  # HSDP: each reduced chunk summed over the instances
                 out.append(Collective("all_reduce", "dp-grad", "dp-replicate",
-                                      grad * count / (d // _instances(plan)), "step"))
+                                      grad * count / (d // plan.instances), "step"))
         else:
             out.append(Collective("all_reduce", f"{group}-grad", group, grad * count, "step", "backward"))
     return out

@@ -146,6 +146,13 @@ class Plan:
         return group if self.schedule == "interleaved" else None
 
     @cached_property
+    def instances(self) -> int:
+        """HSDP's distributed-optimizer instances (training.num_distributed_optimizer_instances): the
+        DP x CP group sharded within each, replicated across; 1 without HSDP."""
+        n = self.config.training.num_distributed_optimizer_instances
+        return n if n > 1 and (self.dp * self.cp) % n == 0 else 1
+
+    @cached_property
     def reduce_every_microbatch(self) -> bool:
         """ZeRO-2/3 reduce-scatter the gradients after every microbatch's backward into 1/d
         accumulators (ZeRO-3 gathering each unit again for every forward and backward): always without

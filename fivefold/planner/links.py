@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from fivefold.planner.layout import Plan
 from fivefold.planner.presets.hardware import Hardware
-from fivefold.topology import Layout, Topology, parse_order
+from fivefold.topology import Layout, Topology, parse_order, split_group
 
 if TYPE_CHECKING:
     from fivefold.planner.steptime import TimeAssumptions
@@ -31,6 +31,8 @@ _CROSS: dict[tuple, tuple[dict, dict]] = {}
 
 
 def _crossings(plan: Plan, gpn: int) -> tuple[dict, dict[str, str]]:
+    """Which of the plan's groups span two nodes (and "ep local": how many of an EP group's ranks
+    share rank 0's node), and each group's link by name."""
     lay = Layout(tp=plan.tp, cp=plan.cp, pp=plan.pp, dp=plan.dp, ep=plan.ep, etp=plan.etp,
                  order=plan.config.parallel.order)
     d, e, w = lay.dense, lay.expert, plan.world
@@ -41,7 +43,11 @@ def _crossings(plan: Plan, gpn: int) -> tuple[dict, dict[str, str]]:
     cross["tp-cp"] = _spans_nodes(d, "tp-cp", w, gpn)
     # EP peers in rank 0's node: rank 0's EP group is 0, stride, 2 stride, ... (ep of them)
     cross["ep local"] = min(plan.ep, (gpn - 1) // e.strides["ep"] + 1)
-    return cross, {g: "network" if v else "intra-node" for g, v in cross.items()}
+    if plan.instances > 1:  # HSDP (fivefold.runtime.mesh.split): DP x CP cut into shard pieces and replicate groups
+        pieces = [split_group(ranks, plan.instances) for ranks in d.groups("cp-dp")]
+        cross["dp"], cross["dp-replicate"] = (any(g[-1] // gpn != g[0] // gpn for split in pieces for g in split[kind])
+                                              for kind in (0, 1))
+    return cross, {g: "network" if v else "intra-node" for g, v in cross.items() if g != "ep local"}
 
 
 @lru_cache(maxsize=None)
@@ -68,7 +74,7 @@ def nodes_hit(experts: int, topk: int, groups: int, chosen: int, nodes: int) -> 
 
 class Links:
     def __init__(self, plan: Plan, hw: Hardware, gpn: int, ta: TimeAssumptions):
-        key = (plan.tp, plan.cp, plan.pp, plan.dp, plan.ep, plan.etp, plan.config.parallel.order, gpn)
+        key = (plan.tp, plan.cp, plan.pp, plan.dp, plan.ep, plan.etp, plan.config.parallel.order, gpn, plan.instances)
         self.hw, self.ta = hw, ta
         got = _CROSS.get(key)
         if got is None:

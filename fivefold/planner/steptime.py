@@ -34,7 +34,7 @@ from fivefold.planner.flops import attention_core_flops, layer_forward_flops, mo
 from fivefold.planner.mtp import mtp_forward_flops
 from fivefold.planner.layout import Plan
 from fivefold.planner.links import Links
-from fivefold.planner.memory import rank_params
+from fivefold.planner.memory import rank_params, state_bytes_per_param
 from fivefold.planner.params import is_moe_layer, layer_params
 from fivefold.planner.pipeline import bubble_fraction, pipeline_time
 from fivefold.planner.presets.hardware import Hardware
@@ -112,7 +112,8 @@ class StepEstimate:
         return sum(self.parts.get(k, 0.0) for k in ("tp", "cp", "ep", "pp", "dp")) / self.step_time
 
 
-PART = {"tp": "tp", "etp": "tp", "tp-cp": "tp", "cp": "cp", "ep": "ep", "pp": "pp", "embedding": "pp", "dp": "dp", "edp": "dp"}
+PART = {"tp": "tp", "etp": "tp", "tp-cp": "tp", "cp": "cp", "ep": "ep", "pp": "pp", "embedding": "pp", "dp": "dp",
+        "dp-replicate": "dp", "edp": "dp"}
 """Which part of the step time (and of `comm_bytes`) a group's traffic is reported under."""
 
 
@@ -381,8 +382,10 @@ def _keys(plan: Plan, links: Links, flops_rate: float) -> _Keys:
     stage = model + ("stage", plan.tp, plan.sp, plan.cp, plan.pp, plan.mbs, plan.seq, plan.precision,
                      links.cross["tp"], links.cross["pp"], links.cross["cp"],  # MTP's targets gathered in two
                      p.cp_comm_type == "a2a+p2p" and min(cp_split(plan)) > 1)  # steps under a2a+p2p CP
+    t = plan.config.training  # (the gradient buffers' and the gathered weights' bytes)
     step = model + ("step", plan.tp, plan.sp, plan.cp, plan.dp, plan.pp, plan.vpp, plan.schedule, plan.ep, plan.etp,
-                    plan.edp, plan.precision, plan.config.training.sharding_strategy, plan.reduce_every_microbatch,
+                    plan.edp, plan.precision, t.sharding_strategy, plan.reduce_every_microbatch,
+                    state_bytes_per_param(t, plan.precision, 1)[:2], plan.instances,
                     dp_calls_per_step(plan), links.cross["tp"], links.cross["embedding"], links.cross["dp"], links.cross["edp"], p.order)
     return _Keys(layers, stage, step)
 

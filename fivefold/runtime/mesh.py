@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from fivefold.errors import UserError
-from fivefold.topology import Layout
+from fivefold.topology import Layout, split_group
 
 
 def resolve_device(requested: str, local_ranks: int, gpus: int | None = None) -> tuple[str, str | None]:
@@ -159,10 +159,7 @@ class Mesh:
         piece of every group of that name, in the same order (torch's new_group rule)."""
         mine = {}
         for ranks in self.layout.named_groups()[name]:
-            size = len(ranks) // parts
-            pieces = {"shard": [ranks[i * size: (i + 1) * size] for i in range(parts)],
-                      "replicate": [ranks[j::size] for j in range(size)]}
-            for kind, lists in pieces.items():
+            for kind, lists in zip(("shard", "replicate"), split_group(ranks, parts)):
                 for piece in lists:
                     key = tuple(piece)
                     pg = _process_group(key) if len(key) > 1 else None
