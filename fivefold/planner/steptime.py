@@ -253,7 +253,16 @@ def _step_calls(plan: Plan, r: int, links: Links, sizes: dict[str, int], key: tu
             calls.append((part, t, behind, spread))
             sent[part] = sent.get(part, 0.0) + wire
         return tuple(calls), sent
-    return _kept(_CALLS, key + (plan.rank_shapes[r],), plan.config.model, links.hw, timed)
+    return _kept(_CALLS, key + _held(plan, r), plan.config.model, links.hw, timed)
+
+
+def _held(plan: Plan, r: int) -> tuple:
+    """What pipeline rank r's step calls read of the rank: its dense and MoE layers' counts (recomputed
+    or not, in whatever chunks) and whether it holds the embedding or the head (its parameters follow)."""
+    def count():
+        kinds, first, last, _ = plan.rank_shapes[r]
+        return (sum(n for moe, _, n in kinds if not moe), sum(n for moe, _, n in kinds if moe), first, last)
+    return plan.cached(("held", r), count)
 
 
 def _add_calls(calls: list[Collective], links: Links, sizes: dict[str, int], parts: dict, sent: dict,
@@ -383,7 +392,7 @@ def _keys(plan: Plan, links: Links, flops_rate: float) -> _Keys:
                      links.cross["tp"], links.cross["pp"], links.cross["cp"],  # MTP's targets gathered in two
                      p.cp_comm_type == "a2a+p2p" and min(cp_split(plan)) > 1)  # steps under a2a+p2p CP
     t = plan.config.training  # (the gradient buffers' and the gathered weights' bytes)
-    step = model + ("step", plan.tp, plan.sp, plan.cp, plan.dp, plan.pp, plan.vpp, plan.schedule, plan.ep, plan.etp,
+    step = model + ("step", plan.tp, plan.sp, plan.cp, plan.dp, plan.ep, plan.etp,
                     plan.edp, plan.precision, t.sharding_strategy, plan.reduce_every_microbatch,
                     state_bytes_per_param(t, plan.precision, 1)[:2], plan.instances,
                     dp_calls_per_step(plan), links.cross["tp"], links.cross["embedding"], links.cross["dp"], links.cross["edp"], p.order)
