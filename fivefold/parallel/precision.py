@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from fivefold.config.schema import TrainingConfig
+from fivefold.frozen import hashed_once
 
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 """Bytes per element of each dtype name. The policy is plain Python (the planner reads it without
@@ -108,6 +109,7 @@ class LossScaler:
         self.skipped = int(state.get("skipped", 0))
 
 
+@hashed_once
 @dataclass(frozen=True)
 class Precision:
     """The dtypes of one run (see the module docstring)."""

@@ -38,6 +38,7 @@ from functools import lru_cache
 
 from fivefold.capacity import padded_size
 from fivefold.config.schema import ModelConfig
+from fivefold.frozen import hashed_once
 from fivefold.planner.params import is_moe_layer, kv_tp_split
 
 
@@ -47,6 +48,7 @@ per 32 values, blockwise an fp32 scale per 1 x 128 block (its weights' 128 x 128
 scale per tensor (delayed, tensorwise): ~0."""
 
 
+@hashed_once
 @dataclass(frozen=True)
 class ArchTraits:
     """What the activation count needs beyond ModelConfig (defaults: our Llama-style decoder)."""
@@ -168,6 +170,7 @@ EAGER_TRAITS = ArchTraits(norm_tensors=3, mlp_inner_tensors=4, loss_bytes_per_lo
 AdamW, fp64 gradient norm), as measured on CPU."""
 
 
+@hashed_once
 @dataclass(frozen=True)
 class Sharding:
     tp: int = 1

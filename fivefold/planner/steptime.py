@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
+from fivefold.frozen import hashed_once
 from fivefold.planner.activations import ArchTraits, Sharding, layer_activation_bytes, routed_share
 from fivefold.planner.collectives import (Collective, attention_call_keys, cp_collectives, cp_split, dense_collectives,
                                           dp_calls_per_step, group_sizes, later_collectives, stage_collectives,
@@ -40,6 +41,7 @@ from fivefold.planner.pipeline import bubble_fraction, pipeline_time
 from fivefold.planner.presets.hardware import Hardware
 
 
+@hashed_once
 @dataclass(frozen=True)
 class TimeAssumptions:
     gemm_efficiency: float = 0.75
