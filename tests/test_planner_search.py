@@ -207,6 +207,47 @@ def test_cached_step_calls_tell_the_gradient_dtype_and_instances_apart():
     clear_caches()
 
 
+_ONE_OBJECT = {}
+"""Hardware by name, one object each: a caller that reuses one meets the caches' identity checks."""
+
+
+@pytest.mark.parametrize("change", [
+    dict(grad_reduce_in_bf16=True), dict(gpus_per_node=4), dict(gpu="h200"), dict(precision="fp8"), dict(seq=8192),
+    dict(global_batch=128), dict(runtime="torchtitan"), dict(space=dict(dispatcher="flex")),
+    dict(space=dict(a2a_overlap=True)), dict(space=dict(dp_modes=("no_shard", "optim", "optim_grads", "optim_grads_params"))),
+    dict(space=dict(megatron_fsdp=True, dp_modes=("optim", "optim_grads_params"))),
+    dict(space=dict(cp_comm_types=("p2p", "a2a", "allgather", "a2a+p2p"))),
+    dict(space=dict(schedules=("gpipe", "1f1b", "interleaved", "zb-h1", "dualpipev"))),
+], ids=["bf16-grads", "4-per-node", "h200", "fp8", "seq8192", "batch128", "torchtitan", "flex", "a2a-overlap",
+        "every-dp-mode", "megatron-fsdp", "every-cp-exchange", "every-schedule"])
+def test_a_search_after_another_setting_equals_it_cold(change):
+    """Each cache keys on every setting its value reads: a search with one setting changed, right after
+    the unchanged one in the same process (same model and hardware objects), equals the same search
+    from cold caches, ranked and dropped (a warm search reducing bf16 gradients once reused fp32's
+    step calls)."""
+    from fivefold.planner.runtime import profile
+    from fivefold.planner.search import clear_caches
+    from fivefold.planner.space import SearchSpace
+
+    def run(gpu="h100-sxm", runtime=None, space=(), gpus_per_node=8, seq=4096, global_batch=64, **kw):
+        hw = _ONE_OBJECT.setdefault(gpu, hardware(gpu))
+        fields = dict(micro_batch_sizes=(1, 2), max_cp=4, **dict(space))
+        if runtime:
+            rt = profile(runtime)
+            sp, kw = rt.space(**fields), dict(kw, mem=rt.memory, ta=rt.time)
+        else:
+            sp = SearchSpace(**fields)
+        r = search(model_preset("moonlight-16b-a3b").model, hw, 16, gpus_per_node, seq, global_batch, space=sp, **kw)
+        return [_snapshot(c) for c in r.ranked], [(describe(cfg), why) for cfg, why in r.dropped]
+    clear_caches()
+    cold = run(**change)
+    clear_caches()
+    run()
+    warm = run(**change)
+    clear_caches()
+    assert cold[0] and warm == cold
+
+
 @pytest.mark.parametrize("name,gpus,schedules", [
     ("moonlight-16b-a3b", 32, ("gpipe", "1f1b", "interleaved", "zb-h1", "dualpipev")),  # MLA, MoE after a dense layer
     ("llama3-70b", 64, ("1f1b", "interleaved")),  # dense, uneven splits
