@@ -125,6 +125,11 @@ def test_estimate_cli_takes_megatron_flags_and_a_preset(capsys):
     out = capsys.readouterr().out
     assert "layout: TP4 PP1 DP4" in out and "total" in out
     assert main(["estimate", "--model", "llama3-8b", "--gpus", "16", "--tensor-model-parallel-size", "3"]) == 2
+    # HSDP: its replicate groups' all-reduce once ended this command in a KeyError traceback
+    assert main(["estimate", "--model", "llama3-8b", "--gpus", "16", "--tensor-model-parallel-size", "2",
+                 "--use-distributed-optimizer", "--num-distributed-optimizer-instances", "2"]) == 0
+    out = capsys.readouterr().out
+    assert ", dp=intra-node," in out and "dp-replicate=network" in out  # a node's shard pieces, replicas across
 
 
 def test_explain_says_which_rule_a_seed_row_breaks(capsys):
