@@ -373,7 +373,7 @@ class _Keys(NamedTuple):
     stage: tuple
     """A rank's per-microbatch calls (`_stage_calls`, with the rank's shape but its first layer)."""
     step: tuple
-    """A rank's once-per-step calls (`_step_calls`, with the rank's shape)."""
+    """A rank's once-per-step calls (`_step_calls`, with what the rank holds: `_held`)."""
 
 
 def _keys(plan: Plan, links: Links, flops_rate: float) -> _Keys:
