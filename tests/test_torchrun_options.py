@@ -7,10 +7,9 @@ import importlib.util
 from pathlib import Path
 
 import pytest
-
-from fivefold.config.load import load_config
 import torch
 
+from fivefold.config.load import load_config
 from fivefold.config.torchrun import BY_NAME, SINCE, SWITCH, VALUE
 from fivefold.errors import UserError
 
