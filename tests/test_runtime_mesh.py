@@ -83,6 +83,21 @@ def test_device_is_a_gpu_per_rank_or_the_cpu():
         resolve_device("cuda", 1, gpus=0)
 
 
+def test_a_mesh_without_a_device_takes_the_gpu_only_where_its_group_can_move_tensors_there(monkeypatch):
+    """Mesh.build's default device on a machine with a GPU: gloo ranks (a test's workers) keep the CPU
+    (gloo's send of a CUDA tensor failed on an H100); NCCL ranks and a one-process run take the GPU."""
+    from fivefold.runtime import mesh as mesh_mod
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    seen = {}
+    for backend, initialized, want in (("gloo", True, "cpu"), ("cuda:nccl,cpu:gloo", True, "cuda"),
+                                       ("nccl", True, "cuda"), (None, False, "cuda")):
+        monkeypatch.setattr(mesh_mod.dist, "is_initialized", lambda i=initialized: i)
+        monkeypatch.setattr(mesh_mod.dist, "get_backend", lambda b=backend: b)
+        seen[backend] = mesh_mod.default_device().type
+        assert seen[backend] == want, seen
+
+
 def test_train_refuses_a_device_it_cannot_give_every_rank(tmp_path, capsys, monkeypatch):
     """`train` settles the device before any rank starts: cuda on a node with too few GPUs, or a device
     name it does not know, is one message and exit 2, and no rank's log exists."""

@@ -223,6 +223,10 @@ def _efficient_forward(q, k, v, scale, causal):
 
 
 def _efficient_backward(do, q, k, v, out, lse, scale, causal):
+    """The kernel reads its tensors in the (b, s, heads, d) memory order its forward writes: given (b, heads,
+    s, d)-contiguous ones, its bf16 backward returned wrong dq, dk (NaN, 1e35) beyond two heads (an H100 and
+    an H200, torch 2.11; fp32 was right). Each is passed in that order (a copy where it is not)."""
+    do, q, k, v, out = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (do, q, k, v, out))
     pad = -lse.shape[-1] % 32
     lse = F.pad(lse, (0, pad)) if pad else lse
     zero = torch.zeros((), dtype=torch.int64, device=q.device)
@@ -249,15 +253,11 @@ def _per_group(kernel, q, k, v, scale, causal):
 
 
 def _per_group_backward(do, q, k, v, out, lse, scale, causal):
-    g = k.shape[1]
-    if q.shape[1] == g:
+    """The backward with K/V repeated to one head per query head (one kernel call), their gradients
+    summed over each group in fp32."""
+    r = q.shape[1] // k.shape[1]
+    if r == 1:
         return _efficient_backward(do, q, k, v, out, lse, scale, causal)
-    dq = torch.empty_like(q)
-    dk, dv = torch.zeros_like(k), torch.zeros_like(v)
-    for j in range(q.shape[1] // g):
-        pick = (lambda t: _group_view(t, g)[:, :, j])  # noqa: E731
-        dq_j, dk_j, dv_j = _efficient_backward(pick(do), pick(q), k, v, pick(out), pick(lse), scale, causal)
-        _group_view(dq, g)[:, :, j] = dq_j
-        dk += dk_j
-        dv += dv_j
-    return dq, dk, dv
+    dq, dk, dv = _efficient_backward(do, q, k.repeat_interleave(r, 1), v.repeat_interleave(r, 1), out, lse, scale,
+                                     causal)
+    return dq, *(_group_view(t, k.shape[1]).sum(2, dtype=torch.float32).to(t.dtype) for t in (dk, dv))

@@ -40,6 +40,14 @@ def resolve_device(requested: str, local_ranks: int, gpus: int | None = None) ->
                    "node; cluster.device: cuda makes this an error, cluster.device: cpu silences it")
 
 
+def default_device() -> torch.device:
+    """This process's GPU where the job's process group can move tensors there (NCCL, or no group: one
+    process), else the CPU: gloo ranks on a machine with GPUs (a test's workers) keep their tensors on
+    the CPU (gloo's send of a CUDA tensor failed: "writev ... Bad address", on an H100)."""
+    on_gpu = torch.cuda.is_available() and (not dist.is_initialized() or "nccl" in str(dist.get_backend()))
+    return torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+
+
 def init_distributed(timeout: timedelta = timedelta(minutes=5), device: str = "auto") -> tuple[int, int, torch.device]:
     """Join the job described by the torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK,
     LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT) on `device` (`resolve_device`): NCCL on CUDA (with gloo
@@ -138,8 +146,7 @@ class Mesh:
         if layout.world_size != world:
             raise ValueError(f"layout {layout} needs {layout.world_size} ranks, the world has {world}")
         if device is None:
-            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
-                else torch.device("cpu")
+            device = default_device()
         named = dict(layout.named_groups())
         named["world"] = [list(range(world))]
         named.update({name: named[of] for name, of in OWN_COMMUNICATOR.items()})
