@@ -35,7 +35,7 @@ def build_adamw(decay: list[torch.Tensor], no_decay: list[torch.Tensor], trainin
     per tensor (foreach=False: the CPU's numbers as they were)."""
     groups = [{"params": decay, "weight_decay": training.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
-    on_gpu = all(t.is_cuda for t in decay + no_decay)
+    on_gpu = bool(decay + no_decay) and all(t.is_cuda for t in decay + no_decay)
     return torch.optim.AdamW([g for g in groups if g["params"]], lr=training.lr,
                              betas=(training.adam_beta1, training.adam_beta2), eps=training.adam_eps,
                              **({"fused": True} if on_gpu else {"foreach": False}))
@@ -49,11 +49,15 @@ def clip_grad_norm(params: Iterable[nn.Parameter], max_norm: float, group: Group
     are added over each group of `group` in turn (the distributed optimizer adds its DP x CP group,
     whose ranks hold disjoint chunks)."""
     params = [p for p in params if p.grad is not None]
-    # Each gradient's norm in fp64 where it lives, all in one multi-tensor call (a few kernels per
-    # parameter made the step launch-bound on a GPU), added up there and copied to the host once.
+    # Summed in fp64 where the gradients live and copied to the host once. On a GPU in one multi-tensor
+    # call (a few kernels per parameter made the step launch-bound); elsewhere a tensor at a time (the
+    # multi-tensor norm held fp64 copies of the gradients on the CPU).
     mine = [p.grad.detach() for p in params if counted is None or counted(p)]
-    sq = torch.stack(torch._foreach_norm(mine, 2, dtype=torch.float64)).square().sum().cpu() if mine \
-        else torch.zeros((), dtype=torch.float64)
+    if mine and mine[0].is_cuda:
+        sq = torch.stack(torch._foreach_norm(mine, 2, dtype=torch.float64)).square().sum()
+    else:
+        sq = sum((g.double().pow(2).sum() for g in mine), torch.zeros((), dtype=torch.float64))
+    sq = sq.cpu()
     for g in [group] if isinstance(group, Group) else group:
         comm.all_reduce_(sq, g, tag="grad-norm")
     norm = float(sq.sqrt())

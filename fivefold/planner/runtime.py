@@ -84,15 +84,23 @@ fitted on torchtitan's rows, whose CP sweep (rows 28-31: 405B at 8192 tokens, CP
 down to 1024 keys) pins it; Megatron's rows hardly move it (their fit is as good with it as at 0:
 median 7.3% vs 7.2%), so its profile takes the same kernel-level constant."""
 
+PER_TENSOR_OPTIMIZER_BYTES = 145.5
+"""Our step's optimizer work per parameter as it was until session 28 (fp64 gradient norm and clipping a
+tensor at a time, per-tensor AdamW on fp32 main parameters, the bf16 copy back, zeroing the gradient
+buffer), in bytes at 0.8 of HBM bandwidth: the profiler's kernel times on an H200 (session 25). The GPU
+rows measured with it (benchmarks/data/gpu) are checked with it."""
+
 _OURS_ON_HOPPER = TimeAssumptions(gemm_efficiency=0.987, attention_efficiency=0.376, membound_passes=25.3,
-                                  optimizer_bytes_per_param=145.5)
+                                  optimizer_bytes_per_param=52.1)
 """Our eager runtime's rates, measured per op class on an H200 (torch 2.11, bf16, one GPU; the profiler's
 kernel times of a 4-layer ~1B-wide Llama at seq 4096, benchmarks/RESULTS.md "fivefold on one GPU"):
 cuBLAS GEMMs at 0.987 of the matmul ceiling, cuDNN's SDPA at 0.376 (4096 keys), the unfused norms,
 SwiGLU, RoPE, casts and residual adds 25.3 passes over the layer's activations (Megatron's counts) at
-HBM bandwidth, and the step's unfused optimizer work (fp64 gradient norm, clipping, per-tensor AdamW
-on fp32 main parameters, the bf16 copy back, zeroing the gradient buffer) 145.5 bytes per parameter at
-0.8 of it. Measured on one shape: other GEMM and sequence sizes are extrapolated."""
+HBM bandwidth. The optimizer (torch's fused AdamW, one multi-tensor gradient norm): 52.1 bytes per
+parameter at 0.8 of HBM bandwidth, from the same 4-layer run's step on an H100 before and after the
+change (35.8 -> 27.3 ms: PER_TENSOR_OPTIMIZER_BYTES less the 8.5 ms saved); AdamW's own traffic is 28
+(read parameter, gradient, two moments; write three), the norm, clip, bf16 copy and zeroing ~22 more.
+Measured on one shape: other GEMM and sequence sizes are extrapolated."""
 
 PROFILES: dict[str, Runtime] = {r.name: r for r in [
     # the eager implementation's saved tensors (EAGER_TRAITS) on a GPU too: a ~1B Llama in bf16 on an H200,
