@@ -100,6 +100,9 @@ def load_optim(folder: Path, meta: dict, model: nn.Module, optimizer, shards: li
     params = dict(model.named_parameters())
     sources = {m: checkpoint_source(folder, meta, "optim_shards", f".{m}") for m in (*MOMENTS, MAIN)}
     weights = checkpoint_source(folder, meta)
+    # torch's fused AdamW (the GPU's, fivefold.parallel.optimizer) keeps its step count on the parameter's
+    # device, the per-tensor one on the CPU
+    fused = {id(p) for g in optimizer.param_groups if g.get("fused") for p in g["params"]}
     with Reader() as reader:
         for s in shards:
             p = params[s.name]
@@ -111,7 +114,8 @@ def load_optim(folder: Path, meta: dict, model: nn.Module, optimizer, shards: li
                 if t is None:
                     raise UserError(f"checkpoint {folder}: optimizer state {m} of {s.name} is missing")
                 state[m] = t.to(device=s.key.device, dtype=s.key.dtype).view_as(s.key)
-            state["step"] = torch.tensor(float(meta["optimizer_step"]))
+            state["step"] = torch.tensor(float(meta["optimizer_step"]), dtype=torch.float32,
+                                         device=s.key.device if id(s.key) in fused else "cpu")
             optimizer.state[s.key] = state
             if _is_copy(s.key, p):  # the fp32 main copy: saved, else the saved weights (fp32 when saved in fp32)
                 main = fill_flat(tuple(p.shape), spec, s.flat, sources[MAIN][src], reader)
