@@ -471,3 +471,59 @@ def test_grouped_gemm_equals_the_per_expert_loop():
                                 (("gate_proj", (H, 30)), ("up_proj", (H, 30)), ("down_proj", (30, H)))})]
     with pytest.raises(UserError, match="multiples of 4, or moe_grouped_gemm=false"):
         run_experts(x[:3], torch.tensor([3]), odd, None, True)
+
+
+def test_stacked_expert_gradients_are_added_into_the_buffer_at_once(monkeypatch):
+    """bf16 experts with fp32 gradient buffers (a GPU run's mixed precision), grouped matmuls: the
+    stacked weight gradient is added into the experts' buffer views in one operation
+    (data.add_stacked_grads), not once per expert by the hook; two microbatches give the buffers of
+    the per-expert adds bit for bit; where the views are not evenly spaced (or ZeRO-2's buffers come and
+    go) each expert's hook adds it as before; a zero-bubble B pass adds nothing."""
+    from fivefold.parallel import data, experts as experts_mod
+    from fivefold.parallel.data import GradReducer
+    from fivefold.parallel.experts import run_experts
+    from fivefold.runtime.backward_pass import input_grads_only
+    group = Mesh.build(Layout()).dp_cp
+    counts, xs = torch.tensor([5, 0, 7, 4]), [torch.randn(16, H).bfloat16() for _ in range(2)]
+    used: list[bool] = []
+    real = data.add_stacked_grads
+    monkeypatch.setattr(experts_mod, "add_stacked_grads", lambda *a: used.append(real(*a)) or used[-1])
+
+    def buffers(fused: bool, **reducer) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        layer = [torch.nn.ModuleDict({n: torch.nn.Linear(*shape, bias=False) for n, shape in
+                                      (("gate_proj", (H, 32)), ("up_proj", (H, 32)), ("down_proj", (32, H)))})
+                 for _ in range(4)]
+        params = [p for e in layer for p in e.parameters()]
+        for p in params:
+            p.data = p.data.bfloat16()
+        red = GradReducer(params, group, grad_dtype=torch.float32, **reducer)
+        if not fused:
+            for p in params:
+                p._adds_own_grad = False
+        red.zero_grad()
+        for i, x in enumerate(xs):
+            red.prepare(last=i == len(xs) - 1)
+            run_experts(x, counts, layer, None, True).float().square().sum().backward()
+        with input_grads_only():  # B: dW is computed and dropped; nothing may reach the buffers
+            x = xs[0].clone().requires_grad_()
+            torch.autograd.grad(run_experts(x, counts, layer, None, True).sum(), [x])
+        red.finish()
+        return [b.buffer.clone() for b in red.buckets]
+
+    apart, together = buffers(False), buffers(True)
+    assert used == [False] * 6 + [True] * 6, used  # 3 projections x 2 microbatches
+    assert len(apart) == len(together) and all(torch.equal(a, b) for a, b in zip(apart, together))
+    used.clear()
+    buffers(True, bucket_bytes=H * 32 * 2 * 4)  # each bucket holds a few experts' weights: not one even spacing
+    assert used and not any(used), used
+    # either order of the views in their buffer (a reducer fills it from the last parameter: decreasing)
+    for order in (1, -1):
+        buf, grads = torch.zeros(3 * 8), torch.randn(3, 2, 4).bfloat16()
+        ps = [torch.nn.Parameter(torch.zeros(2, 4, dtype=torch.bfloat16)) for _ in range(3)]
+        for i, p in enumerate(ps):
+            j = i if order == 1 else 2 - i
+            p.main_grad, p._adds_own_grad = buf[8 * j: 8 * j + 8].view(2, 4), True
+        assert data.add_stacked_grads(ps, grads)
+        want = grads.float() if order == 1 else grads.float().flip(0)
+        assert torch.equal(buf.view(3, 2, 4), want) and all(p._main_grad_added for p in ps)

@@ -25,7 +25,9 @@ Mixed precision (fivefold.parallel.precision): the buffers hold the gradient dty
 from the parameters' (bf16 parameters, fp32 gradients). Every parameter's buffer view is its
 `main_grad` (Megatron's name). When the dtypes agree, `param.grad` is that view, as above; when they
 differ, each gradient autograd produces (in the parameter's dtype) is added into `main_grad` by the
-same hook, on every microbatch, and freed, so one parameter's 16-bit gradient lives at a time.
+same hook, on every microbatch, and freed, so one parameter's 16-bit gradient lives at a time (the
+grouped expert matmul adds its experts' stacked gradient in one operation, `add_stacked_grads`, and
+their hooks only count them).
 Code that accumulates gradients itself (the pipeline's weight-gradient pass) adds into
 `grad_target(p)`.
 
@@ -56,6 +58,28 @@ def grad_target(p: nn.Parameter) -> torch.Tensor | None:
     """Where p's gradient accumulates: its `main_grad` buffer view when a GradReducer holds it,
     else p.grad (None before the first gradient)."""
     return getattr(p, "main_grad", p.grad)
+
+
+def add_stacked_grads(params: list[nn.Parameter], grads: torch.Tensor) -> bool:
+    """Add `grads` (E, *shape), the gradients of the E `params` stacked, into their main_grad views in
+    one operation where a GradReducer adds each of their gradients itself (a wider buffer, not ZeRO-2's
+    transient ones) and the views lie evenly spaced in one buffer (an MoE layer's experts); the hook then
+    skips each one's add (Megatron's gradient-accumulation fusion: one kernel, not one per expert).
+    Returns whether it did; the caller still hands autograd the gradients, whose hooks count them."""
+    views = [getattr(p, "main_grad", None) if getattr(p, "_adds_own_grad", False) else None for p in params]
+    if len(params) < 2 or any(v is None or v.shape != grads.shape[1:] or not v.is_contiguous() for v in views):
+        return False
+    size = views[0].element_size()
+    step, rest = (views[1].data_ptr() - views[0].data_ptr()) // size, range(2, len(views))
+    if step == 0 or any(views[i].data_ptr() - views[i - 1].data_ptr() != step * size for i in rest) or \
+            views[0].untyped_storage().data_ptr() != views[-1].untyped_storage().data_ptr():
+        return False
+    first, grads = (views[0], grads) if step > 0 else (views[-1], grads.flip(0))  # low address first
+    stacked = first.as_strided((len(views), *first.shape), (abs(step), *first.stride()), first.storage_offset())
+    stacked.add_(grads)
+    for p in params:
+        p._main_grad_added = True
+    return True
 
 
 class _Bucket:
@@ -144,6 +168,7 @@ class GradReducer:
             for p, v in zip(b.params, b.views):
                 self._bucket_of[p] = (b, v)
                 p.main_grad = v
+                p._adds_own_grad = v.dtype != p.dtype and not per_microbatch  # the hook adds into v (add_stacked_grads)
                 p.grad = self._grad_view(p, v)
                 p.register_post_accumulate_grad_hook(self._on_grad_ready)
             if shard:
@@ -177,12 +202,15 @@ class GradReducer:
         self._sync = last
         for b in self.buckets:
             b.pending, b.work = len(b.params), None
+            for p in b.params:  # a mark add_stacked_grads left where autograd then did not accumulate
+                p.__dict__.pop("_main_grad_added", None)
 
     def _on_grad_ready(self, p: nn.Parameter) -> None:
         b, view = self._bucket_of[p]
         if view.dtype != p.dtype or self.per_microbatch:  # into the (wider, or ZeRO-2's) buffer, then freed
-            b.materialize()
-            view.add_(p.grad)
+            if not p.__dict__.pop("_main_grad_added", False):  # else add_stacked_grads added it
+                b.materialize()
+                view.add_(p.grad)
             p.grad = None
         elif p.grad.data_ptr() != view.data_ptr():
             raise RuntimeError("a parameter's .grad was replaced; call GradReducer.zero_grad, not optimizer.zero_grad")

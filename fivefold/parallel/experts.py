@@ -28,7 +28,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from fivefold.errors import NotImplementedYet, UserError
+from fivefold.parallel.data import add_stacked_grads
 from fivefold.runtime import comm, traffic
+from fivefold.runtime.backward_pass import weight_grads_wanted
 from fivefold.runtime.collectives import all_to_all_single
 from fivefold.runtime.mesh import Group
 
@@ -99,9 +101,12 @@ class _GroupedMM(torch.autograd.Function):
         x, offsets, *weights = ctx.saved_tensors
         dy = dy.contiguous()  # _grouped_mm refuses the stride-0 gradients that sums and broadcasts hand back
         dx = torch._grouped_mm(dy, torch.stack(weights), offs=offsets) if ctx.needs_input_grad[0] else None
-        dw = torch._grouped_mm(dy.t(), x, offs=offsets).unbind(0) if any(ctx.needs_input_grad[2:]) \
-            else (None,) * len(weights)  # (E, out, in): each expert's weight gradient
-        return dx, None, *dw
+        if not any(ctx.needs_input_grad[2:]):
+            return dx, None, *(None,) * len(weights)
+        dw = torch._grouped_mm(dy.t(), x, offs=offsets)  # (E, out, in): each expert's weight gradient
+        if weight_grads_wanted():  # not in a zero-bubble B pass, which drops them
+            add_stacked_grads(weights, dw)
+        return dx, None, *dw.unbind(0)
 
 
 def _grouped(x: torch.Tensor, weights: list[torch.Tensor], offsets: torch.Tensor) -> torch.Tensor:
