@@ -74,12 +74,13 @@ def swiglu_rows(expert: nn.Module, x: torch.Tensor) -> torch.Tensor:
                     expert.down_proj.weight)  # (m, h), a partial sum over ETP ranks when sliced
 
 
-def _run_local(x: torch.Tensor, counts: list[int], experts: list[nn.Module], grouped: bool) -> torch.Tensor:
+def _run_local(x: torch.Tensor, counts: torch.Tensor, experts: list[nn.Module], grouped: bool) -> torch.Tensor:
     """x (R, h) grouped by local expert (counts[e] rows each) -> each group through its expert: one
-    matmul per expert, or with `grouped` one grouped matmul per projection for all of them."""
+    matmul per expert, or with `grouped` one grouped matmul per projection for all of them (the counts
+    stay on the device: no wait for them)."""
     if grouped:
         return _grouped_swiglu(x, counts, experts)
-    outs = [swiglu_rows(e, rows) for e, rows in zip(experts, x.split(counts)) if rows.shape[0]]
+    outs = [swiglu_rows(e, rows) for e, rows in zip(experts, x.split(counts.tolist())) if rows.shape[0]]
     return torch.cat(outs) if outs else x[:0] * 0  # (R, h); empty stays in the graph
 
 
@@ -114,14 +115,14 @@ def _grouped(x: torch.Tensor, weights: list[torch.Tensor], offsets: torch.Tensor
     return _GroupedMM.apply(x, offsets, *weights)
 
 
-def _grouped_swiglu(x: torch.Tensor, counts: list[int], experts: list[nn.Module]) -> torch.Tensor:
+def _grouped_swiglu(x: torch.Tensor, counts: torch.Tensor, experts: list[nn.Module]) -> torch.Tensor:
     """swiglu_rows of every expert on its rows, as three grouped matmuls (torch._grouped_mm)."""
     inner = experts[0].down_proj.weight.shape[1]  # the expert width on this rank (f / ETP)
     if (x.shape[1] * x.element_size()) % 16 or (inner * x.element_size()) % 16:
         raise UserError(f"model.moe_grouped_gemm: torch._grouped_mm needs rows of a multiple of 16 bytes; hidden "
                         f"{x.shape[1]} and the expert width per ETP rank {inner} in {x.dtype} are not; use widths "
                         f"that are multiples of {16 // x.element_size()}, or moe_grouped_gemm=false")
-    offsets = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)  # (E_loc,) end of each group
+    offsets = counts.to(x.device).cumsum(0).to(torch.int32)  # (E_loc,) end of each group
     gate = _grouped(x, [e.gate_proj.weight for e in experts], offsets)
     up = _grouped(x, [e.up_proj.weight for e in experts], offsets)
     return _grouped(F.silu(gate) * up, [e.down_proj.weight for e in experts], offsets)  # (R, h)
@@ -141,7 +142,7 @@ def run_experts(x: torch.Tensor, counts: torch.Tensor, experts: list[nn.Module],
                 grouped: bool = False) -> torch.Tensor:
     """x (R, h) grouped by local expert (`counts` (E_loc,) int64) -> expert outputs (R, h)."""
     if etp is None or etp.size == 1:
-        return _run_local(x, counts.tolist(), experts, grouped)
+        return _run_local(x, counts, experts, grouped)
     every = comm.all_gather(counts.unsqueeze(0), 0, etp, "etp")  # (m, E_loc): rows per rank, per expert
     totals = every.sum(1)  # (m,)
     pad = int(totals.max())
@@ -151,7 +152,7 @@ def run_experts(x: torch.Tensor, counts: torch.Tensor, experts: list[nn.Module],
     order = [torch.arange(r * pad + int(starts[r, e]), r * pad + int(starts[r, e] + every[r, e]))
              for e in range(every.shape[1]) for r in range(every.shape[0])]
     perm = torch.cat(order).to(x.device)  # the gathered rows, grouped by expert
-    y = _run_local(gathered[perm], every.sum(0).tolist(), experts, grouped)  # (sum R_r, h) partial over ETP
+    y = _run_local(gathered[perm], every.sum(0), experts, grouped)  # (sum R_r, h) partial over ETP
     # (m Rmax, h); padding rows stay 0. index_put keeps only the indices for backward (index_copy
     # would keep y, every gathered row: measured, a MoE layer under ETP2 held 1 MiB more of 6)
     partial = y.new_zeros(gathered.shape).index_put((perm,), y)
