@@ -429,3 +429,12 @@ def test_checkpoints_with_and_without_the_bias_load_both_ways(tmp_path, capsys):
     ckpt.load_checkpoint(tmp_path / "biased", model=into_plain, optimizer=None, rank=0, world_size=1)
     for (n, p), q in zip(into_biased.named_parameters(), into_plain.parameters()):
         assert torch.equal(p, q), n  # both hold the seed-1 weights now
+
+
+def test_expert_counts_equal_torch_bincount():
+    """fivefold.ops.counting.bincount (no host sync on CUDA) against torch.bincount: empty experts,
+    a 2-D index tensor, no indices at all."""
+    from fivefold.ops.counting import bincount
+    idx = torch.tensor([[3, 0], [3, 5], [0, 3]])
+    assert torch.equal(bincount(idx, 8), torch.bincount(idx.reshape(-1), minlength=8))
+    assert torch.equal(bincount(idx[:0], 4), torch.zeros(4, dtype=torch.int64))

@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from fivefold.capacity import expert_capacity
+from fivefold.ops.counting import bincount
 
 
 def within_capacity(experts: torch.Tensor, weights: torch.Tensor, num_experts: int, factor: float,
@@ -43,7 +44,7 @@ def within_capacity(experts: torch.Tensor, weights: torch.Tensor, num_experts: i
     else:
         raise ValueError(f"moe_token_drop_policy={policy!r}: probs or position")
     order = first[torch.argsort(flat[first], stable=True)]  # by expert, then by priority
-    counts = torch.bincount(flat, minlength=num_experts)
+    counts = bincount(flat, num_experts)
     starts = torch.cumsum(counts, 0) - counts
     rank_in_expert = torch.empty_like(flat)
     rank_in_expert[order] = torch.arange(n * k, device=flat.device) - starts[flat[order]]

@@ -47,6 +47,7 @@ import torch.nn.functional as F
 
 from fivefold.config.schema import ModelConfig
 from fivefold.model.recompute import is_recomputing
+from fivefold.ops.counting import bincount
 from fivefold.runtime import comm
 from fivefold.runtime.mesh import Group
 
@@ -222,7 +223,7 @@ def count_load(router: Router, experts: torch.Tensor) -> None:
     """Add a training forward's assignments `experts` (after token dropping, as Megatron counts its
     routing map) to the load the expert bias moves by; not in eval, no-grad or a recompute's rerun."""
     if router.expert_bias is not None and router.training and torch.is_grad_enabled() and not is_recomputing():
-        router.tokens_per_expert += torch.bincount(experts.reshape(-1), minlength=router.cfg.num_experts)
+        router.tokens_per_expert += bincount(experts, router.cfg.num_experts)
 
 
 @torch.no_grad()

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fivefold.errors import NotImplementedYet, UserError
+from fivefold.ops.counting import bincount
 from fivefold.parallel.data import add_stacked_grads
 from fivefold.runtime import comm, traffic
 from fivefold.runtime.backward_pass import weight_grads_wanted
@@ -174,7 +175,7 @@ def moe_forward(x: torch.Tensor, experts_idx: torch.Tensor, weights: torch.Tenso
         flat = flat[kept]
     order = torch.argsort(flat, stable=True)  # assignments grouped by expert, tokens in order
     rows = x[(order if kept is None else kept[order]) // k]  # (a, h)
-    counts = torch.bincount(flat, minlength=num_experts)  # (E,)
+    counts = bincount(flat, num_experts)  # (E,)
     slots = None
     if pad_to is not None:  # row i of expert e goes to slot e * pad_to + i
         starts = torch.cumsum(counts, 0) - counts
