@@ -24,6 +24,7 @@ for n in 16 8 4; do
 done
 timeout 120 python3 -m fivefold train $D/moe.yaml --out $RUNS/moe --train-iters 12 --profile 2>&1 | quiet 6 | head -3
 cp $RUNS/moe/metrics.jsonl "$OUT/moe.jsonl"; gzip -c $RUNS/moe/profile/rank-0.pt.trace.json > "$OUT/moe_trace.json.gz"
+python3 scripts/trace_launches.py $RUNS/moe/profile/rank-0.pt.trace.json  # launches by layer, syncs, the optimizer
 step "resume on the GPU (fused AdamW keeps its step count there): 4 steps, then 2 more from step 4's checkpoint"
 timeout 60 python3 -m fivefold train $D/llama1b.yaml --out $RUNS/res --num-layers 2 --train-iters 4 --save-interval 4 2>&1 | quiet 3
 timeout 60 python3 -m fivefold train $D/llama1b.yaml --out $RUNS/res2 --num-layers 2 --train-iters 6 --load $RUNS/res/checkpoints 2>&1 | quiet 3
