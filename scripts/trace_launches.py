@@ -19,10 +19,18 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("trace", help="a torch profiler Chrome trace (.json or .json.gz)")
     args = ap.parse_args()
-    with (gzip.open if args.trace.endswith(".gz") else open)(args.trace, "rt") as f:
-        events = json.load(f)["traceEvents"]
+    try:
+        with (gzip.open if args.trace.endswith(".gz") else open)(args.trace, "rt") as f:
+            events = json.load(f)["traceEvents"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise SystemExit(f"error: {args.trace} is not a profiler trace ({e}); give the "
+                         "OUT/profile/rank-R.pt.trace.json that `fivefold train --profile` writes")
     marks = [e for e in events if e.get("cat") == "user_annotation"]
-    step = max((e for e in marks if e["name"].startswith("train_step")), key=lambda e: e["ts"])
+    steps = [e for e in marks if e["name"].startswith("train_step")]
+    if not steps:
+        raise SystemExit(f"error: {args.trace} has no `train_step N` range: profile a training run "
+                         "(`fivefold train ... --profile`)")
+    step = max(steps, key=lambda e: e["ts"])
     lo, hi = step["ts"], step["ts"] + step["dur"]
     opt = [e for e in marks if e["name"].startswith("Optimizer.step") and lo <= e["ts"] <= hi]
     calls = sorted((e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver") and lo <= e["ts"] <= hi),
