@@ -224,8 +224,9 @@ def _efficient_forward(q, k, v, scale, causal):
 
 def _efficient_backward(do, q, k, v, out, lse, scale, causal):
     """The kernel reads its tensors in the (b, s, heads, d) memory order its forward writes: given (b, heads,
-    s, d)-contiguous ones, its bf16 backward returned wrong dq, dk (NaN, 1e35) beyond two heads (an H100 and
-    an H200, torch 2.11; fp32 was right). Each is passed in that order (a copy where it is not)."""
+    s, d)-contiguous ones, its bf16 backward returned wrong dq, dk (NaN, 1e35) with 8 heads, right with 2
+    (an H100, torch 2.11; fp32 was right; the same test cases had failed on an H200). Each is passed in
+    that order (a copy where it is not)."""
     do, q, k, v, out = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (do, q, k, v, out))
     pad = -lse.shape[-1] % 32
     lse = F.pad(lse, (0, pad)) if pad else lse
