@@ -27,7 +27,7 @@ from the parameters' (bf16 parameters, fp32 gradients). Every parameter's buffer
 differ, each gradient autograd produces (in the parameter's dtype) is added into `main_grad` by the
 same hook, on every microbatch, and freed, so one parameter's 16-bit gradient lives at a time (the
 grouped expert matmul adds its experts' stacked gradient in one operation, `add_stacked_grads`, and
-their hooks only count them).
+counts them itself: autograd then accumulates nothing for them).
 Code that accumulates gradients itself (the pipeline's weight-gradient pass) adds into
 `grad_target(p)`.
 
@@ -63,11 +63,15 @@ def grad_target(p: nn.Parameter) -> torch.Tensor | None:
 def add_stacked_grads(params: list[nn.Parameter], grads: torch.Tensor) -> bool:
     """Add `grads` (E, *shape), the gradients of the E `params` stacked, into their main_grad views in
     one operation where a GradReducer adds each of their gradients itself (a wider buffer, not ZeRO-2's
-    transient ones) and the views lie evenly spaced in one buffer (an MoE layer's experts); the hook then
-    skips each one's add (Megatron's gradient-accumulation fusion: one kernel, not one per expert).
-    Returns whether it did; the caller still hands autograd the gradients, whose hooks count them."""
-    views = [getattr(p, "main_grad", None) if getattr(p, "_adds_own_grad", False) else None for p in params]
-    if len(params) < 2 or any(v is None or v.shape != grads.shape[1:] or not v.is_contiguous() for v in views):
+    transient ones) and the views lie evenly spaced in one buffer (an MoE layer's experts), and count
+    them as their hooks would (Megatron's gradient-accumulation fusion: one kernel, not one per expert,
+    and no per-expert accumulation by autograd). Returns whether it did; if so the caller hands autograd
+    no gradient for `params` (their hooks, which autograd still calls, then find none and return)."""
+    counts = [getattr(p, "_count_grad", None) for p in params]
+    if len(params) < 2 or any(c is None for c in counts):
+        return False
+    views = [p.main_grad for p in params]
+    if any(v.shape != grads.shape[1:] or not v.is_contiguous() for v in views):
         return False
     size = views[0].element_size()
     step, rest = (views[1].data_ptr() - views[0].data_ptr()) // size, range(2, len(views))
@@ -77,8 +81,8 @@ def add_stacked_grads(params: list[nn.Parameter], grads: torch.Tensor) -> bool:
     first, grads = (views[0], grads) if step > 0 else (views[-1], grads.flip(0))  # low address first
     stacked = first.as_strided((len(views), *first.shape), (abs(step), *first.stride()), first.storage_offset())
     stacked.add_(grads)
-    for p in params:
-        p._main_grad_added = True
+    for p, count in zip(params, counts):
+        count(p)
     return True
 
 
@@ -168,7 +172,8 @@ class GradReducer:
             for p, v in zip(b.params, b.views):
                 self._bucket_of[p] = (b, v)
                 p.main_grad = v
-                p._adds_own_grad = v.dtype != p.dtype and not per_microbatch  # the hook adds into v (add_stacked_grads)
+                # where the hook adds each gradient into v, add_stacked_grads may add and count them itself
+                p._count_grad = self._count if v.dtype != p.dtype and not per_microbatch else None
                 p.grad = self._grad_view(p, v)
                 p.register_post_accumulate_grad_hook(self._on_grad_ready)
             if shard:
@@ -202,23 +207,27 @@ class GradReducer:
         self._sync = last
         for b in self.buckets:
             b.pending, b.work = len(b.params), None
-            for p in b.params:  # a mark add_stacked_grads left where autograd then did not accumulate
-                p.__dict__.pop("_main_grad_added", None)
 
     def _on_grad_ready(self, p: nn.Parameter) -> None:
+        if p.grad is None:  # autograd got no gradient for p (add_stacked_grads added and counted it)
+            return
         b, view = self._bucket_of[p]
         if view.dtype != p.dtype or self.per_microbatch:  # into the (wider, or ZeRO-2's) buffer, then freed
-            if not p.__dict__.pop("_main_grad_added", False):  # else add_stacked_grads added it
-                b.materialize()
-                view.add_(p.grad)
+            b.materialize()
+            view.add_(p.grad)
             p.grad = None
         elif p.grad.data_ptr() != view.data_ptr():
             raise RuntimeError("a parameter's .grad was replaced; call GradReducer.zero_grad, not optimizer.zero_grad")
-        if not self._sync:
-            return
-        b.pending -= 1
-        if b.pending == 0:
-            self._launch(b)
+        self._count(p)
+
+    def _count(self, p: nn.Parameter) -> None:
+        """p's gradient of this microbatch is in its bucket: reduce the bucket if it was the last one
+        and this microbatch reduces."""
+        if self._sync:
+            b = self._bucket_of[p][0]
+            b.pending -= 1
+            if b.pending == 0:
+                self._launch(b)
 
     def launch(self, b: _Bucket) -> None:
         """Reduce bucket b now if this microbatch has not yet (a caller that knows when a bucket is

@@ -313,12 +313,17 @@ class DataParallel:
         the scaler is updated either way. Without loss scaling: True, no communication."""
         if self.scaler is None:
             return True
-        bad = torch.zeros((), dtype=torch.float64)
+        by_device: dict[torch.device, list[torch.Tensor]] = {}  # (offloaded main gradients live on the host)
         for d in self.domains:
             for t in d.main():
                 if t.grad is not None:
-                    t.grad.mul_(1.0 / self.scaler.scale)
-                    bad += float(not bool(torch.isfinite(t.grad).all()))
+                    by_device.setdefault(t.grad.device, []).append(t.grad)
+        bad = torch.zeros((), dtype=torch.float64)
+        for device, grads in by_device.items():  # torch.amp's multi-tensor unscale: no host sync per tensor
+            found = torch.zeros(1, device=device)
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, torch.full((1,), 1.0 / self.scaler.scale,
+                                                                                     device=device))
+            bad += float(found)
         comm.all_reduce_(bad, self.world, tag="found-inf")
         overflow = float(bad) > 0
         self.scaler.update(overflow)
@@ -345,12 +350,9 @@ class DataParallel:
                                  for main, groups, counted in parts), dtype=torch.float64)
         comm.all_reduce_(total, self.norm_over, tag="grad-norm")
         norm = math.sqrt(float(total))
-        if max_norm > 0 and norm > max_norm:
-            scale = max_norm / (norm + 1e-6)
-            for main, _, _ in parts:
-                for t in main:
-                    if t.grad is not None:
-                        t.grad.mul_(scale)
+        if max_norm > 0 and norm > max_norm:  # (one multi-tensor multiply: a launch per tensor made GPU steps host-bound)
+            torch._foreach_mul_([t.grad for main, _, _ in parts for t in main if t.grad is not None],
+                                max_norm / (norm + 1e-6))
         return norm
 
     def step(self) -> None:

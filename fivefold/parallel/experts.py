@@ -106,8 +106,8 @@ class _GroupedMM(torch.autograd.Function):
         if not any(ctx.needs_input_grad[2:]):
             return dx, None, *(None,) * len(weights)
         dw = torch._grouped_mm(dy.t(), x, offs=offsets)  # (E, out, in): each expert's weight gradient
-        if weight_grads_wanted():  # not in a zero-bubble B pass, which drops them
-            add_stacked_grads(weights, dw)
+        if weight_grads_wanted() and add_stacked_grads(weights, dw):  # (a zero-bubble B pass drops them)
+            return dx, None, *(None,) * len(weights)  # in the buffers already, and counted
         return dx, None, *dw.unbind(0)
 
 
