@@ -3,22 +3,23 @@
 # compare only on the same machine; ~1 min a row pair on an H100):
 #   git archive REV fivefold | tar -x -C runs/base      # here, first: the package as it was (runs/ is ignored)
 #   bash scripts/gpu_before_after.sh runs/base [ROW ...]  # on the GPU, carrying runs/base
-# ROW: moe, 4L, 4L-fp16, 16L (default: moe 4L). Each row is trained STEPS steps (default 20) with the package
+# ROW: moe, moe-gc (--manual-gc), 4L, 4L-fp16, 16L (default: moe 4L). Each row is trained STEPS steps (default 20) with the package
 # in runs/base, then with this tree's; printed: the median step time of the steps after the first, the spread
 # (25th-75th percentile) and the peak memory. MoE rows run under --profile on both sides (its two profiled steps,
 # 10 and 11, left out of the median); the "after" trace: $OUT/moe_trace.json.gz, read by scripts/trace_launches.py.
 BASE=${1:?usage: gpu_before_after.sh BASE_DIR [ROW ...]}; shift
 ROWS=${*:-moe 4L}; STEPS=${STEPS:-20}
 export PYTHONUNBUFFERED=1 RUNS=runs/before_after OUT=${OUT:-runs/before_after/out}
-mkdir -p "$OUT"
+mkdir -p "$OUT" "$RUNS"
 D=benchmarks/data/gpu
 args() {
   case $1 in
     moe) echo "$D/moe.yaml" ;;
+    moe-gc) echo "$D/moe.yaml --manual-gc" ;;
     4L) echo "$D/llama1b.yaml --num-layers 4" ;;
     4L-fp16) echo "$D/llama1b.yaml --num-layers 4 --fp16" ;;
     16L) echo "$D/llama1b.yaml" ;;
-    *) echo "unknown row $1 (moe, 4L, 4L-fp16, 16L)" >&2; exit 2 ;;
+    *) echo "unknown row $1 (moe, moe-gc, 4L, 4L-fp16, 16L)" >&2; exit 2 ;;
   esac
 }
 summary() {  # metrics.jsonl [profiled steps] -> median ms, p25-p75, peak MiB
@@ -52,4 +53,4 @@ for row in $ROWS; do
     fi
   done
 done
-for t in "$OUT"/*_trace.json.gz; do [ -e "$t" ] && { gunzip -c "$t" > /tmp/trace.json; python3 scripts/trace_launches.py /tmp/trace.json | head -3; }; done
+for t in "$OUT"/*_trace.json.gz; do [ -e "$t" ] && { gunzip -c "$t" > $RUNS/trace.json; python3 scripts/trace_launches.py $RUNS/trace.json | head -3; }; done

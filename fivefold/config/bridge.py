@@ -118,6 +118,12 @@ def _to(dotted: str, convert=None):
     return lambda value: [(dotted, convert(value) if convert else value)]
 
 
+def _truthy_int(value):
+    """A bool field that Bridge's recipes set to a number (train.manual_gc_eval = 100): Python's truth
+    of the number; any other value as given."""
+    return str(value).strip() != "0" if str(value).strip().isdigit() else value
+
+
 def _state_dtype(dotted: str):
     """A torch dtype of the optimizer's state as our name; another word is kept for validation to refuse
     with the choices."""
@@ -165,6 +171,8 @@ RENAMES = {  # Bridge field -> [(canonical field, value)]
     "scheduler.start_weight_decay": _to("training.weight_decay"),
     "scheduler.end_weight_decay": _to("training.weight_decay"),
     "train.eval_interval": _to("training.eval_interval"), "train.eval_iters": _to("training.eval_iters"),
+    "train.manual_gc": _to("training.manual_gc"), "train.manual_gc_interval": _to("training.manual_gc_interval"),
+    "train.manual_gc_eval": _to("training.manual_gc_eval", _truthy_int),
     "profiling.use_pytorch_profiler": _to("logging.profile"),
     "profiling.profile_ranks": _to("logging.profile_ranks"),
 }
@@ -197,8 +205,7 @@ NOTES = {
     "dataset.random_seed": "fivefold orders data from training.seed (rng.seed)",
     "dataset.num_workers": "data-loader workers", "dataset.pin_memory": "data-loader memory",
     "dataset.persistent_workers": "data-loader workers", "dataset.path_to_cache": "index cache location",
-    "dataset.mmap_bin_files": "how .bin files are read", "train.manual_gc": "garbage collection timing",
-    "train.manual_gc_interval": "garbage collection timing", "train.manual_gc_eval": "garbage collection timing",
+    "dataset.mmap_bin_files": "how .bin files are read",
     "checkpoint.ckpt_format": "checkpoint format: fivefold writes its own (any layout loads any other)",
     "dataset.tokenizer": "Bridge sets it from the tokenizer section",
     "model.activation_func": "the MLP is chosen by gated_linear_unit (False: GeLU, True: SwiGLU)",

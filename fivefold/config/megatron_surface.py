@@ -52,7 +52,7 @@ NO_EFFECT: list[tuple[str, str]] = [  # (regular expression over the flag, why i
     (r"--[-a-z0-9]*cuda-graph[-a-z0-9]*|--enable-cuda-graph|--external-cuda-graph",
      "CUDA graphs: a launch optimisation"),
     (r"--(no-)?(log|tensorboard|wandb|timing|nvtx|profile|pytorch-profiler|use-pytorch-profiler|record-memory|"
-     r"straggler|disable-straggler|check-weight-hash|barrier-with|manual-gc|disable-manual-gc|exit-signal|"
+     r"straggler|disable-straggler|check-weight-hash|barrier-with|exit-signal|"
      r"log-straggler|indexer-log)[-a-z0-9]*",
      "logging, profiling or housekeeping (fivefold writes metrics.jsonl and TensorBoard; --profile is mapped)"),
     (r"--(async-ckpt|ckpt|dist-ckpt|non-persistent|use-persistent-ckpt|use-dist-ckpt|auto-detect-ckpt|"

@@ -463,6 +463,16 @@ class TrainingConfig:
     distributed_timeout_seconds: float | None = None
     """The same timeout in seconds (fivefold's, for short jobs and tests); wins over the minutes when
     set. Default None."""
+    manual_gc: bool = False
+    """Python's threshold-based garbage collector off while training, one full collection at its start
+    (Megatron's --manual-gc: a collection pausing one rank in the middle of a step delays every rank;
+    fivefold.train.manual_gc). Default False."""
+    manual_gc_interval: int = 0
+    """With manual_gc: a full collection after every this many steps; 0 = none between steps (Megatron's
+    --manual-gc-interval). Default 0."""
+    manual_gc_eval: bool = True
+    """With manual_gc: a full collection before each evaluation and a young-generation one after it
+    (Megatron's default; --no-manual-gc-eval turns it off). Default True."""
 
 
 @dataclass(kw_only=True)

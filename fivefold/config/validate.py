@@ -145,6 +145,9 @@ def _training_problems(t, dp_cp: int | None) -> list[Problem]:
             out.append(Problem(f"training.{name}", value, "only the precision-aware optimizer keeps optimizer state "
                                "other than fp32 (Megatron asserts the same)",
                                "use_precision_aware_optimizer=True (--use-precision-aware-optimizer)"))
+    if not isinstance(t.manual_gc_interval, int) or t.manual_gc_interval < 0:
+        out.append(Problem("training.manual_gc_interval", t.manual_gc_interval, "must be a whole number >= 0 "
+                           "(0: no collection between steps; Megatron asserts the same)", "manual_gc_interval=0"))
     if t.fp8_format not in (None, *FP8_FORMATS):
         out.append(Problem("training.fp8_format", t.fp8_format, f"must be one of {', '.join(FP8_FORMATS)}",
                            "fp8_format=hybrid (--fp8-format hybrid)"))

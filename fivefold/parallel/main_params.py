@@ -48,8 +48,9 @@ class MainParams:
     def write_back(self) -> None:
         """After the step: each copy cast back into its tensor, and its gradient dropped (an fp32 copy
         of a 16-bit gradient would otherwise live until the next step)."""
-        pairs = [(t, main) for t, main in zip(self.tensors, self.mains) if main is not t]
-        if pairs:  # one multi-tensor copy on a GPU (a launch per tensor made its steps host-bound)
-            torch._foreach_copy_([t.detach() for t, _ in pairs], [main.detach() for _, main in pairs])
-        for _, main in pairs:
+        copied = [main for t, main in zip(self.tensors, self.mains) if main is not t]
+        if copied:
+            with torch.no_grad():  # one multi-tensor copy on a GPU (a launch per tensor made its steps host-bound)
+                torch._foreach_copy_([t for t, main in zip(self.tensors, self.mains) if main is not t], copied)
+        for main in copied:
             main.grad = None

@@ -52,7 +52,7 @@ def clip_grad_norm(params: Iterable[nn.Parameter], max_norm: float, group: Group
     # Summed in fp64 where the gradients live and copied to the host once. On a GPU in one multi-tensor
     # call (a few kernels per parameter made the step launch-bound); elsewhere a tensor at a time (the
     # multi-tensor norm held fp64 copies of the gradients on the CPU).
-    mine = [p.grad.detach() for p in params if counted is None or counted(p)]
+    mine = [p.grad for p in params if counted is None or counted(p)]
     if mine and mine[0].is_cuda:
         sq = torch.stack(torch._foreach_norm(mine, 2, dtype=torch.float64)).square().sum()
     else:

@@ -28,6 +28,7 @@ from fivefold.runtime import comm, heartbeat
 from fivefold.parallel.data import GradReducer
 from fivefold.parallel.parallelize import Parts, parallelize
 from fivefold.train.context import RankContext, layout_text
+from fivefold.train.manual_gc import after_step, around_eval, manual_gc
 from fivefold.train.metrics import MetricsLog, flops_per_token, peak_memory_bytes, plot_loss_curve, read_metrics
 from fivefold.train.moe_metrics import moe_record, plot_expert_load
 from fivefold.train.nonfinite import is_finite, nonfinite_error
@@ -181,55 +182,58 @@ def train(config: Config, ctx: RankContext, data_dir: Path, *, progress: bool = 
     profiler = StepProfiler(config.logging.profile and ctx.rank in config.logging.profile_ranks,
                             profile_steps(start, t.train_iters), ctx.out_dir, ctx.rank, ctx.device)
     began = time.monotonic()
-    for step in range(start, t.train_iters):
-        heartbeat.at_step(step)
-        t0 = time.perf_counter()
-        with profiler.step(step):
-            r = _step(config, ctx, step, parts, train_loader)
-        dt = time.perf_counter() - t0
-        times.append((r.tokens, dt))
-        result.losses[step] = r.loss
-        last = step + 1 == t.train_iters or _exits(t, step, began, ctx)
-        # Same values on every rank (see train/nonfinite.py): every rank stops at this step.
-        # An fp16 step skipped for overflow is not an error: the loss scaler backs off and training goes on.
-        stops = t.check_for_nan_in_loss_and_grad and not (is_finite(r.loss) and (r.skipped or is_finite(r.grad_norm)))
-        evaluates = eval_loader is not None and ((step + 1) % t.eval_interval == 0 or last) and not stops
-        record = {"step": step, "loss": r.loss, "grad_norm": r.grad_norm, "lr": lr_at(step, t),
-                  "tokens": r.tokens, "step_time_s": dt, "tokens_per_s": r.tokens / dt,
-                  "tflops_per_rank": fpt * r.tokens / dt / ctx.world_size / 1e12}
-        if r.moe_totals is not None:
-            record.update(moe_record(r.moe_totals, config.model, config.logging.moe_per_layer_logging))
-        if r.mtp_loss is not None:
-            record["mtp_loss"] = r.mtp_loss
-        if dp.scaler is not None:  # fp16: the scale the next step uses, and the overflow steps so far
-            record.update(loss_scale=dp.scaler.scale, skipped_steps=dp.scaler.skipped)
-        every = config.logging.log_interval  # read like save_interval: unset/0 = the last and eval steps only
-        logs = bool(every and (step + 1) % every == 0) or last or evaluates or stops
-        if logs:  # a collective over every rank: once per metrics line, not every step
-            peak = comm.all_gather(torch.tensor([peak_memory_bytes(ctx.device)], dtype=torch.float64), 0,
-                                   ctx.world_group, tag="metrics")  # (world,)
-            record["peak_memory_mib"] = [round(float(b) / 2**20, 1) for b in peak]
-            result.peak_memory = [int(b) for b in peak]
-        if evaluates:
-            batches = [eval_loader.step_batch(i) for i in range(t.eval_iters)]
-            record["eval_loss"] = result.eval_losses[step] = evaluate(
-                model, batches, dp_group=ctx.dp_group, device=ctx.device) if pipe is None \
-                else pipeline_evaluate(pipe, batches, mesh=ctx.mesh)
-        if log is not None and logs:
-            log.write(record)
-        if stops:  # before this step's checkpoint: the last one written stays the last good one
-            bar.close()
-            if saver is not None:
-                saver.finish()
-            raise nonfinite_error(step, r.loss, r.grad_norm, model, ctx.world_group,
-                                  result.checkpoint or config.checkpoint.load)
-        bar.set_postfix(loss=f"{r.loss:.4f}", lr=f"{record['lr']:.2e}", tok_s=f"{record['tokens_per_s']:.0f}")
-        bar.update(1)
-        interval = config.checkpoint.save_interval
-        if (interval and (step + 1) % interval == 0) or last:
-            result.checkpoint = _save(config, ctx, save_root, step + 1, parts, saver)
-        if last:
-            break
+    with manual_gc(t):  # --manual-gc: the collector off while training
+        for step in range(start, t.train_iters):
+            heartbeat.at_step(step)
+            t0 = time.perf_counter()
+            with profiler.step(step):
+                r = _step(config, ctx, step, parts, train_loader)
+            dt = time.perf_counter() - t0
+            times.append((r.tokens, dt))
+            result.losses[step] = r.loss
+            last = step + 1 == t.train_iters or _exits(t, step, began, ctx)
+            # Same values on every rank (see train/nonfinite.py): every rank stops at this step.
+            # An fp16 step skipped for overflow is not an error: the loss scaler backs off and training goes on.
+            stops = t.check_for_nan_in_loss_and_grad and not (is_finite(r.loss) and (r.skipped or is_finite(r.grad_norm)))
+            evaluates = eval_loader is not None and ((step + 1) % t.eval_interval == 0 or last) and not stops
+            record = {"step": step, "loss": r.loss, "grad_norm": r.grad_norm, "lr": lr_at(step, t),
+                      "tokens": r.tokens, "step_time_s": dt, "tokens_per_s": r.tokens / dt,
+                      "tflops_per_rank": fpt * r.tokens / dt / ctx.world_size / 1e12}
+            if r.moe_totals is not None:
+                record.update(moe_record(r.moe_totals, config.model, config.logging.moe_per_layer_logging))
+            if r.mtp_loss is not None:
+                record["mtp_loss"] = r.mtp_loss
+            if dp.scaler is not None:  # fp16: the scale the next step uses, and the overflow steps so far
+                record.update(loss_scale=dp.scaler.scale, skipped_steps=dp.scaler.skipped)
+            every = config.logging.log_interval  # read like save_interval: unset/0 = the last and eval steps only
+            logs = bool(every and (step + 1) % every == 0) or last or evaluates or stops
+            if logs:  # a collective over every rank: once per metrics line, not every step
+                peak = comm.all_gather(torch.tensor([peak_memory_bytes(ctx.device)], dtype=torch.float64), 0,
+                                       ctx.world_group, tag="metrics")  # (world,)
+                record["peak_memory_mib"] = [round(float(b) / 2**20, 1) for b in peak]
+                result.peak_memory = [int(b) for b in peak]
+            if evaluates:
+                batches = [eval_loader.step_batch(i) for i in range(t.eval_iters)]
+                with around_eval(t):
+                    record["eval_loss"] = result.eval_losses[step] = evaluate(
+                        model, batches, dp_group=ctx.dp_group, device=ctx.device) if pipe is None \
+                        else pipeline_evaluate(pipe, batches, mesh=ctx.mesh)
+            if log is not None and logs:
+                log.write(record)
+            if stops:  # before this step's checkpoint: the last one written stays the last good one
+                bar.close()
+                if saver is not None:
+                    saver.finish()
+                raise nonfinite_error(step, r.loss, r.grad_norm, model, ctx.world_group,
+                                      result.checkpoint or config.checkpoint.load)
+            bar.set_postfix(loss=f"{r.loss:.4f}", lr=f"{record['lr']:.2e}", tok_s=f"{record['tokens_per_s']:.0f}")
+            bar.update(1)
+            interval = config.checkpoint.save_interval
+            if (interval and (step + 1) % interval == 0) or last:
+                result.checkpoint = _save(config, ctx, save_root, step + 1, parts, saver)
+            after_step(t, step)  # --manual-gc-interval
+            if last:
+                break
     bar.close()
     if saver is not None:
         saver.finish()  # the last checkpoint committed before anything reads it
