@@ -1,17 +1,20 @@
 #!/bin/bash
 # Our runtime's one-GPU rows before and after a change, on one machine in one call of a lent GPU (timings
-# compare only on the same machine; ~1 min a row pair on an H100):
+# compare only on the same machine; ~2 min a row on an H100):
 #   git archive REV fivefold | tar -x -C runs/base      # here, first: the package as it was (runs/ is ignored)
 #   bash scripts/gpu_before_after.sh runs/base [ROW ...]  # on the GPU, carrying runs/base
-# ROW: moe, moe-gc (--manual-gc), 4L, 4L-fp16, 16L (default: moe 4L). Each row is trained STEPS steps (default 20) with the package
-# in runs/base, then with this tree's; printed: the median step time of the steps after the first, the spread
-# (25th-75th percentile) and the peak memory. MoE rows run under --profile on both sides (its two profiled steps,
-# 10 and 11, left out of the median); the "after" trace: $OUT/moe_trace.json.gz, read by scripts/trace_launches.py.
+# ROW: moe, moe-gc (--manual-gc), 4L, 4L-fp16, 16L (default: moe 4L). Each row is trained STEPS steps (default 16)
+# with the package in runs/base ("before") and with this tree's ("after"), in the order ORDER (default
+# "before after after before": a drift over the call, seen in session 29 where later runs were slower,
+# falls on both sides alike); printed per run: the median step time of the steps after the first, the
+# spread (25th-75th percentile) and the peak memory, then each side's mean of its medians. MoE rows run
+# under --profile (its two profiled steps, 10 and 11, left out of the median); the first "after" run's
+# trace: $OUT/<row>_trace.json.gz, read by scripts/trace_launches.py.
 BASE=${1:?usage: gpu_before_after.sh BASE_DIR [ROW ...]}; shift
-ROWS=${*:-moe 4L}; STEPS=${STEPS:-20}
+ROWS=${*:-moe 4L}; STEPS=${STEPS:-16}; ORDER=${ORDER:-before after after before}
 export PYTHONUNBUFFERED=1 RUNS=runs/before_after OUT=${OUT:-runs/before_after/out}
 mkdir -p "$OUT" "$RUNS"
-D=benchmarks/data/gpu
+D=${D:-benchmarks/data/gpu}  # (another folder of moe.yaml and llama1b.yaml: a dry run on the CPU)
 args() {
   case $1 in
     moe) echo "$D/moe.yaml" ;;
@@ -33,24 +36,34 @@ print(f"median {statistics.median(ms):7.1f} ms  p25-p75 {q[0]:.1f}-{q[2]:.1f}  o
       f"peak {max(max(r.get('peak_memory_mib', [0])) for r in rows):.0f} MiB  loss {rows[-1]['loss']:.4f}")
 EOF
 }
-nvidia-smi --query-gpu=name,power.limit --format=csv,noheader
+nvidia-smi --query-gpu=name,power.limit --format=csv,noheader 2>/dev/null || echo "no GPU here (a dry run)"
 for row in $ROWS; do
   a=$(args "$row") || exit 2
-  for side in before after; do
-    path=$BASE; extra=""
+  declare -A sum=() runs=()
+  k=0
+  for side in $ORDER; do
+    k=$((k + 1)); path=$BASE; extra=""; run=$row-$side-$k
     [ $side = after ] && path=$PWD
     [ "${row%%-*}" = moe ] && extra=--profile
     # shellcheck disable=SC2086
-    PYTHONPATH=$path timeout 240 python3 -m fivefold train $a --out $RUNS/$row-$side --train-iters "$STEPS" $extra \
-      > $RUNS/$row-$side.log 2>&1 || { echo "$row $side failed:"; tail -5 $RUNS/$row-$side.log; continue; }
-    cp $RUNS/$row-$side/metrics.jsonl "$OUT/$row-$side.jsonl"
-    printf '%-9s %-6s ' "$row" "$side"
+    PYTHONPATH=$path timeout 240 python3 -m fivefold train $a --out $RUNS/$run --train-iters "$STEPS" $extra \
+      > $RUNS/$run.log 2>&1 || { echo "$run failed:"; tail -5 $RUNS/$run.log; continue; }
+    [ -e "$OUT/$row-$side.jsonl" ] || cp $RUNS/$run/metrics.jsonl "$OUT/$row-$side.jsonl"
+    printf '%-16s ' "$run"
     if [ -n "$extra" ]; then
-      summary $RUNS/$row-$side/metrics.jsonl 10 11  # fivefold.train.profile's window
-      [ $side = after ] && gzip -c $RUNS/$row-$side/profile/rank-0.pt.trace.json > "$OUT/${row}_trace.json.gz"
+      line=$(summary $RUNS/$run/metrics.jsonl 10 11)  # fivefold.train.profile's window
+      [ $side = after ] && [ ! -e "$OUT/${row}_trace.json.gz" ] && \
+        gzip -c $RUNS/$run/profile/rank-0.pt.trace.json > "$OUT/${row}_trace.json.gz"
     else
-      summary $RUNS/$row-$side/metrics.jsonl
+      line=$(summary $RUNS/$run/metrics.jsonl)
     fi
+    echo "$line"
+    ms=$(echo "$line" | awk '{print $2}')
+    sum[$side]=$(python3 -c "print(${sum[$side]:-0} + $ms)"); runs[$side]=$(( ${runs[$side]:-0} + 1 ))
   done
+  for side in before after; do
+    [ -n "${runs[$side]}" ] && python3 -c "print(f'$row $side: mean of {${runs[$side]}} medians {${sum[$side]} / ${runs[$side]}:.1f} ms')"
+  done
+  unset sum runs
 done
 for t in "$OUT"/*_trace.json.gz; do [ -e "$t" ] && { gunzip -c "$t" > $RUNS/trace.json; python3 scripts/trace_launches.py $RUNS/trace.json | head -3; }; done
