@@ -48,9 +48,9 @@ class MainParams:
     def write_back(self) -> None:
         """After the step: each copy cast back into its tensor, and its gradient dropped (an fp32 copy
         of a 16-bit gradient would otherwise live until the next step)."""
-        copied = [main for t, main in zip(self.tensors, self.mains) if main is not t]
-        if copied:
+        pairs = [(t, main) for t, main in zip(self.tensors, self.mains) if main is not t]
+        if pairs:
             with torch.no_grad():  # one multi-tensor copy on a GPU (a launch per tensor made its steps host-bound)
-                torch._foreach_copy_([t for t, main in zip(self.tensors, self.mains) if main is not t], copied)
-        for main in copied:
+                torch._foreach_copy_([t for t, _ in pairs], [main for _, main in pairs])
+        for _, main in pairs:
             main.grad = None
