@@ -350,7 +350,7 @@ class DataParallel:
                                  for main, groups, counted in parts), dtype=torch.float64)
         comm.all_reduce_(total, self.norm_over, tag="grad-norm")
         norm = math.sqrt(float(total))
-        if max_norm > 0 and norm > max_norm:  # (one multi-tensor multiply: a launch per tensor made GPU steps host-bound)
+        if max_norm > 0 and norm > max_norm:  # one multi-tensor multiply (a launch per tensor: host-bound GPU steps)
             torch._foreach_mul_([t.grad for main, _, _ in parts for t in main if t.grad is not None],
                                 max_norm / (norm + 1e-6))
         return norm

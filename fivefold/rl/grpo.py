@@ -39,6 +39,7 @@ from fivefold.engine.sync import sync_weights
 from fivefold.rl.tasks import END, Addition
 from fivefold.runtime import comm
 from fivefold.train.context import RankContext
+from fivefold.train.manual_gc import after_step, manual_gc
 
 
 @dataclass
@@ -129,51 +130,55 @@ def run(cfg: Config, g: GRPOConfig, ctx: RankContext) -> list[dict]:
     rollout, reference = _Rollout(cfg.model, seed=1), _Rollout(cfg.model, seed=2)
     reference.load(engine)
     rows = []
-    for step in range(g.steps):
-        t0 = time.perf_counter()
-        synced = rollout.load(engine)
-        pairs = task.sample(rng, g.prompts_per_step)[rank::world]
-        prompts = _ids([task.prompt(a, b) for a, b in pairs]).repeat_interleave(g.group_size, 0)
-        out = generate(rollout.model, prompts, task.answer_length, temperature=g.temperature,
-                       seed=g.seed * 100_003 + step * 1009 + rank)
-        rewards = torch.tensor([task.reward(a, b, _text(c)) for (a, b), c in
-                                zip([p for p in pairs for _ in range(g.group_size)], out.tokens)])
-        ids = torch.cat([prompts, out.tokens], 1)
-        p = task.prompt_length
-        mask = torch.zeros_like(ids, dtype=torch.float32)
-        mask[:, p:] = _response_mask(out.tokens)
-        rollout_logp = torch.zeros_like(mask)
-        rollout_logp[:, p:] = out.logprobs
-        with torch.no_grad():
-            ref_logp = torch.log_softmax(reference.model(ids)[..., : cfg.model.vocab_size].float(), -1)
-        ref = torch.zeros_like(mask)
-        ref[:, 1:] = ref_logp[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)
-        local = Batch(ids, mask, {"advantages": L.grpo_advantages(rewards, g.group_size), "old_logprobs": rollout_logp,
-                                  "ref_logprobs": ref, "rewards": rewards})
-        batch = _pool(local, engine)  # this actor DP rank's rollouts: its TP group's
-        stats = {}
+    with manual_gc(cfg.training):  # --manual-gc: the collector off while training
+        for step in range(g.steps):
+            t0 = time.perf_counter()
+            synced = rollout.load(engine)
+            pairs = task.sample(rng, g.prompts_per_step)[rank::world]
+            prompts = _ids([task.prompt(a, b) for a, b in pairs]).repeat_interleave(g.group_size, 0)
+            out = generate(rollout.model, prompts, task.answer_length, temperature=g.temperature,
+                           seed=g.seed * 100_003 + step * 1009 + rank)
+            rewards = torch.tensor([task.reward(a, b, _text(c)) for (a, b), c in
+                                    zip([p for p in pairs for _ in range(g.group_size)], out.tokens)])
+            ids = torch.cat([prompts, out.tokens], 1)
+            p = task.prompt_length
+            mask = torch.zeros_like(ids, dtype=torch.float32)
+            mask[:, p:] = _response_mask(out.tokens)
+            rollout_logp = torch.zeros_like(mask)
+            rollout_logp[:, p:] = out.logprobs
+            with torch.no_grad():
+                ref_logp = torch.log_softmax(reference.model(ids)[..., : cfg.model.vocab_size].float(), -1)
+            ref = torch.zeros_like(mask)
+            ref[:, 1:] = ref_logp[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)
+            local = Batch(ids, mask, {"advantages": L.grpo_advantages(rewards, g.group_size),
+                                      "old_logprobs": rollout_logp,
+                                      "ref_logprobs": ref, "rewards": rewards})
+            batch = _pool(local, engine)  # this actor DP rank's rollouts: its TP group's
+            stats = {}
 
-        def loss_fn(s, mb, totals):
-            x = mb.extra
-            kl = L.kl_penalty(s.logprobs, x["ref_logprobs"], "k3")
-            per_token = L.ppo_policy_loss(s.logprobs, x["old_logprobs"], x["advantages"], clip_low=g.clip,
-                                          clip_high=g.clip) + g.kl_coef * kl
-            for key, v in (("kl", kl), ("entropy", s.entropy),
-                           ("mismatch", (s.logprobs - x["old_logprobs"]).abs())):
-                stats[key] = stats.get(key, 0.0) + float(L.aggregate(v.detach(), mb.loss_mask, "token-mean", totals["tokens"]))
-            return L.aggregate(per_token, mb.loss_mask, "token-mean", totals["tokens"])
+            def loss_fn(s, mb, totals):
+                x = mb.extra
+                kl = L.kl_penalty(s.logprobs, x["ref_logprobs"], "k3")
+                per_token = L.ppo_policy_loss(s.logprobs, x["old_logprobs"], x["advantages"], clip_low=g.clip,
+                                              clip_high=g.clip) + g.kl_coef * kl
+                for key, v in (("kl", kl), ("entropy", s.entropy),
+                               ("mismatch", (s.logprobs - x["old_logprobs"]).abs())):
+                    stats[key] = stats.get(key, 0.0) + float(L.aggregate(v.detach(), mb.loss_mask, "token-mean",
+                                                                         totals["tokens"]))
+                return L.aggregate(per_token, mb.loss_mask, "token-mean", totals["tokens"])
 
-        m = engine.train_batch(batch, loss_fn, lr=g.lr)
-        summary = torch.tensor([float(rewards.sum()), float((rewards == 1).sum()), float(mask.sum()), len(rewards),
-                                stats["kl"], stats["entropy"], stats["mismatch"]], dtype=torch.float64)
-        comm.all_reduce_(summary, ctx.mesh.world, tag="rl-metrics")
-        n, tp = summary[3], ctx.layout.tp  # the loss statistics were summed over every TP rank too
-        rows.append({"step": step, "reward": float(summary[0] / n), "exact": float(summary[1] / n),
-                     "response_length": float(summary[2] / n), "kl": float(summary[4] / tp),
-                     "entropy": float(summary[5] / tp), "logprob_mismatch": float(summary[6] / tp),
-                     "loss": m["loss"], "grad_norm": m["grad_norm"], "sync_bytes": synced,
-                     "seconds": time.perf_counter() - t0, "warmup_loss": warm[-1] if warm else None,
-                     **{k: v for k, v in m.items() if k.startswith("moe_")}})  # a MoE actor's load metrics
+            m = engine.train_batch(batch, loss_fn, lr=g.lr)
+            summary = torch.tensor([float(rewards.sum()), float((rewards == 1).sum()), float(mask.sum()), len(rewards),
+                                    stats["kl"], stats["entropy"], stats["mismatch"]], dtype=torch.float64)
+            comm.all_reduce_(summary, ctx.mesh.world, tag="rl-metrics")
+            n, tp = summary[3], ctx.layout.tp  # the loss statistics were summed over every TP rank too
+            rows.append({"step": step, "reward": float(summary[0] / n), "exact": float(summary[1] / n),
+                         "response_length": float(summary[2] / n), "kl": float(summary[4] / tp),
+                         "entropy": float(summary[5] / tp), "logprob_mismatch": float(summary[6] / tp),
+                         "loss": m["loss"], "grad_norm": m["grad_norm"], "sync_bytes": synced,
+                         "seconds": time.perf_counter() - t0, "warmup_loss": warm[-1] if warm else None,
+                         **{k: v for k, v in m.items() if k.startswith("moe_")}})  # a MoE actor's load metrics
+            after_step(cfg.training, step)  # --manual-gc-interval
     return rows
 
 

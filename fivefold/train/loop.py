@@ -194,7 +194,8 @@ def train(config: Config, ctx: RankContext, data_dir: Path, *, progress: bool = 
             last = step + 1 == t.train_iters or _exits(t, step, began, ctx)
             # Same values on every rank (see train/nonfinite.py): every rank stops at this step.
             # An fp16 step skipped for overflow is not an error: the loss scaler backs off and training goes on.
-            stops = t.check_for_nan_in_loss_and_grad and not (is_finite(r.loss) and (r.skipped or is_finite(r.grad_norm)))
+            stops = t.check_for_nan_in_loss_and_grad and \
+                not (is_finite(r.loss) and (r.skipped or is_finite(r.grad_norm)))
             evaluates = eval_loader is not None and ((step + 1) % t.eval_interval == 0 or last) and not stops
             record = {"step": step, "loss": r.loss, "grad_norm": r.grad_norm, "lr": lr_at(step, t),
                       "tokens": r.tokens, "step_time_s": dt, "tokens_per_s": r.tokens / dt,
