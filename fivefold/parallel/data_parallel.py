@@ -67,7 +67,7 @@ from fivefold.parallel.data import GradReducer
 from fivefold.parallel.distributed_optimizer import DistributedOptimizer
 from fivefold.model.moe import MoE
 from fivefold.parallel.fsdp import ParamSharding, units_of
-from fivefold.parallel.optimizer import build_adamw, clip_grad_norm
+from fivefold.parallel.optimizer import build_adamw, by_device, clip_grad_norm
 from fivefold.parallel.param_meta import GradDomain, ParamMeta, metas_of
 from fivefold.parallel.main_params import MainParams
 from fivefold.parallel.precision import LossScaler, Precision
@@ -313,13 +313,9 @@ class DataParallel:
         the scaler is updated either way. Without loss scaling: True, no communication."""
         if self.scaler is None:
             return True
-        by_device: dict[torch.device, list[torch.Tensor]] = {}  # (offloaded main gradients live on the host)
-        for d in self.domains:
-            for t in d.main():
-                if t.grad is not None:
-                    by_device.setdefault(t.grad.device, []).append(t.grad)
         bad = torch.zeros((), dtype=torch.float64)
-        for device, grads in by_device.items():  # torch.amp's multi-tensor unscale: no host sync per tensor
+        # torch.amp's multi-tensor unscale, a device at a time (offloaded main gradients live on the host)
+        for device, grads in by_device(t.grad for d in self.domains for t in d.main() if t.grad is not None).items():
             found = torch.zeros(1, device=device)
             torch._amp_foreach_non_finite_check_and_unscale_(grads, found, torch.full((1,), 1.0 / self.scaler.scale,
                                                                                      device=device))

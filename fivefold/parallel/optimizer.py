@@ -41,6 +41,14 @@ def build_adamw(decay: list[torch.Tensor], no_decay: list[torch.Tensor], trainin
                              **({"fused": True} if on_gpu else {"foreach": False}))
 
 
+def by_device(tensors: Iterable[torch.Tensor]) -> dict[torch.device, list[torch.Tensor]]:
+    """`tensors` by device, in order (a multi-tensor call takes one device's)."""
+    out: dict[torch.device, list[torch.Tensor]] = {}
+    for t in tensors:
+        out.setdefault(t.device, []).append(t)
+    return out
+
+
 def clip_grad_norm(params: Iterable[nn.Parameter], max_norm: float, group: Group | Sequence[Group], *,
                    counted: Callable[[nn.Parameter], bool] | None = None) -> float:
     """Scale the gradients of `params` to global norm <= max_norm (0 = measure only); returns the
@@ -52,12 +60,12 @@ def clip_grad_norm(params: Iterable[nn.Parameter], max_norm: float, group: Group
     # Summed in fp64 where the gradients live and copied to the host once. On a GPU in one multi-tensor
     # call (a few kernels per parameter made the step launch-bound); elsewhere a tensor at a time (the
     # multi-tensor norm held fp64 copies of the gradients on the CPU).
-    mine = [p.grad for p in params if counted is None or counted(p)]
-    if mine and mine[0].is_cuda:
-        sq = torch.stack(torch._foreach_norm(mine, 2, dtype=torch.float64)).square().sum()
-    else:
-        sq = sum((g.double().pow(2).sum() for g in mine), torch.zeros((), dtype=torch.float64))
-    sq = sq.cpu()
+    sq = torch.zeros((), dtype=torch.float64)
+    for device, mine in by_device(p.grad for p in params if counted is None or counted(p)).items():
+        if device.type == "cuda":  # (optimizer offload: the host's share is summed apart)
+            sq += torch.stack(torch._foreach_norm(mine, 2, dtype=torch.float64)).square().sum().cpu()
+        else:
+            sq += sum((g.double().pow(2).sum() for g in mine), torch.zeros((), dtype=torch.float64))
     for g in [group] if isinstance(group, Group) else group:
         comm.all_reduce_(sq, g, tag="grad-norm")
     norm = float(sq.sqrt())
