@@ -2,8 +2,8 @@
 set points instead, so that no rank pauses for a collection in the middle of a step while the others
 wait for it in a collective (Megatron-Bridge's performance recipes set it, with an interval of 100).
 Measured here (CPU, one rank, a 3-layer 64-expert MoE at 512 tokens, 6 steps of ~3 s): the threshold
-collector ran ~30 young-generation collections in all during the steps (< 2 ms together) and no full
-one; the full collections (up to ~180 ms each) came while the model was built and at the end.
+collector ran ~30 young-generation and 3 middle-generation collections in all during the steps (~5 ms
+together) and no full one; the full ones (up to ~180 ms each) came while the model was built and at the end.
 
     with manual_gc(config.training):     # off, one full collection now; restored on exit
         for step ...:
