@@ -478,7 +478,8 @@ def test_stacked_expert_gradients_are_added_into_the_buffer_at_once(monkeypatch)
     stacked weight gradient is added into the experts' buffer views in one operation
     (data.add_stacked_grads), not once per expert by the hook; two microbatches give the buffers of
     the per-expert adds bit for bit; where the views are not evenly spaced (or ZeRO-2's buffers come and
-    go) each expert's hook adds it as before; a zero-bubble B pass adds nothing."""
+    go) each expert's hook adds it as before; a zero-bubble B pass adds nothing; each gradient is counted
+    once towards its bucket's reduction, by add_stacked_grads or by the hook."""
     from fivefold.parallel import data, experts as experts_mod
     from fivefold.parallel.data import GradReducer
     from fivefold.parallel.experts import run_experts
@@ -505,6 +506,8 @@ def test_stacked_expert_gradients_are_added_into_the_buffer_at_once(monkeypatch)
         for i, x in enumerate(xs):
             red.prepare(last=i == len(xs) - 1)
             run_experts(x, counts, layer, None, True).float().square().sum().backward()
+        # each gradient counted once: every bucket was launched by the last backward, none too early
+        assert all(b.pending == 0 and b.work is not None for b in red.buckets), [b.pending for b in red.buckets]
         with input_grads_only():  # B: dW is computed and dropped; nothing may reach the buffers
             x = xs[0].clone().requires_grad_()
             torch.autograd.grad(run_experts(x, counts, layer, None, True).sum(), [x])
