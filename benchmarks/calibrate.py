@@ -90,6 +90,48 @@ def summary(results: list[dict]) -> str:
             f"memory est/pub {min(mem):.2f}-{max(mem):.2f} over {len(mem)} rows")
 
 
+PUBLISHED_TIE = 0.01
+"""Two runs of one workload published within 1% of each other are not ordered (rows 48 / 49: 1861.8 both)."""
+
+
+def workload(case) -> tuple:
+    """What two published runs must share for their throughputs to rank their layouts: the source
+    (one software version and cluster), model, GPU type and count, sequence, global batch, precision."""
+    t = case.config.training
+    return (case.run.source, case.model_name, case.hardware_name, case.config.cluster.world_size, t.seq_length,
+            t.global_batch_size, t.precision)
+
+
+def measured_order(results: list[dict]) -> dict[str, list[tuple[int, int]]]:
+    """Pairs of rows measuring two layouts (or switches) of one workload, faster one first, by whether
+    the planner orders them as published: "same", "reversed", or "tied" (one estimate for both: what
+    tells them apart is not modelled). The ranking's evidence from measurements: the search's other
+    layouts were never run."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in results:
+        if "error" in r:
+            groups.setdefault(workload(r["case"]), []).append(r)
+    out: dict[str, list[tuple[int, int]]] = {"same": [], "reversed": [], "tied": []}
+    for rows in groups.values():
+        for i, a in enumerate(rows):
+            for b in rows[i + 1:]:
+                fast, slow = (a, b) if a["published"] > b["published"] else (b, a)
+                if fast["published"] <= slow["published"] * (1 + PUBLISHED_TIE):
+                    continue
+                ours = fast["estimate"].tokens_per_s_per_gpu, slow["estimate"].tokens_per_s_per_gpu
+                verdict = "tied" if math.isclose(*ours, rel_tol=1e-9) else "same" if ours[0] > ours[1] else "reversed"
+                out[verdict].append((fast["row"], slow["row"]))
+    return out
+
+
+def order_text(order: dict[str, list[tuple[int, int]]]) -> str:
+    pairs = sum(len(v) for v in order.values())
+    named = "; ".join(f"{k}: " + ", ".join(f"{a} > {b}" for a, b in v) for k, v in order.items() if v)
+    return (f"measured alternatives (rows of one source, model, GPUs, sequence, batch and precision; published "
+            f"within {PUBLISHED_TIE:.0%} left out): {len(order['same'])} of {pairs} pairs ordered as published "
+            f"({named})")
+
+
 def residuals(rt: Runtime, rows: list, names: tuple[str, ...], x) -> list[float]:
     """log(estimated / published) of each row with `names` set to `x`."""
     trial = with_time(rt, **dict(zip(names, map(float, x))))
@@ -239,6 +281,7 @@ def main() -> None:
               f"{err} | {fits} | {memtxt} |")
     print()
     print(summary(results))
+    print(order_text(measured_order(results)))
     print()
     print("Excluded: " + "; ".join(f"row {k}: {v}" for k, v in EXCLUDED.items()))
     both = [(r, c) for r in read_runs() for c in [r] if r.num("tokens_per_s_per_gpu") and r.num("tflops_per_gpu")]
