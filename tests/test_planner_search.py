@@ -527,6 +527,9 @@ def test_explain_says_whether_cp_pays_for_itself():
     freed = (plain.memory.activations - best.memory.activations) / 2**30
     assert f"CP frees {freed:.1f} GiB of activations" in text
     assert cp_verdict(best, [best]) == "pays for itself: no layout without CP fits in memory"
+    from dataclasses import replace  # a CP layout holding what the plain one holds says so, not "frees 0.0 GiB"
+    same = replace(best, memory=replace(best.memory, activations=plain.memory.activations))
+    assert cp_verdict(same, r.ranked).endswith("CP holds the same activations per GPU as it")
 
 
 def test_compare_names_recompute_modules():

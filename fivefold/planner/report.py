@@ -80,6 +80,7 @@ def why(c: Candidate, model: ModelConfig, gpus_per_node: int, ranked: list[Candi
         fsdp = "Megatron-FSDP: " if c.config.training.use_megatron_fsdp else ""
         line += (f"; {fsdp}{'ZeRO-2' if mode == 'optim_grads' else 'ZeRO-3'} reduce-scatters "
                  + (f"after each of the {p.microbatches} microbatches into 1/{p.dp * p.cp} gradient shards"
+                    + (f" (DP x CP = {p.dp} x {p.cp})" if p.cp > 1 else "")
                     if p.reduce_every_microbatch else "the step's whole gradient buffers once"))
     out.append(line)
     return out
@@ -97,9 +98,11 @@ def cp_verdict(c: Candidate, ranked: list[Candidate]) -> str:
     spent = ", ".join(f"{k} {d:+.2f} s" for d, k in diffs if abs(d) >= 5e-4) or "the same time parts"
     freed = (plain.memory.activations - c.memory.activations) / GiB
     verdict = "pays for itself" if ratio > 1 else "does not pay for itself"
+    held = (f"frees {freed:.1f} GiB of activations per GPU" if freed >= 0.05 else
+            f"holds {-freed:.1f} GiB more activations per GPU" if freed <= -0.05 else
+            "holds the same activations per GPU as it")
     return (f"{verdict}: the fastest layout without CP, {plain.label}, takes {o.step_time:.2f} s/step "
-            f"({ratio:.2f}x; {spent}); CP " + (f"frees {freed:.1f} GiB of activations per GPU" if freed >= 0
-                                               else f"holds {-freed:.1f} GiB more activations per GPU"))
+            f"({ratio:.2f}x; {spent}); CP {held}")
 
 
 def compare_report(text: str, cand: Candidate, best: Candidate, ranked: list[Candidate], model: ModelConfig,
