@@ -532,6 +532,42 @@ def test_explain_says_whether_cp_pays_for_itself():
     assert cp_verdict(same, r.ranked).endswith("CP holds the same activations per GPU as it")
 
 
+def test_explain_weighs_replicated_experts_against_the_all_to_all():
+    """A MoE layout's EP against the same layout with EP halved (twice the experts a rank: more model
+    state, less all-to-all) and doubled, sized and timed as the search does: the model state each holds
+    beside it, and where it ranks with its step time, or that it does not fit, or the rule it breaks."""
+    from fivefold.planner.memory import MemoryAssumptions
+    from fivefold.planner.report import Assumed, ep_verdict
+    from fivefold.planner.steptime import TimeAssumptions
+
+    m, hw = model_preset("qwen3-30b-a3b").model, hardware("h100-sxm")
+    assume = Assumed(MemoryAssumptions(), TimeAssumptions())
+    r = search(m, hw, 8, 8, 4096, 64)
+    best = r.ranked[0]
+    assert best.label == "TP1 CP4(p2p) PP2 VPP3 EP4 ETP1 DP1 mbs1 rc-none distopt"
+    text = ep_verdict(best, r.ranked, hw, assume)
+    assert text.startswith("EP2 (64 experts a rank, the rest the same): +") and "does not fit (needs" in text
+    assert "EP8 (16 experts a rank, the rest the same) breaks a rule: " in text and "ETP*EP = 1*8" in text
+
+    def state(c):
+        return (c.memory.weights + c.memory.grads + c.memory.optimizer) / 2**30
+
+    r = search(m, hw, 16, 8, 4096, 64)
+    by_label = {o.label: o for o in r.ranked}
+    for c in r.ranked:  # a layout whose halved and doubled EP twins are both ranked
+        twins = [by_label.get(c.label.replace(f" EP{c.plan.ep} ", f" EP{ep} ")) for ep in (c.plan.ep // 2, c.plan.ep * 2)]
+        if c.plan.ep % 2 == 0 and all(twins):
+            break
+    text = ep_verdict(c, r.ranked, hw, assume)
+    for twin in twins:
+        head = (f"EP{twin.plan.ep} ({m.num_experts // twin.plan.ep} experts a rank, the rest the same): "
+                f"{state(twin) - state(c):+.1f} GiB of model state, ranks ")
+        rank = int(text.split(head)[1].split(":")[0])
+        assert r.ranked[rank - 1].estimate.step_time == pytest.approx(twin.estimate.step_time, rel=1e-4)
+        assert f"{twin.label}, takes {twin.estimate.step_time:.2f} s/step" in text
+    assert state(twins[0]) > state(c) > state(twins[1])
+
+
 def test_compare_names_recompute_modules():
     """`--compare "... rc-sel(MODULE,...)"` sizes the layout with Megatron's --recompute-modules: the
     published DeepSeek-V3 H100 layout with its Table 17 modules fits in 80 GiB, with the default

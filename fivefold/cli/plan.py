@@ -111,17 +111,17 @@ def run(args, extra) -> int:
         parts = [f"{n} x {r}" for r, n in reasons.most_common(4) if not r.startswith("needs")][:3]
         parts += [f"{too_big} do not fit in memory"] if too_big else []
         print("dropped, most common reasons: " + "; ".join(parts))
-    best = result.ranked[0]
+    best, assume = result.ranked[0], Assumed(mem, ta, bf16_grads, rt.dp_modes[0])
     if args.explain:
         print()
         print(explain(best, spec.model, spec.preset, counts.total, hw, args.gpus, gpn, args.seq_len,
-                      args.global_batch, args.precision, result.ranked, Assumed(mem, ta, bf16_grads, rt.dp_modes[0])))
+                      args.global_batch, args.precision, result.ranked, assume))
         if spec.preset == "llama3-70b":
             print()
             print(seed_memory_example(spec.model, counts.total, hw))
     for text, cand in compared:
         print()
-        print(compare_report(text, cand, best, result.ranked, spec.model, hw, gpn))
+        print(compare_report(text, cand, best, result.ranked, spec.model, hw, gpn, assume))
     if args.emit:
         print()
         print(emit(best.config, args.emit, name))

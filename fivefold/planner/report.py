@@ -2,6 +2,7 @@
 --explain (why this layout, the seeds' rules side by side), seed 002's memory example."""
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import NamedTuple
 
 from fivefold.config.schema import ModelConfig
@@ -11,7 +12,7 @@ from fivefold.planner.layout import Plan
 from fivefold.planner.memory import MemoryAssumptions, RankMemory, memory_per_rank
 from fivefold.planner.mtp import mtp_stage_layers
 from fivefold.planner.presets.hardware import Hardware
-from fivefold.planner.search import Candidate, evaluate, make_config
+from fivefold.planner.search import Candidate, evaluate, make_config, with_a2a_overlap
 from fivefold.planner.space import layer_splits
 from fivefold.planner.steptime import TimeAssumptions
 from fivefold.planner.seeds import (GB, SEED_ACCOUNTING_EXPLAINED, SeedRule, rules_for, seed_memory_accounting,
@@ -53,8 +54,10 @@ def breakdown(c: Candidate, hw: Hardware) -> str:
     return "\n".join(lines)
 
 
-def why(c: Candidate, model: ModelConfig, gpus_per_node: int, ranked: list[Candidate] = ()) -> list[str]:
-    """Reasons for `c`'s choices; with the ranked list, whether its CP pays for itself (`cp_verdict`)."""
+def why(c: Candidate, model: ModelConfig, gpus_per_node: int, ranked: list[Candidate] = (), hw: Hardware | None = None,
+        assume: "Assumed | None" = None) -> list[str]:
+    """Reasons for `c`'s choices; with the ranked list, whether its CP pays for itself (`cp_verdict`), and
+    with the hardware and the search's assumptions, what its EP trades (`ep_verdict`)."""
     p, e = c.plan, c.estimate
     out = []
     if p.tp > 1:
@@ -72,8 +75,9 @@ def why(c: Candidate, model: ModelConfig, gpus_per_node: int, ranked: list[Candi
         out.append(f"CP={p.cp} ({c.config.parallel.cp_comm_type}): sequence {p.seq} -> {p.seq // p.cp} tokens per rank"
                    + (f"; {cp_verdict(c, ranked)}" if ranked else ""))
     if model.is_moe:
-        out.append(f"EP={p.ep} (ETP={p.etp}, expert-DP={p.edp}): {model.num_experts // p.ep} experts per rank; "
-                   f"all-to-all on the {e.links['ep']} link")
+        sent = f"all-to-all on the {e.links['ep']} link" if p.ep > 1 else "no all-to-all"
+        out.append(f"EP={p.ep} (ETP={p.etp}, expert-DP={p.edp}): {model.num_experts // p.ep} experts per rank; {sent}"
+                   + (f"; {ep_verdict(c, ranked, hw, assume)}" if assume else ""))
     line = f"DP={p.dp}: gradient traffic on the {e.links['dp']} link, exposed {e.parts['dp']:.3f} s"
     mode = c.config.training.sharding_strategy
     if mode in ("optim_grads", "optim_grads_params"):
@@ -86,27 +90,56 @@ def why(c: Candidate, model: ModelConfig, gpus_per_node: int, ranked: list[Candi
     return out
 
 
+def versus(c: Candidate, other: Candidate) -> str:
+    """`other`'s step time against `c`'s, and the time parts that differ most (other minus c)."""
+    e, o = c.estimate, other.estimate
+    diffs = sorted(((o.parts[k] - e.parts.get(k, 0.0), k) for k in o.parts), key=lambda d: -abs(d[0]))[:3]
+    spent = ", ".join(f"{k} {d:+.2f} s" for d, k in diffs if abs(d) >= 5e-4) or "the same time parts"
+    return f"{other.label}, takes {o.step_time:.2f} s/step ({o.step_time / e.step_time:.2f}x; {spent})"
+
+
 def cp_verdict(c: Candidate, ranked: list[Candidate]) -> str:
     """Whether a CP layout pays for itself: against the fastest fitting layout without CP, the step
     time, the time parts that differ most, and the memory CP frees."""
     plain = next((r for r in ranked if r.plan.cp == 1), None)
     if plain is None:
         return "pays for itself: no layout without CP fits in memory"
-    e, o = c.estimate, plain.estimate
-    ratio = o.step_time / e.step_time
-    diffs = sorted(((o.parts[k] - e.parts.get(k, 0.0), k) for k in o.parts), key=lambda d: -abs(d[0]))[:3]
-    spent = ", ".join(f"{k} {d:+.2f} s" for d, k in diffs if abs(d) >= 5e-4) or "the same time parts"
+    verdict = "pays for itself" if plain.estimate.step_time > c.estimate.step_time else "does not pay for itself"
     freed = (plain.memory.activations - c.memory.activations) / GiB
-    verdict = "pays for itself" if ratio > 1 else "does not pay for itself"
     held = (f"frees {freed:.1f} GiB of activations per GPU" if freed >= 0.05 else
             f"holds {-freed:.1f} GiB more activations per GPU" if freed <= -0.05 else
             "holds the same activations per GPU as it")
-    return (f"{verdict}: the fastest layout without CP, {plain.label}, takes {o.step_time:.2f} s/step "
-            f"({ratio:.2f}x; {spent}); CP {held}")
+    return f"{verdict}: the fastest layout without CP, {versus(c, plain)}; CP {held}"
+
+
+def ep_verdict(c: Candidate, ranked: list[Candidate], hw: Hardware, assume: "Assumed") -> str:
+    """What a MoE layout's EP trades: the same layout with EP halved (twice the experts a rank: their
+    weights, gradients and optimizer state replicated over twice the expert-DP ranks, less all-to-all
+    off the node) and doubled, each sized and timed as the search does (`assume`): its model state
+    against this one's, and its step time, rank and the time parts that differ most, or why it is out."""
+    p, out = c.plan, []
+    for ep in (p.ep // 2, p.ep * 2):
+        if ep < 1 or ep == p.ep // 2 and p.ep % 2:
+            continue
+        par = replace(c.config.parallel, expert_model_parallel_size=ep, overlap_moe_expert_parallel_comm=False)
+        cfg = replace(c.config, parallel=par)
+        other = evaluate(with_a2a_overlap(cfg) if c.config.parallel.overlap_moe_expert_parallel_comm else cfg,
+                         hw, assume.mem, assume.ta)
+        head = f"EP{ep} ({c.config.model.num_experts // ep} experts a rank, the rest the same)"
+        if not other.sized:
+            out.append(f"{head} breaks a rule: {other.problem}")
+            continue
+        state = sum(getattr(other.memory, k) - getattr(c.memory, k) for k in ("weights", "grads", "optimizer")) / GiB
+        held = f"{state:+.1f} GiB of model state"
+        if other.estimate is None:
+            out.append(f"{head}: {held}, does not fit ({other.problem})")
+        else:
+            out.append(f"{head}: {held}, ranks {rank_of(other, ranked)}: {versus(c, other)}")
+    return "; ".join(out)
 
 
 def compare_report(text: str, cand: Candidate, best: Candidate, ranked: list[Candidate], model: ModelConfig,
-                   hw: Hardware, gpus_per_node: int) -> str:
+                   hw: Hardware, gpus_per_node: int, assume: "Assumed | None" = None) -> str:
     """A layout the user named (`plan --compare`): where it ranks, where its time and memory go, and
     what the top choice does differently."""
     rank = rank_of(cand, ranked)
@@ -125,7 +158,7 @@ def compare_report(text: str, cand: Candidate, best: Candidate, ranked: list[Can
             head += f"\n  {held_text(cand, held)}"
     lines = [head, breakdown(cand, hw)]
     if cand.estimate is not None:
-        lines += ["Why:"] + [f"  - {w}" for w in why(cand, model, gpus_per_node, ranked)]
+        lines += ["Why:"] + [f"  - {w}" for w in why(cand, model, gpus_per_node, ranked, hw, assume)]
     return "\n".join(lines)
 
 
@@ -170,7 +203,7 @@ def explain(best: Candidate, model: ModelConfig, preset: str | None, total_param
     """The top choice's breakdown and why, then the seeds' rules of thumb beside it, each sized and timed
     with `assume` (the search's: a default here would time them for another runtime than the ranking)."""
     lines = ["Top choice", breakdown(best, hw), "", "Why:"]
-    lines += [f"  - {w}" for w in why(best, model, gpus_per_node, ranked)]
+    lines += [f"  - {w}" for w in why(best, model, gpus_per_node, ranked, hw, assume)]
     text, cp, sp = sequence_rule(seq)
     lines += ["", f"Seeds' rules of thumb beside the top choice ({best.estimate.step_time:.2f} s/step, "
                   f"MFU {best.estimate.mfu:.1%}):"]
