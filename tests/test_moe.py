@@ -89,14 +89,47 @@ def _train_rank(rank: int, world: int, config: dict, out: str, data_dir: str) ->
     return {"losses": result.losses}
 
 
-def _router_margins(model: torch.nn.Module, margins: list[float]) -> None:
-    """Record, on every router call, the smallest gap between the k-th and (k+1)-th score."""
-    def hook(m, args, out):
-        scores = torch.softmax(torch.nn.functional.linear(args[0], m.weight).detach().float(), -1)
-        margins.append(float(scores.topk(K + 1).values.diff(dim=-1)[:, -1].abs().min()))
-    for m in model.modules():
-        if isinstance(m, Router):
-            m.register_forward_hook(hook)
+def softmax_margin(router: Router, x: torch.Tensor) -> float:
+    """The smallest gap, over a router call's tokens, between the k-th and (k+1)-th softmax score."""
+    scores = torch.softmax(torch.nn.functional.linear(x, router.weight).detach().float(), -1)
+    return float(scores.topk(router.cfg.moe_router_topk + 1).values.diff(dim=-1)[:, -1].abs().min())
+
+
+def group_limited_margin(router: Router, x: torch.Tensor) -> float:
+    """The smallest gap, over a router call's tokens, between a chosen and an unchosen candidate of
+    group-limited top-k on sigmoid scores + the expert bias (fivefold.model.router.top_k, written out
+    again): the g-th and (g+1)-th group scores (the sum of a group's top k/g), and the k-th and
+    (k+1)-th choice among the chosen groups' experts (inf where the chosen groups hold only k)."""
+    cfg = router.cfg
+    k, g = cfg.moe_router_topk, cfg.moe_router_group_topk
+    choice = torch.sigmoid(torch.nn.functional.linear(x.detach().float(), router.weight.detach().float()))
+    per_group = (choice + router.expert_bias).view(choice.shape[0], cfg.moe_router_num_groups, -1)
+    group_scores = per_group.topk(k // g, dim=-1).values.sum(-1)  # (n, G)
+    groups = group_scores.sort(dim=-1, descending=True).values
+    out = per_group.masked_fill((group_scores < groups[:, g - 1:g]).unsqueeze(-1), float("-inf"))
+    inside = out.flatten(1).sort(dim=-1, descending=True).values
+    return min(float((groups[:, g - 1] - groups[:, g]).min()), float((inside[:, k - 1] - inside[:, k]).min()))
+
+
+@contextlib.contextmanager
+def router_margins(margin=softmax_margin):
+    """The routing margin (`margin(router, input)`) of every router call of the runs trained in this
+    process inside the block, training and evaluation forwards alike, appended to the list it yields."""
+    import fivefold.train.loop as loop
+    margins: list[float] = []
+    build = loop.build
+
+    def build_recording(config, ctx, **kw):
+        parts = build(config, ctx, **kw)
+        for m in parts.model.modules():
+            if isinstance(m, Router):
+                m.register_forward_hook(lambda m, args, out: margins.append(margin(m, args[0])))
+        return parts
+    loop.build = build_recording
+    try:
+        yield margins
+    finally:
+        loop.build = build
 
 
 @pytest.fixture(scope="module")
@@ -106,20 +139,8 @@ def runs(tmp_path_factory, workers):
     ref_cfg = _config(data)
     data_dir = prepare(ref_cfg, root)
     (root / "ref").mkdir()
-    import fivefold.train.loop as loop
-    margins: list[float] = []
-    build = loop.build
-
-    def build_recording(config, ctx, **kw):
-        parts = build(config, ctx, **kw)
-        _router_margins(parts.model, margins)
-        return parts
-    loop.build = build_recording
-    try:
-        with _one_thread():
-            ref = train(ref_cfg, one_process_context(root / "ref"), data_dir, progress=False)
-    finally:
-        loop.build = build
+    with router_margins() as margins, _one_thread():
+        ref = train(ref_cfg, one_process_context(root / "ref"), data_dir, progress=False)
     out = {"root": root, "data": data, "data_dir": data_dir, "ref": ref, "margin": min(margins)}
     for name, (world, parallel, zero) in LAYOUTS.items():
         cfg = _config(data, world, parallel, zero)

@@ -18,7 +18,8 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkR
 
 from _tol import close
 from _train_util import corpus, one_process_context
-from test_moe import _config, _metrics, _one_thread, _train_rank, check_load_metrics
+from test_moe import (_config, _metrics, _one_thread, _train_rank, check_load_metrics, group_limited_margin,
+                      router_margins)
 from fivefold.checkpoint import io as ckpt
 from fivefold.checkpoint.layout import step_dir
 from fivefold.cli.train import prepare
@@ -326,13 +327,20 @@ def biased_runs(tmp_path_factory, workers):
     ref_cfg.checkpoint.save_interval = 2  # step_2 for the resume test, step_4 at the end
     data_dir = prepare(ref_cfg, root)
     (root / "ref").mkdir()
-    with _one_thread():
+    with router_margins(group_limited_margin) as margins, _one_thread():
         ref = train(ref_cfg, one_process_context(root / "ref"), data_dir, progress=False)
-    out = {"root": root, "data": data, "data_dir": data_dir, "ref": ref}
+    out = {"root": root, "data": data, "data_dir": data_dir, "ref": ref, "margin": min(margins)}
     for name, parallel in LAYOUTS.items():
         out[name] = workers(2).run(_train_rank, to_dict(_router_config(data, 2, parallel)), str(root / name),
                                    str(data_dir))
     return out
+
+
+def test_biased_routing_margins_are_far_above_fp32_noise(biased_runs):
+    # Every group choice of the reference run (2 groups of 2 experts, top-2: the chosen group's both)
+    # wins by more than 1e-5, ~100x the fp32 noise on sigmoid scores ~0.5 (~6e-8): measured 1.7e-5 (AVX2,
+    # session 30). The layouts below then route alike, so their loads, hence biases, are equal.
+    assert biased_runs["margin"] > 1e-5, biased_runs["margin"]
 
 
 @pytest.mark.parametrize("name", LAYOUTS)

@@ -5,6 +5,7 @@ head and loss are plain torch), and MTP trained in TP2+SP / CP2 / PP2 / EP2 layo
 one-process run (losses, logged MTP loss, gradient norms, final weights)."""
 from __future__ import annotations
 
+import contextlib
 from dataclasses import replace
 from pathlib import Path
 
@@ -17,14 +18,13 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 from _model_util import hf_config, hf_copy_of
 from _tol import close, within
 from _train_util import corpus, one_process_context
-from test_moe import _config as moe_config, _metrics, _one_thread, _train_rank
+from test_moe import _config as moe_config, _metrics, _one_thread, _train_rank, group_limited_margin, router_margins
 from fivefold.checkpoint import io as ckpt
 from fivefold.cli.train import prepare
 from fivefold.config.schema import ModelConfig, to_dict
 from fivefold.errors import NotImplementedYet, UserError
 from fivefold.model import Decoder
 from fivefold.model.hf import hf_name
-from fivefold.model.router import Router
 from fivefold.train.loop import train
 from fivefold.train.supported import unsupported
 
@@ -147,51 +147,22 @@ def _mtp_config(data: Path, world: int = 1, parallel: dict | None = None, dsv3: 
     return cfg
 
 
-def _group_limited_margin(router: Router, x: torch.Tensor) -> float:
-    """The smallest gap, over a router call's tokens, between a chosen and an unchosen candidate of
-    group-limited top-k on sigmoid scores + the expert bias (fivefold.model.router.top_k, written out
-    again): the g-th and (g+1)-th group scores (the sum of a group's top k/g), and the k-th and
-    (k+1)-th choice among the chosen groups' experts."""
-    cfg = router.cfg
-    k, g = cfg.moe_router_topk, cfg.moe_router_group_topk
-    choice = torch.sigmoid(F.linear(x.detach().float(), router.weight.detach().float())) + router.expert_bias
-    per_group = choice.view(choice.shape[0], cfg.moe_router_num_groups, -1)
-    groups = per_group.topk(k // g, dim=-1).values.sum(-1).sort(dim=-1, descending=True).values
-    kept = groups[:, g - 1:g]  # the last chosen group's score: a group scoring less is out
-    inside = per_group.masked_fill(per_group.topk(k // g, dim=-1).values.sum(-1, keepdim=True) < kept.unsqueeze(-1),
-                                   float("-inf")).flatten(1).sort(dim=-1, descending=True).values
-    return min(float((groups[:, g - 1] - groups[:, g]).min()), float((inside[:, k - 1] - inside[:, k]).min()))
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, workers):
     root = tmp_path_factory.mktemp("mtp")
     data = corpus(root / "corpus")
     data_dir = prepare(_mtp_config(data), root)
-    import fivefold.train.loop as loop
-    margins: list[float] = []
-    build = loop.build
-
-    def build_recording(config, ctx, **kw):  # every training router call of the reference DeepSeek-V3 run
-        parts = build(config, ctx, **kw)
-        for m in parts.model.modules():
-            if isinstance(m, Router):
-                m.register_forward_hook(lambda m, args, out: margins.append(_group_limited_margin(m, args[0]))
-                                        if torch.is_grad_enabled() else None)
-        return parts
     for name, dsv3, tied in (("ref", False, False), ("ref-dsv3", True, False), ("ref-tied", False, True)):
         (root / name).mkdir()
-        loop.build = build_recording if dsv3 else build
-        try:
-            with _one_thread():
-                train(_mtp_config(data, dsv3=dsv3, tied=tied), one_process_context(root / name), data_dir,
-                      progress=False)
-        finally:
-            loop.build = build
+        recording = router_margins(group_limited_margin) if dsv3 else contextlib.nullcontext([])
+        with recording as margins, _one_thread():
+            train(_mtp_config(data, dsv3=dsv3, tied=tied), one_process_context(root / name), data_dir, progress=False)
+        if dsv3:
+            dsv3_margin = min(margins)
     for name, (world, parallel) in {**LAYOUTS, "dsv3": HEADLINE, "tied-zb-h1": TIED}.items():
         cfg = _mtp_config(data, world, parallel, dsv3=name == "dsv3", tied=name == "tied-zb-h1")
         workers(world).run(_train_rank, to_dict(cfg), str(root / name), str(data_dir))
-    return {"root": root, "data": data, "dsv3_margin": min(margins)}
+    return {"root": root, "data": data, "dsv3_margin": dsv3_margin}
 
 
 def _compare(runs, name: str, ref: str, dsv3: bool, tied: bool = False) -> None:
