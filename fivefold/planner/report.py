@@ -118,9 +118,7 @@ def ep_verdict(c: Candidate, ranked: list[Candidate], hw: Hardware, assume: "Ass
     off the node) and doubled, each sized and timed as the search does (`assume`): its model state
     against this one's, and its step time, rank and the time parts that differ most, or why it is out."""
     p, out = c.plan, []
-    for ep in (p.ep // 2, p.ep * 2):
-        if ep < 1 or ep == p.ep // 2 and p.ep % 2:
-            continue
+    for ep in ((p.ep // 2,) if p.ep % 2 == 0 else ()) + (p.ep * 2,):  # halved where EP is even
         par = replace(c.config.parallel, expert_model_parallel_size=ep, overlap_moe_expert_parallel_comm=False)
         cfg = replace(c.config, parallel=par)
         other = evaluate(with_a2a_overlap(cfg) if c.config.parallel.overlap_moe_expert_parallel_comm else cfg,
