@@ -4,6 +4,9 @@ log-probs equal unchunked; the losses equal their formulas written out another w
 from __future__ import annotations
 
 import math
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 import torch
@@ -51,17 +54,22 @@ def grpo_loss(stats, mb: Batch, totals: dict) -> torch.Tensor:
     return L.aggregate(per_token, mb.loss_mask, "token-mean", totals["tokens"])
 
 
+@contextmanager
+def _engine(cfg: Config, **kwargs):
+    """An Engine on this rank's mesh, its run folder a temporary one removed after use."""
+    with tempfile.TemporaryDirectory() as out:
+        yield Engine(cfg, RankContext(Mesh.build(layout_of(cfg)), Path(out)), **kwargs)
+
+
 def _engine_rank(rank: int, world: int, config: dict, chunk: int) -> dict:
     cfg = config_from_dict(config)
     torch.manual_seed(0)
-    from pathlib import Path
-    import tempfile
-    engine = Engine(cfg, RankContext(Mesh.build(layout_of(cfg)), Path(tempfile.mkdtemp())), chunk=chunk)
-    batch = split(_batch(), engine.ctx.dp_size, engine.ctx.dp_rank)
-    stats = engine.forward(batch)
-    metrics = [engine.train_batch(batch, grpo_loss, lr=1e-3, micro_batch_size=2) for _ in range(2)]
-    weights = {k: v for bucket in engine.export_weights(bucket_bytes=64 * 1024) for k, v in bucket.items()} \
-        if engine.ctx.layout.ep == engine.ctx.layout.pp == 1 else {}
+    with _engine(cfg, chunk=chunk) as engine:
+        batch = split(_batch(), engine.ctx.dp_size, engine.ctx.dp_rank)
+        stats = engine.forward(batch)
+        metrics = [engine.train_batch(batch, grpo_loss, lr=1e-3, micro_batch_size=2) for _ in range(2)]
+        weights = {k: v for bucket in engine.export_weights(bucket_bytes=64 * 1024) for k, v in bucket.items()} \
+            if engine.ctx.layout.ep == engine.ctx.layout.pp == 1 else {}
     return {"logprobs": stats.logprobs, "entropy": stats.entropy, "metrics": metrics, "weights": weights,
             "dp_rank": engine.ctx.dp_rank}
 
@@ -186,16 +194,13 @@ def test_micro_batches_have_one_count_on_every_rank_and_keep_the_budget(lengths_
 
 
 def _budget_rank(rank: int, world: int, config: dict) -> dict:
-    import tempfile
-    from pathlib import Path
-
     cfg = config_from_dict(config)
     torch.manual_seed(0)
-    engine = Engine(cfg, RankContext(Mesh.build(layout_of(cfg)), Path(tempfile.mkdtemp())))
-    batch = split(_batch(), engine.ctx.dp_size, engine.ctx.dp_rank)
-    batch.lengths = batch.loss_mask.sum(1).long() + 6  # the prompt and the response: padding after it
-    counts = [len(engine.micro_batches(batch, 40))]
-    return {"counts": counts, "metrics": engine.train_batch(batch, grpo_loss, lr=1e-3, max_tokens=40)}
+    with _engine(cfg) as engine:
+        batch = split(_batch(), engine.ctx.dp_size, engine.ctx.dp_rank)
+        batch.lengths = batch.loss_mask.sum(1).long() + 6  # the prompt and the response: padding after it
+        counts = [len(engine.micro_batches(batch, 40))]
+        return {"counts": counts, "metrics": engine.train_batch(batch, grpo_loss, lr=1e-3, max_tokens=40)}
 
 
 def test_token_budget_step_equals_fixed_micro_batches(workers, one_process):
@@ -244,14 +249,11 @@ def critic_loss(stats, mb: Batch, totals: dict) -> torch.Tensor:
 
 
 def _critic_rank(rank: int, world: int, config: dict) -> dict:
-    import tempfile
-    from pathlib import Path
-
     cfg = config_from_dict(config)
-    engine = Engine(cfg, RankContext(Mesh.build(layout_of(cfg)), Path(tempfile.mkdtemp())), value_head=True)
-    batch = split(_batch(), engine.ctx.dp_size, engine.ctx.dp_rank)
-    metrics = [engine.train_batch(batch, critic_loss, lr=1e-3, micro_batch_size=2) for _ in range(2)]
-    return {"values": engine.forward(batch).values, "metrics": metrics, "dp_rank": engine.ctx.dp_rank}
+    with _engine(cfg, value_head=True) as engine:
+        batch = split(_batch(), engine.ctx.dp_size, engine.ctx.dp_rank)
+        metrics = [engine.train_batch(batch, critic_loss, lr=1e-3, micro_batch_size=2) for _ in range(2)]
+        return {"values": engine.forward(batch).values, "metrics": metrics, "dp_rank": engine.ctx.dp_rank}
 
 
 @pytest.mark.parametrize("name", ["dp2", "tp2-sp-dp2", "pp2-tp2-sp-cp2"])
