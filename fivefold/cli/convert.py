@@ -7,9 +7,7 @@ from pathlib import Path
 
 import yaml
 
-from fivefold.checkpoint.convert import convert
 from fivefold.cli._outputs import output_folder
-from fivefold.checkpoint.io import read_metadata
 from fivefold.config.load import load_config
 from fivefold.config.validate import validate
 
@@ -28,6 +26,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args, extra) -> int:
+    from fivefold.checkpoint.convert import convert  # torch: loaded by this command only (`cli.main` imports
+    from fivefold.checkpoint.io import read_metadata  # every command to build its parser)
+
     folder, meta = read_metadata(args.src, "SRC")
     with tempfile.TemporaryDirectory() as tmp:  # the checkpoint's config as the base the layout words change
         base = Path(tmp) / "config.yaml"

@@ -9,8 +9,6 @@ from pathlib import Path
 from fivefold.cli._outputs import output_folder
 from fivefold.data.sources import json_lines
 from fivefold.errors import UserError
-from fivefold.train.metrics import plot_loss_curve
-from fivefold.train.moe_metrics import plot_expert_load
 
 HELP = "draw a run's loss curve and MoE expert-load heatmap from its metrics.jsonl"
 
@@ -49,6 +47,9 @@ def _rows(path: Path) -> list[dict]:
 
 
 def run(args: argparse.Namespace, extra: list[str]) -> int:
+    from fivefold.train.metrics import plot_loss_curve  # torch: loaded by this command only (`cli.convert`)
+    from fivefold.train.moe_metrics import plot_expert_load
+
     what = PICTURES if args.what is None else [w.strip() for w in args.what.split(",") if w.strip()]
     if not what or any(w not in PICTURES for w in what):
         raise UserError(f"--what {args.what!r}: choose from {', '.join(PICTURES)} (comma-separated)")
