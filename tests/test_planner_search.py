@@ -1,5 +1,12 @@
 """Search, schedule closed forms, hardware input, and the CLI's handling of bad input (exit 2)."""
+import fcntl
+import os
+import pty
 import re
+import struct
+import subprocess
+import sys
+import termios
 
 import pytest
 
@@ -9,6 +16,7 @@ from fivefold.errors import UserError
 from fivefold.planner.pipeline import bubble_fraction, bubble_stage_times, pipeline_profile, pipeline_time
 from fivefold.planner.memory import MemoryAssumptions
 from fivefold.planner.presets import hardware, model_preset
+from fivefold.planner.space import SearchSpace, structures
 from fivefold.planner.search import DOMINATED, PP_DOMINATED, describe, evaluate, make_config, rank_key, search
 from fivefold.planner.steptime import TimeAssumptions
 from fivefold.planner.validity import config_errors
@@ -116,6 +124,42 @@ def test_plan_explain_emit_plot(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "OLMoE 7B/1B: TP1 PP1 EP8" in out and "trainer.policy.megatron_config." in out
     assert png.stat().st_size > 1000
+
+
+def _in_a_terminal(argv: list[str]) -> tuple[str, str]:
+    """(stdout, stderr) of `argv` run with stderr on a pseudo-terminal of 100 columns (stdout a pipe)."""
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
+    p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=slave, text=True)
+    os.close(slave)
+    err = b""
+    while True:
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:  # EIO: the terminal's other end closed
+            break
+        if not chunk:
+            break
+        err += chunk
+    os.close(master)
+    out = p.stdout.read()
+    assert p.wait() == 0, err[-2000:]
+    return out, err.decode()
+
+
+def test_plan_shows_its_progress_in_a_terminal_and_nothing_else_changes():
+    """A search of minutes on a large cluster must not sit silent: in a terminal `plan` draws a bar on
+    stderr over the parallel layouts (their count is its total) and clears it before the table;
+    piped, stderr stays empty; stdout is the same either way."""
+    argv = [sys.executable, "-m", "fivefold", "plan", "--model", "llama3-70b", "--gpus", "64", "--top", "3"]
+    shown_out, shown = _in_a_terminal(argv)
+    piped = subprocess.run(argv, capture_output=True, text=True, check=True)
+    spec = model_preset("llama3-70b").model
+    total = sum(1 for _ in structures(spec, 64, 8, 4096, SearchSpace()))
+    assert f"/{total} [" in shown and shown.startswith("\rplan:") and shown.endswith("\r")
+    assert piped.stderr == ""
+    strip = lambda out: re.sub(r"tried in [0-9.]+ s", "", out)  # noqa: E731 - the search's own time
+    assert strip(shown_out) == strip(piped.stdout)
 
 
 def test_estimate_cli_takes_megatron_flags_and_a_preset(capsys):

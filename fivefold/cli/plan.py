@@ -93,7 +93,7 @@ def run(args, extra) -> int:
                                   space.fp8_recipe)[0])
                 for text in args.compare]  # bad descriptions refused before the search
     result = search(spec.model, hw, args.gpus, min(gpn, args.gpus), args.seq_len, args.global_batch, args.precision,
-                    space, mem, ta, grad_reduce_in_bf16=bf16_grads)
+                    space, mem, ta, grad_reduce_in_bf16=bf16_grads, progress=True)
     elapsed = time.perf_counter() - t0
     name = spec.preset or args.model
     print(f"{name}: {counts.total / 1e9:.1f}B parameters ({counts.active / 1e9:.1f}B active) on {args.gpus} x "

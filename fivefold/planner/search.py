@@ -182,25 +182,46 @@ def evaluate(cfg: Config, hw: Hardware, mem: MemoryAssumptions = MemoryAssumptio
 
 def search(model: ModelConfig, hw: Hardware, world: int, gpus_per_node: int, seq: int, global_batch: int,
            precision: str = "bf16", space: SearchSpace = SearchSpace(), mem: MemoryAssumptions = MemoryAssumptions(),
-           ta: TimeAssumptions = TimeAssumptions(), grad_reduce_in_bf16: bool = False) -> SearchResult:
+           ta: TimeAssumptions = TimeAssumptions(), grad_reduce_in_bf16: bool = False,
+           progress: bool = False) -> SearchResult:
     """Every layout of `space` for `model` on `world` GPUs, fitting ones ranked fastest first
-    (`grad_reduce_in_bf16`: the runtime's gradient dtype, `runtime.Runtime`); UserError where the GPU
-    cannot run the space's fp8 recipe."""
+    (`grad_reduce_in_bf16`: the runtime's gradient dtype, `runtime.Runtime`; `progress`: a progress
+    bar on stderr where it is a terminal); UserError where the GPU cannot run the space's fp8 recipe."""
     problem = hw.fp8_recipe_problem(precision, space.fp8_recipe)
     if problem:
         raise UserError(problem)
+    layouts = structures(model, world, gpus_per_node, seq, space)
+    if progress:
+        layouts = _shown(layouts, lambda: structures(model, world, gpus_per_node, seq, space))
     collecting = gc.isenabled()
     gc.disable()  # reference counting frees what the search drops; the collector's passes over the
     try:          # growing heap of candidates were 5-15% of a 1024-GPU search
         return _search(model, hw, world, gpus_per_node, seq, global_batch, precision, space, mem, ta,
-                       grad_reduce_in_bf16)
+                       grad_reduce_in_bf16, layouts)
     finally:
         if collecting:
             gc.enable()
 
 
+def _shown(layouts, again):
+    """`layouts`, with a progress bar on stderr where it is a terminal (else as they are); `again()`:
+    the layouts once more, counted for the bar's total (~2% of a search)."""
+    from tqdm import tqdm
+    bar = tqdm(desc="plan", unit=" layouts", leave=False, disable=None)
+    if bar.disable:
+        return layouts
+    bar.total = sum(1 for _ in again())
+
+    def counted():
+        with bar:
+            for parallel in layouts:
+                yield parallel
+                bar.update()
+    return counted()
+
+
 def _search(model, hw, world, gpus_per_node, seq, global_batch, precision, space, mem, ta,
-            grad_reduce_in_bf16) -> SearchResult:
+            grad_reduce_in_bf16, layouts) -> SearchResult:
     result = SearchResult(ranked=[])
     trainings: dict[tuple, TrainingConfig] = {}  # the variants' training sections (`_variant`)
     twin, known = None, {}
@@ -208,7 +229,7 @@ def _search(model, hw, world, gpus_per_node, seq, global_batch, precision, space
     the exchange only as whether it gathers K and V (`memory.peak_memory`), so a layout's p2p and a2a
     twins (consecutive in `structures`) hold the same: (DP mode, micro-batch, recompute) -> RankMemory,
     DP mode -> the model-state check."""
-    for parallel in structures(model, world, gpus_per_node, seq, space):
+    for parallel in layouts:
         base = with_group(make_config(model, world, gpus_per_node, seq, global_batch, precision, parallel,
                                       grad_reduce_in_bf16=grad_reduce_in_bf16, a2a_overlap=space.a2a_overlap,
                                       dispatcher=space.dispatcher, megatron_fsdp=space.megatron_fsdp,
