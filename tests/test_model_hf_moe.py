@@ -31,7 +31,9 @@ from fivefold.model.init import init_parameters_
 # (checked below), 100x the fp32 noise of scores ~0.25 (~1e-7), so both sides route every token identically.
 # Measured worst over the CPU kernel settings (docs/tolerances.md), as fractions of each bound: Mixtral
 # logits 0.0099, gradients 0.036 (28x); the MoE blocks' outputs 0.0092, gradients 0.22 (4.5x; the router
-# weight's gradient under DeepSeek-V3's routing, measured on this machine only).
+# weight's gradient under DeepSeek-V3's routing, measured on this machine only). The block's input
+# gradient, on an AVX2 machine under ATEN_CPU_CAPABILITY=default (session 31): 0.12 of this budget
+# (4.8e-6 absolute; DeepSeek-V3's groups, bias and scaling), so it gets twice the budget (0.06, 16x).
 ATOL, RTOL = 1e-5, 1e-4
 E, K, F_MOE = 4, 2, 48
 
@@ -164,7 +166,7 @@ def _check_block(ours: MoE, theirs: torch.nn.Module, hf_experts_prefix: str, ext
     close(y, y_ref, rtol=RTOL, atol=ATOL, site="hf_moe_block.output", case=case)
     (y * torch.linspace(-1, 1, y.numel()).view_as(y)).sum().backward()
     (y_ref * torch.linspace(-1, 1, y.numel()).view_as(y)).sum().backward()
-    close(x.grad, x2.grad, rtol=RTOL, atol=1e-5, site="hf_moe_block.input_grad", case=case)
+    close(x.grad, x2.grad, rtol=2 * RTOL, atol=2 * ATOL, site="hf_moe_block.input_grad", case=case)
     params = dict(theirs.named_parameters())
     for ours_name, theirs_name in extra.items():
         close(dict(ours.named_parameters())[ours_name].grad, params[theirs_name].grad, rtol=RTOL, atol=1e-5,

@@ -173,10 +173,11 @@ def _compare(runs, name: str, ref: str, dsv3: bool, tied: bool = False) -> None:
     # gradient noise of elements near 0 into whole-lr weight differences, which the later steps see.
     # Measured worst (CPU, an AVX-512 machine): losses 8.0e-8 (tp2sp), MTP loss 4.6e-8 (tp2sp), gradient
     # norms 2.6e-7 (dsv3) relative; on an AVX2 one (AMD EPYC, MKL; session 30, dsv3 at init std 0.15):
-    # 1.0e-7 (dsv3), 4.4e-8, 2.2e-7. Bounds 2e-6 / 1e-6 / 3e-6, >= 11x. Planted: a roll within each
+    # 1.0e-7 (dsv3), 4.4e-8, 2.2e-7; there under ATEN_CPU_CAPABILITY=default (session 31): 1.5e-7,
+    # 3.4e-8, 8.6e-7 (dsv3). Bounds 2e-6 / 1e-6 / 1e-5 (3e-6 until session 31), >= 11x. Planted: a roll within each
     # CP rank's tokens (no exchange) moves cp2's step-2 loss by 3.2e-4; a last-stage embedding copy
     # whose gradient is not summed with stage 0's moves pp2's by 9.4e-4.
-    for key, bound in (("loss", 2e-6), ("mtp_loss", 1e-6), ("grad_norm", 3e-6)):
+    for key, bound in (("loss", 2e-6), ("mtp_loss", 1e-6), ("grad_norm", 1e-5)):
         close([m[key] for m in got], [m[key] for m in want], rtol=bound, site=f"mtp.layouts.{key}", case=name)
     cfg = _mtp_config(runs["data"], dsv3=dsv3, tied=tied)
     mine, theirs = Decoder(cfg.model), Decoder(cfg.model)
