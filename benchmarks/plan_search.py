@@ -49,7 +49,18 @@ def fresh_first(name: str, dp_modes: tuple[str, ...]) -> list[float]:
                                  capture_output=True, text=True, check=True).stdout) for _ in range(FRESH_RUNS)]
 
 
+def python_speed(n: int = 20_000_000) -> float:
+    """CPU seconds of a loop of `n` integer additions: how fast this machine runs Python, printed beside
+    the rows so that sessions on other machines compare (the AVX2-only 2-core AMD EPYC of session 31:
+    0.70-0.89 s; the search's CPU time scales with it, its instruction count does not move)."""
+    c0, total = time.process_time(), 0
+    for i in range(n):
+        total += i
+    return time.process_time() - c0
+
+
 def main() -> None:
+    print(f"| machine | Python speed | a loop of 20M integer additions: {python_speed():.2f} s CPU |")
     hw = hardware("h100-sxm")
     for name, size, dp_modes in CASES:
         m, space = model_preset(name).model, SearchSpace(dp_modes=dp_modes)
