@@ -164,8 +164,9 @@ def test_router_matches_transformers_deepseek_v3(norm):
     order = their_e.sort(-1)  # HF's top-k is unsorted: compare per expert
     assert torch.equal(mine.experts.sort(-1).values, order.values)
     # Same fp32 ops in another order (HF sums the top-2 of a group by topk, divides in place): measured
-    # 2.1e-7 relative; bound 1e-6.
-    close(mine.weights.gather(1, mine.experts.sort(-1).indices), their_w.gather(1, order.indices), rtol=1e-6,
+    # 2.1e-7 relative (AVX-512 and AVX2 natively), 2.7e-7 under ATEN_CPU_CAPABILITY=default on AVX2
+    # (session 31); bound 3e-6 (11x; 1e-6 until then).
+    close(mine.weights.gather(1, mine.experts.sort(-1).indices), their_w.gather(1, order.indices), rtol=3e-6,
           site="router.hf_deepseek_v3", case=f"norm_topk_prob={norm}")
 
 
