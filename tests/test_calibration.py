@@ -246,7 +246,7 @@ def test_torchtitans_december_2024_loss_is_eager():
     assert tp_eager.logits - tp_fused.logits == pytest.approx((16 - 6) * tokens * local_vocab)
 
 
-def test_loss_parallel_holds_16_bytes_a_local_logit_eagerly():
+def test_loss_parallel_holds_16_bytes_a_local_logit_eagerly(tmp_path):
     """torch.distributed.tensor.parallel.loss_parallel's cross entropy on fp32-cast vocab-sharded
     logits, eager, against F.cross_entropy on one rank's logits: the peak of live bytes from the
     profiler's allocation events over forward + backward, per local logit (2 gloo ranks; the planner's
@@ -254,7 +254,8 @@ def test_loss_parallel_holds_16_bytes_a_local_logit_eagerly():
     import subprocess
     script = ROOT / "tests" / "_loss_parallel_peak.py"
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                          str(script)], capture_output=True, text=True, timeout=120)
+                          f"--log-dir={tmp_path}", str(script)],  # else torchrun leaves a /tmp/torchelastic_* folder
+                         capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     got = dict(line.split() for line in out.stdout.splitlines() if line.startswith(("plain", "loss_parallel")))
     from fivefold.planner.activations import EAGER_TRAITS
