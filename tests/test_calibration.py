@@ -253,9 +253,9 @@ def test_loss_parallel_holds_16_bytes_a_local_logit_eagerly(tmp_path):
     `runtime.EAGER_LOSS_PARALLEL_TRANSIENT` + 4 held, and `EAGER_TRAITS`' 12)."""
     import subprocess
     script = ROOT / "tests" / "_loss_parallel_peak.py"
+    # --log-dir: else torchrun leaves a torchelastic_* folder in the temp dir
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                          f"--log-dir={tmp_path}", str(script)],  # else torchrun leaves a /tmp/torchelastic_* folder
-                         capture_output=True, text=True, timeout=120)
+                          f"--log-dir={tmp_path}", str(script)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     got = dict(line.split() for line in out.stdout.splitlines() if line.startswith(("plain", "loss_parallel")))
     from fivefold.planner.activations import EAGER_TRAITS
