@@ -191,8 +191,9 @@ def search(model: ModelConfig, hw: Hardware, world: int, gpus_per_node: int, seq
     if problem:
         raise UserError(problem)
     layouts = structures(model, world, gpus_per_node, seq, space)
-    if progress:
-        layouts = _shown(layouts, lambda: structures(model, world, gpus_per_node, seq, space))
+    if progress:  # listed first (a few thousand dicts) for the bar's total; tqdm draws only on a terminal
+        from tqdm import tqdm
+        layouts = tqdm(list(layouts), desc="plan", unit=" layouts", leave=False, disable=None)
     collecting = gc.isenabled()
     gc.disable()  # reference counting frees what the search drops; the collector's passes over the
     try:          # growing heap of candidates were 5-15% of a 1024-GPU search
@@ -201,23 +202,6 @@ def search(model: ModelConfig, hw: Hardware, world: int, gpus_per_node: int, seq
     finally:
         if collecting:
             gc.enable()
-
-
-def _shown(layouts, again):
-    """`layouts`, with a progress bar on stderr where it is a terminal (else as they are); `again()`:
-    the layouts once more, counted for the bar's total (~2% of a search)."""
-    from tqdm import tqdm
-    bar = tqdm(desc="plan", unit=" layouts", leave=False, disable=None)
-    if bar.disable:
-        return layouts
-    bar.total = sum(1 for _ in again())
-
-    def counted():
-        with bar:
-            for parallel in layouts:
-                yield parallel
-                bar.update()
-    return counted()
 
 
 def _search(model, hw, world, gpus_per_node, seq, global_batch, precision, space, mem, ta,
