@@ -1,9 +1,10 @@
 """The multi-rank harness: results by rank, reused workers, failures with rank and traceback,
-a hung case timing out and the pool restarting."""
+a hung case timing out and the pool restarting, leaving no temporary folder behind."""
 from __future__ import annotations
 
 import os
 import time
+from multiprocessing import util
 
 import pytest
 import torch
@@ -52,11 +53,20 @@ def _hang_on_rank_1(rank, world):
     return rank
 
 
+def _tensor_and_temp_dir(rank, world):
+    """A tensor sent back (its file descriptor handed over through a folder multiprocessing makes) and
+    that folder."""
+    return torch.ones(2), util.get_temp_dir()
+
+
 def test_timeout_kills_and_restarts(workers):
     pool = workers(2)
     first = [o[3] for o in pool.run(_sum_case, 0)]
+    folders = [d for _, d in pool.run(_tensor_and_temp_dir)]
+    assert all(os.path.isdir(d) for d in folders)
     with pytest.raises(WorkersTimeout, match=r"ranks \[1\] never answered"):
         pool.run(_hang_on_rank_1, timeout=1.0)
+    assert not any(os.path.exists(d) for d in folders)  # the killed workers' folders went with the pool
     out = pool.run(_sum_case, 1)
     assert [o[2] for o in out] == [3.0, 3.0]
     assert not set(first) & {o[3] for o in out}  # fresh processes

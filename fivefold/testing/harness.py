@@ -8,11 +8,15 @@ Workers are spawned once (importing torch costs ~1.3 s per process) with `torch.
 initialised over all N (gloo, one intra-op thread each), then loop: receive (fn, args), run, send back
 the result or the traceback. A failure raises RankFailed naming the rank with its traceback; a case
 that does not finish within the timeout kills the pool (a rank stuck in a collective cannot be
-recovered) and raises; the next `run` starts a fresh pool.
+recovered) and raises; the next `run` starts a fresh pool. The workers' temporary files (among them
+the folder multiprocessing makes to hand a tensor's file descriptor over the pipe) go into one folder
+of the pool's, removed when it closes: a killed worker leaves nothing behind.
 """
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 import time
 import traceback
 from datetime import timedelta
@@ -38,7 +42,8 @@ class WorkersTimeout(TimeoutError):
     """A case did not finish within its timeout; the pool was killed."""
 
 
-def _worker(rank: int, world: int, port: int, conn) -> None:
+def _worker(rank: int, world: int, port: int, conn, tmp: str) -> None:
+    tempfile.tempdir = tmp  # before anything makes a temporary file (multiprocessing's pymp-* folder too)
     import torch
     import torch.distributed as dist
 
@@ -70,14 +75,17 @@ class Workers:
         self.world_size, self.timeout, self.grace = world_size, timeout, grace
         self._procs: list = []
         self._conns: list = []
+        self._tmp: str | None = None
 
     def _start(self) -> None:
         ctx = mp.get_context("spawn")
         port = free_port()
+        self._tmp = tempfile.mkdtemp(prefix="fivefold-workers-")
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         for r in range(self.world_size):
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=_worker, args=(r, self.world_size, port, child), daemon=True)
+            p = ctx.Process(target=_worker, args=(r, self.world_size, port, child, self._tmp),
+                            daemon=True)
             p.start()
             child.close()
             self._procs.append(p)
@@ -144,7 +152,9 @@ class Workers:
                 p.join(timeout=10)
         for conn in self._conns:
             conn.close()
-        self._procs, self._conns = [], []
+        if self._tmp is not None:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+        self._procs, self._conns, self._tmp = [], [], None
 
     def __enter__(self) -> Workers:
         return self
