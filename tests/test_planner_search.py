@@ -110,6 +110,19 @@ def test_plan_bad_input_exit_2(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+def test_plan_takes_megatron_names_for_the_batch_and_sequence(capsys):
+    """--seq-length, --global-batch-size and --micro-batch-size (Megatron-LM's flags, which `estimate`
+    takes) mean what --seq-len, --global-batch and --micro-batch do; a non-default value each, so
+    that a flag read as another or dropped changes the table."""
+    def table(*sizes):
+        assert main(["plan", "--model", "llama3-8b", "--gpus", "8", "--top", "3", *sizes]) == 0
+        return re.sub(r" in [0-9.]+ s", "", capsys.readouterr().out)  # the search's time
+    ours = table("--seq-len", "2048", "--global-batch", "64", "--micro-batch", "2")
+    assert table("--seq-length", "2048", "--global-batch-size", "64", "--micro-batch-size", "2") == ours
+    assert ours != table("--seq-len", "2048", "--global-batch", "64")
+    assert "mbs2" in ours and "mbs1" not in ours
+
+
 def test_plan_malformed_config_json(tmp_path, capsys):
     f = tmp_path / "config.json"
     f.write_text("{\"hidden_size\": 64,")

@@ -24,9 +24,13 @@ HELP = "rank every valid parallel layout of a model on a cluster by estimated st
 def add_arguments(p) -> None:
     p.add_argument("--model", required=True, help="preset name, a Hugging Face config.json, or a fivefold YAML")
     p.add_argument("--gpus", type=positive_int, required=True, help="total GPUs")
-    p.add_argument("--seq-len", type=positive_int, default=4096, help="tokens per sequence. Default 4096")
-    p.add_argument("--global-batch", type=positive_int, default=1024, help="sequences per step. Default 1024")
-    p.add_argument("--micro-batch", default="1,2,4", help="micro-batch sizes to try, comma-separated. Default 1,2,4")
+    # (each also under Megatron-LM's name, as `estimate` and `train` take it)
+    p.add_argument("--seq-len", "--seq-length", type=positive_int, default=4096,
+                   help="tokens per sequence. Default 4096")
+    p.add_argument("--global-batch", "--global-batch-size", type=positive_int, default=1024,
+                   help="sequences per step. Default 1024")
+    p.add_argument("--micro-batch", "--micro-batch-size", default="1,2,4",
+                   help="micro-batch sizes to try, comma-separated. Default 1,2,4")
     p.add_argument("--no-accumulation", action="store_true",
                    help="no gradient accumulation: without PP each DP rank takes its whole share of the global batch "
                         "as one micro-batch (torchtitan before June 2025, or a run whose global batch is its local "
