@@ -193,6 +193,21 @@ def test_estimate_cli_takes_megatron_flags_and_a_preset(capsys):
     assert ", dp=intra-node," in out and "dp-replicate=network" in out  # a node's shard pieces, replicas across
 
 
+def test_estimate_says_the_batch_it_times_and_what_it_filled_in(capsys):
+    """Without --seq-length, `estimate` once timed a GPU run at the config's CPU default of 64 tokens
+    (README's own example printed MFU 0.2%); it now takes plan's 4096 and says so, notes Megatron's
+    default global batch (micro-batch x DP), and its report states the batch."""
+    assert main(["estimate", "--model", "llama3-8b", "--gpus", "16", "--tensor-model-parallel-size", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "note: sequence length 4096" in out and "note: global batch 8 = micro-batch x DP" in out
+    assert "batch: 8 sequences of 4096 tokens per step, 1 microbatch of 1 per DP rank" in out
+    assert main(["estimate", "--model", "llama3-8b", "--gpus", "16", "--tensor-model-parallel-size", "2",
+                 "--seq-length", "8192", "--global-batch-size", "256"]) == 0
+    out = capsys.readouterr().out
+    assert "note: sequence length" not in out and "note: global batch" not in out
+    assert "batch: 256 sequences of 8192 tokens per step, 32 microbatches of 1 per DP rank" in out
+
+
 def test_explain_says_which_rule_a_seed_row_breaks(capsys):
     # Seed 002's "Qwen3 30B-A3B: TP4 PP2 EP4" on 8 GPUs leaves DP=1: MoE folding needs ETP x EP = 16
     # to divide TP x CP x DP = 4; --explain names that rule instead of estimating the row.

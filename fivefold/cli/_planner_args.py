@@ -12,6 +12,9 @@ from fivefold.planner.runtime import PROFILES, profile
 from fivefold.planner.steptime import TimeAssumptions
 
 GiB = 2**30
+SEQ = 4096
+"""Tokens per sequence where the user gives none: `plan`'s default, and `estimate`'s in place of the
+canonical config's 64 (a size for CPU test runs, not a GPU run's)."""
 
 
 def positive_int(text: str) -> int:

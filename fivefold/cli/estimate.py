@@ -1,7 +1,7 @@
 """`fivefold estimate`: memory per GPU and step time of one given layout (the one a user runs)."""
 from __future__ import annotations
 
-from fivefold.cli._planner_args import add_hardware_arguments, assumptions_of, hardware_of, positive_int
+from fivefold.cli._planner_args import SEQ, add_hardware_arguments, assumptions_of, hardware_of, positive_int
 from fivefold.cli.validate import split_config_arg
 from fivefold.config.load import load_config
 from fivefold.config.validate import validate
@@ -34,8 +34,16 @@ def run(args, extra) -> int:
     if cfg.training.precision not in ("bf16", "fp8"):
         cfg.training.precision = "bf16"
         print("note: precision set to bf16 for the GPU estimate")
+    if "training.seq_length" not in loaded.explicit:  # the canonical 64 sizes CPU test runs
+        cfg.training.seq_length = SEQ
+        print(f"note: sequence length {SEQ} for the GPU estimate, as plan's default (no source gave one): "
+              "give --seq-length to choose")
     for w in validate(cfg, loaded.dialect):  # every error with its fix; fills Megatron's defaults (global batch)
         print(w)
+    if "training.global_batch_size" not in loaded.explicit and cfg.training.global_batch_size:
+        print(f"note: global batch {cfg.training.global_batch_size} = micro-batch x DP, Megatron-LM's default (no "
+              "source gave one): one microbatch per step, no accumulation to hide the gradient reduction behind; "
+              "give --global-batch-size to choose")
     mem, ta = assumptions_of(args)
     problem = hw.fp8_recipe_problem(cfg.training.precision, cfg.training.fp8_recipe)
     if problem:

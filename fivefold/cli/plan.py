@@ -6,7 +6,7 @@ import collections
 import time
 
 from fivefold.cli._outputs import picture_file, writing
-from fivefold.cli._planner_args import add_hardware_arguments, assumptions_of, hardware_of, positive_int
+from fivefold.cli._planner_args import SEQ, add_hardware_arguments, assumptions_of, hardware_of, positive_int
 from fivefold.config.schema import FP8_RECIPES
 from fivefold.errors import UserError
 from fivefold.pipeline.schedules import REGISTRY
@@ -25,8 +25,8 @@ def add_arguments(p) -> None:
     p.add_argument("--model", required=True, help="preset name, a Hugging Face config.json, or a fivefold YAML")
     p.add_argument("--gpus", type=positive_int, required=True, help="total GPUs")
     # (each also under Megatron-LM's name, as `estimate` and `train` take it)
-    p.add_argument("--seq-len", "--seq-length", type=positive_int, default=4096,
-                   help="tokens per sequence. Default 4096")
+    p.add_argument("--seq-len", "--seq-length", type=positive_int, default=SEQ,
+                   help=f"tokens per sequence. Default {SEQ}")
     p.add_argument("--global-batch", "--global-batch-size", type=positive_int, default=1024,
                    help="sequences per step. Default 1024")
     p.add_argument("--micro-batch", "--micro-batch-size", default="1,2,4",
