@@ -38,7 +38,8 @@ def breakdown(c: Candidate, hw: Hardware) -> str:
     if not c.sized:  # a broken rule: nothing was sized
         return "\n".join(lines + [f"dropped: {c.problem}"])
     p = c.plan
-    lines.append(f"batch: {c.config.training.global_batch_size} sequences of {p.seq} tokens per step, "
+    b = c.config.training.global_batch_size
+    lines.append(f"batch: {b} sequence{'s' * (b != 1)} of {p.seq} tokens per step, "
                  f"{p.microbatches} microbatch{'es' * (p.microbatches != 1)} of {p.mbs} per DP rank")
     lines.append(f"memory per GPU (pipeline rank {m.rank}, {m.inflight:g} microbatches in flight), GiB:")
     for k, v in m.as_dict().items():
