@@ -693,3 +693,19 @@ def test_each_runtime_groups_microbatches_as_it_interleaves_them(pp, m, megatron
     for group in (megatron, rounds):
         assert group is None or microbatch_problem("interleaved", pp, 2, m, group) is None
     assert PROFILES["torchtitan"].space().group_rule == "rounds" and PROFILES["megatron-te"].space().group_rule == "megatron"
+
+
+def test_sequence_row_verdict_names_what_differs():
+    """Seed 002's sequence-length row beside the top choice: CP beyond the row's is "further" (not
+    "consistent", as a CP8 choice was called against "2K-8K: add SP"), too little CP or a missing SP
+    "differs", and SP at TP1 is moot."""
+    from types import SimpleNamespace as Layout
+
+    from fivefold.planner.report import sequence_verdict
+    assert sequence_verdict(Layout(tp=1, sp=False, cp=8), 1, True) == \
+        "further than the row (top choice: SP moot at TP1, CP8 where the row has CP1)"
+    assert sequence_verdict(Layout(tp=4, sp=True, cp=1), 1, True) == "consistent (top choice: with SP, CP1)"
+    assert sequence_verdict(Layout(tp=4, sp=False, cp=2), 2, True).startswith("differs (top choice: no SP")
+    assert sequence_verdict(Layout(tp=2, sp=True, cp=1), 2, True) == \
+        "differs (top choice: with SP, CP1 where the row has CP2)"
+    assert sequence_verdict(Layout(tp=2, sp=False, cp=1), 1, False) == "consistent (top choice: CP1)"

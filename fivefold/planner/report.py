@@ -199,6 +199,18 @@ class Assumed(NamedTuple):
     dp_mode: str | None = None
 
 
+def sequence_verdict(plan, cp: int, sp: bool) -> str:
+    """How a layout stands to seed 002's sequence-length row (CP `cp`, SP `sp`): consistent, further
+    (more CP than the row adds: `why` says whether it pays for itself) or differs, and in what."""
+    said = []
+    if sp:
+        said.append("SP moot at TP1" if plan.tp == 1 else "with SP" if plan.sp else "no SP")
+    said.append(f"CP{plan.cp}" + ("" if plan.cp == cp else f" where the row has CP{cp}"))
+    verdict = ("differs" if plan.cp < cp or said[0] == "no SP" else "further than the row" if plan.cp > cp
+               else "consistent")
+    return f"{verdict} (top choice: {', '.join(said)})"
+
+
 def explain(best: Candidate, model: ModelConfig, preset: str | None, total_params: float, hw: Hardware,
             world: int, gpus_per_node: int, seq: int, global_batch: int, precision: str,
             ranked: list[Candidate], assume: Assumed) -> str:
@@ -209,9 +221,7 @@ def explain(best: Candidate, model: ModelConfig, preset: str | None, total_param
     text, cp, sp = sequence_rule(seq)
     lines += ["", f"Seeds' rules of thumb beside the top choice ({best.estimate.step_time:.2f} s/step, "
                   f"MFU {best.estimate.mfu:.1%}):"]
-    lines.append(f"  sequence-length table (002): {text} -> "
-                 f"{'consistent' if (best.plan.cp >= cp and (best.plan.sp or not sp or best.plan.tp == 1)) else 'differs'}"
-                 f" (top choice CP={best.plan.cp}, SP={best.plan.sp})")
+    lines.append(f"  sequence-length table (002): {text} -> {sequence_verdict(best.plan, cp, sp)}")
     for rule in rules_for(preset, total_params, world, gpus_per_node):
         c, why_not = seed_candidate(rule, model, hw, world, gpus_per_node, seq, global_batch, precision, assume)
         if c is None:
