@@ -206,6 +206,10 @@ def test_estimate_says_the_batch_it_times_and_what_it_filled_in(capsys):
     out = capsys.readouterr().out
     assert "note: sequence length" not in out and "note: global batch" not in out
     assert "batch: 256 sequences of 8192 tokens per step, 32 microbatches of 1 per DP rank" in out
+    # a dialect's own default stands: Megatron-Bridge's sequence is 1024
+    assert main(["estimate", "examples/bridge_overrides.txt", "--gpus", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "note: sequence length" not in out and "sequence of 1024 tokens per step" in out
 
 
 def test_explain_says_which_rule_a_seed_row_breaks(capsys):

@@ -4,6 +4,7 @@ from __future__ import annotations
 from fivefold.cli._planner_args import SEQ, add_hardware_arguments, assumptions_of, hardware_of, positive_int
 from fivefold.cli.validate import split_config_arg
 from fivefold.config.load import load_config
+from fivefold.config.schema import TrainingConfig
 from fivefold.config.validate import validate
 from fivefold.errors import UserError
 from fivefold.planner.model_spec import resolve_model
@@ -13,6 +14,8 @@ from fivefold.planner.search import evaluate
 
 HELP = "memory per GPU and step time of one layout (a config, or --model with overrides / Megatron flags)"
 ACCEPTS_EXTRA = True
+CPU_SEQ = TrainingConfig().seq_length
+"""The canonical config's sequence length, a size for CPU test runs: `estimate` takes plan's in its place."""
 
 
 def add_arguments(p) -> None:
@@ -34,7 +37,8 @@ def run(args, extra) -> int:
     if cfg.training.precision not in ("bf16", "fp8"):
         cfg.training.precision = "bf16"
         print("note: precision set to bf16 for the GPU estimate")
-    if "training.seq_length" not in loaded.explicit:  # the canonical 64 sizes CPU test runs
+    if "training.seq_length" not in loaded.explicit and cfg.training.seq_length == CPU_SEQ:  # (a dialect's
+        # own default, Megatron-Bridge's 1024, is kept)
         cfg.training.seq_length = SEQ
         print(f"note: sequence length {SEQ} for the GPU estimate, as plan's default (no source gave one): "
               "give --seq-length to choose")
