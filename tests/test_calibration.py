@@ -492,7 +492,7 @@ def test_fivefold_profile_against_our_runtime_on_gpus():
     profile's rates were measured per op class on the H200's 4-layer kernels; the estimate is kernel
     time, and the eager runtime's launch gaps put the measured step 1.00-1.11x (H100, two machines) and 1.12-1.24x
     (H200) above it, i.e. the estimate is 0.81-1.00 of the step: bound 25%, the issue's limit for
-    published rows. MoE rows are 3.3-5.6x their estimate (host-bound launches, benchmarks/RESULTS.md):
+    published rows. MoE rows are 2.4-4.4x their estimate (host-bound launches, benchmarks/RESULTS.md):
     memory only. The H200's MoE row ran while grouped expert GEMMs kept a stacked copy of their weights
     for backward: its gap is those copies (3 x 64 experts x 1024 x 512 bf16 a layer, 7 MoE layers)."""
     import dataclasses

@@ -713,3 +713,20 @@ def test_sequence_row_verdict_names_what_differs():
     assert sequence_verdict(Layout(tp=2, sp=True, cp=1), 2, True) == \
         "differs (top choice: with SP, CP1 where the row has CP2)"
     assert sequence_verdict(Layout(tp=2, sp=False, cp=1), 1, False) == "consistent (top choice: CP1)"
+
+
+def test_default_runtime_pays_for_short_attention_calls_and_small_expert_gemms():
+    """The `fivefold` profile (plan's default) times attention on the flash kernels' length curve and
+    grouped expert GEMMs on their rows curve (runtime._FLASH_HALF_KEYS, _GROUPED_HALF_ROWS), through its
+    measured attention rate at 4096 keys. Without them it ranked Qwen3-30B-A3B (128 experts) on 32 GPUs
+    as TP1 CP8 PP4 EP1: every expert on every GPU at 32 rows each, and a ring of 512-key calls, both at
+    the full GEMM / attention rate: the issue's two complaints about the ranking."""
+    from fivefold.planner.runtime import profile
+    ours, te = profile("fivefold").time, profile("megatron-te").time
+    assert ours.attention_efficiency * 4096 / (4096 + ours.attention_half_keys) == pytest.approx(0.376, rel=1e-12)
+    assert ours.attention_half_keys == te.attention_half_keys > 0 and ours.expert_half_rows == te.expert_half_rows > 0
+    rt = profile("fivefold")
+    r = search(model_preset("qwen3-30b-a3b").model, hardware("h100-sxm"), 32, 8, 4096, 256, space=rt.space(
+        micro_batch_sizes=(1,)), mem=rt.memory, ta=rt.time)
+    top = r.ranked[0].plan
+    assert top.ep >= 8 and top.cp == 1, r.ranked[0].label

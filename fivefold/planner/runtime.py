@@ -90,11 +90,22 @@ tensor at a time, per-tensor AdamW on fp32 main parameters, the bf16 copy back, 
 buffer), in bytes at 0.8 of HBM bandwidth: the profiler's kernel times on an H200 (session 25). The GPU
 rows measured with it (benchmarks/data/gpu) are checked with it."""
 
-_OURS_ON_HOPPER = TimeAssumptions(gemm_efficiency=0.987, attention_efficiency=0.376, membound_passes=25.3,
+_GROUPED_HALF_ROWS = 2389.5
+"""Rows per expert at which grouped expert GEMMs run at half their rate (`TimeAssumptions.expert_half_rows`):
+fitted on Megatron's MoE rows (benchmarks/calibrate.py --fit: megatron-te's expert_efficiency 1.0 at many
+rows); our runtime's grouped GEMM (torch._grouped_mm, CUTLASS) takes the same kernel-level curve."""
+_MEASURED_KEYS = 4096
+"""The attention calls' keys where our runtime's attention rate was measured (`_OURS_ON_HOPPER`)."""
+_OURS_ON_HOPPER = TimeAssumptions(gemm_efficiency=0.987,
+                                  attention_efficiency=0.376 * (_MEASURED_KEYS + _FLASH_HALF_KEYS) / _MEASURED_KEYS,
+                                  attention_half_keys=_FLASH_HALF_KEYS, expert_efficiency=1.0,
+                                  expert_half_rows=_GROUPED_HALF_ROWS, membound_passes=25.3,
                                   optimizer_bytes_per_param=52.1)
 """Our eager runtime's rates, measured per op class on an H200 (torch 2.11, bf16, one GPU; the profiler's
 kernel times of a 4-layer ~1B-wide Llama at seq 4096, benchmarks/RESULTS.md "fivefold on one GPU"):
-cuBLAS GEMMs at 0.987 of the matmul ceiling, cuDNN's SDPA at 0.376 (4096 keys), the unfused norms,
+cuBLAS GEMMs at 0.987 of the matmul ceiling, cuDNN's SDPA at 0.376 at 4096 keys (the kernels' length
+curve, `_FLASH_HALF_KEYS`, through that point: shorter calls, a CP ring's chunks, run slower; grouped
+expert GEMMs on the kernels' rows curve, `_GROUPED_HALF_ROWS`: no expert was timed), the unfused norms,
 SwiGLU, RoPE, casts and residual adds 25.3 passes over the layer's activations (Megatron's counts) at
 HBM bandwidth. The optimizer (torch's fused AdamW, one multi-tensor gradient norm): 52.1 bytes per
 parameter at 0.8 of HBM bandwidth, from the same 4-layer run's step on an H100 before and after the
@@ -112,7 +123,7 @@ PROFILES: dict[str, Runtime] = {r.name: r for r in [
             MemoryAssumptions(allocator_overhead=0.02, runtime_reserve=1.0 * GiB, traits=_TE_TRAITS),
             # fitted on rows 1-9, 12-14, 36-44, 47-55 (benchmarks/calibrate.py --fit)
             TimeAssumptions(gemm_efficiency=0.865, fp8_gemm_efficiency=0.626, attention_efficiency=0.674,
-                            attention_half_keys=_FLASH_HALF_KEYS, expert_efficiency=1.0, expert_half_rows=2389.5,
+                            attention_half_keys=_FLASH_HALF_KEYS, expert_efficiency=1.0, expert_half_rows=_GROUPED_HALF_ROWS,
                             membound_passes=11.31, tp_overlap=0.898, ep_overlap=0.439, ep_overlap_1f1b=0.676),
             grad_reduce_in_bf16=True,
             summary="Megatron-Core + TransformerEngine: fused kernels, fp8 linear inputs, TP comm overlap, "
