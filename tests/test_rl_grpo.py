@@ -31,3 +31,16 @@ def test_unknown_grpo_keys_are_refused_before_any_rank_starts(tmp_path, capsys):
     (tmp_path / "grpo.yaml").write_text(yaml.safe_dump(cfg))
     assert main(["rl", str(tmp_path / "grpo.yaml"), "--out", str(tmp_path / "out")]) == 2
     assert "group_sise" in capsys.readouterr().err
+
+
+def test_a_broken_rl_config_file_is_refused_with_a_message(tmp_path, capsys):
+    """Invalid YAML or a file that is not UTF-8 ended `fivefold rl` in a traceback (it parsed the file
+    itself); it now reads it as every config is read (`load.parse_yaml`). And the grpo: section given to
+    another command names the command that reads it."""
+    (tmp_path / "flow.yaml").write_text("grpo: {digits: 1\n  bad: [\n")
+    (tmp_path / "bytes.yaml").write_bytes(b"\xff\xfegrpo:\n")
+    for name, said in (("flow.yaml", "not valid YAML"), ("bytes.yaml", "not UTF-8")):
+        assert main(["rl", str(tmp_path / name), "--out", str(tmp_path / "out")]) == 2
+        assert said in capsys.readouterr().err and not (tmp_path / "out").exists()
+    assert main(["validate", "examples/grpo.yaml"]) == 2
+    assert "read by `fivefold rl`" in capsys.readouterr().err

@@ -24,7 +24,7 @@ def add_arguments(p) -> None:
 
 
 def run(args, extra: list[str]) -> int:
-    from fivefold.config.load import load_config
+    from fivefold.config.load import load_config, parse_yaml
     from fivefold.config.schema import to_dict
     from fivefold.config.validate import validate
     from fivefold.launch import launch, place
@@ -34,7 +34,7 @@ def run(args, extra: list[str]) -> int:
     path = Path(args.config)
     if not path.is_file():
         raise UserError(f"config file {args.config} not found")
-    raw = yaml.safe_load(path.read_text())
+    raw = parse_yaml(path)
     if not isinstance(raw, dict) or not isinstance(raw.get("grpo"), dict):
         raise UserError(f"{path}: needs a grpo: section (see examples/grpo.yaml)")
     grpo = raw.pop("grpo")

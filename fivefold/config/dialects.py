@@ -50,6 +50,9 @@ def route(key: str) -> tuple[str, str]:
     if key in ALIASES or key in TYPES:
         return FIVEFOLD, ALIASES.get(key, key)
     section, _, name = key.partition(".")
+    if section == "grpo":
+        raise UserError(f"{key}: the grpo: section is read by `fivefold rl` (GRPO, fivefold.rl.grpo), not by "
+                        "train / validate / estimate: run `python -m fivefold rl FILE` (examples/grpo.yaml)")
     if section == "model" and SECTION_OF.get(name, "model") != "model":
         return BRIDGE, f"{SECTION_OF[name]}.{name}"
     if section in ("model", "parallel", "training", "data", "checkpoint", "logging", "cluster") and name:

@@ -233,8 +233,10 @@ def _nesting(text: str) -> int:
     return max(deepest, indent // 2)
 
 
-def _apply_yaml(config: Config, p: Path, text: str, explicit: set, dialects: list, special: dict,
-                refusals: Refusals, key_notes: list[str]) -> None:
+def parse_yaml(p: Path, text: str | None = None) -> dict | None:
+    """The YAML config file `p` (or its `text`, already read) as a mapping of sections, None when empty;
+    UserError naming what is wrong (not UTF-8, not YAML, nested too deep, not a mapping)."""
+    text = _read_text(p) if text is None else text
     if _nesting(text) > MAX_DEPTH:
         raise UserError(f"{p}: nested deeper than {MAX_DEPTH} levels; a config is a few sections of keys")
     try:
@@ -243,10 +245,16 @@ def _apply_yaml(config: Config, p: Path, text: str, explicit: set, dialects: lis
         raise UserError(f"{p}: not valid YAML: {e}") from None
     except (ValueError, RecursionError) as e:  # an integer of > 4300 digits; nesting deeper than Python's stack
         raise UserError(f"{p}: not a config YAML can read ({type(e).__name__}: {str(e)[:120]})") from None
+    if data is not None and not isinstance(data, dict):
+        raise UserError(f"{p}: expected a mapping of sections at the top level")
+    return data
+
+
+def _apply_yaml(config: Config, p: Path, text: str, explicit: set, dialects: list, special: dict,
+                refusals: Refusals, key_notes: list[str]) -> None:
+    data = parse_yaml(p, text)
     if data is None:
         return
-    if not isinstance(data, dict):
-        raise UserError(f"{p}: expected a mapping of sections at the top level")
     for key in SPECIAL_KEYS:
         if key in data:
             special[key] = data.pop(key)
