@@ -41,6 +41,12 @@ def test_csv_errors_name_the_cell():
         loads("0F0,0BW0\n0F1,0BW1\n")
 
 
+def test_a_csv_that_is_not_text_is_refused_with_a_message(tmp_path):
+    (tmp_path / "s.csv").write_bytes(b"\xff\xfe0F0\n")  # was a UnicodeDecodeError traceback
+    with pytest.raises(UserError, match="byte 0xff at offset 0 is not UTF-8"):
+        load_csv(tmp_path / "s.csv")
+
+
 def test_cli_prints_and_draws(tmp_path, capsys):
     png, csv = tmp_path / "s.png", tmp_path / "s.csv"
     assert main(["schedule", "--pp", "4", "--microbatches", "8", "--schedule", "1f1b",

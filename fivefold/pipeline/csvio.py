@@ -64,4 +64,7 @@ def load_csv(path: str | Path) -> Schedule:
         text = Path(path).read_text()
     except OSError as e:
         raise UserError(f"cannot read schedule CSV {path}: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise UserError(f"schedule CSV {path}: byte 0x{e.object[e.start]:02x} at offset {e.start} is not UTF-8 "
+                        "(a schedule CSV is text: one row of actions per rank)") from None
     return loads(text, name=Path(path).stem)
