@@ -73,6 +73,11 @@ def test_hardware_yaml_and_overrides(tmp_path):
     assert hardware("h100", {"bf16_tflops": 500}).bf16_flops == 500e12
     with pytest.raises(UserError, match="unknown GPU"):
         hardware("tpu-v5")
+    # read as every config file is: a list, bytes that are not UTF-8 (a traceback before) or broken YAML
+    for text, said in ((b"- 1\n- 2\n", "expected a mapping"), (b"\xff\xfe", "not UTF-8"), (b"base: [\n", "not valid YAML")):
+        f.write_bytes(text)
+        with pytest.raises(UserError, match=said):
+            hardware(str(f))
 
 
 def test_achieved_shares_are_of_the_measured_matmul_ceiling(tmp_path):

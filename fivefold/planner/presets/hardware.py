@@ -174,13 +174,10 @@ def hardware(spec: str, overrides: dict | None = None) -> Hardware:
         return with_overrides(HARDWARE_PRESETS[key], overrides or {})
     path = Path(spec)
     if path.suffix in (".yaml", ".yml"):
-        import yaml
+        from fivefold.config.load import parse_yaml  # (not UTF-8, not YAML, not a mapping: refused)
         if not path.is_file():
             raise UserError(f"{spec}: no such hardware YAML")
-        try:
-            data = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise UserError(f"{spec}: malformed YAML ({e})") from e
+        data = parse_yaml(path) or {}
         base_name = str(data.pop("base", "h100-sxm"))
         base = hardware(base_name)
         data.setdefault("name", path.stem)
