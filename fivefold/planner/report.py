@@ -22,11 +22,13 @@ GiB = 2**30
 
 
 def table(cands: list[Candidate], top: int) -> str:
-    head = f"{'#':>3} {'layout':<62} {'step s':>8} {'MFU':>6} {'tok/s/GPU':>10} {'TFLOP/s':>8} {'bubble':>7} {'comm':>6} {'GiB':>6}"
+    shown = cands[:top]
+    w = max([62] + [len(c.label) for c in shown])  # the longest label shown sets the column
+    head = f"{'#':>3} {'layout':<{w}} {'step s':>8} {'MFU':>6} {'tok/s/GPU':>10} {'TFLOP/s':>8} {'bubble':>7} {'comm':>6} {'GiB':>6}"
     lines = [head, "-" * len(head)]
-    for i, c in enumerate(cands[:top], 1):
+    for i, c in enumerate(shown, 1):
         e = c.estimate
-        lines.append(f"{i:>3} {c.label:<62} {e.step_time:>8.2f} {e.mfu:>6.1%} {e.tokens_per_s_per_gpu:>10.0f} "
+        lines.append(f"{i:>3} {c.label:<{w}} {e.step_time:>8.2f} {e.mfu:>6.1%} {e.tokens_per_s_per_gpu:>10.0f} "
                      f"{e.tflops_per_gpu:>8.0f} {e.bubble_fraction:>7.1%} {e.comm_fraction:>6.1%} "
                      f"{c.memory.total / GiB:>6.1f}")
     return "\n".join(lines)
