@@ -735,3 +735,9 @@ def test_default_runtime_pays_for_short_attention_calls_and_small_expert_gemms()
         micro_batch_sizes=(1,)), mem=rt.memory, ta=rt.time)
     top = r.ranked[0].plan
     assert top.ep >= 8 and top.cp == 1, r.ranked[0].label
+    # plan's table keeps its columns under labels longer than its default width
+    from fivefold.planner.report import table
+    shown = sorted(r.ranked, key=lambda c: -len(c.label))[:3]
+    assert len(shown[0].label) > 62
+    head, rule, *rows = table(shown, 3).splitlines()
+    assert {len(row) for row in rows} == {len(head)} == {len(rule)}
