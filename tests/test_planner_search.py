@@ -670,6 +670,27 @@ def test_compare_names_recompute_modules():
         parse(layout + "rc-sel(attention)")
 
 
+def test_compare_reads_the_layer_split_a_label_prints():
+    """A label copied from plan's table reads back as the same layout: its split (splitF/../L, or
+    split+emb / split+loss / split+embloss) was refused as an unknown word; it sets Megatron's
+    first / last stage layers, or the embedding / loss counted as layers, instead of the search's
+    choice."""
+    from fivefold.planner.compare import candidates, parse
+
+    def label(name, world, text):
+        m = model_preset(name).model
+        return candidates(text, m, hardware("h100-sxm"), world, 8, 4096, 1024, "bf16", (1,), MemoryAssumptions(),
+                          TimeAssumptions())[0].label
+    for name, world, text in (("deepseek-v3", 256, "TP1 PP16 split4/../1 EP16 ETP1 DP16 mbs1 rc-full distopt"),
+                              ("deepseek-v3", 256, "TP1 PP16 split5/../1 EP16 ETP1 DP16 mbs1 rc-full distopt"),
+                              ("llama3-405b", 256, "TP8+SP CP2(p2p) PP16 VPP2 split+embloss DP1 mbs1 rc-none distopt")):
+        assert label(name, world, text) == text
+    assert parse("PP4 split+loss")["split"] == {"account_for_embedding_in_pipeline_split": False,
+                                                 "account_for_loss_in_pipeline_split": True}
+    with pytest.raises(UserError, match="a layer split needs PP > 1"):
+        label("llama3-405b", 256, "TP8 split+embloss")
+
+
 def test_the_search_interleaves_in_microbatch_groups_where_pp_does_not_divide_the_microbatches():
     """A global batch of 96 on 64 GPUs leaves microbatch counts (3, 6, 12, ...) that PP does not divide:
     Megatron's default group (PP) refuses them, and the search takes the smallest group its rule allows

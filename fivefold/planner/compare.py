@@ -10,7 +10,9 @@ microbatch count PP does not divide, as the search takes it), one schedule name 
 a2a-overlap (read, not required: the runtime's 1F1B all-to-all overlap is on where the search would
 put it, `SearchSpace.a2a_overlap`). A size left out is 1 (ETP: TP);
 the micro-batch and recompute left out are the search's: the smallest micro-batch of the search, and
-the first recompute mode that fits. Where the layers do not divide over PP x VPP, the split the
+the first recompute mode that fits. A label's split is read as it prints it: splitF/../L
+(Megatron's --decoder-first/last-pipeline-num-layers) or split+emb / split+loss / split+embloss (its
+--account-for-embedding/loss-in-pipeline-split). Where no split is named and the layers do not divide over PP x VPP, the split the
 search would try is taken (Megatron's uneven first/last stage or the embedding/loss as layers), else
 a per-stage list as Megatron's --pipeline-model-parallel-layout writes it (61 layers on PP8 x VPP4).
 
@@ -33,8 +35,9 @@ from fivefold.planner.space import layer_splits
 
 _SIZE = re.compile(r"(tp|cp|pp|vpp|group|ep|etp|dp|mbs)(\d+)$")
 _RECOMPUTE = {"rc-none": None, "rc-sel": "selective", "rc-selective": "selective", "rc-full": "full"}
-GRAMMAR = ("TPn[+SP] CPn[(p2p|a2a)] PPn VPPn [groupN] EPn ETPn DPn mbsN rc-none|rc-sel[(MODULE,...)]|rc-full "
-           "[distopt|zero2|fsdp] [gpipe|zb-h1|dualpipev] [a2a-overlap], e.g. \"TP4 PP8 VPP5 DP32 mbs1 rc-sel\"")
+GRAMMAR = ("TPn[+SP] CPn[(p2p|a2a)] PPn VPPn [groupN] [splitF/../L|split+emb|split+loss|split+embloss] EPn ETPn DPn "
+           "mbsN rc-none|rc-sel[(MODULE,...)]|rc-full [distopt|zero2|fsdp] [gpipe|zb-h1|dualpipev] [a2a-overlap], "
+           "e.g. \"TP4 PP8 VPP5 DP32 mbs1 rc-sel\"")
 DP_MODES = {label: mode for mode, label in DP_MODE_LABEL.items() if label} | {"zero1": "optim", "zero3": "optim_grads_params"}
 """Words for the data-parallel mode (the labels', and ZeRO's stage names)."""
 
@@ -55,6 +58,12 @@ def parse(text: str) -> dict:
         words = words[:m.start()] + " " + words[m.end():]
     for word in words.replace(",", " ").split():
         if word in ("split", A2A_OVERLAP):
+            continue
+        split = _split(word)
+        if split is not None:
+            if out.get("split"):
+                raise UserError(f"--compare {text!r}: two layer splits given")
+            out["split"] = split
             continue
         if word in DP_MODES:
             out["dp_mode"] = DP_MODES[word]
@@ -77,6 +86,21 @@ def parse(text: str) -> dict:
         sizes[m.group(1)] = int(m.group(2))
     out["sizes"] = sizes
     return out
+
+
+def _split(word: str) -> dict | None:
+    """A label's layer split as ParallelConfig fields: splitF/../L (Megatron's decoder first / last
+    pipeline stage layers, `none` where unset) or split+emb, split+loss, split+embloss (the embedding
+    and / or loss counted as layers); None for another word."""
+    m = re.fullmatch(r"split(\d+|none)/\.\./(\d+|none)", word)
+    if m:
+        first, last = (None if x == "none" else int(x) for x in m.groups())
+        return {"decoder_first_pipeline_num_layers": first, "decoder_last_pipeline_num_layers": last}
+    m = re.fullmatch(r"split\+(emb)?(loss)?", word)
+    if m and any(m.groups()):
+        return {"account_for_embedding_in_pipeline_split": bool(m.group(1)),
+                "account_for_loss_in_pipeline_split": bool(m.group(2))}
+    return None
 
 
 def candidates(text: str, model, hw, world: int, gpus_per_node: int, seq: int, global_batch: int, precision: str,
@@ -105,7 +129,10 @@ def candidates(text: str, model, hw, world: int, gpus_per_node: int, seq: int, g
     elif "ep" in s or "etp" in s:
         raise UserError(f"--compare {text!r}: EP/ETP apply to MoE models only")
     chunks = REGISTRY[schedule].chunks(parallel["virtual_pipeline_model_parallel_size"])
-    splits = (layer_splits(model.num_layers, pp, chunks, explicit=True, last_extra=mtp_stage_layers(model)) if pp > 1 else None) or [{}]
+    if d.get("split") and pp == 1:
+        raise UserError(f"--compare {text!r}: a layer split needs PP > 1")
+    splits = [d["split"]] if d.get("split") else (layer_splits(
+        model.num_layers, pp, chunks, explicit=True, last_extra=mtp_stage_layers(model)) if pp > 1 else None) or [{}]
     mbs = [s["mbs"]] if "mbs" in s else [min(micro_batches)]
     modes = [d["recompute"]] if d["recompute"] != "search" else [None, "selective", "full"]
     out = []
