@@ -74,7 +74,8 @@ def test_hardware_yaml_and_overrides(tmp_path):
     with pytest.raises(UserError, match="unknown GPU"):
         hardware("tpu-v5")
     # read as every config file is: a list, bytes that are not UTF-8 (a traceback before) or broken YAML
-    for text, said in ((b"- 1\n- 2\n", "expected a mapping"), (b"\xff\xfe", "not UTF-8"), (b"base: [\n", "not valid YAML")):
+    for text, said in ((b"- 1\n- 2\n", "expected a mapping"), (b"\xff\xfe", "not UTF-8"),
+                       (b"base: [\n", "not valid YAML")):
         f.write_bytes(text)
         with pytest.raises(UserError, match=said):
             hardware(str(f))

@@ -37,8 +37,8 @@ def run(args, extra) -> int:
     if cfg.training.precision not in ("bf16", "fp8"):
         cfg.training.precision = "bf16"
         print("note: precision set to bf16 for the GPU estimate")
-    if "training.seq_length" not in loaded.explicit and cfg.training.seq_length == CPU_SEQ:  # (a dialect's
-        # own default, Megatron-Bridge's 1024, is kept)
+    # no source gave a sequence and no dialect a default of its own (Megatron-Bridge's 1024 stands)
+    if "training.seq_length" not in loaded.explicit and cfg.training.seq_length == CPU_SEQ:
         cfg.training.seq_length = SEQ
         print(f"note: sequence length {SEQ} for the GPU estimate, as plan's default (no source gave one): "
               "give --seq-length to choose")

@@ -12,8 +12,8 @@ put it, `SearchSpace.a2a_overlap`). A size left out is 1 (ETP: TP);
 the micro-batch and recompute left out are the search's: the smallest micro-batch of the search, and
 the first recompute mode that fits. A label's split is read as it prints it: splitF/../L
 (Megatron's --decoder-first/last-pipeline-num-layers) or split+emb / split+loss / split+embloss (its
---account-for-embedding/loss-in-pipeline-split). Where no split is named and the layers do not divide over PP x VPP, the split the
-search would try is taken (Megatron's uneven first/last stage or the embedding/loss as layers), else
+--account-for-embedding/loss-in-pipeline-split). Where no split is named and the layers do not divide
+over PP x VPP, the split the search would try is taken (Megatron's uneven first/last stage or the embedding/loss as layers), else
 a per-stage list as Megatron's --pipeline-model-parallel-layout writes it (61 layers on PP8 x VPP4).
 
 `rank_of` places a named layout among the ranked ones: 1 + the searched layouts that are faster;

@@ -24,7 +24,8 @@ GiB = 2**30
 def table(cands: list[Candidate], top: int) -> str:
     shown = cands[:top]
     w = max([62] + [len(c.label) for c in shown])  # the longest label shown sets the column
-    head = f"{'#':>3} {'layout':<{w}} {'step s':>8} {'MFU':>6} {'tok/s/GPU':>10} {'TFLOP/s':>8} {'bubble':>7} {'comm':>6} {'GiB':>6}"
+    head = (f"{'#':>3} {'layout':<{w}} {'step s':>8} {'MFU':>6} {'tok/s/GPU':>10} {'TFLOP/s':>8} {'bubble':>7} "
+            f"{'comm':>6} {'GiB':>6}")
     lines = [head, "-" * len(head)]
     for i, c in enumerate(shown, 1):
         e = c.estimate
@@ -204,11 +205,10 @@ class Assumed(NamedTuple):
 def sequence_verdict(plan, cp: int, sp: bool) -> str:
     """How a layout stands to seed 002's sequence-length row (CP `cp`, SP `sp`): consistent, further
     (more CP than the row adds: `why` says whether it pays for itself) or differs, and in what."""
-    said = []
-    if sp:
-        said.append("SP moot at TP1" if plan.tp == 1 else "with SP" if plan.sp else "no SP")
+    missing_sp = sp and plan.tp > 1 and not plan.sp
+    said = [("SP moot at TP1" if plan.tp == 1 else "no SP" if missing_sp else "with SP")] if sp else []
     said.append(f"CP{plan.cp}" + ("" if plan.cp == cp else f" where the row has CP{cp}"))
-    verdict = ("differs" if plan.cp < cp or said[0] == "no SP" else "further than the row" if plan.cp > cp
+    verdict = ("differs" if plan.cp < cp or missing_sp else "further than the row" if plan.cp > cp
                else "consistent")
     return f"{verdict} (top choice: {', '.join(said)})"
 

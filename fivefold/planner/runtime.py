@@ -123,8 +123,9 @@ PROFILES: dict[str, Runtime] = {r.name: r for r in [
             MemoryAssumptions(allocator_overhead=0.02, runtime_reserve=1.0 * GiB, traits=_TE_TRAITS),
             # fitted on rows 1-9, 12-14, 36-44, 47-55 (benchmarks/calibrate.py --fit)
             TimeAssumptions(gemm_efficiency=0.865, fp8_gemm_efficiency=0.626, attention_efficiency=0.674,
-                            attention_half_keys=_FLASH_HALF_KEYS, expert_efficiency=1.0, expert_half_rows=_GROUPED_HALF_ROWS,
-                            membound_passes=11.31, tp_overlap=0.898, ep_overlap=0.439, ep_overlap_1f1b=0.676),
+                            attention_half_keys=_FLASH_HALF_KEYS, expert_efficiency=1.0,
+                            expert_half_rows=_GROUPED_HALF_ROWS, membound_passes=11.31, tp_overlap=0.898,
+                            ep_overlap=0.439, ep_overlap_1f1b=0.676),
             grad_reduce_in_bf16=True,
             summary="Megatron-Core + TransformerEngine: fused kernels, fp8 linear inputs, TP comm overlap, "
                     "grouped GEMM, bf16 gradient reduction, distributed optimizer, 1F1B all-to-all overlap "
