@@ -55,6 +55,13 @@ def test_layout_grid_and_allocation(capsys):
     assert main(["layout", "examples/multi_model.yaml", "--rank", "3"]) == 0
     assert "GPU 3: critic: tp=0 cp=0 dp=0 pp=1 | reference: tp=1 cp=0 dp=0 pp=1" in capsys.readouterr().out
     assert main(["layout", "--tp", "2", "--ep", "4", "--etp", "3", "--world-size", "8"]) == 2
+    # Megatron-LM's names for the sizes, as validate takes them (were "unrecognized arguments")
+    assert main(["layout", "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                 "--context-parallel-size", "2", "--world-size", "16"]) == 0
+    assert "TP=2 CP=2 PP=2 DP=2" in capsys.readouterr().out
+    assert main(["layout", "--tp", "2", "--expert-model-parallel-size", "4", "--expert-tensor-parallel-size", "1",
+                 "--world-size", "8"]) == 0
+    assert "ETP=1 EP=4" in capsys.readouterr().out
 
 
 def test_every_unknown_megatron_flag_is_named_at_once():
