@@ -763,3 +763,11 @@ def test_default_runtime_pays_for_short_attention_calls_and_small_expert_gemms()
     assert len(shown[0].label) > 62
     head, rule, *rows = table(shown, 3).splitlines()
     assert {len(row) for row in rows} == {len(head)} == {len(rule)}
+
+
+def test_plan_counts_a_small_model_in_millions(capsys):
+    """A test-sized model's parameters in M (its count was printed as 0.0B), a preset's in B."""
+    assert main(["plan", "--model", "examples/demo.yaml", "--gpus", "8", "--top", "1"]) == 0
+    assert re.match(r"examples/demo.yaml: [0-9.]+M parameters \([0-9.]+M active\)", capsys.readouterr().out)
+    assert main(["plan", "--model", "llama3-8b", "--gpus", "8", "--top", "1"]) == 0
+    assert capsys.readouterr().out.startswith("llama3-8b: 8.0B parameters (8.0B active)")

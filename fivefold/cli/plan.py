@@ -100,7 +100,7 @@ def run(args, extra) -> int:
                     space, mem, ta, grad_reduce_in_bf16=bf16_grads, progress=True)
     elapsed = time.perf_counter() - t0
     name = spec.preset or args.model
-    print(f"{name}: {counts.total / 1e9:.1f}B parameters ({counts.active / 1e9:.1f}B active) on {args.gpus} x "
+    print(f"{name}: {_count(counts.total)} parameters ({_count(counts.active)} active) on {args.gpus} x "
           f"{hw.name}, {gpn} per node; seq {args.seq_len}, global batch {args.global_batch}, {args.precision}"
           + (f", runtime {args.runtime}" if args.runtime != "fivefold" else ""))
     print(f"{result.tried} layouts tried in {elapsed:.2f} s: {len(result.ranked)} fit, {len(result.dropped)} dropped")
@@ -135,6 +135,11 @@ def run(args, extra) -> int:
             plot_memory(result.ranked[:args.top], hw.memory_bytes, args.plot, f"{name} on {args.gpus} x {hw.name}")
         print(f"wrote {args.plot}")
     return 0
+
+
+def _count(n: float) -> str:
+    """A parameter count as people write it: 70.6B, or 10.6M below a billion (a test model was 0.0B)."""
+    return f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
 
 
 __all__ = ["HELP", "add_arguments", "run", "describe"]
