@@ -21,6 +21,8 @@ CPU_SEQ = TrainingConfig().seq_length
 def add_arguments(p) -> None:
     # CONFIG is the first leftover word (see validate.split_config_arg): a flag's value is never taken for it.
     p.usage = "fivefold estimate [CONFIG] [key=value ...] [--megatron-flag VALUE ...] [--model M] [--gpus N]"
+    p.epilog = (f"The sequence and batch are the config's or Megatron's flags (--seq-length, --global-batch-size, "
+                f"--micro-batch-size); where no source gives a sequence, {SEQ} tokens, as plan's default.")
     p.add_argument("--model", help="preset name or Hugging Face config.json (replaces the config's model)")
     p.add_argument("--gpus", type=positive_int, help="total GPUs (default: the config's world size)")
     add_hardware_arguments(p)
