@@ -20,7 +20,11 @@ ACCEPTS_EXTRA = True
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("config", help="YAML config (any dialect)")
+    parser.usage = ("fivefold train CONFIG --out DIR [key=value ...] [--megatron-flag VALUE ...] [--nproc N] "
+                    "[--trace-schedule]")
+    parser.add_argument("config", help="a YAML config (our sections, RLinf's, Megatron-Bridge's) or a .txt of "
+                        "words (a Megatron-LM command line, SkyRL / Bridge overrides); key=value words and "
+                        "Megatron flags after it override it (docs/config.md)")
     parser.add_argument("--out", required=True, help="output folder: metrics.jsonl, loss.png, checkpoints, logs")
     parser.add_argument("--nproc", type=int, default=None, help="local ranks to start (default: the layout's world size)")
     parser.add_argument("--trace-schedule", action="store_true",
