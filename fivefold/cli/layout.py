@@ -6,7 +6,9 @@ import argparse
 
 from fivefold.allocation import Allocation, parse_allocation
 from fivefold.config.load import is_file, load_config
+from fivefold.config.megatron import FLAGS, VALUE
 from fivefold.config.report import MAX_ROWS, gpu_ranges, layout_report
+from fivefold.config.rules import KNOB_FIELDS
 from fivefold.config.validate import validate
 from fivefold.errors import UserError
 from fivefold.topology import Layout, parse_order
@@ -14,17 +16,17 @@ from fivefold.topology import Layout, parse_order
 HELP = "print the rank grid of a layout, or which GPUs and coordinates each component of an allocation gets"
 
 
-MEGATRON_NAMES = {"tp": "tensor-model-parallel-size", "pp": "pipeline-model-parallel-size",
-                  "cp": "context-parallel-size", "ep": "expert-model-parallel-size",
-                  "etp": "expert-tensor-parallel-size", "dp": None}
-"""Each size's flag, and Megatron-LM's name for it (DP has none: Megatron derives it)."""
+def megatron_flags(dim: str) -> list[str]:
+    """Megatron-LM's value flag for the size `dim` (from the flag table validate reads), [] for DP:
+    Megatron derives it."""
+    field = KNOB_FIELDS.get(dim)
+    return [name for name, f in FLAGS.items() if field and f.field == field and f.kind == VALUE and not f.ours][:1]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("spec", nargs="?", help="an AReaL allocation mode (sglang.d2t2p1+d1t4p1) or a YAML with models:")
-    for dim, megatron in MEGATRON_NAMES.items():  # each also under Megatron-LM's name, as validate takes it
-        p.add_argument(f"--{dim}", *([f"--{megatron}"] if megatron else []), type=int, default=None,
-                       help=f"{dim.upper()} size")
+    for dim in ("tp", "pp", "cp", "ep", "etp", "dp"):  # each also under Megatron-LM's name, as validate takes it
+        p.add_argument(f"--{dim}", *megatron_flags(dim), type=int, default=None, help=f"{dim.upper()} size")
     p.add_argument("--world-size", type=int, help="total ranks; DP = world / (TP*PP*CP)")
     p.add_argument("--order", default="tp-cp-ep-dp-pp", help="rank order, fastest first")
     p.add_argument("--rank", type=int, help="show this GPU's coordinates in every component")
