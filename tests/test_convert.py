@@ -71,3 +71,13 @@ def test_streaming_writer_matches_safetensors(tmp_path):
     with safe_open(str(tmp_path / "s.safetensors"), framework="pt") as f:
         for k, v in tensors.items():
             assert torch.equal(f.get_tensor(k), v)
+
+
+def test_convert_refuses_a_step_folder_as_destination(saved, capsys):
+    """DST is a root (step_N and `latest` go into it): a checkpoint's own step folder is refused,
+    left as it was."""
+    step = saved[0] / "full" / "checkpoints" / "step_00000002"
+    before = sorted(p.name for p in step.iterdir())
+    assert main(["convert", str(step), str(step), "--tensor-model-parallel-size", "2", "--world-size", "2"]) == 2
+    assert "is a checkpoint's step folder" in capsys.readouterr().err
+    assert sorted(p.name for p in step.iterdir()) == before

@@ -137,3 +137,28 @@ def test_load_hf_into_tp2_pp2_equals_one_process_and_save_hf_round_trips(tmp_pat
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         assert transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "final-hf").config.num_hidden_layers == 2
+
+
+def test_export_replaces_only_an_earlier_export(tmp_path, capsys):
+    """OUT_DIR is replaced whole, so it must be new, empty or an earlier export: a run's folder (with
+    the checkpoint being exported in it), a folder of the user's files or a file is refused, untouched."""
+    model = Decoder(ModelConfig(num_layers=1, hidden_size=32, num_attention_heads=4, vocab_size=64))
+    run = tmp_path / "run"
+    save_checkpoint(run / "checkpoints", 0, model=model, optimizer=torch.optim.AdamW(model.parameters()), rank=0,
+                    writes_params=True, barrier=lambda: None, extra={"config": to_dict(Config(model=model.cfg))})
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep")
+    (tmp_path / "file").write_text("keep")
+    for out in (run, tmp_path / "mine", tmp_path / "file"):
+        before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+        assert main(["export", str(run / "checkpoints"), str(out)]) == 2
+        assert "OUT_DIR" in capsys.readouterr().err
+        assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+    assert main(["train", "examples/demo.yaml", "--out", str(tmp_path / "r2"),  # refused before ranks start
+                 f"checkpoint.save_hf={tmp_path / 'mine'}"]) == 2
+    assert "checkpoint.save_hf (--save-hf)" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    for _ in range(2):  # into an empty folder, then over that export
+        assert main(["export", str(run / "checkpoints"), str(tmp_path / "empty")]) == 0
+    assert sorted(p.name for p in (tmp_path / "empty").iterdir()) == ["config.json", "generation_config.json",
+                                                                      "model.safetensors"]

@@ -250,6 +250,24 @@ def gpt2_corpus(tmp_path_factory) -> dict[str, str]:
     return paths | {"data": str(root / "corpus_text_document")}
 
 
+def test_preprocess_writes_the_bpe_ids_of_the_vocab_and_merges(gpt2_corpus):
+    """`preprocess --vocab-file --merge-file` tokenizes with that GPT-2 BPE (it wrote byte ids once:
+    the tokenizer type was overwritten by the input's format), read against Hugging Face tokenizers'
+    own byte-level BPE on the same files, each document followed by its end-of-document id."""
+    from tokenizers import ByteLevelBPETokenizer
+
+    from fivefold.data.indexed import open_corpus
+
+    bpe = ByteLevelBPETokenizer(gpt2_corpus["vocab"], gpt2_corpus["merges"])
+    eod = bpe.token_to_id("<|endoftext|>")
+    corpus = open_corpus(gpt2_corpus["data"])
+    texts = [json.loads(line)["text"] for line in (Path(gpt2_corpus["vocab"]).parent / "docs.jsonl").open()]
+    assert len(corpus.starts) - 1 == len(texts)
+    for i in (0, 1, len(texts) - 1):
+        got = corpus.tokens[corpus.starts[i]:corpus.starts[i + 1]].tolist()
+        assert got == bpe.encode(texts[i]).ids + [eod], i
+
+
 def test_gpt3_175b_script_is_refused_as_megatron_refuses_it(gpt2_corpus, tmp_path):
     with pytest.raises(UserError, match="drop --global-batch-size"):
         load_config(None, _words(GPT3, ckpt=tmp_path, tb=tmp_path, **gpt2_corpus))

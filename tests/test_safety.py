@@ -226,6 +226,29 @@ def test_metrics_log_writes_null_for_non_finite_values(tmp_path):
     assert plot_loss_curve(tmp_path / "metrics.jsonl", tmp_path / "loss.png").is_file()
 
 
+def test_a_metrics_line_cut_off_by_a_stopped_run_is_left_out(tmp_path, capsys):
+    """A run killed while writing metrics.jsonl leaves its last line cut off (no newline): resuming the
+    run (which keeps the rows before its step) and `fivefold plot` read the rows before it (a traceback
+    once); a damaged line elsewhere is refused naming the file and line."""
+    from fivefold.cli import main
+
+    log = MetricsLog(tmp_path, tensorboard=False)
+    for step in range(3):
+        log.write({"step": step, "loss": 2.0 - step / 10})
+    log.close()
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(path.read_text()[:-12])
+    assert [r["step"] for r in read_metrics(path)] == [0, 1]
+    assert main(["plot", str(tmp_path), "--what", "loss"]) == 0 and (tmp_path / "loss.png").is_file()
+    MetricsLog(tmp_path, tensorboard=False, resume_from=2).close()  # a resume at step 2 keeps steps 0 and 1
+    assert path.read_text().endswith("\n") and [r["step"] for r in read_metrics(path)] == [0, 1]
+    lines = path.read_text().splitlines(keepends=True)
+    path.write_text(lines[0][:-12] + "\n" + lines[1])
+    with pytest.raises(UserError, match=r"metrics.jsonl:1: malformed JSON line"):
+        read_metrics(path)
+    assert main(["plot", str(tmp_path)]) == 2 and "metrics.jsonl:1: malformed JSON line" in capsys.readouterr().err
+
+
 def test_under_torchrun_a_rank_waiting_past_the_timeout_names_the_stopped_peer_and_exits(tmp_path):
     """The self-watch (no launcher of ours): rank 0 waits in a collective; rank 1's heartbeat is silent.
     (A whole torchrun job was measured by hand, see docs/training.md; torchrun itself adds 30 s.)"""

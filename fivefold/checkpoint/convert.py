@@ -89,6 +89,9 @@ def convert(src: str | Path, dst: str | Path, config: Config, *, log: Callable[[
     folder, meta = read_metadata(src, "SRC")
     layout = layout_of(config)
     out = step_dir(Path(dst), meta["step"])
+    if (Path(dst) / "metadata.json").exists():  # a step folder, not a root: step_N and `latest` would go into it
+        raise UserError(f"convert: DST {dst} is a checkpoint's step folder; give a destination root (a new or "
+                        f"empty folder, or one holding other steps), e.g. {Path(dst).parent}-converted")
     if out.exists():
         raise UserError(f"convert: {out} exists; give an empty destination root")
     tmp = out.parent / f".tmp-{out.name}"

@@ -12,7 +12,8 @@ HELP = "write a checkpoint (any layout) as a Hugging Face folder: config.json + 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("checkpoint", help="a step_* folder, or a checkpoints root (its latest)")
-    p.add_argument("out_dir", help="the folder to write (replaced when it exists)")
+    p.add_argument("out_dir", help="the folder to write: new, empty, or an earlier export (replaced); "
+                                   "a folder holding anything else is refused")
     p.add_argument("--max-shard-size", default="5GB", help="largest safetensors file (default 5GB, as transformers)")
 
 

@@ -36,7 +36,7 @@ def _metrics_file(run: str) -> Path:
 
 def _rows(path: Path) -> list[dict]:
     rows = []
-    for n, row in json_lines(path):
+    for n, row in json_lines(path, cut_off_last=True):
         if not isinstance(row, dict) or "step" not in row or "loss" not in row:
             raise UserError(f"{path}:{n}: no step and loss: not a training run's metrics.jsonl (one JSON object "
                             "per logged step, as `fivefold train` writes it)")

@@ -54,17 +54,24 @@ def run(args, extra: list[str]) -> int:
     from fivefold.data.sources import read_documents, resolve_format
     from fivefold.data.tokenizer import make_tokenizer
 
-    kind = args.tokenizer_type or ("GPT2BPETokenizer" if args.vocab_file else None)
-    if kind not in (None, "HuggingFaceTokenizer", "GPT2BPETokenizer"):
+    tokenizer = args.tokenizer_type or ("GPT2BPETokenizer" if args.vocab_file else None)
+    if tokenizer not in (None, "HuggingFaceTokenizer", "GPT2BPETokenizer"):
         raise UserError(f"--tokenizer-type {args.tokenizer_type}: not implemented yet (HuggingFaceTokenizer with "
                         "--tokenizer-model DIR, GPT2BPETokenizer with --vocab-file / --merge-file, or leave it out for "
                         "the byte tokenizer)")
-    if kind == "HuggingFaceTokenizer" and not args.tokenizer_model:
+    if tokenizer == "HuggingFaceTokenizer" and not args.tokenizer_model:
         raise UserError("--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model DIR (a folder with tokenizer.json)")
+    if not Path(args.input).exists():
+        raise UserError(f"--input {args.input}: no such file or folder (give a .jsonl, a text file or a folder "
+                        "of them)")
     kind = resolve_format(args.input, "auto")
     if kind in ("tokens", "indexed", "stdlib"):
         raise UserError(f"--input {args.input}: give text, a .jsonl or a folder of them (it is {kind} data)")
-    tok = make_tokenizer(args.tokenizer_model or "byte", kind, vocab_file=args.vocab_file, merge_file=args.merge_file)
+    if tokenizer == "GPT2BPETokenizer" and not (args.vocab_file and args.merge_file):
+        raise UserError("--tokenizer-type GPT2BPETokenizer needs GPT-2's --vocab-file vocab.json and --merge-file "
+                        "merges.txt")
+    tok = make_tokenizer(args.tokenizer_model or "byte", tokenizer, vocab_file=args.vocab_file,
+                         merge_file=args.merge_file)
     dtype = np.uint16 if tok.vocab_size < 65500 else np.int32  # as Megatron's DType.optimal_dtype
     builder_cls = _builder_class()
     for key in args.json_keys:

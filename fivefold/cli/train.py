@@ -78,7 +78,8 @@ def prepare(config: Config, out: Path) -> Path:
         window = (t.global_batch_size or t.micro_batch_size) * t.seq_length
         train_tokens = BatchSizes.of(t).start(t.train_iters) * t.seq_length if t.step_batch_size_schedule \
             else t.train_iters * window
-        mock = (train_tokens + t.seq_length + 1, (t.eval_iters * window + t.seq_length + 1) if t.eval_interval else 0)
+        evaluates = t.eval_interval and t.eval_iters
+        mock = (train_tokens + t.seq_length + 1, (t.eval_iters * window + t.seq_length + 1) if evaluates else 0)
     data_dir = prepare_data(config.data, tok, out / "data", t.seed, mock_tokens=mock, vocab_size=config.model.vocab_size)
     meta = data_meta(data_dir)
     if meta["kind"] in ("tokens", "indexed", "mock"):
@@ -112,6 +113,9 @@ def run(args, extra: list[str]) -> int:
     nproc = config.cluster.resolved_world_size if world is None else world
     config.cluster.world_size = nproc
     out = output_folder("--out", args.out)
+    if config.checkpoint.save_hf:  # written at the end: refused now, not after the run
+        from fivefold.model.hf_export import check_replaceable
+        check_replaceable(Path(config.checkpoint.save_hf), "checkpoint.save_hf (--save-hf)")
     (out / "logs").mkdir(exist_ok=True)
     if under_torchrun:
         place(config, int(os.environ.get("LOCAL_WORLD_SIZE", nproc)), int(os.environ["RANK"]))

@@ -451,9 +451,9 @@ class TrainingConfig:
     seed: int = 1234
     """Seed for initialisation and data order. Default 1234."""
     eval_interval: int | None = None
-    """Steps between evaluations; None = no evaluation. Default None."""
+    """Steps between evaluations; None or 0 = no evaluation. Default None."""
     eval_iters: int = 2
-    """Batches per evaluation. Default 2."""
+    """Batches per evaluation; 0 = no evaluation (as Megatron's --eval-iters 0). Default 2."""
     check_for_nan_in_loss_and_grad: bool = True
     """Stop the run on every rank at the first step whose loss or gradient norm is NaN or infinite,
     before that step's checkpoint (Megatron's --[no-]check-for-nan-in-loss-and-grad). Default True."""

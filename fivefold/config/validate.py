@@ -50,7 +50,8 @@ def validate(config: Config, dialect: str = "fivefold", *, raise_errors: bool = 
     fixes = search(base, broken, dialect) if broken else {}
     problems = [Problem(r.field, r.value, r.rule, first_that_holds(config, fixes.get(i, []), dialect))
                 for i, r in enumerate(broken)] + _training_problems(config.training, None if broken else dp_of(s) * s["cp"]) \
-        + _data_problems(config.data) + _module_problems(config.training) + _cluster_problems(config.cluster)
+        + _data_problems(config.data) + _module_problems(config.training) + _cluster_problems(config.cluster) \
+        + _range_problems(config)
     warnings = [Problem(r.field, r.value, r.rule, "applied", "warning") for r in warned]
     if not broken:
         warnings += _soft_warnings(s)
@@ -172,6 +173,52 @@ def _training_problems(t, dp_cp: int | None) -> list[Problem]:
         if not ok:
             out.append(Problem(f"training.{name}", value, "must be positive (min_loss_scale at most "
                                "initial_loss_scale)", fix))
+    return out
+
+
+def _range_problems(config: Config) -> list[Problem]:
+    """The run's counts, intervals and optimizer numbers within their range, as Megatron's LR scheduler
+    (min_lr >= 0, lr >= min_lr and its warm-up start, weight decay >= 0, decay steps > 0) and
+    torch.optim.AdamW (betas in [0, 1), eps >= 0) assert them; a negative interval or clip would
+    otherwise run as something else (Python's % of a negative interval, no clipping)."""
+    t, d = config.training, config.data
+    none_or = lambda v, ok: v is None or ok(v)  # noqa: E731
+    under_lr = lambda v: 0 <= v and (t.lr < 0 or v <= t.lr)  # noqa: E731 (a negative lr is reported alone)
+    out = []
+    for field, value, ok, rule, fix in (
+            ("training.train_iters", t.train_iters, none_or(t.train_iters, lambda v: v >= 1), "must be >= 1",
+             "train_iters=10"),
+            ("training.lr", t.lr, t.lr >= 0, "must be >= 0", "lr=1e-3"),
+            ("training.min_lr", t.min_lr, under_lr(t.min_lr), f"must be in [0, lr={t.lr}] (Megatron asserts it)",
+             "min_lr=0"),
+            ("training.lr_warmup_init", t.lr_warmup_init, under_lr(t.lr_warmup_init),
+             f"must be in [0, lr={t.lr}] (Megatron asserts it)", "lr_warmup_init=0"),
+            ("training.lr_warmup_iters", t.lr_warmup_iters, t.lr_warmup_iters >= 0, "must be >= 0",
+             "lr_warmup_iters=0"),
+            ("training.lr_warmup_samples", t.lr_warmup_samples, t.lr_warmup_samples >= 0, "must be >= 0",
+             "lr_warmup_samples=0"),
+            ("training.lr_warmup_fraction", t.lr_warmup_fraction, none_or(t.lr_warmup_fraction, lambda v: 0 <= v <= 1),
+             "must be in [0, 1], or unset", "lr_warmup_fraction=0.01"),
+            ("training.lr_decay_iters", t.lr_decay_iters, none_or(t.lr_decay_iters, lambda v: v >= 1),
+             "must be >= 1 (Megatron asserts decay steps > 0), or unset for train_iters", "lr_decay_iters=10"),
+            ("training.weight_decay", t.weight_decay, t.weight_decay >= 0, "must be >= 0", "weight_decay=0.01"),
+            ("training.adam_beta1", t.adam_beta1, 0 <= t.adam_beta1 < 1, "must be in [0, 1)", "adam_beta1=0.9"),
+            ("training.adam_beta2", t.adam_beta2, 0 <= t.adam_beta2 < 1, "must be in [0, 1)", "adam_beta2=0.95"),
+            ("training.adam_eps", t.adam_eps, t.adam_eps >= 0, "must be >= 0", "adam_eps=1e-8"),
+            ("training.clip_grad", t.clip_grad, t.clip_grad >= 0, "must be >= 0 (0: no clipping)", "clip_grad=1.0"),
+            ("training.seed", t.seed, t.seed >= 0, "must be >= 0 (numpy's generators take no negative seed)",
+             "seed=1234"),
+            ("training.eval_interval", t.eval_interval, none_or(t.eval_interval, lambda v: v >= 0),
+             "must be >= 0 (0 or unset: no evaluation)", "eval_interval=0"),
+            ("training.eval_iters", t.eval_iters, t.eval_iters >= 0, "must be >= 0 (0: no evaluation, as Megatron)",
+             "eval_iters=2"),
+            ("checkpoint.save_interval", config.checkpoint.save_interval,
+             none_or(config.checkpoint.save_interval, lambda v: v >= 0),
+             "must be >= 0 (0 or unset: save at the end only)", "save_interval=0"),
+            ("data.max_documents", d.max_documents, none_or(d.max_documents, lambda v: v >= 1),
+             "must be >= 1, or unset for all", "max_documents=1000")):
+        if not ok:
+            out.append(Problem(field, value, rule, fix))
     return out
 
 

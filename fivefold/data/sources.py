@@ -46,9 +46,10 @@ def resolve_format(path: str | None, fmt: str) -> str:
     return "jsonl" if p.suffix in JSONL_SUFFIXES else "text"
 
 
-def json_lines(path: Path) -> Iterator[tuple[int, object]]:
+def json_lines(path: Path, *, cut_off_last: bool = False) -> Iterator[tuple[int, object]]:
     """(line number, value) of each non-empty line of a JSON Lines file; a line that is not JSON is
-    refused naming the file and line."""
+    refused naming the file and line. `cut_off_last`: a last line with no newline that is not JSON
+    is left out (a log whose writer stopped in the middle of it: a killed run's metrics.jsonl)."""
     with open(path, encoding="utf-8", errors="replace") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
@@ -56,6 +57,8 @@ def json_lines(path: Path) -> Iterator[tuple[int, object]]:
             try:
                 yield lineno, json.loads(line)
             except json.JSONDecodeError as e:
+                if cut_off_last and not line.endswith("\n"):
+                    return
                 raise UserError(f"{path}:{lineno}: malformed JSON line ({e.msg}, column {e.colno}); "
                                 "each line must be one JSON object") from None
 

@@ -170,7 +170,9 @@ def _size_bytes(text: str) -> int:
 
 
 def export_hf(checkpoint: str | Path, out_dir: str | Path, *, max_shard_size: str = "5GB") -> Path:
-    """Write `checkpoint` (a step folder or a root with `latest`) as a save_pretrained folder."""
+    """Write `checkpoint` (a step folder or a root with `latest`) as a save_pretrained folder, replacing
+    an earlier export there (`check_replaceable`)."""
+    check_replaceable(Path(out_dir))
     folder, meta = read_metadata(checkpoint, "CHECKPOINT")
     if "config" not in meta:
         raise UserError(f"checkpoint {folder}: its metadata has no config (not written by fivefold train)")
@@ -202,6 +204,25 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, *, max_shard_size: st
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)
     return out
+
+
+def check_replaceable(out: Path, flag: str = "OUT_DIR") -> None:
+    """`out` may be written: absent, empty, or an earlier export (a flat folder holding config.json and
+    safetensors weights, no fivefold checkpoint's metadata.json), which the export replaces whole; a
+    file, or a folder holding anything else (a run, a checkpoint, the user's files), is refused rather
+    than deleted (`flag`: the option that named it; `fivefold train` checks checkpoint.save_hf before
+    its ranks start)."""
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise UserError(f"{flag} {out}: a file is there, not a folder (remove it, or give another path)")
+    names = {p.name for p in out.iterdir()}
+    earlier = ("config.json" in names and (SINGLE in names or INDEX in names) and "metadata.json" not in names
+               and all(p.is_file() for p in out.iterdir()))
+    if names and not earlier:
+        shown = ", ".join(sorted(names)[:3]) + (", ..." if len(names) > 3 else "")
+        raise UserError(f"{flag} {out}: holds {shown}, not an earlier export, and the export replaces the whole "
+                        "folder; give a new or empty folder")
 
 
 def _write_shards(folder: Path, shards: list[dict[str, torch.Tensor]]) -> None:

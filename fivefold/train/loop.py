@@ -66,7 +66,7 @@ def _loaders(config: Config, ctx: RankContext, data_dir: Path) -> tuple[BatchLoa
         raise UserError(f"data: the training split has {len(train_ds)} samples of seq_length={t.seq_length}; "
                         f"need at least {ctx.dp_size} (give more data or a shorter training.seq_length)")
     eval_loader = None
-    if t.eval_interval:
+    if t.eval_interval and t.eval_iters:  # eval_iters 0: no evaluation, as Megatron
         eval_ds = dataset_of(eval_split, t.seq_length, d.packing)
         if len(eval_ds) < ctx.dp_size:
             raise UserError(f"data: the eval split has {len(eval_ds)} samples of seq_length={t.seq_length}; raise "

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from fivefold.config.schema import ModelConfig
+from fivefold.data.sources import json_lines
 from fivefold.errors import UserError
 
 
@@ -156,7 +157,9 @@ def _nan_for_null(v) -> float:
 
 
 def read_metrics(path: str | Path) -> list[dict]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    """The rows of a run's metrics.jsonl, less a last line cut off by a run stopped while writing it
+    (`json_lines`); another line that is not JSON is refused naming the file and line."""
+    return [row for _, row in json_lines(Path(path), cut_off_last=True)]
 
 
 def plot_loss_curve(metrics_path: str | Path, png_path: str | Path, title: str = "") -> Path:
