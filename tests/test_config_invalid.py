@@ -39,7 +39,7 @@ CASES = [  # (words, world size, substring of the message)
     # counts, intervals and optimizer numbers out of range (Megatron's LR scheduler and torch's AdamW
     # assert most; a negative interval or clip ran as something else)
     ("train_iters=0", 8, "training.train_iters=0: must be >= 1"),
-    ("lr=-0.1", 8, "training.lr=-0.1: must be >= 0"),
+    ("lr=-0.1", 8, "training.lr=-0.1: must be a finite number >= 0"),
     ("lr=1e-4 min_lr=1e-3", 8, "training.min_lr=0.001: must be in [0, lr=0.0001]"),
     ("lr_warmup_init=0.5", 8, "training.lr_warmup_init=0.5: must be in [0, lr=0.001]"),
     ("lr_warmup_iters=-1", 8, "training.lr_warmup_iters=-1: must be >= 0"),

@@ -6,6 +6,7 @@ dialect's own adjustments to the Config, and turns broken rules into `Problem`s.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from math import inf
 
 from fivefold.config.fixes import first_that_holds, search
 from fivefold.config.rules import KNOB_FIELDS, adjust, dp_of, errors, sizes_of
@@ -183,12 +184,12 @@ def _range_problems(config: Config) -> list[Problem]:
     otherwise run as something else (Python's % of a negative interval, no clipping)."""
     t, d = config.training, config.data
     none_or = lambda v, ok: v is None or ok(v)  # noqa: E731
-    under_lr = lambda v: 0 <= v and (t.lr < 0 or v <= t.lr)  # noqa: E731 (a negative lr is reported alone)
+    under_lr = lambda v: 0 <= v and (not 0 <= t.lr < inf or v <= t.lr)  # noqa: E731 (a bad lr is reported alone)
     out = []
     for field, value, ok, rule, fix in (
             ("training.train_iters", t.train_iters, none_or(t.train_iters, lambda v: v >= 1), "must be >= 1",
              "train_iters=10"),
-            ("training.lr", t.lr, t.lr >= 0, "must be >= 0", "lr=1e-3"),
+            ("training.lr", t.lr, 0 <= t.lr < inf, "must be a finite number >= 0", "lr=1e-3"),
             ("training.min_lr", t.min_lr, under_lr(t.min_lr), f"must be in [0, lr={t.lr}] (Megatron asserts it)",
              "min_lr=0"),
             ("training.lr_warmup_init", t.lr_warmup_init, under_lr(t.lr_warmup_init),
