@@ -66,6 +66,17 @@ def test_cli_refuses_with_the_rule(capsys):
     assert main(["schedule", "--load-csv", str(EXAMPLE), "--costs", "1,1"]) == 2
 
 
+def test_cli_refuses_a_schedule_too_large_to_draw_and_runs_deep_ones(capsys):
+    """PP 100000 ran for minutes (no message); now refused at once with the limit. A deep pipeline
+    within it runs: the in-order run wakes a rank when its message is sent (a sweep over every rank
+    per step of a backward wave was quadratic in PP: 55 s at PP 4000, 2 s at PP 1000)."""
+    assert main(["schedule", "--pp", "100000", "--microbatches", "8"]) == 2
+    assert "800,000 stage-microbatches: the command simulates and draws at most 262,144" in capsys.readouterr().err
+    assert main(["schedule", "--pp", "1000", "--microbatches", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "rank 999: stages [999], bubble 99.6% (idle 2997)" in out  # (p-1)/(m+p-1) = 999/1003
+
+
 def test_cli_output_files(tmp_path, capsys):
     """`schedule --png / --csv` and `plan --plot` (fivefold.cli._outputs): a picture named for another
     format is refused before any work, a missing folder is made, a path that cannot be written is one

@@ -44,3 +44,23 @@ def test_a_broken_rl_config_file_is_refused_with_a_message(tmp_path, capsys):
         assert said in capsys.readouterr().err and not (tmp_path / "out").exists()
     assert main(["validate", "examples/grpo.yaml"]) == 2
     assert "read by `fivefold rl`" in capsys.readouterr().err
+
+
+def test_grpo_values_are_checked_before_the_ranks_start(tmp_path, capsys):
+    """`grpo.digits: -1` was a numpy traceback on every rank, and a prompt count the ranks do not
+    divide or a task longer than the sequence stopped the ranks; each is now named at once, with
+    `grpo.KEY=VALUE` words overriding the section as `fivefold train` takes its overrides (they
+    were refused as unrecognized)."""
+    out = tmp_path / "out"
+    assert main(["rl", "examples/grpo.yaml", "--out", str(out), "grpo.group_size=1", "grpo.digits=6",
+                 "grpo.prompts_per_step=30", "grpo.warmup_batch=3", "grpo.seed=-1"]) == 2
+    err = capsys.readouterr().err
+    for said in ("grpo.prompts_per_step=30: must be a multiple of the 8 ranks", "grpo.group_size=1: must be >= 2",
+                 "grpo.warmup_batch=3: must be a multiple of the 4 actor data-parallel replicas",
+                 "grpo.seed=-1: must be >= 0", "training.seq_length=16: the task of 6-digit sums needs 22 tokens"):
+        assert said in err, said
+    assert not (out / "run.json").exists()  # no rank started
+    assert main(["rl", "examples/grpo.yaml", "--out", str(out), "grpo.lr=fast"]) == 2
+    assert "grpo.lr='fast': must be a number" in capsys.readouterr().err
+    assert main(["rl", "examples/grpo.yaml", "--out", str(out), "grpo.digits=3", "training.seq_length=12"]) == 2
+    assert "training.seq_length=12: the task of 3-digit sums needs 13 tokens" in capsys.readouterr().err  # both read

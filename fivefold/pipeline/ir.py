@@ -36,6 +36,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from enum import Enum
+from functools import cached_property
 from typing import Callable, Iterator
 
 
@@ -144,7 +145,15 @@ class Schedule:
 
     def stages_of(self, rank: int) -> list[int]:
         """Stages held by `rank`, in increasing order."""
-        return [s for s, r in enumerate(self.placement) if r == rank]
+        return list(self._stages_by_rank.get(rank, ()))
+
+    @cached_property
+    def _stages_by_rank(self) -> dict[int, list[int]]:
+        """Each rank's stages, from one pass over the placement (renderers ask per action)."""
+        by_rank: dict[int, list[int]] = {}
+        for s, r in enumerate(self.placement):
+            by_rank.setdefault(r, []).append(s)
+        return by_rank
 
     def is_lowered(self) -> bool:
         """True when sends/receives are present (or none are needed: one rank)."""
@@ -164,7 +173,7 @@ def run_in_order(schedule: Schedule, take: Callable[[int, Action, object], objec
                  ready: Callable[[int, Action, list[int]], bool] | None = None) -> list[int]:
     """The untimed run of the execution semantics above, shared by the verifier and the simulator.
 
-    Ranks take their actions in order, round-robin: a SEND is posted and never blocks; a RECV is
+    Each rank takes its actions in order: a SEND is posted and never blocks; a RECV is
     taken only once a matching SEND has been posted (each SEND satisfies one RECV, in posting order).
     `take(rank, action, carried)` is called on each action as it is taken; what it returns for a SEND
     is carried by the message and handed to the RECV that takes it (`carried`; None otherwise): the
@@ -175,29 +184,45 @@ def run_in_order(schedule: Schedule, take: Callable[[int, Action, object], objec
     """
     pos = [0] * schedule.num_ranks
     posted: dict[tuple, list] = {}  # (src, dst, message) -> what the SENDs not yet received carry
-    progress = True
-    while progress:
-        progress = False
-        for r, acts in enumerate(schedule.ranks):
-            while pos[r] < len(acts):
-                a = acts[pos[r]]
-                if ready is not None and not ready(r, a, pos):
+    waiting: dict[tuple, int] = {}  # (src, dst, message) -> the rank stopped at that RECV
+    # Ranks to run until they stop. Without `ready` a rank stops only at a RECV, and only its SEND
+    # moves it on: that rank is run again when the SEND is posted, so each action is looked at about
+    # once (a sweep over every rank until none moves took pp sweeps of pp ranks, one rank of a
+    # backward wave per sweep: minutes at PP 4000). Each rank takes its actions in order and a RECV
+    # waits for its SEND only, so any order of running the ranks ends at the same positions with the
+    # same values carried. `ready` may read any rank's position: then every rank is run again after
+    # any moved.
+    everyone = list(range(schedule.num_ranks - 1, -1, -1))  # popped from the end: rank 0 first
+    todo, moved = list(everyone), False
+    while todo:
+        r = todo.pop()
+        acts = schedule.ranks[r]
+        while pos[r] < len(acts):
+            a = acts[pos[r]]
+            if ready is not None and not ready(r, a, pos):
+                break
+            carried = None
+            if a.kind is Kind.RECV_F or a.kind is Kind.RECV_B:
+                key = (a.peer, r, a.message())
+                queue = posted.get(key)
+                if not queue:
+                    waiting[key] = r  # its SEND is not posted yet: run the other ranks
                     break
-                carried = None
-                if a.kind is Kind.RECV_F or a.kind is Kind.RECV_B:
-                    queue = posted.get((a.peer, r, a.message()))
-                    if not queue:
-                        break  # its SEND is not posted yet: try the other ranks
-                    carried = queue.pop(0)
-                    if take is not None:
-                        take(r, a, carried)
-                elif a.kind is Kind.SEND_F or a.kind is Kind.SEND_B:
-                    out = take(r, a, None) if take is not None else None
-                    posted.setdefault((r, a.peer, a.message()), []).append(out)
-                elif take is not None:
-                    take(r, a, None)
-                pos[r] += 1
-                progress = True
+                carried = queue.pop(0)
+                if take is not None:
+                    take(r, a, carried)
+            elif a.kind is Kind.SEND_F or a.kind is Kind.SEND_B:
+                out = take(r, a, None) if take is not None else None
+                key = (r, a.peer, a.message())
+                posted.setdefault(key, []).append(out)
+                if key in waiting:
+                    todo.append(waiting.pop(key))
+            elif take is not None:
+                take(r, a, None)
+            pos[r] += 1
+            moved = True
+        if moved and ready is not None and not todo:  # a pass over every rank after any moved
+            todo, moved = [q for q in everyone if pos[q] < len(schedule.ranks[q])], False
     return pos
 
 

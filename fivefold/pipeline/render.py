@@ -25,10 +25,11 @@ def _label(a: Action, schedule: Schedule) -> str:
 def summary(schedule: Schedule, result: SimResult) -> str:
     lines = [f"schedule {schedule.name}: {schedule.num_ranks} ranks, {schedule.num_stages} stages, "
              f"{schedule.num_microbatches} microbatches, makespan {result.makespan:g}"]
+    bubble, idle, in_flight = result.bubble, result.idle, result.peak_in_flight_microbatches  # (lists: once)
     for r in range(schedule.num_ranks):
-        lines.append(f"  rank {r}: stages {schedule.stages_of(r)}, bubble {result.bubble[r]:.1%} "
-                     f"(idle {result.idle[r]:g}), peak in flight {result.peak_in_flight[r]} "
-                     f"stage-microbatches = {result.peak_in_flight_microbatches[r]:g} microbatches")
+        lines.append(f"  rank {r}: stages {schedule.stages_of(r)}, bubble {bubble[r]:.1%} "
+                     f"(idle {idle[r]:g}), peak in flight {result.peak_in_flight[r]} "
+                     f"stage-microbatches = {in_flight[r]:g} microbatches")
     return "\n".join(lines)
 
 
@@ -38,10 +39,12 @@ def text_timeline(schedule: Schedule, result: SimResult, width: int = 160) -> st
     scale = max(4 / shortest, 1e-9)  # the shortest block gets 4 characters ...
     if result.makespan * scale > width:  # ... unless that overflows `width`
         scale = width / result.makespan
-    rows = []
+    rows, by_rank = [], [[] for _ in range(schedule.num_ranks)]
+    for iv in result.timeline:
+        by_rank[iv.rank].append(iv)
     for r in range(schedule.num_ranks):
         line = [" "] * (int(round(result.makespan * scale)) + 1)
-        for iv in (iv for iv in result.timeline if iv.rank == r):
+        for iv in by_rank[r]:
             a, b = int(round(iv.start * scale)), int(round(iv.end * scale))
             if b <= a:
                 continue

@@ -64,11 +64,45 @@ class GRPOConfig:
 
     @classmethod
     def of(cls, raw: dict) -> GRPOConfig:
-        known = {f.name for f in fields(cls)}
-        bad = sorted(set(raw) - known)
+        """The section read from a config: unknown keys, and values not a number of the field's kind,
+        refused naming them."""
+        known = {f.name: f.type for f in fields(cls)}
+        bad = sorted(set(raw) - set(known))
         if bad:
-            raise UserError(f"grpo: unknown key{'s' if len(bad) > 1 else ''} {', '.join(bad)}; known: {', '.join(sorted(known))}")
+            raise UserError(f"grpo: unknown key{'s' if len(bad) > 1 else ''} {', '.join(bad)}; "
+                            f"known: {', '.join(sorted(known))}")
+        for name, value in raw.items():
+            whole = isinstance(value, int) and not isinstance(value, bool)
+            if not (whole or (known[name] == "float" and isinstance(value, float))):
+                kind = "a whole number" if known[name] == "int" else "a number"
+                raise UserError(f"grpo.{name}={value!r}: must be {kind}")
         return cls(**raw)
+
+    def check(self, world: int, dp: int, seq_length: int) -> None:
+        """Every value in its range for a run on `world` ranks of which `dp` actor replicas, with
+        `seq_length` tokens a sequence; UserError listing each problem (before any rank starts)."""
+        task = Addition(max(1, self.digits))
+        problems = [f"grpo.{name}={value}: {rule}" for name, value, ok, rule in (
+            ("steps", self.steps, self.steps >= 1, "must be >= 1"),
+            ("prompts_per_step", self.prompts_per_step, self.prompts_per_step >= 1 and not self.prompts_per_step % world,
+             f"must be a multiple of the {world} ranks"),
+            ("group_size", self.group_size, self.group_size >= 2, "must be >= 2 (an answer's advantage is its reward "
+             "against the other answers to its prompt: one answer alone has none)"),
+            ("lr", self.lr, self.lr >= 0, "must be >= 0"),
+            ("kl_coef", self.kl_coef, self.kl_coef >= 0, "must be >= 0"),
+            ("clip", self.clip, self.clip > 0, "must be > 0"),
+            ("temperature", self.temperature, self.temperature > 0, "must be > 0"),
+            ("digits", self.digits, self.digits >= 1, "must be >= 1"),
+            ("warmup_steps", self.warmup_steps, self.warmup_steps >= 0, "must be >= 0"),
+            ("warmup_batch", self.warmup_batch, self.warmup_batch >= 1 and self.warmup_batch % dp == 0,
+             f"must be a multiple of the {dp} actor data-parallel replicas"),
+            ("warmup_lr", self.warmup_lr, self.warmup_lr >= 0, "must be >= 0"),
+            ("seed", self.seed, self.seed >= 0, "must be >= 0")) if not ok]
+        if seq_length < task.prompt_length + task.answer_length:
+            problems.append(f"training.seq_length={seq_length}: the task of {task.digits}-digit sums needs "
+                            f"{task.prompt_length + task.answer_length} tokens")
+        if problems:
+            raise UserError("invalid grpo run:\n" + "\n".join(f"  - {p}" for p in problems))
 
 
 def _ids(texts: list[str]) -> torch.Tensor:
@@ -118,11 +152,7 @@ def _response_mask(completions: torch.Tensor) -> torch.Tensor:
 def run(cfg: Config, g: GRPOConfig, ctx: RankContext) -> list[dict]:
     task = Addition(g.digits)
     world, rank = ctx.world_size, ctx.rank
-    if g.prompts_per_step % world:
-        raise UserError(f"grpo.prompts_per_step={g.prompts_per_step} must be a multiple of the {world} ranks")
-    if cfg.training.seq_length < task.prompt_length + task.answer_length:
-        raise UserError(f"training.seq_length={cfg.training.seq_length}: the task needs "
-                        f"{task.prompt_length + task.answer_length} tokens")
+    g.check(world, ctx.dp_size, cfg.training.seq_length)  # (`fivefold rl` checked it before the ranks started)
     torch.manual_seed(g.seed)
     engine = Engine(cfg, ctx)
     rng = np.random.default_rng(g.seed)
