@@ -81,3 +81,15 @@ def test_convert_refuses_a_step_folder_as_destination(saved, capsys):
     assert main(["convert", str(step), str(step), "--tensor-model-parallel-size", "2", "--world-size", "2"]) == 2
     assert "is a checkpoint's step folder" in capsys.readouterr().err
     assert sorted(p.name for p in step.iterdir()) == before
+
+
+def test_a_run_loaded_at_its_last_step_trains_nothing_and_says_so(saved, tmp_path):
+    """--load of the step train_iters already reaches: no step runs (as in Megatron), and the result
+    carries the step it started from, which the summary names instead of a throughput of 0."""
+    root, cfg, data_dir, full = saved
+    cfg = tiny_config(cfg.data.path, steps=4)
+    cfg.checkpoint.load = str(root / "full" / "checkpoints")  # its latest: step 4
+    (tmp_path / "again").mkdir()
+    with _one_thread():
+        again = train(cfg, one_process_context(tmp_path / "again"), data_dir, progress=False)
+    assert (again.losses, again.start_step) == ({}, 4)

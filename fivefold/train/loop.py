@@ -54,6 +54,8 @@ class TrainResult:
     plot: Path | None = None
     expert_load_plot: Path | None = None
     """MoE with logging.moe_per_layer_logging: OUT/expert_load.png (fivefold.train.moe_metrics)."""
+    start_step: int = 0
+    """The step the run started from (the loaded checkpoint's; 0 without --load)."""
 
 
 def _loaders(config: Config, ctx: RankContext, data_dir: Path) -> tuple[BatchLoader, BatchLoader | None]:
@@ -175,7 +177,7 @@ def train(config: Config, ctx: RankContext, data_dir: Path, *, progress: bool = 
     log = MetricsLog(ctx.out_dir, lg.tensorboard, resume_from=start, tensorboard_dir=lg.tensorboard_dir,
                      wandb_project=lg.wandb_project, wandb_exp_name=lg.wandb_exp_name) if ctx.is_main else None
     fpt = flops_per_token(config.model, t.seq_length)
-    result = TrainResult()
+    result = TrainResult(start_step=start)
     bar = tqdm(total=t.train_iters, initial=start, disable=not (progress and ctx.is_main), desc="train",
                dynamic_ncols=True)
     times = []

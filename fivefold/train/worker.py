@@ -64,6 +64,10 @@ def summary(result: TrainResult, ctx: RankContext, config: Config, first_loss: f
         if first_loss:
             lines.append(f"loss: {first_loss:.4f} -> {last:.4f} ({(last - first_loss) / first_loss:+.0%}) "
                          f"at step {max(result.losses) + 1}")
+    elif result.start_step >= config.training.train_iters:  # (Megatron's loop runs no step either)
+        lines.append(f"nothing trained: the loaded checkpoint is at step {result.start_step}, training.train_iters="
+                     f"{config.training.train_iters} (--train-iters); raise it to train on")
+        return "\n".join(lines)
     if result.eval_losses:
         lines.append(f"eval loss: {result.eval_losses[max(result.eval_losses)]:.4f}")
     lines.append(f"throughput: {result.tokens_per_s:,.0f} tokens/s")
