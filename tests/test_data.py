@@ -34,6 +34,9 @@ def test_hf_tokenizer_from_local_folder(tmp_path):
     tok = HFTokenizer(str(tmp_path))
     assert (tok.vocab_size, tok.eod_id) == (4, 0)
     assert tok.encode("hello world bye").tolist() == [2, 3, 1]
+    (tmp_path / "empty").mkdir()  # (transformers' answer was a paragraph on slow tokenizers)
+    with pytest.raises(UserError, match="no tokenizer.json or tokenizer_config.json in it"):
+        HFTokenizer(str(tmp_path / "empty"))
 
 
 def test_missing_path_and_malformed_jsonl_are_user_errors(tmp_path):

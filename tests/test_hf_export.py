@@ -8,7 +8,7 @@ import warnings
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from _tol import close
 from _train_util import corpus
@@ -141,7 +141,9 @@ def test_load_hf_into_tp2_pp2_equals_one_process_and_save_hf_round_trips(tmp_pat
 
 def test_export_replaces_only_an_earlier_export(tmp_path, capsys):
     """OUT_DIR is replaced whole, so it must be new, empty or an earlier export: a run's folder (with
-    the checkpoint being exported in it), a folder of the user's files or a file is refused, untouched."""
+    the checkpoint being exported in it), a folder of the user's files, a downloaded model's folder
+    (the same file names as an export, not its mark) or a file is refused, untouched (a run's folder
+    was deleted once)."""
     model = Decoder(ModelConfig(num_layers=1, hidden_size=32, num_attention_heads=4, vocab_size=64))
     run = tmp_path / "run"
     save_checkpoint(run / "checkpoints", 0, model=model, optimizer=torch.optim.AdamW(model.parameters()), rank=0,
@@ -149,7 +151,11 @@ def test_export_replaces_only_an_earlier_export(tmp_path, capsys):
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("keep")
     (tmp_path / "file").write_text("keep")
-    for out in (run, tmp_path / "mine", tmp_path / "file"):
+    downloaded = tmp_path / "downloaded"  # a Hugging Face model's files, as save_pretrained writes them
+    downloaded.mkdir()
+    (downloaded / "config.json").write_text("{}")
+    save_file({"lm_head.weight": torch.zeros(2, 2)}, str(downloaded / "model.safetensors"), metadata={"format": "pt"})
+    for out in (run, tmp_path / "mine", tmp_path / "file", downloaded):
         before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
         assert main(["export", str(run / "checkpoints"), str(out)]) == 2
         assert "OUT_DIR" in capsys.readouterr().err

@@ -38,6 +38,9 @@ class HFTokenizer:
         if not path.is_dir():
             raise UserError(f"data.tokenizer={folder!r}: not a folder; give 'byte' or a local Hugging Face "
                             "tokenizer folder (with tokenizer.json or tokenizer_config.json)")
+        if not any((path / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
+            raise UserError(f"data.tokenizer={folder!r}: no tokenizer.json or tokenizer_config.json in it; give the "
+                            "folder a Hugging Face tokenizer was saved to (save_pretrained), or 'byte'")
         from transformers import AutoTokenizer
 
         try:

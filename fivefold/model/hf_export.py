@@ -24,10 +24,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from fivefold.checkpoint.io import _assemble, read_metadata
@@ -207,35 +209,55 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, *, max_shard_size: st
 
 
 def check_replaceable(out: Path, flag: str = "OUT_DIR") -> None:
-    """`out` may be written: absent, empty, or an earlier export (a flat folder holding config.json and
-    safetensors weights, no fivefold checkpoint's metadata.json), which the export replaces whole; a
-    file, or a folder holding anything else (a run, a checkpoint, the user's files), is refused rather
-    than deleted (`flag`: the option that named it; `fivefold train` checks checkpoint.save_hf before
-    its ranks start)."""
+    """`out` may be written: absent, empty, or an earlier export (`_an_export`), which the export
+    replaces whole; a file, or a folder holding anything else (a run, a checkpoint, a downloaded
+    Hugging Face model, the user's files), is refused rather than deleted (`flag`: the option that
+    named it; `fivefold train` checks checkpoint.save_hf before its ranks start)."""
     if not out.exists():
         return
     if not out.is_dir():
         raise UserError(f"{flag} {out}: a file is there, not a folder (remove it, or give another path)")
     names = {p.name for p in out.iterdir()}
-    earlier = ("config.json" in names and (SINGLE in names or INDEX in names) and "metadata.json" not in names
-               and all(p.is_file() for p in out.iterdir()))
-    if names and not earlier:
+    if names and not _an_export(out, names):
         shown = ", ".join(sorted(names)[:3]) + (", ..." if len(names) > 3 else "")
         raise UserError(f"{flag} {out}: holds {shown}, not an earlier export, and the export replaces the whole "
                         "folder; give a new or empty folder")
 
 
+MARK = {"written_by": "fivefold export"}
+"""In the weights' safetensors metadata (and the shard index's): the folder is an export, which a
+later export may replace (`_an_export`); loaders read neither."""
+
+
+def _an_export(folder: Path, names: set[str]) -> bool:
+    """Whether `folder` (holding `names`) is what an export writes: only its files, and weights marked
+    `MARK` (a Hugging Face model downloaded there has the same file names, not the mark)."""
+    shards = {n for n in names if re.fullmatch(r"model-\d{5}-of-\d{5}\.safetensors", n)}
+    if not names - shards <= {"config.json", "generation_config.json", SINGLE, INDEX, *TOKENIZER_FILES}:
+        return False
+    try:
+        if SINGLE in names:
+            with safe_open(str(folder / SINGLE), framework="pt") as f:
+                meta = f.metadata() or {}
+        else:
+            meta = json.loads((folder / INDEX).read_text()).get("metadata", {})
+    except (OSError, ValueError, AttributeError, SafetensorError):
+        return False
+    return isinstance(meta, dict) and all(meta.get(k) == v for k, v in MARK.items())
+
+
 def _write_shards(folder: Path, shards: list[dict[str, torch.Tensor]]) -> None:
     if len(shards) == 1:
-        save_file(shards[0], str(folder / SINGLE), metadata={"format": "pt"})
+        save_file(shards[0], str(folder / SINGLE), metadata={"format": "pt", **MARK})
         return
     weight_map, total = {}, 0
     for k, shard in enumerate(shards, 1):
         file = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(folder / file), metadata={"format": "pt"})
+        save_file(shard, str(folder / file), metadata={"format": "pt", **MARK})
         weight_map.update({name: file for name in shard})
         total += sum(t.nbytes for t in shard.values())
-    (folder / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    (folder / INDEX).write_text(json.dumps({"metadata": {"total_size": total, **MARK}, "weight_map": weight_map},
+                                           indent=2))
 
 
 def _copy_tokenizer(tokenizer: str, folder: Path) -> None:
