@@ -79,6 +79,18 @@ def test_hardware_yaml_and_overrides(tmp_path):
         f.write_bytes(text)
         with pytest.raises(UserError, match=said):
             hardware(str(f))
+    # each value of its field's kind and range (a traceback, or a -80 GiB GPU that fit nothing, before)
+    for text, said in (("memory_gib: abc", "memory_gib='abc': must be a finite number > 0"),
+                       ("memory_gib: -80", "memory_gib=-80: must be a finite number > 0"),
+                       ("bf16_tflops: 0", "bf16_tflops=0: must be a finite number > 0"),
+                       ("network_gbs: .nan", "network_gbs=nan: must be a finite number > 0"),
+                       ("memory_bytes: '80'", "memory_bytes='80': must be a finite number > 0"),
+                       ("gpus_per_node: 2.5", "gpus_per_node=2.5: must be a whole number >= 1"),
+                       ("matmul_ceiling: 1.5", "matmul_ceiling=1.5: must be a share of the peak"),
+                       ("mxfp8: 1", "mxfp8=1: must be true or false")):
+        f.write_text(text + "\n")
+        with pytest.raises(UserError, match=re.escape(said)):
+            hardware(str(f))
 
 
 def test_achieved_shares_are_of_the_measured_matmul_ceiling(tmp_path):

@@ -9,6 +9,7 @@ Infinity Fabric / PCIe), `network_bw` its NIC (e.g. one 400 Gb/s InfiniBand NDR 
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
@@ -150,20 +151,35 @@ UNITS = {"bf16_tflops": ("bf16_flops", T), "fp8_tflops": ("fp8_flops", T), "memo
 
 
 def with_overrides(base: Hardware, overrides: dict) -> Hardware:
-    """`base` with fields replaced; keys are field names or the human units in UNITS."""
+    """`base` with fields replaced; keys are field names or the human units in UNITS, each value of its
+    field's kind and range (`_problem`: a zero bandwidth or a memory of -80 GiB was taken)."""
     names = {f.name for f in fields(Hardware)}
     kw = {}
     for key, value in overrides.items():
         if value is None:
             continue
-        if key in UNITS:
-            field_name, factor = UNITS[key]
-            kw[field_name] = float(value) * factor
-        elif key in names:
-            kw[key] = value
-        else:
+        if key not in UNITS and key not in names:
             raise UserError(f"unknown hardware field {key!r}; use one of {sorted(names | set(UNITS))}")
+        field_name, factor = UNITS.get(key, (key, 1))
+        problem = _problem(field_name, value)
+        if problem:
+            raise UserError(f"hardware {key}={value!r}: {problem}")
+        kw[field_name] = value * factor if factor != 1 else value
     return replace(base, **kw)
+
+
+def _problem(field_name: str, value) -> str | None:
+    """Why `value` cannot be the Hardware field `field_name`, or None."""
+    number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if field_name in ("name", "source"):
+        return None if isinstance(value, str) else "must be text"
+    if field_name == "mxfp8":
+        return None if isinstance(value, bool) else "must be true or false"
+    if field_name == "gpus_per_node":
+        return None if number and value == int(value) and value >= 1 else "must be a whole number >= 1"
+    if field_name in ("matmul_ceiling", "fp8_matmul_ceiling"):
+        return None if number and 0 < value <= 1 else "must be a share of the peak, in (0, 1]"
+    return None if number and value > 0 else "must be a finite number > 0"
 
 
 def hardware(spec: str, overrides: dict | None = None) -> Hardware:
