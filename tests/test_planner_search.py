@@ -1,5 +1,6 @@
 """Search, schedule closed forms, hardware input, and the CLI's handling of bad input (exit 2)."""
 import fcntl
+import json
 import os
 import pty
 import re
@@ -228,6 +229,30 @@ def test_estimate_says_the_batch_it_times_and_what_it_filled_in(capsys):
     assert main(["estimate", "examples/bridge_overrides.txt", "--gpus", "16"]) == 0
     out = capsys.readouterr().out
     assert "note: sequence length" not in out and "sequence of 1024 tokens per step" in out
+
+
+def test_model_words_apply_to_the_model_estimate_and_plan_are_given(tmp_path, capsys):
+    """`estimate --model llama3-8b --num-layers 16` (or model.num_layers=16) timed the whole preset: the
+    preset replaced the model the words had set. The words now apply to it, and say so; the preset is
+    left as it was. `plan` refuses a model that breaks the model's own rules once, naming them (each
+    layout said it, or with no layer none was tried and no reason given)."""
+    from fivefold.planner.presets import model_preset
+
+    totals = []
+    for words in ([], ["--num-layers", "16"], ["model.num_layers=16"]):
+        assert main(["estimate", "--model", "llama3-8b", "--gpus", "8", *words]) == 0
+        out = capsys.readouterr().out
+        totals.append(next(line for line in out.splitlines() if line.strip().startswith("total")))
+        assert ("note: --model llama3-8b with model.num_layers=16" in out) == bool(words)
+    assert totals[1] == totals[2] != totals[0]
+    assert model_preset("llama3-8b").model.num_layers == 32
+    assert main(["estimate", "--model", "llama3-8b", "--gpus", "8", "--num-layers", "0"]) == 2
+    assert "model.num_layers=0: must be a whole number >= 1" in capsys.readouterr().err
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 0, "num_attention_heads": 32,
+        "intermediate_size": 14336, "vocab_size": 128256}))
+    assert main(["plan", "--model", str(tmp_path), "--gpus", "8"]) == 2
+    assert f"--model {tmp_path}: model.num_layers=0: must be a whole number >= 1" in capsys.readouterr().err
 
 
 def test_explain_says_which_rule_a_seed_row_breaks(capsys):

@@ -1,6 +1,8 @@
 """`fivefold estimate`: memory per GPU and step time of one given layout (the one a user runs)."""
 from __future__ import annotations
 
+import dataclasses
+
 from fivefold.cli._planner_args import SEQ, add_hardware_arguments, assumptions_of, hardware_of, positive_int
 from fivefold.cli.validate import split_config_arg
 from fivefold.config.load import load_config
@@ -23,7 +25,8 @@ def add_arguments(p) -> None:
     p.usage = "fivefold estimate [CONFIG] [key=value ...] [--megatron-flag VALUE ...] [--model M] [--gpus N]"
     p.epilog = (f"The sequence and batch are the config's or Megatron's flags (--seq-length, --global-batch-size, "
                 f"--micro-batch-size); where no source gives a sequence, {SEQ} tokens, as plan's default.")
-    p.add_argument("--model", help="preset name or Hugging Face config.json (replaces the config's model)")
+    p.add_argument("--model", help="preset name or Hugging Face config.json (replaces the config's model; model "
+                                   "flags and key=value words, e.g. --num-layers 16, apply to it)")
     p.add_argument("--gpus", type=positive_int, help="total GPUs (default: the config's world size)")
     add_hardware_arguments(p)
 
@@ -34,8 +37,12 @@ def run(args, extra) -> int:
     path, words = split_config_arg(extra)
     loaded = load_config(path, words, world_size=args.gpus, gpus_per_node=gpn)
     cfg = loaded.config
-    if args.model:
-        cfg.model = resolve_model(args.model).model
+    if args.model:  # replaces the config file's model; the words' model fields apply to it (they were dropped)
+        given = sorted({k.split(".", 1)[1] for k in load_config(None, words).explicit if k.startswith("model.")}) \
+            if words else []
+        cfg.model = dataclasses.replace(resolve_model(args.model).model, **{f: getattr(cfg.model, f) for f in given})
+        if given:
+            print(f"note: --model {args.model} with " + ", ".join(f"model.{f}={getattr(cfg.model, f)}" for f in given))
     if cfg.training.precision not in ("bf16", "fp8"):
         cfg.training.precision = "bf16"
         print("note: precision set to bf16 for the GPU estimate")

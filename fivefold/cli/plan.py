@@ -16,7 +16,8 @@ from fivefold.planner.model_spec import resolve_model
 from fivefold.planner.params import count_params
 from fivefold.planner.report import Assumed, compare_report, explain, seed_memory_example, table
 from fivefold.planner.runtime import profile
-from fivefold.planner.search import describe, search
+from fivefold.planner.search import describe, make_config, search
+from fivefold.planner.validity import config_errors
 
 HELP = "rank every valid parallel layout of a model on a cluster by estimated step time"
 
@@ -62,6 +63,10 @@ MAX_PLAN_GPUS = 1 << 20
 
 def run(args, extra) -> int:
     spec = resolve_model(args.model)
+    broken = [e for e in config_errors(make_config(spec.model, 1, 1, args.seq_len, 1, "bf16", {}))
+              if e.startswith("model.")]  # the model's own rules, on one GPU (else each layout said it)
+    if broken:
+        raise UserError(f"--model {args.model}: " + "; ".join(broken))
     hw = hardware_of(args)
     gpn = args.gpus_per_node or hw.gpus_per_node
     mem, ta = assumptions_of(args)
