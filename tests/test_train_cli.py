@@ -62,3 +62,26 @@ def test_checkpoint_of_another_model_shape(tmp_path):
     r = _train(tmp_path, TINY, f"data.path={text}", "model.hidden_size=64",
                f"checkpoint.load={tmp_path}/out/checkpoints")
     _refused(r, "saved from another model", "in the checkpoint")
+
+
+def test_a_run_into_an_earlier_runs_folder_says_what_it_replaces(tmp_path, capsys, monkeypatch):
+    """--out holding a run, no --load: the run starts over and replaces metrics.jsonl (silently before),
+    keeping the checkpoints; the note names the newest and how to resume. Nothing said for a fresh
+    folder or a run that loads."""
+    from fivefold.cli.train import _note_an_earlier_run
+    from fivefold.config.schema import Config
+
+    monkeypatch.delenv("RANK", raising=False)
+    out = tmp_path / "out"
+    (out / "checkpoints" / "step_00000004").mkdir(parents=True)
+    (out / "checkpoints" / "step_00000004" / "metadata.json").write_text("{}")
+    _note_an_earlier_run(Config(), out)
+    assert capsys.readouterr().err == ""  # no metrics.jsonl: not a run
+    (out / "metrics.jsonl").write_text('{"step": 0, "loss": 5.0}\n')
+    _note_an_earlier_run(Config(), out)
+    assert ("replaces its metrics.jsonl; its checkpoints (up to step_00000004) stay, give --load "
+            f"{out / 'checkpoints'} to resume") in capsys.readouterr().err
+    resumed = Config()
+    resumed.checkpoint.load = str(out / "checkpoints")
+    _note_an_earlier_run(resumed, out)
+    assert capsys.readouterr().err == ""

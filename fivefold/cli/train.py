@@ -117,6 +117,7 @@ def run(args, extra: list[str]) -> int:
         from fivefold.model.hf_export import check_replaceable
         check_replaceable(Path(config.checkpoint.save_hf), "checkpoint.save_hf (--save-hf)")
     (out / "logs").mkdir(exist_ok=True)
+    _note_an_earlier_run(config, out)
     if under_torchrun:
         place(config, int(os.environ.get("LOCAL_WORLD_SIZE", nproc)), int(os.environ["RANK"]))
         return _run_under_torchrun(config, out)
@@ -126,6 +127,21 @@ def run(args, extra: list[str]) -> int:
     spec.write_text(json.dumps({"config": to_dict(config), "out": str(out), "data_dir": str(data_dir)}, indent=1))
     print(f"fivefold train: {nproc} local ranks, output in {out}", file=sys.stderr)
     return launch(nproc, [str(spec)], out / "logs", timeout_s=timeout_s)
+
+
+def _note_an_earlier_run(config: Config, out: Path) -> None:
+    """Say so when --out holds a run and this one does not load it: it starts at step 0 and replaces
+    the folder's metrics.jsonl and pictures (as Megatron-LM, which saves beside the checkpoints there)."""
+    from fivefold.checkpoint.layout import complete_checkpoints
+
+    if config.checkpoint.load or config.checkpoint.load_hf or not (out / "metrics.jsonl").is_file():
+        return
+    if "RANK" in os.environ and os.environ["RANK"] != "0":
+        return
+    saved = complete_checkpoints(Path(config.checkpoint.save or out / "checkpoints"))
+    kept = f"; its checkpoints (up to {saved[-1].name}) stay, give --load {saved[-1].parent} to resume" if saved else ""
+    print(f"note: --out {out} holds an earlier run: this one starts at step 0 and replaces its metrics.jsonl{kept}",
+          file=sys.stderr)
 
 
 def _run_under_torchrun(config: Config, out: Path) -> int:
