@@ -3,6 +3,7 @@ import pytest
 
 from fivefold.config.load import load_config
 from fivefold.config.validate import ConfigError, validate
+from fivefold.errors import UserError
 
 CASES = [  # (words, world size, substring of the message)
     ("tp=3", 8, "TP*PP*CP = 3*1*1 = 3 must divide the world size 8"),
@@ -55,6 +56,10 @@ CASES = [  # (words, world size, substring of the message)
     ("eval_iters=-1", 8, "training.eval_iters=-1: must be >= 0"),
     ("save_interval=-1", 8, "checkpoint.save_interval=-1: must be >= 0"),
     ("max_documents=0", 8, "data.max_documents=0: must be >= 1"),
+    ("lr_decay_style=bogus", 8, "training.lr_decay_style='bogus': must be one of constant, linear, cosine"),
+    ("init_method_std=-1", 8, "model.init_method_std=-1.0: must be >= 0"),
+    ("hidden_dropout=1.5", 8, "model.hidden_dropout=1.5: must be a probability, in [0, 1]"),
+    ("attention_dropout=-0.1", 8, "model.attention_dropout=-0.1: must be a probability, in [0, 1]"),
     ("global_batch_size=12", 8, "micro_batch_size*DP = 1*8 = 8"),
     ("micro_batch_size=3 global_batch_size=16", 8, "micro_batch_size*DP = 3*8 = 24"),
     ("pipeline_schedule=zigzag", 8, "pipeline_schedule='zigzag': must be one of gpipe"),
@@ -158,3 +163,26 @@ def test_mla_has_no_kv_head_rule():
     assert "KV heads must be divisible by TP=4" in str(_problems(words, 8))
     loaded = load_config(None, words + ["multi_latent_attention=true"], world_size=8)
     validate(loaded.config, loaded.dialect)
+
+
+@pytest.mark.parametrize("words, said", [
+    ("--train-iters 10 --train-samples 100", "training.train_iters and training.train_samples are both given"),
+    ("--lr-warmup-fraction 0.1 --lr-warmup-iters 5", "training.lr_warmup_fraction and training.lr_warmup_iters"),
+    ("--train-samples 100 --lr-warmup-fraction 0.1 --lr-warmup-samples 5",
+     "training.lr_warmup_fraction and training.lr_warmup_samples")])
+def test_megatron_pairs_given_together_are_refused_as_megatron_asserts(words, said):
+    """Megatron-LM asserts one of --train-iters / --train-samples and of --lr-warmup-fraction /
+    --lr-warmup-iters (-samples); both were taken (the samples or the fraction silently won)."""
+    with pytest.raises(UserError, match=said):
+        load_config(None, words.split())
+    load_config(None, words.split()[:-2])  # without the second of the pair: taken
+
+
+def test_lr_decay_styles_megatron_has_but_the_runtime_does_not_are_not_implemented_yet():
+    from fivefold.errors import NotImplementedYet
+    from fivefold.train.supported import check_supported
+    for style in ("WSD", "inverse-square-root"):
+        loaded = load_config("examples/demo.yaml", [f"training.lr_decay_style={style}"])
+        validate(loaded.config, loaded.dialect)  # Megatron's choices: valid
+        with pytest.raises(NotImplementedYet, match="lr_decay_style"):
+            check_supported(loaded.config)

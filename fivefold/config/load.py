@@ -93,6 +93,13 @@ def load_config(path: str | None, words: list[str] = (), *, world_size: int | No
         raise UserError("training.step_batch_size_schedule and training.global_batch_size are both given (Megatron-LM "
                         "refuses --step-batch-size-schedule with --global-batch-size): drop --global-batch-size, the "
                         "schedule's last entry is the batch the run grows to")
+    for a, b, rule in (("train_iters", "train_samples", "runs for iterations or for samples"),
+                       ("lr_warmup_fraction", "lr_warmup_iters", "warms up for a share of the decay or for iterations"),
+                       ("lr_warmup_fraction", "lr_warmup_samples", "warms up for a share of the decay or for samples")):
+        given = [f"training.{x}" in explicit and getattr(config.training, x) not in (None, 0) for x in (a, b)]
+        if all(given):  # Megatron-LM asserts one of each pair
+            raise UserError(f"training.{a} and training.{b} are both given: a run {rule}, not both (Megatron-LM "
+                            f"asserts the same); drop one")
     if "--no-position-embedding" in switches and config.model.position_embedding_type != "rope":
         raise UserError("--no-position-embedding is deprecated in Megatron-LM and only accepted (and ignored) with "
                         "rope positions; for no position embedding give --position-embedding-type none")

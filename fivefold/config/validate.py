@@ -67,6 +67,8 @@ def validate(config: Config, dialect: str = "fivefold", *, raise_errors: bool = 
 
 
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
+"""Megatron-LM's --lr-decay-style choices (the runtime runs the first three: train.supported)."""
 OPTIMIZER_DTYPES = ("fp32", "bf16", "fp16", "fp8")
 """Megatron's --exp-avg-dtype / --exp-avg-sq-dtype choices."""
 
@@ -200,6 +202,8 @@ def _range_problems(config: Config) -> list[Problem]:
              "lr_warmup_samples=0"),
             ("training.lr_warmup_fraction", t.lr_warmup_fraction, none_or(t.lr_warmup_fraction, lambda v: 0 <= v <= 1),
              "must be in [0, 1], or unset", "lr_warmup_fraction=0.01"),
+            ("training.lr_decay_style", t.lr_decay_style, t.lr_decay_style in LR_DECAY_STYLES,
+             f"must be one of {', '.join(LR_DECAY_STYLES)} (Megatron-LM's --lr-decay-style)", "lr_decay_style=cosine"),
             ("training.lr_decay_iters", t.lr_decay_iters, none_or(t.lr_decay_iters, lambda v: v >= 1),
              "must be >= 1 (Megatron asserts decay steps > 0), or unset for train_iters", "lr_decay_iters=10"),
             ("training.weight_decay", t.weight_decay, t.weight_decay >= 0, "must be >= 0", "weight_decay=0.01"),
@@ -207,6 +211,12 @@ def _range_problems(config: Config) -> list[Problem]:
             ("training.adam_beta2", t.adam_beta2, 0 <= t.adam_beta2 < 1, "must be in [0, 1)", "adam_beta2=0.95"),
             ("training.adam_eps", t.adam_eps, t.adam_eps >= 0, "must be >= 0", "adam_eps=1e-8"),
             ("training.clip_grad", t.clip_grad, t.clip_grad >= 0, "must be >= 0 (0: no clipping)", "clip_grad=1.0"),
+            ("model.init_method_std", config.model.init_method_std, config.model.init_method_std >= 0,
+             "must be >= 0", "init_method_std=0.02"),
+            ("model.hidden_dropout", config.model.hidden_dropout, 0 <= config.model.hidden_dropout <= 1,
+             "must be a probability, in [0, 1]", "hidden_dropout=0"),
+            ("model.attention_dropout", config.model.attention_dropout, 0 <= config.model.attention_dropout <= 1,
+             "must be a probability, in [0, 1]", "attention_dropout=0"),
             ("training.seed", t.seed, t.seed >= 0, "must be >= 0 (numpy's generators take no negative seed)",
              "seed=1234"),
             ("training.eval_interval", t.eval_interval, none_or(t.eval_interval, lambda v: v >= 0),

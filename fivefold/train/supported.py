@@ -14,6 +14,7 @@ from fivefold.config.pipeline_layout import parse_layout
 from fivefold.config.schema import Config
 from fivefold.data.tokenizer import TYPES as TOKENIZER_TYPES
 from fivefold.errors import NotImplementedYet
+from fivefold.train.schedule import DECAY_STYLES
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,8 @@ RUNTIME_KNOBS: list[Knob] = [
          "sinkhorn load balancing (aux_loss, seq_aux_loss and none run)"),
     Knob("training.precision", _is("fp32", "bf16", "fp16"), "fp8 (the planner models it; the runtime trains fp32, bf16, fp16)"),
     Knob("training.optimizer", _is("adamw"), "optimizers other than adamw"),
+    Knob("training.lr_decay_style", _is(*DECAY_STYLES), "LR decay styles other than cosine, linear and constant "
+         "(Megatron's inverse-square-root and WSD)"),
     Knob("training.recompute_modules", lambda v: v is None or list(v) == ["core_attn"],
          "selective recompute of modules other than core_attn (the planner models Megatron's modules; the runtime "
          "recomputes the attention core)"),
