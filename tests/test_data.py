@@ -138,3 +138,19 @@ def test_token_file_is_memory_mapped_and_split_by_position(tmp_path):
     assert isinstance(train.tokens, np.memmap) and len(train.tokens) == 900 and held.tokens[0] == 900
     with pytest.raises(UserError, match="packing=false"):
         DocumentDataset(train, 8)
+
+
+def test_token_ids_outside_the_vocabulary_are_refused_before_training(tmp_path):
+    """A token file's ids must index the embedding: one too large was refused; a negative one (a signed
+    .npy) trained without a word before."""
+    from fivefold.cli.train import prepare
+    from fivefold.config.load import load_config
+
+    for bad, said in ((-5, "holds token id -5; token ids are >= 0"),
+                      (300, "holds token id 300 >= model.vocab_size=256")):
+        ids = (np.arange(40_000) % 200).astype(np.int64)
+        ids[100] = bad
+        np.save(tmp_path / f"ids{bad}.npy", ids)
+        cfg = load_config("examples/demo.yaml", [f"data.path={tmp_path / f'ids{bad}.npy'}"]).config
+        with pytest.raises(UserError, match=said):
+            prepare(cfg, tmp_path / f"out{bad}")

@@ -83,6 +83,9 @@ def prepare(config: Config, out: Path) -> Path:
     data_dir = prepare_data(config.data, tok, out / "data", t.seed, mock_tokens=mock, vocab_size=config.model.vocab_size)
     meta = data_meta(data_dir)
     if meta["kind"] in ("tokens", "indexed", "mock"):
+        if meta.get("min_id", 0) < 0:  # (a signed .npy or int32 corpus: an embedding row that does not exist)
+            raise UserError(f"{config.data.path}: holds token id {meta['min_id']}; token ids are >= 0 (check the file "
+                            "and data.token_dtype)")
         if meta["max_id"] >= config.model.vocab_size:
             raise UserError(f"{config.data.path}: holds token id {meta['max_id']} >= model.vocab_size="
                             f"{config.model.vocab_size} (set model.vocab_size={meta['max_id'] + 1} or more)")

@@ -90,12 +90,13 @@ def prepare_data(data: DataConfig, tokenizer: ByteTokenizer | HFTokenizer, cache
     if kind == "tokens":
         stream = load_token_file(str(Path(data.path).resolve()), data.token_dtype)
         meta.update(source=str(Path(data.path).resolve()), dtype=data.token_dtype, num_tokens=int(len(stream)),
-                    max_id=int(stream.max()) if len(stream) else 0)
+                    max_id=int(stream.max()) if len(stream) else 0, min_id=int(stream.min()) if len(stream) else 0)
     elif kind == "mock":  # `mock_tokens` (train, eval) tokens of the model's vocabulary, made by every rank
         meta.update(vocab_size=vocab_size, split=_split_of(data), tokens=list(mock_tokens), max_id=vocab_size - 1)
     elif kind == "indexed":
         meta.update(sources=[_indexed_source(weight, prefix, data) for weight, prefix in parse_blend(data.path)])
-        meta.update(max_id=max(src["max_id"] for src in meta["sources"]))
+        meta.update(max_id=max(src["max_id"] for src in meta["sources"]),
+                    min_id=min(src["min_id"] for src in meta["sources"]))
     else:
         docs = [tokenizer.encode(text) for text in read_documents(data.path, data.format, data.jsonl_field,
                                                                   data.max_documents)]
@@ -117,7 +118,8 @@ def _indexed_source(weight: float, prefix: str, data: DataConfig) -> dict:
     corpus = open_corpus(prefix)
     train, valid, _ = split_ranges(_split_of(data), len(corpus.starts) - 1)
     return {"weight": weight, "prefix": str(Path(prefix).resolve()), "train": train, "eval": valid,
-            "max_id": int(max((chunk.max() for chunk in _chunks(corpus.tokens)), default=0))}
+            "max_id": int(max((chunk.max() for chunk in _chunks(corpus.tokens)), default=0)),
+            "min_id": int(min((chunk.min() for chunk in _chunks(corpus.tokens)), default=0))}
 
 
 def _split_of(data: DataConfig) -> str:
