@@ -139,3 +139,20 @@ def test_one_node_may_use_part_of_its_gpus_several_nodes_are_filled(tmp_path):
     two.write_text("cluster:\n  num_nodes: 2\n  gpus_per_node: 8\n  world_size: 2\n")
     with pytest.raises(UserError, match="give one: world_size=16"):
         load_config(two, [])
+
+
+def test_a_key_given_twice_in_a_yaml_is_refused_naming_both_lines(tmp_path):
+    """PyYAML keeps the last of two equal keys silently: a second `training:` section replaced the first
+    whole (its lr gone), a repeated `lr:` took the later one. Refused naming the key and both lines, as
+    OmegaConf (Megatron-Bridge, RLinf, SkyRL) refuses it; a key merged in with `<<` may be overridden."""
+    f = tmp_path / "c.yaml"
+    for text, key, first, again in (("training:\n  lr: 1.0e-3\n  train_iters: 5\n  lr: 1.0e-2\n", "lr", 2, 4),
+                                    ("training:\n  lr: 1.0e-3\nmodel:\n  num_layers: 2\ntraining:\n  train_iters: 5\n",
+                                     "training", 1, 5)):
+        f.write_text(text)
+        said = rf"found the key '{key}' again \(first on line {first}\)(.|\n)*line {again}"
+        with pytest.raises(UserError, match=said):
+            load_config(str(f))
+    f.write_text("defaults: &d {lr: 1.0e-3, train_iters: 5}\ntraining:\n  <<: *d\n  lr: 1.0e-2\n")
+    from fivefold.config.load import parse_yaml
+    assert parse_yaml(f)["training"] == {"lr": 1.0e-2, "train_iters": 5}

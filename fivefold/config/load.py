@@ -240,6 +240,30 @@ def _nesting(text: str) -> int:
     return max(deepest, indent // 2)
 
 
+class _UniqueKeys(yaml.SafeLoader):
+    """yaml.SafeLoader refusing a key given twice in one mapping: PyYAML keeps the last one silently (a
+    second `training:` section replaced the first whole); OmegaConf, which Megatron-Bridge, RLinf and
+    SkyRL read their YAML with, refuses it too. Keys merged in with `<<` may be overridden."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen: dict = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=deep)
+                try:
+                    first = seen.setdefault(key, key_node.start_mark.line + 1)
+                except TypeError:  # an unhashable key: SafeLoader's own message
+                    break
+                if first != key_node.start_mark.line + 1:
+                    raise yaml.constructor.ConstructorError(
+                        "while reading a mapping", node.start_mark,
+                        f"found the key {key!r} again (first on line {first}): give each key once",
+                        key_node.start_mark)
+        return super().construct_mapping(node, deep=deep)
+
+
 def parse_yaml(p: Path, text: str | None = None) -> dict | None:
     """The YAML config file `p` (or its `text`, already read) as a mapping of sections, None when empty;
     UserError naming what is wrong (not UTF-8, not YAML, nested too deep, not a mapping)."""
@@ -247,7 +271,7 @@ def parse_yaml(p: Path, text: str | None = None) -> dict | None:
     if _nesting(text) > MAX_DEPTH:
         raise UserError(f"{p}: nested deeper than {MAX_DEPTH} levels; a config is a few sections of keys")
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_UniqueKeys)  # noqa: S506 (a SafeLoader)
     except yaml.YAMLError as e:
         raise UserError(f"{p}: not valid YAML: {e}") from None
     except (ValueError, RecursionError) as e:  # an integer of > 4300 digits; nesting deeper than Python's stack
