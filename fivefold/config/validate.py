@@ -227,9 +227,21 @@ def _range_problems(config: Config) -> list[Problem]:
              none_or(config.checkpoint.save_interval, lambda v: v >= 0),
              "must be >= 0 (0 or unset: save at the end only)", "save_interval=0"),
             ("data.max_documents", d.max_documents, none_or(d.max_documents, lambda v: v >= 1),
-             "must be >= 1, or unset for all", "max_documents=1000")):
+             "must be >= 1, or unset for all", "max_documents=1000"),
+            ("data.eval_fraction", d.eval_fraction, 0 <= d.eval_fraction < 1,
+             "must be a share of the documents, in [0, 1)", "eval_fraction=0.05"),
+            ("model.norm_epsilon", config.model.norm_epsilon, config.model.norm_epsilon > 0, "must be > 0",
+             "norm_epsilon=1e-5"),
+            ("model.rotary_base", config.model.rotary_base, config.model.rotary_base > 0, "must be > 0",
+             "rotary_base=10000")):
         if not ok:
             out.append(Problem(field, value, rule, fix))
+    if d.split is not None:  # Megatron's --split, read as the data loader reads it
+        from fivefold.data.indexed import split_ranges
+        try:
+            split_ranges(d.split, 100)
+        except UserError as e:
+            out.append(Problem("data.split", d.split, str(e).split(": ", 1)[1], "split=969,30,1"))
     return out
 
 
