@@ -11,6 +11,7 @@ from math import inf
 from fivefold.config.fixes import first_that_holds, search
 from fivefold.config.rules import KNOB_FIELDS, adjust, dp_of, errors, sizes_of
 from fivefold.config.schema import DEVICES, FP8_FORMATS, FP8_RECIPES, Config
+from fivefold.data.indexed import split_problem
 from fivefold.errors import UserError
 from fivefold.train.batch_sizes import BatchSizes
 from fivefold.topology import Layout
@@ -236,12 +237,8 @@ def _range_problems(config: Config) -> list[Problem]:
              "rotary_base=10000")):
         if not ok:
             out.append(Problem(field, value, rule, fix))
-    if d.split is not None:  # Megatron's --split, read as the data loader reads it
-        from fivefold.data.indexed import split_ranges
-        try:
-            split_ranges(d.split, 100)
-        except UserError as e:
-            out.append(Problem("data.split", d.split, str(e).split(": ", 1)[1], "split=969,30,1"))
+    if d.split is not None and split_problem(d.split):  # Megatron's --split, as the data loader reads it
+        out.append(Problem("data.split", d.split, split_problem(d.split), "split=969,30,1"))
     return out
 
 

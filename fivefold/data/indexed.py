@@ -126,16 +126,24 @@ def open_corpus(prefix: str) -> Corpus:
     return Corpus(prefix, tokens, starts)
 
 
-def split_ranges(split: str, n: int) -> list[tuple[int, int]]:
-    """Megatron's `--split` over n sequences: [(begin, end)] for train, validation, test."""
+def split_problem(split: str) -> str | None:
+    """Why `split` is not Megatron's `--split` (up to three non-negative proportions), or None."""
     try:
         weights = [float(w) for w in split.replace(",", " ").replace("/", " ").split()]
     except ValueError:
-        raise UserError(f"data.split={split!r}: give comma-separated proportions, e.g. 969,30,1") from None
-    weights += [0.0] * (3 - len(weights))
+        return "give comma-separated proportions, e.g. 969,30,1"
     if len(weights) > 3 or any(w < 0 for w in weights) or sum(weights) <= 0:
-        raise UserError(f"data.split={split!r}: give up to three non-negative proportions (train, validation, "
-                        "test), e.g. 969,30,1")
+        return "give up to three non-negative proportions (train, validation, test), e.g. 969,30,1"
+    return None
+
+
+def split_ranges(split: str, n: int) -> list[tuple[int, int]]:
+    """Megatron's `--split` over n sequences: [(begin, end)] for train, validation, test."""
+    problem = split_problem(split)
+    if problem:
+        raise UserError(f"data.split={split!r}: {problem}")
+    weights = [float(w) for w in split.replace(",", " ").replace("/", " ").split()]
+    weights += [0.0] * (3 - len(weights))
     bounds = np.concatenate([[0.0], np.cumsum(np.array(weights) / sum(weights))])
     cut = [int(round(b * n)) for b in bounds]
     return [(cut[i], cut[i + 1]) for i in range(3)]
