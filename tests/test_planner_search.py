@@ -412,6 +412,34 @@ def test_search_caches_give_the_uncached_result(name, gpus, schedules):
         assert evaluate(cfg, hw, check=False).problem == why
 
 
+def test_peak_memory_under_optimizer_scratch_sizes_only_ranks_that_can_hold_the_most():
+    """Under traits with optimizer scratch (our eager runtime's, `plan`'s default profile) the scratch
+    shrinks as activations grow, so a rank another of its shape covers is left out only where that
+    rank's activations exceed its optimizer step's peak (`_Ranks.sized`): the peak is still the rank
+    and the bytes of max(memory_per_rank), for every layout sized, fitting or not, both where the
+    pruning left ranks out and where a covering rank's peak was the optimizer step."""
+    from fivefold.planner import memory
+    from fivefold.planner.layout import Plan
+    from fivefold.planner.runtime import profile
+    rt = profile("fivefold")
+    assert rt.memory.traits.optimizer_scratch_bytes
+    result = search(model_preset("llama3-70b").model, hardware("h100-sxm"), 64, 8, 4096, 256, space=rt.space(),
+                    mem=rt.memory, ta=rt.time)
+    sized = [c.config for c in result.ranked] + [cfg for cfg, why in result.dropped
+                                                 if why.startswith("needs") and "model state" not in why]
+    left_out = stepped = 0
+    for cfg in sized[::4]:
+        plan = Plan(cfg)
+        ranks = memory._Ranks(plan, rt.memory)
+        every = [ranks.memory(r) for r in range(plan.pp)]
+        assert memory.peak_memory(plan, rt.memory) == max(every, key=lambda r: r.total)
+        some = memory._Ranks(plan, rt.memory).sized()
+        left_out += plan.pp - len(some)
+        covering = {by for by in ranks.coverers() if by is not None}
+        stepped += any(every[r].scratch > 0 for r in covering)
+    assert left_out and stepped
+
+
 def test_compare_places_a_named_layout_in_the_ranking(capsys):
     """`plan --compare`: the top choice's own label ranks 1; a 61-layer model on PP8 x VPP4 (no even,
     account-for or first/last split) takes Megatron's per-stage list; bad words and DP are refused."""

@@ -70,6 +70,10 @@ CPU_EAGER = MemoryAssumptions(allocator_overhead=0.0, runtime_reserve=0.0, trait
 """Our runtime on CPU in fp32: tensor bytes only (the CPU allocator does not cache blocks, and there
 is no device context), the eager implementation's saved tensors (`EAGER_TRAITS`)."""
 
+STEP_MARGIN = 1e-9
+"""Share of a rank's total by which its activations must exceed its optimizer step's peak for
+`_Ranks.sized` to leave out the ranks it covers: the totals' float rounding is ~1e-15 of them."""
+
 
 @dataclass
 class RankMemory:
@@ -410,6 +414,8 @@ class _Ranks:
                             state_bytes_per_param(training, plan.precision, plan.edp))
         self.prec = Precision.of(training, plan.precision)
         self.mode = training.sharding_strategy
+        self.step_peak: dict[int, float] = {}
+        """Per rank sized, the most its optimizer step holds beyond the model state."""
         self._fixed()
 
     def _fixed(self) -> None:
@@ -491,25 +497,44 @@ class _Ranks:
         next_loss = logit_held + differentiated + (1 + lookup) * grad
         return states + max(summed, next_loss), waiting
 
-    def candidates(self) -> list[int]:
-        """The ranks that can hold the most memory, ascending: a rank is left out when an earlier rank
-        of the same shape holds at least as many microbatches in flight and pending W, so it never
-        exceeds it (every term of the total is non-decreasing in those, also after float rounding;
-        not so with optimizer scratch, which shrinks as activations grow: then every rank is kept)."""
-        if self.assume.traits.optimizer_scratch_bytes:
-            return list(range(self.plan.pp))
-        return self.plan.cached(("peak candidates", self.plan.microbatches), self._candidates)
+    def sized(self) -> list[RankMemory]:
+        """Every rank that can hold the most, sized, in rank order. A rank is left out when an earlier
+        rank of its shape holds at least as many microbatches in flight and pending W at every moment
+        (`coverers`): every term of the total is then no larger, also after float rounding. The
+        optimizer's scratch is the exception: it shrinks as activations grow, so a rank under such
+        traits is left out only where its coverer's activations exceed its optimizer step's peak by
+        more than any rounding (`STEP_MARGIN`): the left-out rank's total, its activations' or its
+        step's peak beside the same model state, is then below the coverer's."""
+        scratch = self.assume.traits.optimizer_scratch_bytes
+        out: list[RankMemory] = []
+        sized: dict[int, RankMemory] = {}
+        for r, by in enumerate(self.coverers()):
+            if by is not None and (not scratch or self._above_step(sized[by])):
+                continue
+            sized[r] = self.memory(r)
+            out.append(sized[r])
+        return out
 
-    def _candidates(self) -> list[int]:
+    def _above_step(self, rm: RankMemory) -> bool:
+        """Whether rank `rm.rank`'s activations exceed its optimizer step's peak by `STEP_MARGIN`."""
+        held = rm.activations + rm.logits + rm.buffers
+        return held - self.step_peak[rm.rank] > STEP_MARGIN * rm.total
+
+    def coverers(self) -> tuple[int | None, ...]:
+        """Per rank, None where it can hold the most, else the earlier rank of its shape whose moments
+        cover its own: every moment of this rank is matched or exceeded, in every count, by one of that
+        rank's."""
+        return self.plan.cached(("peak coverers", self.plan.microbatches), self._coverers)
+
+    def _coverers(self) -> tuple[int | None, ...]:
         prof, out, best = self.prof, [], {}
         for r, shape in enumerate(self.shapes):
             moments = prof.moments[r]
             earlier = best.setdefault(shape, [])
-            if any(all(_covers(e, m) for e, m in zip(other, moments)) for other in earlier):
-                continue
-            earlier.append(moments)
-            out.append(r)
-        return out
+            out.append(next((e for e, other in earlier if all(_covers(o, m) for o, m in zip(other, moments))), None))
+            if out[-1] is None:
+                earlier.append((r, moments))
+        return tuple(out)
 
     def memory(self, r: int) -> RankMemory:
         plan, prof, assume = self.plan, self.prof, self.assume
@@ -581,7 +606,8 @@ class _Ranks:
             units = (max(layer, end) if self.mode == "optim_grads_params" else 0.0,
                      expert_bucket(plan, r, self.prec.state_bytes(1, "no_shard")[0]))
         phase = optimizer_phase(plan, dense, expert, largest, traits, self.prec, released, units)
-        rm.scratch = max(0.0, max(phase, self.tied_embedding_backward(r)) - (rm.activations + rm.logits + rm.buffers))
+        self.step_peak[r] = max(phase, self.tied_embedding_backward(r))
+        rm.scratch = max(0.0, self.step_peak[r] - (rm.activations + rm.logits + rm.buffers))
         tensors = rm.weights + rm.grads + rm.optimizer + rm.activations + rm.logits + rm.buffers + rm.scratch
         rm.overhead = assume.allocator_overhead * tensors
         rm.reserve = assume.runtime_reserve
@@ -697,5 +723,4 @@ def peak_memory(plan: Plan, assume: MemoryAssumptions = MemoryAssumptions()) -> 
     The CP exchange is read only as whether it gathers K and V (`Plan.cp_gathers_kv`): a layout's p2p
     and a2a twins hold the same, and the search sizes one for both (`search.cp_twin`;
     tests/test_planner_search.py: the search equals the exhaustive one, which sizes each)."""
-    ranks = _Ranks(plan, assume)
-    return max((ranks.memory(r) for r in ranks.candidates()), key=lambda r: r.total)
+    return max(_Ranks(plan, assume).sized(), key=lambda r: r.total)
