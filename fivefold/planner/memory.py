@@ -43,6 +43,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from functools import lru_cache
+from typing import NamedTuple
 
 from fivefold.config.schema import TrainingConfig
 from fivefold.parallel.precision import DEFAULT_BUCKET_BYTES, Precision
@@ -542,14 +543,9 @@ class _Ranks:
         rm = RankMemory(rank=r)
         detail, per_mb, transient, joins, bwd, offloaded, last = _layers(plan, self.shapes[r][0], r, self.sh, traits,
                                                                           plan.cp_gathers_kv, prof.defers_weights)
-        dense, expert = rank_params(plan, r)
-        rm.params = dense + expert
-        rm.weights, rm.grads, rm.optimizer = model_state(plan, r, dense, expert, self.state_bytes, self.prec,
-                                                          self.mode)
-        if traits.fp8_weight_cache and plan.precision == "fp8":
-            rm.weights += fp8_weight_cache(plan, r)
-        if traits.fsdp_root_whole and self.mode == "optim_grads_params" and plan.reduce_every_microbatch:
-            rm.weights += root_params(plan, r) * self.prec.state_bytes(1, "no_shard")[0]
+        state = self.state(r)
+        dense, expert = state.dense, state.expert
+        rm.params, rm.weights, rm.grads, rm.optimizer = dense + expert, state.weights, state.grads, state.optimizer
         rm.detail = detail  # shared with the cache: read only
         rm.inflight = prof.inflight_microbatches(r)
         if r == plan.last_rank:
@@ -597,6 +593,31 @@ class _Ranks:
         if r == plan.last_rank and at_loss > in_layer + rm.buffers:
             rm.buffers, in_layer = 0.0, at_loss
         rm.activations = max(at_loss, in_layer) - rm.logits
+        self.step_peak[r] = state.step_peak
+        rm.scratch = max(0.0, state.step_peak - (rm.activations + rm.logits + rm.buffers))
+        tensors = rm.weights + rm.grads + rm.optimizer + rm.activations + rm.logits + rm.buffers + rm.scratch
+        rm.overhead = assume.allocator_overhead * tensors
+        rm.reserve = assume.runtime_reserve
+        return rm
+
+    def state(self, r: int) -> "_RankState":
+        """Rank r's model state and optimizer step, kept with the layer split (`Plan.cached`) under
+        everything else they read: the search sizes each rank under several micro-batches, recompute
+        modes and CP exchanges of one layout, and one split under many layouts."""
+        plan, t = self.plan, self.plan.config.training
+        key = ("rank state", r, plan.tp, plan.etp, plan.ep, plan.dp, plan.cp, plan.edp, plan.instances,
+               plan.reduce_every_microbatch, plan.precision, self.prec, self.mode, self.assume.traits, t.fp8_recipe,
+               t.fp8_param_gather)
+        return plan.cached(key, lambda: self._state(r))
+
+    def _state(self, r: int) -> "_RankState":
+        plan, traits = self.plan, self.assume.traits
+        dense, expert = rank_params(plan, r)
+        weights, grads, optimizer = model_state(plan, r, dense, expert, self.state_bytes, self.prec, self.mode)
+        if traits.fp8_weight_cache and plan.precision == "fp8":
+            weights += fp8_weight_cache(plan, r)
+        if traits.fsdp_root_whole and self.mode == "optim_grads_params" and plan.reduce_every_microbatch:
+            weights += root_params(plan, r) * self.prec.state_bytes(1, "no_shard")[0]
         largest = (largest_main(plan, r, self.prec.state_bytes(1, "no_shard")[0])
                    if traits.optimizer_scratch_bytes else (0.0, 0.0))  # read only with scratch
         released = whole_for_step(plan, r, dense + expert, self.prec, self.mode)
@@ -606,12 +627,7 @@ class _Ranks:
             units = (max(layer, end) if self.mode == "optim_grads_params" else 0.0,
                      expert_bucket(plan, r, self.prec.state_bytes(1, "no_shard")[0]))
         phase = optimizer_phase(plan, dense, expert, largest, traits, self.prec, released, units)
-        self.step_peak[r] = max(phase, self.tied_embedding_backward(r))
-        rm.scratch = max(0.0, self.step_peak[r] - (rm.activations + rm.logits + rm.buffers))
-        tensors = rm.weights + rm.grads + rm.optimizer + rm.activations + rm.logits + rm.buffers + rm.scratch
-        rm.overhead = assume.allocator_overhead * tensors
-        rm.reserve = assume.runtime_reserve
-        return rm
+        return _RankState(dense, expert, weights, grads, optimizer, max(phase, self.tied_embedding_backward(r)))
 
     def tied_embedding_backward(self, r: int) -> float:
         """Bytes beyond the model state at the embedding's backward, the end of backward on a rank
@@ -629,6 +645,18 @@ class _Ranks:
             layer, end, _ = zero3_units(plan, r)
             held += end * weight + layer * grad * (1 + 1 / (plan.dp * plan.cp))
         return held
+
+
+class _RankState(NamedTuple):
+    """What a pipeline rank holds whatever its activations (`_Ranks.state`): its dense and expert
+    parameters, their weights', gradients' and optimizer's bytes, and the most its optimizer step holds
+    beyond them (the step's temporaries or gathers, or a tied embedding's backward)."""
+    dense: float
+    expert: float
+    weights: float
+    grads: float
+    optimizer: float
+    step_peak: float
 
 
 def _held(front: Front, v: int, per_mb: float, offloaded: float, joins: float, loss_state: float,
