@@ -97,6 +97,24 @@ def test_cli_output_files(tmp_path, capsys):
     assert f"--plot {blocker / 'm.png'}: cannot write it" in capsys.readouterr().err
 
 
+def test_cli_csv_replaces_only_a_schedule_it_wrote(tmp_path, capsys):
+    """`schedule --csv FILE` names the file to write: a config or a hand-written schedule there (a user
+    who meant --load-csv) is refused before any work and left as it was (it used to be overwritten
+    with the generated schedule); a schedule CSV the command wrote before is replaced, as a rerun."""
+    config, hand = tmp_path / "demo.yaml", tmp_path / "hand.csv"
+    config.write_text("model:\n  num_layers: 2\n")
+    hand.write_text(EXAMPLE.read_text())
+    for path in (config, hand, tmp_path):
+        before = path.read_text() if path.is_file() else None
+        assert main(["schedule", "--pp", "2", "--microbatches", "4", "--csv", str(path)]) == 2
+        assert f"--csv {path}: a" in capsys.readouterr().err
+        assert (path.read_text() if path.is_file() else None) == before
+    written = tmp_path / "s.csv"
+    assert main(["schedule", "--pp", "2", "--microbatches", "4", "--csv", str(written)]) == 0
+    assert main(["schedule", "--pp", "3", "--microbatches", "4", "--csv", str(written)]) == 0
+    assert len(load_csv(written).ranks) == 3
+
+
 def test_cli_output_folders(tmp_path, capsys):
     """A command's output folder (`train --out`, `rl --out`, `plot --out`, export's OUT_DIR) is made
     before any work or rank starts; where it cannot be (a file in the way), one line and exit 2."""

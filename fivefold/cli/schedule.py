@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from fivefold.cli._outputs import picture_file, writing
 from fivefold.errors import UserError
-from fivefold.pipeline.csvio import load_csv, save_csv
+from fivefold.pipeline.csvio import load_csv, replaceable, save_csv
 from fivefold.pipeline.lowering import lower
 from fivefold.pipeline.render import draw_png, summary, text_timeline
 from fivefold.pipeline.schedules import REGISTRY, build_schedule
@@ -52,6 +53,10 @@ at most: about linear in them, 131k took 27 s on the 2-core machine (PP 128 x 10
 
 
 def run(args: argparse.Namespace, extra: list[str]) -> int:
+    if args.csv and not replaceable(args.csv):
+        there = "a folder" if Path(args.csv).is_dir() else "a file this command did not write (a hand-written schedule?)"
+        raise UserError(f"--csv {args.csv}: {there} is there; --csv names a new file to write the schedule to "
+                        "(or one it wrote before): give another name, or --load-csv to read a schedule")
     if args.load_csv:
         schedule = lower(load_csv(args.load_csv))
     else:

@@ -16,9 +16,13 @@ from fivefold.errors import UserError
 from fivefold.pipeline.ir import Schedule, parse_action
 
 
+WRITTEN = "# fivefold pipeline schedule "
+"""How a schedule CSV this module writes begins (`dumps`): what `replaceable` looks for."""
+
+
 def dumps(schedule: Schedule) -> str:
     out = io.StringIO()
-    out.write(f"# fivefold pipeline schedule {schedule.name}: one row per rank\n")
+    out.write(f"{WRITTEN}{schedule.name}: one row per rank\n")
     writer = csv.writer(out, lineterminator="\n")
     for acts in schedule.ranks:
         writer.writerow([str(a) for a in acts])
@@ -53,6 +57,19 @@ def loads(text: str, name: str = "csv") -> Schedule:
     mbs = [p.mb for acts in rows for a in acts for p in a.pieces()]
     placement = tuple(owner[s] for s in range(num_stages))
     return Schedule(name, tuple(tuple(a) for a in rows), placement, max(mbs) + 1)
+
+
+def replaceable(path: str | Path) -> bool:
+    """Whether writing a schedule CSV to `path` loses nothing: no file is there, or one this module
+    wrote (its first line `WRITTEN`), not a hand-written schedule or another file named by mistake."""
+    path = Path(path)
+    if not path.exists():
+        return True
+    try:
+        with path.open(encoding="utf-8") as f:
+            return path.is_file() and f.readline().startswith(WRITTEN)
+    except (OSError, UnicodeDecodeError):
+        return False
 
 
 def save_csv(schedule: Schedule, path: str | Path) -> None:
