@@ -112,11 +112,24 @@ def test_the_token_dispatcher_is_megatrons():
     (["parallel.tensor_model_paralel_size=2"], "parallel.tensor_model_parallel_size"),
     (["model.hidden_sise=8"], "model.hidden_size"),
     (["parallel.num_layers=4"], "model.num_layers"),
+    (["parallel.tp=2"], "parallel.tensor_model_parallel_size, or tp alone"),  # a short name under a section
+    (["model.ep=2"], "parallel.expert_model_parallel_size, or ep alone"),
 ])
 def test_unknown_keys_suggest_the_right_one(words, hint):
     with pytest.raises(UserError, match="did you mean") as e:
         load_config(None, words)
     assert hint in str(e.value)
+
+
+def test_a_section_given_a_value_is_named_as_a_section(tmp_path):
+    """`parallel=3` or a YAML `parallel: 3` / a list: the section named as one, with how to give its
+    fields (it said "unknown config key 'parallel' (did you mean parallel.order?)")."""
+    listed = tmp_path / "c.yaml"
+    listed.write_text("model:\n  - 1\n")
+    for config, words in ((None, ["parallel=3"]), (listed, [])):
+        with pytest.raises(UserError, match="is a section, not a value: give its fields") as e:
+            load_config(config, words)
+        assert "did you mean" not in str(e.value)
 
 
 def test_validate_lists_every_problem_with_a_fix():

@@ -15,7 +15,7 @@ to `parallel`.
 """
 from __future__ import annotations
 
-from fivefold.config.fields import ALIASES, SECTION_OF, TYPES, did_you_mean
+from fivefold.config.fields import ALIASES, SECTION_OF, SECTIONS, TYPES, did_you_mean
 from fivefold.errors import UserError
 
 FIVEFOLD, RLINF, SKYRL, BRIDGE, MEGATRON, AREAL = (
@@ -59,10 +59,16 @@ def route(key: str) -> tuple[str, str]:
         choices = [k for k in TYPES if k.startswith(section + ".")]
         if name in SECTION_OF:  # the right field in another section: say where it lives
             raise UserError(f"unknown config key {key!r} (did you mean {SECTION_OF[name]}.{name}?)")
+        if name in ALIASES:  # a short name under a section: the field it stands for
+            raise UserError(f"unknown config key {key!r} (did you mean {ALIASES[name]}, or {name} alone?)")
         raise UserError(f"unknown config key {key!r}{did_you_mean(key, choices)}")
     if not section or "." not in key:
         if key in SECTION_OF:
             return FIVEFOLD, f"{SECTION_OF[key]}.{key}"
+        if key in SECTIONS:
+            field = next(k for k in TYPES if k.startswith(key + "."))
+            raise UserError(f"config key {key!r} is a section, not a value: give its fields, as words "
+                            f"({field}=...) or in YAML as a mapping under {key}:")
     known = list(TYPES) + list(ALIASES) + [p + "<field>" for p, _ in _PREFIXES]
     raise UserError(f"unknown config key {key!r}{did_you_mean(key, known)}")
 
