@@ -2,6 +2,8 @@
 effect here (listed by `validate`), not built (all refused at once), or unknown."""
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from fivefold.config.load import load_config
@@ -68,6 +70,19 @@ def test_llama3_8b_fp8_script_refuses_only_what_is_not_built():
     without = load_config(None, [w for w in kept if w not in drop_values | {"--fp8-format", "hybrid"}])
     with pytest.raises(UserError, match="fp8 primary weights need fp8 training"):
         validate(without.config)
+
+
+@pytest.mark.parametrize("flag, hint", [
+    ("--tp", "did you mean --tensor-model-parallel-size, or tp=N?"),
+    ("--vpp", "did you mean --virtual-pipeline-model-parallel-size, or vpp=N?"),
+    ("--sp", "did you mean --sequence-parallel, or sp=true?"),
+    ("--dp", "data parallelism is what the world size leaves"),
+])
+def test_short_layout_names_given_as_flags_suggest_megatrons(flag, hint):
+    """fivefold's short names (tp=2) given as flags (--tp 2, as `layout` takes them) name Megatron's flag
+    and the word (they suggested --sft or --mtp-hsm); --dp, which no Megatron flag sets, says why."""
+    with pytest.raises(UserError, match=re.escape(hint)):
+        parse_flags([flag, "2"])
 
 
 def test_unknown_and_unbuilt_flags_are_reported_together():

@@ -304,9 +304,16 @@ def parse_flags(words: list[str]) -> tuple[list[tuple[str, str | None, object]],
 
 def _classify(name: str, values: list[str], unknown: list[str], not_built: list[str], notes: list[str]) -> None:
     """A flag that maps to no field: no effect here (noted), not built, or not Megatron-LM's."""
-    from fivefold.config.fields import did_you_mean
+    from fivefold.config.fields import ALIASES, TYPES, did_you_mean
 
-    if name not in SURFACE:
+    short = ALIASES.get(name[2:])
+    if short and name not in SURFACE:  # --tp: fivefold's short name as a flag; the flag of its field
+        flag = next(f for f, spec in FLAGS.items() if spec.field == short)
+        unknown.append(f"{name} (did you mean {flag}, or {name[2:]}={'true' if 'bool' in TYPES[short] else 'N'}?)")
+    elif name in ("--dp", "--data-parallel-size"):
+        unknown.append(f"{name} (data parallelism is what the world size leaves, world / (TP x CP x PP): "
+                       "give the world size instead)")
+    elif name not in SURFACE:
         unknown.append(f"{name}{did_you_mean(name, list(dict.fromkeys([*FLAGS, *SURFACE])))}")
     elif name in VALUE_OK:
         allowed, why = VALUE_OK[name]
