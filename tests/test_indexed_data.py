@@ -108,6 +108,35 @@ def test_preprocess_then_train_through_data_path(tmp_path, capsys):
     assert sorted(result.losses) == [0, 1] and all(np.isfinite(list(result.losses.values())))
 
 
+def test_preprocess_stopped_by_bad_input_leaves_the_earlier_dataset_whole(tmp_path, capsys):
+    """A rerun of `preprocess` into the same --output-prefix that meets a bad record (or is stopped)
+    leaves the earlier PREFIX_text_document.bin/.idx as they were: the new files are written under
+    another name and renamed over them once complete (the .bin used to be truncated at the start and
+    left beside the old .idx). The message names preprocess's own flags, not training's config keys."""
+    src, prefix = tmp_path / "docs.jsonl", str(tmp_path / "corpus")
+    src.write_text("".join(json.dumps({"text": f"doc {i} abc"}) + "\n" for i in range(5)))
+    assert main(["preprocess", "--input", str(src), "--output-prefix", prefix]) == 0
+    written = {p.name: p.read_bytes() for p in tmp_path.glob("corpus_*")}
+    assert sorted(written) == ["corpus_text_document.bin", "corpus_text_document.idx"]
+    capsys.readouterr()
+    src.write_text(json.dumps({"text": "fine"}) + "\n" + json.dumps({"body": "no text key"}) + "\n")
+    assert main(["preprocess", "--input", str(src), "--output-prefix", prefix]) == 2
+    assert "docs.jsonl:2: no field 'text' (found ['body']); set --json-keys to the field" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in tmp_path.glob("corpus_*")} == written
+    (tmp_path / "empty").mkdir()
+    assert main(["preprocess", "--input", str(tmp_path / "empty"), "--output-prefix", prefix]) == 2
+    assert f"--input={str(tmp_path / 'empty')!r}: the folder holds no files" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in tmp_path.glob("corpus_*")} == written
+    # a folder of them (--input's help: "a .jsonl, a text file or a folder of them"): was refused as
+    # "data.format='folder'" (the resolved format passed back as a given one)
+    (tmp_path / "empty" / "a.jsonl").write_text(json.dumps({"text": "ab"}) + "\n" + json.dumps({"text": "c"}) + "\n")
+    (tmp_path / "empty" / "b.txt").write_text("de")
+    assert main(["preprocess", "--input", str(tmp_path / "empty"), "--output-prefix", prefix]) == 0
+    reader = IndexedDataset(prefix + "_text_document")
+    assert [bytes(reader[i].astype(np.uint8)) for i in range(len(reader))] == [b"ab", b"c", b"de"]  # byte ids
+    assert sorted(p.name for p in tmp_path.glob("corpus_*")) == sorted(written)  # no partial file left
+
+
 def test_broken_corpora_are_refused_naming_the_file(tmp_path):
     good = _write(tmp_path / "good", _docs(2, 10))
     idx, binary = (tmp_path / "good.idx").read_bytes(), (tmp_path / "good.bin").read_bytes()

@@ -11,6 +11,7 @@ whole text file), written by megatron-core's own `IndexedDatasetBuilder`, ready 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -35,6 +36,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--append-eod", action="store_true", help="end every document with the end-of-document id")
     p.add_argument("--workers", type=int, default=1, help="accepted for Megatron's command lines; one process")
     p.add_argument("--log-interval", type=int, default=None, help="accepted for Megatron's command lines")
+
+
+PARTIAL = ".partial"
+"""What the files being written are named with, until they are complete (then renamed over the
+prefix's: a run stopped by bad input or Ctrl-C leaves an earlier dataset of that prefix as it was)."""
 
 
 def _builder_class():
@@ -77,20 +83,28 @@ def run(args, extra: list[str]) -> int:
     for key in args.json_keys:
         prefix = f"{args.output_prefix}_{key}_document"
         Path(prefix).parent.mkdir(parents=True, exist_ok=True)
-        builder = builder_cls(prefix + ".bin", dtype=dtype)
+        partial = prefix + PARTIAL  # an earlier dataset under this prefix stays whole until this one is
+        builder = builder_cls(partial + ".bin", dtype=dtype)
         docs = tokens = 0
-        for text in tqdm(read_documents(args.input, kind, key), desc=f"preprocess {key}", unit=" docs",
-                         disable=not sys.stderr.isatty()):
-            ids = tok.encode(text).astype(np.int64)
-            if args.append_eod:
-                ids = np.append(ids, tok.eod_id)
-            if len(ids) == 0:
-                continue
-            builder.add_document(ids, [len(ids)])
-            docs, tokens = docs + 1, tokens + len(ids)
-        if docs == 0:
-            raise UserError(f"--input {args.input}: no text found under key {key!r}")
-        builder.finalize(prefix + ".idx")
+        try:
+            texts = read_documents(args.input, "auto", key, keys=("--input", "--json-keys"))
+            for text in tqdm(texts, desc=f"preprocess {key}", unit=" docs", disable=not sys.stderr.isatty()):
+                ids = tok.encode(text).astype(np.int64)
+                if args.append_eod:
+                    ids = np.append(ids, tok.eod_id)
+                if len(ids) == 0:
+                    continue
+                builder.add_document(ids, [len(ids)])
+                docs, tokens = docs + 1, tokens + len(ids)
+            if docs == 0:
+                raise UserError(f"--input {args.input}: no text found under key {key!r}")
+            builder.finalize(partial + ".idx")
+        except BaseException:
+            for suffix in (".bin", ".idx"):
+                Path(partial + suffix).unlink(missing_ok=True)
+            raise
+        for suffix in (".bin", ".idx"):
+            os.replace(partial + suffix, prefix + suffix)
         print(f"{prefix}.bin/.idx: {docs} documents, {tokens} tokens ({np.dtype(dtype).name}); "
               f"train with --data-path {prefix}")
     return 0

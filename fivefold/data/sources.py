@@ -63,13 +63,18 @@ def json_lines(path: Path, *, cut_off_last: bool = False) -> Iterator[tuple[int,
                                 "each line must be one JSON object") from None
 
 
-def read_jsonl(path: Path, field: str) -> Iterator[str]:
+TRAINING_KEYS = ("data.path", "data.jsonl_field")
+"""How messages name the input and its JSONL field: the config keys training reads (`preprocess`
+names its flags, --input and --json-keys)."""
+
+
+def read_jsonl(path: Path, field: str, keys: tuple[str, str] = TRAINING_KEYS) -> Iterator[str]:
     """One document per non-empty line: `line[field]`, which must be a string."""
     for lineno, record in json_lines(path):
         if not isinstance(record, dict) or field not in record:
-            keys = sorted(record) if isinstance(record, dict) else type(record).__name__
-            raise UserError(f"{path}:{lineno}: no field {field!r} (found {keys}); "
-                            "set data.jsonl_field to the field that holds the text") from None
+            found = sorted(record) if isinstance(record, dict) else type(record).__name__
+            raise UserError(f"{path}:{lineno}: no field {field!r} (found {found}); "
+                            f"set {keys[1]} to the field that holds the text") from None
         if not isinstance(record[field], str):
             raise UserError(f"{path}:{lineno}: field {field!r} is {type(record[field]).__name__}, not a string")
         yield record[field]
@@ -81,19 +86,20 @@ def _files(folder: Path, suffix: str | None = None) -> list[Path]:
 
 
 def read_documents(path: str | None, fmt: str, jsonl_field: str = "text",
-                   max_documents: int | None = None) -> Iterator[str]:
-    """Documents in a fixed order (sorted file names, file order within a file)."""
+                   max_documents: int | None = None, keys: tuple[str, str] = TRAINING_KEYS) -> Iterator[str]:
+    """Documents in a fixed order (sorted file names, file order within a file); `keys`: what the
+    messages call the path and the JSONL field."""
     kind = resolve_format(path, fmt)
     if kind in ("tokens", "indexed"):
         raise ValueError("token files hold no documents; use fivefold.data.dataset.load_token_file / load_splits")
     if kind == "stdlib":
         stream = (p.read_text(encoding="utf-8", errors="replace") for p in _files_top(stdlib_folder(), ".py"))
     elif kind == "jsonl":
-        stream = read_jsonl(Path(path), jsonl_field)
+        stream = read_jsonl(Path(path), jsonl_field, keys)
     elif kind == "text":
         stream = iter([Path(path).read_text(encoding="utf-8", errors="replace")])
     else:  # a folder: .jsonl files by record, token files refused, every other file as one document
-        stream = _folder_documents(Path(path), jsonl_field)
+        stream = _folder_documents(Path(path), jsonl_field, keys)
     for i, doc in enumerate(stream):
         if max_documents is not None and i >= max_documents:
             return
@@ -104,15 +110,15 @@ def _files_top(folder: Path, suffix: str) -> list[Path]:
     return sorted(p for p in folder.glob("*" + suffix) if p.is_file())
 
 
-def _folder_documents(folder: Path, jsonl_field: str) -> Iterator[str]:
+def _folder_documents(folder: Path, jsonl_field: str, keys: tuple[str, str]) -> Iterator[str]:
     files = _files(folder)
     if not files:
-        raise UserError(f"data.path={str(folder)!r}: the folder holds no files")
+        raise UserError(f"{keys[0]}={str(folder)!r}: the folder holds no files")
     for p in files:
         if p.suffix in TOKEN_SUFFIXES:
             raise UserError(f"{p}: token files cannot be mixed into a folder of texts; give the token file "
-                            "itself as data.path")
+                            f"itself as {keys[0]}")
         if p.suffix in JSONL_SUFFIXES:
-            yield from read_jsonl(p, jsonl_field)
+            yield from read_jsonl(p, jsonl_field, keys)
         else:
             yield p.read_text(encoding="utf-8", errors="replace")
