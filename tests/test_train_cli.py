@@ -64,6 +64,25 @@ def test_checkpoint_of_another_model_shape(tmp_path):
     _refused(r, "saved from another model", "in the checkpoint")
 
 
+def test_load_of_a_folder_without_a_checkpoint_as_each_dialect_has_it(tmp_path):
+    """fivefold's own config: --load naming no checkpoint is refused before any rank starts (it was
+    refused by every rank once started). A Megatron command line (its scripts pass the save folder as
+    --load): a warning and step 0, as Megatron-LM without --exit-on-missing-checkpoint, which refuses."""
+    missing = tmp_path / "ckpt"
+    _refused(_train(tmp_path, TINY, f"checkpoint.load={missing}"), f"--load {missing}: no complete checkpoint")
+    assert not (tmp_path / "out" / "logs").exists()  # no rank started
+    megatron = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "16",
+                "--max-position-embeddings", "16", "--micro-batch-size", "1", "--global-batch-size", "2",
+                "--train-iters", "2", "--lr", "1e-3", "--save", str(missing), "--load", str(missing)]
+    run = [sys.executable, "-m", "fivefold", "train", *megatron, "--out", str(tmp_path / "m"), "--nproc", "1"]
+    _refused(subprocess.run(run + ["--exit-on-missing-checkpoint"], cwd=REPO, capture_output=True, text=True,
+                            timeout=120), f"--load {missing}: no complete checkpoint")
+    r = subprocess.run(run, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert f"--load {missing}: no checkpoint there yet; training starts from step 0" in r.stderr
+    assert (missing / "latest").exists() or any(missing.glob("step_*"))
+
+
 def test_a_run_into_an_earlier_runs_folder_says_what_it_replaces(tmp_path, capsys, monkeypatch):
     """--out holding a run, no --load: the run starts over and replaces metrics.jsonl (silently before),
     keeping the checkpoints; the note names the newest and how to resume. Nothing said for a fresh

@@ -1,4 +1,4 @@
-"""`fivefold train CONFIG [overrides ...] [megatron flags ...] --out OUT [--nproc N]`.
+"""`fivefold train [CONFIG] [overrides ...] [megatron flags ...] --out OUT [--nproc N]`.
 
 Loads and validates the config, refuses knobs the runtime does not run yet, prepares the data once
 (tokenized into OUT/data), then starts the ranks itself (`--nproc`, default the layout's world size),
@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from fivefold.cli._outputs import output_folder
+from fivefold.cli.validate import split_config_arg
 from fivefold.config.schema import Config, to_dict
 from fivefold.errors import UserError
 
@@ -20,18 +21,20 @@ ACCEPTS_EXTRA = True
 
 
 def add_arguments(parser) -> None:
-    parser.usage = ("fivefold train CONFIG --out DIR [key=value ...] [--megatron-flag VALUE ...] [--nproc N] "
+    # CONFIG is the first leftover word (validate.split_config_arg): a Megatron command line without a
+    # file (`train --num-layers 2 ... --out DIR`) never has a flag's value taken for the config
+    parser.usage = ("fivefold train [CONFIG] --out DIR [key=value ...] [--megatron-flag VALUE ...] [--nproc N] "
                     "[--trace-schedule]")
-    parser.add_argument("config", help="a YAML config (our sections, RLinf's, Megatron-Bridge's) or a .txt of "
-                        "words (a Megatron-LM command line, SkyRL / Bridge overrides); key=value words and "
-                        "Megatron flags after it override it (docs/config.md)")
+    parser.description = (HELP + ". CONFIG: a YAML config (our sections, RLinf's, Megatron-Bridge's) or a .txt of "
+                          "words (a Megatron-LM command line, SkyRL / Bridge overrides); key=value words and Megatron "
+                          "flags after it override it, or are the whole config (docs/config.md)")
     parser.add_argument("--out", required=True, help="output folder: metrics.jsonl, loss.png, checkpoints, logs")
     parser.add_argument("--nproc", type=int, default=None, help="local ranks to start (default: the layout's world size)")
     parser.add_argument("--trace-schedule", action="store_true",
                         help="with PP > 1: time the pipeline actions of the last step, draw OUT/schedule_trace.png")
 
 
-def _load(path: str, words: list[str], world_size: int | None) -> Config:
+def _load(path: str | None, words: list[str], world_size: int | None) -> Config:
     from fivefold.config.load import load_config
     from fivefold.config.validate import validate
 
@@ -107,7 +110,10 @@ def run(args, extra: list[str]) -> int:
 
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ and "FIVEFOLD_LAUNCHED" not in os.environ
     world = int(os.environ["WORLD_SIZE"]) if under_torchrun else args.nproc
-    config = _load(args.config, extra, world)
+    path, words = split_config_arg(extra)
+    if path is None and not words:
+        raise UserError("train: give a CONFIG (YAML or .txt), or the run's Megatron flags / key=value words")
+    config = _load(path, words, world)
     if args.trace_schedule:
         config.logging.trace_schedule = True
     check_supported(config)
@@ -119,6 +125,11 @@ def run(args, extra: list[str]) -> int:
     if config.checkpoint.save_hf:  # written at the end: refused now, not after the run
         from fivefold.model.hf_export import check_replaceable
         check_replaceable(Path(config.checkpoint.save_hf), "checkpoint.save_hf (--save-hf)")
+    if config.checkpoint.load:  # a missing or damaged checkpoint refused here, not on every rank once started
+        from fivefold.checkpoint.io import read_metadata
+        from fivefold.train.loop import nothing_to_load
+        if not nothing_to_load(config.checkpoint, warn=False):
+            read_metadata(config.checkpoint.load)
     (out / "logs").mkdir(exist_ok=True)
     _note_an_earlier_run(config, out)
     if under_torchrun:
