@@ -80,6 +80,29 @@ def test_every_preset_reads_back_to_the_same_model_layout_and_training(fmt, ever
             assert got == want, (name, fmt, section, {k: (want[k], got[k]) for k in want if want[k] != got[k]})
 
 
+def test_a_megatron_line_holds_only_megatron_lms_flags(planned):
+    """`--emit megatron` is a `pretrain_gpt.py` line: every flag in it is Megatron-LM's (its pinned
+    argument surface), none of fivefold's own (it wrote --pipeline-schedule interleaved, which
+    Megatron's parser refuses: interleaving is what it runs with virtual stages); a schedule Megatron-LM
+    does not have is refused, naming the formats that can say it. `--emit torchrun` keeps our flags."""
+    import dataclasses
+
+    from fivefold.config.megatron_surface import SURFACE
+    lines = {i: emit(cfg, "megatron") for i, cfg in enumerate(planned)}
+    assert any(cfg.parallel.pipeline_schedule == "interleaved" for cfg in planned)
+    for i, text in lines.items():
+        flags = [w for w in text.split("pretrain_gpt.py", 1)[1].split() if w.startswith("--")]
+        assert flags and all(f in SURFACE for f in flags), (i, [f for f in flags if f not in SURFACE])
+    interleaved = next(cfg for cfg in planned if cfg.parallel.pipeline_schedule == "interleaved")
+    assert "--pipeline-schedule interleaved" in emit(interleaved, "torchrun")
+    zero_bubble = dataclasses.replace(interleaved, parallel=dataclasses.replace(
+        interleaved.parallel, pipeline_schedule="zb-h1", virtual_pipeline_model_parallel_size=None,
+        microbatch_group_size_per_vp_stage=None))
+    with pytest.raises(UserError, match=r"pipeline_schedule='zb-h1' has no Megatron-LM flag.*--emit torchrun"):
+        emit(zero_bubble, "megatron")
+    assert "--pipeline-schedule zb-h1" in emit(zero_bubble, "torchrun")
+
+
 def test_fp8_plans_emit_megatrons_fp8_flags_and_mxfp8_needs_blackwell(capsys, tmp_path):
     """`plan --precision fp8 --fp8-recipe mxfp8` on GB200 emits --bf16 --fp8-format hybrid --fp8-recipe
     mxfp8, which reads back to the same precision and scaling; on an H100 the recipe is refused before

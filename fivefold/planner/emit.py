@@ -50,14 +50,19 @@ def _megatron_default(dotted: str, cfg: Config):
     return getattr(type(getattr(Config(), section))(), name)
 
 
-def _flag_words(cfg: Config, dotted: str, value) -> list[str]:
+def _flag_words(cfg: Config, dotted: str, value, ours: bool = True) -> list[str]:
     """The flag words that set `dotted` to `value`: its value flag (Megatron-LM's before ours), else the
-    switch that stores `value`; [] when only a switch exists and `value` is what leaving it out means."""
+    switch that stores `value`; [] when only a switch exists and `value` is what leaving it out means.
+    `ours`: fivefold's own flags may be used (a line for `fivefold train`); else Megatron-LM's only (a
+    `pretrain_gpt.py` line), where the schedule is what Megatron runs: interleaved with VPP, else 1F1B."""
     if dotted == "model.moe_first_k_dense_layers":  # Megatron-LM says it per layer
         return ["--moe-layer-freq", f"([0]*{value}+[1]*{cfg.model.num_layers - value})"]
     if dotted == "training.precision" and value == "fp8":  # fp8 GEMMs on bf16 parameters
         return ["--bf16"] + ([] if cfg.training.fp8_format else ["--fp8-format", "hybrid"])
-    flags = sorted((f.ours, name) for name, f in FLAGS.items() if f.field == dotted)
+    if not ours and dotted == "parallel.pipeline_schedule" and value == MEGATRON_SCHEDULE[
+            (cfg.parallel.virtual_pipeline_model_parallel_size or 1) > 1]:
+        return []
+    flags = sorted((f.ours, name) for name, f in FLAGS.items() if f.field == dotted and (ours or not f.ours))
     for _, name in flags:
         f = FLAGS[name]
         if f.kind == VALUE:
@@ -70,14 +75,20 @@ def _flag_words(cfg: Config, dotted: str, value) -> list[str]:
     if value == _megatron_default(dotted, cfg):
         return []
     raise UserError(f"{dotted}={value!r} has no Megatron-LM flag, so a Megatron-LM command line cannot build this "
-                    "model: emit it as fivefold YAML (--emit fivefold) or RLinf YAML (--emit rlinf)")
+                    "config: emit it as fivefold YAML (--emit fivefold), RLinf YAML (--emit rlinf) or a `fivefold "
+                    "train` line (--emit torchrun)")
 
 
-def megatron_words(cfg: Config) -> list[str]:
+MEGATRON_SCHEDULE = {False: "1f1b", True: "interleaved"}
+"""The pipeline schedule Megatron-LM runs without and with virtual stages (it has no flag for it)."""
+
+
+def megatron_words(cfg: Config, ours: bool = True) -> list[str]:
     """Megatron-LM flags that build `cfg` as Megatron-LM would read them: the fields of _REQUIRED, and
     every other field whose value is not what leaving its flag out means under Megatron's defaults
     (so --swiglu, --normalization RMSNorm, --disable-bias-linear, --position-embedding-type rope, ...
-    appear). `fivefold.config.load` reads the words back to `cfg` (tests/test_planner_emit.py)."""
+    appear). `fivefold.config.load` reads the words back to `cfg` (tests/test_planner_emit.py).
+    `ours`: fivefold's own flags may be used (`_flag_words`)."""
     words: list[str] = []
     for section in _SECTIONS:
         for f in fields(getattr(cfg, section)):
@@ -86,7 +97,7 @@ def megatron_words(cfg: Config) -> list[str]:
             if dotted in _REQUIRED and value is not None or value != _megatron_default(dotted, cfg):
                 if dotted == "model.num_query_groups" and value is not None:
                     words.append(GQA_SWITCH)  # without it Megatron-LM ignores --num-query-groups
-                words += _flag_words(cfg, dotted, value)
+                words += _flag_words(cfg, dotted, value, ours)
     return words
 
 
@@ -100,7 +111,7 @@ def emit(cfg: Config, fmt: str, model_ref: str | None = None) -> str:
         return head + yaml.safe_dump(data, sort_keys=False)
     if fmt == "megatron":
         launcher = f"torchrun --nproc_per_node={c.gpus_per_node} --nnodes={c.num_nodes} pretrain_gpt.py"
-        return launcher + " \\\n  " + " \\\n  ".join(_pairs(megatron_words(cfg)))
+        return launcher + " \\\n  " + " \\\n  ".join(_pairs(megatron_words(cfg, ours=False)))
     if fmt == "torchrun":
         launcher = f"torchrun --nproc_per_node={c.gpus_per_node} --nnodes={c.num_nodes} -m fivefold train"
         return launcher + " \\\n  " + " \\\n  ".join(_pairs(megatron_words(cfg)))
