@@ -155,6 +155,20 @@ def test_refused_with_a_fix_that_validates(words, world, message):
         validate(fixed.config, fixed.dialect)  # raises if the fix does not validate
 
 
+def test_a_world_size_no_layout_knob_fits_proposes_the_world_size():
+    """The demo (TP2 with SP, 16 sequences in micro-batches of 2) started on 3 ranks: no TP, PP or CP
+    alone divides 3 and keeps the rest valid (TP1 drops SP's premise), so the fix is a world size the
+    layout divides (it said "fix: none found"); the world sizes tried are the layout's multiples."""
+    from fivefold.config.fixes import candidates
+    from fivefold.config.rules import sizes_of
+    loaded = load_config("examples/demo.yaml", [], world_size=3)
+    with pytest.raises(ConfigError, match=r"must divide the world size 3 \(fix: world_size=4\)"):
+        validate(loaded.config, loaded.dialect)
+    fixed = load_config("examples/demo.yaml", [], world_size=4)
+    validate(fixed.config, fixed.dialect)
+    assert candidates("world", {**sizes_of(loaded.config), "tp": 4, "world": 10}) == [8, 12, 4, 16]
+
+
 def test_log_interval_must_be_positive():
     loaded = load_config("examples/demo.yaml", ["logging.log_interval=0"])
     with pytest.raises(ConfigError, match=r"logging.log_interval=0: must be a whole number >= 1.*log_interval=1"):

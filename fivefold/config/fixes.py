@@ -67,6 +67,11 @@ def candidates(knob: str, s: dict) -> list:
         return _near_multiples(s["gbs"], bases, keep=64)
     if knob == "mbs":
         return [d for d in _divisors(s["gbs"]) if d <= 64]
+    if knob == "world":  # the multiples of the model-parallel size nearest to it, smaller first
+        model = s["tp"] * s["pp"] * s["cp"]
+        if model < 1:
+            return []
+        return sorted((model * k for k in range(1, world // model + 3)), key=lambda n: (abs(n - world), n))[:4]
     if knob == "rnum":
         return [1] + _divisors(max(layers // s["pp"], 1))[1:4]
     if knob == "hcp":

@@ -181,7 +181,7 @@ def errors(s: dict) -> list[Rule]:
     mp = tp * pp * cp
     if world % mp:
         out.append(Rule(KNOB_FIELDS["tp"], tp, f"TP*PP*CP = {tp}*{pp}*{cp} = {mp} must divide the "
-                        f"world size {world}", ("tp", "pp", "cp")))
+                        f"world size {world}", ("tp", "pp", "cp", "world")))
         return out
     dp = world // mp
     if s["sp"] and tp == 1:
