@@ -59,7 +59,7 @@ def test_grpo_values_are_checked_before_the_ranks_start(tmp_path, capsys):
                  "grpo.warmup_batch=3: must be a multiple of the 4 actor data-parallel replicas",
                  "grpo.seed=-1: must be >= 0", "training.seq_length=16: the task of 6-digit sums needs 22 tokens"):
         assert said in err, said
-    assert not (out / "run.json").exists()  # no rank started
+    assert not out.exists()  # no rank started, no folder made for a run that cannot start
     assert main(["rl", "examples/grpo.yaml", "--out", str(out), "grpo.lr=fast"]) == 2
     assert "grpo.lr='fast': must be a number" in capsys.readouterr().err
     assert main(["rl", "examples/grpo.yaml", "--out", str(out), "grpo.digits=3", "training.seq_length=12"]) == 2

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import sys
+import tempfile
 from pathlib import Path
 
 import yaml
@@ -49,16 +50,18 @@ def run(args, extra: list[str]) -> int:
             raise UserError(f"{word}: give grpo.KEY=VALUE")
         grpo[key] = yaml.safe_load(value)
     g = GRPOConfig.of(grpo)  # unknown keys and values refused before any rank starts
-    out = output_folder("--out", args.out)
-    (out / "logs").mkdir(exist_ok=True)
-    actor = out / "actor.yaml"
-    actor.write_text(yaml.safe_dump(raw))
-    loaded = load_config(str(actor), [w for w in extra if not w.startswith("grpo.")], world_size=args.nproc)
+    with tempfile.TemporaryDirectory() as tmp:  # the actor's section as a config of its own, read as any
+        actor = Path(tmp) / "actor.yaml"
+        actor.write_text(yaml.safe_dump(raw))
+        loaded = load_config(str(actor), [w for w in extra if not w.startswith("grpo.")], world_size=args.nproc)
     validate(loaded.config, loaded.dialect)
     config = loaded.config
     nproc = config.cluster.resolved_world_size
     config.cluster.world_size = nproc
     g.check(nproc, layout_of(config).dp, config.training.seq_length)
+    out = output_folder("--out", args.out)  # made once the run is known to be valid
+    (out / "logs").mkdir(exist_ok=True)
+    (out / "actor.yaml").write_text(yaml.safe_dump(raw))
     place(config, nproc)
     spec = out / "run.json"
     spec.write_text(json.dumps({"job": "rl", "config": to_dict(config), "grpo": grpo, "out": str(out),
