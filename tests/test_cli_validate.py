@@ -64,6 +64,27 @@ def test_layout_grid_and_allocation(capsys):
     assert "ETP=1 EP=4" in capsys.readouterr().out
 
 
+def test_layout_grid_rank_shows_its_coordinates_and_groups(capsys):
+    """`layout --tp ... --rank R` without an allocation: R's coordinates and the group of each kind
+    holding it, each the one of the layout's own groups (`Layout.named_groups`) that holds R (the flag
+    was ignored there: the whole grid printed, and a rank outside the world passed)."""
+    from fivefold.topology import Layout
+    lay = Layout(tp=2, cp=2, pp=2, dp=2, ep=2, etp=2)
+    named = lay.named_groups()
+    for rank in (0, 5, 15):
+        assert main(["layout", "--tp", "2", "--pp", "2", "--cp", "2", "--ep", "2", "--world-size", "16",
+                     "--rank", str(rank)]) == 0
+        out = capsys.readouterr().out
+        coords = " ".join(f"{d}={v}" for d, v in (lay.dense.coords(rank) | lay.expert.coords(rank)).items())
+        assert f"rank {rank}: {coords}" in out
+        shown = dict(line.split() for line in out.split("its groups:\n")[1].splitlines())
+        for name, groups in named.items():
+            holding = [g for g in groups if rank in g]
+            assert shown.get(name) == (f"[{','.join(map(str, holding[0]))}]" if holding else None), name
+    assert main(["layout", "--tp", "2", "--world-size", "8", "--rank", "8"]) == 2
+    assert "--rank 8 is outside the 8 ranks" in capsys.readouterr().err
+
+
 def test_every_unknown_megatron_flag_is_named_at_once():
     """A pasted Megatron script with several flags we do not know: one message names them all, each
     with its closest known flag, instead of one per attempt."""

@@ -7,7 +7,7 @@ import argparse
 from fivefold.allocation import Allocation, parse_allocation
 from fivefold.config.load import is_file, load_config
 from fivefold.config.megatron import FLAGS, VALUE
-from fivefold.config.report import MAX_ROWS, gpu_ranges, layout_report
+from fivefold.config.report import MAX_ROWS, gpu_ranges, layout_report, rank_report
 from fivefold.config.rules import KNOB_FIELDS
 from fivefold.config.validate import validate
 from fivefold.errors import UserError
@@ -79,7 +79,8 @@ def _allocation(spec: str) -> Allocation:
 
 def run(args, extra) -> int:
     if args.spec is None:
-        print(layout_report(grid_layout(args), all_ranks=args.all_ranks))
+        lay = grid_layout(args)
+        print(layout_report(lay, all_ranks=args.all_ranks) if args.rank is None else rank_report(lay, args.rank))
         return 0
     alloc = _allocation(args.spec)
     if args.rank is not None and not 0 <= args.rank < alloc.world_size:

@@ -61,6 +61,27 @@ def rank_table(lay: Layout, ranks: Sequence[int] | None = None, all_ranks: bool 
     return out
 
 
+def rank_report(lay: Layout, rank: int) -> str:
+    """One rank of a layout (`layout --rank R`): its coordinates and the group of each kind it is in
+    (an embedding group: the first and last rank of its pipeline, where it is one of them)."""
+    if not 0 <= rank < lay.world_size:
+        raise UserError(f"--rank {rank} is outside the {lay.world_size} ranks")
+    coords = dict(lay.dense.coords(rank)) | (dict(lay.expert.coords(rank)) if lay.ep > 1 else {})
+    out = [sizes_line(lay), f"rank {rank}: " + " ".join(f"{d}={v}" for d, v in coords.items()), "its groups:"]
+    for name, (topo, dims) in lay.group_specs().items():
+        if name.startswith("e") and name != "embedding" and lay.ep == 1:
+            continue
+        members = topo.group(rank, dims)
+        if name == "embedding":
+            members = sorted({members[0], members[-1]})
+            if rank not in members:
+                continue
+        cells = ",".join(map(str, members[:MAX_MEMBERS])) + (f",...{len(members)} ranks" if len(members) > MAX_MEMBERS
+                                                              else "")
+        out.append(f"  {name:<15} [{cells}]")
+    return "\n".join(out)
+
+
 def groups_lines(lay: Layout, ranks: Sequence[int] | None = None) -> list[str]:
     out = []
     for name, (topo, dims) in lay.group_specs().items():
