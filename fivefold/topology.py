@@ -92,6 +92,15 @@ class Topology:
         return (self._mixed(k, [d for d in self.dims if d not in names])
                 + self._mixed(j, [d for d in self.dims if d in names]))
 
+    def group_index(self, rank: int, dims: str | list[str]) -> int:
+        """k of the group over `dims` that holds `rank` (`member(k, j, dims)` lists it), by arithmetic."""
+        names, c = self._names(dims), self.coords(rank)
+        k, scale = 0, 1
+        for d in self.dims:
+            if d not in names:
+                k, scale = k + c[d] * scale, scale * self.sizes[d]
+        return k
+
     def _mixed(self, index: int, dims: list[str]) -> int:
         rank = 0
         for d in dims:

@@ -62,6 +62,9 @@ def test_layout_grid_and_allocation(capsys):
     assert main(["layout", "--tp", "2", "--expert-model-parallel-size", "4", "--expert-tensor-parallel-size", "1",
                  "--world-size", "8"]) == 0
     assert "ETP=1 EP=4" in capsys.readouterr().out
+    # an allocation carries its sizes: grid flags beside it were ignored silently
+    assert main(["layout", "sglang.d2t2p1+d1t4p1", "--tp", "4", "--order", "tp-dp-cp-ep-pp"]) == 2
+    assert "--tp, --order: sizes of a grid, but sglang.d2t2p1+d1t4p1 carries its own" in capsys.readouterr().err
 
 
 def test_layout_grid_rank_shows_its_coordinates_and_groups(capsys):
@@ -83,6 +86,8 @@ def test_layout_grid_rank_shows_its_coordinates_and_groups(capsys):
             assert shown.get(name) == (f"[{','.join(map(str, holding[0]))}]" if holding else None), name
     assert main(["layout", "--tp", "2", "--world-size", "8", "--rank", "8"]) == 2
     assert "--rank 8 is outside the 8 ranks" in capsys.readouterr().err
+    assert main(["layout", "--tp", "2", "--world-size", str(10**10), "--rank", "99999"]) == 0  # never builds a group
+    assert "  tp-cp-dp        [0,1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,...10000000000 ranks]" in capsys.readouterr().out
 
 
 def test_every_unknown_megatron_flag_is_named_at_once():

@@ -28,9 +28,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     for dim in ("tp", "pp", "cp", "ep", "etp", "dp"):  # each also under Megatron-LM's name, as validate takes it
         p.add_argument(f"--{dim}", *megatron_flags(dim), type=int, default=None, help=f"{dim.upper()} size")
     p.add_argument("--world-size", type=int, help="total ranks; DP = world / (TP*PP*CP)")
-    p.add_argument("--order", default="tp-cp-ep-dp-pp", help="rank order, fastest first")
+    p.add_argument("--order", default=None, help=f"rank order, fastest first (default {DEFAULT_ORDER})")
     p.add_argument("--rank", type=int, help="show this GPU's coordinates in every component")
     p.add_argument("--all-ranks", action="store_true", help="print every rank")
+
+
+DEFAULT_ORDER = "tp-cp-ep-dp-pp"
+GRID_FLAGS = ("tp", "pp", "cp", "ep", "etp", "dp", "world_size", "order")
+"""What describes a grid of sizes; an allocation or a models: YAML carries its own."""
 
 
 def grid_layout(args) -> Layout:
@@ -46,6 +51,7 @@ def grid_layout(args) -> Layout:
     if args.world_size is not None and args.world_size % mp:
         raise UserError(f"TP*PP*CP = {mp} must divide --world-size {args.world_size}")
     dp = args.dp if args.dp is not None else (args.world_size // mp if args.world_size else 1)
+    args.order = args.order or DEFAULT_ORDER
     try:
         parse_order(args.order)
     except ValueError as e:
@@ -82,6 +88,10 @@ def run(args, extra) -> int:
         lay = grid_layout(args)
         print(layout_report(lay, all_ranks=args.all_ranks) if args.rank is None else rank_report(lay, args.rank))
         return 0
+    given = [f"--{name.replace('_', '-')}" for name in GRID_FLAGS if getattr(args, name) is not None]
+    if given:
+        raise UserError(f"{', '.join(given)}: sizes of a grid, but {args.spec} carries its own (each component's "
+                        "or model's layout): drop them, or drop the allocation to see a grid")
     alloc = _allocation(args.spec)
     if args.rank is not None and not 0 <= args.rank < alloc.world_size:
         raise UserError(f"--rank {args.rank} is outside the {alloc.world_size} GPUs")

@@ -71,14 +71,13 @@ def rank_report(lay: Layout, rank: int) -> str:
     for name, (topo, dims) in lay.group_specs().items():
         if name.startswith("e") and name != "embedding" and lay.ep == 1:
             continue
-        members = topo.group(rank, dims)
-        if name == "embedding":
-            members = sorted({members[0], members[-1]})
-            if rank not in members:
-                continue
-        cells = ",".join(map(str, members[:MAX_MEMBERS])) + (f",...{len(members)} ranks" if len(members) > MAX_MEMBERS
-                                                              else "")
-        out.append(f"  {name:<15} [{cells}]")
+        k, size = topo.group_index(rank, dims), topo.group_size(dims)  # (never builds a huge group)
+        js = sorted({0, size - 1}) if name == "embedding" else range(min(size, MAX_MEMBERS))
+        members = [topo.member(k, j, dims) for j in js]
+        if name == "embedding" and rank not in members:
+            continue
+        more = f",...{size} ranks" if name != "embedding" and size > MAX_MEMBERS else ""
+        out.append(f"  {name:<15} [{','.join(map(str, members))}{more}]")
     return "\n".join(out)
 
 
