@@ -64,6 +64,10 @@ def test_cli_refuses_with_the_rule(capsys):
                  "--microbatches", "6"]) == 2
     assert "multiple of pipeline_model_parallel_size=4" in capsys.readouterr().err
     assert main(["schedule", "--load-csv", str(EXAMPLE), "--costs", "1,1"]) == 2
+    capsys.readouterr()
+    # a loaded schedule's rows set its ranks and microbatches: generator flags beside it were ignored
+    assert main(["schedule", "--load-csv", str(EXAMPLE), "--pp", "8", "--microbatches", "16"]) == 2
+    assert "--pp, --microbatches: what a generated schedule is built from, but --load-csv" in capsys.readouterr().err
 
 
 def test_cli_refuses_a_schedule_too_large_to_draw_and_runs_deep_ones(capsys):

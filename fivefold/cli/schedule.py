@@ -16,10 +16,15 @@ from fivefold.pipeline.verify import verify
 HELP = "print a pipeline schedule's timeline, bubble and peak activations; draw it to PNG"
 
 
+GENERATED = {"pp": 4, "microbatches": 8, "schedule": "1f1b", "vpp": None, "group": None}
+"""What a generated schedule is built from, with the defaults; a loaded one (--load-csv) sets its own."""
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--pp", type=int, default=4, help="pipeline ranks (default 4)")
-    p.add_argument("--microbatches", type=int, default=8, help="microbatches per step (default 8)")
-    p.add_argument("--schedule", choices=REGISTRY, default="1f1b", help="generator (default 1f1b)")
+    p.add_argument("--pp", type=int, default=None, help=f"pipeline ranks (default {GENERATED['pp']})")
+    p.add_argument("--microbatches", type=int, default=None,
+                   help=f"microbatches per step (default {GENERATED['microbatches']})")
+    p.add_argument("--schedule", choices=REGISTRY, default=None, help=f"generator (default {GENERATED['schedule']})")
     p.add_argument("--vpp", type=int, default=None, help="chunks per rank for --schedule interleaved")
     p.add_argument("--group", type=int, default=None, metavar="N",
                    help="--schedule interleaved: microbatches per group (Megatron's microbatch_group_size_per_vp_stage; "
@@ -57,6 +62,12 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
         there = "a folder" if Path(args.csv).is_dir() else "a file this command did not write (a hand-written schedule?)"
         raise UserError(f"--csv {args.csv}: {there} is there; --csv names a new file to write the schedule to "
                         "(or one it wrote before): give another name, or --load-csv to read a schedule")
+    given = [f"--{name}" for name in GENERATED if getattr(args, name) is not None]
+    if args.load_csv and given:
+        raise UserError(f"{', '.join(given)}: what a generated schedule is built from, but --load-csv reads "
+                        f"{args.load_csv}, whose rows set its ranks, stages and microbatches: drop them")
+    for name, default in GENERATED.items():
+        setattr(args, name, default if getattr(args, name) is None else getattr(args, name))
     if args.load_csv:
         schedule = lower(load_csv(args.load_csv))
     else:
