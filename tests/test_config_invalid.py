@@ -28,6 +28,7 @@ CASES = [  # (words, world size, substring of the message)
      "microbatch_group_size_per_vp_stage=2 must lie in [pipeline_model_parallel_size=4"),
     ("pp=2 vpp=2 num_layers=4 microbatch_group_size_per_vp_stage=0", 8,
      "microbatch_group_size_per_vp_stage=0: must be >= 1 or unset"),
+    ("trace_schedule=true", 8, "logging.trace_schedule=True: times the pipeline's actions of the last step"),
     ("ep=2", 8, "expert parallelism needs a MoE model"),
     ("ep=4 num_experts=6", 8, "num_experts=6 must be divisible by expert_model_parallel_size"),
     ("tp=2 sp=true ep=8 num_experts=8", 8, "ETP*EP = 2*8 = 16 must divide TP*CP*DP = 2*1*4 = 8"),

@@ -34,7 +34,7 @@ def add_arguments(parser) -> None:
                         help="with PP > 1: time the pipeline actions of the last step, draw OUT/schedule_trace.png")
 
 
-def _load(path: str | None, words: list[str], world_size: int | None) -> Config:
+def _load(path: str | None, words: list[str], world_size: int | None, trace_schedule: bool = False) -> Config:
     from fivefold.config.load import load_config
     from fivefold.config.validate import validate
 
@@ -42,6 +42,7 @@ def _load(path: str | None, words: list[str], world_size: int | None) -> Config:
     for w in loaded.warnings:
         print(w, file=sys.stderr)
     _check_one_model(loaded.allocation)
+    loaded.config.logging.trace_schedule |= trace_schedule  # --trace-schedule, validated as the key is
     for w in validate(loaded.config, loaded.dialect):  # raises ConfigError listing every error
         print(w, file=sys.stderr)
     return loaded.config
@@ -113,9 +114,7 @@ def run(args, extra: list[str]) -> int:
     path, words = split_config_arg(extra)
     if path is None and not words:
         raise UserError("train: give a CONFIG (YAML or .txt), or the run's Megatron flags / key=value words")
-    config = _load(path, words, world)
-    if args.trace_schedule:
-        config.logging.trace_schedule = True
+    config = _load(path, words, world, args.trace_schedule)
     check_supported(config)
     check_wandb(config.logging.wandb_project)
     timeout_s = timeout_of(config.training)

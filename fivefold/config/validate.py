@@ -59,6 +59,9 @@ def validate(config: Config, dialect: str = "fivefold", *, raise_errors: bool = 
         warnings += _soft_warnings(s)
         _write_back(config, s)
         problems += _schedule_problems(config.training, s)
+        if config.logging.trace_schedule and s["pp"] == 1:  # it would do nothing, silently
+            problems.append(Problem("logging.trace_schedule", True, "times the pipeline's actions of the last step: "
+                                    "needs pipeline_model_parallel_size > 1", "trace_schedule=false"))
         if config.training.train_samples is not None and not problems:  # Megatron's iteration count
             t = config.training
             t.train_iters = BatchSizes.of(t).steps_for_samples(t.train_samples)
