@@ -68,6 +68,9 @@ def test_cli_refuses_with_the_rule(capsys):
     # a loaded schedule's rows set its ranks and microbatches: generator flags beside it were ignored
     assert main(["schedule", "--load-csv", str(EXAMPLE), "--pp", "8", "--microbatches", "16"]) == 2
     assert "--pp, --microbatches: what a generated schedule is built from, but --load-csv" in capsys.readouterr().err
+    assert main(["schedule", "--fb-cost", "2"]) == 2  # 1F1B has no F&B action to cost (it was ignored)
+    assert "--fb-cost 2.0: the cost of an overlapped F&B action, and this schedule has none" in capsys.readouterr().err
+    assert main(["schedule", "--schedule", "dualpipev", "--fb-cost", "2"]) == 0
 
 
 def test_cli_refuses_a_schedule_too_large_to_draw_and_runs_deep_ones(capsys):

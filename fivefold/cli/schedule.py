@@ -7,6 +7,7 @@ from pathlib import Path
 from fivefold.cli._outputs import picture_file, writing
 from fivefold.errors import UserError
 from fivefold.pipeline.csvio import load_csv, replaceable, save_csv
+from fivefold.pipeline.ir import Kind
 from fivefold.pipeline.lowering import lower
 from fivefold.pipeline.render import draw_png, summary, text_timeline
 from fivefold.pipeline.schedules import REGISTRY, build_schedule
@@ -78,6 +79,9 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
                             f"draws at most {MAX_PASSES:,}; give fewer stages or microbatches")
         schedule = build_schedule(args.schedule, args.pp, args.microbatches, args.vpp, args.group)
     verify(schedule)
+    if args.fb_cost is not None and not any(a.kind == Kind.FB for acts in schedule.ranks for a in acts):
+        raise UserError(f"--fb-cost {args.fb_cost}: the cost of an overlapped F&B action, and this schedule has "
+                        "none (DualPipeV's, or F&B cells in a --load-csv schedule): drop it")
     f, b, w = _costs(args.costs)
     result = simulate(schedule, Costs.per_rank(schedule, f, b, w, args.p2p, args.fb_cost))
     print(text_timeline(schedule, result, args.width))
