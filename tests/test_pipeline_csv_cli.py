@@ -71,6 +71,9 @@ def test_cli_refuses_with_the_rule(capsys):
     assert main(["schedule", "--fb-cost", "2"]) == 2  # 1F1B has no F&B action to cost (it was ignored)
     assert "--fb-cost 2.0: the cost of an overlapped F&B action, and this schedule has none" in capsys.readouterr().err
     assert main(["schedule", "--schedule", "dualpipev", "--fb-cost", "2"]) == 0
+    assert main(["schedule", "--group", "4"]) == 2  # 1F1B has no microbatch groups (it was ignored)
+    assert "--group 4: groups microbatches per virtual stage, which only --schedule interleaved has" \
+        in capsys.readouterr().err
 
 
 def test_cli_refuses_a_schedule_too_large_to_draw_and_runs_deep_ones(capsys):

@@ -69,6 +69,9 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
                         f"{args.load_csv}, whose rows set its ranks, stages and microbatches: drop them")
     for name, default in GENERATED.items():
         setattr(args, name, default if getattr(args, name) is None else getattr(args, name))
+    if args.group is not None and args.schedule != "interleaved":
+        raise UserError(f"--group {args.group}: groups microbatches per virtual stage, which only --schedule "
+                        f"interleaved has (this one: {args.schedule}); drop it")
     if args.load_csv:
         schedule = lower(load_csv(args.load_csv))
     else:
