@@ -119,3 +119,6 @@ def test_fp8_plans_emit_megatrons_fp8_flags_and_mxfp8_needs_blackwell(capsys, tm
     assert (t.precision, t.fp8_recipe) == ("fp8", "mxfp8")
     assert main(words + ["--gpu", "h100-sxm"]) == 2
     assert "mxfp8 runs on Blackwell tensor cores" in capsys.readouterr().err
+    bf16 = [w for w in words if w not in ("--precision", "fp8")]  # a recipe without fp8 GEMMs: it was ignored
+    assert main(bf16 + ["--gpu", "gb200"]) == 2
+    assert "--fp8-recipe mxfp8: the scaling of fp8 GEMMs, and --precision is bf16" in capsys.readouterr().err

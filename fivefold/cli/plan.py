@@ -44,7 +44,7 @@ def add_arguments(p) -> None:
                    help="pipeline schedules to try, comma-separated, from gpipe,1f1b,interleaved,zb-h1,dualpipev. "
                         "Default 1f1b,interleaved")
     p.add_argument("--precision", choices=("bf16", "fp8"), default="bf16", help="GEMM precision. Default bf16")
-    p.add_argument("--fp8-recipe", choices=FP8_RECIPES, default="delayed",
+    p.add_argument("--fp8-recipe", choices=FP8_RECIPES, default=None,
                    help="fp8 scaling with --precision fp8 (Megatron's --fp8-recipe; mxfp8 needs a Blackwell GPU). "
                         "Default delayed")
     p.add_argument("--top", type=positive_int, default=10, help="rows of the ranked table. Default 10")
@@ -62,6 +62,10 @@ MAX_PLAN_GPUS = 1 << 20
 
 
 def run(args, extra) -> int:
+    if args.fp8_recipe is not None and args.precision != "fp8":  # it would change nothing, silently
+        raise UserError(f"--fp8-recipe {args.fp8_recipe}: the scaling of fp8 GEMMs, and --precision is "
+                        f"{args.precision}: give --precision fp8 too, or drop it")
+    args.fp8_recipe = args.fp8_recipe or "delayed"
     spec = resolve_model(args.model)
     broken = [e for e in config_errors(make_config(spec.model, 1, 1, args.seq_len, 1, "bf16", {}))
               if e.startswith("model.")]  # the model's own rules, on one GPU (else each layout said it)
