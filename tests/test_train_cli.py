@@ -83,6 +83,18 @@ def test_load_of_a_folder_without_a_checkpoint_as_each_dialect_has_it(tmp_path):
     assert (missing / "latest").exists() or any(missing.glob("step_*"))
 
 
+def test_nproc_under_torchrun_is_refused_unless_it_is_torchruns_count(tmp_path, monkeypatch, capsys):
+    """Under torchrun the ranks are the ones it started: a --nproc beside it that differs was ignored;
+    it is refused naming torchrun's count and flags (the one it equals stays accepted)."""
+    from fivefold.cli import main
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.delenv("FIVEFOLD_LAUNCHED", raising=False)
+    assert main(["train", "examples/demo.yaml", "--out", str(tmp_path / "out"), "--nproc", "4"]) == 2
+    assert "--nproc 4: under torchrun the ranks are the ones it started (WORLD_SIZE=2)" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_run_into_an_earlier_runs_folder_says_what_it_replaces(tmp_path, capsys, monkeypatch):
     """--out holding a run, no --load: the run starts over and replaces metrics.jsonl (silently before),
     keeping the checkpoints; the note names the newest and how to resume. Nothing said for a fresh

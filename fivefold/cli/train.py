@@ -111,6 +111,9 @@ def run(args, extra: list[str]) -> int:
 
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ and "FIVEFOLD_LAUNCHED" not in os.environ
     world = int(os.environ["WORLD_SIZE"]) if under_torchrun else args.nproc
+    if under_torchrun and args.nproc not in (None, world):  # torchrun started the ranks: its count stands
+        raise UserError(f"--nproc {args.nproc}: under torchrun the ranks are the ones it started (WORLD_SIZE="
+                        f"{world}); drop --nproc, or give torchrun --nproc-per-node / --nnodes")
     path, words = split_config_arg(extra)
     if path is None and not words:
         raise UserError("train: give a CONFIG (YAML or .txt), or the run's Megatron flags / key=value words")
