@@ -60,7 +60,8 @@ at most: about linear in them, 131k took 27 s on the 2-core machine (PP 128 x 10
 
 def run(args: argparse.Namespace, extra: list[str]) -> int:
     if args.csv and not replaceable(args.csv):
-        there = "a folder" if Path(args.csv).is_dir() else "a file this command did not write (a hand-written schedule?)"
+        there = ("a folder" if Path(args.csv).is_dir()
+                 else "a file this command did not write (a hand-written schedule?)")
         raise UserError(f"--csv {args.csv}: {there} is there; --csv names a new file to write the schedule to "
                         "(or one it wrote before): give another name, or --load-csv to read a schedule")
     given = [f"--{name}" for name in GENERATED if getattr(args, name) is not None]
@@ -68,7 +69,8 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
         raise UserError(f"{', '.join(given)}: what a generated schedule is built from, but --load-csv reads "
                         f"{args.load_csv}, whose rows set its ranks, stages and microbatches: drop them")
     for name, default in GENERATED.items():
-        setattr(args, name, default if getattr(args, name) is None else getattr(args, name))
+        if getattr(args, name) is None:
+            setattr(args, name, default)
     if args.group is not None and args.schedule != "interleaved":
         raise UserError(f"--group {args.group}: groups microbatches per virtual stage, which only --schedule "
                         f"interleaved has (this one: {args.schedule}); drop it")
