@@ -70,7 +70,7 @@ def test_load_of_a_folder_without_a_checkpoint_as_each_dialect_has_it(tmp_path):
     --load): a warning and step 0, as Megatron-LM without --exit-on-missing-checkpoint, which refuses."""
     missing = tmp_path / "ckpt"
     _refused(_train(tmp_path, TINY, f"checkpoint.load={missing}"), f"--load {missing}: no complete checkpoint")
-    assert not (tmp_path / "out" / "logs").exists()  # no rank started
+    assert not (tmp_path / "out").exists()  # no rank started, no run folder made
     megatron = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "16",
                 "--max-position-embeddings", "16", "--micro-batch-size", "1", "--global-batch-size", "2",
                 "--train-iters", "2", "--lr", "1e-3", "--save", str(missing), "--load", str(missing)]

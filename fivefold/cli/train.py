@@ -123,15 +123,15 @@ def run(args, extra: list[str]) -> int:
     timeout_s = timeout_of(config.training)
     nproc = config.cluster.resolved_world_size if world is None else world
     config.cluster.world_size = nproc
-    out = output_folder("--out", args.out)
-    if config.checkpoint.save_hf:  # written at the end: refused now, not after the run
-        from fivefold.model.hf_export import check_replaceable
-        check_replaceable(Path(config.checkpoint.save_hf), "checkpoint.save_hf (--save-hf)")
     if config.checkpoint.load:  # a missing or damaged checkpoint refused here, not on every rank once started
         from fivefold.checkpoint.io import read_metadata
         from fivefold.train.loop import nothing_to_load
         if not nothing_to_load(config.checkpoint, warn=False):
             read_metadata(config.checkpoint.load)
+    out = output_folder("--out", args.out)
+    if config.checkpoint.save_hf:  # written at the end: refused now, not after the run
+        from fivefold.model.hf_export import check_replaceable
+        check_replaceable(Path(config.checkpoint.save_hf), "checkpoint.save_hf (--save-hf)")
     (out / "logs").mkdir(exist_ok=True)
     _note_an_earlier_run(config, out)
     if under_torchrun:
