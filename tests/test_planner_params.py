@@ -62,3 +62,16 @@ def test_bad_inputs(tmp_path):
     bad.write_text(json.dumps({"hidden_size": 64}))
     with pytest.raises(UserError, match="num_attention_heads"):
         load_hf_config(bad)
+    # counts are whole numbers: 2.7 layers was truncated to 2 and "32" read as 32, silently
+    llama = {"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2, "vocab_size": 256,
+             "intermediate_size": 128}
+    for key, value in (("num_hidden_layers", 2.7), ("num_hidden_layers", "32"), ("vocab_size", True),
+                       ("num_key_value_heads", 1.5)):
+        bad.write_text(json.dumps({**llama, key: value}))
+        with pytest.raises(UserError, match=rf"config.json: {key}={value!r} is not a whole number"):
+            load_hf_config(bad)
+    bad.write_text(json.dumps({**llama, "num_hidden_layers": 2.0, "num_key_value_heads": None}))
+    assert load_hf_config(bad).num_layers == 2  # as JSON may write a count; null: the default (all heads)
+    bad.write_text(json.dumps({**llama, "kv_lora_rank": 16}))  # MLA without its head sizes
+    with pytest.raises(UserError, match="config.json has no 'qk_nope_head_dim'"):
+        load_hf_config(bad)

@@ -21,6 +21,21 @@ def _need(cfg: dict, key: str, path: str):
     return cfg[key]
 
 
+_REQUIRED = object()
+
+
+def _whole(cfg: dict, key: str, path: str, default=_REQUIRED):
+    """A count or size read as a whole number (a float JSON wrote as 32.0 too); required unless a
+    `default` is given (for a missing or null key). A fraction, a string or a bool is refused naming
+    the key (`int()` truncated 2.7 to 2 layers, silently)."""
+    if cfg.get(key) is None and default is not _REQUIRED:
+        return default
+    value = _need(cfg, key, path)
+    if isinstance(value, bool) or not (isinstance(value, int) or isinstance(value, float) and value.is_integer()):
+        raise UserError(f"{path}: {key}={value!r} is not a whole number")
+    return int(value)
+
+
 DEEPSEEK_V3 = ("deepseek_v3", "kimi_k2")
 """model_types whose MoE layers route as DeepSeek-V3 (topk_method noaux_tc; Moonlight is deepseek_v3)."""
 
@@ -29,57 +44,59 @@ def _noaux_tc_router(cfg: dict, path: str) -> dict:
     """DeepSeek-V3's router: sigmoid scores, e_score_correction_bias (our expert bias) added for the
     choice only, n_group groups of which each token takes topk_group, top-k renormalised with
     norm_topk_prob, times routed_scaling_factor. One group (Moonlight, Kimi-K2) is no group limit."""
-    groups = int(_need(cfg, "n_group", path))
+    groups = _whole(cfg, "n_group", path)
     return dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
                 moe_router_pre_softmax=not _need(cfg, "norm_topk_prob", path),
                 moe_router_topk_scaling_factor=float(_need(cfg, "routed_scaling_factor", path)),
                 moe_router_num_groups=groups if groups > 1 else None,
-                moe_router_group_topk=int(_need(cfg, "topk_group", path)) if groups > 1 else None)
+                moe_router_group_topk=_whole(cfg, "topk_group", path) if groups > 1 else None)
 
 
 def model_from_hf_dict(cfg: dict, path: str = "config.json") -> ModelConfig:
     """Translate a parsed config.json (see the module docstring for the families read)."""
     if "text_config" in cfg and "hidden_size" not in cfg:
         cfg = cfg["text_config"]
-    h = int(_need(cfg, "hidden_size", path))
-    heads = int(_need(cfg, "num_attention_heads", path))
+    h = _whole(cfg, "hidden_size", path)
+    heads = _whole(cfg, "num_attention_heads", path)
     kw: dict = dict(
-        num_layers=int(_need(cfg, "num_hidden_layers", path)), hidden_size=h, num_attention_heads=heads,
-        num_query_groups=int(cfg.get("num_key_value_heads") or heads), vocab_size=int(_need(cfg, "vocab_size", path)),
-        ffn_hidden_size=int(_need(cfg, "intermediate_size", path)),
-        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+        num_layers=_whole(cfg, "num_hidden_layers", path), hidden_size=h, num_attention_heads=heads,
+        num_query_groups=_whole(cfg, "num_key_value_heads", path, None) or heads,
+        vocab_size=_whole(cfg, "vocab_size", path), ffn_hidden_size=_whole(cfg, "intermediate_size", path),
+        max_position_embeddings=_whole(cfg, "max_position_embeddings", path, 4096),
         norm_epsilon=float(cfg.get("rms_norm_eps", 1e-5)), rotary_base=float(cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         init_method_std=float(cfg.get("initializer_range", 0.02)),
     )
-    kw["kv_channels"] = int(cfg.get("head_dim") or h // heads)
+    kw["kv_channels"] = _whole(cfg, "head_dim", path, None) or h // heads
     if "kv_lora_rank" in cfg:  # DeepSeek-V2/V3, Kimi-K2, Moonlight: multi-head latent attention
-        kw.update(multi_latent_attention=True, q_lora_rank=cfg.get("q_lora_rank"), kv_lora_rank=int(cfg["kv_lora_rank"]),
-                  qk_head_dim=int(cfg["qk_nope_head_dim"]), qk_pos_emb_head_dim=int(cfg["qk_rope_head_dim"]),
-                  v_head_dim=int(cfg["v_head_dim"]), num_query_groups=None, qk_layernorm=True,  # the latent norms
-                  kv_channels=int(cfg["qk_nope_head_dim"]) + int(cfg["qk_rope_head_dim"]))
-    experts = cfg.get("num_local_experts") or cfg.get("n_routed_experts") or cfg.get("num_experts")
+        nope, rope = _whole(cfg, "qk_nope_head_dim", path), _whole(cfg, "qk_rope_head_dim", path)
+        kw.update(multi_latent_attention=True, q_lora_rank=_whole(cfg, "q_lora_rank", path, None),
+                  kv_lora_rank=_whole(cfg, "kv_lora_rank", path), qk_head_dim=nope, qk_pos_emb_head_dim=rope,
+                  v_head_dim=_whole(cfg, "v_head_dim", path), num_query_groups=None, qk_layernorm=True,  # latent norms
+                  kv_channels=nope + rope)
+    key = next((k for k in ("num_local_experts", "n_routed_experts", "num_experts") if cfg.get(k)), None)
+    experts = _whole(cfg, key, path) if key else None
     if experts:
-        moe_ffn = int(cfg.get("moe_intermediate_size") or kw["ffn_hidden_size"])
+        moe_ffn = _whole(cfg, "moe_intermediate_size", path, None) or kw["ffn_hidden_size"]
         shared = 0
         if cfg.get("n_shared_experts"):
-            shared = int(cfg["n_shared_experts"]) * moe_ffn
+            shared = _whole(cfg, "n_shared_experts", path) * moe_ffn
         elif cfg.get("shared_expert_intermediate_size"):
-            shared = int(cfg["shared_expert_intermediate_size"])
-        first_dense = int(cfg.get("first_k_dense_replace") or 0)
-        step = int(cfg.get("decoder_sparse_step") or cfg.get("moe_layer_freq") or 1)
+            shared = _whole(cfg, "shared_expert_intermediate_size", path)
+        first_dense = _whole(cfg, "first_k_dense_replace", path, None) or 0
+        step = _whole(cfg, "decoder_sparse_step", path, None) or _whole(cfg, "moe_layer_freq", path, None) or 1
         if step != 1 or cfg.get("mlp_only_layers"):
             raise UserError(f"{path}: MoE layer pattern decoder_sparse_step={step}, "
                             f"mlp_only_layers={cfg.get('mlp_only_layers')} is not supported "
                             "(only 'first k layers dense, the rest MoE')")
-        kw.update(num_experts=int(experts), moe_router_topk=int(_need(cfg, "num_experts_per_tok", path)),
+        kw.update(num_experts=experts, moe_router_topk=_whole(cfg, "num_experts_per_tok", path),
                   moe_ffn_hidden_size=moe_ffn, moe_shared_expert_intermediate_size=shared or None,
                   moe_first_k_dense_layers=first_dense,
                   moe_router_score_function=str(cfg.get("scoring_func", "softmax")))
         if cfg.get("model_type") in DEEPSEEK_V3 or cfg.get("topk_method") == "noaux_tc":
             kw.update(_noaux_tc_router(cfg, path))
     if cfg.get("num_nextn_predict_layers"):  # DeepSeek-V3's MTP modules, trained as Megatron does (--mtp-num-layers)
-        kw.update(mtp_num_layers=int(cfg["num_nextn_predict_layers"]))
+        kw.update(mtp_num_layers=_whole(cfg, "num_nextn_predict_layers", path))
     try:
         return ModelConfig(**kw)
     except (TypeError, ValueError) as e:
