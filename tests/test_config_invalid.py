@@ -170,6 +170,19 @@ def test_a_world_size_no_layout_knob_fits_proposes_the_world_size():
     assert candidates("world", {**sizes_of(loaded.config), "tp": 4, "world": 10}) == [8, 12, 4, 16]
 
 
+def test_bf16_and_fp16_on_one_command_line_are_refused_as_megatron_asserts(tmp_path):
+    """Megatron-LM asserts not --fp16 and --bf16 together (the later one won here, silently); a .txt
+    file's precision may still be overridden by the command line after it."""
+    with pytest.raises(UserError, match="the command line: --bf16 and --fp16 are both given"):
+        load_config(None, ["--bf16", "--num-layers", "2", "--fp16"])
+    line = tmp_path / "run.txt"
+    line.write_text("--num-layers 2 --bf16 --fp16\n")
+    with pytest.raises(UserError, match="run.txt: --bf16 and --fp16 are both given"):
+        load_config(str(line))
+    line.write_text("--num-layers 2 --bf16\n")
+    assert load_config(str(line), ["--fp16"]).config.training.precision == "fp16"
+
+
 def test_log_interval_must_be_positive():
     loaded = load_config("examples/demo.yaml", ["logging.log_interval=0"])
     with pytest.raises(ConfigError, match=r"logging.log_interval=0: must be a whole number >= 1.*log_interval=1"):

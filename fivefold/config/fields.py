@@ -40,6 +40,11 @@ _TRUE = {"true", "1", "yes", "on"}
 _FALSE = {"false", "0", "no", "off"}
 
 
+KIND_WORDS = {"int": "a whole number", "float": "a number", "bool": "true or false", "str": "text",
+              "list[str]": "a list of words", "list[int]": "a list of whole numbers"}
+"""How a refused value's expected kind is said (`parse`'s schema types)."""
+
+
 def did_you_mean(word: str, choices) -> str:
     close = difflib.get_close_matches(word, list(choices), n=3, cutoff=0.6)
     return f" (did you mean {' or '.join(close)}?)" if close else ""
@@ -103,7 +108,7 @@ def coerce(dotted: str, raw: object):
         pass
     else:
         raise AssertionError(f"schema type {ann!r} of {dotted} has no parser")
-    raise UserError(f"{dotted}={raw!r} is not a {base}")
+    raise UserError(f"{dotted}={raw!r} is not {KIND_WORDS.get(base, 'a ' + base)}")
 
 
 def set_value(config: Config, dotted: str, raw: object, explicit: set[str]) -> None:

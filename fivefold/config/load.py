@@ -50,7 +50,7 @@ def load_config(path: str | None, words: list[str] = (), *, world_size: int | No
     config, explicit, dialects, special = Config(), set(), [], {}
     switches: set[str] = set()  # table flags that set no field
     refusals, key_notes = Refusals(), []  # tool keys refused (all at once) / taken without effect
-    words = list(words)
+    words = _one_half_precision(list(words), "the command line")
     if path is not None:
         p = Path(path)
         if not is_file(path):
@@ -58,7 +58,7 @@ def load_config(path: str | None, words: list[str] = (), *, world_size: int | No
         text = _read_text(p)
         if p.suffix in (".txt", ".sh", ".args"):
             try:
-                words = read_words(text) + words
+                words = _one_half_precision(read_words(text), str(p)) + words  # the words after it override it
             except ValueError as e:  # shlex: an unclosed quote
                 raise UserError(f"{p}: {e} (a .txt config is one shell-like command line)") from None
         else:
@@ -297,6 +297,14 @@ def _apply_yaml(config: Config, p: Path, text: str, explicit: set, dialects: lis
         dialect, taken_notes = take(config, key, value, explicit, refusals)
         dialects += [dialect] if dialect else []
         key_notes += taken_notes
+
+
+def _one_half_precision(words: list[str], source: str) -> list[str]:
+    """`words`, refused where one command line gives both --bf16 and --fp16, as Megatron-LM asserts (the
+    later one won, silently); a file's and the command line's may differ (the command line overrides)."""
+    if "--bf16" in words and "--fp16" in words:
+        raise UserError(f"{source}: --bf16 and --fp16 are both given; Megatron-LM refuses them together: keep one")
+    return words
 
 
 def _apply_words(config: Config, words: list[str], explicit: set, dialects: list, special: dict,
