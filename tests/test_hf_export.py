@@ -139,6 +139,18 @@ def test_load_hf_into_tp2_pp2_equals_one_process_and_save_hf_round_trips(tmp_pat
         assert transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "final-hf").config.num_hidden_layers == 2
 
 
+@pytest.mark.parametrize("text", ["abc", "-5GB", "infGB", "nanMB", "5XB"])
+def test_a_shard_size_that_is_not_a_size_is_refused(text):
+    """--max-shard-size: a size (0 writes a file per tensor, as transformers); a negative or
+    non-finite one was taken (-5GB: every tensor in a file of its own, without a word)."""
+    from fivefold.errors import UserError
+    from fivefold.model.hf_export import _size_bytes
+    with pytest.raises(UserError, match=f"--max-shard-size {text!r}: give a size such as 5GB"):
+        _size_bytes(text)
+    assert (_size_bytes("2GiB"), _size_bytes("500MB"), _size_bytes("0"), _size_bytes("1.5KB")) == \
+        (2 << 30, 500 * 10**6, 0, 1500)
+
+
 def test_export_replaces_only_an_earlier_export(tmp_path, capsys):
     """OUT_DIR is replaced whole, so it must be new, empty or an earlier export: a run's folder (with
     the checkpoint being exported in it), a folder of the user's files, a downloaded model's folder

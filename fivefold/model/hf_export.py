@@ -23,6 +23,7 @@ naming what HF's config could not say.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -163,9 +164,12 @@ def _size_bytes(text: str) -> int:
     for u in sorted(units, key=len, reverse=True):
         if t.endswith(u):
             try:
-                return int(float(t[: -len(u)]) * units[u])
+                size = float(t[: -len(u)])
             except ValueError:
                 break
+            if size >= 0 and math.isfinite(size):  # (0: a file per tensor, as transformers)
+                return int(size * units[u])
+            break
     if t.isdigit():
         return int(t)
     raise UserError(f"--max-shard-size {text!r}: give a size such as 5GB, 500MB or 2GiB")
