@@ -212,6 +212,24 @@ def test_estimate_cli_takes_megatron_flags_and_a_preset(capsys):
     assert ", dp=intra-node," in out and "dp-replicate=network" in out  # a node's shard pieces, replicas across
 
 
+def test_estimate_of_several_models_estimates_each_on_its_gpus(capsys):
+    """A `models:` list or an allocation mode: each training component estimated on its own GPUs with
+    its own layout, an inference engine named and skipped (only the first model was estimated, on a
+    layout the output did not say was one of several)."""
+    from fivefold.cli import main
+    assert main(["estimate", "examples/multi_model.yaml", "--model", "llama3-8b", "--seq-length", "2048",
+                 "--global-batch-size", "64"]) == 0
+    out = capsys.readouterr().out
+    shown = re.findall(r"== (\w+) \(model\) on GPUs ([\d-]+)\n(?:note: .*\n)*layout: (.+)", out)
+    assert shown == [("actor", "0-1", "TP2 PP1 DP1 mbs1 rc-none"), ("critic", "2-3", "TP1 PP2 DP1 mbs1 rc-none"),
+                     ("reference", "0-3", "TP2 PP2 DP1 mbs1 rc-none")], out
+    assert out.count("  total  ") == 3  # each sized (the 8B fits on the 4 GPUs only: no step time on 2)
+    assert main(["estimate", "examples/areal_allocation.txt"]) == 0
+    out = capsys.readouterr().out
+    assert "== sglang (inference) on GPUs 0-3\nan inference engine: not estimated" in out
+    assert "== train (training) on GPUs 4-7\n" in out and out.count("  total  ") == 1
+
+
 def test_estimate_says_the_batch_it_times_and_what_it_filled_in(capsys):
     """Without --seq-length, `estimate` once timed a GPU run at the config's CPU default of 64 tokens
     (README's own example printed MFU 0.2%); it now takes plan's 4096 and says so, notes Megatron's

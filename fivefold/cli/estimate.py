@@ -5,6 +5,7 @@ import dataclasses
 
 from fivefold.cli._planner_args import SEQ, add_hardware_arguments, assumptions_of, hardware_of, positive_int
 from fivefold.cli.validate import split_config_arg
+from fivefold.config.report import gpu_ranges
 from fivefold.config.load import load_config
 from fivefold.config.schema import TrainingConfig
 from fivefold.config.validate import validate
@@ -43,6 +44,24 @@ def run(args, extra) -> int:
         cfg.model = dataclasses.replace(resolve_model(args.model).model, **{f: getattr(cfg.model, f) for f in given})
         if given:
             print(f"note: --model {args.model} with " + ", ".join(f"model.{f}={getattr(cfg.model, f)}" for f in given))
+    components = loaded.allocation.components if loaded.allocation else ()
+    if len(components) <= 1:
+        _estimate(cfg, loaded, args, hw)
+        return 0
+    for c in components:  # each model of a `models:` list or allocation mode on its own GPUs (the first alone was)
+        print(f"== {c.name} ({c.role}) on GPUs {gpu_ranges(c.ranks)}")
+        if c.config is None:
+            print("an inference engine: not estimated (the planner times training steps)")
+            continue
+        if args.model:
+            c.config.model = cfg.model
+        _estimate(c.config, loaded, args, hw)
+    return 0
+
+
+def _estimate(cfg, loaded, args, hw) -> None:
+    """Validate `cfg` as the GPU run it describes (bf16, plan's sequence where none was given) and
+    print its memory and step time."""
     if cfg.training.precision not in ("bf16", "fp8"):
         cfg.training.precision = "bf16"
         print("note: precision set to bf16 for the GPU estimate")
@@ -72,4 +91,3 @@ def run(args, extra) -> int:
     if cand.estimate is None and not cand.problem.startswith("needs"):
         raise UserError(f"invalid layout: {cand.problem}")
     print(breakdown(cand, hw))
-    return 0
