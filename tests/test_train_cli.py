@@ -61,7 +61,7 @@ def test_checkpoint_of_another_model_shape(tmp_path):
     assert ok.returncode == 0, ok.stderr
     r = _train(tmp_path, TINY, f"data.path={text}", "model.hidden_size=64",
                f"checkpoint.load={tmp_path}/out/checkpoints")
-    _refused(r, "saved from another model", "in the checkpoint")
+    _refused(r, "saved from another model", "in the checkpoint", "loading and `convert` change the layout, never the model")
 
 
 def test_load_of_a_folder_without_a_checkpoint_as_each_dialect_has_it(tmp_path):

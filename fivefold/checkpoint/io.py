@@ -269,7 +269,8 @@ def check_fits(meta: dict, model: nn.Module, shard_of: ShardOf, where: Path, mod
     if problems:
         shown = "\n  ".join(problems[:8]) + (f"\n  ... and {len(problems) - 8} more" if len(problems) > 8 else "")
         raise UserError(f"checkpoint {where} was saved from another model:\n  {shown}\n"
-                        "load it with the model settings it was saved with, or start without --load")
+                        "give the model settings it was saved with: loading and `convert` change the layout, "
+                        "never the model (to train another model, start without --load)")
 
 
 def _assemble(folder: Path, entry: dict, key: str, out: torch.Tensor, spec: ShardSpec) -> bool:
