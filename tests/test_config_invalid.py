@@ -168,6 +168,9 @@ def test_a_world_size_no_layout_knob_fits_proposes_the_world_size():
     fixed = load_config("examples/demo.yaml", [], world_size=4)
     validate(fixed.config, fixed.dialect)
     assert candidates("world", {**sizes_of(loaded.config), "tp": 4, "world": 10}) == [8, 12, 4, 16]
+    huge = 10**12  # by arithmetic: listing the multiples of 3 below it hung `validate tp=3 --world-size 10^12`
+    assert candidates("world", {**sizes_of(loaded.config), "tp": 3, "world": huge}) == \
+        [huge - 1, huge + 2, huge - 4, huge + 5]
 
 
 def test_bf16_and_fp16_on_one_command_line_are_refused_as_megatron_asserts(tmp_path):

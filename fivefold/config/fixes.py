@@ -71,7 +71,8 @@ def candidates(knob: str, s: dict) -> list:
         model = s["tp"] * s["pp"] * s["cp"]
         if model < 1:
             return []
-        return sorted((model * k for k in range(1, world // model + 3)), key=lambda n: (abs(n - world), n))[:4]
+        k = world // model  # (arithmetic: a world of 10^12 has too many multiples to list)
+        return sorted((model * j for j in range(max(1, k - 2), k + 3)), key=lambda n: (abs(n - world), n))[:4]
     if knob == "rnum":
         return [1] + _divisors(max(layers // s["pp"], 1))[1:4]
     if knob == "hcp":
