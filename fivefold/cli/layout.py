@@ -35,11 +35,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 DEFAULT_ORDER = "tp-cp-ep-dp-pp"
 GRID_FLAGS = ("tp", "pp", "cp", "ep", "etp", "dp", "world_size", "order")
-"""What describes a grid of sizes; an allocation or a models: YAML carries its own."""
+"""What describes a grid of sizes (the sizes, then the order); an allocation or a models: YAML carries
+its own."""
 
 
 def grid_layout(args) -> Layout:
-    for dim in ("tp", "pp", "cp", "ep", "etp", "dp", "world_size"):
+    for dim in GRID_FLAGS[:-1]:  # the sizes
         v = getattr(args, dim)
         if v is not None and v < 1:
             raise UserError(f"--{dim.replace('_', '-')} {v}: must be >= 1 (leave it out for 1)")
@@ -51,20 +52,20 @@ def grid_layout(args) -> Layout:
     if args.world_size is not None and args.world_size % mp:
         raise UserError(f"TP*PP*CP = {mp} must divide --world-size {args.world_size}")
     dp = args.dp if args.dp is not None else (args.world_size // mp if args.world_size else 1)
-    args.order = args.order or DEFAULT_ORDER
+    order = args.order or DEFAULT_ORDER
     try:
-        parse_order(args.order)
+        parse_order(order)
     except ValueError as e:
         raise UserError(str(e)) from None
-    if sorted(args.order.split("-")) != sorted(["tp", "cp", "ep", "dp", "pp"]):
-        raise UserError(f"--order {args.order} must name each of tp, cp, ep, dp, pp once")
+    if sorted(order.split("-")) != sorted(["tp", "cp", "ep", "dp", "pp"]):
+        raise UserError(f"--order {order} must name each of tp, cp, ep, dp, pp once")
     dense = tp * cp * dp
     if dense % (etp * ep):
         fits = [e for e in _divisors(dense // ep) if e <= etp] if dense % ep == 0 else []
         fix = f"try --etp {fits[-1]}" if fits else f"--ep must divide TP*CP*DP = {dense}"
         raise UserError(f"MoE folding: ETP*EP = {etp * ep} must divide TP*CP*DP = {dense} "
                         f"(ETP defaults to TP; {fix})")
-    return Layout(tp=tp, cp=cp, pp=pp, dp=dp, ep=ep, etp=etp, order=args.order)
+    return Layout(tp=tp, cp=cp, pp=pp, dp=dp, ep=ep, etp=etp, order=order)
 
 
 def _divisors(n: int) -> list[int]:

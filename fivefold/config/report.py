@@ -18,16 +18,31 @@ MAX_ALL_RANKS = 1 << 16
 
 
 def _preview(topo: Topology, dims: str, embedding: bool, ranks: Sequence[int] | None) -> str:
-    size, n = topo.group_size(dims), topo.num_groups(dims)
-    shown = []
-    for k in range(min(n, MAX_GROUPS)):
-        js = sorted({0, size - 1}) if embedding else range(min(size, MAX_MEMBERS))
-        members = [topo.member(k, j, dims) for j in js]
-        cells = [str(ranks[r] if ranks is not None else r) for r in members]
-        if not embedding and size > MAX_MEMBERS:
-            cells.append(f"...{size} ranks")
-        shown.append("[" + ",".join(cells) + "]")
+    n = topo.num_groups(dims)
+    shown = [_group_cells(topo, k, dims, embedding, ranks) for k in range(min(n, MAX_GROUPS))]
     return " ".join(shown) + (f" ... ({n} groups)" if n > MAX_GROUPS else "")
+
+
+def _group_cells(topo: Topology, k: int, dims: str, embedding: bool, ranks: Sequence[int] | None = None) -> str:
+    """Group k over `dims` as `[0,1,...]`, by arithmetic (`Topology.member`): its first MAX_MEMBERS ranks
+    and its size, or an embedding group's first and last (`ranks`: global GPU of each local rank)."""
+    size = topo.group_size(dims)
+    js = sorted({0, size - 1}) if embedding else range(min(size, MAX_MEMBERS))
+    cells = [str(ranks[r] if ranks is not None else r) for r in (topo.member(k, j, dims) for j in js)]
+    if not embedding and size > MAX_MEMBERS:
+        cells.append(f"...{size} ranks")
+    return "[" + ",".join(cells) + "]"
+
+
+def _listed_groups(lay: Layout) -> list[tuple[str, Topology, str]]:
+    """(name, grid, dims) of the groups a report lists: the expert ones only under EP."""
+    return [(name, topo, dims) for name, (topo, dims) in lay.group_specs().items()
+            if not (name.startswith("e") and name != "embedding" and lay.ep == 1)]
+
+
+def _coords(lay: Layout, rank: int) -> dict[str, int]:
+    """A rank's dense coordinates, and its expert ones under EP."""
+    return dict(lay.dense.coords(rank)) | (dict(lay.expert.coords(rank)) if lay.ep > 1 else {})
 
 
 def sizes_line(lay: Layout) -> str:
@@ -53,9 +68,7 @@ def rank_table(lay: Layout, ranks: Sequence[int] | None = None, all_ranks: bool 
         if r != last + 1:
             out.append("  ...")
         last = r
-        c = dict(lay.dense.coords(r))
-        if moe:
-            c.update(lay.expert.coords(r))
+        c = _coords(lay, r)
         cells = "  ".join(f"{c[d]:>3}" for d in dims)
         out.append(f"{ranks[r]:>3}  {r:>5}  {cells}" if ranks else f"{r:>4}  {cells}")
     return out
@@ -66,26 +79,19 @@ def rank_report(lay: Layout, rank: int) -> str:
     (an embedding group: the first and last rank of its pipeline, where it is one of them)."""
     if not 0 <= rank < lay.world_size:
         raise UserError(f"--rank {rank} is outside the {lay.world_size} ranks")
-    coords = dict(lay.dense.coords(rank)) | (dict(lay.expert.coords(rank)) if lay.ep > 1 else {})
-    out = [sizes_line(lay), f"rank {rank}: " + " ".join(f"{d}={v}" for d, v in coords.items()), "its groups:"]
-    for name, (topo, dims) in lay.group_specs().items():
-        if name.startswith("e") and name != "embedding" and lay.ep == 1:
+    out = [sizes_line(lay), f"rank {rank}: " + " ".join(f"{d}={v}" for d, v in _coords(lay, rank).items()),
+           "its groups:"]
+    for name, topo, dims in _listed_groups(lay):
+        k, last = topo.group_index(rank, dims), topo.group_size(dims) - 1  # (never builds a huge group)
+        if name == "embedding" and rank not in (topo.member(k, 0, dims), topo.member(k, last, dims)):
             continue
-        k, size = topo.group_index(rank, dims), topo.group_size(dims)  # (never builds a huge group)
-        js = sorted({0, size - 1}) if name == "embedding" else range(min(size, MAX_MEMBERS))
-        members = [topo.member(k, j, dims) for j in js]
-        if name == "embedding" and rank not in members:
-            continue
-        more = f",...{size} ranks" if name != "embedding" and size > MAX_MEMBERS else ""
-        out.append(f"  {name:<15} [{','.join(map(str, members))}{more}]")
+        out.append(f"  {name:<15} {_group_cells(topo, k, dims, name == 'embedding')}")
     return "\n".join(out)
 
 
 def groups_lines(lay: Layout, ranks: Sequence[int] | None = None) -> list[str]:
     out = []
-    for name, (topo, dims) in lay.group_specs().items():
-        if name.startswith("e") and name != "embedding" and lay.ep == 1:
-            continue
+    for name, topo, dims in _listed_groups(lay):
         out.append(f"  {name:<15} {_preview(topo, dims, name == 'embedding', ranks or None)}")
     return out
 

@@ -415,8 +415,6 @@ class _Ranks:
                             state_bytes_per_param(training, plan.precision, plan.edp))
         self.prec = Precision.of(training, plan.precision)
         self.mode = training.sharding_strategy
-        self.step_peak: dict[int, float] = {}
-        """Per rank sized, the most its optimizer step holds beyond the model state."""
         self._fixed()
 
     def _fixed(self) -> None:
@@ -519,7 +517,7 @@ class _Ranks:
     def _above_step(self, rm: RankMemory) -> bool:
         """Whether rank `rm.rank`'s activations exceed its optimizer step's peak by `STEP_MARGIN`."""
         held = rm.activations + rm.logits + rm.buffers
-        return held - self.step_peak[rm.rank] > STEP_MARGIN * rm.total
+        return held - self.state(rm.rank).step_peak > STEP_MARGIN * rm.total
 
     def coverers(self) -> tuple[int | None, ...]:
         """Per rank, None where it can hold the most, else the earlier rank of its shape whose moments
@@ -593,7 +591,6 @@ class _Ranks:
         if r == plan.last_rank and at_loss > in_layer + rm.buffers:
             rm.buffers, in_layer = 0.0, at_loss
         rm.activations = max(at_loss, in_layer) - rm.logits
-        self.step_peak[r] = state.step_peak
         rm.scratch = max(0.0, state.step_peak - (rm.activations + rm.logits + rm.buffers))
         tensors = rm.weights + rm.grads + rm.optimizer + rm.activations + rm.logits + rm.buffers + rm.scratch
         rm.overhead = assume.allocator_overhead * tensors
