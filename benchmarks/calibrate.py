@@ -28,7 +28,8 @@ from fivefold.planner.memory import peak_memory  # noqa: E402
 from fivefold.planner.presets import hardware  # noqa: E402
 from fivefold.planner.search import describe  # noqa: E402
 from fivefold.planner.runtime import PROFILES, Runtime, apply, profile, with_time  # noqa: E402
-from fivefold.planner.search import SearchSpace, clear_caches, evaluate, search, with_a2a_overlap  # noqa: E402
+from fivefold.planner.search import (SearchSpace, clear_caches, evaluate, search, with_a2a_overlap,  # noqa: E402
+                                     with_tp_overlap)
 from fivefold.planner.compare import held_text, held_to, rank_of  # noqa: E402
 from fivefold.planner.steptime import TimeAssumptions, step_time  # noqa: E402
 
@@ -40,7 +41,7 @@ FREE = {"megatron-te": ("gemm_efficiency", "fp8_gemm_efficiency", "attention_eff
         "torchtitan": ("gemm_efficiency", "fp8_gemm_efficiency", "attention_efficiency", "attention_half_keys",
                        "membound_passes", "tp_overlap", "cp_overlap")}
 """The constants fitted per runtime (physical: achieved shares of peak, overlap shares, HBM passes)."""
-HELD_OUT_OF_LOSO = ("attention_half_keys", "expert_half_rows")
+HELD_OUT_OF_LOSO = ("attention_half_keys", "expert_half_rows", "tp_overlap")
 """Fitted on all of a runtime's rows, held when a source is left out: a kernel's constant, pinned by
 one sweep (torchtitan's CP rows 28-31); left free, leaving the two H200 rows out drives it to its
 8192 bound and the memory-bound passes to 0 (two rows cannot pin seven constants)."""
@@ -159,7 +160,10 @@ def fit(rt: Runtime, rows: list, names: tuple[str, ...]) -> tuple[Runtime, tuple
     `unused` names, which take their physical default (`TimeAssumptions`'s) instead of wherever a flat
     fit leaves them."""
     import numpy as np
-    from scipy.optimize import least_squares
+    try:
+        from scipy.optimize import least_squares
+    except ImportError:
+        sys.exit("calibrate.py --fit needs SciPy's least squares: pip install scipy")
 
     off = unused(rt, rows, names)
     rt = with_time(rt, **{n: DEFAULTS[n] for n in off})
@@ -210,7 +214,9 @@ def rank_report(all_cases: list, runtime: str | None) -> None:
                         t.precision, rt.space(accumulate=c.accumulates), rt.memory, rt.time,
                         grad_reduce_in_bf16=t.grad_reduce_in_bf16)
         # the published layout as the search runs it: the runtime's switches (the 1F1B all-to-all
-        # overlap where allowed) are not layout choices, so a row that ran without one competes with it
+        # overlap, TP overlap, where allowed) are not layout choices, so a row that ran without one
+        # competes with it
+        cfg = with_tp_overlap(cfg) if rt.tp_comm_overlap else cfg
         published = evaluate(with_a2a_overlap(cfg) if rt.a2a_overlap else cfg, hw, rt.memory, rt.time)
         rank = rank_of(published, result.ranked)
         states = stated_layout(c)

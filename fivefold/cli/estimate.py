@@ -87,6 +87,11 @@ def _estimate(cfg, loaded, args, hw) -> None:
     if runs.parallel.moe_token_dispatcher_type != cfg.parallel.moe_token_dispatcher_type:
         print(f"note: the EP exchange timed as an all-to-all, as {rt.name} sends it (the config names the "
               f"{cfg.parallel.moe_token_dispatcher_type} dispatcher: --runtime megatron-te times it)")
+    if ta.tp_overlap and runs.parallel.tensor_model_parallel_size > 1:
+        print(f"note: TP traffic {'overlapped' if runs.parallel.tp_comm_overlap else 'exposed'}: {rt.name} hides "
+              f"{ta.tp_overlap:.0%} of it with TP communication overlap, which the config turns "
+              + ("on" if runs.parallel.tp_comm_overlap else "off (Megatron's --tp-comm-overlap, torchtitan's async "
+                                                            "TP; parallel.tp_comm_overlap, with sequence parallelism)"))
     cand = evaluate(runs, hw, mem, ta)
     if cand.estimate is None and not cand.problem.startswith("needs"):
         raise UserError(f"invalid layout: {cand.problem}")

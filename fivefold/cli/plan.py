@@ -102,8 +102,7 @@ def run(args, extra) -> int:
                      fp8_recipe=args.fp8_recipe)
     compared = [(text, candidates(text, spec.model, hw, args.gpus, min(gpn, args.gpus), args.seq_len,
                                   args.global_batch, args.precision, mbs, mem, ta, bf16_grads, rt.dp_modes[0],
-                                  space.a2a_overlap, space.dispatcher, space.group_rule, space.megatron_fsdp,
-                                  space.fp8_recipe)[0])
+                                  space)[0])
                 for text in args.compare]  # bad descriptions refused before the search
     result = search(spec.model, hw, args.gpus, min(gpn, args.gpus), args.seq_len, args.global_batch, args.precision,
                     space, mem, ta, grad_reduce_in_bf16=bf16_grads, progress=True)
@@ -124,7 +123,7 @@ def run(args, extra) -> int:
         parts = [f"{n} x {r}" for r, n in reasons.most_common(4) if not r.startswith("needs")][:3]
         parts += [f"{too_big} do not fit in memory"] if too_big else []
         print("dropped, most common reasons: " + "; ".join(parts))
-    best, assume = result.ranked[0], Assumed(mem, ta, bf16_grads, rt.dp_modes[0])
+    best, assume = result.ranked[0], Assumed(mem, ta, bf16_grads, rt.dp_modes[0], space.tp_comm_overlap)
     if args.explain:
         print()
         print(explain(best, spec.model, spec.preset, counts.total, hw, args.gpus, gpn, args.seq_len,

@@ -56,7 +56,7 @@ def candidates(knob: str, s: dict) -> list:
         dp = dp_of(s) if model >= 1 and world % model == 0 else 0
         m = s["gbs"] // (s["mbs"] * dp) if dp and s["gbs"] and s["mbs"] >= 1 else 0
         return [None] + [d for d in _divisors(m) if d >= s["pp"]][:8]
-    if knob in ("sp", "a2a_overlap"):
+    if knob in ("sp", "a2a_overlap", "tp_overlap"):
         return [True, False]
     if knob == "seq":
         return _near_multiples(s["seq"], [2 ** k for k in range(1, 14)])

@@ -74,6 +74,7 @@ FLAGS: dict[str, Flag] = {
     "--expert-tensor-parallel-size": _v("parallel.expert_tensor_parallel_size"),
     "--sequence-parallel": _on("parallel.sequence_parallel"),
     "--overlap-moe-expert-parallel-comm": _on("parallel.overlap_moe_expert_parallel_comm"),
+    "--tp-comm-overlap": _on("parallel.tp_comm_overlap"),
     "--moe-token-dispatcher-type": Flag("parallel.moe_token_dispatcher_type",
                                         convert=lambda v: "alltoall" if v == "alltoall_seq" else v),
     "--decoder-first-pipeline-num-layers": _v("parallel.decoder_first_pipeline_num_layers"),

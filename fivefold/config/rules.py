@@ -23,7 +23,8 @@ KNOB_FIELDS = {
     "vpp": "parallel.virtual_pipeline_model_parallel_size", "cp": "parallel.context_parallel_size",
     "ep": "parallel.expert_model_parallel_size", "etp": "parallel.expert_tensor_parallel_size",
     "sp": "parallel.sequence_parallel", "hcp": "parallel.hierarchical_context_parallel_sizes",
-    "a2a_overlap": "parallel.overlap_moe_expert_parallel_comm", "dispatcher": "parallel.moe_token_dispatcher_type",
+    "a2a_overlap": "parallel.overlap_moe_expert_parallel_comm", "tp_overlap": "parallel.tp_comm_overlap",
+    "dispatcher": "parallel.moe_token_dispatcher_type",
     "cp_comm": "parallel.cp_comm_type", "schedule": "parallel.pipeline_schedule",
     "order": "parallel.order", "split": "parallel.pipeline_layers_per_stage",
     "first": "parallel.decoder_first_pipeline_num_layers",
@@ -134,6 +135,10 @@ def adjust(s: dict, dialect: str) -> list[Rule]:
         out.append(Rule(KNOB_FIELDS["a2a_overlap"], True, "fivefold's runtime (`fivefold train`) runs the EP "
                         "all-to-all without Megatron's 1F1B overlap: the same sums, its own schedule; "
                         "`fivefold estimate --runtime megatron-te` times the overlap", ("a2a_overlap",), "warning"))
+    if s["tp_overlap"] and s["sp"]:
+        out.append(Rule(KNOB_FIELDS["tp_overlap"], True, "fivefold's runtime (`fivefold train`) sends the TP / SP "
+                        "traffic without overlapping it with the GEMMs: the same sums; `fivefold estimate --runtime "
+                        "megatron-te` (or torchtitan) times the overlap", ("tp_overlap",), "warning"))
     if s["dispatcher"] != "alltoall" and s["experts"] and s["ep"] > 1:
         out.append(Rule(KNOB_FIELDS["dispatcher"], s["dispatcher"], "fivefold's runtime (`fivefold train`) sends "
                         "the EP exchange as an all-to-all: the same sums; `fivefold estimate --runtime megatron-te` "
@@ -233,6 +238,9 @@ def errors(s: dict) -> list[Rule]:
         out.append(Rule(KNOB_FIELDS["gbs"], s["gbs"], f"global batch must be a multiple of "
                         f"micro_batch_size*DP = {s['mbs']}*{dp} = {s['mbs'] * dp}", ("gbs", "mbs")))
     out += a2a_overlap_problems(s)
+    if s["tp_overlap"] and not s["sp"]:
+        out.append(Rule(KNOB_FIELDS["tp_overlap"], True, "TP communication overlap (tp_comm_overlap) needs sequence "
+                        "parallelism (sequence_parallel, with TP > 1), as Megatron-LM requires", ("tp_overlap", "sp")))
     if s["rgran"] == "full" and s["rmethod"] not in ("uniform", "block"):
         out.append(Rule(KNOB_FIELDS["rmethod"], s["rmethod"], "full recompute needs recompute_method uniform "
                         "or block (Megatron-LM refuses without one)", ("rmethod",)))

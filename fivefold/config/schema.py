@@ -97,6 +97,11 @@ class ParallelConfig:
     runtime computes them without it; the planner times it for a runtime that has it (megatron-te).
     Megatron-LM's rules hold: EP > 1, the alltoall or flex dispatcher, no full recompute, VPP when
     PP > 1, at most one MTP layer, 16-bit. Default False."""
+    tp_comm_overlap: bool = False
+    """TP / SP communication overlapped with the GEMMs (Megatron's --tp-comm-overlap, TransformerEngine's
+    userbuffers; torchtitan's async TP): a runtime switch with the same sums. fivefold's runtime computes
+    them without it; the planner hides the runtime's share of the TP traffic where it is on
+    (megatron-te, torchtitan). Megatron-LM's rule holds: sequence parallelism (so TP > 1). Default False."""
     order: str = "tp-cp-ep-dp-pp"
     """Rank order, fastest-varying first. Default Megatron's tp-cp-ep-dp-pp."""
     pipeline_schedule: str = "1f1b"

@@ -79,6 +79,17 @@ A2A_OVERLAP_OF: dict[int, str] = {
 source's words; the other MoE rows did not (37, 40, 52-55 say OFF, 47 is row 48 without it, the
 rest do not say: Megatron's default, off)."""
 
+TP_OVERLAP_OF: dict[int, tuple[bool, str]] = {
+    **{row: (True, "flags stated: --tp-comm-overlap") for row in range(2, 10)},
+    24: (False, "notes: '2D' plain TP"), 25: (True, "notes: '2D + AsyncTP'"),
+    **{row: (True, "notes: AsyncTP") for row in (26, 28, 29, 30, 31)},
+    32: (False, "notes: vanilla TP"), 33: (True, "notes: async TP"),
+}
+"""Rows with TP whose source says whether it overlapped the TP communication with the GEMMs (Megatron's
+--tp-comm-overlap, torchtitan's async TP: `ParallelConfig.tp_comm_overlap`), the source's words; the
+other rows with TP are taken to overlap it (`case_of` lists the assumption): the Llama 3 stack is read as
+Megatron-like, and Megatron's performance recipes turn it on with TP."""
+
 LLAMA3_VPP = 8
 LLAMA3_LAYOUT = "E|(t|)*126L"
 """Llama 3 405B's pipeline (s3.3.2, not stated as numbers): 126 layers on 16 ranks, "one Transformer
@@ -273,7 +284,12 @@ def case_of(run: Run) -> Case:
     split = _split(run, m, pp, vpp, assumed, unstated)
     if "vpp" in unstated:
         unstated.add("split")  # a split is of PP x VPP stages
+    tp_overlap = TP_OVERLAP_OF.get(run.row, (tp > 1, ""))[0]
+    if tp > 1 and run.row not in TP_OVERLAP_OF:
+        assumed.append("TP communication overlapped (not stated: Megatron's performance recipes turn on "
+                       "--tp-comm-overlap with TP)")
     parallel = ParallelConfig(tensor_model_parallel_size=tp, sequence_parallel=tp > 1, context_parallel_size=cp,
+                              tp_comm_overlap=tp_overlap,
                               cp_comm_type=CP_COMM_OF.get(run.row, ("p2p",))[0],
                               pipeline_model_parallel_size=pp,
                               virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,

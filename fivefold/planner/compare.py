@@ -31,7 +31,7 @@ from fivefold.planner.activations import RECOMPUTE_MODULES
 from fivefold.planner.mtp import mtp_stage_layers
 from fivefold.planner.search import (A2A_OVERLAP, DP_MODE_LABEL, Candidate, evaluate, make_config, rank_key, with_group,
                                      recompute_label)
-from fivefold.planner.space import layer_splits
+from fivefold.planner.space import SearchSpace, layer_splits
 
 _SIZE = re.compile(r"(tp|cp|pp|vpp|group|ep|etp|dp|mbs)(\d+)$")
 _RECOMPUTE = {"rc-none": None, "rc-sel": "selective", "rc-selective": "selective", "rc-full": "full"}
@@ -105,11 +105,11 @@ def _split(word: str) -> dict | None:
 
 def candidates(text: str, model, hw, world: int, gpus_per_node: int, seq: int, global_batch: int, precision: str,
                micro_batches: tuple[int, ...], mem, ta, grad_reduce_in_bf16: bool = False,
-               dp_mode: str = "optim", a2a_overlap: bool = False, dispatcher: str = "alltoall",
-               group_rule: str = "megatron", megatron_fsdp: bool = False, fp8_recipe: str = "delayed") -> list[Candidate]:
+               dp_mode: str = "optim", space: SearchSpace = SearchSpace()) -> list[Candidate]:
     """The named layout evaluated: one Candidate per reading the description leaves open (the
-    recompute modes when none is named, until one fits; the search's layer splits), fastest first;
-    UserError when the sizes do not make the GPU count."""
+    recompute modes when none is named, until one fits; the search's layer splits), fastest first,
+    with the runtime switches of the search's `space` (overlaps, dispatcher, microbatch groups,
+    Megatron-FSDP, fp8 recipe); UserError when the sizes do not make the GPU count."""
     d = parse(text)
     s = d["sizes"]
     tp, cp, pp, vpp = s.get("tp", 1), s.get("cp", 1), s.get("pp", 1), s.get("vpp", 1)
@@ -140,9 +140,11 @@ def candidates(text: str, model, hw, world: int, gpus_per_node: int, seq: int, g
         for recompute in modes:
             cfg = make_config(model, world, gpus_per_node, seq, global_batch, precision, {**parallel, **split},
                               micro_batch=mbs[0], recompute=recompute, grad_reduce_in_bf16=grad_reduce_in_bf16,
-                              recompute_modules=d["modules"], dp_mode=d["dp_mode"] or dp_mode, a2a_overlap=a2a_overlap,
-                              dispatcher=dispatcher, megatron_fsdp=megatron_fsdp, fp8_recipe=fp8_recipe)
-            c = evaluate(cfg if "group" in s else with_group(cfg, group_rule), hw, mem, ta)
+                              recompute_modules=d["modules"], dp_mode=d["dp_mode"] or dp_mode,
+                              a2a_overlap=space.a2a_overlap, dispatcher=space.dispatcher,
+                              megatron_fsdp=space.megatron_fsdp, fp8_recipe=space.fp8_recipe,
+                              tp_comm_overlap=space.tp_comm_overlap)
+            c = evaluate(cfg if "group" in s else with_group(cfg, space.group_rule), hw, mem, ta)
             out.append(c)
             if c.estimate is not None:
                 break

@@ -181,7 +181,7 @@ def seed_candidate(rule: SeedRule, model: ModelConfig, hw: Hardware, world: int,
                 for recompute in (None, "selective", "full"):
                     cfg = make_config(model, world, gpus_per_node, seq, global_batch, precision, parallel,
                                       recompute=recompute, grad_reduce_in_bf16=assume.grad_reduce_in_bf16,
-                                      dp_mode=assume.dp_mode)
+                                      dp_mode=assume.dp_mode, tp_comm_overlap=assume.tp_comm_overlap)
                     c = evaluate(cfg, hw, assume.mem, assume.ta)
                     if c.estimate is None:
                         reasons.append(f"TP{tp} PP{pp} rc={recompute}: {c.problem}")
@@ -200,6 +200,8 @@ class Assumed(NamedTuple):
     ta: TimeAssumptions
     grad_reduce_in_bf16: bool = False
     dp_mode: str | None = None
+    tp_comm_overlap: bool = False
+    """The search's layouts overlap TP communication (`SearchSpace.tp_comm_overlap`)."""
 
 
 def sequence_verdict(plan, cp: int, sp: bool) -> str:

@@ -114,10 +114,11 @@ def make_config(model: ModelConfig, world: int, gpus_per_node: int, seq: int, gl
                 distributed_optimizer: bool = True, grad_reduce_in_bf16: bool = False,
                 recompute_modules: list[str] | None = None, dp_mode: str | None = None,
                 a2a_overlap: bool = False, dispatcher: str = "alltoall", megatron_fsdp: bool = False,
-                fp8_recipe: str = "delayed") -> Config:
+                fp8_recipe: str = "delayed", tp_comm_overlap: bool = False) -> Config:
     """A planner config; `a2a_overlap`: with Megatron's 1F1B all-to-all overlap where its rules allow
     (`with_a2a_overlap`); `dispatcher`: the MoE token dispatcher; `megatron_fsdp`: ZeRO-2/3 as
-    Megatron-FSDP (`runtime.megatron_fsdp`); `fp8_recipe`: the scaling under fp8."""
+    Megatron-FSDP (`runtime.megatron_fsdp`); `fp8_recipe`: the scaling under fp8; `tp_comm_overlap`: TP
+    communication overlapped where the layout has TP with SP (`with_tp_overlap`)."""
     nodes = max(1, world // gpus_per_node)
     cfg = Config(cluster=ClusterConfig(num_nodes=nodes, gpus_per_node=gpus_per_node, world_size=world),
                  parallel=ParallelConfig(**{"moe_token_dispatcher_type": dispatcher, **parallel}), model=model,
@@ -131,7 +132,16 @@ def make_config(model: ModelConfig, world: int, gpus_per_node: int, seq: int, gl
                                          use_megatron_fsdp=runs_megatron_fsdp(megatron_fsdp, dp_mode),
                                          grad_reduce_in_bf16=grad_reduce_in_bf16 and precision != "fp32",
                                          fp8_recipe=fp8_recipe))
+    cfg = with_tp_overlap(cfg) if tp_comm_overlap else cfg
     return with_a2a_overlap(cfg) if a2a_overlap else cfg
+
+
+def with_tp_overlap(cfg: Config) -> Config:
+    """`cfg` with TP communication overlapped where Megatron-LM's rule allows it (sequence parallelism,
+    so TP > 1), else `cfg`."""
+    if not cfg.parallel.sequence_parallel or cfg.parallel.tensor_model_parallel_size <= 1:
+        return cfg
+    return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, tp_comm_overlap=True))
 
 
 def with_a2a_overlap(cfg: Config) -> Config:
@@ -217,7 +227,8 @@ def _search(model, hw, world, gpus_per_node, seq, global_batch, precision, space
         base = with_group(make_config(model, world, gpus_per_node, seq, global_batch, precision, parallel,
                                       grad_reduce_in_bf16=grad_reduce_in_bf16, a2a_overlap=space.a2a_overlap,
                                       dispatcher=space.dispatcher, megatron_fsdp=space.megatron_fsdp,
-                                      fp8_recipe=space.fp8_recipe), space.group_rule)
+                                      fp8_recipe=space.fp8_recipe, tp_comm_overlap=space.tp_comm_overlap),
+                         space.group_rule)
         if (key := cp_twin(base)) != twin:
             twin, known = key, {}
         broken = config_errors(base)

@@ -50,6 +50,11 @@ class SearchSpace:
     full recompute, VPP under PP, ...: `config.rules.a2a_overlap_problems`), for a runtime that has it
     (`Runtime.a2a_overlap`). A runtime switch, not a layout: under the time model it only hides EP
     traffic, so it is on where allowed rather than a second variant."""
+    tp_comm_overlap: bool = False
+    """Layouts with TP run with TP communication overlap (`ParallelConfig.tp_comm_overlap`: Megatron's
+    --tp-comm-overlap, torchtitan's async TP), for a runtime that has it (`Runtime.tp_comm_overlap`). A
+    runtime switch, not a layout: every layout the search makes has SP with TP, which the overlap needs,
+    and under the time model it only hides TP traffic, so it is on wherever TP > 1."""
     group_rule: str = "megatron"
     """How interleaving groups a microbatch count PP does not divide (`pipeline.schedules.smallest_group`):
     Megatron's rule (a shorter last group allowed), or torch.distributed.pipelining's equal rounds

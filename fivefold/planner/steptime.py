@@ -77,7 +77,8 @@ class TimeAssumptions:
     adds): HBM passes over each layer's activations per microbatch, forward + backward, at HBM
     bandwidth. 0 = not charged."""
     tp_overlap: float = 0.0
-    """Share of TP / SP (and expert-TP) traffic hidden behind GEMMs (TE userbuffers, async TP)."""
+    """Share of TP / SP (and expert-TP) traffic hidden behind GEMMs (TE userbuffers, async TP) where the
+    config turns the overlap on (`ParallelConfig.tp_comm_overlap`); without it none is."""
     ep_overlap: float = 0.0
     """Share of the EP all-to-all hidden behind compute without the 1F1B all-to-all overlap (what the
     dispatcher hides by itself: shared experts, its own send / receive halves)."""
@@ -268,12 +269,12 @@ def _held(plan: Plan, r: int) -> tuple:
 
 
 def _add_calls(calls: list[Collective], links: Links, sizes: dict[str, int], parts: dict, sent: dict,
-               hidden: float = 0.0, ep_share: float = 0.0) -> None:
+               hidden: float = 0.0, ep_share: float = 0.0, tp_share: float = 0.0) -> None:
     """Add the time and wire bytes of `calls` (critical path, or hidden behind `hidden` seconds of
-    compute for those that overlap the attention core) to `parts` / `sent`, by reported part; a share
-    of the TP traffic (the runtime's `tp_overlap`) and `ep_share` of the EP traffic are hidden."""
+    compute for those that overlap the attention core) to `parts` / `sent`, by reported part;
+    `tp_share` of the TP traffic (`_tp_share`) and `ep_share` of the EP traffic are hidden."""
     overlapped = 0.0
-    hidden_share = {"tp": links.ta.tp_overlap, "ep": ep_share}
+    hidden_share = {"tp": tp_share, "ep": ep_share}
     timed: dict[tuple, tuple[float, float]] = {}  # calls of one kind, group and size cost the same
     for c in calls:
         key = (c.kind, c.group, c.call_bytes)
@@ -290,6 +291,13 @@ def _add_calls(calls: list[Collective], links: Links, sizes: dict[str, int], par
             parts[PART[c.group]] += t * (1 - hidden_share.get(PART[c.group], 0.0))
     if overlapped:
         parts["cp"] += max(0.0, overlapped - hidden * links.ta.cp_overlap)
+
+
+def _tp_share(plan: Plan, ta: TimeAssumptions) -> float:
+    """The share of a layer's TP / SP traffic the runtime hides behind its GEMMs: its `tp_overlap` where
+    the config turns the overlap on (`ParallelConfig.tp_comm_overlap`: Megatron's --tp-comm-overlap,
+    torchtitan's async TP), none where it sends it plainly."""
+    return ta.tp_overlap if plan.config.parallel.tp_comm_overlap else 0.0
 
 
 def _selective_rerun(t_core: float, t_experts: float, flops_rate: float, hw: Hardware, work: "_Work") -> float:
@@ -381,7 +389,7 @@ def _keys(plan: Plan, links: Links, flops_rate: float) -> _Keys:
     model = (id(m), id(links.hw), links.ta)
     common = (plan.recompute_modules, plan.mbs, plan.seq, plan.precision, plan.tp, plan.sp, plan.cp, p.cp_comm_type,
               tuple(p.hierarchical_context_parallel_sizes or ()), links.cross["tp"], links.cross["cp"],
-              links.cross["tp-cp"], flops_rate)
+              links.cross["tp-cp"], flops_rate, p.tp_comm_overlap)
     experts = (plan.ep, plan.etp, links.cross["ep"], links.cross["etp"], links.cross["ep local"],
                p.overlap_moe_expert_parallel_comm, p.moe_token_dispatcher_type) if m.is_moe else ()
     full = plan.recompute == "full"  # (only full recompute marks layers recomputed: `Plan.layer_groups`)
@@ -479,7 +487,8 @@ def _layer_work(plan: Plan, links: Links, sizes: dict[str, int], i: int, recompu
     moe = is_moe_layer(m, i)
     recompute = plan.recompute if recomputed or plan.recompute != "full" else None  # (as `_Keys.layers`)
     key = (recomputed, moe, id(m), id(links.hw), links.ta, recompute, plan.recompute_modules, plan.mbs, plan.seq,
-           plan.precision, plan.tp, plan.sp, plan.cp, links.cross["tp"], links.cross["tp-cp"], flops_rate)
+           plan.precision, plan.tp, plan.sp, plan.cp, links.cross["tp"], links.cross["tp-cp"], flops_rate,
+           p.tp_comm_overlap)
     if moe:
         key += (plan.ep, plan.etp, links.cross["ep"], links.cross["etp"], links.cross["ep local"],
                 p.overlap_moe_expert_parallel_comm, p.moe_token_dispatcher_type)
@@ -512,7 +521,7 @@ def _layer_work_of(plan: Plan, links: Links, sizes: dict[str, int], i: int, reco
         "a layer call on a group the cache key leaves out"
     ep_share = ta.ep_overlap_1f1b if plan.config.parallel.overlap_moe_expert_parallel_comm \
         and ta.ep_overlap_1f1b is not None else ta.ep_overlap
-    _add_calls(calls, links, sizes, parts, sent, 0.0, ep_share)
+    _add_calls(calls, links, sizes, parts, sent, 0.0, ep_share, _tp_share(plan, ta))
     rerun = None
     if not recomputed:
         key = ("rerun", id(m), is_moe_layer(m, i), b, s, tp, plan.sp, cp, plan.etp, plan.recompute,
@@ -544,7 +553,7 @@ _DENSE_WORK: dict[tuple, tuple] = {}
 def _dense_work(plan: Plan, links: Links, sizes: dict[str, int], i: int, flops_rate: float) -> _DenseWork:
     m = plan.config.model
     key = (is_moe_layer(m, i), id(m), id(links.hw), links.ta, plan.mbs, plan.seq, plan.precision, plan.tp, plan.sp,
-           plan.cp, links.cross["tp"], flops_rate)
+           plan.cp, links.cross["tp"], flops_rate, plan.config.parallel.tp_comm_overlap)
 
     def work():
         b, s = plan.mbs, plan.seq
@@ -555,6 +564,6 @@ def _dense_work(plan: Plan, links: Links, sizes: dict[str, int], i: int, flops_r
         assert all(c.group == "tp" for c in attention + mlp), "a layer call on a group the cache key leaves out"
         parts = dict.fromkeys(("tp", "cp", "ep"), 0.0)
         sent = dict.fromkeys(("tp", "cp", "ep"), 0.0)
-        _add_calls(attention + mlp, links, sizes, parts, sent)
+        _add_calls(attention + mlp, links, sizes, parts, sent, tp_share=_tp_share(plan, links.ta))
         return _DenseWork(attention, mlp, parts, sent, t_linear)
     return _kept(_DENSE_WORK, key, m, links.hw, work)
