@@ -32,6 +32,24 @@ def test_megatron_flags_map_to_canonical_fields():
 
 
 @pytest.mark.parametrize("words", [
+    ["--tp-comm-overlap", "--tensor-model-parallel-size", "2", "--sequence-parallel"],
+    ["cfg.comm_overlap.tp_comm_overlap=true", "cfg.model.tensor_model_parallel_size=2", "cfg.model.sequence_parallel=true"],
+    ["cfg.model.tp_comm_overlap=true", "cfg.model.tensor_model_parallel_size=2", "cfg.model.sequence_parallel=true"],
+    ["tp=2", "sp=true", "tp_comm_overlap=true"],
+])
+def test_tp_communication_overlap_is_read_in_each_dialect(words):
+    """Megatron-LM's --tp-comm-overlap, both of Bridge's fields and the canonical name set one switch
+    (the planner hides TP traffic only with it); Megatron-LM's rule holds: without sequence parallelism
+    (as Megatron turns it off at TP1) it is refused with the fix."""
+    loaded = load_config(None, words, world_size=8)
+    assert loaded.config.parallel.tp_comm_overlap
+    validate(loaded.config, loaded.dialect)
+    plain = load_config(None, [w for w in words if "sequence" not in w and w != "sp=true"], world_size=8)
+    with pytest.raises(ConfigError, match=r"tp_comm_overlap\) needs sequence parallelism .*fix: tp_comm_overlap=False"):
+        validate(plain.config, plain.dialect)
+
+
+@pytest.mark.parametrize("words", [
     ["--overlap-moe-expert-parallel-comm", "--expert-model-parallel-size", "2", "--num-experts", "4", "--bf16"],
     ["cfg.comm_overlap.overlap_moe_expert_parallel_comm=true", "cfg.model.expert_model_parallel_size=2",
      "cfg.model.num_moe_experts=4", "cfg.model.bf16=true"],

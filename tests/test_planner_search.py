@@ -212,6 +212,33 @@ def test_estimate_cli_takes_megatron_flags_and_a_preset(capsys):
     assert ", dp=intra-node," in out and "dp-replicate=network" in out  # a node's shard pieces, replicas across
 
 
+def test_tp_traffic_is_hidden_only_where_the_run_overlaps_it(capsys):
+    """megatron-te hides its TP share only for a run with --tp-comm-overlap (Megatron-LM's default is off:
+    every TP run was timed as overlapped before), and `estimate` says which it timed; the search of a
+    runtime that overlaps turns it on in every layout with TP, fivefold's in none."""
+    from fivefold.planner.presets import hardware, model_preset
+    from fivefold.planner.runtime import profile
+    line = ["estimate", "--model", "llama3-70b", "--gpus", "64", "--runtime", "megatron-te", "--bf16",
+            "--tensor-model-parallel-size", "8", "--sequence-parallel", "--pipeline-model-parallel-size", "2",
+            "--use-distributed-optimizer", "--global-batch-size", "128"]
+    tp = {}
+    for extra in ([], ["--tp-comm-overlap"]):
+        assert main(line + extra) == 0
+        out = capsys.readouterr().out
+        tp[bool(extra)] = float(re.search(r"step time [\d.]+ s: .*, tp ([\d.]+),", out).group(1))
+        said = "overlapped" if extra else "exposed"
+        assert f"note: TP traffic {said}: megatron-te hides 90% of it" in out
+    # the layers' traffic cut to (1 - share); the SP norms' once-per-step gradient reduction stays exposed
+    kept = tp[False] * (1 - profile("megatron-te").time.tp_overlap)
+    assert kept < tp[True] < 1.15 * kept
+    m, hw = model_preset("llama3-8b").model, hardware("h100-sxm")
+    for name in ("megatron-te", "fivefold"):
+        rt = profile(name)
+        ranked = search(m, hw, 32, 8, 4096, 64, "bf16", rt.space(), rt.memory, rt.time).ranked
+        assert any(c.plan.tp > 1 for c in ranked)
+        assert all(c.config.parallel.tp_comm_overlap == (name != "fivefold" and c.plan.tp > 1) for c in ranked)
+
+
 def test_estimate_of_several_models_estimates_each_on_its_gpus(capsys):
     """A `models:` list or an allocation mode: each training component estimated on its own GPUs with
     its own layout, an inference engine named and skipped (only the first model was estimated, on a
