@@ -33,7 +33,8 @@ def test_megatron_flags_map_to_canonical_fields():
 
 @pytest.mark.parametrize("words", [
     ["--tp-comm-overlap", "--tensor-model-parallel-size", "2", "--sequence-parallel"],
-    ["cfg.comm_overlap.tp_comm_overlap=true", "cfg.model.tensor_model_parallel_size=2", "cfg.model.sequence_parallel=true"],
+    ["cfg.comm_overlap.tp_comm_overlap=true", "cfg.model.tensor_model_parallel_size=2",
+     "cfg.model.sequence_parallel=true"],
     ["cfg.model.tp_comm_overlap=true", "cfg.model.tensor_model_parallel_size=2", "cfg.model.sequence_parallel=true"],
     ["tp=2", "sp=true", "tp_comm_overlap=true"],
 ])

@@ -86,9 +86,10 @@ gathered through the microbatch."""
 
 _FLASH_HALF_KEYS = 1280.8
 """Keys per call at which a flash kernel runs at half its rate (`TimeAssumptions.attention_half_keys`):
-fitted on torchtitan's rows (session 36, with plain and async TP told apart), whose CP sweep (rows 28-31: 405B at 8192 tokens, CP 1-8, calls of 8192
-down to 1024 keys) pins it; Megatron's rows hardly move it (their fit is as good with it as at 0:
-median 7.3% vs 7.2%), so its profile takes the same kernel-level constant."""
+fitted on torchtitan's rows (session 36, with plain and async TP told apart), whose CP sweep (rows
+28-31: 405B at 8192 tokens, CP 1-8, calls of 8192 down to 1024 keys) pins it; Megatron's rows hardly
+move it (their fit is as good with it as at 0: median 7.3% vs 7.2%), so its profile takes the same
+kernel-level constant."""
 
 PER_TENSOR_OPTIMIZER_BYTES = 145.5
 """Our step's optimizer work per parameter as it was until session 28 (fp64 gradient norm and clipping a
