@@ -229,6 +229,7 @@ def test_tp_traffic_is_hidden_only_where_the_run_overlaps_it(capsys):
         said = "overlapped" if extra else "exposed"
         assert f"note: TP traffic {said}: megatron-te hides 90% of it" in out
     # the layers' traffic cut to (1 - share); the SP norms' once-per-step gradient reduction stays exposed
+    # (measured 1.09x the cut figure; 1.15 bounds it: model arithmetic, the same on any CPU)
     kept = tp[False] * (1 - profile("megatron-te").time.tp_overlap)
     assert kept < tp[True] < 1.15 * kept
     m, hw = model_preset("llama3-8b").model, hardware("h100-sxm")
