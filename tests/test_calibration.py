@@ -63,7 +63,7 @@ def test_megatron_layout_strings():
     assert h100.decoder == (3,) + (2,) * 29 + (0, 0) and h100.mtp[-2] == 1
     gb200 = parse_layout("Et*4|(tttt|)*14tmL", pp=4, vpp=4, num_layers=61)
     assert gb200.decoder == (4,) + (4,) * 14 + (1,) and gb200.mtp == (0,) * 15 + (1,)
-    with pytest.raises(UserError, match="needs 16 .*virtual-pipeline-model-parallel-size 8"):
+    with pytest.raises(UserError, match="needs 16 .*--num-virtual-stages-per-pipeline-rank 8"):
         parse_layout("Et*3|(tt|)*29m|L", pp=4, vpp=4)
     with pytest.raises(UserError, match="places 61 decoder layers .* has 60"):
         parse_layout("Et*3|(tt|)*29m|L", pp=8, vpp=4, num_layers=60)

@@ -74,7 +74,7 @@ def test_llama3_8b_fp8_script_refuses_only_what_is_not_built():
 
 @pytest.mark.parametrize("flag, hint", [
     ("--tp", "did you mean --tensor-model-parallel-size, or tp=N?"),
-    ("--vpp", "did you mean --virtual-pipeline-model-parallel-size, or vpp=N?"),
+    ("--vpp", "did you mean --num-virtual-stages-per-pipeline-rank, or vpp=N?"),
     ("--sp", "did you mean --sequence-parallel, or sp=true?"),
     ("--dp", "data parallelism is what the world size leaves"),
 ])

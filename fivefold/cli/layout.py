@@ -6,7 +6,7 @@ import argparse
 
 from fivefold.allocation import Allocation, parse_allocation
 from fivefold.config.load import is_file, load_config
-from fivefold.config.megatron import FLAGS, VALUE
+from fivefold.config.megatron import FLAGS, VALUE, flags_of
 from fivefold.config.report import MAX_ROWS, gpu_ranges, layout_report, rank_report
 from fivefold.config.rules import KNOB_FIELDS
 from fivefold.config.validate import validate
@@ -20,7 +20,7 @@ def megatron_flags(dim: str) -> list[str]:
     """Megatron-LM's value flag for the size `dim` (from the flag table validate reads), [] for DP:
     Megatron derives it."""
     field = KNOB_FIELDS.get(dim)
-    return [name for name, f in FLAGS.items() if field and f.field == field and f.kind == VALUE and not f.ours][:1]
+    return [name for name in flags_of(field) if FLAGS[name].kind == VALUE and not FLAGS[name].ours][:1] if field else []
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

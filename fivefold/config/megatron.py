@@ -237,6 +237,13 @@ FLAGS: dict[str, Flag] = {
 }
 
 
+def flags_of(field: str) -> list[str]:
+    """The flags that set `field`: Megatron-LM's (those of its pinned surface first, then older names
+    the reader still takes), then fivefold's own; alphabetical within each."""
+    return sorted((name for name, f in FLAGS.items() if f.field == field),
+                  key=lambda name: (FLAGS[name].ours, name not in SURFACE, name))
+
+
 def is_flag(word: str) -> bool:
     return word.startswith("--")
 
@@ -309,7 +316,7 @@ def _classify(name: str, values: list[str], unknown: list[str], not_built: list[
 
     short = ALIASES.get(name[2:])
     if short and name not in SURFACE:  # --tp: fivefold's short name as a flag; the flag of its field
-        flag = next(f for f, spec in FLAGS.items() if spec.field == short)
+        flag = flags_of(short)[0]
         unknown.append(f"{name} (did you mean {flag}, or {name[2:]}={'true' if 'bool' in TYPES[short] else 'N'}?)")
     elif name in ("--dp", "--data-parallel-size"):
         unknown.append(f"{name} (data parallelism is what the world size leaves, world / (TP x CP x PP): "

@@ -64,7 +64,7 @@ def parse_layout(spec: str, pp: int | None = None, vpp: int | None = None, num_l
     chunks = (pp or 1) * (vpp or 1)
     if pp is not None and out.stages != chunks:
         raise UserError(f"--pipeline-model-parallel-layout {spec!r} has {out.stages} stages; PP={pp} x VPP={vpp or 1} "
-                        f"needs {chunks} (set --virtual-pipeline-model-parallel-size {out.stages // pp})"
+                        f"needs {chunks} (set --num-virtual-stages-per-pipeline-rank {out.stages // pp})"
                         if out.stages % pp == 0 else
                         f"--pipeline-model-parallel-layout {spec!r} has {out.stages} stages, not a multiple of PP={pp}")
     if num_layers is not None and sum(out.decoder) != num_layers:

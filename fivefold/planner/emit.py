@@ -8,7 +8,7 @@ from dataclasses import fields
 
 import yaml
 
-from fivefold.config.megatron import FLAGS, LIST, VALUE
+from fivefold.config.megatron import FLAGS, LIST, VALUE, flags_of
 from fivefold.config.megatron_defaults import DEFAULTS, GQA_SWITCH, MOE_DEFAULTS
 from fivefold.errors import UserError
 from fivefold.config.schema import Config, to_dict
@@ -62,14 +62,14 @@ def _flag_words(cfg: Config, dotted: str, value, ours: bool = True) -> list[str]
     if not ours and dotted == "parallel.pipeline_schedule" and value == MEGATRON_SCHEDULE[
             (cfg.parallel.virtual_pipeline_model_parallel_size or 1) > 1]:
         return []
-    flags = sorted((f.ours, name) for name, f in FLAGS.items() if f.field == dotted and (ours or not f.ours))
-    for _, name in flags:
+    flags = [name for name in flags_of(dotted) if ours or not FLAGS[name].ours]
+    for name in flags:
         f = FLAGS[name]
         if f.kind == VALUE:
             return [name, _scalar(value)]
         if f.kind == LIST:
             return [name, *map(str, value)]
-    for _, name in flags:
+    for name in flags:
         if FLAGS[name].const == value:
             return [name]
     if value == _megatron_default(dotted, cfg):
