@@ -126,3 +126,26 @@ def test_commands_that_do_not_train_start_without_torch():
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip().splitlines()[-1] == "[]", r.stdout[-500:]
+
+
+@pytest.mark.parametrize("argv, fix", [
+    (["train", "examples/demo.yaml", "--nproc", "3"], "(fix: --nproc 4)"),
+    (["validate", "examples/demo.yaml", "--world-size", "3"], "(fix: --world-size 4)"),
+    (["estimate", "examples/demo.yaml", "--gpus", "3"], "(fix: --gpus 4)"),
+    (["train", "examples/demo.yaml", "world_size=3"], "(fix: world_size=4)"),
+])
+def test_a_world_size_fix_names_the_flag_that_set_the_world(argv, fix, capsys, tmp_path):
+    """Where a flag gave the world size, the fix names that flag: a world_size=N word would not override it."""
+    out = ["--out", str(tmp_path / "out")] if argv[0] == "train" else []
+    assert main(argv + out) == 2
+    said = capsys.readouterr()
+    assert "must divide the world size 3 " + fix in said.out + said.err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_world_size_fix_under_torchrun_names_its_world(monkeypatch, capsys, tmp_path):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.delenv("FIVEFOLD_LAUNCHED", raising=False)
+    assert main(["train", "examples/demo.yaml", "--out", str(tmp_path / "out")]) == 2
+    assert "(fix: torchrun's --nnodes x --nproc-per-node = 4)" in capsys.readouterr().err

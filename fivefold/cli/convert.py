@@ -34,7 +34,7 @@ def run(args, extra) -> int:
         base = Path(tmp) / "config.yaml"
         base.write_text(yaml.safe_dump(meta["config"]))
         loaded = load_config(str(base), extra, world_size=args.world_size)
-    validate(loaded.config, loaded.dialect)
+    validate(loaded.config, loaded.dialect, world_flag="--world-size" if args.world_size else None)
     out = convert(folder, output_folder("DST", args.dst), loaded.config, log=lambda line: print(line, flush=True))
     print(f"wrote {out}")
     return 0

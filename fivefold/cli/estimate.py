@@ -70,7 +70,8 @@ def _estimate(cfg, loaded, args, hw) -> None:
         cfg.training.seq_length = SEQ
         print(f"note: sequence length {SEQ} for the GPU estimate, as plan's default (no source gave one): "
               "give --seq-length to choose")
-    for w in validate(cfg, loaded.dialect):  # every error with its fix; fills Megatron's defaults (global batch)
+    # every error with its fix; fills Megatron's defaults (global batch)
+    for w in validate(cfg, loaded.dialect, world_flag="--gpus" if args.gpus else None):
         print(w)
     if "training.global_batch_size" not in loaded.explicit and cfg.training.global_batch_size:
         print(f"note: global batch {cfg.training.global_batch_size} = micro-batch x DP, Megatron-LM's default (no "

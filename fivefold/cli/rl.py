@@ -54,7 +54,7 @@ def run(args, extra: list[str]) -> int:
         actor = Path(tmp) / "actor.yaml"
         actor.write_text(yaml.safe_dump(raw))
         loaded = load_config(str(actor), [w for w in extra if not w.startswith("grpo.")], world_size=args.nproc)
-    validate(loaded.config, loaded.dialect)
+    validate(loaded.config, loaded.dialect, world_flag="--nproc" if args.nproc else None)
     config = loaded.config
     nproc = config.cluster.resolved_world_size
     config.cluster.world_size = nproc

@@ -34,7 +34,8 @@ def add_arguments(parser) -> None:
                         help="with PP > 1: time the pipeline actions of the last step, draw OUT/schedule_trace.png")
 
 
-def _load(path: str | None, words: list[str], world_size: int | None, trace_schedule: bool = False) -> Config:
+def _load(path: str | None, words: list[str], world_size: int | None, trace_schedule: bool = False,
+          world_flag: str | None = None) -> Config:
     from fivefold.config.load import load_config
     from fivefold.config.validate import validate
 
@@ -43,7 +44,7 @@ def _load(path: str | None, words: list[str], world_size: int | None, trace_sche
         print(w, file=sys.stderr)
     _check_one_model(loaded.allocation)
     loaded.config.logging.trace_schedule |= trace_schedule  # --trace-schedule, validated as the key is
-    for w in validate(loaded.config, loaded.dialect):  # raises ConfigError listing every error
+    for w in validate(loaded.config, loaded.dialect, world_flag=world_flag):  # raises ConfigError listing each error
         print(w, file=sys.stderr)
     return loaded.config
 
@@ -117,7 +118,8 @@ def run(args, extra: list[str]) -> int:
     path, words = split_config_arg(extra)
     if path is None and not words:
         raise UserError("train: give a CONFIG (YAML or .txt), or the run's Megatron flags / key=value words")
-    config = _load(path, words, world, args.trace_schedule)
+    world_flag = "torchrun's --nnodes x --nproc-per-node =" if under_torchrun else "--nproc" if world else None
+    config = _load(path, words, world, args.trace_schedule, world_flag)
     check_supported(config)
     check_wandb(config.logging.wandb_project)
     timeout_s = timeout_of(config.training)

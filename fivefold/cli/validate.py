@@ -63,7 +63,7 @@ def run(args, extra) -> int:
     _print_problems(loaded.warnings)
     alloc = loaded.allocation
     if alloc is None:
-        _print_problems(validate(loaded.config, loaded.dialect))
+        _print_problems(validate(loaded.config, loaded.dialect, world_flag="--world-size" if args.world_size else None))
         print(describe(loaded.config, args.all_ranks))
         return 0
     failed: list[str] = []

@@ -39,19 +39,24 @@ class ConfigError(UserError):
         super().__init__("invalid config:\n" + "\n".join(f"  - {p}" for p in problems))
 
 
-def validate(config: Config, dialect: str = "fivefold", *, raise_errors: bool = True) -> list[Problem]:
+def validate(config: Config, dialect: str = "fivefold", *, raise_errors: bool = True,
+             world_flag: str | None = None) -> list[Problem]:
     """All problems of `config` read in `dialect`; adjustments the dialect makes are applied to `config`.
 
     Raises ConfigError listing every problem (errors first, then warnings) when any is an error and
-    `raise_errors`; otherwise returns the problems (only warnings when `raise_errors`).
+    `raise_errors`; otherwise returns the problems (only warnings when `raise_errors`). `world_flag`: the
+    command-line flag that set the world size (`--nproc`), which a fix names instead of `world_size=N`
+    (a world_size=N word would not override the flag).
     """
     s = sizes_of(config)
     base = dict(s)
     warned = adjust(s, dialect)
     broken = errors(s)
     fixes = search(base, broken, dialect) if broken else {}
-    problems = [Problem(r.field, r.value, r.rule, first_that_holds(config, fixes.get(i, []), dialect))
-                for i, r in enumerate(broken)] + _training_problems(config.training, None if broken else dp_of(s) * s["cp"]) \
+    problems = [Problem(r.field, r.value, r.rule,
+                        _world_as(world_flag, first_that_holds(config, fixes.get(i, []), dialect)))
+                for i, r in enumerate(broken)]
+    problems += _training_problems(config.training, None if broken else dp_of(s) * s["cp"]) \
         + _data_problems(config.data) + _module_problems(config.training) + _cluster_problems(config.cluster) \
         + _range_problems(config)
     warnings = [Problem(r.field, r.value, r.rule, "applied", "warning") for r in warned]
@@ -68,6 +73,14 @@ def validate(config: Config, dialect: str = "fivefold", *, raise_errors: bool = 
     if problems and raise_errors:
         raise ConfigError(problems + warnings)
     return problems + warnings
+
+
+def _world_as(flag: str | None, fix: str) -> str:
+    """`fix` ('world_size=4, global_batch_size=16') with its world size given as `flag` ('--nproc 4')."""
+    if flag is None:
+        return fix
+    return ", ".join(f"{flag} {part[len('world_size='):]}" if part.startswith("world_size=") else part
+                     for part in fix.split(", "))
 
 
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
