@@ -243,7 +243,7 @@ def test_plot_command_redraws_a_runs_pictures(runs, tmp_path, capsys):
     broken = tmp_path / "broken.jsonl"
     broken.write_text('{"step": 1, "loss": 2.0}\n{"step": 2,\n')
     for argv, words in ((["plot", str(flat), "--what", "expert-load"], "--moe-per-layer-logging"),
-                        (["plot", str(ref), "--what", "losses"], "choose from loss, expert-load"),
+                        (["plot", str(ref), "--what", "losses"], "choose from loss, rl, expert-load"),
                         (["plot", str(broken)], "broken.jsonl:2: malformed JSON line"),
                         (["plot", str(tmp_path / "nowhere")], "no such file")):
         assert main(argv) == 2, argv

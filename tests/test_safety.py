@@ -270,3 +270,22 @@ with heartbeat.in_flight("all_reduce", "loss", "dp"):
     assert "error (rank 0): no progress for 0.5 s" in run.stderr and "rank 1 is not running" in run.stderr
     assert "most recent call first" in run.stderr  # its own stack
     assert json.loads((tmp_path / "rank-0.error").read_text())["kind"] == "hang"
+
+
+def test_plot_of_an_rl_run_draws_its_rl_curves_not_a_loss_curve(tmp_path, capsys):
+    """An RL run's metrics.jsonl (`fivefold rl`: reward, KL, entropy, mismatch, and GRPO's loss per step)
+    is drawn again as rl.png; it once became loss.png, GRPO's loss labelled as nats per token."""
+    import json
+
+    from fivefold.cli import main
+
+    rows = [{"step": s, "reward": 0.1 * s, "exact": 0.0, "kl": 0.01, "entropy": 1.5, "logprob_mismatch": 0.0,
+             "loss": -0.2} for s in range(3)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["plot", str(tmp_path)]) == 0
+    assert (tmp_path / "rl.png").is_file() and not (tmp_path / "loss.png").exists()
+    assert main(["plot", str(tmp_path), "--what", "loss"]) == 2
+    assert "an RL (GRPO) run's metrics; its curve is --what rl" in capsys.readouterr().err
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 0, "loss": 2.0}) + "\n")
+    assert main(["plot", str(tmp_path), "--what", "rl"]) == 2
+    assert "a training run's metrics; its curve is --what loss" in capsys.readouterr().err

@@ -1,6 +1,7 @@
 """`fivefold plot`: draw a run's pictures again from its metrics.jsonl (a run stopped before its end, an
-older run, or one logged on another machine): the loss curve and, when the run logged MoE loads per
-layer (--moe-per-layer-logging), the heatmap of expert load over the steps."""
+older run, or one logged on another machine): the loss curve (an RL run's: rl.png, its reward, KL,
+entropy and mismatch over the GRPO steps) and, when the run logged MoE loads per layer
+(--moe-per-layer-logging), the heatmap of expert load over the steps."""
 from __future__ import annotations
 
 import argparse
@@ -10,18 +11,18 @@ from fivefold.cli._outputs import output_folder
 from fivefold.data.sources import json_lines
 from fivefold.errors import UserError
 
-HELP = "draw a run's loss curve and MoE expert-load heatmap from its metrics.jsonl"
+HELP = "draw a run's loss curve (an RL run's rl.png) and MoE expert-load heatmap from its metrics.jsonl"
 
-PICTURES = ("loss", "expert-load")
+PICTURES = ("loss", "rl", "expert-load")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("run", metavar="RUN", help="a run's output folder (its metrics.jsonl) or a metrics.jsonl file")
     p.add_argument("--out", metavar="DIR", default=None,
-                   help="folder for loss.png and expert_load.png (default: the run's folder)")
+                   help="folder for loss.png / rl.png and expert_load.png (default: the run's folder)")
     p.add_argument("--what", default=None, metavar="LIST",
-                   help=f"comma-separated pictures to draw, of {', '.join(PICTURES)} (default: both; "
-                        "expert-load only where the run logged per-layer loads)")
+                   help=f"comma-separated pictures to draw, of {', '.join(PICTURES)} (default: loss for a "
+                        "training run, rl for an RL run; expert-load where the run logged per-layer loads)")
     p.add_argument("--title", default="", help="title of the pictures")
 
 
@@ -48,16 +49,25 @@ def _rows(path: Path) -> list[dict]:
 
 def run(args: argparse.Namespace, extra: list[str]) -> int:
     from fivefold.train.metrics import plot_loss_curve  # torch: loaded by this command only (`cli.convert`)
+    from fivefold.rl.grpo import RL_KEYS, plot_rl
     from fivefold.train.moe_metrics import plot_expert_load
 
-    what = PICTURES if args.what is None else [w.strip() for w in args.what.split(",") if w.strip()]
-    if not what or any(w not in PICTURES for w in what):
+    what = None if args.what is None else [w.strip() for w in args.what.split(",") if w.strip()]
+    if what is not None and (not what or any(w not in PICTURES for w in what)):
         raise UserError(f"--what {args.what!r}: choose from {', '.join(PICTURES)} (comma-separated)")
     path = _metrics_file(args.run)
     rows = _rows(path)
+    curve, other = ("rl", "loss") if all(k in rows[0] for k in RL_KEYS) else ("loss", "rl")
+    if what is None:
+        what = [curve, "expert-load"]
+    elif other in what:
+        kind = "an RL (GRPO) run" if curve == "rl" else "a training run"
+        raise UserError(f"--what {other}: {path} is {kind}'s metrics; its curve is --what {curve} ({curve}.png)")
     out = output_folder("--out", args.out or path.parent)
     if "loss" in what:
         print(f"wrote {plot_loss_curve(path, out / 'loss.png', title=args.title)}")
+    if "rl" in what:
+        print(f"wrote {plot_rl(rows, out / 'rl.png', title=args.title)}")
     if "expert-load" in what:
         png = plot_expert_load(rows, out / "expert_load.png", title=args.title)
         if png is not None:

@@ -15,8 +15,8 @@ the actor takes one PPO step on GRPO's loss (clipped surrogate around the rollou
 k3 KL, token-mean). Before RL, a short supervised warm-up teaches the answer format (a random model
 earns reward ~0, and all-zero rewards give all-zero advantages).
 
-Logged per step (metrics.jsonl, and rl.png): mean reward, exact-answer rate, KL to the reference, entropy,
-response length, the train/rollout log-prob mismatch (|actor - rollout| on the sampled tokens: the two
+Logged per step (metrics.jsonl, and rl.png, which `fivefold plot RUN` draws again): mean reward,
+exact-answer rate, KL to the reference, entropy, response length, the train/rollout log-prob mismatch (|actor - rollout| on the sampled tokens: the two
 layouts compute the same model in different orders), bytes synced, seconds.
 """
 from __future__ import annotations
@@ -224,17 +224,28 @@ def _pool(local: Batch, engine: Engine) -> Batch:
 def write(rows: list[dict], out: Path) -> Path:
     """metrics.jsonl and rl.png (reward, KL, entropy, mismatch over steps)."""
     (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return plot_rl(rows, out / "rl.png")
+
+
+RL_KEYS = ("reward", "kl", "entropy", "logprob_mismatch")
+"""What rl.png draws over the GRPO steps; a metrics.jsonl whose rows hold them is an RL run's."""
+
+
+def plot_rl(rows: list[dict], png: Path, title: str = "") -> Path:
+    """rl.png: `RL_KEYS` over the GRPO steps."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 4, figsize=(16, 3.2))
-    for ax, key in zip(axes, ("reward", "kl", "entropy", "logprob_mismatch")):
+    for ax, key in zip(axes, RL_KEYS):
         ax.plot([r["step"] for r in rows], [r[key] for r in rows], marker="o")
         ax.set_title(key)
         ax.set_xlabel("GRPO step")
+    if title:
+        fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(out / "rl.png", dpi=80)
+    fig.savefig(png, dpi=80)
     plt.close(fig)
-    return out / "rl.png"
+    return png
