@@ -16,8 +16,9 @@ k3 KL, token-mean). Before RL, a short supervised warm-up teaches the answer for
 earns reward ~0, and all-zero rewards give all-zero advantages).
 
 Logged per step (metrics.jsonl, and rl.png, which `fivefold plot RUN` draws again): mean reward,
-exact-answer rate, KL to the reference, entropy, response length, the train/rollout log-prob mismatch (|actor - rollout| on the sampled tokens: the two
-layouts compute the same model in different orders), bytes synced, seconds.
+exact-answer rate, KL to the reference, entropy, response length, the train/rollout log-prob mismatch
+(|actor - rollout| on the sampled tokens: the two layouts compute the same model in different orders),
+bytes synced, seconds.
 """
 from __future__ import annotations
 
