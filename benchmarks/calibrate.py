@@ -22,7 +22,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fivefold.planner.calibration import EXCLUDED, FLOP_COUNTS, cases, flops_per_token, read_runs, runtime_of, stated_layout  # noqa: E402
+from fivefold.planner.calibration import (EXCLUDED, FLOP_COUNTS, OUT_OF_SAMPLE, cases, flops_per_token,  # noqa: E402
+                                          read_runs, runtime_of, stated_layout)
 from fivefold.planner.layout import Plan  # noqa: E402
 from fivefold.planner.memory import peak_memory  # noqa: E402
 from fivefold.planner.presets import hardware  # noqa: E402
@@ -80,15 +81,23 @@ def compare(case, runtime: str | Runtime | None = None) -> dict:
     return out
 
 
-def summary(results: list[dict]) -> str:
+def error_text(results: list[dict]) -> str:
     errs = [abs(r["error"]) for r in results if "error" in r]
+    return f"|error| median {statistics.median(errs):.1%}, max {max(errs):.1%} over {len(errs)} rows"
+
+
+def summary(results: list[dict]) -> str:
     ran = [r for r in results if r.get("published_fits", True)]
     fits = sum(r["fits"] for r in ran)
     mem = [r["memory_ratio"] for r in results if "memory_ratio" in r]
+    fitted = [r for r in results if r["row"] not in OUT_OF_SAMPLE]
+    unseen = [r for r in results if r["row"] in OUT_OF_SAMPLE]
     return (f"{len(results)} rows judged ({len(EXCLUDED)} excluded); judged to fit: {fits}/{len(ran)} (rows whose "
             f"published memory exceeds the device's left out: {len(results) - len(ran)}); "
-            f"throughput |error| median {statistics.median(errs):.1%}, max {max(errs):.1%} over {len(errs)} rows; "
-            f"memory est/pub {min(mem):.2f}-{max(mem):.2f} over {len(mem)} rows")
+            f"throughput on the rows fitted {error_text(fitted)}"
+            + (f"; out of sample (rows {', '.join(str(r['row']) for r in unseen)}, added after the fit) "
+               f"{error_text(unseen)}" if unseen else "")
+            + f"; memory est/pub {min(mem):.2f}-{max(mem):.2f} over {len(mem)} rows")
 
 
 PUBLISHED_TIE = 0.01
@@ -179,12 +188,14 @@ def fit_report(all_cases: list, only: str | None = None) -> None:
     for name, names in FREE.items():
         if only and name != only:
             continue
-        rows = [c for c in all_cases if c.runtime == name and c.tokens_per_s]
+        rows = [c for c in all_cases if c.runtime == name and c.tokens_per_s and c.run.row not in OUT_OF_SAMPLE]
         fitted = fit(PROFILES[name], rows, names)[0]
-        errs = sorted(abs(compare(c, fitted)["error"]) for c in rows)
         print(f"{name}: fitted on rows {', '.join(str(c.run.row) for c in rows)}: "
               + ", ".join(f"{n}={getattr(fitted.time, n)}" for n in names)
-              + f"; |error| median {statistics.median(errs):.1%}, max {errs[-1]:.1%}")
+              + f"; {error_text([compare(c, fitted) for c in rows])}")
+        unseen = [compare(c, fitted) for c in all_cases if c.runtime == name and c.run.row in OUT_OF_SAMPLE]
+        if unseen:
+            print(f"  out of sample (`OUT_OF_SAMPLE`, not fitted): {error_text(unseen)}")
         for source in sorted({c.run.source for c in rows}):
             rest = [c for c in rows if c.run.source != source]
             if not rest:

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from fivefold.errors import UserError
-from fivefold.planner.calibration import EXCLUDED, FLOP_COUNTS, case_of, cases, flops_per_token, read_runs, stated_layout
+from fivefold.planner.calibration import (EXCLUDED, FLOP_COUNTS, OUT_OF_SAMPLE, case_of, cases, flops_per_token,
+                                          read_runs, stated_layout)
 from fivefold.planner.layout import Plan
 from fivefold.config.pipeline_layout import parse_layout
 from fivefold.planner.validity import config_errors
@@ -19,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_every_row_is_read_and_each_exclusion_names_a_row_with_a_reason():
     runs = read_runs()
-    assert len(runs) == 55  # the set's README: "There are 55 rows"
+    assert len(runs) == 65  # the set's README: "There are 55 rows"; 10 added (benchmarks/data/gpu-runs.md)
     assert set(EXCLUDED) <= {r.row for r in runs}
     assert all(len(reason) > 20 for reason in EXCLUDED.values())
     judged = cases()
@@ -278,8 +279,12 @@ def test_the_fitted_profiles_meet_their_stated_error_on_their_own_rows():
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from calibrate import compare
     for runtime, median_at_most, max_at_most in (("megatron-te", 0.10, 0.25), ("torchtitan", 0.10, 0.25)):
-        errs = [abs(compare(c)["error"]) for c in cases() if c.runtime == runtime and c.tokens_per_s]
+        errs = [abs(compare(c)["error"]) for c in cases()
+                if c.runtime == runtime and c.tokens_per_s and c.run.row not in OUT_OF_SAMPLE]
         assert statistics.median(errs) <= median_at_most and max(errs) <= max_at_most, (runtime, sorted(errs))
+    # rows the constants never saw, held to issue 16's bar for a left-out source (median 15%, max 30%)
+    unseen = [abs(compare(c)["error"]) for c in cases() if c.run.row in OUT_OF_SAMPLE]
+    assert len(unseen) == len(OUT_OF_SAMPLE) and statistics.median(unseen) <= 0.15 and max(unseen) <= 0.30, unseen
 
 
 def test_measured_alternatives_of_one_workload_are_ordered_as_published():
@@ -294,7 +299,8 @@ def test_measured_alternatives_of_one_workload_are_ordered_as_published():
     zoo = {(a, b) for a in (47, 48, 49, 50, 51) for b in (47, 48, 49, 50, 51)}
     assert {p for p in order["same"] if p in zoo} == {(48, 47), (49, 47), (47, 50), (47, 51), (48, 50), (48, 51),
                                                       (49, 50), (49, 51), (50, 51)}
-    assert {(25, 24), (33, 32)} <= set(order["same"]) and not order["tied"] and not order["reversed"]
+    assert {(25, 24), (33, 32), (57, 56), (61, 60), (63, 62)} <= set(order["same"])
+    assert not order["tied"] and not order["reversed"]
 
 
 def test_a_fit_knows_which_constants_its_rows_do_not_depend_on():
