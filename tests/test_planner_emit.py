@@ -36,9 +36,10 @@ def test_emitted_config_reads_back_to_the_same_layout(fmt, planned, tmp_path):
     for i, cfg in enumerate(planned):
         path = tmp_path / f"plan{i}{SUFFIX[fmt]}"
         path.write_text(emit(cfg, fmt))
-        loaded = load_config(str(path), world_size=64, gpus_per_node=8)
+        loaded = load_config(str(path))  # the cluster comes from the text (SkyRL's placement keys once lacked)
         validate(loaded.config, loaded.dialect)  # raises on any broken rule
         back = loaded.config
+        assert (back.cluster.resolved_world_size, back.cluster.gpus_per_node) == (64, 8), (fmt, path.read_text())
         for name in SIZES:
             assert getattr(back.parallel, name) == getattr(cfg.parallel, name), (fmt, name, path.read_text())
         assert back.training.micro_batch_size == cfg.training.micro_batch_size
@@ -73,8 +74,9 @@ def test_every_preset_reads_back_to_the_same_model_layout_and_training(fmt, ever
                 emit(cfg, fmt)  # OLMoE's projection-wide q / k norms: Megatron-LM would build another model
             continue
         path.write_text(emit(cfg, fmt))
-        loaded = load_config(str(path), world_size=gpus, gpus_per_node=8)
+        loaded = load_config(str(path))
         validate(loaded.config, loaded.dialect)
+        assert loaded.config.cluster.resolved_world_size == gpus, (name, fmt)
         for section in ("model", "parallel", "training"):
             want, got = to_dict(getattr(cfg, section)), to_dict(getattr(loaded.config, section))
             assert got == want, (name, fmt, section, {k: (want[k], got[k]) for k in want if want[k] != got[k]})

@@ -6,6 +6,7 @@
 | `actor.model.<field>`                       | rlinf            |
 | `trainer.policy.megatron_config.<field>`    | skyrl (RL)       |
 | `trainer.megatron.<field>`                  | skyrl (SFT)      |
+| `trainer.placement.policy_num_nodes`, `..._num_gpus_per_node` | skyrl |
 | `cfg.<any>.<field>`, `model.<parallel field>` | megatron-bridge |
 | `allocation_mode`                           | areal            |
 
@@ -29,6 +30,9 @@ _PREFIXES = [
     ("cfg.", BRIDGE),
 ]
 _RLINF_CLUSTER = {"cluster.num_gpus_per_node": "cluster.gpus_per_node"}
+SKYRL_CLUSTER = {"trainer.placement.policy_num_nodes": "cluster.num_nodes",
+                 "trainer.placement.policy_num_gpus_per_node": "cluster.gpus_per_node"}
+"""SkyRL's placement of the policy (the model trained): its nodes and GPUs per node."""
 
 
 def _by_name(name: str, key: str, dialect: str) -> str:
@@ -47,6 +51,8 @@ def route(key: str) -> tuple[str, str]:
             return dialect, _by_name(name.replace("-", "_"), key, dialect)
     if key in _RLINF_CLUSTER:
         return RLINF, _RLINF_CLUSTER[key]
+    if key in SKYRL_CLUSTER:
+        return SKYRL, SKYRL_CLUSTER[key]
     if key in ALIASES or key in TYPES:
         return FIVEFOLD, ALIASES.get(key, key)
     section, _, name = key.partition(".")

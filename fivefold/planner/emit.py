@@ -8,6 +8,7 @@ from dataclasses import fields
 
 import yaml
 
+from fivefold.config.dialects import SKYRL_CLUSTER
 from fivefold.config.megatron import FLAGS, LIST, VALUE, flags_of
 from fivefold.config.megatron_defaults import DEFAULTS, GQA_SWITCH, MOE_DEFAULTS
 from fivefold.errors import UserError
@@ -121,8 +122,10 @@ def emit(cfg: Config, fmt: str, model_ref: str | None = None) -> str:
                 "actor": {"model": model}}
         return yaml.safe_dump(data, sort_keys=False)
     if fmt == "skyrl":
-        return "\n".join(f"trainer.policy.megatron_config.{k}={_scalar(v)}"
-                         for section in _SECTIONS for k, v in _changed(cfg, section).items())
+        placement = {key: getattr(c, field.split(".")[1]) for key, field in SKYRL_CLUSTER.items()}
+        return "\n".join([f"{k}={v}" for k, v in placement.items()]
+                         + [f"trainer.policy.megatron_config.{k}={_scalar(v)}"
+                            for section in _SECTIONS for k, v in _changed(cfg, section).items()])
     raise ValueError(f"unknown format {fmt!r}; use one of {FORMATS}")
 
 
