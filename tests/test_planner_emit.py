@@ -124,3 +124,19 @@ def test_fp8_plans_emit_megatrons_fp8_flags_and_mxfp8_needs_blackwell(capsys, tm
     bf16 = [w for w in words if w not in ("--precision", "fp8")]  # a recipe without fp8 GEMMs: it was ignored
     assert main(bf16 + ["--gpu", "gb200"]) == 2
     assert "--fp8-recipe mxfp8: the scaling of fp8 GEMMs, and --precision is bf16" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("fmt", sorted(SUFFIX))
+def test_fp8_plans_read_back_as_fp8_in_every_format(fmt, tmp_path):
+    """An fp8 plan (fp8 GEMMs on bf16 parameters, tensorwise scaling) reads back as the same precision,
+    format and recipe; RLinf's `precision: fp8` was refused ("not implemented yet"): its precision names
+    the parameters' dtype, Megatron's `fp8` the GEMMs'."""
+    from fivefold.planner.search import SearchSpace
+    best = search(model_preset("llama3-8b").model, hardware("h100-sxm"), 8, 8, 4096, 64, "fp8",
+                  SearchSpace(fp8_recipe="tensorwise")).ranked[0].config
+    path = tmp_path / f"plan{SUFFIX[fmt]}"
+    path.write_text(emit(best, fmt))
+    loaded = load_config(str(path))
+    validate(loaded.config, loaded.dialect)
+    t = loaded.config.training
+    assert (t.precision, t.fp8_format or "hybrid", t.fp8_recipe) == ("fp8", "hybrid", "tensorwise"), path.read_text()

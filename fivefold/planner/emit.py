@@ -118,6 +118,9 @@ def emit(cfg: Config, fmt: str, model_ref: str | None = None) -> str:
         return launcher + " \\\n  " + " \\\n  ".join(_pairs(megatron_words(cfg)))
     if fmt == "rlinf":
         model = {k: v for section in _SECTIONS for k, v in _changed(cfg, section).items()}
+        if model.get("precision") == "fp8":  # RLinf's precision names the parameters' dtype; fp8 GEMMs are
+            model["precision"] = "bf16"      # Megatron's TransformerConfig.fp8 beside it
+            model["fp8"] = model.pop("fp8_format", None) or "hybrid"
         data = {"cluster": {"num_nodes": c.num_nodes, "num_gpus_per_node": c.gpus_per_node},
                 "actor": {"model": model}}
         return yaml.safe_dump(data, sort_keys=False)
