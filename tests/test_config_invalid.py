@@ -66,6 +66,10 @@ CASES = [  # (words, world size, substring of the message)
     ("split=1,2,3,4", 8, "data.split='1,2,3,4': give up to three non-negative proportions"),
     ("norm_epsilon=-1", 8, "model.norm_epsilon=-1.0: must be > 0"),
     ("rotary_base=0", 8, "model.rotary_base=0.0: must be > 0"),
+    # a float no rule names is still finite (inf passed every `> 0` rule)
+    ("rotary_base=inf", 8, "model.rotary_base=inf: must be a finite number (fix: rotary_base=10000.0)"),
+    ("norm_epsilon=inf", 8, "model.norm_epsilon=inf: must be a finite number"),
+    ("init_method_std=inf", 8, "model.init_method_std=inf: must be a finite number"),
     ("global_batch_size=12", 8, "micro_batch_size*DP = 1*8 = 8"),
     ("micro_batch_size=3 global_batch_size=16", 8, "micro_batch_size*DP = 3*8 = 24"),
     ("pipeline_schedule=zigzag", 8, "pipeline_schedule='zigzag': must be one of gpipe"),

@@ -5,8 +5,8 @@ dialect's own adjustments to the Config, and turns broken rules into `Problem`s.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from math import inf
+from dataclasses import dataclass, fields
+from math import inf, isfinite
 
 from fivefold.config.fixes import first_that_holds, search
 from fivefold.config.rules import KNOB_FIELDS, adjust, dp_of, errors, sizes_of
@@ -253,9 +253,23 @@ def _range_problems(config: Config) -> list[Problem]:
              "rotary_base=10000")):
         if not ok:
             out.append(Problem(field, value, rule, fix))
+    named = {p.field for p in out}
+    for section, name, value, default in _floats(config):  # inf / nan where no rule above names the field
+        if f"{section}.{name}" not in named and not isfinite(value):
+            fix = f"{name}={default}" if isinstance(default, (int, float)) else f"leave {name} unset"
+            out.append(Problem(f"{section}.{name}", value, "must be a finite number", fix))
     if d.split is not None and split_problem(d.split):  # Megatron's --split, as the data loader reads it
         out.append(Problem("data.split", d.split, split_problem(d.split), "split=969,30,1"))
     return out
+
+
+def _floats(config: Config):
+    """(section, field, value, default) of every float-valued field of `config`."""
+    for section, part in vars(config).items():
+        for f in fields(part):
+            value = getattr(part, f.name)
+            if isinstance(value, float):
+                yield section, f.name, value, f.default
 
 
 def _write_back(config: Config, s: dict) -> None:
