@@ -289,3 +289,17 @@ def test_plot_of_an_rl_run_draws_its_rl_curves_not_a_loss_curve(tmp_path, capsys
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 0, "loss": 2.0}) + "\n")
     assert main(["plot", str(tmp_path), "--what", "rl"]) == 2
     assert "a training run's metrics; its curve is --what loss" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("line, says", [('{"step": 5, "loss": [1, 2]}', "loss [1, 2] is not a number"),
+                                        ('{"step": 5, "loss": "oops"}', "loss 'oops' is not a number"),
+                                        ('{"step": "five", "loss": 1.0}', "step 'five' is not a number")])
+def test_plot_refuses_a_metrics_line_that_is_not_a_number(line, says, tmp_path, capsys):
+    """A hand-edited metrics.jsonl line with a list (a numpy traceback once) or a string (drawn as text
+    labels, the curve out of order once) is named by file and line."""
+    from fivefold.cli import main
+
+    (tmp_path / "metrics.jsonl").write_text('{"step": 4, "loss": 2.0}\n' + line + "\n")
+    assert main(["plot", str(tmp_path)]) == 2
+    assert f"metrics.jsonl:2: {says}" in capsys.readouterr().err
+    assert not (tmp_path / "loss.png").exists()

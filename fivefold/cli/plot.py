@@ -35,16 +35,30 @@ def _metrics_file(run: str) -> Path:
     return path
 
 
+DRAWN = ("loss", "eval_loss", "reward", "kl", "entropy", "logprob_mismatch")
+"""The values a picture draws over the steps: a number, or null (a non-finite value, drawn as a gap)."""
+
+
 def _rows(path: Path) -> list[dict]:
     rows = []
     for n, row in json_lines(path, cut_off_last=True):
         if not isinstance(row, dict) or "step" not in row or "loss" not in row:
             raise UserError(f"{path}:{n}: no step and loss: not a training run's metrics.jsonl (one JSON object "
                             "per logged step, as `fivefold train` writes it)")
+        if not _is_number(row["step"]):
+            raise UserError(f"{path}:{n}: step {row['step']!r} is not a number")
+        for key in DRAWN:
+            if key in row and row[key] is not None and not _is_number(row[key]):
+                raise UserError(f"{path}:{n}: {key} {row[key]!r} is not a number (or null): the line was not "
+                                "written by `fivefold train` / `rl`; fix or remove it")
         rows.append(row)
     if not rows:
         raise UserError(f"{path}: empty; a training run writes one line per logged step")
     return rows
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def run(args: argparse.Namespace, extra: list[str]) -> int:
