@@ -123,6 +123,12 @@ def test_achieved_shares_are_of_the_measured_matmul_ceiling(tmp_path):
     (["plan", "--model", "llama3-405b", "--gpus", "8"], "no layout"),
     (["plan", "--model", "llama3-8b", "--gpus", "12"], "whole number"),
     (["plan", "--model", "MISSING/config.json", "--gpus", "8"], "no such config.json"),
+    # a micro-batch no global batch splits into: once "no layout fits" with no reason and nothing tried
+    (["plan", "--model", "llama3-8b", "--gpus", "8", "--micro-batch", "3"],
+     "--global-batch 1024 is not a multiple of any micro-batch tried (3), so no layout splits it into micro-batches "
+     "x DP: give --global-batch 1032"),
+    # a config of a layout alone (RLinf's sizing example): once planned as the schema's 2-layer default model
+    (["plan", "--model", "examples/rlinf.yaml", "--gpus", "8"], "examples/rlinf.yaml: sets no model field"),
 ])
 def test_plan_bad_input_exit_2(argv, message, capsys):
     assert main(argv) == 2

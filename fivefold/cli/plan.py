@@ -95,6 +95,13 @@ def run(args, extra) -> int:
             raise UserError(f"--dp-modes: unknown {', '.join(unknown)}; "
                             "choose from distopt (zero1), zero2, fsdp (zero3)")
         dp_modes = tuple(dict.fromkeys(DP_MODES[w] for w in words))
+    if not args.no_accumulation and all(args.global_batch % m for m in mbs):
+        step = max(mbs) * args.gpus  # a multiple of it splits over any DP of the GPUs at the largest micro-batch
+        near = max(step, round(args.global_batch / step) * step)
+        raise UserError(f"--global-batch {args.global_batch} is not a multiple of any micro-batch tried ("
+                        f"{','.join(map(str, mbs))}), so no layout splits it into micro-batches x DP: give "
+                        f"--global-batch {near} (a multiple of {max(mbs)} x {args.gpus} GPUs), or --micro-batch "
+                        "sizes that divide it")
     counts = count_params(spec.model)
     t0 = time.perf_counter()
     bf16_grads = rt.grad_reduce_in_bf16

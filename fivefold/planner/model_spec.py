@@ -26,6 +26,9 @@ def resolve_model(spec: str) -> ModelSpec:
     if p.suffix in (".yaml", ".yml", ".txt"):
         from fivefold.config.load import load_config
         loaded = load_config(str(p))
+        if not any(k.startswith("model.") for k in loaded.explicit):  # else the schema's 2-layer default
+            raise UserError(f"{spec}: sets no model field (num_layers, hidden_size, ...): give a config with "
+                            "the model, a preset name or a config.json")
         return ModelSpec(loaded.config.model, None, loaded.config)
     if spec.lower() in MODEL_PRESETS or not p.exists():
         preset = model_preset(spec)
