@@ -67,6 +67,13 @@ def test_layout_grid_and_allocation(capsys):
     assert "--tp, --order: sizes of a grid, but sglang.d2t2p1+d1t4p1 carries its own" in capsys.readouterr().err
 
 
+def test_layout_refuses_an_expert_tp_it_would_not_print(capsys):
+    """The report draws the expert grid under EP > 1 only: `--etp 2` at EP=1 was dropped without a word."""
+    assert main(["layout", "--etp", "2", "--world-size", "8"]) == 2
+    assert "--etp 2 with EP=1: the expert grid (ETP x EP x EDP) is printed for EP > 1" in capsys.readouterr().err
+    assert main(["layout", "--tp", "2", "--etp", "2", "--world-size", "8"]) == 0  # ETP = TP: nothing dropped
+
+
 def test_layout_grid_rank_shows_its_coordinates_and_groups(capsys):
     """`layout --tp ... --rank R` without an allocation: R's coordinates and the group of each kind
     holding it, each the one of the layout's own groups (`Layout.named_groups`) that holds R (the flag

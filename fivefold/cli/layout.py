@@ -46,6 +46,9 @@ def grid_layout(args) -> Layout:
             raise UserError(f"--{dim.replace('_', '-')} {v}: must be >= 1 (leave it out for 1)")
     tp, pp, cp, ep = args.tp or 1, args.pp or 1, args.cp or 1, args.ep or 1
     etp = args.etp if args.etp is not None else tp
+    if ep == 1 and etp != tp:  # the report draws the experts' grid under EP only: it was dropped unsaid
+        raise UserError(f"--etp {etp} with EP=1: the expert grid (ETP x EP x EDP) is printed for EP > 1; give --ep "
+                        f"(e.g. --ep 2), or leave --etp out (ETP is TP, {tp})")
     mp = tp * pp * cp
     if args.dp is not None and args.world_size is not None and args.dp * mp != args.world_size:
         raise UserError(f"--dp {args.dp} x TP*PP*CP {mp} != --world-size {args.world_size}")
