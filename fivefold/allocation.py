@@ -200,6 +200,8 @@ def models_allocation(base: Config, models: list, world_size: int | None) -> All
         if not isinstance(entry, dict) or "gpus" not in entry:
             raise UserError(f"models[{i}]: needs at least gpus (e.g. gpus: 0-1)")
         name = str(entry.get("name", f"model{i}"))
+        if any(c.name == name for c in comps):
+            raise UserError(f"models[{i}]: a second model named {name!r}: give each model its own name")
         ranks = parse_gpus(entry["gpus"], f"models[{i}] ({name})")
         cfg = copy.deepcopy(base)
         explicit: set[str] = set()

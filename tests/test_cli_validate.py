@@ -67,6 +67,15 @@ def test_layout_grid_and_allocation(capsys):
     assert "--tp, --order: sizes of a grid, but sglang.d2t2p1+d1t4p1 carries its own" in capsys.readouterr().err
 
 
+def test_a_folder_for_a_config_and_two_models_of_one_name_are_named(capsys, tmp_path):
+    assert main(["validate", "examples"]) == 2
+    assert "config file examples is a folder: give a file in it" in capsys.readouterr().err  # was "not found"
+    twins = tmp_path / "twins.yaml"
+    twins.write_text("cluster: {world_size: 4}\nmodels:\n  - {name: a, gpus: 0-1}\n  - {name: a, gpus: 2-3}\n")
+    assert main(["validate", str(twins)]) == 2  # each model's report was headed "== a" twice
+    assert "models[1]: a second model named 'a': give each model its own name" in capsys.readouterr().err
+
+
 def test_layout_refuses_an_expert_tp_it_would_not_print(capsys):
     """The report draws the expert grid under EP > 1 only: `--etp 2` at EP=1 was dropped without a word."""
     assert main(["layout", "--etp", "2", "--world-size", "8"]) == 2

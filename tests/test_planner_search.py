@@ -129,6 +129,8 @@ def test_achieved_shares_are_of_the_measured_matmul_ceiling(tmp_path):
      "x DP: give --global-batch 1032"),
     # a config of a layout alone (RLinf's sizing example): once planned as the schema's 2-layer default model
     (["plan", "--model", "examples/rlinf.yaml", "--gpus", "8"], "examples/rlinf.yaml: sets no model field"),
+    (["plan", "--model", "llama3-8b", "--gpus", "8", "--dp-modes", ""], "--dp-modes: unknown ''"),  # was the default
+    (["plan", "--model", "llama3-70b", "--gpus", "1"], "fix: more GPUs (--gpus), a GPU with more memory (--gpu)"),
 ])
 def test_plan_bad_input_exit_2(argv, message, capsys):
     assert main(argv) == 2

@@ -88,9 +88,9 @@ def run(args, extra) -> int:
         raise UserError(f"--schedules: unknown {', '.join(unknown)}; choose from {','.join(REGISTRY)}")
     rt = profile(args.runtime)
     dp_modes = rt.dp_modes
-    if args.dp_modes:
+    if args.dp_modes is not None:
         words = [x.strip().lower() for x in args.dp_modes.split(",")]
-        unknown = [w for w in words if w not in DP_MODES]
+        unknown = [w or "''" for w in words if w not in DP_MODES]
         if unknown:
             raise UserError(f"--dp-modes: unknown {', '.join(unknown)}; "
                             "choose from distopt (zero1), zero2, fsdp (zero3)")
@@ -122,7 +122,9 @@ def run(args, extra) -> int:
     if not result.ranked:
         reasons = collections.Counter(r for _, r in result.dropped)
         detail = "\n".join(f"  {n} x {r}" for r, n in reasons.most_common(5))
-        raise UserError(f"no layout of {name} fits {args.gpus} x {hw.name}:\n{detail}")
+        raise UserError(f"no layout of {name} fits {args.gpus} x {hw.name}:\n{detail}\nfix: more GPUs (--gpus), a "
+                        "GPU with more memory (--gpu), a shorter --seq-len, or the sharded DP modes "
+                        "(--dp-modes distopt,zero2,fsdp)")
     reasons = collections.Counter(r.split(" on pipeline")[0] if r.startswith("needs") else r for _, r in result.dropped)
     print(table(result.ranked, args.top))
     if result.dropped:

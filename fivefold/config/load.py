@@ -54,7 +54,8 @@ def load_config(path: str | None, words: list[str] = (), *, world_size: int | No
     if path is not None:
         p = Path(path)
         if not is_file(path):
-            raise UserError(f"config file {path[:200]} not found")
+            raise UserError(f"config file {path[:200]} " + ("is a folder: give a file in it" if p.is_dir() else
+                                                            "not found"))
         text = _read_text(p)
         if p.suffix in (".txt", ".sh", ".args"):
             try:
