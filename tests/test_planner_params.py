@@ -59,6 +59,9 @@ def test_bad_inputs(tmp_path):
     bad.write_text("{not json")
     with pytest.raises(UserError, match="malformed JSON"):
         load_hf_config(bad)
+    bad.write_text('{"hidden_size": 64, "num_hidden_layers": 2, "hidden_size": 128}')  # json kept the last
+    with pytest.raises(UserError, match="key 'hidden_size' given twice: keep one"):
+        load_hf_config(bad)
     bad.write_text(json.dumps({"hidden_size": 64}))
     with pytest.raises(UserError, match="num_attention_heads"):
         load_hf_config(bad)

@@ -103,6 +103,19 @@ def model_from_hf_dict(cfg: dict, path: str = "config.json") -> ModelConfig:
         raise UserError(f"{path}: cannot read as a model config: {e}") from e
 
 
+class _DuplicateKey(Exception):
+    pass
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, object]]) -> dict:
+    out = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(key)
+        out[key] = value
+    return out
+
+
 def load_hf_config(path: str | Path) -> ModelConfig:
     """Read a local config.json (or a folder holding one); UserError when missing or malformed."""
     p = Path(path)
@@ -111,9 +124,11 @@ def load_hf_config(path: str | Path) -> ModelConfig:
     if not p.is_file():
         raise UserError(f"{path}: no such config.json")
     try:
-        cfg = json.loads(p.read_text())
+        cfg = json.loads(p.read_text(), object_pairs_hook=_no_duplicate_keys)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise UserError(f"{p}: malformed JSON ({e})") from e
+    except _DuplicateKey as e:  # json keeps the last silently; which one the writer meant is unknown
+        raise UserError(f"{p}: key {e.args[0]!r} given twice: keep one") from None
     if not isinstance(cfg, dict):
         raise UserError(f"{p}: expected a JSON object, got {type(cfg).__name__}")
     try:
