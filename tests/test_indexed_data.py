@@ -137,6 +137,109 @@ def test_preprocess_stopped_by_bad_input_leaves_the_earlier_dataset_whole(tmp_pa
     assert sorted(p.name for p in tmp_path.glob("corpus_*")) == sorted(written)  # no partial file left
 
 
+def _records(path, n: int = 3, **extra) -> str:
+    path.write_text("".join(json.dumps({"text": f"doc {i} abc", **extra}) + "\n" for i in range(n)))
+    return str(path)
+
+
+def test_preprocess_refuses_a_folder_where_an_output_file_goes(tmp_path, capsys):
+    """A folder named PREFIX_text_document.bin: refused before any work, naming it (it was an
+    IsADirectoryError traceback from the final rename, exit 1, with the .partial files left behind)."""
+    src = _records(tmp_path / "docs.jsonl")
+    (tmp_path / "o_text_document.bin").mkdir()
+    assert main(["preprocess", "--input", src, "--output-prefix", str(tmp_path / "o")]) == 2
+    assert f"{tmp_path / 'o_text_document.bin'} is a folder" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["docs.jsonl", "o_text_document.bin"]
+
+
+def test_preprocess_refuses_an_output_prefix_under_a_file(tmp_path, capsys):
+    """--output-prefix FILE/o: refused naming the file (was a FileExistsError traceback from mkdir); a
+    prefix in folders that do not exist yet makes them, and a run that fails takes them away again."""
+    src = _records(tmp_path / "docs.jsonl")
+    (tmp_path / "file").write_text("")
+    assert main(["preprocess", "--input", src, "--output-prefix", str(tmp_path / "file" / "o")]) == 2
+    assert f"{tmp_path / 'file'} is not a folder" in capsys.readouterr().err
+    assert main(["preprocess", "--input", src, "--output-prefix", str(tmp_path / "a" / "b" / "o"),
+                 "--json-keys", "body"]) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["docs.jsonl", "file"]
+    assert main(["preprocess", "--input", src, "--output-prefix", str(tmp_path / "a" / "b" / "o")]) == 0
+    assert len(IndexedDataset(str(tmp_path / "a" / "b" / "o_text_document"))) == 3
+
+
+def test_preprocess_refuses_an_empty_output_prefix(tmp_path, monkeypatch, capsys):
+    """--output-prefix '' (or one ending in '/') would name the files _text_document.bin: refused."""
+    monkeypatch.chdir(tmp_path)
+    src = _records(tmp_path / "docs.jsonl")
+    for prefix in ("", "runs/"):
+        assert main(["preprocess", "--input", src, "--output-prefix", prefix]) == 2
+        assert f"--output-prefix {prefix!r}: the files would be named {prefix}_text_document.bin" in \
+            capsys.readouterr().err
+    assert [p.name for p in tmp_path.iterdir()] == ["docs.jsonl"]
+
+
+def test_preprocess_refuses_text_that_is_not_utf8(tmp_path, capsys):
+    """Latin-1 or binary input is refused naming the file, line and byte offset of the first bad byte,
+    as Megatron's tools/preprocess_data.py (strict UTF-8) fails; its bytes used to become U+FFFD
+    silently. Training's own reader still reads such bytes as U+FFFD."""
+    from fivefold.data.sources import read_documents
+
+    (tmp_path / "latin.jsonl").write_bytes(b'{"text": "ok"}\n{"text": "caf\xe9"}\n')
+    (tmp_path / "binary.txt").write_bytes(bytes(range(256)) * 4)  # 0..127 ASCII (a newline at 10), then 0x80
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "folder" / "a.txt").write_text("fine")
+    (tmp_path / "folder" / "b.txt").write_bytes(b"caf\xe9")
+    for name, says in (("latin.jsonl", "latin.jsonl:2: not UTF-8 text (byte offset 28: e9"),
+                       ("binary.txt", "binary.txt:2: not UTF-8 text (byte offset 128: 80"),
+                       ("folder", "b.txt:1: not UTF-8 text (byte offset 3: e9")):
+        assert main(["preprocess", "--input", str(tmp_path / name), "--output-prefix", str(tmp_path / "o")]) == 2
+        assert says in capsys.readouterr().err
+    assert not list(tmp_path.glob("o_*"))
+    assert list(read_documents(str(tmp_path / "folder"), "auto")) == ["fine", "caf\ufffd"]
+
+
+def test_preprocess_refuses_tokenizer_flags_that_do_not_go_together(tmp_path, capsys):
+    """--merge-file without --vocab-file was dropped (the byte tokenizer used); GPT-2's files with
+    HuggingFaceTokenizer, or --tokenizer-model with GPT-2's files, would be ignored: all refused."""
+    src, out = _records(tmp_path / "docs.jsonl"), str(tmp_path / "o")
+    for flags, says in ((["--merge-file", "m.txt"], "--vocab-file vocab.json and --merge-file merges.txt together "
+                                                    "(--merge-file m.txt was given alone)"),
+                        (["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(tmp_path),
+                          "--vocab-file", "v.json"], "--vocab-file v.json: GPT-2's BPE files go with GPT2BPETokenizer"),
+                        (["--vocab-file", "v.json", "--merge-file", "m.txt", "--tokenizer-model", str(tmp_path)],
+                         f"--tokenizer-model {tmp_path}: that is HuggingFaceTokenizer's flag")):
+        assert main(["preprocess", "--input", src, "--output-prefix", out, *flags]) == 2
+        assert says in capsys.readouterr().err
+    assert not list(tmp_path.glob("o_*"))
+
+
+def test_preprocess_refuses_a_json_key_given_twice(tmp_path, capsys):
+    """--json-keys text text wrote PREFIX_text_document twice, one over the other: refused."""
+    src = _records(tmp_path / "docs.jsonl")
+    assert main(["preprocess", "--input", src, "--output-prefix", str(tmp_path / "o"), "--json-keys", "text",
+                 "text"]) == 2
+    assert "--json-keys text text: 'text' given more than once" in capsys.readouterr().err
+    assert not list(tmp_path.glob("o_*"))
+
+
+def test_preprocess_stopped_at_a_later_key_leaves_no_dataset_of_any_key(tmp_path, capsys):
+    """--json-keys text title on records without 'title': the text dataset was written (renamed into
+    place) before title failed. Now every key's files are renamed only once all keys are complete, so
+    the failure leaves the earlier datasets of the prefix as they were and no new or partial file."""
+    src, prefix = _records(tmp_path / "docs.jsonl", title="t"), str(tmp_path / "o")
+    assert main(["preprocess", "--input", src, "--output-prefix", prefix, "--json-keys", "text", "title"]) == 0
+    written = {p.name: p.read_bytes() for p in tmp_path.glob("o_*")}
+    assert sorted(written) == ["o_text_document.bin", "o_text_document.idx",
+                               "o_title_document.bin", "o_title_document.idx"]
+    capsys.readouterr()
+    _records(tmp_path / "docs.jsonl", n=5)  # new text, no title
+    assert main(["preprocess", "--input", src, "--output-prefix", prefix, "--json-keys", "text", "title"]) == 2
+    assert "docs.jsonl:1: no field 'title'" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in tmp_path.glob("o_*")} == written
+    assert main(["preprocess", "--input", src, "--output-prefix", str(tmp_path / "new"), "--json-keys", "text",
+                 "title"]) == 2
+    assert not list(tmp_path.glob("new_*"))
+
+
 def test_broken_corpora_are_refused_naming_the_file(tmp_path):
     good = _write(tmp_path / "good", _docs(2, 10))
     idx, binary = (tmp_path / "good.idx").read_bytes(), (tmp_path / "good.bin").read_bytes()

@@ -54,40 +54,108 @@ def _builder_class():
     return IndexedDatasetBuilder
 
 
+HF, BPE = "HuggingFaceTokenizer", "GPT2BPETokenizer"
+
+
+def _tokenizer_kind(args) -> str | None:
+    """The tokenizer the flags name (None: the byte tokenizer); a flag of another tokenizer is refused,
+    not dropped."""
+    bpe_flags = [f"{flag} {value}" for flag, value in (("--vocab-file", args.vocab_file),
+                                                       ("--merge-file", args.merge_file)) if value]
+    kind = args.tokenizer_type or (BPE if bpe_flags else None)
+    if kind not in (None, HF, BPE):
+        raise UserError(f"--tokenizer-type {args.tokenizer_type}: not implemented yet (HuggingFaceTokenizer with "
+                        "--tokenizer-model DIR, GPT2BPETokenizer with --vocab-file / --merge-file, or leave it out for "
+                        "the byte tokenizer)")
+    if kind == BPE:
+        if args.tokenizer_model:
+            raise UserError(f"--tokenizer-model {args.tokenizer_model}: that is HuggingFaceTokenizer's flag; "
+                            "GPT2BPETokenizer reads --vocab-file vocab.json and --merge-file merges.txt (give those, "
+                            "or --tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR)")
+        if not (args.vocab_file and args.merge_file):
+            given = f" ({bpe_flags[0]} was given alone)" if bpe_flags else ""
+            raise UserError("GPT2BPETokenizer needs GPT-2's --vocab-file vocab.json and --merge-file merges.txt "
+                            f"together{given}")
+    elif bpe_flags:
+        raise UserError(f"{' '.join(bpe_flags)}: GPT-2's BPE files go with GPT2BPETokenizer (give --vocab-file and "
+                        f"--merge-file together, without --tokenizer-type or with --tokenizer-type GPT2BPETokenizer); "
+                        f"{kind} reads --tokenizer-model DIR only")
+    if kind == HF and not args.tokenizer_model:
+        raise UserError("--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model DIR (a folder with tokenizer.json)")
+    return kind
+
+
+def _output_prefixes(output_prefix: str, json_keys: list[str]) -> dict[str, str]:
+    """PREFIX_{key}_document of each key, checked before any work: every file this run writes or
+    renames can be written (no folder in the way), so that a run refused here leaves nothing."""
+    if not output_prefix or output_prefix.endswith(("/", os.sep)):
+        named = f"{output_prefix}corpus"
+        raise UserError(f"--output-prefix {output_prefix!r}: the files would be named "
+                        f"{output_prefix}_{json_keys[0]}_document.bin; give a name, e.g. --output-prefix "
+                        f"{named} (writes {named}_{json_keys[0]}_document.bin/.idx)")
+    twice = sorted({key for key in json_keys if json_keys.count(key) > 1})
+    if twice:
+        raise UserError(f"--json-keys {' '.join(json_keys)}: {', '.join(map(repr, twice))} given more than once "
+                        "(each key writes one dataset); give each key once")
+    folder = Path(output_prefix).parent
+    above = next(p for p in (folder, *folder.parents) if p.exists() or p.is_symlink())
+    if not above.is_dir():
+        raise UserError(f"--output-prefix {output_prefix}: {above} is not a folder, so nothing can be "
+                        "written under it; give a prefix in a folder (or remove the file)")
+    prefixes = {key: f"{output_prefix}_{key}_document" for key in json_keys}
+    for prefix in prefixes.values():
+        for path in (prefix + suffix for name in (prefix, prefix + PARTIAL) for suffix in (".bin", ".idx")):
+            if Path(path).exists() and not Path(path).is_file():
+                what = "a folder" if Path(path).is_dir() else "not a regular file"
+                raise UserError(f"--output-prefix {output_prefix}: {path} is {what}, and preprocess writes a "
+                                "file there; remove it or give another --output-prefix")
+    return prefixes
+
+
+def _make_folder(folder: Path) -> list[Path]:
+    """Make `folder` and the folders above it that are missing; returns those made, deepest first."""
+    made = []
+    for p in (folder, *folder.parents):
+        if p.exists():
+            break
+        made.append(p)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"--output-prefix: cannot make the folder {folder} ({e.strerror}); give a prefix in a folder "
+                        "you can write to") from None
+    return made
+
+
 def run(args, extra: list[str]) -> int:
     from tqdm import tqdm
 
     from fivefold.data.sources import read_documents, resolve_format
     from fivefold.data.tokenizer import make_tokenizer
 
-    tokenizer = args.tokenizer_type or ("GPT2BPETokenizer" if args.vocab_file else None)
-    if tokenizer not in (None, "HuggingFaceTokenizer", "GPT2BPETokenizer"):
-        raise UserError(f"--tokenizer-type {args.tokenizer_type}: not implemented yet (HuggingFaceTokenizer with "
-                        "--tokenizer-model DIR, GPT2BPETokenizer with --vocab-file / --merge-file, or leave it out for "
-                        "the byte tokenizer)")
-    if tokenizer == "HuggingFaceTokenizer" and not args.tokenizer_model:
-        raise UserError("--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model DIR (a folder with tokenizer.json)")
+    tokenizer = _tokenizer_kind(args)
     if not Path(args.input).exists():
         raise UserError(f"--input {args.input}: no such file or folder (give a .jsonl, a text file or a folder "
                         "of them)")
     kind = resolve_format(args.input, "auto")
     if kind in ("tokens", "indexed", "stdlib"):
         raise UserError(f"--input {args.input}: give text, a .jsonl or a folder of them (it is {kind} data)")
-    if tokenizer == "GPT2BPETokenizer" and not (args.vocab_file and args.merge_file):
-        raise UserError("--tokenizer-type GPT2BPETokenizer needs GPT-2's --vocab-file vocab.json and --merge-file "
-                        "merges.txt")
+    prefixes = _output_prefixes(args.output_prefix, args.json_keys)
     tok = make_tokenizer(args.tokenizer_model or "byte", tokenizer, vocab_file=args.vocab_file,
                          merge_file=args.merge_file)
     dtype = np.uint16 if tok.vocab_size < 65500 else np.int32  # as Megatron's DType.optimal_dtype
     builder_cls = _builder_class()
-    for key in args.json_keys:
-        prefix = f"{args.output_prefix}_{key}_document"
-        Path(prefix).parent.mkdir(parents=True, exist_ok=True)
-        partial = prefix + PARTIAL  # an earlier dataset under this prefix stays whole until this one is
-        builder = builder_cls(partial + ".bin", dtype=dtype)
-        docs = tokens = 0
-        try:
-            texts = read_documents(args.input, "auto", key, keys=("--input", "--json-keys"))
+    made = _make_folder(Path(args.output_prefix).parent)
+    counts = {}
+    # every key's files are written as partials and renamed only once all are complete: a run stopped
+    # by bad input (a record without the second key) or Ctrl-C leaves no dataset of any key, and the
+    # earlier datasets under this prefix stay whole
+    try:
+        for key, prefix in prefixes.items():
+            partial = prefix + PARTIAL
+            builder = builder_cls(partial + ".bin", dtype=dtype)
+            docs = tokens = 0
+            texts = read_documents(args.input, "auto", key, keys=("--input", "--json-keys"), strict=True)
             for text in tqdm(texts, desc=f"preprocess {key}", unit=" docs", disable=not sys.stderr.isatty()):
                 ids = tok.encode(text).astype(np.int64)
                 if args.append_eod:
@@ -99,12 +167,21 @@ def run(args, extra: list[str]) -> int:
             if docs == 0:
                 raise UserError(f"--input {args.input}: no text found under key {key!r}")
             builder.finalize(partial + ".idx")
-        except BaseException:
+            counts[key] = docs, tokens
+    except BaseException:
+        for prefix in prefixes.values():
             for suffix in (".bin", ".idx"):
-                Path(partial + suffix).unlink(missing_ok=True)
-            raise
+                Path(prefix + PARTIAL + suffix).unlink(missing_ok=True)
+        for folder in made:  # deepest first; one that holds something else now stays
+            try:
+                folder.rmdir()
+            except OSError:
+                break
+        raise
+    for key, prefix in prefixes.items():
         for suffix in (".bin", ".idx"):
-            os.replace(partial + suffix, prefix + suffix)
+            os.replace(prefix + PARTIAL + suffix, prefix + suffix)
+        docs, tokens = counts[key]
         print(f"{prefix}.bin/.idx: {docs} documents, {tokens} tokens ({np.dtype(dtype).name}); "
               f"train with --data-path {prefix}")
     return 0

@@ -46,21 +46,52 @@ def resolve_format(path: str | None, fmt: str) -> str:
     return "jsonl" if p.suffix in JSONL_SUFFIXES else "text"
 
 
-def json_lines(path: Path, *, cut_off_last: bool = False) -> Iterator[tuple[int, object]]:
+def json_lines(path: Path, *, cut_off_last: bool = False, strict: bool = False) -> Iterator[tuple[int, object]]:
     """(line number, value) of each non-empty line of a JSON Lines file; a line that is not JSON is
     refused naming the file and line. `cut_off_last`: a last line with no newline that is not JSON
-    is left out (a log whose writer stopped in the middle of it: a killed run's metrics.jsonl)."""
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
+    is left out (a log whose writer stopped in the middle of it: a killed run's metrics.jsonl).
+    `strict`: bytes that are not UTF-8 are refused (see `read_text`), not read as U+FFFD."""
+    with open(path, encoding="utf-8", errors="strict" if strict else "replace") as f:
+        try:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    yield lineno, json.loads(line)
+                except json.JSONDecodeError as e:
+                    if cut_off_last and not line.endswith("\n"):
+                        return
+                    raise UserError(f"{path}:{lineno}: malformed JSON line ({e.msg}, column {e.colno}); "
+                                    "each line must be one JSON object") from None
+        except UnicodeDecodeError:
+            raise _not_utf8(path) from None
+
+
+def read_text(path: Path, *, strict: bool = False) -> str:
+    """The file's text. Not strict (training's readers): bytes that are not UTF-8 become U+FFFD.
+    Strict (`preprocess`, as Megatron's tools/preprocess_data.py decodes): they are refused, naming
+    the file, line and byte offset of the first one."""
+    try:
+        return path.read_text(encoding="utf-8", errors="strict" if strict else "replace")
+    except UnicodeDecodeError:
+        raise _not_utf8(path) from None
+
+
+def _not_utf8(path: Path) -> UserError:
+    """The refusal of a file that is not UTF-8, found again by line so that it names where."""
+    offset = 0
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):  # a UTF-8 character never holds the byte of "\n"
             try:
-                yield lineno, json.loads(line)
-            except json.JSONDecodeError as e:
-                if cut_off_last and not line.endswith("\n"):
-                    return
-                raise UserError(f"{path}:{lineno}: malformed JSON line ({e.msg}, column {e.colno}); "
-                                "each line must be one JSON object") from None
+                raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                bad = raw[e.start:e.end].hex(" ")
+                return UserError(f"{path}:{lineno}: not UTF-8 text (byte offset {offset + e.start}: {bad}, "
+                                 f"{e.reason}); text is read as UTF-8, as Megatron's tools/preprocess_data.py reads "
+                                 f"it: convert the file (e.g. iconv -f latin1 -t utf-8 {path.name} > "
+                                 f"{path.stem}.utf8{path.suffix}) or leave it out")
+            offset += len(raw)
+    return UserError(f"{path}: not UTF-8 text; convert the file (e.g. iconv -f latin1 -t utf-8) or leave it out")
 
 
 TRAINING_KEYS = ("data.path", "data.jsonl_field")
@@ -68,9 +99,9 @@ TRAINING_KEYS = ("data.path", "data.jsonl_field")
 names its flags, --input and --json-keys)."""
 
 
-def read_jsonl(path: Path, field: str, keys: tuple[str, str] = TRAINING_KEYS) -> Iterator[str]:
-    """One document per non-empty line: `line[field]`, which must be a string."""
-    for lineno, record in json_lines(path):
+def read_jsonl(path: Path, field: str, keys: tuple[str, str] = TRAINING_KEYS, strict: bool = False) -> Iterator[str]:
+    """One document per non-empty line: `line[field]`, which must be a string. `strict`: see `read_text`."""
+    for lineno, record in json_lines(path, strict=strict):
         if not isinstance(record, dict) or field not in record:
             found = sorted(record) if isinstance(record, dict) else type(record).__name__
             raise UserError(f"{path}:{lineno}: no field {field!r} (found {found}); "
@@ -86,20 +117,22 @@ def _files(folder: Path, suffix: str | None = None) -> list[Path]:
 
 
 def read_documents(path: str | None, fmt: str, jsonl_field: str = "text",
-                   max_documents: int | None = None, keys: tuple[str, str] = TRAINING_KEYS) -> Iterator[str]:
+                   max_documents: int | None = None, keys: tuple[str, str] = TRAINING_KEYS,
+                   strict: bool = False) -> Iterator[str]:
     """Documents in a fixed order (sorted file names, file order within a file); `keys`: what the
-    messages call the path and the JSONL field."""
+    messages call the path and the JSONL field; `strict`: a file that is not UTF-8 is refused, not
+    read with U+FFFD for its bad bytes (see `read_text`)."""
     kind = resolve_format(path, fmt)
     if kind in ("tokens", "indexed"):
         raise ValueError("token files hold no documents; use fivefold.data.dataset.load_token_file / load_splits")
     if kind == "stdlib":
         stream = (p.read_text(encoding="utf-8", errors="replace") for p in _files_top(stdlib_folder(), ".py"))
     elif kind == "jsonl":
-        stream = read_jsonl(Path(path), jsonl_field, keys)
+        stream = read_jsonl(Path(path), jsonl_field, keys, strict)
     elif kind == "text":
-        stream = iter([Path(path).read_text(encoding="utf-8", errors="replace")])
+        stream = iter([read_text(Path(path), strict=strict)])
     else:  # a folder: .jsonl files by record, token files refused, every other file as one document
-        stream = _folder_documents(Path(path), jsonl_field, keys)
+        stream = _folder_documents(Path(path), jsonl_field, keys, strict)
     for i, doc in enumerate(stream):
         if max_documents is not None and i >= max_documents:
             return
@@ -110,7 +143,7 @@ def _files_top(folder: Path, suffix: str) -> list[Path]:
     return sorted(p for p in folder.glob("*" + suffix) if p.is_file())
 
 
-def _folder_documents(folder: Path, jsonl_field: str, keys: tuple[str, str]) -> Iterator[str]:
+def _folder_documents(folder: Path, jsonl_field: str, keys: tuple[str, str], strict: bool) -> Iterator[str]:
     files = _files(folder)
     if not files:
         raise UserError(f"{keys[0]}={str(folder)!r}: the folder holds no files")
@@ -119,6 +152,6 @@ def _folder_documents(folder: Path, jsonl_field: str, keys: tuple[str, str]) -> 
             raise UserError(f"{p}: token files cannot be mixed into a folder of texts; give the token file "
                             f"itself as {keys[0]}")
         if p.suffix in JSONL_SUFFIXES:
-            yield from read_jsonl(p, jsonl_field, keys)
+            yield from read_jsonl(p, jsonl_field, keys, strict)
         else:
-            yield p.read_text(encoding="utf-8", errors="replace")
+            yield read_text(p, strict=strict)
