@@ -139,3 +139,74 @@ def test_cli_output_folders(tmp_path, capsys):
         assert main(argv) == 2
         err = capsys.readouterr().err
         assert "Traceback" not in err and says in err, err
+
+
+def _refused(argv, capsys) -> str:
+    """What `fivefold *argv` says on stderr, after checking it ends with exit 2 and no traceback: a
+    UserError returns 2, an argparse type error exits 2 with the usage."""
+    try:
+        code = main(argv)
+    except SystemExit as e:
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err, (argv, code, err)
+    return err
+
+
+def test_cli_refuses_costs_that_are_not_finite(capsys):
+    """nan/inf costs (and a finite sum past the largest float) reached the text timeline as a NaN
+    makespan: `ValueError: cannot convert float NaN to integer`, exit 1. Refused as -1 is."""
+    for costs in ("nan,1,1", "1,inf,1", "-1,1,1"):
+        assert f"--costs '{costs}': each cost must be a finite number >= 0" in _refused(
+            ["schedule", "--pp", "4", "--microbatches", "8", f"--costs={costs}"], capsys)
+    assert "argument --fb-cost: inf: must be a finite number >= 0" in _refused(
+        ["schedule", "--schedule", "dualpipev", "--pp", "2", "--microbatches", "4", "--fb-cost", "inf"], capsys)
+    assert "the makespan overflows a float (inf); give smaller numbers" in _refused(
+        ["schedule", "--costs", "1e308,1e308,1e308"], capsys)
+    # only the ratios matter: costs far below 1 (where width / makespan overflowed) draw as 1,1,1 does
+    assert main(["schedule", "--costs", "1,1,1"]) == 0
+    ones = capsys.readouterr().out.splitlines()[:4]
+    assert main(["schedule", "--costs", "1e-320,1e-320,1e-320"]) == 0
+    assert capsys.readouterr().out.splitlines()[:4] == ones
+
+
+def test_cli_load_csv_is_held_to_the_generated_limit(tmp_path, capsys):
+    """A CSV naming microbatch 1e20 hung (the verifier walked every microbatch up to it); 1e6 took 4 s
+    and printed 2,000,003 lines. Now the limit on generated schedules (262,144 stage-microbatches) is
+    checked cell by cell while reading, and a list of problems is cut to its first lines and a count."""
+    csv = tmp_path / "s.csv"
+    for cell, total in (("0F1000000", "1,000,001"), ("0F99999999999999999999", "100,000,000,000,000,000,000")):
+        csv.write_text(f"{cell},0BW1\n")
+        err = _refused(["schedule", "--load-csv", str(csv)], capsys)
+        assert f"row 0 (rank 0): {cell} makes it at least 1 stages x {total} microbatches" in err
+        assert "at most 262,144" in err
+    csv.write_text("0F1000,0BW1000\n")  # 2,000 missing F/BW, one line each before
+    err = _refused(["schedule", "--load-csv", str(csv)], capsys)
+    assert "0F0 is missing" in err and "... and 1,980 more (2,000 problems in all)" in err
+    assert len(err.splitlines()) < 30
+    csv.write_text("99999F0,99999BW0\n")  # within the limit, but 99,999 stages are never computed
+    err = _refused(["schedule", "--load-csv", str(csv)], capsys)
+    assert "stages [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, ... (99,999 in all)] are never computed" in err
+    csv.write_text("0SEND_F0>1\n1RECV_F0<0\n")  # no computation: was `max() arg is an empty sequence`
+    assert "schedule CSV computes nothing" in _refused(["schedule", "--load-csv", str(csv)], capsys)
+
+
+def test_cli_refuses_nonsense_numbers(capsys):
+    """Each was accepted with exit 0: --p2p -1 shrank the makespan below the no-latency one, nan gave a
+    0% bubble, --width 0 an empty timeline, --costs 0,0,0 makespan 0. Each number flag has its range."""
+    for argv, says in (
+            (["--p2p", "-1"], "argument --p2p: -1: must be a finite number >= 0"),
+            (["--p2p", "nan"], "argument --p2p: nan: must be a finite number >= 0"),
+            (["--schedule", "dualpipev", "--fb-cost", "-1"], "argument --fb-cost: -1: must be a finite number >= 0"),
+            (["--width", "0"], "argument --width: 0: must be a whole number of characters from 1 to 10,000"),
+            (["--width", "-5"], "argument --width: -5: must be a whole number of characters from 1 to 10,000"),
+            (["--width", "100000"], "argument --width: 100000: must be a whole number of characters from 1 to 10,000"),
+            (["--costs", "0,0,0"], "--costs '0,0,0': all three 0 leaves nothing to time"),
+            (["--pp", "0"], "argument --pp: 0: must be a whole number >= 1"),
+            (["--pp", "-1000", "--microbatches", "-1000"], "argument --pp: -1000: must be a whole number >= 1"),
+            (["--microbatches", "0"], "argument --microbatches: 0: must be a whole number >= 1"),
+            (["--schedule", "interleaved", "--vpp", "0"], "argument --vpp: 0: must be a whole number >= 1"),
+            (["--schedule", "interleaved", "--vpp", "2", "--group", "-4"],
+             "argument --group: -4: must be a whole number >= 1")):
+        assert says in _refused(["schedule", *argv], capsys)
+    assert main(["schedule", "--costs", "0,0,1", "--p2p", "0.5", "--width", "1"]) == 0  # the edges of each range

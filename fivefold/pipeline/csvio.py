@@ -16,6 +16,9 @@ from fivefold.errors import UserError
 from fivefold.pipeline.ir import Schedule, parse_action
 
 
+SHOWN = 10
+"""Stages an error lists at most (a CSV naming stage 99999 alone misses 99999 of them)."""
+
 WRITTEN = "# fivefold pipeline schedule "
 """How a schedule CSV this module writes begins (`dumps`): what `replaceable` looks for."""
 
@@ -29,17 +32,30 @@ def dumps(schedule: Schedule) -> str:
     return out.getvalue()
 
 
-def loads(text: str, name: str = "csv") -> Schedule:
+def loads(text: str, name: str = "csv", max_passes: int | None = None) -> Schedule:
+    """The schedule in `text`; UserError naming the row and cell of what cannot be read. With `max_passes`,
+    stages x microbatches (the microbatch count is set by the largest named) is at most that: checked
+    cell by cell as the rows are read, so `0F99999999999` is refused before anything is built for it."""
     rows = []
     lines = [ln for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+    top_stage = top_mb = -1
     for lineno, row in enumerate(csv.reader(lines)):
         acts = []
         for cell in row:
             if cell.strip():
                 try:
-                    acts.append(parse_action(cell))
+                    a = parse_action(cell)
                 except ValueError as e:
                     raise UserError(f"schedule CSV row {lineno} (rank {lineno}): {e}") from None
+                for p in a.pieces():
+                    top_stage, top_mb = max(top_stage, p.stage), max(top_mb, p.mb)
+                if max_passes is not None and (top_stage + 1) * (top_mb + 1) > max_passes:
+                    raise UserError(
+                        f"schedule CSV row {lineno} (rank {lineno}): {cell.strip()} makes it at least "
+                        f"{top_stage + 1:,} stages x {top_mb + 1:,} microbatches = {(top_stage + 1) * (top_mb + 1):,} "
+                        f"stage-microbatches; the command simulates and draws at most {max_passes:,}: "
+                        "number stages and microbatches from 0, and give fewer")
+                acts.append(a)
         rows.append(acts)
     if not rows:
         raise UserError("schedule CSV has no rows (one row of actions per rank)")
@@ -50,13 +66,19 @@ def loads(text: str, name: str = "csv") -> Schedule:
                 if owner.setdefault(p.stage, r) != r:
                     raise UserError(f"schedule CSV: stage {p.stage} is computed on rank {owner[p.stage]} "
                                     f"and on rank {r}; a stage lives on one rank")
+    if not owner:
+        raise UserError("schedule CSV computes nothing: its rows need computations (such as 0F0,0BW0), "
+                        "which set the stages, microbatches and where each stage lives")
     num_stages = max(owner) + 1
     missing = [s for s in range(num_stages) if s not in owner]
     if missing:
-        raise UserError(f"schedule CSV: stages {missing} are never computed, so their rank is unknown")
-    mbs = [p.mb for acts in rows for a in acts for p in a.pieces()]
+        shown = ", ".join(map(str, missing[:SHOWN]))
+        if len(missing) > SHOWN:
+            shown += f", ... ({len(missing):,} in all)"
+        raise UserError(f"schedule CSV: stages [{shown}] are never computed, so their rank is unknown "
+                        f"(stages are numbered from 0 to the largest named, {num_stages - 1})")
     placement = tuple(owner[s] for s in range(num_stages))
-    return Schedule(name, tuple(tuple(a) for a in rows), placement, max(mbs) + 1)
+    return Schedule(name, tuple(tuple(a) for a in rows), placement, top_mb + 1)
 
 
 def replaceable(path: str | Path) -> bool:
@@ -76,7 +98,7 @@ def save_csv(schedule: Schedule, path: str | Path) -> None:
     Path(path).write_text(dumps(schedule))
 
 
-def load_csv(path: str | Path) -> Schedule:
+def load_csv(path: str | Path, max_passes: int | None = None) -> Schedule:
     try:
         text = Path(path).read_text()
     except OSError as e:
@@ -84,4 +106,4 @@ def load_csv(path: str | Path) -> Schedule:
     except UnicodeDecodeError as e:
         raise UserError(f"schedule CSV {path}: byte 0x{e.object[e.start]:02x} at offset {e.start} is not UTF-8 "
                         "(a schedule CSV is text: one row of actions per rank)") from None
-    return loads(text, name=Path(path).stem)
+    return loads(text, name=Path(path).stem, max_passes=max_passes)

@@ -35,17 +35,19 @@ def summary(schedule: Schedule, result: SimResult) -> str:
 
 def text_timeline(schedule: Schedule, result: SimResult, width: int = 160) -> str:
     """The timeline as text, scaled so the makespan fits in about `width` characters."""
-    shortest = min((iv.end - iv.start for iv in result.timeline if iv.end > iv.start), default=1.0)
-    scale = max(4 / shortest, 1e-9)  # the shortest block gets 4 characters ...
-    if result.makespan * scale > width:  # ... unless that overflows `width`
-        scale = width / result.makespan
+    span = result.makespan
+    shortest = min((iv.end - iv.start for iv in result.timeline if iv.end > iv.start), default=span)
+    # characters the makespan takes: the shortest block gets 4 ... unless that overflows `width`. Times
+    # are placed as shares of the makespan, so costs of 1e-320 or 1e300 draw as costs of 1 do (only
+    # their ratios matter), where width / makespan or 4 / shortest would overflow.
+    cols = min(4 * (span / shortest), width) if span > 0 else 0.0
     rows, by_rank = [], [[] for _ in range(schedule.num_ranks)]
     for iv in result.timeline:
         by_rank[iv.rank].append(iv)
     for r in range(schedule.num_ranks):
-        line = [" "] * (int(round(result.makespan * scale)) + 1)
+        line = [" "] * (int(round(cols)) + 1)
         for iv in by_rank[r]:
-            a, b = int(round(iv.start * scale)), int(round(iv.end * scale))
+            a, b = (int(round(t / span * cols)) for t in (iv.start, iv.end)) if span > 0 else (0, 0)
             if b <= a:
                 continue
             label = _label(iv.action, schedule)

@@ -22,12 +22,19 @@ from fivefold.errors import UserError
 from fivefold.pipeline.ir import Kind, Schedule, run_in_order
 
 
+SHOWN = 20
+"""Problems a ScheduleError's message lists at most (all are in `.problems`): a schedule CSV naming
+microbatch 100000 alone misses 200,000 actions, one line each."""
+
+
 class ScheduleError(UserError):
-    """A schedule that cannot run: the message lists the problems and prints the grid."""
+    """A schedule that cannot run: the message lists the problems (the first SHOWN) and prints the grid."""
 
     def __init__(self, problems: list[tuple[int, int, str]], grid: str):
         self.problems = problems
-        lines = [f"  - rank {r} step {i}: {msg}" for r, i, msg in problems]
+        lines = [f"  - rank {r} step {i}: {msg}" for r, i, msg in problems[:SHOWN]]
+        if len(problems) > SHOWN:
+            lines.append(f"  ... and {len(problems) - SHOWN:,} more ({len(problems):,} problems in all)")
         super().__init__("invalid pipeline schedule:\n" + "\n".join(lines) + "\n" + grid)
 
 
