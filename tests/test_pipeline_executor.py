@@ -29,6 +29,7 @@ from fivefold.checkpoint import io as ckpt
 from fivefold.checkpoint.layout import step_dir
 from fivefold.config.schema import Config, ModelConfig, ParallelConfig, TrainingConfig
 from fivefold.data.loader import Microbatch, StepBatch
+from fivefold.errors import UserError
 from fivefold.model.decoder import Decoder
 from fivefold.parallel.parallelize import parallelize
 from fivefold.pipeline.stages import schedule_for
@@ -202,6 +203,15 @@ def test_uneven_split(workers):
 def test_hand_written_csv_schedule(workers):
     config = _config(pp=2, mbs=2, pipeline_schedule_csv=str(EXAMPLES / "hand_schedule.csv"))
     _check(workers(2).run(_train, config, 1))
+
+
+def test_a_csv_schedule_naming_a_huge_microbatch_is_refused_before_it_is_built(tmp_path):
+    """Training's `pipeline_schedule_csv` goes through the size limit `fivefold schedule --load-csv` has:
+    a cell naming microbatch 10^20 is refused as it is read (building the schedule for it hung)."""
+    path = tmp_path / "huge.csv"
+    path.write_text("0F99999999999999999999,0BW99999999999999999999\n1F0,1BW0\n")
+    with pytest.raises(UserError, match="stage-microbatches; a schedule holds at most 262,144"):
+        schedule_for(_config(pp=2, pipeline_schedule_csv=str(path)), GBS)
 
 
 def test_pp2_tp2_sp_1f1b_tied(workers):

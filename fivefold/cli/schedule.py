@@ -8,7 +8,7 @@ from pathlib import Path
 from fivefold.cli._outputs import picture_file, writing
 from fivefold.cli._planner_args import positive_int
 from fivefold.errors import UserError
-from fivefold.pipeline.csvio import load_csv, replaceable, save_csv
+from fivefold.pipeline.csvio import MAX_PASSES, load_csv, replaceable, save_csv
 from fivefold.pipeline.ir import Kind
 from fivefold.pipeline.lowering import lower
 from fivefold.pipeline.render import draw_png, summary, text_timeline
@@ -79,12 +79,6 @@ def _costs(text: str) -> tuple[float, float, float]:
     return f, b, w
 
 
-MAX_PASSES = 1 << 18
-"""Stage-microbatches (a forward and a backward each) the command builds, checks, simulates and draws
-at most: about linear in them, 131k took 27 s on the 2-core machine (PP 128 x 1024 microbatches),
-128k over PP 16000 27 s (a line per rank)."""
-
-
 def run(args: argparse.Namespace, extra: list[str]) -> int:
     if args.csv and not replaceable(args.csv):
         there = ("a folder" if Path(args.csv).is_dir()
@@ -102,7 +96,7 @@ def run(args: argparse.Namespace, extra: list[str]) -> int:
         raise UserError(f"--group {args.group}: groups microbatches per virtual stage, which only --schedule "
                         f"interleaved has (this one: {args.schedule}); drop it")
     if args.load_csv:
-        schedule = lower(load_csv(args.load_csv, max_passes=MAX_PASSES))
+        schedule = lower(load_csv(args.load_csv))
     else:
         chunks = REGISTRY[args.schedule].chunks(args.vpp)
         if args.pp * chunks * args.microbatches > MAX_PASSES:
