@@ -1,7 +1,9 @@
 """Checkpoint IO in one process: round trip, shape mismatch, a crash during a save, resharding."""
 from __future__ import annotations
 
+import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -138,3 +140,54 @@ def test_other_vocabulary_is_still_another_model(tmp_path):
                               make_vocab_size_divisible_by=256))  # 256 saved rows, 512 here
     with pytest.raises(UserError, match="another model"):  # real rows 256..299 are not in the checkpoint
         io.load_checkpoint(tmp_path, model=big, optimizer=None, rank=0, world_size=1)
+
+
+@pytest.mark.parametrize("edit,said", [
+    (lambda m: [1, 2], "holds a list, not an object"),
+    (lambda m: {k: v for k, v in m.items() if k != "params"}, "has no 'params' key"),
+    (lambda m: {k: v for k, v in m.items() if k != "step"}, "has no 'step' key"),
+    (lambda m: {**m, "params": []}, r"'params' is \[\], not an object"),
+    (lambda m: {**m, "step": "four"}, "'step' is 'four', not a whole number"),
+    (lambda m: {**m, "config": {"model": {"hidden_sise": 8}}}, "config.model has 'hidden_sise'"),
+    (lambda m: {**m, "config": []}, "'config' is not an object of sections"),
+    (lambda m: {**m, "params": {**m["params"], "0.bias": {**m["params"]["0.bias"], "global_shape": "8"}}},
+     r"params\['0.bias'\] has 'global_shape' '8'"),
+    (lambda m: {**m, "params": {"0.bias": {**m["params"]["0.bias"], "shards": [
+        {**m["params"]["0.bias"]["shards"][0], "file": "../../elsewhere.safetensors"}]}}},
+     r"params\['0.bias'\] shards\[0\] has 'file' '../../elsewhere.safetensors', not a file name"),
+])
+def test_damaged_metadata_is_named(tmp_path, edit, said):
+    """A metadata.json that is valid JSON but not what a save writes was a KeyError / TypeError deep in
+    train --load, convert or export: read_metadata, which they share, names the file, the key and the
+    problem."""
+    model, opt = _trained()
+    _save(tmp_path, 1, model, opt)
+    file = tmp_path / "step_00000001" / "metadata.json"
+    file.write_text(json.dumps(edit(json.loads(file.read_text()))))
+    with pytest.raises(UserError, match=f"{file}: {said}.*the checkpoint is damaged"):
+        io.read_metadata(tmp_path)
+
+
+def test_latest_naming_a_missing_step_is_refused(tmp_path):
+    """--load ROOT whose `latest` names a deleted step loaded an older one without a word (training
+    silently lost its steps): refused, naming both."""
+    model, opt = _trained()
+    for step in (1, 2):
+        _save(tmp_path, step, model, opt)
+    shutil.rmtree(tmp_path / "step_00000002")
+    with pytest.raises(UserError, match=r"latest names 'step_00000002', which is not a complete checkpoint .*"
+                                        r"the newest complete checkpoint there is step_00000001"):
+        io.load_checkpoint(tmp_path, model=model, optimizer=opt, rank=0, world_size=1)
+    (tmp_path / "latest").unlink()  # without `latest`: the newest complete one, as before
+    assert io.read_metadata(tmp_path)[0] == tmp_path / "step_00000001"
+
+
+def test_a_missing_rng_file_is_named(tmp_path):
+    """A rank's rng-*.safetensors missing at the same world size was skipped: the run went on with
+    other RNG streams than the checkpoint's. It is named as a missing shard is; --no-load-rng loads."""
+    model, opt = _trained()
+    _save(tmp_path, 1, model, opt)
+    (tmp_path / "step_00000001" / "rng-00000.safetensors").unlink()
+    with pytest.raises(UserError, match="rng-00000.safetensors is missing .*--no-load-rng"):
+        io.load_checkpoint(tmp_path, model=model, optimizer=opt, rank=0, world_size=1)
+    io.load_checkpoint(tmp_path, model=model, optimizer=opt, rank=0, world_size=1, load_rng=False)

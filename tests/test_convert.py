@@ -4,6 +4,7 @@ uninterrupted losses; a layout that changes the model is refused."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -93,3 +94,45 @@ def test_a_run_loaded_at_its_last_step_trains_nothing_and_says_so(saved, tmp_pat
     with _one_thread():
         again = train(cfg, one_process_context(tmp_path / "again"), data_dir, progress=False)
     assert (again.losses, again.start_step) == ({}, 4)
+
+
+def test_convert_of_an_older_step_leaves_latest_at_the_newer_one(saved, tmp_path, capsys):
+    """Converting step 2 into a root that holds step 4 moved its `latest` back to step 2: a later
+    --load DST silently lost two steps. `latest` stays at the newer step, with a note."""
+    ckpts = saved[0] / "full" / "checkpoints"
+    dst = tmp_path / "dst"
+    assert main(["convert", str(ckpts / "step_00000004"), str(dst)]) == 0
+    assert main(["convert", str(ckpts / "step_00000002"), str(dst)]) == 0
+    assert f"{dst} holds step_00000004, newer than the converted step_00000002" in capsys.readouterr().out
+    assert (dst / "latest").read_text() == "step_00000004"
+    assert sorted(p.name for p in dst.iterdir()) == ["latest", "step_00000002", "step_00000004"]
+
+
+def test_convert_refuses_words_that_change_more_than_the_layout(saved, tmp_path, capsys):
+    """The words after DST change the layout; run settings were stored silently into the new
+    checkpoint's config (its help says the model and run settings are the checkpoint's)."""
+    src = saved[0] / "full" / "checkpoints"
+    assert main(["convert", str(src), str(tmp_path / "x"), "--tensor-model-parallel-size", "2", "--world-size", "2",
+                 "training.lr=0.5", "training.train_iters=99", "data.max_documents=3"]) == 2
+    err = capsys.readouterr().err
+    assert all(w in err for w in ("training.lr=0.5", "training.train_iters=99", "data.max_documents=3",
+                                  "change only the layout"))
+    assert not (tmp_path / "x").exists()
+    gbs = io.read_metadata(src)[1]["config"]["training"]["global_batch_size"]  # what a new DP size may need
+    assert main(["convert", str(src), str(tmp_path / "y"), f"training.global_batch_size={2 * gbs}"]) == 0
+
+
+def test_convert_refuses_a_checkpoint_without_a_rank_file_or_config(saved, tmp_path, capsys):
+    """A missing rng-*.safetensors was skipped (the copy lacked it too, and --load of it would then
+    refuse); a metadata.json without config was a KeyError. Both are named, DST left without the step."""
+    src = tmp_path / "src"
+    shutil.copytree(saved[0] / "full" / "checkpoints" / "step_00000004", src)
+    (src / "rng-00000.safetensors").unlink()
+    assert main(["convert", str(src), str(tmp_path / "dst")]) == 2
+    assert "rng-00000.safetensors is missing" in capsys.readouterr().err
+    meta = json.loads((src / "metadata.json").read_text())
+    del meta["config"]
+    (src / "metadata.json").write_text(json.dumps(meta))
+    assert main(["convert", str(src), str(tmp_path / "dst")]) == 2
+    assert "its metadata.json has no config" in capsys.readouterr().err
+    assert not list((tmp_path / "dst").iterdir())

@@ -4,7 +4,10 @@ for bit (Llama untied and tied, Qwen2, Qwen3, Mixtral, Qwen3-MoE and OLMoE with 
 renormalisation, dense DeepSeek-V3)."""
 from __future__ import annotations
 
+import json
+import shutil
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -180,3 +183,85 @@ def test_export_replaces_only_an_earlier_export(tmp_path, capsys):
         assert main(["export", str(run / "checkpoints"), str(tmp_path / "empty")]) == 0
     assert sorted(p.name for p in (tmp_path / "empty").iterdir()) == ["config.json", "generation_config.json",
                                                                       "model.safetensors"]
+
+
+@pytest.fixture(scope="module")
+def small_checkpoint(tmp_path_factory):
+    """A one-layer checkpoint root with its config, saved once for the tests below (they copy it to
+    change it)."""
+    model = Decoder(ModelConfig(num_layers=1, hidden_size=32, num_attention_heads=4, vocab_size=64))
+    root = tmp_path_factory.mktemp("small") / "checkpoints"
+    save_checkpoint(root, 0, model=model, optimizer=torch.optim.AdamW(model.parameters()), rank=0,
+                    writes_params=True, barrier=lambda: None, extra={"config": to_dict(Config(model=model.cfg))})
+    return root
+
+
+def _tree(folder):
+    return sorted((str(p.relative_to(folder)), p.read_bytes() if p.is_file() else None) for p in folder.rglob("*"))
+
+
+def test_export_writes_beside_out_dir_in_a_folder_no_user_has(small_checkpoint, tmp_path, monkeypatch, capsys):
+    """The export was written into OUT_DIR + ".tmp", removed first with rmtree: a user's folder of that
+    name was deleted, a file of that name crashed it. Now a new hidden folder is made for it, renamed
+    into place when complete, removed when the export fails or is interrupted (an earlier export at
+    OUT_DIR stays)."""
+    import fivefold.model.hf_export as hf_export
+
+    (tmp_path / "mine.tmp").mkdir()
+    (tmp_path / "mine.tmp" / "data.txt").write_text("precious")
+    (tmp_path / "file.tmp").write_text("precious")
+    before = _tree(tmp_path)
+    for out in ("mine", "file"):
+        assert main(["export", str(small_checkpoint), str(tmp_path / out)]) == 0
+    assert [e for e in _tree(tmp_path) if not e[0].startswith(("mine/", "file/")) and e[0] not in ("mine", "file")] \
+        == before  # the user's files untouched, no temporary folder left
+    export = _tree(tmp_path / "mine")
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(hf_export, "_write_shards", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        export_hf(small_checkpoint, tmp_path / "mine")  # over the earlier export
+    with pytest.raises(KeyboardInterrupt):
+        export_hf(small_checkpoint, tmp_path / "new")
+    assert _tree(tmp_path / "mine") == export and not (tmp_path / "new").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "file.tmp", "mine", "mine.tmp"]
+
+
+def test_export_into_the_current_folder_is_refused(small_checkpoint, tmp_path, monkeypatch, capsys):
+    """`export CKPT .` crashed (a path with an empty name); `train --save-hf .` trained, then crashed.
+    The current folder (or one above it) would be replaced whole: both refuse it, train before any rank
+    starts."""
+    demo = Path(__file__).resolve().parents[1] / "examples" / "demo.yaml"
+    (tmp_path / "here").mkdir()
+    monkeypatch.chdir(tmp_path / "here")
+    for out in (".", "..", "../here"):
+        assert main(["export", str(small_checkpoint), out]) == 2
+        assert "is the current folder" in capsys.readouterr().err
+    assert main(["train", str(demo), "--out", str(tmp_path / "run"), "checkpoint.save_hf=."]) == 2
+    assert "checkpoint.save_hf (--save-hf) .: is the current folder" in capsys.readouterr().err
+    assert not (tmp_path / "run" / "logs").exists() and not list((tmp_path / "here").iterdir())
+
+
+@pytest.mark.parametrize("edit,said", [
+    (lambda m: m["config"]["model"].update(hidden_size=64), "embedding.weight has shape [128, 32] in the checkpoint, "
+                                                            "[64, 64] in this model"),
+    (lambda m: m["params"]["layers.0.mlp.up_proj.weight"].update(global_shape=[256, 32]),
+     "layers.0.mlp.up_proj.weight has shape [256, 32] in the checkpoint"),
+    (lambda m: m["config"]["training"].update(lr_sheduler=1), "metadata.json: its config does not load"),
+    (lambda m: m["config"]["model"].update(hiden_size=1), "metadata.json: config.model has 'hiden_size'"),
+])
+def test_export_refuses_a_config_that_does_not_describe_the_tensors(small_checkpoint, tmp_path, capsys, edit, said):
+    """export wrote a broken Hugging Face folder (rc 0) from a checkpoint whose config does not match
+    its tensors, and a config key no section has was a traceback: it runs --load's and convert's
+    check (check_fits), and a damaged config is named."""
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(small_checkpoint, ckpt)
+    file = ckpt / "step_00000000" / "metadata.json"
+    meta = json.loads(file.read_text())
+    edit(meta)
+    file.write_text(json.dumps(meta))
+    assert main(["export", str(ckpt), str(tmp_path / "out")]) == 2
+    assert said in capsys.readouterr().err
+    assert not (tmp_path / "out").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import struct
 from collections.abc import Callable, Iterable
@@ -24,7 +25,8 @@ from pathlib import Path
 import torch
 
 from fivefold.checkpoint.io import buffers_saved, check_fits, placed_by_meta, read_metadata, tensors_saved
-from fivefold.checkpoint.layout import FORMAT, TIED, ShardSpec, source_name, step_dir, whole
+from fivefold.checkpoint.layout import (FORMAT, TIED, ShardSpec, complete_checkpoints, resolve, source_name, step_dir,
+                                        whole)
 from fivefold.checkpoint.optim_state import MAIN, MOMENTS
 from fivefold.checkpoint.reshard import Reader, checkpoint_source, fill, fill_flat, spec_of
 from fivefold.config.schema import Config, to_dict
@@ -94,9 +96,56 @@ def convert(src: str | Path, dst: str | Path, config: Config, *, log: Callable[[
                         f"empty folder, or one holding other steps), e.g. {Path(dst).parent}-converted")
     if out.exists():
         raise UserError(f"convert: {out} exists; give an empty destination root")
-    tmp = out.parent / f".tmp-{out.name}"
+    rngs = _rng_files(folder, meta, layout.world_size)
+    tmp = out.parent / f".tmp-{out.name}"  # a save's own name for a folder being written (checkpoint.layout)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
+    try:
+        _write(folder, meta, config, layout, tmp, rngs, log)
+    except BaseException:  # an error or Ctrl-C leaves DST as it was
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    tmp.rename(out)
+    _point_latest(out, meta["step"], log)
+    return out
+
+
+def _rng_files(folder: Path, meta: dict, world_size: int) -> list[Path]:
+    """The RNG states to copy: every rank's at the same world size (another world size starts fresh
+    streams, as --load does). One missing is refused, as a missing shard is: the copy would lack it,
+    and --load of it would refuse then."""
+    if meta.get("world_size") != world_size:
+        return []
+    rngs = [folder / f"rng-{r:05d}.safetensors" for r in range(world_size)]
+    missing = [p.name for p in rngs if not p.is_file()]
+    if missing:
+        named = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+        raise UserError(f"convert: checkpoint {folder}: {named} {'is' if len(missing) == 1 else 'are'} missing (the "
+                        "ranks' RNG states, copied at the same world size; copy the whole checkpoint folder)")
+    return rngs
+
+
+def _point_latest(out: Path, step: int, log: Callable[[str], None]) -> None:
+    """`latest` names the converted step, unless --load DST loaded a newer one before (the one DST's
+    `latest` names, or its newest without one): a later --load DST never silently goes back."""
+    root, latest = out.parent, out.parent / "latest"
+    try:
+        current = resolve(root) if latest.is_file() else max(
+            (c for c in complete_checkpoints(root) if c != out), default=None)
+    except UserError:  # a `latest` naming nothing complete: the converted step replaces it
+        current = None
+    newer = re.fullmatch(r"step_(\d+)", current.name) if current is not None else None
+    if newer and int(newer.group(1)) > step:
+        log(f"note: {root} holds {current.name}, newer than the converted {out.name}: --load {root} still loads "
+            f"{current.name}; give --load {out} for this one")
+        return
+    (root / ".latest.tmp").write_text(out.name)
+    os.replace(root / ".latest.tmp", latest)
+
+
+def _write(folder: Path, meta: dict, config: Config, layout: Layout, tmp: Path, rngs: list[Path],
+           log: Callable[[str], None]) -> None:
+    """Every file of the converted checkpoint into `tmp`."""
     weights = checkpoint_source(folder, meta)
     moments = {m: checkpoint_source(folder, meta, "optim_shards", f".{m}") for m in (*MOMENTS, MAIN)}
     listing: dict[str, dict] = {}
@@ -139,17 +188,12 @@ def convert(src: str | Path, dst: str | Path, config: Config, *, log: Callable[[
              and not e.get("buffer")]
     if extra:  # the model config matched (check_fits): a parameter no destination rank holds is a bug to report
         raise UserError(f"convert: {extra[0]} of {folder} is held by no rank of the destination layout")
-    if meta.get("world_size") == layout.world_size:
-        for rng in folder.glob("rng-*.safetensors"):
-            shutil.copyfile(rng, tmp / rng.name)
+    for rng in rngs:
+        shutil.copyfile(rng, tmp / rng.name)
     kept = {k: v for k, v in meta.items() if k not in ("params", "format", "config", "world_size")}
     (tmp / "metadata.json").write_text(json.dumps(
         {"format": FORMAT, **kept, "world_size": layout.world_size, "params": listing, "config": to_dict(config),
          "converted_from": str(folder)}, indent=1))
-    tmp.rename(out)
-    (out.parent / ".latest.tmp").write_text(out.name)
-    os.replace(out.parent / ".latest.tmp", out.parent / "latest")
-    return out
 
 
 def _write_optim(path: Path, params: dict[str, torch.Tensor], specs: dict[str, ShardSpec], keys: dict[str, str],

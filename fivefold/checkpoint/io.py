@@ -14,7 +14,8 @@ import json
 import os
 import shutil
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -23,6 +24,7 @@ from torch import nn
 
 from fivefold.checkpoint.layout import (FORMAT, ShardSpec, complete_checkpoints, open_shard, resolve,
                                         source_name, step_dir, whole)
+from fivefold.checkpoint.metadata import check_metadata
 from fivefold.checkpoint.optim_state import (MAIN, OptimShard, ShardOf, load_optim, merge_listings, save_optim,
                                              whole_shards)
 from fivefold.checkpoint.reshard import Reader, checkpoint_source, entry_source, fill, fill_flat
@@ -195,11 +197,14 @@ def read_metadata(path: str | Path, what: str = "--load") -> tuple[Path, dict]:
     if found is None:
         raise UserError(f"{what} {path}: no complete checkpoint there (a folder with metadata.json, or a root "
                         f"with step_* folders){foreign_format(Path(path))}")
+    file = found / "metadata.json"
     try:
-        return found, json.loads((found / "metadata.json").read_text())
+        meta = json.loads(file.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise UserError(f"{found / 'metadata.json'}: not valid JSON ({e}); the checkpoint is damaged: load the one "
+        raise UserError(f"{file}: not valid JSON ({e}); the checkpoint is damaged: load the one "
                         "before it") from None
+    check_metadata(meta, file)
+    return found, meta
 
 
 def foreign_format(path: Path) -> str:
@@ -238,14 +243,39 @@ PARAMETER_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attenti
 e.g. norm epsilon, RoPE base, router and loss coefficients, change no parameter)."""
 
 
-def check_fits(meta: dict, model: nn.Module, shard_of: ShardOf, where: Path, model_config: dict | None = None) -> None:
+@dataclass(frozen=True)
+class Held:
+    """A tensor of a model as `check_fits` compares it with a checkpoint's: its one-process (global)
+    shape, the rows of it that are vocabulary (past them: padding), whether it is a buffer (which a
+    checkpoint may lack)."""
+
+    global_shape: tuple[int, ...]
+    vocab_rows: int | None = None
+    buffer: bool = False
+
+
+def held_by(model: nn.Module, shard_of: ShardOf) -> dict[str, Held]:
+    """What `model` holds, each tensor placed by `shard_of`."""
+    metas, buffers = named_metas(model), buffers_saved(model)
+    return {name: Held(tuple(shard_of(name, p).global_shape), metas[name].vocab_rows if name in metas else None,
+                       name in buffers) for name, p in tensors_saved(model).items()}
+
+
+ANOTHER_MODEL_FIX = ("give the model settings it was saved with: loading and `convert` change the layout, never the "
+                     "model (to train another model, start without --load)")
+
+
+def check_fits(meta: dict, model: nn.Module | Mapping[str, Held], shard_of: ShardOf | None, where: Path,
+               model_config: dict | None = None, *, fix: str = ANOTHER_MODEL_FIX) -> None:
     """UserError listing every way the checkpoint holds another model: a parameter of this rank
     missing from it or of another global shape (beyond vocabulary padding), or, given this run's
     `model_config` (the canonical `model` section) and a checkpoint that stored its own, a
     parameter-deciding field that differs. The checkpoint's parameters this rank does not hold are
     another pipeline stage's (any layout loads any other): without `model_config` (or a checkpoint
     without its config), they are compared by name, which only holds when this rank holds the whole
-    model."""
+    model. `model`: a module (its tensors placed by `shard_of`) or what one holds (`held_by`, or a
+    model described without building it: `export`); `fix`: the advice the message ends with."""
+    held = model if isinstance(model, Mapping) else held_by(model, shard_of)
     saved = meta["params"]
     problems = []
     theirs = meta.get("config", {}).get("model")
@@ -253,24 +283,19 @@ def check_fits(meta: dict, model: nn.Module, shard_of: ShardOf, where: Path, mod
         problems += [f"model.{f} is {theirs.get(f)!r} in the checkpoint, {model_config.get(f)!r} here"
                      for f in PARAMETER_FIELDS if theirs.get(f) != model_config.get(f)]
     else:
-        mine = set(tensors_saved(model))
         problems += [f"{n} is in the checkpoint but not in this model" for n, e in saved.items()
-                     if n not in mine and not e.get("buffer")]
-    metas = named_metas(model)
-    buffers = buffers_saved(model)
-    for name, p in tensors_saved(model).items():
-        g = list(shard_of(name, p).global_shape)
+                     if n not in held and not e.get("buffer")]
+    for name, h in held.items():
+        g = list(h.global_shape)
         src = source_name(name, saved)
         if src not in saved:
-            if name not in buffers:  # a buffer the checkpoint lacks keeps its initial value (_load_params)
+            if not h.buffer:  # a buffer the checkpoint lacks keeps its initial value (_load_params)
                 problems.append(f"{name} is not in the checkpoint")
-        elif not _fits(saved[src]["global_shape"], g, metas[name].vocab_rows if name in metas else None):
+        elif not _fits(saved[src]["global_shape"], g, h.vocab_rows):
             problems.append(f"{name} has shape {saved[src]['global_shape']} in the checkpoint, {g} in this model")
     if problems:
         shown = "\n  ".join(problems[:8]) + (f"\n  ... and {len(problems) - 8} more" if len(problems) > 8 else "")
-        raise UserError(f"checkpoint {where} was saved from another model:\n  {shown}\n"
-                        "give the model settings it was saved with: loading and `convert` change the layout, "
-                        "never the model (to train another model, start without --load)")
+        raise UserError(f"checkpoint {where} was saved from another model:\n  {shown}\n{fix}")
 
 
 def _assemble(folder: Path, entry: dict, key: str, out: torch.Tensor, spec: ShardSpec) -> bool:
@@ -324,9 +349,13 @@ def load_checkpoint(path: str | Path, *, model: nn.Module, optimizer: torch.opti
         if optimizer is not None and meta.get("optimizer_step"):
             load_optim(folder, meta, model, optimizer, whole_shards(model) if optim_shards is None else optim_shards,
                        shard_of)
-    rng = folder / f"rng-{rank:05d}.safetensors"
-    if load_rng and meta.get("world_size") == world_size and rng.is_file():
-        with open_shard(folder, rng.name) as f:
+    rng = f"rng-{rank:05d}.safetensors"
+    if load_rng and meta.get("world_size") == world_size:
+        if not (folder / rng).is_file():  # as a missing shard: never a run that silently starts other RNG streams
+            raise UserError(f"checkpoint {folder}: {rng} is missing (rank {rank}'s RNG state; copy the whole "
+                            "checkpoint folder, or give --no-load-rng, checkpoint.load_rng=false, to start fresh "
+                            "RNG streams)")
+        with open_shard(folder, rng) as f:
             torch.set_rng_state(f.get_tensor("torch_cpu"))
             if "torch_cuda" in f.keys() and torch.cuda.is_available():
                 torch.cuda.set_rng_state(f.get_tensor("torch_cuda"))

@@ -67,16 +67,29 @@ def complete_checkpoints(root: Path) -> list[Path]:
 
 
 def resolve(path: str | Path) -> Path | None:
-    """A checkpoint folder itself, or a root: the one `latest` names (else the newest complete one)."""
+    """A checkpoint folder itself, or a root: the one `latest` names (a root without `latest`: the
+    newest complete one); None when there is none.
+
+    `latest` naming a folder that is not a complete checkpoint is a UserError, never a fall back to an
+    older step: a save writes `latest` only once its folder is complete, so the folder was deleted or
+    moved since, and loading another step would silently lose (or repeat) training. Megatron-LM
+    likewise fails when the iteration latest_checkpointed_iteration.txt names cannot be loaded."""
     p = Path(path)
     if is_complete(p):
         return p
+    found = complete_checkpoints(p)
     latest = p / "latest"
     if latest.is_file():
-        named = p / latest.read_text().strip()
-        if is_complete(named):
-            return named
-    found = complete_checkpoints(p)
+        try:
+            name = latest.read_text().strip()
+        except (OSError, UnicodeDecodeError):
+            name = ""
+        if name and "/" not in name and "\\" not in name and is_complete(p / name):
+            return p / name
+        there = (f"the newest complete checkpoint there is {found[-1].name}: give {found[-1]} to load it, or "
+                 f"write {found[-1].name} into {latest}") if found else "there is no complete checkpoint there"
+        raise UserError(f"{latest} names {name!r}, which is not a complete checkpoint folder of {p} "
+                        f"(deleted or moved?); {there}")
     return found[-1] if found else None
 
 

@@ -33,8 +33,9 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from fivefold.checkpoint.io import _assemble, read_metadata
+from fivefold.checkpoint.io import Held, _assemble, check_fits, read_metadata
 from fivefold.checkpoint.layout import ShardSpec, source_name
+from fivefold.checkpoint.metadata import damaged
 from fivefold.config.schema import ModelConfig, config_from_dict
 from fivefold.errors import NotImplementedYet, UserError
 from fivefold.model.hf import INDEX, SINGLE, _expected_shapes, mtp_copies, hf_name
@@ -177,22 +178,43 @@ def _size_bytes(text: str) -> int:
 
 def export_hf(checkpoint: str | Path, out_dir: str | Path, *, max_shard_size: str = "5GB") -> Path:
     """Write `checkpoint` (a step folder or a root with `latest`) as a save_pretrained folder, replacing
-    an earlier export there (`check_replaceable`)."""
-    check_replaceable(Path(out_dir))
+    an earlier export there (`check_replaceable`). The files are written into a new hidden folder
+    beside OUT_DIR (`_new_folder`: never a name a user's folder has) and renamed into place once
+    complete; an error or Ctrl-C removes it, and leaves OUT_DIR as it was."""
+    out = check_replaceable(Path(out_dir))
     folder, meta = read_metadata(checkpoint, "CHECKPOINT")
     if "config" not in meta:
         raise UserError(f"checkpoint {folder}: its metadata has no config (not written by fivefold train)")
-    config = config_from_dict(meta["config"])
+    try:
+        config = config_from_dict(meta["config"])
+    except TypeError as e:  # a key no section has (read_metadata checks the model section's)
+        raise damaged(folder / "metadata.json", f"its config does not load ({e})") from None
     cfg = config.model
-    names = [n for n in _expected_shapes(cfg) if not (n == "head.weight" and cfg.tie_word_embeddings)]
+    shapes = _expected_shapes(cfg)
+    names = [n for n in shapes if not (n == "head.weight" and cfg.tie_word_embeddings)]
     first = meta["params"].get(source_name(names[0], meta["params"]), {})
     dtype = DTYPES.get(first.get("dtype"), torch.float32)
-    hf = hf_config(cfg, dtype)
-    out, limit = Path(out_dir), _size_bytes(max_shard_size)
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    shapes, shards, current, size = _expected_shapes(cfg), [], {}, 0
+    hf = hf_config(cfg, dtype)  # first: what HF cannot say (its shapes are not all `_expected_shapes`)
+    # the same check as --load and convert: a config that does not describe the tensors is refused,
+    # never exported as a folder transformers cannot load (or loads wrong)
+    check_fits(meta, {n: Held(s, cfg.vocab_size if n in VOCAB_PARAMS else None) for n, s in shapes.items()},
+               None, folder, fix="its metadata.json's config does not describe its tensors: the checkpoint is "
+               "damaged (export the one before it)")
+    limit = _size_bytes(max_shard_size)
+    tmp = _new_folder(out, "export")
+    try:
+        _write_export(folder, meta, config, names, shapes, hf, limit, tmp)
+        _replace(out, tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def _write_export(folder: Path, meta: dict, config, names: list[str], shapes: dict, hf: dict, limit: int,
+                  tmp: Path) -> None:
+    cfg = config.model
+    shards, current, size = [], {}, 0
     for name in names:
         t = _whole(folder, meta, name, cfg, shapes[name])
         copies = mtp_copies(cfg).get(name, [])  # DeepSeek-V3's MTP layers store their own (equal) copies
@@ -207,25 +229,69 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, *, max_shard_size: st
     (tmp / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
     (tmp / "generation_config.json").write_text(json.dumps({"_from_model_config": True}, indent=2) + "\n")
     _copy_tokenizer(config.data.tokenizer, tmp)
-    shutil.rmtree(out, ignore_errors=True)
-    os.replace(tmp, out)
-    return out
 
 
-def check_replaceable(out: Path, flag: str = "OUT_DIR") -> None:
-    """`out` may be written: absent, empty, or an earlier export (`_an_export`), which the export
-    replaces whole; a file, or a folder holding anything else (a run, a checkpoint, a downloaded
-    Hugging Face model, the user's files), is refused rather than deleted (`flag`: the option that
-    named it; `fivefold train` checks checkpoint.save_hf before its ranks start)."""
+def _new_folder(out: Path, what: str) -> Path:
+    """A new, empty hidden folder beside `out`, named for what it holds (`.OUT.fivefold-export-3f9a1c`):
+    made with mkdir, which fails rather than reuse a folder that exists, so no user's folder is ever
+    written into or removed (as mkdtemp, but with the default permissions the final folder keeps)."""
+    for _ in range(100):
+        tmp = out.parent / f".{out.name}.fivefold-{what}-{os.urandom(3).hex()}"
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            tmp.mkdir()
+            return tmp
+        except FileExistsError:
+            continue
+        except OSError as e:
+            raise UserError(f"OUT_DIR {out}: cannot write beside it in {out.parent} ({e.strerror or e})") from None
+    raise UserError(f"OUT_DIR {out}: cannot make a new folder in {out.parent}")
+
+
+def _replace(out: Path, tmp: Path) -> None:
+    """Move the complete `tmp` to `out`; an earlier export there (`check_replaceable`) is moved aside
+    first and removed only once the new one is in place (a crash in between leaves it, hidden, beside)."""
     if not out.exists():
+        os.replace(tmp, out)
         return
-    if not out.is_dir():
-        raise UserError(f"{flag} {out}: a file is there, not a folder (remove it, or give another path)")
+    old = _new_folder(out, "replaced")
+    os.replace(out, old)  # (onto the empty folder just made: a rename of a folder over an empty one)
+    try:
+        os.replace(tmp, out)
+    except BaseException:
+        os.replace(old, out)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def check_replaceable(out: Path, flag: str = "OUT_DIR") -> Path:
+    """`out`, resolved (`.` is the current folder), if it may be written: absent, empty, or an earlier
+    export (`_an_export`), which the export replaces whole; a file, a folder holding anything else (a
+    run, a checkpoint, a downloaded Hugging Face model, the user's files), the current folder or one
+    above it, or a place that cannot be written is refused rather than deleted (`flag`: the option
+    that named it; `fivefold train` checks checkpoint.save_hf before its ranks start)."""
+    given, out = out, Path(out).resolve()
+    cwd = Path.cwd().resolve()
+    if out == cwd or out in cwd.parents:
+        raise UserError(f"{flag} {given}: is the current folder{'' if out == cwd else ' or holds it'}, which the "
+                        "export would replace whole; give a folder inside it, e.g. ./hf")
+    if out.exists() and not out.is_dir():
+        raise UserError(f"{flag} {given}: a file is there, not a folder (remove it, or give another path)")
+    above = out.parent
+    while not above.exists():
+        above = above.parent
+    if not above.is_dir():
+        raise UserError(f"{flag} {given}: {above} is a file, not a folder (give another path)")
+    if not os.access(above, os.W_OK | os.X_OK):
+        raise UserError(f"{flag} {given}: {above} is not writable (give another path)")
+    if not out.exists():
+        return out
     names = {p.name for p in out.iterdir()}
     if names and not _an_export(out, names):
         shown = ", ".join(sorted(names)[:3]) + (", ..." if len(names) > 3 else "")
-        raise UserError(f"{flag} {out}: holds {shown}, not an earlier export, and the export replaces the whole "
+        raise UserError(f"{flag} {given}: holds {shown}, not an earlier export, and the export replaces the whole "
                         "folder; give a new or empty folder")
+    return out
 
 
 MARK = {"written_by": "fivefold export"}
