@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import yaml
 
 from fivefold.cli import main
@@ -64,3 +65,19 @@ def test_grpo_values_are_checked_before_the_ranks_start(tmp_path, capsys):
     assert "grpo.lr='fast': must be a number" in capsys.readouterr().err
     assert main(["rl", "examples/grpo.yaml", "--out", str(out), "grpo.digits=3", "training.seq_length=12"]) == 2
     assert "training.seq_length=12: the task of 3-digit sums needs 13 tokens" in capsys.readouterr().err  # both read
+
+
+@pytest.mark.parametrize("words, said", [
+    (["training.lr=5"], "`fivefold rl` does not read training.lr (GRPO's learning rates are constant: grpo.lr"),
+    (["training.train_iters=5"], "does not read training.train_iters (grpo.steps"),
+    (["--load", "runs/x/checkpoints"], "checkpoint.load in `fivefold rl`"),
+    (["data.path=/nonexistent", "checkpoint.save_interval=1"], "checkpoint.save_interval, data.path in `fivefold rl`"),
+    (["--bf16"], "training.precision=bf16 (the rollout and reference copies are fp32) in `fivefold rl`"),
+])
+def test_settings_the_rl_job_does_not_read_are_refused(words, said, tmp_path, capsys):
+    """The run went ahead as if they were not there (the same warm-up loss as without them; --bf16 was
+    a traceback in the weight sync): refused before any rank starts, naming the grpo.* key to give."""
+    out = tmp_path / "out"
+    assert main(["rl", "examples/grpo.yaml", "--out", str(out), *words]) == 2
+    assert said in capsys.readouterr().err
+    assert not out.exists()

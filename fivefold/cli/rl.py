@@ -3,8 +3,10 @@
 
 CONFIG is a fivefold YAML config (the actor's model, layout and training sections) with a `grpo:`
 section (fivefold.rl.grpo.GRPOConfig: steps, prompts_per_step, group_size, lr, kl_coef, ...);
-`grpo.steps=10` words override the section, the other words (`training.lr=1e-4`, `tp=1`) the
-actor's config, as `fivefold train` takes them.
+`grpo.steps=10` words override the section, the other words (`tp=1`, `training.clip_grad=0.5`) the
+actor's config, as `fivefold train` takes them; a setting the rl job would not read (the learning-rate
+schedule, iterations, batch: `GRPO_INSTEAD`; data, checkpoints, logging, evaluation: `NOT_IN_RL`) is
+refused, naming what to give instead.
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from pathlib import Path
 import yaml
 
 from fivefold.cli._outputs import output_folder
-from fivefold.errors import UserError
+from fivefold.errors import NotImplementedYet, UserError
 
 HELP = "GRPO post-training on a verifiable toy task (actor, rollout and reference on every rank)"
 ACCEPTS_EXTRA = True  # key=value overrides, grpo.* ones for the grpo: section
@@ -24,9 +26,40 @@ ACCEPTS_EXTRA = True  # key=value overrides, grpo.* ones for the grpo: section
 
 def add_arguments(p) -> None:
     p.add_argument("config", help="a fivefold YAML config with a grpo: section; then key=value overrides "
-                                  "(grpo.steps=10 for the grpo: section, training.lr=1e-4 for the actor)")
+                                  "(grpo.steps=10 for the grpo: section, tp=1 for the actor)")
     p.add_argument("--nproc", type=int, default=None, help="local ranks (default: the config's world size)")
     p.add_argument("--out", default="runs/rl", help="output folder (metrics.jsonl, rl.png, logs)")
+
+
+_CONSTANT_LR = "GRPO's learning rates are constant: grpo.lr (the RL steps) and grpo.warmup_lr (the warm-up)"
+GRPO_INSTEAD = {
+    "training.lr": _CONSTANT_LR, "training.min_lr": _CONSTANT_LR,
+    **{f"training.{name}": _CONSTANT_LR for name in ("lr_decay_style", "lr_decay_iters", "lr_decay_samples",
+                                                     "lr_warmup_iters", "lr_warmup_samples", "lr_warmup_fraction",
+                                                     "lr_warmup_init")},
+    **{f"training.{name}": "grpo.steps (and grpo.warmup_steps) count the steps"
+       for name in ("train_iters", "train_samples", "exit_interval")},
+    **{f"training.{name}": "grpo.prompts_per_step x grpo.group_size answers a step, grpo.warmup_batch a warm-up step"
+       for name in ("global_batch_size", "step_batch_size_schedule")},
+}
+"""The actor's training keys `fivefold rl` does not read, and the grpo: key that does their work."""
+NOT_IN_RL = ("data.", "checkpoint.", "logging.", "training.eval_interval", "training.eval_iters")
+"""What `fivefold rl` has not built: the task generates its prompts, no checkpoint is loaded or saved,
+metrics go to OUT/metrics.jsonl and rl.png, no evaluation (logging.moe_per_layer_logging excepted:
+a MoE actor's loads are logged)."""
+
+
+def _unread(explicit: set[str], precision: str) -> None:
+    """Refuse a setting the rl job would not read: it ran as if the word were not there."""
+    instead = [f"{key} ({GRPO_INSTEAD[key]})" for key in sorted(explicit) if key in GRPO_INSTEAD]
+    if instead:
+        raise UserError("`fivefold rl` does not read " + "; ".join(instead) + ": give the grpo.* key instead")
+    unbuilt = sorted(k for k in explicit if k.startswith(NOT_IN_RL) and k != "logging.moe_per_layer_logging")
+    if precision != "fp32":  # the rollout copy and the reference are fp32 models the actor's weights sync into
+        unbuilt.append(f"training.precision={precision} (the rollout and reference copies are fp32)")
+    if unbuilt:
+        raise NotImplementedYet(f"{', '.join(unbuilt)} in `fivefold rl` (its prompts come from the task; it loads "
+                                "and saves no checkpoint; it writes OUT/metrics.jsonl and rl.png; drop them)")
 
 
 def run(args, extra: list[str]) -> int:
@@ -55,6 +88,7 @@ def run(args, extra: list[str]) -> int:
         actor.write_text(yaml.safe_dump(raw))
         loaded = load_config(str(actor), [w for w in extra if not w.startswith("grpo.")], world_size=args.nproc)
     validate(loaded.config, loaded.dialect, world_flag="--nproc" if args.nproc else None)
+    _unread(loaded.explicit, loaded.config.training.precision)
     config = loaded.config
     nproc = config.cluster.resolved_world_size
     config.cluster.world_size = nproc
