@@ -266,6 +266,18 @@ def test_estimate_of_several_models_estimates_each_on_its_gpus(capsys):
     assert "== train (training) on GPUs 4-7\n" in out and out.count("  total  ") == 1
 
 
+def test_estimate_reads_the_configs_gpus_per_node(capsys):
+    """`cluster.num_nodes=4 cluster.gpus_per_node=4` is 16 GPUs, as validate reads it and as `--gpus 16
+    --gpus-per-node 4` gives: the hardware's 8 per node replaced the config's, and DP came out 16."""
+    words = ["estimate", "--model", "llama3-8b", "tp=2", "training.seq_length=1024", "training.global_batch_size=64",
+             "training.micro_batch_size=1"]
+    assert main(words + ["cluster.num_nodes=4", "cluster.gpus_per_node=4"]) == 0
+    from_config = capsys.readouterr().out
+    assert "layout: TP2 PP1 DP8" in from_config
+    assert main(words + ["--gpus", "16", "--gpus-per-node", "4"]) == 0
+    assert capsys.readouterr().out == from_config
+
+
 def test_estimate_says_the_batch_it_times_and_what_it_filled_in(capsys):
     """Without --seq-length, `estimate` once timed a GPU run at the config's CPU default of 64 tokens
     (README's own example printed MFU 0.2%); it now takes plan's 4096 and says so, notes Megatron's

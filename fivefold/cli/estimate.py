@@ -34,10 +34,11 @@ def add_arguments(p) -> None:
 
 def run(args, extra) -> int:
     hw = hardware_of(args)
-    gpn = args.gpus_per_node or hw.gpus_per_node
     path, words = split_config_arg(extra)
-    loaded = load_config(path, words, world_size=args.gpus, gpus_per_node=gpn)
+    loaded = load_config(path, words, world_size=args.gpus, gpus_per_node=args.gpus_per_node)
     cfg = loaded.config
+    if "cluster.gpus_per_node" not in loaded.explicit:  # the config's own (and the world it makes) stands
+        cfg.cluster.gpus_per_node = hw.gpus_per_node
     if args.model:  # replaces the config file's model; the words' model fields apply to it (they were dropped)
         given = sorted({k.split(".", 1)[1] for k in load_config(None, words).explicit if k.startswith("model.")}) \
             if words else []
