@@ -191,3 +191,18 @@ def test_a_missing_rng_file_is_named(tmp_path):
     with pytest.raises(UserError, match="rng-00000.safetensors is missing .*--no-load-rng"):
         io.load_checkpoint(tmp_path, model=model, optimizer=opt, rank=0, world_size=1)
     io.load_checkpoint(tmp_path, model=model, optimizer=opt, rank=0, world_size=1, load_rng=False)
+
+
+def test_rotation_never_deletes_the_checkpoint_it_just_wrote(tmp_path):
+    """Rotation deleted all but the two highest step numbers: a save of step 1 into a root holding
+    steps 2 and 4 (an earlier run's) deleted step 1 right after writing it, `latest` naming nothing.
+    Steps above the one saved are another run's or branch's: left alone; the older ones rotate."""
+    model, opt = _trained()
+    for step in (2, 4):
+        _save(tmp_path, step, model, opt)
+    _save(tmp_path, 1, model, opt)
+    assert resolve(tmp_path) == tmp_path / "step_00000001"
+    assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_00000001", "step_00000002", "step_00000004"]
+    _save(tmp_path, 3, model, opt)  # resumed from step 2: 1 rotates out, 4 (above) stays
+    assert resolve(tmp_path) == tmp_path / "step_00000003"
+    assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_00000002", "step_00000003", "step_00000004"]

@@ -1,11 +1,14 @@
 """`fivefold train` through the CLI: user mistakes end with a clear message, exit 2, no traceback."""
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from fivefold.errors import UserError
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -96,23 +99,90 @@ def test_nproc_under_torchrun_is_refused_unless_it_is_torchruns_count(tmp_path, 
 
 
 def test_a_run_into_an_earlier_runs_folder_says_what_it_replaces(tmp_path, capsys, monkeypatch):
-    """--out holding a run, no --load: the run starts over and replaces metrics.jsonl (silently before),
-    keeping the checkpoints; the note names the newest and how to resume. Nothing said for a fresh
-    folder or a run that loads."""
+    """--out holding a run, no --load: the run starts over and replaces metrics.jsonl (silently before);
+    the note says so. Nothing said for a fresh folder or a run that loads."""
     from fivefold.cli.train import _note_an_earlier_run
     from fivefold.config.schema import Config
 
     monkeypatch.delenv("RANK", raising=False)
     out = tmp_path / "out"
-    (out / "checkpoints" / "step_00000004").mkdir(parents=True)
-    (out / "checkpoints" / "step_00000004" / "metadata.json").write_text("{}")
+    out.mkdir()
     _note_an_earlier_run(Config(), out)
     assert capsys.readouterr().err == ""  # no metrics.jsonl: not a run
     (out / "metrics.jsonl").write_text('{"step": 0, "loss": 5.0}\n')
     _note_an_earlier_run(Config(), out)
-    assert ("replaces its metrics.jsonl; its checkpoints (up to step_00000004) stay, give --load "
-            f"{out / 'checkpoints'} to resume") in capsys.readouterr().err
+    assert "holds an earlier run: this one starts at step 0 and replaces its metrics.jsonl" in capsys.readouterr().err
     resumed = Config()
     resumed.checkpoint.load = str(out / "checkpoints")
     _note_an_earlier_run(resumed, out)
     assert capsys.readouterr().err == ""
+
+
+def _fake_checkpoint(root: Path, step: int) -> Path:
+    """A folder `complete_checkpoints` counts (what the refusal reads), without training a run."""
+    folder = root / f"step_{step:08d}"
+    folder.mkdir(parents=True)
+    (folder / "metadata.json").write_text("{}")
+    (root / "latest").write_text(folder.name)
+    return folder
+
+
+def test_a_run_that_would_save_over_an_earlier_runs_checkpoints_is_refused(tmp_path):
+    """A rerun into an --out holding checkpoints, without --load, wrote its own steps beside them: the
+    same step overwritten, its lower ones rotated out right after writing (`latest` naming a deleted
+    folder). Refused before any rank starts, naming the folder and the ways on; nothing is touched."""
+    root = tmp_path / "out" / "checkpoints"
+    old = _fake_checkpoint(root, 4)
+    _refused(_train(tmp_path, TINY), f"checkpoint folder {root} holds an earlier run's checkpoints (up to step_00000004)",
+             f"--load {root}", "another --out", f"remove {root}")
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000004"]
+    assert (old / "metadata.json").read_text() == "{}"
+    assert not (tmp_path / "out" / "logs").exists()  # refused before the run's folder was set up
+
+
+def test_which_runs_may_save_into_a_checkpoint_folder(tmp_path):
+    """A resume from the folder itself (its root or one of its steps) saves there; a fresh start, a
+    --finetune of it, a --load-hf or a --load of another folder would save over its steps."""
+    from fivefold.cli.train import _refuse_a_checkpoint_root_in_use
+    from fivefold.config.schema import Config
+
+    root, other = tmp_path / "ckpt", tmp_path / "other"
+    _refuse_a_checkpoint_root_in_use(Config(), root)  # nothing there yet
+    _fake_checkpoint(root, 4)
+    _fake_checkpoint(other, 2)
+    for load in (root, root / "step_00000004"):
+        resume = Config()
+        resume.checkpoint.load = str(load)
+        _refuse_a_checkpoint_root_in_use(resume, root)
+    for field, value, said in (("load", None, "does not load them (no --load)"),
+                               ("load", str(other), f"loads {other}, not a checkpoint of that folder"),
+                               ("load_hf", str(other), "checkpoint.load_hf"),
+                               ("finetune", True, "checkpoint.finetune")):
+        c = Config()
+        c.checkpoint.load = str(root) if field == "finetune" else None
+        setattr(c.checkpoint, field, value)
+        with pytest.raises(UserError, match=re.escape(said)):
+            _refuse_a_checkpoint_root_in_use(c, root)
+    explicit = Config()
+    explicit.checkpoint.save = str(root)
+    with pytest.raises(UserError, match=r"another checkpoint.save \(--save\)"):
+        _refuse_a_checkpoint_root_in_use(explicit, root)
+
+
+@pytest.mark.parametrize("key,flag", [("checkpoint.save", "checkpoint.save (--save)"),
+                                      ("logging.tensorboard_dir", "logging.tensorboard_dir (--tensorboard-dir)")])
+def test_an_output_path_that_cannot_be_a_folder_is_refused_before_training(tmp_path, key, flag):
+    """checkpoint.save and logging.tensorboard_dir were first written after training had run (the
+    first save: the steps lost; TensorBoard's writer on rank 0: a traceback, exit 1): a file in the
+    way is refused before any rank starts, as --out is."""
+    blocker = tmp_path / "afile"
+    blocker.write_text("mine")
+    _refused(_train(tmp_path, TINY, f"{key}={blocker}"), f"{flag} {blocker}: a file is there, not a folder")
+    assert blocker.read_text() == "mine"
+    assert not (tmp_path / "out" / "logs").exists()
+
+
+def test_profile_ranks_outside_the_world_are_refused(tmp_path):
+    """--profile-ranks 7 on a 2-rank run profiled nothing and said nothing: refused with the range."""
+    _refused(_train(tmp_path, TINY, "logging.profile=true", "logging.profile_ranks=[0,7]", nproc=2),
+             "logging.profile_ranks (--profile-ranks) [0, 7]: rank(s) 7 not in this 2-rank run; give ranks 0 to 1")

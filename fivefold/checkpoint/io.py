@@ -92,7 +92,8 @@ def save_checkpoint(root: str | Path, step: int, *, model: nn.Module, optimizer:
     `optim_shards`: the ranges the optimizer keeps state for (default: every parameter whole);
     `writes_optim`: this rank writes them (default `writes_params`; every rank under ZeRO-1).
     `extra`: JSON-able run state (data position, config) stored in metadata.json by rank 0.
-    The `keep` newest complete checkpoints are kept; older ones are deleted after the new one lands.
+    The new checkpoint and the `keep` - 1 before it are kept; older steps are deleted after the new one
+    lands (steps above `step`, an earlier run's or a branch resumed from an older step, are left alone).
     `defer` (async save, fivefold.checkpoint.async_save): each tensor file is handed to it as host
     copies instead of written, and the checkpoint is not committed: the caller writes the files, then
     calls `commit_checkpoint` on every rank.
@@ -164,8 +165,12 @@ def _commit(root: Path, tmp: Path, final: Path, step: int, extra: dict, keep: in
     latest_tmp.write_text(final.name)
     os.replace(latest_tmp, root / "latest")
     _fsync_dir(root)
-    kept = _newest_finite(complete_checkpoints(root))
-    for old in complete_checkpoints(root)[:-keep]:
+    # this run's line only: a step folder above `step` is not older, and deleting by step number alone
+    # once rotated out the checkpoint just written (a run at step 1 into a root holding steps 2 and 4),
+    # leaving `latest` naming nothing
+    line = [c for c in complete_checkpoints(root) if c.name <= final.name]  # step_%08d: names sort as steps
+    kept = _newest_finite(line)
+    for old in line[:-keep]:
         if old != kept:
             shutil.rmtree(old, ignore_errors=True)
     if bad:

@@ -125,12 +125,20 @@ def run(args, extra: list[str]) -> int:
     timeout_s = timeout_of(config.training)
     nproc = config.cluster.resolved_world_size if world is None else world
     config.cluster.world_size = nproc
+    _check_profile_ranks(config, nproc)
     if config.checkpoint.load:  # a missing or damaged checkpoint refused here, not on every rank once started
         from fivefold.checkpoint.io import read_metadata
         from fivefold.train.loop import nothing_to_load
         if not nothing_to_load(config.checkpoint, warn=False):
             read_metadata(config.checkpoint.load)
+    _refuse_a_checkpoint_root_in_use(config, Path(config.checkpoint.save or Path(args.out) / "checkpoints"))
     out = output_folder("--out", args.out)
+    # written only once training runs (the first save, the first metric): a path that cannot be a folder is
+    # refused now, not after the steps it would have kept
+    if config.checkpoint.save:
+        output_folder("checkpoint.save (--save)", config.checkpoint.save)
+    if config.logging.tensorboard and config.logging.tensorboard_dir:
+        output_folder("logging.tensorboard_dir (--tensorboard-dir)", config.logging.tensorboard_dir)
     if config.checkpoint.save_hf:  # written at the end: refused now, not after the run
         from fivefold.model.hf_export import check_replaceable
         check_replaceable(Path(config.checkpoint.save_hf), "checkpoint.save_hf (--save-hf)")
@@ -147,18 +155,50 @@ def run(args, extra: list[str]) -> int:
     return launch(nproc, [str(spec)], out / "logs", timeout_s=timeout_s)
 
 
+def _check_profile_ranks(config: Config, world: int) -> None:
+    """A profiled rank the run does not have would write no trace, silently: refused with the range."""
+    lg = config.logging
+    outside = [r for r in lg.profile_ranks if not 0 <= r < world] if lg.profile else []
+    if outside:
+        raise UserError(f"logging.profile_ranks (--profile-ranks) {lg.profile_ranks}: rank(s) "
+                        f"{', '.join(map(str, outside))} not in this {world}-rank run; give ranks 0 to {world - 1} "
+                        f"(e.g. --profile-ranks 0)")
+
+
+def _refuse_a_checkpoint_root_in_use(config: Config, root: Path) -> None:
+    """A run saves step_N folders into `root` and keeps the two newest there. One that does not resume
+    from `root` (no --load, --load of another folder, --finetune or --load-hf: it counts from its own
+    step) would overwrite the earlier run's checkpoints of the same step, and see its own deleted
+    right after writing them when the earlier run's steps are higher; so, as there is no overwrite
+    switch, it is refused before any rank starts, naming the ways on."""
+    from fivefold.checkpoint.layout import complete_checkpoints, resolve
+
+    saved = complete_checkpoints(root)
+    if not saved:
+        return
+    c = config.checkpoint
+    loaded = resolve(c.load) if c.load else None
+    if loaded is not None and not c.finetune and loaded.parent.resolve() == root.resolve():
+        return  # a resume: it continues the steps of `root`
+    how = ("starts from step 0 (checkpoint.finetune)" if loaded is not None and c.finetune
+           else f"loads {c.load}, not a checkpoint of that folder" if loaded is not None
+           else "starts from step 0 (checkpoint.load_hf)" if c.load_hf else "does not load them (no --load)")
+    elsewhere = "another checkpoint.save (--save)" if c.save else "another --out"
+    raise UserError(f"checkpoint folder {root} holds an earlier run's checkpoints (up to {saved[-1].name}) and this "
+                    f"run {how}: its saves would overwrite or rotate them out. Resume that run with --load {root}, "
+                    f"give {elsewhere}, or remove {root} to start over")
+
+
 def _note_an_earlier_run(config: Config, out: Path) -> None:
     """Say so when --out holds a run and this one does not load it: it starts at step 0 and replaces
-    the folder's metrics.jsonl and pictures (as Megatron-LM, which saves beside the checkpoints there)."""
-    from fivefold.checkpoint.layout import complete_checkpoints
-
+    the folder's metrics.jsonl and pictures (as Megatron-LM, which saves beside the checkpoints there).
+    Its checkpoints, if any, are not in the way: a run that would save over them was refused
+    (`_refuse_a_checkpoint_root_in_use`)."""
     if config.checkpoint.load or config.checkpoint.load_hf or not (out / "metrics.jsonl").is_file():
         return
     if "RANK" in os.environ and os.environ["RANK"] != "0":
         return
-    saved = complete_checkpoints(Path(config.checkpoint.save or out / "checkpoints"))
-    kept = f"; its checkpoints (up to {saved[-1].name}) stay, give --load {saved[-1].parent} to resume" if saved else ""
-    print(f"note: --out {out} holds an earlier run: this one starts at step 0 and replaces its metrics.jsonl{kept}",
+    print(f"note: --out {out} holds an earlier run: this one starts at step 0 and replaces its metrics.jsonl",
           file=sys.stderr)
 
 
