@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 
 import numpy as np
 import pytest
@@ -154,3 +155,69 @@ def test_token_ids_outside_the_vocabulary_are_refused_before_training(tmp_path):
         cfg = load_config("examples/demo.yaml", [f"data.path={tmp_path / f'ids{bad}.npy'}"]).config
         with pytest.raises(UserError, match=said):
             prepare(cfg, tmp_path / f"out{bad}")
+
+
+def _prepare(tmp_path, path, out: str):
+    from fivefold.cli.train import prepare
+    from fivefold.config.load import load_config
+
+    return prepare(load_config("examples/demo.yaml", [f"data.path={path}"]).config, tmp_path / out)
+
+
+def test_data_cache_is_rebuilt_when_its_source_file_changes(tmp_path):
+    """OUT/data was keyed on the config and the path only: a rerun after the text file was rewritten
+    trained on the old text, and one after a token file was rewritten with an id >= vocab_size trained
+    without the vocabulary check a fresh --out runs."""
+    text = tmp_path / "a.txt"
+    text.write_text("hello world\n" * 50)
+    cache = _prepare(tmp_path, text, "R")
+    built = (cache / "meta.json").stat().st_mtime_ns
+    assert _prepare(tmp_path, text, "R") == cache and (cache / "meta.json").stat().st_mtime_ns == built  # reused
+    text.write_text("goodbye moon\n" * 60)
+    train, _ = load_splits(_prepare(tmp_path, text, "R"), 0.0)
+    assert ByteTokenizer().decode(train.tokens[:12]) == "goodbye moon"
+    st = text.stat()  # the same size, rewritten later: its mtime moves (set here, not waited for)
+    text.write_text("GOODBYE MOON\n" * 60)
+    os.utime(text, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
+    train, _ = load_splits(_prepare(tmp_path, text, "R"), 0.0)
+    assert ByteTokenizer().decode(train.tokens[:12]) == "GOODBYE MOON"
+
+    ids = (np.arange(40_000) % 200).astype(np.uint16)
+    np.save(tmp_path / "ids.npy", ids)
+    _prepare(tmp_path, tmp_path / "ids.npy", "T")
+    ids[100] = 300
+    np.save(tmp_path / "ids.npy", ids)
+    os.utime(tmp_path / "ids.npy", ns=(0, (tmp_path / "ids.npy").stat().st_mtime_ns + 1_000_000))
+    with pytest.raises(UserError, match="holds token id 300 >= model.vocab_size=256"):
+        _prepare(tmp_path, tmp_path / "ids.npy", "T")
+
+
+def test_failed_data_build_leaves_no_tmp_folder(tmp_path):
+    (tmp_path / "empty.txt").write_text("")
+    with pytest.raises(UserError, match="no text found"):
+        _prepare(tmp_path, tmp_path / "empty.txt", "R")
+    assert not (tmp_path / "R" / "data.tmp").exists()
+
+
+def test_binary_files_are_refused_not_trained_on_as_text(tmp_path):
+    """Random bytes, or a .png among texts, were read with errors='replace' and trained on (exit 0);
+    a NUL byte or a file mostly not UTF-8 is refused naming the file and byte offset. A stray Latin-1
+    letter is still read as U+FFFD, and the standard-library corpus still reads."""
+    rng = np.random.default_rng(0)
+    (tmp_path / "random.dat").write_bytes(b"text first " + rng.integers(0, 256, 4000, dtype=np.uint8).tobytes())
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    (folder / "a.txt").write_text("fine")
+    (folder / "logo.png").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR")
+    (tmp_path / "greek.txt").write_bytes("καλημέρα κόσμε ".encode("iso-8859-7") * 20)  # no NUL, all > 0x7f
+    for path, says in (("random.dat", r"random\.dat: a NUL byte at byte offset \d+"),
+                       ("folder", r"logo\.png: a NUL byte at byte offset 8"),
+                       ("greek.txt", r"greek\.txt: 260 of its 300 bytes are not UTF-8, the first at byte offset 0")):
+        with pytest.raises(UserError, match=says):
+            list(read_documents(str(tmp_path / path), "auto"))
+        with pytest.raises(UserError, match=says):
+            _prepare(tmp_path, tmp_path / path, "R")
+    (folder / "logo.png").unlink()
+    (folder / "b.txt").write_bytes(b"caf\xe9")
+    assert list(read_documents(str(folder), "auto")) == ["fine", "caf\ufffd"]
+    assert len(list(read_documents(None, "auto", max_documents=80))) == 80

@@ -261,6 +261,29 @@ def test_broken_corpora_are_refused_naming_the_file(tmp_path):
     assert main(["validate", "--data-path", good, "--tokenizer-type", "HuggingFaceTokenizer"]) == 2
 
 
+def test_a_prefix_missing_half_is_named(tmp_path):
+    """PREFIX.bin without its .idx was "no such file or folder (give a text file...)"."""
+    good = _write(tmp_path / "good", _docs(2, 10))
+    _write(tmp_path / "half", _docs(3, 10))
+    (tmp_path / "half.idx").unlink()
+    half = str(tmp_path / "half")
+    for path, fmt in ((half, "auto"), (half, "indexed"), (f"0.5 {good} 0.5 {half}", "auto")):
+        cfg = load_config(None, ["--data-path", *path.split(), f"data.format={fmt}"]).config
+        with pytest.raises(UserError, match=r"half\.bin was found but .*half\.idx is missing.*fivefold preprocess"):
+            prepare(cfg, tmp_path / "out")
+
+
+def test_indexed_data_rewritten_is_checked_again(tmp_path):
+    """The cache in OUT/data records the .bin / .idx it was built from: rewritten with an id >=
+    model.vocab_size, a rerun into the same --out is refused as a fresh one is."""
+    prefix = _write(tmp_path / "c", _docs(2, 10))
+    cfg = lambda: load_config(None, ["--data-path", prefix, "model.vocab_size=256"]).config  # noqa: E731
+    prepare(cfg(), tmp_path / "out")
+    _write(tmp_path / "c", _docs(2, 10, vocab=300) + [np.array([299, 0])])
+    with pytest.raises(UserError, match="holds token id 299 >= model.vocab_size=256"):
+        prepare(cfg(), tmp_path / "out")
+
+
 def test_mock_data_is_megatrons_mock_corpus(tmp_path):
     """--mock-data: the sequences of megatron-core's MockGPTLowLevelDataset (same seeded lengths and
     tokens), Megatron's --split over its 100000 sequences, only the ones the run reads made."""

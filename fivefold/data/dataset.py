@@ -25,7 +25,7 @@ import numpy as np
 
 from fivefold.config.schema import DataConfig
 from fivefold.data.indexed import blend_order, mock_corpus, open_corpus, parse_blend, split_ranges
-from fivefold.data.sources import read_documents, resolve_format
+from fivefold.data.sources import read_documents, resolve_format, source_files
 from fivefold.data.tokenizer import ByteTokenizer, HFTokenizer
 from fivefold.errors import UserError
 
@@ -70,9 +70,21 @@ def _fingerprint(data: DataConfig, tokenizer_name: str, seed: int) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
+def _stamp(files: list[Path]) -> list[list]:
+    """What the cache was built from: each source file's resolved path, size and mtime_ns. Not a hash
+    of the contents: the sources may be many GB (token files, indexed corpora) and the check runs at
+    every launch; a stat is what make and rsync trust, and rewriting a file moves its mtime."""
+    out = []
+    for f in files:
+        st = f.stat()
+        out.append([str(f.resolve()), st.st_size, st.st_mtime_ns])
+    return out
+
+
 def prepare_data(data: DataConfig, tokenizer: ByteTokenizer | HFTokenizer, cache_dir: str | Path,
                  seed: int, *, mock_tokens: tuple[int, int] = (0, 0), vocab_size: int | None = None) -> Path:
-    """Tokenize and split the corpus into `cache_dir` (reused when the data config is unchanged).
+    """Tokenize and split the corpus into `cache_dir`, reused only when the data config and its source
+    files (`_stamp`) are unchanged; otherwise built again, with every check of a first build.
 
     The eval part: each document is held out with probability `eval_fraction` (seeded), at least one
     document on each side when there are two or more; a single document is split by position.
@@ -80,13 +92,31 @@ def prepare_data(data: DataConfig, tokenizer: ByteTokenizer | HFTokenizer, cache
     cache = Path(cache_dir)
     kind = "mock" if data.mock_data else resolve_format(data.path, data.format)
     fp = _fingerprint(data, f"{tokenizer.name}/{mock_tokens}/{vocab_size}", seed)
+    stamp = _stamp(source_files(data.path, kind)) if kind != "mock" else []
     meta_path = cache / "meta.json"
-    if meta_path.exists() and json.loads(meta_path.read_text()).get("fingerprint") == fp:
-        return cache
-    meta = {"fingerprint": fp, "kind": kind, "vocab_size": tokenizer.vocab_size, "eod_id": tokenizer.eod_id}
+    if meta_path.exists():
+        old = json.loads(meta_path.read_text())
+        if old.get("fingerprint") == fp and old.get("source_files") == stamp:
+            return cache
+    meta = {"fingerprint": fp, "source_files": stamp, "kind": kind, "vocab_size": tokenizer.vocab_size,
+            "eod_id": tokenizer.eod_id}
     tmp = cache.with_name(cache.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
+    try:
+        _build(data, tokenizer, tmp, meta, seed, mock_tokens, vocab_size)
+    except BaseException:  # (Ctrl-C too) a failed build leaves no half-written OUT/data.tmp behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    shutil.rmtree(cache, ignore_errors=True)
+    os.replace(tmp, cache)
+    return cache
+
+
+def _build(data: DataConfig, tokenizer, tmp: Path, meta: dict, seed: int, mock_tokens: tuple[int, int],
+           vocab_size: int | None) -> None:
+    """Write the cache's files and its meta.json into `tmp`."""
+    kind = meta["kind"]
     if kind == "tokens":
         stream = load_token_file(str(Path(data.path).resolve()), data.token_dtype)
         meta.update(source=str(Path(data.path).resolve()), dtype=data.token_dtype, num_tokens=int(len(stream)),
@@ -108,9 +138,6 @@ def prepare_data(data: DataConfig, tokenizer: ByteTokenizer | HFTokenizer, cache
             _write_split(tmp, name, part, tokenizer.eod_id, dtype)
         meta.update(dtype=np.dtype(dtype).name)
     (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-    shutil.rmtree(cache, ignore_errors=True)
-    os.replace(tmp, cache)
-    return cache
 
 
 def _indexed_source(weight: float, prefix: str, data: DataConfig) -> dict:

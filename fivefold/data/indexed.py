@@ -42,6 +42,17 @@ def is_prefix(path: str) -> bool:
     return Path(path + ".idx").is_file() and Path(path + ".bin").is_file()
 
 
+def half_prefix(path: str) -> str | None:
+    """What is wrong with `path` as a prefix when only one of PREFIX.bin / PREFIX.idx exists (a copy
+    that left one behind), or None."""
+    found = [s for s in (".bin", ".idx") if Path(path + s).is_file()]
+    if len(found) != 1:
+        return None
+    missing = ".idx" if found == [".bin"] else ".bin"
+    return (f"{path}{found[0]} was found but {path}{missing} is missing: a Megatron indexed dataset is both "
+            "files (copy the other one, or write both with `fivefold preprocess`)")
+
+
 def parse_blend(path: str) -> list[tuple[float, str]] | None:
     """`--data-path`'s forms: one prefix -> [(1.0, prefix)]; `w1 p1 w2 p2 ...` -> the pairs (weights
     normalised); None when `path` is neither (another kind of data)."""
@@ -61,7 +72,8 @@ def parse_blend(path: str) -> list[tuple[float, str]] | None:
             raise UserError(f"data.path={path!r}: {w!r} is not a weight (a blend is `0.3 PREFIX_A 0.7 PREFIX_B`)"
                             ) from None
         if not is_prefix(prefix):
-            raise UserError(f"data.path blend: no indexed dataset at {prefix!r} (need {prefix}.bin and "
+            raise UserError(f"data.path blend: {half_prefix(prefix)}" if half_prefix(prefix) else
+                            f"data.path blend: no indexed dataset at {prefix!r} (need {prefix}.bin and "
                             f"{prefix}.idx; write them with `fivefold preprocess`)")
         if weight < 0:
             raise UserError(f"data.path blend: weight {w} of {prefix} is negative")

@@ -10,7 +10,7 @@ import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
 
-from fivefold.data.indexed import parse_blend
+from fivefold.data.indexed import half_prefix, parse_blend
 from fivefold.errors import UserError
 
 TOKEN_SUFFIXES = (".bin", ".npy")
@@ -32,8 +32,11 @@ def resolve_format(path: str | None, fmt: str) -> str:
     if fmt in ("auto", "indexed") and parse_blend(path) is not None:
         return "indexed"  # Megatron's PREFIX (.bin + .idx), or a weighted blend of prefixes
     if fmt == "indexed":
-        raise UserError(f"data.path={path!r}: no Megatron indexed dataset there (need {path}.bin and {path}.idx)")
+        raise UserError(f"data.path={path!r}: " + (half_prefix(path) or f"no Megatron indexed dataset there (need "
+                                                    f"{path}.bin and {path}.idx)"))
     p = Path(path)
+    if not p.exists() and half_prefix(path):
+        raise UserError(f"data.path={path!r}: {half_prefix(path)}")
     if not p.exists():
         raise UserError(f"data.path={path!r}: no such file or folder (give a text file, a folder, a .jsonl "
                         "or a token file; leave data.path unset to use Python's standard-library sources)")
@@ -67,14 +70,40 @@ def json_lines(path: Path, *, cut_off_last: bool = False, strict: bool = False) 
             raise _not_utf8(path) from None
 
 
+BINARY_SHARE, BINARY_MIN_BYTES = 0.1, 8
+"""Training refuses a file with more than this share of its bytes not UTF-8, and at least this many:
+binary, or text in another encoding, not text with a few odd bytes (a short note's one Latin-1 letter
+is a quarter of its bytes and is kept)."""
+
+
 def read_text(path: Path, *, strict: bool = False) -> str:
-    """The file's text. Not strict (training's readers): bytes that are not UTF-8 become U+FFFD.
-    Strict (`preprocess`, as Megatron's tools/preprocess_data.py decodes): they are refused, naming
-    the file, line and byte offset of the first one."""
+    """The file's text. Not strict (training's readers): a few bytes that are not UTF-8 become U+FFFD,
+    but a file holding a NUL byte (an image, an archive, UTF-16) or mostly not UTF-8 (BINARY_SHARE) is
+    refused naming the file and byte offset, as Hugging Face datasets fail on it rather than train on
+    U+FFFD. Strict (`preprocess`, as Megatron's tools/preprocess_data.py decodes): any byte that is not
+    UTF-8 is refused, naming the file, line and byte offset of the first one."""
+    raw = path.read_bytes()
+    nul = raw.find(b"\0")
+    if not strict and nul >= 0:  # (valid UTF-8 may hold NUL; text does not)
+        raise _binary(path, f"a NUL byte at byte offset {nul}")
     try:
-        return path.read_text(encoding="utf-8", errors="strict" if strict else "replace")
-    except UnicodeDecodeError:
-        raise _not_utf8(path) from None
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        if strict:
+            raise _not_utf8(path) from None
+        first_bad = e.start
+    # surrogateescape keeps each invalid byte as one character, ignore drops it
+    bad = len(raw.decode("utf-8", errors="surrogateescape")) - len(raw.decode("utf-8", errors="ignore"))
+    if bad > BINARY_SHARE * len(raw) and bad >= BINARY_MIN_BYTES:
+        raise _binary(path, f"{bad} of its {len(raw)} bytes are not UTF-8, the first at byte offset {first_bad}")
+    return raw.decode("utf-8", errors="replace")
+
+
+def _binary(path: Path, why: str) -> UserError:
+    return UserError(f"{path}: {why}: a binary file, or text in another encoding, would be trained on as "
+                     "U+FFFD; give UTF-8 text, JSONL or a token file (.bin / .npy) as data.path, move other files "
+                     f"out of a folder of texts, and convert a text (e.g. iconv -f latin1 -t utf-8 {path.name} > "
+                     f"{path.stem}.utf8{path.suffix}; UTF-16: -f utf-16)")
 
 
 def _not_utf8(path: Path) -> UserError:
@@ -141,6 +170,18 @@ def read_documents(path: str | None, fmt: str, jsonl_field: str = "text",
 
 def _files_top(folder: Path, suffix: str) -> list[Path]:
     return sorted(p for p in folder.glob("*" + suffix) if p.is_file())
+
+
+def source_files(path: str | None, kind: str) -> list[Path]:
+    """The files a corpus of `kind` (`resolve_format`'s answer; not "mock") is read from, in a fixed
+    order: what `prepare_data`'s cache records, to notice when one is rewritten, added or removed."""
+    if kind == "stdlib":
+        return _files_top(stdlib_folder(), ".py")
+    if kind == "folder":
+        return _files(Path(path))
+    if kind == "indexed":
+        return [Path(prefix + s) for _, prefix in parse_blend(path) for s in (".bin", ".idx")]
+    return [Path(path)]
 
 
 def _folder_documents(folder: Path, jsonl_field: str, keys: tuple[str, str], strict: bool) -> Iterator[str]:
