@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import shutil
 import struct
 from collections.abc import Callable, Iterable
@@ -106,7 +105,7 @@ def convert(src: str | Path, dst: str | Path, config: Config, *, log: Callable[[
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     tmp.rename(out)
-    _point_latest(out, meta["step"], log)
+    _point_latest(out, log)
     return out
 
 
@@ -125,7 +124,7 @@ def _rng_files(folder: Path, meta: dict, world_size: int) -> list[Path]:
     return rngs
 
 
-def _point_latest(out: Path, step: int, log: Callable[[str], None]) -> None:
+def _point_latest(out: Path, log: Callable[[str], None]) -> None:
     """`latest` names the converted step, unless --load DST loaded a newer one before (the one DST's
     `latest` names, or its newest without one): a later --load DST never silently goes back."""
     root, latest = out.parent, out.parent / "latest"
@@ -134,8 +133,7 @@ def _point_latest(out: Path, step: int, log: Callable[[str], None]) -> None:
             (c for c in complete_checkpoints(root) if c != out), default=None)
     except UserError:  # a `latest` naming nothing complete: the converted step replaces it
         current = None
-    newer = re.fullmatch(r"step_(\d+)", current.name) if current is not None else None
-    if newer and int(newer.group(1)) > step:
+    if current is not None and current.name > out.name:  # step_%08d: names sort as steps (`step_dir`)
         log(f"note: {root} holds {current.name}, newer than the converted {out.name}: --load {root} still loads "
             f"{current.name}; give --load {out} for this one")
         return

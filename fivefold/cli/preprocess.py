@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from fivefold.cli._outputs import output_folder
 from fivefold.errors import UserError
 
 HELP = "write a Megatron indexed dataset (PREFIX.bin + .idx) from text / JSONL, as tools/preprocess_data.py does"
@@ -113,17 +114,14 @@ def _output_prefixes(output_prefix: str, json_keys: list[str]) -> dict[str, str]
 
 
 def _make_folder(folder: Path) -> list[Path]:
-    """Make `folder` and the folders above it that are missing; returns those made, deepest first."""
+    """Make `folder` and the folders above it that are missing (`output_folder`); returns those made,
+    deepest first."""
     made = []
     for p in (folder, *folder.parents):
         if p.exists():
             break
         made.append(p)
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise UserError(f"--output-prefix: cannot make the folder {folder} ({e.strerror}); give a prefix in a folder "
-                        "you can write to") from None
+    output_folder("--output-prefix", folder)
     return made
 
 
