@@ -4,7 +4,8 @@ Each rank is `python -m fivefold.train.worker RUN_JSON` with torchrun's environm
 WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT) and one intra-op thread
 (OMP_NUM_THREADS=1: N ranks on few cores otherwise oversubscribe them many times over). Rank 0
 writes to the terminal; rank R > 0 to OUT/logs/rank-R.log. Ranks die with the launcher (Linux
-PR_SET_PDEATHSIG), so no rank outlives it even if it is killed.
+PR_SET_PDEATHSIG), so no rank outlives it even if it is killed, and ignore SIGINT: Ctrl-C is the
+launcher's, which stops them all and says "interrupted" (fivefold.cli), with no rank's traceback.
 
 When a rank exits non-zero, the others are sent SIGTERM, then SIGKILL after a grace period, and the
 launcher reports the rank that failed first (its error file, or the tail of its log).
@@ -42,7 +43,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _die_with_parent() -> None:
+def _rank_signals() -> None:
+    """In a rank, before it runs: die with the launcher, and ignore SIGINT. A terminal's Ctrl-C reaches
+    the whole process group; a rank still importing torch printed its KeyboardInterrupt traceback
+    before the launcher's "interrupted". The launcher alone takes Ctrl-C: it stops the ranks (SIGTERM,
+    then SIGKILL: `_stop`), at any point of their run. (An ignored SIGINT stays ignored across exec,
+    and Python then installs no KeyboardInterrupt handler of its own.)"""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except OSError:
@@ -148,7 +155,7 @@ def launch(nproc: int, worker_args: list[str], log_dir: Path, *, timeout_s: floa
             logs.append(out)
             procs.append(subprocess.Popen([sys.executable, "-m", "fivefold.train.worker", *worker_args],
                                           env=rank_env(r, nproc, port), stdout=out,
-                                          stderr=subprocess.STDOUT if out else None, preexec_fn=_die_with_parent))
+                                          stderr=subprocess.STDOUT if out else None, preexec_fn=_rank_signals))
         (log_dir / "ranks.json").write_text(json.dumps({"pids": [p.pid for p in procs], "launcher": os.getpid()}))
         while True:
             failed = [Failure(r, p.returncode) for r, p in enumerate(procs) if p.poll() not in (None, 0)]

@@ -148,6 +148,10 @@ def test_other_vocabulary_is_still_another_model(tmp_path):
     (lambda m: {k: v for k, v in m.items() if k != "step"}, "has no 'step' key"),
     (lambda m: {**m, "params": []}, r"'params' is \[\], not an object"),
     (lambda m: {**m, "step": "four"}, "'step' is 'four', not a whole number"),
+    (lambda m: {**m, "data": {"consumed_samples": 8}}, r"'data' is \{'consumed_samples': 8\}, not an object with "
+                                                       "'next_step'"),
+    (lambda m: {**m, "data": {"next_step": -1}}, "'data.next_step' is -1, not a whole number"),
+    (lambda m: {**m, "data": {"next_step": "6"}}, "'data.next_step' is '6', not a whole number"),
     (lambda m: {**m, "config": {"model": {"hidden_sise": 8}}}, "config.model has 'hidden_sise'"),
     (lambda m: {**m, "config": []}, "'config' is not an object of sections"),
     (lambda m: {**m, "params": {**m["params"], "0.bias": {**m["params"]["0.bias"], "global_shape": "8"}}},
@@ -191,6 +195,30 @@ def test_a_missing_rng_file_is_named(tmp_path):
     with pytest.raises(UserError, match="rng-00000.safetensors is missing .*--no-load-rng"):
         io.load_checkpoint(tmp_path, model=model, optimizer=opt, rank=0, world_size=1)
     io.load_checkpoint(tmp_path, model=model, optimizer=opt, rank=0, world_size=1, load_rng=False)
+
+
+def test_a_checkpoint_a_resume_cannot_continue_is_refused_before_loading(tmp_path):
+    """`train --load` read data.next_step on every rank once started (a KeyError when absent) and found
+    a missing rng-R.safetensors only when rank R loaded it. check_resume, run before any rank starts,
+    names both; a checkpoint without a data position (saved by a script) stays readable (export, convert)."""
+    model, opt = _trained()
+    folder = _save(tmp_path, 1, model, opt)  # extra without "data": as a script calling save_checkpoint writes
+    found, meta = io.read_metadata(tmp_path)
+    with pytest.raises(UserError, match=rf"checkpoint {folder}: its metadata.json has no 'data.next_step' .*give "
+                                        r"--finetune \(checkpoint.finetune=true\)"):
+        io.check_resume(found, meta, world_size=1, load_rng=True)
+    meta["data"] = {"next_step": 1}
+    io.check_resume(found, meta, world_size=1, load_rng=True)
+    (folder / "rng-00000.safetensors").unlink()
+    with pytest.raises(UserError, match=rf"checkpoint {folder}: rng-00000.safetensors is missing \(rank 0's RNG "
+                                        r"state; .*give --no-load-rng"):
+        io.check_resume(found, meta, world_size=1, load_rng=True)
+    io.check_resume(found, meta, world_size=1, load_rng=False)
+    io.check_resume(found, meta, world_size=2, load_rng=True)  # another world size starts fresh streams anyway
+    meta["world_size"] = 4
+    with pytest.raises(UserError, match=r"rng-00000.safetensors, rng-00001.safetensors, rng-00002.safetensors and "
+                                        r"1 more are missing \(the ranks' RNG states"):
+        io.check_resume(found, meta, world_size=4, load_rng=True)
 
 
 def test_rotation_never_deletes_the_checkpoint_it_just_wrote(tmp_path):

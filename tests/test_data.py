@@ -35,6 +35,7 @@ def test_hf_tokenizer_from_local_folder(tmp_path):
     tok = HFTokenizer(str(tmp_path))
     assert (tok.vocab_size, tok.eod_id) == (4, 0)
     assert tok.encode("hello world bye").tolist() == [2, 3, 1]
+    assert tok.files == (tmp_path / "tokenizer.json", tmp_path / "tokenizer_config.json")  # what the data cache records
     (tmp_path / "empty").mkdir()  # (transformers' answer was a paragraph on slow tokenizers)
     with pytest.raises(UserError, match="no tokenizer.json or tokenizer_config.json in it"):
         HFTokenizer(str(tmp_path / "empty"))
@@ -190,6 +191,33 @@ def test_data_cache_is_rebuilt_when_its_source_file_changes(tmp_path):
     os.utime(tmp_path / "ids.npy", ns=(0, (tmp_path / "ids.npy").stat().st_mtime_ns + 1_000_000))
     with pytest.raises(UserError, match="holds token id 300 >= model.vocab_size=256"):
         _prepare(tmp_path, tmp_path / "ids.npy", "T")
+
+
+def test_data_cache_is_rebuilt_when_its_tokenizer_file_changes(tmp_path):
+    """OUT/data recorded the corpus's files but not the tokenizer's: a rerun after merges.txt (or
+    vocab.json, tokenizer.json) was rewritten trained on ids of the old tokenizer."""
+    from tokenizers import pre_tokenizers
+
+    from fivefold.data.tokenizer import GPT2BPETokenizer
+
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}  # GPT-2's byte symbols
+    vocab.update({"he": len(vocab), "<|endoftext|>": len(vocab) + 1})
+    files = tmp_path / "vocab.json", tmp_path / "merges.txt"
+    files[0].write_text(json.dumps(vocab))
+    files[1].write_text("#version: 0.2\n")
+    (tmp_path / "a.txt").write_text("hello " * 20)
+    data = DataConfig(path=str(tmp_path / "a.txt"), eval_fraction=0.0)
+
+    def first_ids() -> list[int]:
+        cache = prepare_data(data, GPT2BPETokenizer(*map(str, files)), tmp_path / "c", seed=0)
+        return load_splits(cache, 0.0)[0].tokens[:2].tolist()
+
+    h, e = vocab["h"], vocab["e"]
+    assert first_ids() == [h, e]
+    st = files[1].stat()
+    files[1].write_text("#version: 0.2\nh e\n")  # "he" one token now
+    os.utime(files[1], ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))  # (a later mtime, set, not waited for)
+    assert first_ids() == [vocab["he"], vocab["l"]]
 
 
 def test_failed_data_build_leaves_no_tmp_folder(tmp_path):

@@ -240,6 +240,30 @@ def test_preprocess_stopped_at_a_later_key_leaves_no_dataset_of_any_key(tmp_path
     assert not list(tmp_path.glob("new_*"))
 
 
+def test_preprocess_that_cannot_write_names_the_file_and_the_reason(tmp_path, monkeypatch, capsys):
+    """A disk that fills (or a quota) while the dataset is written was an OSError traceback: one
+    message naming the file and the OS's reason; no partial file is left, an earlier dataset stays."""
+    import errno
+
+    from fivefold.cli import preprocess
+
+    src, prefix = _records(tmp_path / "docs.jsonl"), str(tmp_path / "o")
+    assert main(["preprocess", "--input", src, "--output-prefix", prefix]) == 0
+    written = {p.name: p.read_bytes() for p in tmp_path.glob("o_*")}
+
+    class DiskFull(IndexedDatasetBuilder):
+        def add_document(self, tensor, lengths, modes=None):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(preprocess, "_builder_class", lambda: DiskFull)
+    capsys.readouterr()
+    assert main(["preprocess", "--input", src, "--output-prefix", prefix]) == 2
+    assert capsys.readouterr().err == (f"error: --output-prefix {prefix}: cannot write {prefix}_text_document.partial.bin "
+                                       "(No space left on device); the partial files were removed: free space there "
+                                       "or give another --output-prefix\n")
+    assert {p.name: p.read_bytes() for p in tmp_path.glob("o_*")} == written
+
+
 def test_broken_corpora_are_refused_naming_the_file(tmp_path):
     good = _write(tmp_path / "good", _docs(2, 10))
     idx, binary = (tmp_path / "good.idx").read_bytes(), (tmp_path / "good.bin").read_bytes()

@@ -44,3 +44,38 @@ def test_killed_rank_ends_the_job_naming_it(tmp_path):
     assert job.returncode != 0
     assert "rank 1 was killed by SIGKILL" in err
     assert not any(_alive(p) for p in pids)
+
+
+def test_ctrl_c_is_the_launchers_from_the_ranks_start_to_their_training(tmp_path):
+    """A terminal's Ctrl-C reaches every process of its group: a rank still importing torch printed its
+    KeyboardInterrupt traceback before the launcher's "interrupted". The ranks now ignore SIGINT (sent
+    here to them alone while they start: they start and train) and the launcher stops them: Ctrl-C to
+    the whole group mid-training ends the job at once with its one line, no traceback, no rank left."""
+    out = tmp_path / "out"
+    words = ["model.num_layers=1", "model.hidden_size=32", "model.num_attention_heads=2", "training.seq_length=16",
+             "training.global_batch_size=2", "training.micro_batch_size=1", "training.train_iters=100000",
+             f"data.path={corpus(tmp_path / 'corpus')}"]
+    job = subprocess.Popen([sys.executable, "-m", "fivefold", "train", *words, "--out", str(out), "--nproc", "2"],
+                           cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                           start_new_session=True)  # its own process group, as a terminal's job
+    try:
+        ranks, deadline = out / "logs" / "ranks.json", time.monotonic() + 60
+        while not ranks.exists():
+            assert job.poll() is None and time.monotonic() < deadline, "the ranks did not start"
+            time.sleep(0.01)
+        pids = json.loads(ranks.read_text())["pids"]
+        for pid in pids:  # while they import torch
+            os.kill(pid, signal.SIGINT)
+        metrics = out / "metrics.jsonl"
+        while not (metrics.exists() and metrics.read_text().strip()):
+            assert job.poll() is None and time.monotonic() < deadline, "the job did not start training"
+            time.sleep(0.1)
+        pressed = time.monotonic()
+        os.killpg(job.pid, signal.SIGINT)
+        _, err = job.communicate(timeout=30)
+    finally:
+        job.kill()
+    assert time.monotonic() - pressed < 30
+    assert job.returncode == 130 and err.endswith("interrupted\n"), err  # (after rank 0's progress bar)
+    assert "Traceback" not in err + (out / "logs" / "rank-1.log").read_text()
+    assert not any(_alive(p) for p in pids)

@@ -26,6 +26,17 @@ def test_grpo_runs_on_four_ranks_with_the_rollout_in_another_layout(tmp_path):
         assert r["sync_bytes"] > 0
 
 
+def test_grpo_without_a_warm_up_runs_and_says_so(tmp_path, capfd):
+    cfg = yaml.safe_load(open("examples/grpo.yaml"))
+    cfg["cluster"]["world_size"] = 1
+    cfg["parallel"]["tensor_model_parallel_size"] = 1
+    cfg["grpo"].update(steps=1, warmup_steps=0, prompts_per_step=2, group_size=2)
+    (tmp_path / "grpo.yaml").write_text(yaml.safe_dump(cfg))
+    assert main(["rl", str(tmp_path / "grpo.yaml"), "--out", str(tmp_path / "out")]) == 0
+    out = capfd.readouterr().out  # (rank 0 writes to the terminal)
+    assert "warm-up loss: none (grpo.warmup_steps=0)" in out and "(actor DP=1 TP=1 PP=1 CP=1 EP=1," in out
+
+
 def test_unknown_grpo_keys_are_refused_before_any_rank_starts(tmp_path, capsys):
     cfg = yaml.safe_load(open("examples/grpo.yaml"))
     cfg["grpo"]["group_sise"] = 4
@@ -65,6 +76,34 @@ def test_grpo_values_are_checked_before_the_ranks_start(tmp_path, capsys):
     assert "grpo.lr='fast': must be a number" in capsys.readouterr().err
     assert main(["rl", "examples/grpo.yaml", "--out", str(out), "grpo.digits=3", "training.seq_length=12"]) == 2
     assert "training.seq_length=12: the task of 3-digit sums needs 13 tokens" in capsys.readouterr().err  # both read
+
+
+def test_a_step_that_cannot_fit_in_memory_is_refused_before_the_ranks_start(tmp_path, monkeypatch, capsys):
+    """grpo.prompts_per_step=10**8 started the ranks, which were killed for memory (SIGKILL) in the first
+    step: refused before any rank starts, with a prompt count whose step estimate takes at most half of
+    the machine's memory; the shipped example starts."""
+    import re
+
+    from fivefold.cli import rl
+    from fivefold.config.load import load_config
+    from fivefold.rl.grpo import GRPOConfig
+
+    started = []
+    monkeypatch.setattr("fivefold.launch.launch", lambda *a, **kw: started.append(a) or 0)
+    monkeypatch.setattr(rl, "available_memory", lambda: 16 * 2**30)
+    out = tmp_path / "out"
+    assert main(["rl", "examples/grpo.yaml", "--out", str(out), "grpo.prompts_per_step=100000000"]) == 2
+    err = capsys.readouterr().err
+    assert "grpo.prompts_per_step=100000000 x grpo.group_size=8: the 800000000 answers of a step need at least" in err
+    assert "more than the 16.0 GiB available on this machine; try grpo.prompts_per_step=" in err
+    assert not out.exists() and not started
+    suggested = int(re.search(r"try grpo.prompts_per_step=(\d+)", err).group(1))
+    raw = yaml.safe_load(open("examples/grpo.yaml"))
+    g = GRPOConfig.of({**raw.pop("grpo"), "prompts_per_step": suggested})
+    (tmp_path / "actor.yaml").write_text(yaml.safe_dump(raw))
+    actor = load_config(str(tmp_path / "actor.yaml")).config
+    assert suggested % 8 == 0 and 8 * 2**30 * 0.99 < g.step_bytes(actor, 8) <= 8 * 2**30  # half of the 16 GiB
+    assert main(["rl", "examples/grpo.yaml", "--out", str(out)]) == 0 and len(started) == 1
 
 
 @pytest.mark.parametrize("words, said", [

@@ -1,6 +1,7 @@
 """`fivefold train` through the CLI: user mistakes end with a clear message, exit 2, no traceback."""
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -116,6 +117,36 @@ def test_a_run_into_an_earlier_runs_folder_says_what_it_replaces(tmp_path, capsy
     resumed.checkpoint.load = str(out / "checkpoints")
     _note_an_earlier_run(resumed, out)
     assert capsys.readouterr().err == ""
+
+def test_a_checkpoint_that_cannot_be_resumed_is_refused_before_any_rank_starts(tmp_path, monkeypatch, capsys):
+    """--load of a checkpoint without data.next_step was a KeyError on every rank; one missing a rank's
+    rng-R.safetensors was found by that rank once all had started. Both are refused before the ranks
+    start, naming the way on (--finetune; --no-load-rng), which then passes the check."""
+    import torch
+
+    from fivefold.checkpoint.io import save_checkpoint
+    from fivefold.cli import main
+
+    started = []
+    monkeypatch.setattr("fivefold.launch.launch", lambda *a, **kw: started.append(a) or 0)
+    cfg, text = tmp_path / "c.yaml", tmp_path / "t.txt"
+    cfg.write_text(TINY)
+    text.write_text("hello world, " * 40)
+    model = torch.nn.Linear(2, 2)
+    root = tmp_path / "ckpt"
+    folder = save_checkpoint(root, 1, model=model, optimizer=torch.optim.AdamW(model.parameters()), rank=0,
+                             writes_params=True, barrier=lambda: None, extra={"world_size": 1})
+    train = ["train", str(cfg), f"data.path={text}", f"checkpoint.load={root}", "--nproc", "1"]
+    assert main([*train, "--out", str(tmp_path / "a")]) == 2
+    assert f"checkpoint {folder}: its metadata.json has no 'data.next_step'" in capsys.readouterr().err
+    meta = json.loads((folder / "metadata.json").read_text())
+    (folder / "metadata.json").write_text(json.dumps({**meta, "data": {"next_step": 1}}))
+    (folder / "rng-00000.safetensors").unlink()
+    assert main([*train, "--out", str(tmp_path / "b")]) == 2
+    assert f"checkpoint {folder}: rng-00000.safetensors is missing" in capsys.readouterr().err
+    assert not started and not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    assert main([*train, "--no-load-rng", "--out", str(tmp_path / "c")]) == 0  # then the ranks start
+    assert len(started) == 1
 
 
 def _fake_checkpoint(root: Path, step: int) -> Path:

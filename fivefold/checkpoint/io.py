@@ -24,7 +24,7 @@ from torch import nn
 
 from fivefold.checkpoint.layout import (FORMAT, ShardSpec, complete_checkpoints, open_shard, resolve,
                                         source_name, step_dir, whole)
-from fivefold.checkpoint.metadata import check_metadata
+from fivefold.checkpoint.metadata import check_metadata, resume_step
 from fivefold.checkpoint.optim_state import (MAIN, OptimShard, ShardOf, load_optim, merge_listings, save_optim,
                                              whole_shards)
 from fivefold.checkpoint.reshard import Reader, checkpoint_source, entry_source, fill, fill_flat
@@ -107,7 +107,7 @@ def save_checkpoint(root: str | Path, step: int, *, model: nn.Module, optimizer:
         tmp.mkdir(parents=True)
     barrier()
     tag = f"{rank:05d}"
-    write(rng_state(), tmp / f"rng-{tag}.safetensors")
+    write(rng_state(), tmp / rng_file(rank))
     if writes_params:
         params, shards = {}, {}
         buffers = buffers_saved(model)
@@ -334,6 +334,32 @@ def _load_params(folder: Path, meta: dict, model: nn.Module, shard_of: ShardOf) 
                     p.copy_(main.view_as(p))
 
 
+def rng_file(rank: int) -> str:
+    """The file of a checkpoint holding rank `rank`'s RNG state."""
+    return f"rng-{rank:05d}.safetensors"
+
+
+def _rng_missing(folder: Path, ranks: list[int]) -> UserError:
+    named = ", ".join(rng_file(r) for r in ranks[:3]) + (f" and {len(ranks) - 3} more" if len(ranks) > 3 else "")
+    whose = f"rank {ranks[0]}'s RNG state" if len(ranks) == 1 else "the ranks' RNG states"
+    return UserError(f"checkpoint {folder}: {named} {'is' if len(ranks) == 1 else 'are'} missing ({whose}; copy the "
+                     "whole checkpoint folder, or give --no-load-rng, checkpoint.load_rng=false, to start fresh RNG "
+                     "streams)")
+
+
+def check_resume(folder: Path, meta: dict, *, world_size: int, load_rng: bool) -> None:
+    """What a resume (`train --load` without --finetune) of checkpoint `folder` reads besides the
+    tensors, checked before any rank starts: the step it continues at (`resume_step`) and, at the
+    saved world size unless `load_rng` is off, every rank's RNG state (`load_checkpoint` would refuse
+    a missing one on its rank, once all had started)."""
+    resume_step(meta, folder)
+    if not load_rng or meta.get("world_size") != world_size:
+        return
+    missing = [r for r in range(world_size) if not (folder / rng_file(r)).is_file()]
+    if missing:
+        raise _rng_missing(folder, missing)
+
+
 def load_checkpoint(path: str | Path, *, model: nn.Module, optimizer: torch.optim.Optimizer | None, rank: int,
                     world_size: int, shard_of: ShardOf | None = None,
                     optim_shards: list[OptimShard] | None = None, model_config: dict | None = None,
@@ -354,12 +380,10 @@ def load_checkpoint(path: str | Path, *, model: nn.Module, optimizer: torch.opti
         if optimizer is not None and meta.get("optimizer_step"):
             load_optim(folder, meta, model, optimizer, whole_shards(model) if optim_shards is None else optim_shards,
                        shard_of)
-    rng = f"rng-{rank:05d}.safetensors"
+    rng = rng_file(rank)
     if load_rng and meta.get("world_size") == world_size:
         if not (folder / rng).is_file():  # as a missing shard: never a run that silently starts other RNG streams
-            raise UserError(f"checkpoint {folder}: {rng} is missing (rank {rank}'s RNG state; copy the whole "
-                            "checkpoint folder, or give --no-load-rng, checkpoint.load_rng=false, to start fresh "
-                            "RNG streams)")
+            raise _rng_missing(folder, [rank])
         with open_shard(folder, rng) as f:
             torch.set_rng_state(f.get_tensor("torch_cpu"))
             if "torch_cuda" in f.keys() and torch.cuda.is_available():

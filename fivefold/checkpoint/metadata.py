@@ -4,9 +4,14 @@ message naming the file, the key and the problem, never a KeyError or TypeError 
 
 Required: `step` (an integer >= 0) and `params` (a non-empty object: per tensor its `global_shape`,
 `dtype` and `shards`, each shard a file of the folder at `offsets` of `shape` inside the global
-shape). Checked where present: `format`, `optimizer_step`, `world_size`, `data.next_step`,
-`optim_shards`, and `config` (an object of sections; the `model` section's keys those of
-ModelConfig, the fields `--load` compares and `export` builds the model from).
+shape). Checked where present: `format`, `optimizer_step`, `world_size`, `data` (an object whose
+`next_step`, the step a resume continues at, is an integer >= 0), `optim_shards`, and `config` (an
+object of sections; the `model` section's keys those of ModelConfig, the fields `--load` compares and
+`export` builds the model from).
+
+`data` is optional: every save of `train` writes it (and `convert` keeps it), but a checkpoint saved by
+a script calling save_checkpoint may have no data position; `export` and `convert` read such a one,
+and `train --load` resumes it only as --finetune (`resume_step`).
 """
 from __future__ import annotations
 
@@ -53,8 +58,12 @@ def check_metadata(meta, file: Path) -> None:
     for key in ("step", "optimizer_step", "world_size"):
         if key in meta and not (_is_int(meta[key]) and meta[key] >= (1 if key == "world_size" else 0)):
             raise damaged(file, f"{key!r} is {meta[key]!r}, not a whole number")
-    if "data" in meta and not (isinstance(meta["data"], dict) and _is_int(meta["data"].get("next_step", 0))):
-        raise damaged(file, f"'data' is {meta['data']!r}, not an object with an integer 'next_step'")
+    if "data" in meta:
+        data = meta["data"]
+        if not (isinstance(data, dict) and "next_step" in data):
+            raise damaged(file, f"'data' is {data!r}, not an object with 'next_step' (the step a resume continues at)")
+        if not (_is_int(data["next_step"]) and data["next_step"] >= 0):
+            raise damaged(file, f"'data.next_step' is {data['next_step']!r}, not a whole number")
     params = meta["params"]
     if not isinstance(params, dict) or not params:
         raise damaged(file, f"'params' is {_kind(params) if params else repr(params)}, not an object listing the "
@@ -64,6 +73,17 @@ def check_metadata(meta, file: Path) -> None:
         if problem:
             raise damaged(file, f"params[{name!r}] {problem}")
     _check_config(meta.get("config", {}), file)
+
+
+def resume_step(meta: dict, where: Path) -> int:
+    """The step a resume of checkpoint `where` continues at (`meta` checked by `check_metadata`): its
+    `data.next_step`. A checkpoint saved without a data position is refused, naming --finetune (step 0
+    from its weights), which reads none."""
+    if "data" not in meta:
+        raise UserError(f"checkpoint {where}: its metadata.json has no 'data.next_step' (the step a resume continues "
+                        "at; every save of `train` writes it, this checkpoint was saved otherwise): give --finetune "
+                        "(checkpoint.finetune=true) to start at step 0 from its weights")
+    return meta["data"]["next_step"]
 
 
 def _entry_problem(entry) -> str:

@@ -11,6 +11,7 @@ whole text file), written by megatron-core's own `IndexedDatasetBuilder`, ready 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import warnings
@@ -125,6 +126,17 @@ def _make_folder(folder: Path) -> list[Path]:
     return made
 
 
+@contextlib.contextmanager
+def _writing(output_prefix: str, files: str):
+    """An OSError writing `files` (disk full, a quota, no permission) ends the run with the file and
+    the reason, not a traceback; `run` then removes the partial files."""
+    try:
+        yield
+    except OSError as e:
+        raise UserError(f"--output-prefix {output_prefix}: cannot write {e.filename or files} ({e.strerror or e}); "
+                        "the partial files were removed: free space there or give another --output-prefix") from None
+
+
 def run(args, extra: list[str]) -> int:
     from tqdm import tqdm
 
@@ -151,7 +163,8 @@ def run(args, extra: list[str]) -> int:
     try:
         for key, prefix in prefixes.items():
             partial = prefix + PARTIAL
-            builder = builder_cls(partial + ".bin", dtype=dtype)
+            with _writing(args.output_prefix, partial + ".bin"):
+                builder = builder_cls(partial + ".bin", dtype=dtype)
             docs = tokens = 0
             texts = read_documents(args.input, "auto", key, keys=("--input", "--json-keys"), strict=True)
             for text in tqdm(texts, desc=f"preprocess {key}", unit=" docs", disable=not sys.stderr.isatty()):
@@ -160,11 +173,13 @@ def run(args, extra: list[str]) -> int:
                     ids = np.append(ids, tok.eod_id)
                 if len(ids) == 0:
                     continue
-                builder.add_document(ids, [len(ids)])
+                with _writing(args.output_prefix, partial + ".bin"):
+                    builder.add_document(ids, [len(ids)])
                 docs, tokens = docs + 1, tokens + len(ids)
             if docs == 0:
                 raise UserError(f"--input {args.input}: no text found under key {key!r}")
-            builder.finalize(partial + ".idx")
+            with _writing(args.output_prefix, f"{partial}.bin / .idx"):  # (the .bin's last bytes land at its close)
+                builder.finalize(partial + ".idx")
             counts[key] = docs, tokens
     except BaseException:
         for prefix in prefixes.values():

@@ -11,6 +11,7 @@ refused, naming what to give instead.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -62,6 +63,22 @@ def _unread(explicit: set[str], precision: str) -> None:
                                 "and saves no checkpoint; it writes OUT/metrics.jsonl and rl.png; drop them)")
 
 
+def available_memory() -> int:
+    """Bytes of host memory a job may still take: Linux's MemAvailable, within a cgroup's limit (a
+    container's memory.max); elsewhere all of it."""
+    try:
+        info = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines() if ":" in line)
+        free = int(info["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        used = int(Path("/sys/fs/cgroup/memory.current").read_text())
+    except (OSError, ValueError):
+        return free
+    return min(free, int(limit) - used) if limit.isdigit() else free
+
+
 def run(args, extra: list[str]) -> int:
     from fivefold.config.load import load_config, parse_yaml
     from fivefold.config.schema import to_dict
@@ -93,6 +110,7 @@ def run(args, extra: list[str]) -> int:
     nproc = config.cluster.resolved_world_size
     config.cluster.world_size = nproc
     g.check(nproc, layout_of(config).dp, config.training.seq_length)
+    g.check_memory(config, nproc, available_memory())
     out = output_folder("--out", args.out)  # made once the run is known to be valid
     (out / "logs").mkdir(exist_ok=True)
     (out / "actor.yaml").write_text(yaml.safe_dump(raw))

@@ -126,11 +126,14 @@ def run(args, extra: list[str]) -> int:
     nproc = config.cluster.resolved_world_size if world is None else world
     config.cluster.world_size = nproc
     _check_profile_ranks(config, nproc)
-    if config.checkpoint.load:  # a missing or damaged checkpoint refused here, not on every rank once started
-        from fivefold.checkpoint.io import read_metadata
+    c = config.checkpoint
+    if c.load:  # a missing, damaged or incomplete checkpoint refused here, not on every rank once started
+        from fivefold.checkpoint.io import check_resume, read_metadata
         from fivefold.train.loop import nothing_to_load
-        if not nothing_to_load(config.checkpoint, warn=False):
-            read_metadata(config.checkpoint.load)
+        if not nothing_to_load(c, warn=False):
+            folder, meta = read_metadata(c.load)
+            if not c.finetune:  # (--finetune reads the weights only: no step, no RNG state)
+                check_resume(folder, meta, world_size=nproc, load_rng=c.load_rng)
     _refuse_a_checkpoint_root_in_use(config, Path(config.checkpoint.save or Path(args.out) / "checkpoints"))
     out = output_folder("--out", args.out)
     # written only once training runs (the first save, the first metric): a path that cannot be a folder is

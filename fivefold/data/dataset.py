@@ -18,6 +18,7 @@ import hashlib
 import json
 import os
 import shutil
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -26,7 +27,7 @@ import numpy as np
 from fivefold.config.schema import DataConfig
 from fivefold.data.indexed import blend_order, mock_corpus, open_corpus, parse_blend, split_ranges
 from fivefold.data.sources import read_documents, resolve_format, source_files
-from fivefold.data.tokenizer import ByteTokenizer, HFTokenizer
+from fivefold.data.tokenizer import Tokenizer
 from fivefold.errors import UserError
 
 TOKEN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
@@ -70,10 +71,10 @@ def _fingerprint(data: DataConfig, tokenizer_name: str, seed: int) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def _stamp(files: list[Path]) -> list[list]:
-    """What the cache was built from: each source file's resolved path, size and mtime_ns. Not a hash
-    of the contents: the sources may be many GB (token files, indexed corpora) and the check runs at
-    every launch; a stat is what make and rsync trust, and rewriting a file moves its mtime."""
+def _stamp(files: Iterable[Path]) -> list[list]:
+    """What the cache was built from: each source or tokenizer file's resolved path, size and mtime_ns.
+    Not a hash of the contents: the sources may be many GB (token files, indexed corpora) and the check
+    runs at every launch; a stat is what make and rsync trust, and rewriting a file moves its mtime."""
     out = []
     for f in files:
         st = f.stat()
@@ -81,10 +82,11 @@ def _stamp(files: list[Path]) -> list[list]:
     return out
 
 
-def prepare_data(data: DataConfig, tokenizer: ByteTokenizer | HFTokenizer, cache_dir: str | Path,
+def prepare_data(data: DataConfig, tokenizer: Tokenizer, cache_dir: str | Path,
                  seed: int, *, mock_tokens: tuple[int, int] = (0, 0), vocab_size: int | None = None) -> Path:
-    """Tokenize and split the corpus into `cache_dir`, reused only when the data config and its source
-    files (`_stamp`) are unchanged; otherwise built again, with every check of a first build.
+    """Tokenize and split the corpus into `cache_dir`, reused only when the data config, its source
+    files and the tokenizer's files (vocab / merges, tokenizer.json: `_stamp`) are unchanged; otherwise
+    built again, with every check of a first build.
 
     The eval part: each document is held out with probability `eval_fraction` (seeded), at least one
     document on each side when there are two or more; a single document is split by position.
@@ -93,13 +95,16 @@ def prepare_data(data: DataConfig, tokenizer: ByteTokenizer | HFTokenizer, cache
     kind = "mock" if data.mock_data else resolve_format(data.path, data.format)
     fp = _fingerprint(data, f"{tokenizer.name}/{mock_tokens}/{vocab_size}", seed)
     stamp = _stamp(source_files(data.path, kind)) if kind != "mock" else []
+    tokenizer_stamp = _stamp(tokenizer.files)
     meta_path = cache / "meta.json"
     if meta_path.exists():
         old = json.loads(meta_path.read_text())
-        if old.get("fingerprint") == fp and old.get("source_files") == stamp:
+        # (a cache written before tokenizer files were recorded: the byte tokenizer's, which has none, stays valid)
+        if old.get("fingerprint") == fp and old.get("source_files") == stamp and \
+                old.get("tokenizer_files", []) == tokenizer_stamp:
             return cache
-    meta = {"fingerprint": fp, "source_files": stamp, "kind": kind, "vocab_size": tokenizer.vocab_size,
-            "eod_id": tokenizer.eod_id}
+    meta = {"fingerprint": fp, "source_files": stamp, "tokenizer_files": tokenizer_stamp, "kind": kind,
+            "vocab_size": tokenizer.vocab_size, "eod_id": tokenizer.eod_id}
     tmp = cache.with_name(cache.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)

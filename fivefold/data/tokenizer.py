@@ -1,8 +1,9 @@
 """Tokenizers: a byte-level one that needs nothing, a Hugging Face tokenizer from a local folder, and
 Megatron-LM's GPT2BPETokenizer (--vocab-file + --merge-file) and NullTokenizer (--vocab-size).
 
-Each gives `encode(text) -> np.ndarray` of ids, `vocab_size`, and `eod_id`: the end-of-document
-token appended after each document when documents are packed into sequences.
+Each gives `encode(text) -> np.ndarray` of ids, `vocab_size`, `eod_id` (the end-of-document token
+appended after each document when documents are packed into sequences) and `files`: the files it was
+read from, which the data cache records beside the corpus's (fivefold.data.dataset.prepare_data).
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ class ByteTokenizer:
     vocab_size = 256
     eod_id = 0
     name = "byte"
+    files = ()
 
     def encode(self, text: str) -> np.ndarray:
         ids = np.frombuffer(text.encode("utf-8", errors="replace"), dtype=np.uint8)
@@ -32,6 +34,10 @@ class ByteTokenizer:
 class HFTokenizer:
     """A tokenizer saved by `transformers` in a local folder (tokenizer.json / tokenizer_config.json);
     never downloads. End of document = the tokenizer's EOS token."""
+
+    CONFIG_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json")
+    """The files of the folder any tokenizer class reads, besides its own `vocab_files_names`
+    (vocab.json and merges.txt, tokenizer.model, ...)."""
 
     def __init__(self, folder: str):
         path = Path(folder)
@@ -52,6 +58,8 @@ class HFTokenizer:
         self.vocab_size = len(self._tok)
         self.eod_id = int(self._tok.eos_token_id)
         self.name = str(path.resolve())
+        names = {*self.CONFIG_FILES, *self._tok.vocab_files_names.values()}
+        self.files = tuple(sorted(p for p in (path / n for n in names) if p.is_file()))
 
     def encode(self, text: str) -> np.ndarray:
         return np.asarray(self._tok.encode(text, add_special_tokens=False), dtype=np.uint32)
@@ -83,6 +91,7 @@ class GPT2BPETokenizer:
             raise UserError(f"--vocab-file {vocab_file}: has no {self.EOD} token to mark document ends")
         self.vocab_size, self.eod_id = self._tok.get_vocab_size(), int(eod)
         self.name = f"gpt2bpe:{Path(vocab_file).resolve()}:{Path(merge_file).resolve()}"
+        self.files = (Path(vocab_file), Path(merge_file))
 
     def encode(self, text: str) -> np.ndarray:
         return np.asarray(self._tok.encode(text).ids, dtype=np.uint32)
@@ -97,6 +106,7 @@ class NullTokenizer:
 
     def __init__(self, vocab_size: int):
         self.vocab_size, self.eod_id, self.name = vocab_size + 1, vocab_size, f"null:{vocab_size}"
+        self.files = ()
 
     def encode(self, text: str) -> np.ndarray:
         raise UserError("--tokenizer-type NullTokenizer reads no text: give pre-tokenized data (--data-path PREFIX "

@@ -6,6 +6,7 @@ from pathlib import Path
 
 def grpo_job(raw: dict, out: Path):
     from fivefold.rl.grpo import GRPOConfig, run, write
+    from fivefold.train.context import layout_text
 
     g = GRPOConfig.of(raw)
 
@@ -17,8 +18,9 @@ def grpo_job(raw: dict, out: Path):
         first, last = rows[0], rows[-1]
         tail = rows[-max(1, len(rows) // 4):]
         late = sum(r["reward"] for r in tail) / len(tail)
-        return (f"GRPO {len(rows)} steps on {ctx.world_size} ranks (actor {ctx.layout}, rollout and reference whole on "
-                f"every rank)\nwarm-up loss: {first['warmup_loss']:.4f}\nreward: {first['reward']:.3f} at step 0 -> "
+        warm = "none (grpo.warmup_steps=0)" if first["warmup_loss"] is None else f"{first['warmup_loss']:.4f}"
+        return (f"GRPO {len(rows)} steps on {ctx.world_size} ranks (actor {layout_text(ctx.layout)}, rollout and reference whole on "
+                f"every rank)\nwarm-up loss: {warm}\nreward: {first['reward']:.3f} at step 0 -> "
                 f"{late:.3f} (mean of the last {len(tail)} steps); exact answers {first['exact']:.2f} -> "
                 f"{last['exact']:.2f}\nKL {last['kl']:.4f}, entropy {last['entropy']:.3f}, train/rollout log-prob "
                 f"mismatch {last['logprob_mismatch']:.2e}, synced {last['sync_bytes'] / 2**20:.1f} MiB per step, "

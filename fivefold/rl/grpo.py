@@ -30,12 +30,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fivefold.config.schema import Config
+from fivefold.config.schema import Config, ModelConfig
 from fivefold.engine import Batch, Engine
 from fivefold.engine import losses as L
 from fivefold.errors import UserError
 from fivefold.model.decoder import Decoder
 from fivefold.model.generate import generate
+from fivefold.planner.activations import EAGER_TRAITS, Sharding, layer_activation_bytes
+from fivefold.planner.layout import Plan
 from fivefold.engine.sync import sync_weights
 from fivefold.rl.tasks import END, Addition
 from fivefold.runtime import comm
@@ -104,6 +106,71 @@ class GRPOConfig:
                             f"{task.prompt_length + task.answer_length} tokens")
         if problems:
             raise UserError("invalid grpo run:\n" + "\n".join(f"  - {p}" for p in problems))
+
+    def answer_bytes(self, model: ModelConfig) -> int:
+        """Host memory one sampled answer holds through `run`'s step (from the reference's scoring to
+        the actor's update): its sequence (prompt and answer, T tokens) as int64 ids, fp32 loss mask,
+        rollout and reference log-probs, and the reference's fp32 log-softmax over the vocabulary
+        (`ref_logp`); the prompt and the sampled tokens (int64) with their fp32 log-probs, and the
+        rollout's fp32 KV cache of T - 1 positions, as `generate` returns them."""
+        task = Addition(self.digits)
+        p, a = task.prompt_length, task.answer_length
+        t = p + a
+        kv_cache = 2 * model.num_layers * model.kv_heads * model.head_dim * 4 * (t - 1)
+        return t * (8 + 3 * 4 + 4 * model.vocab_size) + 8 * p + (8 + 4) * a + kv_cache
+
+    def step_bytes(self, config: Config, world: int) -> int:
+        """Host memory one GRPO step holds at its peak over the `world` ranks of this machine, at least:
+        each rank's rollouts (prompts_per_step / world x group_size answers of `answer_bytes`) and the
+        actor's step on its TP group's rollouts (pooled): what each decoder layer saves for the backward,
+        as the planner counts it for our eager fp32 runtime (fivefold.planner.activations), and what the
+        loss keeps per logit. Leaves out the models and the optimizer (their size does not grow with the
+        batch), each rank's interpreter and the transients: measured for examples/grpo.yaml's model
+        (one rank, and 8 ranks as TP2 x DP4, at 16 000 to 33 000 answers), the step's peak grew by
+        1.25-1.4x this."""
+        plan, m = Plan(config), config.model
+        task = Addition(self.digits)
+        t = task.prompt_length + task.answer_length
+        rows = self.prompts_per_step // world * self.group_size  # answers a rank samples
+        rollouts = world * rows * self.answer_bytes(m)
+        b = rows * plan.tp  # sequences an actor rank trains on
+        traits = EAGER_TRAITS.for_precision("fp32")
+        sh = Sharding.of(tp=plan.tp, sp=plan.sp, cp=plan.cp, etp=plan.etp, recompute=plan.recompute,
+                         modules=plan.recompute_modules)
+        layers = sum(sum(layer_activation_bytes(m, i, b, t, sh, traits).values()) for i in range(m.num_layers))
+        loss = b * t / plan.cp * m.padded_vocab_size(plan.tp) / plan.tp * traits.loss_bytes()
+        return int(rollouts + world // plan.pp * (layers + loss))  # each layer, and the loss, on one stage
+
+    def check_memory(self, config: Config, world: int, available: int) -> None:
+        """UserError when one step (`step_bytes`) needs more than the `available` bytes of host memory:
+        refused before the ranks start, not killed for memory in the middle of a step. The value it
+        names keeps the estimate within `MEMORY_SHARE` of it."""
+        answers = self.prompts_per_step * self.group_size
+        need = self.step_bytes(config, world)
+        if need <= available:
+            return
+        per_answer = need / answers  # (the estimate grows with the answers: each term is per answer)
+        fits = int(available * MEMORY_SHARE / per_answer)  # answers
+        if fits // self.group_size >= world:
+            fix = f"try grpo.prompts_per_step={fits // self.group_size // world * world}"
+        elif fits // self.prompts_per_step >= 2:
+            fix = f"try grpo.group_size={fits // self.prompts_per_step}"
+        else:
+            fix = "give a smaller model or more memory"
+        raise UserError(f"grpo.prompts_per_step={self.prompts_per_step} x grpo.group_size={self.group_size}: the "
+                        f"{answers} answers of a step need at least {_gib(need)} of host memory (the rollouts' "
+                        f"tokens, log-probs over the vocabulary and KV cache, the actor's activations on them), more "
+                        f"than the {_gib(available)} available on this machine; {fix}")
+
+
+MEMORY_SHARE = 0.5
+"""The share of the available memory the step's estimate (`step_bytes`) may take in the value
+`check_memory` suggests: the rest for what it leaves out (the models, the optimizer, each rank's
+interpreter and torch, about 350 MB apiece on CPU; the transients, up to 0.4x the estimate more)."""
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:,.1f} GiB"
 
 
 def _ids(texts: list[str]) -> torch.Tensor:

@@ -17,6 +17,7 @@ from tqdm import tqdm
 from fivefold.checkpoint import io as ckpt
 from fivefold.config.schema import Config, to_dict
 from fivefold.checkpoint.async_save import AsyncSaver
+from fivefold.checkpoint.metadata import resume_step
 from fivefold.data.dataset import dataset_of, load_splits
 from fivefold.model.hf import read_hf_shards
 from fivefold.model.hf_export import export_hf
@@ -161,7 +162,7 @@ def train(config: Config, ctx: RankContext, data_dir: Path, *, progress: bool = 
             meta = ckpt.load_checkpoint(c.load, model=model, optimizer=dp if optim else None, rank=ctx.rank,
                                         world_size=ctx.world_size, optim_shards=dp.optim_shards(),
                                         model_config=to_dict(config)["model"], load_rng=c.load_rng and not c.finetune)
-        start = 0 if c.finetune else int(meta["data"]["next_step"])
+        start = 0 if c.finetune else resume_step(meta, Path(c.load))
         if not optim:  # --no-load-optim / --finetune: AdamW fresh; main parameters from the loaded weights
             dp.reload_mains()
         elif dp.scaler is not None and "loss_scaler" in meta:
