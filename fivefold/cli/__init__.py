@@ -73,8 +73,8 @@ def _main(argv: list[str]) -> int:
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
+    except KeyboardInterrupt:  # on a terminal, past the echoed ^C and any progress bar's unfinished line
+        print("\ninterrupted" if sys.stderr.isatty() else "interrupted", file=sys.stderr)
         return 130
 
 
