@@ -5,6 +5,7 @@
     python benchmarks/planner_vs_measured.py --only 0 3 # some of them
     python benchmarks/planner_vs_measured.py --random 40 --seed 1   # 40 layouts drawn at random
     python benchmarks/planner_vs_measured.py --random 40 --seed 1 --wide  # and model features
+    python benchmarks/planner_vs_measured.py --forward  # forward-only models (an RL reference), FORWARD_CASES
 
 `--random` draws valid layouts of 2 or 4 ranks over every dimension and mode the runtime trains
 together (TP +/- SP, CP by ring / all-to-all / all-gather, PP by each schedule, DP by each ZeRO mode,
@@ -20,6 +21,13 @@ bytes per tag (goal: within 1%) and peak tensor memory (goal: within 5%, issue 1
 down into weights / grads / optimizer / transient (activations + logits and loss temporaries).
 Prints one row per pipeline stage (DP replicas measure the same; the row shows the rank whose
 memory ratio is furthest from 1). Exit code 1 when a layout misses either goal.
+
+`--forward`: the same model as a forward-only model (an RL reference, fivefold/planner/forward.py):
+`Engine.forward` measured (`fivefold.testing.measure.measure_forward`: one warm-up forward, then the
+measured one, over the case's global batch in micro-batches, log-probs in chunks of `Case.chunk` tokens)
+against `versus.compare_forward_rank`: the forward's call bytes per tag, and its peak without the
+gradient buffers and main parameters the engine allocates for training (their MiB in the last column).
+A chunk of 16 tokens makes a layer's forward the peak instead of the log-prob computation.
 """
 from __future__ import annotations
 
@@ -63,6 +71,8 @@ class Case:
     seq: int = 256
     training: dict = field(default_factory=dict)
     """TrainingConfig overrides (precision, the distributed optimizer)."""
+    chunk: int = 1024
+    """`--forward`: the Engine's log-prob chunk in tokens (its default 1024)."""
 
     def config(self) -> Config:
         return Config(cluster=ClusterConfig(num_nodes=1, gpus_per_node=self.world, world_size=self.world),
@@ -254,6 +264,71 @@ CASES = [
 ]
 
 
+TP2 = {"tensor_model_parallel_size": 2}
+TP2_SP = {**TP2, "sequence_parallel": True}
+LOOP = {"moe_grouped_gemm": False}
+"""The per-expert loop, as our runtime runs routed experts on CPU (the planner assumes grouped GEMMs
+unless the config says otherwise: CUDA's default)."""
+
+FORWARD_CASES = [
+    Case("DP1 mbs2", 1, 2, 2),
+    Case("DP1 mbs2 bf16", 1, 2, 2, training={"precision": "bf16"}),
+    Case("DP1 mbs4 seq512 chunk16", 1, 4, 4, seq=512, chunk=16),
+    Case("TP2 mbs2", 2, 2, 2, parallel=TP2),
+    Case("TP2 SP mbs4 seq128 chunk8", 2, 4, 4, seq=128, parallel=TP2_SP, chunk=8),
+    Case("TP2 mbs4 seq512 chunk16 bf16", 2, 4, 4, seq=512, parallel=TP2, training={"precision": "bf16"}, chunk=16),
+    Case("PP2 1F1B mbs1 GA4", 2, 1, 4, parallel={"pipeline_model_parallel_size": 2}),
+    Case("PP4 1F1B mbs1 GA8 chunk16", 4, 1, 8, parallel={"pipeline_model_parallel_size": 4}, chunk=16),
+    Case("TP2 x PP2 mbs1 GA4", 4, 1, 4, parallel={**TP2, "pipeline_model_parallel_size": 2}),
+    Case("TP2 SP x PP2 mbs2 GA4 seq512 chunk16", 4, 2, 8, seq=512,
+         parallel={**TP2_SP, "pipeline_model_parallel_size": 2}, chunk=16),
+    Case("PP2 ZB-H1 mbs1 GA4 tied", 2, 1, 4, model={"tie_word_embeddings": True},
+         parallel={"pipeline_model_parallel_size": 2, "pipeline_schedule": "zb-h1"}),
+    Case("CP2 p2p mbs2", 2, 2, 2, parallel={"context_parallel_size": 2, "cp_comm_type": "p2p"}),
+    Case("CP2 a2a mbs2 chunk16", 2, 2, 2, parallel={"context_parallel_size": 2, "cp_comm_type": "a2a"}, chunk=16),
+    Case("GQA1 TP2 SP mbs2 chunk16", 2, 2, 2, model={"num_query_groups": 1}, parallel=TP2_SP, chunk=16),
+    Case("MoE mbs2 chunk16", 1, 2, 2, model={**MOE, **LOOP, "moe_first_k_dense_layers": 0}, chunk=16),
+    Case("MoE mbs2 chunk16 grouped", 1, 2, 2, model={**MOE, "moe_grouped_gemm": True, "moe_first_k_dense_layers": 0},
+         chunk=16),
+    Case("MoE EP2 mbs2 chunk16", 2, 2, 4, model={**MOE, **LOOP, "moe_first_k_dense_layers": 0},
+         parallel={"expert_model_parallel_size": 2}, chunk=16),
+    Case("MTP1 mbs2", 1, 2, 2, model={"mtp_num_layers": 1}),
+]
+"""Forward-only layouts (`--forward`). Not here: interleaved and DualPipeV schedules (`Engine` builds its
+pipeline for one microbatch, which they refuse), and ZeRO-3, under which the engine shards the weights
+over DP where the estimate holds them whole (planner/forward.py)."""
+
+
+def run_forward_case(pools: dict, case: Case) -> list[RankComparison]:
+    from fivefold.planner.versus import compare_forward_rank
+    from fivefold.testing.harness import Workers
+    from fivefold.testing.measure import measure_forward
+
+    if case.world not in pools:
+        pools[case.world] = Workers(case.world, timeout=900)
+    cfg = case.config()
+    return [compare_forward_rank(cfg, m.rank, m.coords["pp"], m.bytes_by_tag, m.peak_by_kind, m.peak_bytes,
+                                 chunk=case.chunk)
+            for m in pools[case.world].run(measure_forward, cfg, case.chunk)]
+
+
+FORWARD_HEADER = ("| layout | rank | comm MiB per tag, est/meas (ratio) | est peak MiB | meas peak MiB | ratio | "
+                  "weights transient, est/meas MiB | engine's training buffers MiB |\n"
+                  "|---|---|---|---|---|---|---|---|")
+
+
+def format_forward_rows(name: str, rows: list[RankComparison]) -> list[str]:
+    lines = []
+    for r in representatives(rows):
+        comm = "; ".join(f"{t} {r.est_bytes.get(t, 0) / MiB:.3f}/{r.meas_bytes.get(t, 0) / MiB:.3f} "
+                         f"({r.bytes_ratio(t):.4f})" for t in r.tags) or "none/none"
+        e, m = r.est_kinds(), r.measured_by_planner_kind()
+        lines.append(f"| {name} | {r.rank} | {comm} | {r.est_peak / MiB:.1f} | {r.meas_peak / MiB:.1f} | "
+                     f"{r.memory_ratio:.3f} | {e['weights'] / MiB:.1f}/{m['weights'] / MiB:.1f} "
+                     f"{e['transient'] / MiB:.2f}/{m['transient'] / MiB:.2f} | {r.training_only / MiB:.1f} |")
+    return lines
+
+
 def run_case(pools: dict, case: Case) -> list[RankComparison]:
     from fivefold.testing.harness import Workers
     from fivefold.testing.measure import measure_step
@@ -439,15 +514,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--random", type=int, metavar="N", help="N layouts drawn at random instead (see above)")
     ap.add_argument("--seed", type=int, default=0, help="the draw's seed (default 0)")
     ap.add_argument("--wide", action="store_true", help="with --random: also draw model features (see above)")
+    ap.add_argument("--forward", action="store_true", help="forward-only models (FORWARD_CASES; --only indexes them)")
     args = ap.parse_args(argv)
+    table = FORWARD_CASES if args.forward else CASES
     cases = random_cases(args.random, args.seed, args.wide) if args.random else \
-        [CASES[i] for i in args.only] if args.only else CASES
+        [table[i] for i in args.only] if args.only else table
     pools: dict = {}
-    print(HEADER)
+    print(FORWARD_HEADER if args.forward else HEADER)
     failed = []
     t0 = time.perf_counter()
     try:
         for case in cases:
+            if args.forward:
+                rows = run_forward_case(pools, case)
+                print("\n".join(format_forward_rows(case.name, rows)), flush=True)
+                failed += [f"{case.name}: {m}" for m in misses(rows)]
+                continue
             rows = run_case(pools, case)
             print("\n".join(format_rows(case.name, rows, sharded(case))), flush=True)
             failed += [f"{case.name}: {m}" for m in misses(rows, sharded(case))]

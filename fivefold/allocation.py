@@ -9,6 +9,12 @@ c (CP), e (EP); a component needs d*t*p*c GPUs (EP folds into them, ETP defaults
   as (t*c*d of attn) / (t*e of ffn).
 Within its GPUs, a component numbers ranks as Megatron does (order tp-cp-ep-dp-pp), so one GPU has
 different coordinates per component ("GPU 2 is TP rank 1 for the actor, TP rank 0 for the reference").
+
+A `models:` entry is trained or forward-only (`role: train | forward`): RL's frozen reference (AReaL's
+ModelName("ref")) and a reward model only compute log-probs or scores, through `Engine.forward`. Without
+`role:` the name decides: a name with the word ref, reference, reward or rm in it (case-insensitive, words
+split at anything but letters: `ref`, `Reference`, `ref_model`, `reward-model`, `RM`, `ref0`) is
+forward-only, any other name trained.
 """
 from __future__ import annotations
 
@@ -26,6 +32,10 @@ MAX_GPUS = 1 << 17
 INFERENCE = ("sglang", "vllm")
 TRAINING = ("megatron", "fsdp", "archon", "train")
 _DIMS = re.compile(r"([dtpce])(\d+)")
+ROLES = {"train": "training", "forward": "forward-only"}
+"""A `models:` entry's `role:` value -> its Component.role."""
+FORWARD_NAMES = ("ref", "reference", "reward", "rm")
+"""Words of a model's name that make it forward-only when it gives no `role:` (`role_of`)."""
 
 
 @dataclass(frozen=True)
@@ -33,7 +43,8 @@ class Component:
     name: str
     """Backend (sglang, megatron, ...) for an allocation mode, the model name for a `models:` list."""
     role: str
-    """inference, training or model."""
+    """inference (an allocation mode's generation engine), training (a trainer, or a `models:` entry
+    that is trained) or forward-only (a `models:` entry that only runs forward: `role_of`)."""
     layout: Layout
     ranks: tuple[int, ...]
     """Global rank of each local rank of this component."""
@@ -57,7 +68,7 @@ class Allocation:
     world_size: int
 
     def training(self) -> Component | None:
-        return next((c for c in self.components if c.role != "inference"), None)
+        return next((c for c in self.components if c.role == "training"), None)
 
     def by_rank(self, global_rank: int) -> list[tuple[str, dict[str, int]]]:
         return [(c.name, c.coords(global_rank)) for c in self.components if global_rank in c.ranks]
@@ -203,10 +214,11 @@ def models_allocation(base: Config, models: list, world_size: int | None) -> All
         if any(c.name == name for c in comps):
             raise UserError(f"models[{i}]: a second model named {name!r}: give each model its own name")
         ranks = parse_gpus(entry["gpus"], f"models[{i}] ({name})")
+        role = role_of(name, entry.get("role"), f"models[{i}] ({name})")
         cfg = copy.deepcopy(base)
         explicit: set[str] = set()
         for key, value in entry.items():
-            if key in ("name", "gpus"):
+            if key in ("name", "gpus", "role"):
                 continue
             items = value.items() if isinstance(value, dict) else [(None, value)]
             for sub, v in items:
@@ -219,12 +231,24 @@ def models_allocation(base: Config, models: list, world_size: int | None) -> All
                        p.expert_model_parallel_size, p.expert_tensor_parallel_size or 1) >= 1
         # An invalid layout stands as one rank until validate() reports it with its fix.
         lay = layout_of(cfg) if sizes_ok and len(ranks) % _mp(cfg) == 0 else Layout()
-        comps.append(Component(name, "model", lay, ranks, cfg))
+        comps.append(Component(name, role, lay, ranks, cfg))
     world = world_size if world_size is not None else max(max(c.ranks) for c in comps) + 1
     for c in comps:
         if max(c.ranks) >= world:
             raise UserError(f"model {c.name}: gpus up to {max(c.ranks)} go beyond the world of {world} GPUs")
     return Allocation(tuple(comps), world)
+
+
+def role_of(name: str, given, where: str) -> str:
+    """The Component.role of a `models:` entry: its `role:` (train or forward), else from its name's words
+    (`FORWARD_NAMES`: forward-only; any other name trained)."""
+    if given is None:
+        words = re.split(r"[^a-z]+", name.lower())
+        return ROLES["forward"] if any(w in FORWARD_NAMES for w in words) else ROLES["train"]
+    if not isinstance(given, str) or given not in ROLES:
+        raise UserError(f"{where}: role {given!r} is not one of {', '.join(ROLES)} (train: trained, as an actor or "
+                        "critic; forward: forward-only, as a frozen reference or a reward model)")
+    return ROLES[given]
 
 
 def _mp(cfg: Config) -> int:

@@ -1,7 +1,8 @@
 """AReaL allocation modes and `models:` lists: components, exact global ranks, coordinates per component."""
 import pytest
 
-from fivefold.allocation import parse_allocation
+from fivefold.allocation import models_allocation, parse_allocation
+from fivefold.config.schema import Config
 from fivefold.config.load import load_config
 from fivefold.config.validate import validate
 from fivefold.errors import UserError
@@ -84,3 +85,25 @@ def test_models_list_refuses_gpus_beyond_the_world(tmp_path):
     p.write_text("cluster: {world_size: 2}\nmodels:\n  - {name: a, gpus: 0-3}\n")
     with pytest.raises(UserError, match="beyond the world of 2 GPUs"):
         load_config(str(p))
+
+
+@pytest.mark.parametrize("name, role", [(n, "forward-only") for n in ("reference", "ref", "Ref_Model", "reward-model",
+                                                                       "RM", "ref0")]
+                         + [(n, "training") for n in ("actor", "critic", "refiner", "warm", "policy")])
+def test_models_role_defaults_from_the_name(name, role):
+    """A `models:` entry without `role:` is forward-only when a word of its name (split at anything but
+    letters, case-insensitive) is ref, reference, reward or rm; trained otherwise."""
+    assert models_allocation(Config(), [{"name": name, "gpus": "0-1"}], None).components[0].role == role
+
+
+def test_models_role_given_and_refused():
+    """`role: train | forward` overrides the name (a critic initialised from a reward model, a frozen
+    policy); any other value is refused naming the choices."""
+    alloc = models_allocation(Config(), [{"name": "reward", "gpus": "0-1", "role": "train"},
+                                         {"name": "judge", "gpus": "2-3", "role": "forward"}], None)
+    assert [c.role for c in alloc.components] == ["training", "forward-only"]
+    assert alloc.training().name == "reward"
+    with pytest.raises(UserError, match=r"models\[0\] \(ref\): role 'frozen' is not one of train, forward"):
+        models_allocation(Config(), [{"name": "ref", "gpus": "0-1", "role": "frozen"}], None)
+    with pytest.raises(UserError, match=r"role \['forward'\] is not one of"):
+        models_allocation(Config(), [{"name": "ref", "gpus": "0-1", "role": ["forward"]}], None)

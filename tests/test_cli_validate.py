@@ -13,7 +13,7 @@ EXAMPLES = [
     (["examples/bridge_overrides.txt", "--world-size", "64"], "TP=4 CP=1 PP=4 DP=4"),
     (["examples/megatron_flags.txt"], "experts: ETP=2 EP=4 EDP=1"),
     (["examples/areal_allocation.txt"], "== train (training) on GPUs 4-7"),
-    (["examples/multi_model.yaml"], "== reference (model) on GPUs 0-3"),
+    (["examples/multi_model.yaml"], "== reference (forward-only) on GPUs 0-3"),
     (["tp=2", "pp=2", "--nodes", "2", "--gpus-per-node", "4"], "TP=2 CP=1 PP=2 DP=2"),
     (["--tensor-model-parallel-size", "2", "--world-size", "4"], "dialect: megatron"),
 ]

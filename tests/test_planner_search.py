@@ -256,10 +256,11 @@ def test_estimate_of_several_models_estimates_each_on_its_gpus(capsys):
     assert main(["estimate", "examples/multi_model.yaml", "--model", "llama3-8b", "--seq-length", "2048",
                  "--global-batch-size", "64"]) == 0
     out = capsys.readouterr().out
-    shown = re.findall(r"== (\w+) \(model\) on GPUs ([\d-]+)\n(?:note: .*\n)*layout: (.+)", out)
+    shown = re.findall(r"== (\w+) \((?:training|forward-only)\) on GPUs ([\d-]+)\n(?:note: .*\n)*layout: (.+)", out)
     assert shown == [("actor", "0-1", "TP2 PP1 DP1 mbs1 rc-none"), ("critic", "2-3", "TP1 PP2 DP1 mbs1 rc-none"),
                      ("reference", "0-3", "TP2 PP2 DP1 mbs1 rc-none")], out
-    assert out.count("  total  ") == 3  # each sized (the 8B fits on the 4 GPUs only: no step time on 2)
+    assert out.count("  total  ") == 3  # each sized (the 8B fits on the 4 GPUs only: no step time on 2; the
+    # reference, forward-only by its name, as its forward: tests/test_planner_forward.py)
     assert main(["estimate", "examples/areal_allocation.txt"]) == 0
     out = capsys.readouterr().out
     assert "== sglang (inference) on GPUs 0-3\nan inference engine: not estimated" in out

@@ -1,4 +1,6 @@
-"""`fivefold estimate`: memory per GPU and step time of one given layout (the one a user runs)."""
+"""`fivefold estimate`: memory per GPU and step time of one given layout (the one a user runs); of each
+model of a `models:` list, a forward-only one (a reference, a reward model: `allocation.role_of`) sized
+and timed as its forward (planner/forward.py)."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,6 +12,7 @@ from fivefold.config.load import load_config
 from fivefold.config.schema import TrainingConfig
 from fivefold.config.validate import validate
 from fivefold.errors import UserError
+from fivefold.planner.forward import evaluate_forward
 from fivefold.planner.model_spec import resolve_model
 from fivefold.planner.report import breakdown
 from fivefold.planner.runtime import apply, profile
@@ -56,13 +59,13 @@ def run(args, extra) -> int:
             continue
         if args.model:
             c.config.model = cfg.model
-        _estimate(c.config, loaded, args, hw)
+        _estimate(c.config, loaded, args, hw, forward_only=c.role == "forward-only")
     return 0
 
 
-def _estimate(cfg, loaded, args, hw) -> None:
+def _estimate(cfg, loaded, args, hw, forward_only: bool = False) -> None:
     """Validate `cfg` as the GPU run it describes (bf16, plan's sequence where none was given) and
-    print its memory and step time."""
+    print its memory and step time (`forward_only`: as a forward-only model, its forward's time)."""
     if cfg.training.precision not in ("bf16", "fp8"):
         cfg.training.precision = "bf16"
         print("note: precision set to bf16 for the GPU estimate")
@@ -76,15 +79,18 @@ def _estimate(cfg, loaded, args, hw) -> None:
         print(w)
     if "training.global_batch_size" not in loaded.explicit and cfg.training.global_batch_size:
         print(f"note: global batch {cfg.training.global_batch_size} = micro-batch x DP, Megatron-LM's default (no "
-              "source gave one): one microbatch per step, no accumulation to hide the gradient reduction behind; "
-              "give --global-batch-size to choose")
+              "source gave one): one microbatch per " + ("forward" if forward_only else
+                                                       "step, no accumulation to hide the gradient reduction behind")
+              + "; give --global-batch-size to choose")
     mem, ta = assumptions_of(args)
     problem = hw.fp8_recipe_problem(cfg.training.precision, cfg.training.fp8_recipe)
     if problem:
         raise UserError(problem)
     rt = profile(args.runtime)
     runs = apply(cfg, rt)
-    if runs.training.grad_reduce_in_bf16 != cfg.training.grad_reduce_in_bf16:
+    if forward_only:
+        _forward_notes(cfg)
+    elif runs.training.grad_reduce_in_bf16 != cfg.training.grad_reduce_in_bf16:
         print(f"note: gradients reduced in bf16, as {rt.name} does (the config has grad_reduce_in_bf16=False)")
     if runs.parallel.moe_token_dispatcher_type != cfg.parallel.moe_token_dispatcher_type:
         print(f"note: the EP exchange timed as an all-to-all, as {rt.name} sends it (the config names the "
@@ -94,7 +100,18 @@ def _estimate(cfg, loaded, args, hw) -> None:
               f"{ta.tp_overlap:.0%} of it with TP communication overlap, which the config turns "
               + ("on" if runs.parallel.tp_comm_overlap else "off (Megatron's --tp-comm-overlap, torchtitan's async "
                                                             "TP; parallel.tp_comm_overlap, with sequence parallelism)"))
-    cand = evaluate(runs, hw, mem, ta)
+    cand = evaluate_forward(runs, hw, mem, ta) if forward_only else evaluate(runs, hw, mem, ta)
     if cand.estimate is None and not cand.problem.startswith("needs"):
         raise UserError(f"invalid layout: {cand.problem}")
-    print(breakdown(cand, hw))
+    print(breakdown(cand, hw, forward_only))
+
+
+def _forward_notes(cfg) -> None:
+    """What a forward-only model's estimate leaves out of its config's training settings."""
+    t = cfg.training
+    if t.sharding_strategy == "optim_grads_params":
+        print("note: forward-only: its weights sized whole on every DP rank, as a frozen copy is held (the config's "
+              "ZeRO-3 would shard them over DP and gather each layer for every forward)")
+    if t.recompute_granularity:
+        print(f"note: forward-only: recompute_granularity={t.recompute_granularity} has nothing to recompute "
+              "(no backward)")

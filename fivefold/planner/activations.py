@@ -30,6 +30,10 @@ expert-TP group of size etp processes N_e = k*b*s*etp/(tp*cp) token copies; it s
 for the probability-weighted combine (k*b*s*h/(tp*cp): its own assignments, after the expert-TP
 reduce-scatter; dropped or padding rows are not among them), plus the router's fp32 scores (E per
 token).
+
+A forward-only model (an RL reference, planner/forward.py) saves nothing: `forward_layer_bytes` is
+what one layer's no-grad forward holds at its peak, `logprob_bytes_per_logit` what its log-prob
+computation holds per logit.
 """
 from __future__ import annotations
 
@@ -427,3 +431,88 @@ def weight_grad_join_bytes(m: ModelConfig, index: int, b: int, s: int, sh: Shard
         per_token += (m.num_attention_heads + m.kv_heads) * m.head_dim / sh.tp
     gate_up = 2 * _mlp_width(m, index, b, s, sh)
     return (tokens * per_token + down + gate_up) * traits.value_bytes()
+
+
+def forward_layer_bytes(m: ModelConfig, index: int, b: int, s: int, sh: Sharding, traits: ArchTraits,
+                        ep: int = 1) -> float:
+    """The most decoder layer `index`'s forward holds without autograd (an RL reference's log-probs under
+    no_grad: nothing is saved for a backward), bytes on one rank beyond the layer's input: the largest of
+    the moments our eager layer (fivefold.model.block) goes through, each with the tensors alive then
+    (measured op by op on CPU: benchmarks/planner_vs_measured.py --forward).
+    Attention, beside its normed input: under SP the input's all-gather (`_gather_moment`), then the
+    gathered input beside q, k, v; RoPE on q (x cos, the rotated half, its product: 3 q beside q, k, v),
+    then on k (beside the old and the new q); the kernel's output and fp32 log-sum-exp; o_proj's output
+    through its reduction (`_reduce_moment`), q, k, v still referenced. MLP, beside the attention's output,
+    the residual sum and the normed input (h each, split by TP only with SP): the gather and the gate / up
+    outputs; the inner tensors of `ArchTraits.mlp_inner_tensors` (eager SwiGLU: gate, up, silu(gate),
+    their product, 4 f); the down-projection's output through its reduction beside one fewer. A MoE
+    layer's MLP instead holds its router's fp32 scores and its routed rows (gathered by expert; under EP
+    also received and sent back) beside the experts' outputs and inner tensors (every local expert's at
+    once with grouped GEMMs, `moe_grouped_gemm` True or unset as on CUDA; one expert's at a time in the
+    loop), then their concatenation and the weighted combine; shared experts as a dense MLP after it."""
+    B = traits.value_bytes()
+    h, tokens = m.hidden_size, b * s / sh.cp
+    sp_div = sh.tp if sh.sp else 1
+    hs, whole = tokens * h * B / sp_div, tokens * h * B  # a hidden state as held, and gathered / unreduced
+    gather = _gather_moment(hs, whole) if sh.sp else 0.0
+    gathered = whole if sh.sp else 0.0
+    reduce = _reduce_moment(hs, whole, sh, traits)
+    qkv = tokens * _qkv_per_rank(m, sh.tp) * B
+    _, attn_out = _attention_elements(m)
+    o = tokens * attn_out * B / sh.tp
+    lse = tokens * m.num_attention_heads * 4 / sh.tp
+    rope = 0.0
+    if m.multi_latent_attention:  # the latents beside the projections (RoPE on the narrow rope part only)
+        qkv += tokens * ((m.q_lora_rank or 0) + m.kv_lora_rank + m.qk_pos_emb_head_dim) * B / sp_div
+    elif m.position_embedding_type == "rope":
+        q = tokens * m.num_attention_heads * m.head_dim * B / sh.tp
+        k = (qkv - q) / 2
+        rope = max(3 * q, q + 3 * k)
+    attention = hs + max(gather, gathered + qkv, qkv + rope, qkv + o + lse, qkv + o + reduce)
+    inner = traits.mlp_inner_tensors or (3 if traits.gated_mlp else 2)
+
+    def dense(f: float) -> float:  # a dense MLP of f bytes per inner tensor
+        return max(gather, gathered + 2 * f, inner * f, (inner - 1) * f + reduce)
+
+    residual = 3 * hs  # the attention's output, x + it, and the MLP's normed input
+    if not is_moe_layer(m, index):
+        return max(attention, residual + dense(tokens * m.ffn_size / sh.tp * B))
+    copies = routed_copies(m, b, s, sh)
+    rows = copies * h * B
+    f_e = m.moe_ffn_hidden_size or m.ffn_size
+    at_once = copies / (m.num_experts / ep) if m.moe_grouped_gemm is False else copies  # the loop: one expert's
+    experts = 2 * rows + inner * at_once * f_e / sh.etp * B
+    routed = max(experts, 3 * rows + hs) + (2 * rows if ep > 1 else 0.0)
+    router = tokens / sp_div * m.num_experts * 4
+    shared = m.moe_shared_expert_intermediate_size
+    mlp = residual + max(router + routed, hs + dense(tokens * shared / sh.tp * B) if shared else 0.0)
+    return max(attention, mlp)
+
+
+def _gather_moment(hs: float, whole: float) -> float:
+    """Bytes our all-gather along the sequence (fivefold.runtime.collectives) holds beside its input at its
+    end: the input moved to the front (a contiguous copy), the gathered buffer and its copy moved back."""
+    return hs + 2 * whole
+
+
+def _reduce_moment(hs: float, whole: float, sh: Sharding, traits: ArchTraits) -> float:
+    """Bytes a row-parallel output holds through its reduction (fivefold.runtime.comm): the partial sum;
+    under TP its clone, all-reduced in place; under SP its copy moved to the front, the output chunk and
+    that chunk moved back, and a copy of the input where the backend reduces one (`reduce_scatter_copy`,
+    gloo: measured, it outlives the call on one of two ranks)."""
+    if sh.tp == 1:
+        return whole
+    if not sh.sp:
+        return 2 * whole
+    return 2 * whole + 2 * hs + (whole if traits.reduce_scatter_copy else 0.0)
+
+
+def logprob_bytes_per_logit(B: int, tp: int, padded: bool) -> float:
+    """Bytes per local logit at the peak of Engine.forward's log-prob and entropy of one chunk
+    (fivefold.engine.engine `_stats`): the logits themselves (B, the run's dtype) and, on one rank,
+    log_softmax in fp32, its exp and their product (the entropy's terms), 12; under TP
+    (fivefold.parallel.cross_entropy, vocab-parallel) z - max and its exp, 8, and the logits in fp32, 4
+    more unless they are fp32 already and no padding column is masked."""
+    if tp == 1:
+        return B + 12.0
+    return B + 8.0 + (4.0 if B < 4 or padded else 0.0)

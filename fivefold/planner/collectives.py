@@ -7,7 +7,9 @@ the call produces or consumes, the runtime's convention: all-reduce the tensor, 
 gathered output, reduce-scatter the unscattered input, all-to-all the input, send / recv the tensor,
 each counted on its own rank), its phase and what it can hide behind. What leaves a rank over its
 link (`wire_bytes`): ring all-reduce 2(n-1)/n x call bytes, all-gather / reduce-scatter /
-all-to-all (n-1)/n, send 1, recv 0 (it arrives over the other direction of the link).
+all-to-all (n-1)/n, send 1, recv 0 (it arrives over the other direction of the link), a broadcast
+(a forward-only model's stats, `forward_stage_collectives`) (n-1)/n, as a chain that each rank but the
+last passes on.
 
 Per microbatch (b sequences, s tokens, M = b s/cp h x activation bytes: 4 fp32, 2 otherwise):
   decoder layer, TP without SP (tag tp): the two column-parallel groups (q/k/v, gate/up) all-reduce
@@ -57,11 +59,11 @@ GRAD_BYTES = 4
 
 WIRE = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
         "reduce_scatter": lambda n: (n - 1) / n, "all_to_all": lambda n: (n - 1) / n,
-        "send": lambda n: 1.0, "recv": lambda n: 0.0}
+        "broadcast": lambda n: (n - 1) / n, "send": lambda n: 1.0, "recv": lambda n: 0.0}
 """Share of the call bytes a rank sends over its link, by kind, for a group of n ranks (ring algorithms)."""
 
 STEPS = {"all_reduce": lambda n: 2 * (n - 1), "all_gather": lambda n: n - 1, "reduce_scatter": lambda n: n - 1,
-         "all_to_all": lambda n: n - 1, "send": lambda n: 1, "recv": lambda n: 0}
+         "all_to_all": lambda n: n - 1, "broadcast": lambda n: n - 1, "send": lambda n: 1, "recv": lambda n: 0}
 """Latency-bound steps of one call (ring algorithms; a p2p transfer is one)."""
 
 
@@ -69,7 +71,7 @@ class Collective(NamedTuple):
     """One call (a named tuple: the search builds tens of thousands)."""
 
     kind: str
-    """all_reduce | all_gather | reduce_scatter | all_to_all | send | recv (runtime.traffic.KINDS)."""
+    """all_reduce | all_gather | reduce_scatter | all_to_all | broadcast | send | recv (runtime.traffic.KINDS)."""
     tag: str
     """The runtime's traffic tag."""
     group: str
@@ -334,8 +336,14 @@ def stage_collectives(plan: Plan, pp_rank: int) -> list[Collective]:
         if a > 1 and p > 1:
             out.append(Collective("all_gather", "mtp-roll", "cp", pairs / p, "forward"))
         out.append(Collective("all_gather", "mtp-roll", "cp", pairs, "forward"))
+    return out + _pipeline_p2p(plan, pp_rank, M)
+
+
+def _pipeline_p2p(plan: Plan, pp_rank: int, M: float) -> list[Collective]:
+    """Pipeline rank `pp_rank`'s sends and receives of one microbatch: per virtual stage whose neighbour
+    is on another rank, the boundary tensor forward and its gradient backward."""
     boundary = M / (plan.tp if plan.sp else 1)  # (b, s/cp, h), (b, s/(cp tp), h) under SP
-    placement = plan.placement
+    placement, out = plan.placement, []
     for s, r in enumerate(placement):
         if r != pp_rank:
             continue
@@ -343,6 +351,36 @@ def stage_collectives(plan: Plan, pp_rank: int) -> list[Collective]:
             out += [Collective("send", "pp", "pp", boundary, "forward"), Collective("recv", "pp", "pp", boundary, "backward")]
         if s > 0 and placement[s - 1] != r:
             out += [Collective("recv", "pp", "pp", boundary, "forward"), Collective("send", "pp", "pp", boundary, "backward")]
+    return out
+
+
+def forward_stage_collectives(plan: Plan, pp_rank: int) -> list[Collective]:
+    """A forward-only model's calls per microbatch outside the decoder layers, as `Engine.forward` makes
+    them (fivefold.engine.engine; no loss, no MTP): the embedding's forward reduction on the first rank;
+    on the last, under SP the final normed hidden states gathered over TP (tag engine-sp), then each
+    chunk's vocab-parallel log-prob and entropy (tag tp-loss: a max and a (sum exp, target logit) pair,
+    then a max and a (sum exp, sum exp z) pair, 4 + 8 + 4 + 8 bytes a token), and under CP the per-position
+    stats (log-prob, entropy: 2 fp32 a token) gathered over CP (engine-cp); the forward-only pipeline's
+    sends and receives (`_pipeline_p2p`, forward), and under PP the stats broadcast from the last stage's
+    rank over the pipeline group (engine-pp, counted on every rank)."""
+    m = plan.config.model
+    n = _tokens(plan)
+    M = n * m.hidden_size * act_bytes(plan)
+    first, last = pp_rank == plan.first_rank, pp_rank == plan.last_rank
+    stats = plan.mbs * plan.seq * 2 * 4  # (b, s, 2) fp32, the whole sequence
+    out = []
+    if plan.tp > 1 and first:
+        out += [c for c in _embedding(plan, M) if c.phase == "forward"]
+    if plan.tp > 1 and last:
+        if plan.sp:
+            out.append(Collective("all_gather", "engine-sp", "tp", M, "forward"))
+        out += [Collective("all_reduce", "tp-loss", "tp", 4 * n, "forward"),
+                Collective("all_reduce", "tp-loss", "tp", 2 * 4 * n, "forward")] * 2
+    if last and plan.cp > 1:
+        out.append(Collective("all_gather", "engine-cp", "cp", stats, "forward"))
+    out += [c for c in _pipeline_p2p(plan, pp_rank, M) if c.phase == "forward"]
+    if plan.pp > 1:
+        out.append(Collective("broadcast", "engine-pp", "pp", stats, "forward"))
     return out
 
 

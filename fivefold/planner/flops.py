@@ -10,6 +10,8 @@ Megatron-Core counts them.
 Training = forward + backward = 3 x forward (backward is two matmuls per forward matmul), so per
 step: model FLOPs = 3 * tokens * (sum_l F_l + 2 V h) -- the "6 N T" rule plus attention.
 Recomputation is not model work: it is added to hardware FLOPs (`recompute_flops`), never to MFU.
+A forward-only model (an RL reference's log-probs, planner/forward.py) does the forward alone, without
+MTP's layers and heads, which `Engine.forward` does not run: `forward_flops_per_token`.
 """
 from __future__ import annotations
 
@@ -49,6 +51,11 @@ def model_flops_per_token(m: ModelConfig, seq: int) -> float:
         fwd = sum(layer_forward_flops(m, i, seq) for i in range(layers)) + output_forward_flops(m) + mtp_forward_flops(m)
         got = _PER_TOKEN[key] = (m, 3 * fwd)
     return got[1]
+
+
+def forward_flops_per_token(m: ModelConfig, seq: int) -> float:
+    """Forward-only model FLOPs per token: the decoder layers and the output layer, once."""
+    return sum(layer_forward_flops(m, i, seq) for i in range(m.num_layers)) + output_forward_flops(m)
 
 
 _PER_TOKEN: dict[tuple[int, int], tuple[ModelConfig, float]] = {}

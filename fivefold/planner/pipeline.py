@@ -11,7 +11,10 @@ for interleaved, (p - 1)(F + B - W) for ZB-H1, ...
 With unequal rank times t_r the step time is taken as m * max(t) + B_u * (sum(t) - max(t)) / (p - 1):
 for GPipe, 1F1B and interleaved this is Narayanan et al.'s closed form (m - 1) max + sum, and
 m max + (sum - max) / v; for ZB-H1 and DualPipeV it scales their equal-stage bubble the same way.
-Peak in-flight activations are the simulator's; a schedule that held every microbatch it was given
+A forward-only model (`Engine.forward`) runs the schedule's forward-only version
+(`fivefold.pipeline.forward.forward_only`: each rank's forwards in their order, the backwards dropped),
+simulated alike with F = a rank's forward time (`forward_pipeline_time`): (p - 1) stage times of fill for
+1F1B and GPipe. Peak in-flight activations are the simulator's; a schedule that held every microbatch it was given
 (GPipe) holds all m. Where the registry entry has a closed form of the equal-stage simulation
 (`ScheduleKind.equal_stages`: GPipe, 1F1B, interleaved; proven equal to the simulator over a grid in
 tests/test_pipeline_registry.py), it is read instead of simulating: PP64 1F1B cost ~0.4 s of CPU.
@@ -21,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
 
+from fivefold.pipeline.forward import forward_only
 from fivefold.pipeline.ir import Kind
 from fivefold.pipeline.schedules import REGISTRY, build_schedule
 from fivefold.pipeline.simulate import Costs, simulate
@@ -179,3 +183,30 @@ def bubble_fraction(schedule: str, pp: int, vpp: int | None, m: int, group: int 
     """Idle share of the pipeline time with equal stages."""
     t = pipeline_time(schedule, [1.0] * pp, vpp, m, group, fused)
     return 1.0 - m / t
+
+
+@lru_cache(maxsize=1024)
+def _forward_makespan(schedule: str, pp: int, vpp: int | None, m: int, group: int | None = None) -> float:
+    """Makespan, in units of one rank's forward of a microbatch, of the schedule's forward-only version
+    (`forward_only`, what Engine.forward runs) with equal stages: simulated on min(m, SIMULATED pp)
+    microbatches (all m with a microbatch group) and extended by one stage time per further microbatch
+    (the steady state: every rank busy; tests/test_planner_forward.py compares with the whole simulation)."""
+    m0 = m if group else min(m, SIMULATED * pp)
+    s = forward_only(build_schedule(schedule, pp, m0, vpp, group))
+    return simulate(s, Costs.per_rank(s, 1.0, 0.0, 0.0), timeline=False).makespan + (m - m0)
+
+
+def forward_pipeline_time(schedule: str, stage_times: list[float], vpp: int | None, m: int,
+                          group: int | None = None) -> float:
+    """Time of m microbatches through the forward-only pipeline, from each rank's forward time for one
+    microbatch: m max(t) + the forward-only bubble (in stage times) x (sum(t) - max(t)) / (p - 1), as
+    `pipeline_time` scales the training schedule's."""
+    pp, worst = len(stage_times), max(stage_times)
+    if pp == 1:
+        return m * worst
+    return m * worst + (_forward_makespan(schedule, pp, vpp, m, group) - m) * (sum(stage_times) - worst) / (pp - 1)
+
+
+def forward_bubble_fraction(schedule: str, pp: int, vpp: int | None, m: int, group: int | None = None) -> float:
+    """Idle share of the forward-only pipeline with equal stages."""
+    return 1.0 - m / forward_pipeline_time(schedule, [1.0] * pp, vpp, m, group)

@@ -35,29 +35,48 @@ def table(cands: list[Candidate], top: int) -> str:
     return "\n".join(lines)
 
 
-def breakdown(c: Candidate, hw: Hardware) -> str:
-    """Memory by kind (worst pipeline rank) and time by kind of one layout."""
+FORWARD_ONLY_KINDS = ("weights", "activations", "logits", "overhead", "reserve")
+"""The memory rows of a forward-only model (planner/forward.py): it has no gradients, optimizer state,
+optimizer scratch or pipeline buffers held beside its forward."""
+
+
+def breakdown(c: Candidate, hw: Hardware, forward_only: bool = False) -> str:
+    """Memory by kind (worst pipeline rank) and time by kind of one layout; `forward_only`: `c` from
+    `forward.evaluate_forward`, its time a forward over the global batch."""
     m, lines = c.memory, [f"layout: {c.label}"]
     if not c.sized:  # a broken rule: nothing was sized
         return "\n".join(lines + [f"dropped: {c.problem}"])
     p = c.plan
     b = c.config.training.global_batch_size
-    lines.append(f"batch: {b} sequence{'s' * (b != 1)} of {p.seq} tokens per step, "
+    per = "forward" if forward_only else "step"
+    lines.append(f"batch: {b} sequence{'s' * (b != 1)} of {p.seq} tokens per {per}, "
                  f"{p.microbatches} microbatch{'es' * (p.microbatches != 1)} of {p.mbs} per DP rank")
-    lines.append(f"memory per GPU (pipeline rank {m.rank}, {m.inflight:g} microbatches in flight), GiB:")
+    if forward_only:
+        lines.append(f"memory per GPU (pipeline rank {m.rank}, forward-only: no gradients or optimizer state), GiB:")
+    else:
+        lines.append(f"memory per GPU (pipeline rank {m.rank}, {m.inflight:g} microbatches in flight), GiB:")
     for k, v in m.as_dict().items():
-        lines.append(f"  {k:<12} {v / GiB:8.2f}")
+        if not forward_only or k in FORWARD_ONLY_KINDS:
+            lines.append(f"  {k:<12} {v / GiB:8.2f}")
     lines.append(f"  {'total':<12} {m.total / GiB:8.2f} of {hw.memory_bytes / GiB:.0f} "
                  f"(headroom {(hw.memory_bytes - m.total) / GiB:.1f})")
     e = c.estimate
     if e is None:
         lines.append(f"dropped: {c.problem}")
         return "\n".join(lines)
-    lines.append(f"step time {e.step_time:.3f} s: " + ", ".join(f"{k} {v:.3f}" for k, v in e.parts.items()))
-    lines.append(f"MFU {e.mfu:.1%}, {e.tflops_per_gpu:.0f} model TFLOP/s per GPU, {e.tokens_per_s_per_gpu:.0f} "
-                 f"tokens/s per GPU; bubble {e.bubble_fraction:.1%}, exposed communication {e.comm_fraction:.1%}")
+    parts = ", ".join(f"{k} {v:.3f}" for k, v in e.parts.items())
+    if forward_only:
+        lines.append(f"forward time {e.step_time:.3f} s per global batch of {b} sequence{'s' * (b != 1)}: {parts}")
+        lines.append(f"MFU {e.mfu:.1%} (forward FLOPs), {e.tflops_per_gpu:.0f} model TFLOP/s per GPU, "
+                     f"{e.tokens_per_s_per_gpu:.0f} tokens/s per GPU; bubble {e.bubble_fraction:.1%} (forward-only "
+                     f"pipeline), exposed communication {e.comm_fraction:.1%}")
+    else:
+        lines.append(f"step time {e.step_time:.3f} s: {parts}")
+        lines.append(f"MFU {e.mfu:.1%}, {e.tflops_per_gpu:.0f} model TFLOP/s per GPU, {e.tokens_per_s_per_gpu:.0f} "
+                     f"tokens/s per GPU; bubble {e.bubble_fraction:.1%}, exposed communication {e.comm_fraction:.1%}")
     lines.append("links: " + ", ".join(f"{g}={v}" for g, v in e.links.items()))
-    lines.append("bytes sent per rank per step (GB): " + ", ".join(f"{k} {v / GB:.2f}" for k, v in e.comm_bytes.items()))
+    lines.append(f"bytes sent per rank per {per} (GB): "
+                 + ", ".join(f"{k} {v / GB:.2f}" for k, v in e.comm_bytes.items()))
     return "\n".join(lines)
 
 

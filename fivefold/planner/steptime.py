@@ -29,8 +29,8 @@ from typing import NamedTuple
 from fivefold.frozen import hashed_once
 from fivefold.planner.activations import ArchTraits, Sharding, layer_activation_bytes, routed_share
 from fivefold.planner.collectives import (Collective, attention_call_keys, cp_collectives, cp_split, dense_collectives,
-                                          dp_calls_per_step, group_sizes, later_collectives, stage_collectives,
-                                          step_collectives)
+                                          dp_calls_per_step, forward_stage_collectives, group_sizes, later_collectives,
+                                          layer_collectives, stage_collectives, step_collectives)
 from fivefold.planner.flops import attention_core_flops, layer_forward_flops, model_flops_per_token, output_forward_flops
 from fivefold.planner.mtp import mtp_forward_flops
 from fivefold.planner.layout import Plan
@@ -422,15 +422,22 @@ def _layer_cost(plan: Plan, links: Links, sizes: dict[str, int], i: int, recompu
     return got[2]
 
 
-def _layer_cost_of(plan: Plan, links: Links, sizes: dict[str, int], i: int, recomputed: bool, flops_rate: float):
+def _core_time(plan: Plan, links: Links) -> float:
+    """Seconds of one layer's attention core (QK^T and AV) forward for one microbatch on one rank: bf16
+    flash kernels at `attention_efficiency`, slower on short calls (`attention_half_keys`)."""
     m, b, s, tp, cp, ta, hw = plan.config.model, plan.mbs, plan.seq, plan.tp, plan.cp, links.ta, links.hw
-    # each op class at its own rate: linear GEMMs, the attention core (bf16 flash), grouped experts
     core = attention_core_flops(m, s) * b * s
     attn_rate = hw.achievable_flops("bf16") * (ta.attention_efficiency or ta.gemm_efficiency)
     if ta.attention_half_keys:
         keys = attention_call_keys(plan)
         attn_rate *= keys / (keys + ta.attention_half_keys)
-    t_core = core / (tp * cp) / attn_rate
+    return core / (tp * cp) / attn_rate
+
+
+def _layer_cost_of(plan: Plan, links: Links, sizes: dict[str, int], i: int, recomputed: bool, flops_rate: float):
+    ta, hw = links.ta, links.hw
+    # each op class at its own rate: linear GEMMs, the attention core (bf16 flash), grouped experts
+    t_core = _core_time(plan, links)
     work = _layer_work(plan, links, sizes, i, recomputed, flops_rate)
     t_fwd = t_core + work.t_linear + work.t_experts
     extra = t_fwd if recomputed else _selective_rerun(t_core, work.t_experts, flops_rate, hw, work)
@@ -439,8 +446,36 @@ def _layer_cost_of(plan: Plan, links: Links, sizes: dict[str, int], i: int, reco
         compute += ta.membound_passes * work.touched / hw.memory_bw
     parts, sent = work.parts, work.sent
     # only CP's calls report under cp (`_layer_work_of`): their sums, from 0, are the layer's
-    t_cp, sent_cp = _cp_calls(plan, links, sizes, recomputed, t_core) if cp > 1 else (parts["cp"], sent["cp"])
+    t_cp, sent_cp = _cp_calls(plan, links, sizes, recomputed, t_core) if plan.cp > 1 else (parts["cp"], sent["cp"])
     return compute, parts["tp"], t_cp, parts["ep"], sent["tp"], sent_cp, sent["ep"]
+
+
+def layer_forward_cost(plan: Plan, links: Links, sizes: dict[str, int], i: int, flops_rate: float
+                       ) -> tuple[float, dict, dict]:
+    """Decoder layer `i`'s forward alone, for one microbatch on one rank (a forward-only model:
+    planner/forward.py): (compute seconds, seconds by part, wire bytes by part). Compute is the
+    forward third of `_layer_cost_of`'s (no backward, no recompute), its memory-bound work a third of
+    the forward + backward passes; the calls are the layer's forward ones (`layer_collectives`, phase
+    forward: TP / SP, EP dispatch and combine, CP's, the ring hidden behind the forward attention core),
+    hidden as the training step hides them but for the 1F1B all-to-all overlap (no backward to overlap)."""
+    ta, hw = links.ta, links.hw
+    t_core = _core_time(plan, links)
+    work = _layer_work(plan, links, sizes, i, False, flops_rate)
+    compute = t_core + work.t_linear + work.t_experts
+    if ta.membound_passes:
+        compute += ta.membound_passes * work.touched / hw.memory_bw / 3
+    parts, sent = dict.fromkeys(("tp", "cp", "ep", "pp"), 0.0), dict.fromkeys(("tp", "cp", "ep", "pp"), 0.0)
+    calls = [c for c in layer_collectives(plan, i) if c.phase == "forward"]
+    _add_calls(calls, links, sizes, parts, sent, t_core, ta.ep_overlap, _tp_share(plan, ta))
+    return compute, parts, sent
+
+
+def stage_forward_cost(plan: Plan, links: Links, sizes: dict[str, int], r: int) -> tuple[dict, dict]:
+    """A forward-only model's calls outside the layers (`forward_stage_collectives`) of pipeline rank r
+    for one microbatch, on the critical path: (seconds by part, wire bytes by part)."""
+    parts, sent = dict.fromkeys(("tp", "cp", "ep", "pp"), 0.0), dict.fromkeys(("tp", "cp", "ep", "pp"), 0.0)
+    _add_calls(forward_stage_collectives(plan, r), links, sizes, parts, sent)
+    return parts, sent
 
 
 _CP_CALLS: dict[tuple, tuple] = {}

@@ -6,19 +6,29 @@ such as "loss" and "grad-norm" are left out of both). Memory: `memory.memory_per
 `CPU_EAGER` (tensor bytes, no allocator overhead or reserve) vs MemTracker's peak of live tensors,
 by kind: weights ~ Parameter, grads ~ Gradient, optimizer ~ Optstate, and the rest (activations,
 logits and loss temporaries, buffers, scratch) ~ Activation + Temp.
+
+A forward-only model (`compare_forward_rank`: planner/forward.py against `measure_forward`, one
+`Engine.forward`): its forward call bytes (`callbytes.forward_call_bytes`), and its memory against the
+measured peak less what the engine allocates for training and the forward never touches
+(`TRAINING_ONLY_KINDS`: gradient buffers, main parameters; constant through the forward).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from fivefold.config.schema import Config
-from fivefold.planner.callbytes import call_bytes
+from fivefold.planner.callbytes import call_bytes, forward_call_bytes
+from fivefold.planner.forward import FORWARD_CHUNK, forward_config, forward_memory_per_rank
 from fivefold.planner.layout import Plan
 from fivefold.planner.memory import CPU_EAGER, MemoryAssumptions, RankMemory, memory_per_rank
 from fivefold.planner.runtime import apply, profile
 
 BOOKKEEPING_TAGS = ("loss", "grad-norm", "found-inf", "metrics", "moe-metrics", "checkpoint")
 """Traffic tags of scalars for logging, clipping, loss scaling and checkpoint agreement, not model tensors."""
+
+TRAINING_ONLY_KINDS = ("Gradient", "Optstate", "Other")
+"""What MemTracker files the engine's data-parallel buffers under (gradient buffers, fp32 main parameters,
+ZeRO shards): `Engine` builds them for `train_batch`, and a forward never allocates, frees or reads them."""
 
 MEASURED_KINDS = {"weights": ("Parameter", "Buffer"), "grads": ("Gradient",), "optimizer": ("Optstate",),
                   "transient": ("Activation", "Temp", "Other")}
@@ -37,6 +47,8 @@ class RankComparison:
     meas_kinds: dict[str, int]
     """MemTracker's live bytes at the peak, by its kinds."""
     meas_peak: int
+    training_only: int = 0
+    """A forward-only comparison: the measured bytes of `TRAINING_ONLY_KINDS`, left out of `meas_peak`."""
 
     @property
     def tags(self) -> list[str]:
@@ -73,3 +85,17 @@ def compare_rank(config: Config, rank: int, pp_rank: int, bytes_by_tag: dict[str
     return RankComparison(rank=rank, pp_rank=pp_rank, est_bytes=call_bytes(plan, pp_rank), meas_bytes=model_bytes,
                           est_memory=memory_per_rank(plan, assume)[pp_rank], meas_kinds=dict(peak_by_kind),
                           meas_peak=peak)
+
+
+def compare_forward_rank(config: Config, rank: int, pp_rank: int, bytes_by_tag: dict[str, int],
+                         peak_by_kind: dict[str, int], peak: int, assume: MemoryAssumptions = CPU_EAGER,
+                         chunk: int = FORWARD_CHUNK) -> RankComparison:
+    """One rank's forward-only estimate beside `fivefold.testing.measure.measure_forward`: the measured
+    peak without `TRAINING_ONLY_KINDS`."""
+    plan = Plan(forward_config(apply(config, profile("fivefold"))))
+    model_bytes = {t: b for t, b in bytes_by_tag.items() if t not in BOOKKEEPING_TAGS}
+    unused = sum(peak_by_kind.get(k, 0) for k in TRAINING_ONLY_KINDS)
+    kinds = {k: v for k, v in peak_by_kind.items() if k not in TRAINING_ONLY_KINDS}
+    return RankComparison(rank=rank, pp_rank=pp_rank, est_bytes=forward_call_bytes(plan, pp_rank),
+                          meas_bytes=model_bytes, est_memory=forward_memory_per_rank(plan, assume, chunk)[pp_rank],
+                          meas_kinds=kinds, meas_peak=peak - unused, training_only=unused)

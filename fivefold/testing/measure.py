@@ -108,6 +108,41 @@ def _tracker():
     return tracker
 
 
+def measure_forward(rank: int, world: int, config: Config, chunk: int = 1024) -> RankMeasurement:
+    """Harness case: a forward-only model (an RL reference) as our runtime runs it: `Engine.forward`
+    (no_grad; per-token log-probs and entropy from the last hidden states in sequence chunks of `chunk`
+    tokens; under PP the forward-only pipeline) on this DP rank's share of the config's global batch in
+    micro-batches of `micro_batch_size`, once to warm up, then measured. Every tensor the engine holds is
+    tracked: `peak_by_kind`'s "Gradient" and "Other" are the data-parallel mode's buffers and main
+    parameters, which `Engine` allocates for training and a forward never touches (constant through
+    it, so they move the peak's size, not its moment)."""
+    from fivefold.engine import Batch, Engine
+
+    t = config.training
+    ctx = RankContext(Mesh.build(layout_of(config)), Path("."))
+    engine = Engine(config, ctx, chunk=chunk)
+    n = t.global_batch_size // ctx.dp_size
+    gen = torch.Generator().manual_seed(t.seed * 1000 + ctx.dp_rank)
+    ids = torch.randint(0, config.model.vocab_size, (n, t.seq_length), generator=gen)
+    batch = Batch(ids, torch.ones(n, t.seq_length))
+    engine.forward(batch, micro_batch_size=t.micro_batch_size)
+    traffic.reset()
+    tracker = _tracker()
+    tracker.track_external(*engine.parts.dp.held_tensors())
+    tracker.track_external(engine.model)
+    with tracker:
+        stats = engine.forward(batch, micro_batch_size=t.micro_batch_size)
+    snap = {getattr(k, "value", k): v for k, v in tracker.get_tracker_snapshot("peak").get(ctx.device, {}).items()}
+    tags = {tag for _, tag, _, _, _ in traffic.table()}
+    return RankMeasurement(
+        rank=rank, coords=dict(ctx.mesh.coords),
+        bytes_by_tag={tag: traffic.bytes(tag=tag) for tag in sorted(tags)},
+        calls_by_tag={tag: traffic.calls(tag=tag) for tag in sorted(tags)},
+        peak_bytes=int(snap.get("Total", 0)),
+        peak_by_kind={k: int(v) for k, v in snap.items() if k != "Total"},
+        loss=float(stats.logprobs.mean()))
+
+
 def measure_step(rank: int, world: int, config: Config) -> RankMeasurement:
     """Harness case: build the config's model on this rank as `train` does (fivefold.train.loop.build),
     take a warm-up step, then measure one (`train_step`, with PP > 1 through the pipeline schedule)."""
