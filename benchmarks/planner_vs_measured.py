@@ -25,8 +25,8 @@ memory ratio is furthest from 1). Exit code 1 when a layout misses either goal.
 `--forward`: the same model as a forward-only model (an RL reference, fivefold/planner/forward.py):
 `Engine.forward` measured (`fivefold.testing.measure.measure_forward`: one warm-up forward, then the
 measured one, over the case's global batch in micro-batches, log-probs in chunks of `Case.chunk` tokens)
-against `versus.compare_forward_rank`: the forward's call bytes per tag, and its peak without the
-gradient buffers and main parameters the engine allocates for training (their MiB in the last column).
+against `versus.compare_forward_rank`: the forward's call bytes per tag, and the peak of a frozen engine
+(`Engine(frozen=True)`: its weights, no gradient buffers or optimizer state).
 A chunk of 16 tokens makes a layer's forward the peak instead of the log-prob computation.
 """
 from __future__ import annotations
@@ -313,8 +313,8 @@ def run_forward_case(pools: dict, case: Case) -> list[RankComparison]:
 
 
 FORWARD_HEADER = ("| layout | rank | comm MiB per tag, est/meas (ratio) | est peak MiB | meas peak MiB | ratio | "
-                  "weights transient, est/meas MiB | engine's training buffers MiB |\n"
-                  "|---|---|---|---|---|---|---|---|")
+                  "weights transient, est/meas MiB |\n"
+                  "|---|---|---|---|---|---|---|")
 
 
 def format_forward_rows(name: str, rows: list[RankComparison]) -> list[str]:
@@ -325,7 +325,7 @@ def format_forward_rows(name: str, rows: list[RankComparison]) -> list[str]:
         e, m = r.est_kinds(), r.measured_by_planner_kind()
         lines.append(f"| {name} | {r.rank} | {comm} | {r.est_peak / MiB:.1f} | {r.meas_peak / MiB:.1f} | "
                      f"{r.memory_ratio:.3f} | {e['weights'] / MiB:.1f}/{m['weights'] / MiB:.1f} "
-                     f"{e['transient'] / MiB:.2f}/{m['transient'] / MiB:.2f} | {r.training_only / MiB:.1f} |")
+                     f"{e['transient'] / MiB:.2f}/{m['transient'] / MiB:.2f} |")
     return lines
 
 

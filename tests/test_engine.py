@@ -241,6 +241,50 @@ def test_offload_frees_the_storage_and_onload_trains_identically(tmp_path):
         assert all(torch.equal(p, q) for p, q in zip(a.model.parameters(), b.model.parameters()))
 
 
+def _frozen_rank(rank: int, world: int, actor: dict, frozen: dict) -> dict:
+    from fivefold.engine.sync import sync_weights
+
+    torch.manual_seed(0)
+    with _engine(config_from_dict(actor)) as a, _engine(config_from_dict(frozen), frozen=True) as f:
+        a.train_batch(split(_batch(), a.ctx.dp_size, a.ctx.dp_rank), grpo_loss, lr=1e-3, micro_batch_size=2)
+        sync_weights(a.model, f.model)
+        try:
+            f.train_batch(_batch(), grpo_loss, lr=1e-3)
+            refused = ""
+        except RuntimeError as e:
+            refused = str(e)
+        out = {}
+        for name, e in (("actor", a), ("frozen", f)):
+            out[name] = {"logprobs": e.forward(split(_batch(), e.ctx.dp_size, e.ctx.dp_rank)).logprobs,
+                         "dp_rank": e.ctx.dp_rank, "pp_rank": e.ctx.mesh.coords["pp"]}
+        return {**out, "refused": refused, "params": sum(p.numel() for p in f.model.parameters()),
+                "grads": any(p.requires_grad for p in f.model.parameters()), "held": f.device_bytes(),
+                "weights": sum(p.numel() * p.element_size() for p in f.model.parameters())}
+
+
+def test_a_frozen_engine_holds_its_weights_whole_and_computes_the_trained_copys_logprobs(workers):
+    """A reference as RL runs it: `Engine(frozen=True)` in PP2 x DP2 under a ZeRO-3 config, its weights
+    synced from an actor trained one step in TP2 x DP2, gives the actor's log-probs (summation order
+    only: bound 1e-5 absolute, as the layouts above), holds each stage's parameters whole on every DP
+    rank (no ZeRO-3 shards, no gradient buffers or optimizer state: its device bytes are its weights')
+    and refuses to train."""
+    actor = _config(4, tensor_model_parallel_size=2)
+    frozen = _config(4, pipeline_model_parallel_size=2)
+    frozen.training.use_distributed_optimizer = True
+    frozen.training.data_parallel_sharding_strategy = "optim_grads_params"
+    results = workers(4).run(_frozen_rank, to_dict(actor), to_dict(frozen))
+    whole = sum(p.numel() for p in Engine(_config(), RankContext.single(Path("."))).model.parameters())
+    stats = {name: {r[name]["dp_rank"]: r[name]["logprobs"] for r in results if r[name]["pp_rank"] == 0}
+             for name in ("actor", "frozen")}
+    for d in (0, 1):
+        close(stats["frozen"][d], stats["actor"][d], rtol=0, atol=1e-5, site="engine.layout_logprobs", case="frozen")
+    for d in (0, 1):  # the two stages of each DP replica hold the whole model between them
+        assert sum(r["params"] for r in results if r["frozen"]["dp_rank"] == d) == whole
+    for r in results:
+        assert not r["grads"] and r["held"] == r["weights"] > 0
+        assert "frozen" in r["refused"] and "build it without frozen to train it" in r["refused"]
+
+
 def critic_loss(stats, mb: Batch, totals: dict) -> torch.Tensor:
     """A critic's clipped value loss against fixed returns, token-mean."""
     x = mb.extra

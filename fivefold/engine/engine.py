@@ -25,6 +25,7 @@ without CP; the loss is then summed over DP only.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -110,14 +111,19 @@ def split(batch: Batch, dp_size: int, dp_rank: int) -> Batch:
 
 
 class Engine:
-    def __init__(self, config: Config, ctx: RankContext, *, chunk: int = 1024, value_head: bool = False):
+    def __init__(self, config: Config, ctx: RankContext, *, chunk: int = 1024, value_head: bool = False,
+                 frozen: bool = False):
         """`value_head`: a critic — a Linear(hidden, 1) on the last layer's normalised hidden states,
-        replicated over TP (fed every position), trained with the model; TokenStats.values."""
+        replicated over TP (fed every position), trained with the model; TokenStats.values. `frozen`: a
+        model that only runs `forward` (RL's reference, a reward model): its weights alone, in the run's
+        parameter dtype and whole on every DP rank (no gradient buffers, main parameters or optimizer
+        state: `parallelize(frozen=True)`), loaded by `sync_weights` from a trained copy; `train_batch`
+        and `save` are refused."""
         from fivefold.model.decoder import build_decoder
         from fivefold.parallel.parallelize import parallelize
         from fivefold.pipeline.stages import build_pipeline
 
-        self.config, self.ctx, self.chunk, self.value_head = config, ctx, chunk, value_head
+        self.config, self.ctx, self.chunk, self.value_head, self.frozen = config, ctx, chunk, value_head, frozen
         if ctx.layout.pp > 1:  # the stages this rank holds; any micro-batch count runs (executor_for)
             built = build_pipeline(config, ctx.mesh, 1, device=ctx.device)
             self.head_stage = built.stages.get(built.schedule.num_stages - 1)
@@ -125,7 +131,7 @@ class Engine:
             built = self.head_stage = build_decoder(config, ctx.mesh).to(ctx.device)
         if value_head and self.head_stage is not None:
             _add_value_head(self.head_stage, config, ctx.device)
-        self.parts = parallelize(built, ctx.mesh, config)
+        self.parts = parallelize(built, ctx.mesh, config, frozen=frozen)
         self.model = self.parts.model
         """The Decoder, or with PP the StageStack of this rank's stages."""
 
@@ -229,6 +235,7 @@ class Engine:
         the whole global batch. Returns the loss and the gradient norm and, for a MoE model, the step's load
         metrics as `fivefold train` logs them (moe_aux_loss, moe_load_imbalance, moe_dropped_fraction with
         a capacity; per layer with logging.moe_per_layer_logging), counted over every rank."""
+        self._trainable("train_batch")
         dp, mesh = self.parts.dp, self.parts.mesh
         totals = torch.tensor([float(batch.loss_mask.sum()), float(len(batch))], dtype=torch.float64)
         comm.all_reduce_(totals, mesh.dp, tag="engine-totals")
@@ -272,10 +279,17 @@ class Engine:
             out.update(moe_record(totals, self.parts.decoders[0].cfg, self.config.logging.moe_per_layer_logging))
         return out
 
+    def _trainable(self, call: str) -> None:
+        if self.frozen:
+            raise RuntimeError(f"Engine.{call}: this engine is frozen (Engine(..., frozen=True) runs forward only, "
+                               "with no gradients or optimizer state): build it without frozen to train it")
+
     # ---- memory between phases ----
     def _tensors(self) -> list[torch.Tensor]:
         """Every tensor the engine holds: parameters, gradient buffers and main parameters, AdamW state."""
         dp = self.parts.dp
+        if dp is None:  # frozen
+            return list(self.model.parameters())
         state = [t for opt in dp.optimizers for st in opt.state.values() for t in st.values()
                  if isinstance(t, torch.Tensor)]
         return list(self.model.parameters()) + dp.held_tensors() + state
@@ -322,7 +336,7 @@ class Engine:
             raise NotImplementedYet("export_weights with expert or pipeline parallelism (each rank holds part of "
                                     "the experts or layers): fivefold.engine.sync.sync_weights copies them")
         bucket, size = {}, 0
-        with self.parts.dp.full_params(writes=False):
+        with nullcontext() if self.frozen else self.parts.dp.full_params(writes=False):  # (frozen: whole)
             metas = named_metas(model)
             for name, p in model.named_parameters():
                 full = _gather_whole(p.detach(), metas[name], self.parts.mesh)
@@ -340,6 +354,7 @@ class Engine:
     def save(self, folder: str | Path, step: int) -> Path:
         from fivefold.train.loop import _save
 
+        self._trainable("save")
         return _save(self.config, self.ctx, Path(folder), step, self.parts, None)
 
 

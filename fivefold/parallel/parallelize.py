@@ -43,8 +43,9 @@ class Parts:
     """The Decoder, or with PP the StageStack of this rank's stages (parameters under global names)."""
     pipe: PipelineModel | None
     """With PP: the stages, schedule and executor; None without."""
-    dp: DataParallel
-    """Gradient reduction, clipping and the optimizer (it stands where a torch optimizer would)."""
+    dp: DataParallel | None
+    """Gradient reduction, clipping and the optimizer (it stands where a torch optimizer would); None
+    for a frozen model (`parallelize(..., frozen=True)`), which only runs forward."""
     mesh: object
 
     @property
@@ -90,10 +91,13 @@ def compile_layers(model: Decoder) -> None:
 
 
 def parallelize(model: Decoder | PipelineModel, mesh, config: Config, *,
-                reducer_cls: type[GradReducer] = GradReducer) -> Parts:
+                reducer_cls: type[GradReducer] = GradReducer, frozen: bool = False) -> Parts:
     """Apply TP/SP -> CP -> EP -> recompute -> compile -> precision -> DP to `model` (a Decoder from build_decoder, or a
     PipelineModel from build_pipeline) on this rank of `mesh`, as `config` says; see the module
-    docstring. `reducer_cls`: the gradient reducer (tests substitute a recording one)."""
+    docstring. `reducer_cls`: the gradient reducer (tests substitute a recording one). `frozen`: a model
+    that only runs forward (an RL reference, a reward model): no data-parallel mode (no gradient
+    buffers, main parameters or optimizer state; its weights whole on every DP rank, whatever the
+    config's ZeRO mode) and no parameter requiring a gradient."""
     pipe = model if isinstance(model, PipelineModel) else None
     module = pipe.module if pipe is not None else model
     decoders = list(pipe.stages.values()) if pipe is not None else [model]
@@ -108,6 +112,9 @@ def parallelize(model: Decoder | PipelineModel, mesh, config: Config, *,
     dtype = Precision.of(config.training).param_dtype
     module.to(dtype)  # in place: the Parameter objects (and their metadata) stay; the pipeline's executors
     # send activations in this dtype (fivefold.pipeline.stages.build_pipeline)
+    if frozen:
+        module.requires_grad_(False)
+        return Parts(module, pipe, None, mesh)
     dp = DataParallel(module, mesh, config.training, moe=config.model.is_moe, reducer_cls=reducer_cls,
                       not_counted=pipe.uncounted_parameters() if pipe is not None else (), pipelined=pipe is not None)
     return Parts(module, pipe, dp, mesh)

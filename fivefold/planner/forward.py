@@ -31,12 +31,11 @@ from `collectives.forward_stage_collectives`), then the forward-only pipeline (`
 forward_pipeline_time`: (p - 1) stage times of fill for 1F1B). No DP gradient reduction, no optimizer
 step. MFU on forward FLOPs (`flops.forward_flops_per_token`).
 
-Our runtime today builds every Engine for training: `parallelize` gives it its data-parallel mode's
-gradient buffers (and fp32 main parameters in a 16-bit run: 4 + 4 bytes a parameter beside the 2 of
-the weights), which a forward never touches; under ZeRO-3 it shards the weights over DP and gathers
-each unit for every forward (measured, DP2: 20 MiB of weight shards and 20 of gradient shards held,
-40.5 MiB gathered a forward, of a 40.5 MiB model). This estimate sizes the frozen copy a forward-only
-model needs, not those.
+Our runtime holds this when the model is built frozen (`Engine(..., frozen=True)`: the weights alone,
+whole on every DP rank); an engine built for training also holds its data-parallel mode's gradient
+buffers (and fp32 main parameters in a 16-bit run: 4 + 4 bytes a parameter beside the 2 of the
+weights), which a forward never touches, and under ZeRO-3 shards the weights over DP and gathers each
+unit for every forward: not what this estimate sizes.
 """
 from __future__ import annotations
 

@@ -8,9 +8,8 @@ by kind: weights ~ Parameter, grads ~ Gradient, optimizer ~ Optstate, and the re
 logits and loss temporaries, buffers, scratch) ~ Activation + Temp.
 
 A forward-only model (`compare_forward_rank`: planner/forward.py against `measure_forward`, one
-`Engine.forward`): its forward call bytes (`callbytes.forward_call_bytes`), and its memory against the
-measured peak less what the engine allocates for training and the forward never touches
-(`TRAINING_ONLY_KINDS`: gradient buffers, main parameters; constant through the forward).
+`Engine.forward` of a frozen engine): its forward call bytes (`callbytes.forward_call_bytes`), and its
+memory against the measured peak.
 """
 from __future__ import annotations
 
@@ -25,10 +24,6 @@ from fivefold.planner.runtime import apply, profile
 
 BOOKKEEPING_TAGS = ("loss", "grad-norm", "found-inf", "metrics", "moe-metrics", "checkpoint")
 """Traffic tags of scalars for logging, clipping, loss scaling and checkpoint agreement, not model tensors."""
-
-TRAINING_ONLY_KINDS = ("Gradient", "Optstate", "Other")
-"""What MemTracker files the engine's data-parallel buffers under (gradient buffers, fp32 main parameters,
-ZeRO shards): `Engine` builds them for `train_batch`, and a forward never allocates, frees or reads them."""
 
 MEASURED_KINDS = {"weights": ("Parameter", "Buffer"), "grads": ("Gradient",), "optimizer": ("Optstate",),
                   "transient": ("Activation", "Temp", "Other")}
@@ -47,8 +42,6 @@ class RankComparison:
     meas_kinds: dict[str, int]
     """MemTracker's live bytes at the peak, by its kinds."""
     meas_peak: int
-    training_only: int = 0
-    """A forward-only comparison: the measured bytes of `TRAINING_ONLY_KINDS`, left out of `meas_peak`."""
 
     @property
     def tags(self) -> list[str]:
@@ -90,12 +83,9 @@ def compare_rank(config: Config, rank: int, pp_rank: int, bytes_by_tag: dict[str
 def compare_forward_rank(config: Config, rank: int, pp_rank: int, bytes_by_tag: dict[str, int],
                          peak_by_kind: dict[str, int], peak: int, assume: MemoryAssumptions = CPU_EAGER,
                          chunk: int = FORWARD_CHUNK) -> RankComparison:
-    """One rank's forward-only estimate beside `fivefold.testing.measure.measure_forward`: the measured
-    peak without `TRAINING_ONLY_KINDS`."""
+    """One rank's forward-only estimate beside `fivefold.testing.measure.measure_forward`."""
     plan = Plan(forward_config(apply(config, profile("fivefold"))))
     model_bytes = {t: b for t, b in bytes_by_tag.items() if t not in BOOKKEEPING_TAGS}
-    unused = sum(peak_by_kind.get(k, 0) for k in TRAINING_ONLY_KINDS)
-    kinds = {k: v for k, v in peak_by_kind.items() if k not in TRAINING_ONLY_KINDS}
     return RankComparison(rank=rank, pp_rank=pp_rank, est_bytes=forward_call_bytes(plan, pp_rank),
                           meas_bytes=model_bytes, est_memory=forward_memory_per_rank(plan, assume, chunk)[pp_rank],
-                          meas_kinds=kinds, meas_peak=peak - unused, training_only=unused)
+                          meas_kinds=dict(peak_by_kind), meas_peak=peak)

@@ -112,15 +112,14 @@ def measure_forward(rank: int, world: int, config: Config, chunk: int = 1024) ->
     """Harness case: a forward-only model (an RL reference) as our runtime runs it: `Engine.forward`
     (no_grad; per-token log-probs and entropy from the last hidden states in sequence chunks of `chunk`
     tokens; under PP the forward-only pipeline) on this DP rank's share of the config's global batch in
-    micro-batches of `micro_batch_size`, once to warm up, then measured. Every tensor the engine holds is
-    tracked: `peak_by_kind`'s "Gradient" and "Other" are the data-parallel mode's buffers and main
-    parameters, which `Engine` allocates for training and a forward never touches (constant through
-    it, so they move the peak's size, not its moment)."""
+    micro-batches of `micro_batch_size`, once to warm up, then measured. The engine is frozen
+    (`Engine(frozen=True)`): its weights alone, no gradient buffers or optimizer state, every tensor it
+    holds tracked."""
     from fivefold.engine import Batch, Engine
 
     t = config.training
     ctx = RankContext(Mesh.build(layout_of(config)), Path("."))
-    engine = Engine(config, ctx, chunk=chunk)
+    engine = Engine(config, ctx, chunk=chunk, frozen=True)
     n = t.global_batch_size // ctx.dp_size
     gen = torch.Generator().manual_seed(t.seed * 1000 + ctx.dp_rank)
     ids = torch.randint(0, config.model.vocab_size, (n, t.seq_length), generator=gen)
@@ -128,7 +127,6 @@ def measure_forward(rank: int, world: int, config: Config, chunk: int = 1024) ->
     engine.forward(batch, micro_batch_size=t.micro_batch_size)
     traffic.reset()
     tracker = _tracker()
-    tracker.track_external(*engine.parts.dp.held_tensors())
     tracker.track_external(engine.model)
     with tracker:
         stats = engine.forward(batch, micro_batch_size=t.micro_batch_size)
