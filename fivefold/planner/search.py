@@ -223,6 +223,7 @@ def _search(model, hw, world, gpus_per_node, seq, global_batch, precision, space
     the exchange only as whether it gathers K and V (`memory.peak_memory`), so a layout's p2p and a2a
     twins (consecutive in `structures`) hold the same: (DP mode, micro-batch, recompute) -> RankMemory,
     DP mode -> the model-state check."""
+    dp_modes, modes = sorted(space.dp_modes, key=SHARDING.index), recompute_modes(space, model)
     for parallel in layouts:
         base = with_group(make_config(model, world, gpus_per_node, seq, global_batch, precision, parallel,
                                       grad_reduce_in_bf16=grad_reduce_in_bf16, a2a_overlap=space.a2a_overlap,
@@ -236,7 +237,7 @@ def _search(model, hw, world, gpus_per_node, seq, global_batch, precision, space
         dp, grouped = layout.dp, layout.schedule == "interleaved"
         lighter: dict[int, int] = {}
         """micro-batch -> the first recompute mode (its index) that fits under a less sharded DP mode"""
-        for dp_mode in sorted(space.dp_modes, key=SHARDING.index):
+        for dp_mode in dp_modes:
             # Model state does not depend on the micro-batch or recompute: when it alone does not fit,
             # no variant does. Activations never shrink with a larger micro-batch (the schedule holds
             # min(k, m) microbatches of m = B/(mbs dp): mbs min(k, m) never falls; interleaved in groups
@@ -252,7 +253,6 @@ def _search(model, hw, world, gpus_per_node, seq, global_batch, precision, space
                 state = known[dp_mode]
             failed: dict[str | None, tuple[int, str]] = {}
             """recompute mode -> (micro-batch, why) where it was sized and did not fit"""
-            modes = recompute_modes(space, model)
             for mbs in micro_batches(space, layout.pp, dp, global_batch):
                 if global_batch % (mbs * dp):
                     continue
