@@ -19,7 +19,7 @@ from fivefold.planner.presets.hardware import Hardware
 from fivefold.planner.runtime import megatron_fsdp as runs_megatron_fsdp
 from fivefold.planner.space import SearchSpace, recompute_fields, recompute_modes, structures
 from fivefold.planner.steptime import StepEstimate, TimeAssumptions, step_time
-from fivefold.planner.validity import config_errors
+from fivefold.planner.validity import checked, config_errors, twin_errors
 
 GiB = 2**30
 
@@ -218,11 +218,11 @@ def _search(model, hw, world, gpus_per_node, seq, global_batch, precision, space
             grad_reduce_in_bf16, layouts) -> SearchResult:
     result = SearchResult(ranked=[])
     trainings: dict[tuple, TrainingConfig] = {}  # the variants' training sections (`_variant`)
-    twin, known = None, {}
+    twin, known, valid = None, {}, None
     """The last layout but its CP exchange, and what sizing its variants found: the memory model reads
     the exchange only as whether it gathers K and V (`memory.peak_memory`), so a layout's p2p and a2a
     twins (consecutive in `structures`) hold the same: (DP mode, micro-batch, recompute) -> RankMemory,
-    DP mode -> the model-state check."""
+    DP mode -> the model-state check; and the adjusted sizes of a valid twin (`validity.twin_errors`)."""
     dp_modes, modes = sorted(space.dp_modes, key=SHARDING.index), recompute_modes(space, model)
     for parallel in layouts:
         base = with_group(make_config(model, world, gpus_per_node, seq, global_batch, precision, parallel,
@@ -231,8 +231,12 @@ def _search(model, hw, world, gpus_per_node, seq, global_batch, precision, space
                                       fp8_recipe=space.fp8_recipe, tp_comm_overlap=space.tp_comm_overlap),
                          space.group_rule)
         if (key := cp_twin(base)) != twin:
-            twin, known = key, {}
-        broken = config_errors(base)
+            twin, known, valid = key, {}, None
+        if valid is None:
+            broken, sizes = checked(base)
+            valid = None if broken else sizes
+        else:
+            broken = twin_errors(base, valid)
         layout = Plan(base)  # after config_errors: it writes the resolved VPP, schedule and SP back
         dp, grouped = layout.dp, layout.schedule == "interleaved"
         lighter: dict[int, int] = {}
