@@ -132,8 +132,23 @@ def make_config(model: ModelConfig, world: int, gpus_per_node: int, seq: int, gl
                                          use_megatron_fsdp=runs_megatron_fsdp(megatron_fsdp, dp_mode),
                                          grad_reduce_in_bf16=grad_reduce_in_bf16 and precision != "fp32",
                                          fp8_recipe=fp8_recipe))
+    return with_overlaps(cfg, a2a_overlap, tp_comm_overlap)
+
+
+def with_overlaps(cfg: Config, a2a_overlap: bool, tp_comm_overlap: bool) -> Config:
+    """`cfg` with the overlaps `make_config` turns on (`with_tp_overlap`, `with_a2a_overlap`)."""
     cfg = with_tp_overlap(cfg) if tp_comm_overlap else cfg
     return with_a2a_overlap(cfg) if a2a_overlap else cfg
+
+
+def with_layout(template: Config, parallel: dict, dispatcher: str) -> Config:
+    """`template` (a `make_config` without parallel fields) with the layout `parallel` and MoE token
+    `dispatcher`, as `make_config` writes them: its other sections are the template's (the same
+    objects, read only: the rules write the parallel section alone), not made again for each layout."""
+    cfg = object.__new__(Config)
+    cfg.__dict__.update(template.__dict__)
+    cfg.parallel = ParallelConfig(**{"moe_token_dispatcher_type": dispatcher, **parallel})
+    return cfg
 
 
 def with_tp_overlap(cfg: Config) -> Config:
@@ -224,12 +239,12 @@ def _search(model, hw, world, gpus_per_node, seq, global_batch, precision, space
     twins (consecutive in `structures`) hold the same: (DP mode, micro-batch, recompute) -> RankMemory,
     DP mode -> the model-state check; and the adjusted sizes of a valid twin (`validity.twin_errors`)."""
     dp_modes, modes = sorted(space.dp_modes, key=SHARDING.index), recompute_modes(space, model)
+    template = make_config(model, world, gpus_per_node, seq, global_batch, precision, {},
+                           grad_reduce_in_bf16=grad_reduce_in_bf16, megatron_fsdp=space.megatron_fsdp,
+                           fp8_recipe=space.fp8_recipe)
     for parallel in layouts:
-        base = with_group(make_config(model, world, gpus_per_node, seq, global_batch, precision, parallel,
-                                      grad_reduce_in_bf16=grad_reduce_in_bf16, a2a_overlap=space.a2a_overlap,
-                                      dispatcher=space.dispatcher, megatron_fsdp=space.megatron_fsdp,
-                                      fp8_recipe=space.fp8_recipe, tp_comm_overlap=space.tp_comm_overlap),
-                         space.group_rule)
+        base = with_group(with_overlaps(with_layout(template, parallel, space.dispatcher), space.a2a_overlap,
+                                        space.tp_comm_overlap), space.group_rule)
         if (key := cp_twin(base)) != twin:
             twin, known, valid = key, {}, None
         if valid is None:
