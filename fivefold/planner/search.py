@@ -402,7 +402,7 @@ def clear_caches() -> None:
         cache.clear()
     for fn in (pipeline._simulate, pipeline._equal_stages, pipeline.pipeline_profile, pipeline.bubble_fraction,
                space.layer_splits, memory._for_precision, activations._interned, precision._policy,
-               precision.Precision.state_bytes, links.nodes_hit):
+               precision.Precision.state_bytes, links.nodes_hit, links._dense_crossings, links._expert_crossings):
         fn.cache_clear()
 
 
