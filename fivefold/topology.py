@@ -127,6 +127,19 @@ class Topology:
         return sorted(ranks)
 
 
+def dense_grid(tp: int, cp: int, dp: int, pp: int, order: str) -> Topology:
+    """A `Layout`'s dense grid: tp x cp x dp x pp in `order` (EP left out)."""
+    return Topology({"tp": tp, "cp": cp, "dp": dp, "pp": pp}, [d for d in parse_order(order) if d != "ep"])
+
+
+def expert_grid(etp: int, ep: int, edp: int, pp: int, order: str) -> Topology:
+    """A `Layout`'s expert grid, Megatron's expert generator: the same order with tp -> etp, cp -> 1,
+    dp -> edp."""
+    rename = {"tp": "etp", "dp": "edp"}
+    dims = [rename.get(d, d) for d in parse_order(order) if d != "cp"]
+    return Topology({"etp": etp, "ep": ep, "edp": edp, "pp": pp}, dims)
+
+
 @dataclass(frozen=True)
 class Layout:
     """The dense and expert grids of one model over the same ranks (Megatron's MoE folding)."""
@@ -156,15 +169,11 @@ class Layout:
 
     @cached_property
     def dense(self) -> Topology:
-        dims = [d for d in parse_order(self.order) if d != "ep"]
-        return Topology({"tp": self.tp, "cp": self.cp, "dp": self.dp, "pp": self.pp}, dims)
+        return dense_grid(self.tp, self.cp, self.dp, self.pp, self.order)
 
     @cached_property
     def expert(self) -> Topology:
-        # Megatron's expert generator: the same order with tp -> etp, cp -> 1, dp -> edp.
-        rename = {"tp": "etp", "dp": "edp"}
-        dims = [rename.get(d, d) for d in parse_order(self.order) if d != "cp"]
-        return Topology({"etp": self.etp, "ep": self.ep, "edp": self.edp, "pp": self.pp}, dims)
+        return expert_grid(self.etp, self.ep, self.edp, self.pp, self.order)
 
     @cached_property
     def _cp_split(self) -> Topology:

@@ -20,7 +20,7 @@ from fivefold.planner.presets import hardware, model_preset
 from fivefold.planner.space import SearchSpace, structures
 from fivefold.planner.search import DOMINATED, PP_DOMINATED, describe, evaluate, make_config, rank_key, search
 from fivefold.planner.steptime import TimeAssumptions
-from fivefold.planner.validity import config_errors
+from fivefold.planner.validity import checked, config_errors, twin_errors
 
 
 @pytest.mark.parametrize("p,m,v", [(4, 8, 1), (8, 32, 1), (4, 8, 2), (8, 16, 4)])
@@ -442,6 +442,25 @@ def test_a_search_after_another_setting_equals_it_cold(change):
     clear_caches()
     assert cold[0] and cold != base  # the setting is read: its search differs from the unchanged one
     assert warm == cold
+
+
+@pytest.mark.parametrize("tp,cp,exchange,hcp", [
+    (1, 2, "a2a", None), (4, 4, "a2a", None), (8, 8, "a2a", None),  # 32 heads: 4 per TP rank, not over CP8
+    (2, 4, "a2a+p2p", [2, 2]), (1, 4, "a2a+p2p", [3, 2]), (8, 4, "a2a+p2p", [8, 1]), (2, 2, "ring", None)])
+def test_a_valid_layouts_twin_of_another_cp_exchange_is_checked_as_config_errors_checks_it(tp, cp, exchange, hcp):
+    """The search checks only the CP exchange's rules of a valid layout's twins (`twin_errors`): the
+    messages and the written-back knobs are `config_errors`', also where the exchange alone breaks one."""
+    m = model_preset("llama3-8b").model
+    def config(comm):
+        return make_config(m, 64, 8, 4096, 64, "bf16", {"tensor_model_parallel_size": tp, "context_parallel_size": cp,
+                                                        "sequence_parallel": tp > 1, "cp_comm_type": comm,
+                                                        "hierarchical_context_parallel_sizes": hcp})
+    broken, sizes = checked(config("p2p"))
+    assert not broken
+    twin, alone = config(exchange), config(exchange)
+    assert twin_errors(twin, sizes) == config_errors(alone)
+    assert vars(twin.parallel) == vars(alone.parallel)
+    assert bool(config_errors(alone)) == ((tp, cp) == (8, 8) or hcp == [3, 2] or hcp == [8, 1] or exchange == "ring")
 
 
 @pytest.mark.parametrize("name,gpus,schedules", [

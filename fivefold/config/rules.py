@@ -215,19 +215,7 @@ def errors(s: dict) -> list[Rule]:
         what = "multi_latent_attention" if s["mla"] else f"normalization={s['norm']}"
         out.append(Rule(KNOB_FIELDS["qk_scope"], "projection", f"q / k norms over the whole projection are "
                         f"OLMoE's RMSNorms over GQA's q and k, not built with {what}", ("qk_scope", "norm")))
-    if s["cp_comm"] == "a2a" and cp > 1 and heads % (cp * tp):
-        out.append(Rule(KNOB_FIELDS["cp_comm"], "a2a", f"all-to-all context parallelism needs the "
-                        f"{heads // tp if heads % tp == 0 else heads} heads per TP rank divisible by "
-                        f"CP={cp}", ("cp", "cp_comm")))
-    if s["cp_comm"] == "a2a+p2p":
-        h = s["hcp"]
-        if not h or len(h) != 2 or prod(h) != cp:
-            out.append(Rule(KNOB_FIELDS["hcp"], list(h) if h else h, f"cp_comm_type a2a+p2p needs "
-                            f"hierarchical_context_parallel_sizes [a2a, p2p] whose product is CP={cp}",
-                            ("hcp", "cp_comm")))
-        elif heads % tp == 0 and (heads // tp) % h[0]:
-            out.append(Rule(KNOB_FIELDS["hcp"], list(h), f"cp_comm_type a2a+p2p needs the {heads // tp} heads "
-                            f"per TP rank divisible by the all-to-all size {h[0]}", ("hcp", "cp_comm")))
+    out += _cp_exchange(s)
     out += _pipeline(s, dp)
     out += _moe(s, dp)
     if s["pos"] == "learned_absolute" and seq > s["maxpos"]:
@@ -251,6 +239,32 @@ def errors(s: dict) -> list[Rule]:
         out.append(Rule(KNOB_FIELDS["rnum"], None, f"full recompute with method {s['rmethod']} needs "
                         "recompute_num_layers (Megatron-LM refuses without it)", ("rnum",)))
     return out
+
+
+def _cp_exchange(s: dict) -> list[Rule]:
+    """The CP exchange's own rules (cp_comm_type: all-to-all's heads, a2a+p2p's two sizes)."""
+    out, tp, cp, heads = [], s["tp"], s["cp"], s["heads"]
+    if s["cp_comm"] == "a2a" and cp > 1 and heads % (cp * tp):
+        out.append(Rule(KNOB_FIELDS["cp_comm"], "a2a", f"all-to-all context parallelism needs the "
+                        f"{heads // tp if heads % tp == 0 else heads} heads per TP rank divisible by "
+                        f"CP={cp}", ("cp", "cp_comm")))
+    if s["cp_comm"] == "a2a+p2p":
+        h = s["hcp"]
+        if not h or len(h) != 2 or prod(h) != cp:
+            out.append(Rule(KNOB_FIELDS["hcp"], list(h) if h else h, f"cp_comm_type a2a+p2p needs "
+                            f"hierarchical_context_parallel_sizes [a2a, p2p] whose product is CP={cp}",
+                            ("hcp", "cp_comm")))
+        elif heads % tp == 0 and (heads // tp) % h[0]:
+            out.append(Rule(KNOB_FIELDS["hcp"], list(h), f"cp_comm_type a2a+p2p needs the {heads // tp} heads "
+                            f"per TP rank divisible by the all-to-all size {h[0]}", ("hcp", "cp_comm")))
+    return out
+
+
+def exchange_errors(s: dict) -> list[Rule]:
+    """`errors(s)` where sizes equal to `s` but for the CP exchange (cp_comm) break no rule: only the
+    rules that read it can break (of the choices, the exchange's: `errors` then lists the choices'
+    problems alone; else the exchange's own rules), and `adjust` does not read it."""
+    return _choices(s) or _cp_exchange(s)
 
 
 def ffn_of(s: dict) -> int:

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from fivefold.planner.layout import Plan
 from fivefold.planner.presets.hardware import Hardware
-from fivefold.topology import Layout, Topology, parse_order, split_group
+from fivefold.topology import Topology, dense_grid, expert_grid, parse_order, split_group
 
 if TYPE_CHECKING:
     from fivefold.planner.steptime import TimeAssumptions
@@ -33,21 +33,38 @@ _CROSS: dict[tuple, tuple[dict, dict]] = {}
 def _crossings(plan: Plan, gpn: int) -> tuple[dict, dict[str, str]]:
     """Which of the plan's groups span two nodes (and "ep local": how many of an EP group's ranks
     share rank 0's node), and each group's link by name."""
-    lay = Layout(tp=plan.tp, cp=plan.cp, pp=plan.pp, dp=plan.dp, ep=plan.ep, etp=plan.etp,
-                 order=plan.config.parallel.order)
-    d, e, w = lay.dense, lay.expert, plan.world
-    cross = {g: _spans_nodes(topo, dims, w, gpn) for g, topo, dims in (
-        ("tp", d, "tp"), ("cp", d, "cp"), ("pp", d, "pp"), ("dp", d, "cp-dp"), ("ep", e, "ep"), ("etp", e, "etp"),
-        ("edp", e, "edp"))}
+    order = plan.config.parallel.order
+    dense = _dense_crossings(plan.tp, plan.cp, plan.dp, plan.pp, order, gpn)
+    expert = _expert_crossings(plan.etp, plan.ep, plan.edp, plan.pp, order, gpn)
+    cross = {"tp": dense["tp"], "cp": dense["cp"], "pp": dense["pp"], "dp": dense["dp"], "ep": expert["ep"],
+             "etp": expert["etp"], "edp": expert["edp"]}
     cross["embedding"] = cross["pp"]  # the first and last pipeline ranks
-    cross["tp-cp"] = _spans_nodes(d, "tp-cp", w, gpn)
-    # EP peers in rank 0's node: rank 0's EP group is 0, stride, 2 stride, ... (ep of them)
-    cross["ep local"] = min(plan.ep, (gpn - 1) // e.strides["ep"] + 1)
+    cross["tp-cp"] = dense["tp-cp"]
+    cross["ep local"] = min(plan.ep, expert["ep local"])
     if plan.instances > 1:  # HSDP (fivefold.runtime.mesh.split): DP x CP cut into shard pieces and replicate groups
+        d = dense_grid(plan.tp, plan.cp, plan.dp, plan.pp, order)
         pieces = [split_group(ranks, plan.instances) for ranks in d.groups("cp-dp")]
         cross["dp"], cross["dp-replicate"] = (any(g[-1] // gpn != g[0] // gpn for split in pieces for g in split[kind])
                                               for kind in (0, 1))
     return cross, {g: "network" if v else "intra-node" for g, v in cross.items() if g != "ep local"}
+
+
+@lru_cache(maxsize=None)
+def _dense_crossings(tp: int, cp: int, dp: int, pp: int, order: str, gpn: int) -> dict[str, bool]:
+    """Which groups of the dense grid span two nodes: shared by the layouts that differ in EP / ETP alone."""
+    d = dense_grid(tp, cp, dp, pp, order)
+    return {g: _spans_nodes(d, dims, d.world_size, gpn)
+            for g, dims in (("tp", "tp"), ("cp", "cp"), ("pp", "pp"), ("dp", "cp-dp"), ("tp-cp", "tp-cp"))}
+
+
+@lru_cache(maxsize=None)
+def _expert_crossings(etp: int, ep: int, edp: int, pp: int, order: str, gpn: int) -> dict[str, bool | int]:
+    """Which groups of the expert grid span two nodes, and "ep local": at most how many EP ranks share
+    rank 0's node (its EP group is 0, stride, 2 stride, ...; `_crossings` takes at most EP of them)."""
+    e = expert_grid(etp, ep, edp, pp, order)
+    out: dict[str, bool | int] = {g: _spans_nodes(e, g, e.world_size, gpn) for g in ("ep", "etp", "edp")}
+    out["ep local"] = (gpn - 1) // e.strides["ep"] + 1
+    return out
 
 
 @lru_cache(maxsize=None)

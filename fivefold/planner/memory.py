@@ -507,9 +507,15 @@ class _Ranks:
         scratch = self.assume.traits.optimizer_scratch_bytes
         out: list[RankMemory] = []
         sized: dict[int, RankMemory] = {}
+        above: dict[int, bool] = {}  # coverer -> `_above_step` (a coverer covers many ranks)
         for r, by in enumerate(self.coverers()):
-            if by is not None and (not scratch or self._above_step(sized[by])):
-                continue
+            if by is not None:
+                if not scratch:
+                    continue
+                if by not in above:
+                    above[by] = self._above_step(sized[by])
+                if above[by]:
+                    continue
             sized[r] = self.memory(r)
             out.append(sized[r])
         return out

@@ -19,7 +19,7 @@ from fivefold.planner.presets.hardware import Hardware
 from fivefold.planner.runtime import megatron_fsdp as runs_megatron_fsdp
 from fivefold.planner.space import SearchSpace, recompute_fields, recompute_modes, structures
 from fivefold.planner.steptime import StepEstimate, TimeAssumptions, step_time
-from fivefold.planner.validity import config_errors
+from fivefold.planner.validity import checked, config_errors, twin_errors
 
 GiB = 2**30
 
@@ -132,8 +132,23 @@ def make_config(model: ModelConfig, world: int, gpus_per_node: int, seq: int, gl
                                          use_megatron_fsdp=runs_megatron_fsdp(megatron_fsdp, dp_mode),
                                          grad_reduce_in_bf16=grad_reduce_in_bf16 and precision != "fp32",
                                          fp8_recipe=fp8_recipe))
+    return with_overlaps(cfg, a2a_overlap, tp_comm_overlap)
+
+
+def with_overlaps(cfg: Config, a2a_overlap: bool, tp_comm_overlap: bool) -> Config:
+    """`cfg` with the overlaps `make_config` turns on (`with_tp_overlap`, `with_a2a_overlap`)."""
     cfg = with_tp_overlap(cfg) if tp_comm_overlap else cfg
     return with_a2a_overlap(cfg) if a2a_overlap else cfg
+
+
+def with_layout(template: Config, parallel: dict, dispatcher: str) -> Config:
+    """`template` (a `make_config` without parallel fields) with the layout `parallel` and MoE token
+    `dispatcher`, as `make_config` writes them: its other sections are the template's (the same
+    objects, read only: the rules write the parallel section alone), not made again for each layout."""
+    cfg = object.__new__(Config)
+    cfg.__dict__.update(template.__dict__)
+    cfg.parallel = ParallelConfig(**{"moe_token_dispatcher_type": dispatcher, **parallel})
+    return cfg
 
 
 def with_tp_overlap(cfg: Config) -> Config:
@@ -218,25 +233,30 @@ def _search(model, hw, world, gpus_per_node, seq, global_batch, precision, space
             grad_reduce_in_bf16, layouts) -> SearchResult:
     result = SearchResult(ranked=[])
     trainings: dict[tuple, TrainingConfig] = {}  # the variants' training sections (`_variant`)
-    twin, known = None, {}
+    twin, known, valid = None, {}, None
     """The last layout but its CP exchange, and what sizing its variants found: the memory model reads
     the exchange only as whether it gathers K and V (`memory.peak_memory`), so a layout's p2p and a2a
     twins (consecutive in `structures`) hold the same: (DP mode, micro-batch, recompute) -> RankMemory,
-    DP mode -> the model-state check."""
+    DP mode -> the model-state check; and the adjusted sizes of a valid twin (`validity.twin_errors`)."""
+    dp_modes, modes = sorted(space.dp_modes, key=SHARDING.index), recompute_modes(space, model)
+    template = make_config(model, world, gpus_per_node, seq, global_batch, precision, {},
+                           grad_reduce_in_bf16=grad_reduce_in_bf16, megatron_fsdp=space.megatron_fsdp,
+                           fp8_recipe=space.fp8_recipe)
     for parallel in layouts:
-        base = with_group(make_config(model, world, gpus_per_node, seq, global_batch, precision, parallel,
-                                      grad_reduce_in_bf16=grad_reduce_in_bf16, a2a_overlap=space.a2a_overlap,
-                                      dispatcher=space.dispatcher, megatron_fsdp=space.megatron_fsdp,
-                                      fp8_recipe=space.fp8_recipe, tp_comm_overlap=space.tp_comm_overlap),
-                         space.group_rule)
+        base = with_group(with_overlaps(with_layout(template, parallel, space.dispatcher), space.a2a_overlap,
+                                        space.tp_comm_overlap), space.group_rule)
         if (key := cp_twin(base)) != twin:
-            twin, known = key, {}
-        broken = config_errors(base)
+            twin, known, valid = key, {}, None
+        if valid is None:
+            broken, sizes = checked(base)
+            valid = None if broken else sizes
+        else:
+            broken = twin_errors(base, valid)
         layout = Plan(base)  # after config_errors: it writes the resolved VPP, schedule and SP back
         dp, grouped = layout.dp, layout.schedule == "interleaved"
         lighter: dict[int, int] = {}
         """micro-batch -> the first recompute mode (its index) that fits under a less sharded DP mode"""
-        for dp_mode in sorted(space.dp_modes, key=SHARDING.index):
+        for dp_mode in dp_modes:
             # Model state does not depend on the micro-batch or recompute: when it alone does not fit,
             # no variant does. Activations never shrink with a larger micro-batch (the schedule holds
             # min(k, m) microbatches of m = B/(mbs dp): mbs min(k, m) never falls; interleaved in groups
@@ -252,7 +272,6 @@ def _search(model, hw, world, gpus_per_node, seq, global_batch, precision, space
                 state = known[dp_mode]
             failed: dict[str | None, tuple[int, str]] = {}
             """recompute mode -> (micro-batch, why) where it was sized and did not fit"""
-            modes = recompute_modes(space, model)
             for mbs in micro_batches(space, layout.pp, dp, global_batch):
                 if global_batch % (mbs * dp):
                     continue
@@ -383,7 +402,7 @@ def clear_caches() -> None:
         cache.clear()
     for fn in (pipeline._simulate, pipeline._equal_stages, pipeline.pipeline_profile, pipeline.bubble_fraction,
                space.layer_splits, memory._for_precision, activations._interned, precision._policy,
-               precision.Precision.state_bytes, links.nodes_hit):
+               precision.Precision.state_bytes, links.nodes_hit, links._dense_crossings, links._expert_crossings):
         fn.cache_clear()
 
 

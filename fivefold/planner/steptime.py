@@ -185,11 +185,20 @@ def _timed(calls: list[Collective], links: Links, sizes: dict[str, int]) -> Time
     return tuple(out)
 
 
-def _add_timed(timed: Timed, parts: dict, sent: dict) -> None:
-    """`_add_calls` for calls on the critical path, already timed."""
-    for part, t, wire, *_ in timed:
-        sent[part] += wire
-        parts[part] += t
+ByPart = tuple[tuple[str, tuple[float, ...], tuple[float, ...]], ...]
+"""Calls on the critical path by reported part: (part, their seconds, their wire bytes), each in call order."""
+
+
+def _add_timed(by_part: ByPart, parts: dict, sent: dict) -> None:
+    """`_add_calls` for calls on the critical path, already timed: a part's sum takes its calls in call
+    order, so it reaches the floats adding every call in call order does."""
+    for part, times, wires in by_part:
+        t, wire = parts[part], sent[part]
+        for x in times:
+            t += x
+        for x in wires:
+            wire += x
+        parts[part], sent[part] = t, wire
 
 
 _CALLS: dict[tuple, tuple] = {}
@@ -226,24 +235,30 @@ def _rank_cost(plan: Plan, r: int, links: Links, sizes: dict[str, int], flops_ra
     return parts, sent, sum(parts.values())
 
 
-def _stage_calls(plan: Plan, r: int, links: Links, sizes: dict[str, int], key: tuple) -> Timed:
+def _stage_calls(plan: Plan, r: int, links: Links, sizes: dict[str, int], key: tuple) -> ByPart:
     """`stage_collectives` of pipeline rank r, timed (none hides behind compute; `key`: `_Keys.stage`)."""
     return _kept(_CALLS, key + plan.rank_shapes[r][1:], plan.config.model, links.hw,
                  lambda: _on_the_path(_timed(stage_collectives(plan, r), links, sizes)))
 
 
-def _on_the_path(timed: Timed) -> Timed:
-    """`timed`, checked to hide behind nothing (stage calls are added whole: `_add_timed`), its pipeline
-    sends and receives (four per chunk boundary: tens under VPP) as one entry. A rank's layers report
-    nothing under pp (`_rank_cost` adds them first), so their sum taken here, in call order from 0,
-    is the float `_add_timed` would reach adding them one by one."""
+def _on_the_path(timed: Timed) -> ByPart:
+    """`timed`, checked to hide behind nothing (stage calls are added whole: `_add_timed`), by part,
+    its pipeline sends and receives (four per chunk boundary: tens under VPP) as one entry. A rank's
+    layers report nothing under pp (`_rank_cost` adds them first), so their sum taken here, in call
+    order from 0, is the float `_add_timed` would reach adding them one by one."""
     assert all(behind is None for *_, behind, _ in timed)
-    t = wire = 0.0
+    by_part: dict[str, tuple[list, list]] = {}
     for part, seconds, sent, *_ in timed:
-        if part == "pp":
+        times, wires = by_part.setdefault(part, ([], []))
+        times.append(seconds)
+        wires.append(sent)
+    if "pp" in by_part:
+        t = wire = 0.0
+        for seconds, sent in zip(*by_part["pp"]):
             t += seconds
             wire += sent
-    return tuple(c for c in timed if c[0] != "pp") + ((("pp", t, wire, None, 1),) if wire or t else ())
+        by_part["pp"] = ([t], [wire])
+    return tuple((part, tuple(times), tuple(wires)) for part, (times, wires) in by_part.items())
 
 
 def _step_calls(plan: Plan, r: int, links: Links, sizes: dict[str, int], key: tuple) -> tuple[tuple, dict]:
