@@ -3,8 +3,10 @@ loss and the exported weights equal the one-process run's in DP, TP, TP+SP, CP, 
 log-probs equal unchunked; the losses equal their formulas written out another way."""
 from __future__ import annotations
 
+import gc
 import math
 import tempfile
+import warnings
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -241,33 +243,47 @@ def test_offload_frees_the_storage_and_onload_trains_identically(tmp_path):
         assert all(torch.equal(p, q) for p, q in zip(a.model.parameters(), b.model.parameters()))
 
 
+def _live_storages() -> dict[int, int]:
+    """Every tensor storage the process holds (gc's view, independent of what an Engine reports), by
+    address -> bytes."""
+    gc.collect()
+    with warnings.catch_warnings():  # (isinstance over gc's objects meets torch's deprecated module aliases)
+        warnings.simplefilter("ignore")
+        tensors = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
+    return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+
+
 def _frozen_rank(rank: int, world: int, actor: dict, frozen: dict) -> dict:
     from fivefold.engine.sync import sync_weights
 
     torch.manual_seed(0)
-    with _engine(config_from_dict(actor)) as a, _engine(config_from_dict(frozen), frozen=True) as f:
-        a.train_batch(split(_batch(), a.ctx.dp_size, a.ctx.dp_rank), grpo_loss, lr=1e-3, micro_batch_size=2)
-        sync_weights(a.model, f.model)
-        try:
-            f.train_batch(_batch(), grpo_loss, lr=1e-3)
-            refused = ""
-        except RuntimeError as e:
-            refused = str(e)
-        out = {}
-        for name, e in (("actor", a), ("frozen", f)):
-            out[name] = {"logprobs": e.forward(split(_batch(), e.ctx.dp_size, e.ctx.dp_rank)).logprobs,
-                         "dp_rank": e.ctx.dp_rank, "pp_rank": e.ctx.mesh.coords["pp"]}
-        return {**out, "refused": refused, "params": sum(p.numel() for p in f.model.parameters()),
-                "grads": any(p.requires_grad for p in f.model.parameters()), "held": f.device_bytes(),
-                "weights": sum(p.numel() * p.element_size() for p in f.model.parameters())}
+    with _engine(config_from_dict(actor)) as a:
+        before = _live_storages()
+        with _engine(config_from_dict(frozen), frozen=True) as f:
+            built = sum(v for k, v in _live_storages().items() if k not in before)  # what building f left alive
+            a.train_batch(split(_batch(), a.ctx.dp_size, a.ctx.dp_rank), grpo_loss, lr=1e-3, micro_batch_size=2)
+            sync_weights(a.model, f.model)
+            try:
+                f.train_batch(_batch(), grpo_loss, lr=1e-3)
+                refused = ""
+            except RuntimeError as e:
+                refused = str(e)
+            out = {name: {"logprobs": e.forward(split(_batch(), e.ctx.dp_size, e.ctx.dp_rank)).logprobs,
+                          "dp_rank": e.ctx.dp_rank, "pp_rank": e.ctx.mesh.coords["pp"]}
+                   for name, e in (("actor", a), ("frozen", f))}
+            tensors = list(f.model.parameters()) + list(f.model.buffers())
+            return {**out, "refused": refused, "params": sum(p.numel() for p in f.model.parameters()),
+                    "grads": any(p.requires_grad for p in f.model.parameters()), "built": built,
+                    "weights": sum(t.numel() * t.element_size() for t in tensors)}
 
 
 def test_a_frozen_engine_holds_its_weights_whole_and_computes_the_trained_copys_logprobs(workers):
     """A reference as RL runs it: `Engine(frozen=True)` in PP2 x DP2 under a ZeRO-3 config, its weights
     synced from an actor trained one step in TP2 x DP2, gives the actor's log-probs (summation order
     only: bound 1e-5 absolute, as the layouts above), holds each stage's parameters whole on every DP
-    rank (no ZeRO-3 shards, no gradient buffers or optimizer state: its device bytes are its weights')
-    and refuses to train."""
+    rank (no ZeRO-3 shards, no gradient buffers or optimizer state: the storages its construction leaves
+    alive, as gc finds them, are its parameters' and buffers' alone; an engine built for training leaves
+    twice that here, fp32 gradient buffers beside the weights) and refuses to train."""
     actor = _config(4, tensor_model_parallel_size=2)
     frozen = _config(4, pipeline_model_parallel_size=2)
     frozen.training.use_distributed_optimizer = True
@@ -281,7 +297,7 @@ def test_a_frozen_engine_holds_its_weights_whole_and_computes_the_trained_copys_
     for d in (0, 1):  # the two stages of each DP replica hold the whole model between them
         assert sum(r["params"] for r in results if r["frozen"]["dp_rank"] == d) == whole
     for r in results:
-        assert not r["grads"] and r["held"] == r["weights"] > 0
+        assert not r["grads"] and r["built"] == r["weights"] > 0
         assert "frozen" in r["refused"] and "build it without frozen to train it" in r["refused"]
 
 

@@ -106,9 +106,13 @@ def test_forward_is_a_third_of_a_training_steps_compute_and_holds_no_training_st
         assert frozen.weights == trained.weights
         assert frozen.grads == frozen.optimizer == frozen.scratch == frozen.buffers == 0
     assert fwd.memory.total < train.memory.total / 3
-    # a frozen copy is whole on every DP rank whatever the DP mode
-    zero3 = make_config(m, 16, 8, 4096, 64, "bf16", dict(tensor_model_parallel_size=2), dp_mode="optim_grads_params")
-    assert evaluate_forward(zero3, hw).memory.weights == evaluate_forward(forward_config(zero3), hw).memory.weights
+    # a frozen copy is whole on every DP rank whatever the DP mode: ZeRO-3's weights as the distributed
+    # optimizer's (which keeps the 16-bit weights whole), 2 bytes a parameter over TP2
+    layout = dict(tensor_model_parallel_size=2)
+    zero3 = make_config(m, 16, 8, 4096, 64, "bf16", layout, dp_mode="optim_grads_params")
+    zero1 = evaluate(make_config(m, 16, 8, 4096, 64, "bf16", layout, dp_mode="optim"), hw)
+    frozen = evaluate_forward(zero3, hw).memory
+    assert frozen.weights == zero1.memory.weights == 2 * frozen.params
     assert Plan(forward_config(zero3)).config.training.sharding_strategy == "no_shard"
 
 

@@ -6,7 +6,7 @@ list); this sums their call bytes by tag.
 """
 from __future__ import annotations
 
-from fivefold.planner.collectives import forward_stage_collectives, layer_collectives, rank_collectives
+from fivefold.planner.collectives import forward_layer_collectives, forward_stage_collectives, rank_collectives
 from fivefold.planner.forward import forward_layer_groups
 from fivefold.planner.layout import Plan
 
@@ -24,8 +24,8 @@ def forward_call_bytes(plan: Plan, pp_rank: int = 0) -> dict[str, float]:
     forward calls and `forward_stage_collectives`, per microbatch) on one rank of pipeline rank
     `pp_rank`, by traffic tag; `plan` from `forward.forward_config`."""
     out: dict[str, float] = {}
-    calls = [(c, n) for i, n in forward_layer_groups(plan, pp_rank) for c in layer_collectives(plan, i)
-             if c.phase == "forward"] + [(c, 1) for c in forward_stage_collectives(plan, pp_rank)]
+    calls = [(c, n) for i, n in forward_layer_groups(plan, pp_rank) for c in forward_layer_collectives(plan, i)] \
+        + [(c, 1) for c in forward_stage_collectives(plan, pp_rank)]
     for c, n in calls:
         out[c.tag] = out.get(c.tag, 0.0) + c.call_bytes * n * plan.microbatches
     return {k: v for k, v in out.items() if v}

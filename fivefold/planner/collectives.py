@@ -154,6 +154,12 @@ def layer_collectives(plan: Plan, index: int, recomputed: bool = False, cp_calls
     return attention + mlp + later_collectives(plan, index, recomputed, attention, mlp, cp_calls)
 
 
+def forward_layer_collectives(plan: Plan, index: int) -> list[Collective]:
+    """Decoder layer `index`'s calls in a forward-only model's forward (planner/forward.py): its
+    `layer_collectives` of the forward phase."""
+    return [c for c in layer_collectives(plan, index) if c.phase == "forward"]
+
+
 def dense_collectives(plan: Plan, index: int) -> tuple[list[Collective], list[Collective]]:
     """Decoder layer `index`'s attention calls and its MLP's (a dense MLP, or a MoE layer's shared
     experts; none without them): what neither recompute, EP nor CP changes."""

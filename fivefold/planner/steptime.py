@@ -29,8 +29,8 @@ from typing import NamedTuple
 from fivefold.frozen import hashed_once
 from fivefold.planner.activations import ArchTraits, Sharding, layer_activation_bytes, routed_share
 from fivefold.planner.collectives import (Collective, attention_call_keys, cp_collectives, cp_split, dense_collectives,
-                                          dp_calls_per_step, forward_stage_collectives, group_sizes, later_collectives,
-                                          layer_collectives, stage_collectives, step_collectives)
+                                          dp_calls_per_step, forward_layer_collectives, forward_stage_collectives,
+                                          group_sizes, later_collectives, stage_collectives, step_collectives)
 from fivefold.planner.flops import attention_core_flops, layer_forward_flops, model_flops_per_token, output_forward_flops
 from fivefold.planner.mtp import mtp_forward_flops
 from fivefold.planner.layout import Plan
@@ -480,8 +480,8 @@ def layer_forward_cost(plan: Plan, links: Links, sizes: dict[str, int], i: int, 
     if ta.membound_passes:
         compute += ta.membound_passes * work.touched / hw.memory_bw / 3
     parts, sent = dict.fromkeys(("tp", "cp", "ep", "pp"), 0.0), dict.fromkeys(("tp", "cp", "ep", "pp"), 0.0)
-    calls = [c for c in layer_collectives(plan, i) if c.phase == "forward"]
-    _add_calls(calls, links, sizes, parts, sent, t_core, ta.ep_overlap, _tp_share(plan, ta))
+    _add_calls(forward_layer_collectives(plan, i), links, sizes, parts, sent, t_core, ta.ep_overlap,
+               _tp_share(plan, ta))
     return compute, parts, sent
 
 
