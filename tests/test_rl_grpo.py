@@ -1,6 +1,7 @@
-"""`fivefold rl`: the GRPO loop runs end to end on 4 ranks (actor TP2 x DP2, rollout and reference whole
-on every rank) for 2 steps after a short warm-up, writes its metrics and plot, and the rollout copy
-is the actor's model (train/rollout log-prob mismatch at fp32 noise). The demo's learning curve
+"""`fivefold rl`: the GRPO loop runs end to end on 4 ranks (actor TP2 x DP2 and its frozen reference
+in the same layout, the rollout copy whole on every rank) for 2 steps after a short warm-up, writes its
+metrics and plot, and the rollout copy is the actor's model (train/rollout log-prob mismatch at fp32
+noise); other actor layouts take the same steps. The demo's learning curve
 (reward before and after, several seeds) is measured outside the suite: docs/rl.md."""
 from __future__ import annotations
 
@@ -11,19 +12,58 @@ import yaml
 
 from fivefold.cli import main
 
+TOLERANCE = 1e-4
+"""Relative (absolute below 1e-3) difference of a GRPO step's loss, KL, entropy and gradient norm
+between actor layouts: measured worst 4.0e-6 over the two layouts and two steps of
+`test_grpo_steps_are_the_same_in_every_actor_layout`; the bound leaves 25x for other SIMD
+widths' fp32 sums through a warm-up and one RL step."""
 
-def test_grpo_runs_on_four_ranks_with_the_rollout_in_another_layout(tmp_path):
+
+def _grpo_rows(tmp_path, words: list[str]) -> list[dict]:
+    """2 GRPO steps after 20 warm-up steps (enough for a non-zero reward) on 4 ranks of examples/grpo.yaml's model, the actor's layout
+    given by `words`; the rows of metrics.jsonl."""
     cfg = yaml.safe_load(open("examples/grpo.yaml"))
     cfg["cluster"]["world_size"] = 4
-    cfg["grpo"].update(steps=2, warmup_steps=3, prompts_per_step=4, group_size=4, warmup_batch=8)
+    cfg["training"]["micro_batch_size"] = 4  # 2 micro-batches a step in TP2 x DP2, 4 in the PP2 layouts
+    cfg["grpo"].update(steps=2, warmup_steps=20, prompts_per_step=4, group_size=4, warmup_batch=8)
     (tmp_path / "grpo.yaml").write_text(yaml.safe_dump(cfg))
-    assert main(["rl", str(tmp_path / "grpo.yaml"), "--out", str(tmp_path / "out")]) == 0
-    rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [0, 1] and (tmp_path / "out" / "rl.png").stat().st_size > 0
+    assert main(["rl", str(tmp_path / "grpo.yaml"), "--out", str(tmp_path / "out"), *words]) == 0
+    assert (tmp_path / "out" / "rl.png").stat().st_size > 0
+    return [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def tp2_dp2(tmp_path_factory):
+    return _grpo_rows(tmp_path_factory.mktemp("tp2_dp2"), [])
+
+
+def test_grpo_runs_on_four_ranks_with_the_rollout_in_another_layout(tp2_dp2):
+    rows = tp2_dp2
+    assert [r["step"] for r in rows] == [0, 1]
+    assert rows[0]["reward"] > 0 and rows[0]["grad_norm"] > 0  # a step with advantages to learn from
     for r in rows:
         assert 0 <= r["reward"] <= 1 and r["kl"] >= 0 and r["entropy"] > 0
         assert r["logprob_mismatch"] < 1e-5  # the same weights in TP2 and TP1: summation order only
         assert r["sync_bytes"] > 0
+
+
+@pytest.mark.parametrize("words", [["tp=2", "sp=true", "pp=2"], ["tp=1", "cp=2", "pp=2"]])
+def test_grpo_steps_are_the_same_in_every_actor_layout(words, tp2_dp2, tmp_path):
+    """The actor (and its frozen reference) as TP2+SP x PP2 or CP2 x PP2 on the same 4 ranks takes the
+    same steps as TP2 x DP2: the rollouts are the same (each rank samples its own prompts from its whole
+    rollout copy), so the rewards are equal and the loss, KL, entropy and train/rollout mismatch agree
+    to fp32 summation order. Before, SP crashed on a 7-token batch (not split over 2 TP ranks), PP
+    crashed on its non-last stage's missing statistics, and CP trained each CP rank's halves of
+    different sequences (the ranks of a replica held different rollouts; mismatch 0.26)."""
+    rows = _grpo_rows(tmp_path, words)
+    worst = 0.0
+    for mine, ref in zip(rows, tp2_dp2, strict=True):
+        assert mine["reward"] == ref["reward"] and mine["exact"] == ref["exact"]
+        for key in ("loss", "kl", "entropy", "grad_norm"):
+            worst = max(worst, abs(mine[key] - ref[key]) / max(abs(ref[key]), 1e-3))
+        assert mine["logprob_mismatch"] < 1e-5  # as in TP2 x DP2
+    print(f"worst relative difference from TP2 x DP2 over loss, KL, entropy, grad norm: {worst:.2e}")
+    assert worst < TOLERANCE
 
 
 def test_grpo_without_a_warm_up_runs_and_says_so(tmp_path, capfd):
@@ -111,11 +151,15 @@ def test_a_step_that_cannot_fit_in_memory_is_refused_before_the_ranks_start(tmp_
     (["training.train_iters=5"], "does not read training.train_iters (grpo.steps"),
     (["--load", "runs/x/checkpoints"], "checkpoint.load in `fivefold rl`"),
     (["data.path=/nonexistent", "checkpoint.save_interval=1"], "checkpoint.save_interval, data.path in `fivefold rl`"),
-    (["--bf16"], "training.precision=bf16 (the rollout and reference copies are fp32) in `fivefold rl`"),
+    (["--bf16"], "training.precision=bf16 (the rollout copy is fp32) in `fivefold rl`"),
+    (["pp=2", "vpp=2", "model.num_layers=4"], "parallel.virtual_pipeline_model_parallel_size=2 in `fivefold rl` (its "
+                                               "engine runs a pipeline schedule for any number of micro-batches"),
+    (["model.num_moe_experts=4"], "`fivefold rl` of a model with MoE (its rollout copy generates with one dense"),
 ])
 def test_settings_the_rl_job_does_not_read_are_refused(words, said, tmp_path, capsys):
     """The run went ahead as if they were not there (the same warm-up loss as without them; --bf16 was
-    a traceback in the weight sync): refused before any rank starts, naming the grpo.* key to give."""
+    a traceback in the weight sync; a MoE model started the ranks, which then refused to generate with
+    it; VPP was refused naming a global_batch_size fix that rl then refused): refused before any rank starts, naming the grpo.* key to give or what is not built."""
     out = tmp_path / "out"
     assert main(["rl", "examples/grpo.yaml", "--out", str(out), *words]) == 2
     assert said in capsys.readouterr().err

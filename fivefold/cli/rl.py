@@ -50,17 +50,38 @@ metrics go to OUT/metrics.jsonl and rl.png, no evaluation (logging.moe_per_layer
 a MoE actor's loads are logged)."""
 
 
-def _unread(explicit: set[str], precision: str) -> None:
-    """Refuse a setting the rl job would not read: it ran as if the word were not there."""
+def _unread(explicit: set[str], precision: str, model) -> None:
+    """Refuse a setting the rl job would not read (it ran as if the word were not there), and a model
+    its rollout copy cannot generate with (a rank said so once the ranks had started)."""
+    from fivefold.model.generate import model_features_not_generated
+
     instead = [f"{key} ({GRPO_INSTEAD[key]})" for key in sorted(explicit) if key in GRPO_INSTEAD]
     if instead:
         raise UserError("`fivefold rl` does not read " + "; ".join(instead) + ": give the grpo.* key instead")
     unbuilt = sorted(k for k in explicit if k.startswith(NOT_IN_RL) and k != "logging.moe_per_layer_logging")
-    if precision != "fp32":  # the rollout copy and the reference are fp32 models the actor's weights sync into
-        unbuilt.append(f"training.precision={precision} (the rollout and reference copies are fp32)")
+    if precision != "fp32":  # the rollout copy is an fp32 model the actor's weights sync into
+        unbuilt.append(f"training.precision={precision} (the rollout copy is fp32)")
     if unbuilt:
         raise NotImplementedYet(f"{', '.join(unbuilt)} in `fivefold rl` (its prompts come from the task; it loads "
                                 "and saves no checkpoint; it writes OUT/metrics.jsonl and rl.png; drop them)")
+    lacks = model_features_not_generated(model)
+    if lacks:
+        raise NotImplementedYet(f"`fivefold rl` of a model with {' and '.join(lacks)} (its rollout copy generates with "
+                                "one dense GQA replica: give a dense model with grouped-query attention)")
+
+
+def _pipeline(parallel) -> None:
+    """The RL engine pipelines any number of micro-batches with a schedule built for one (1f1b, gpipe,
+    zb-h1): an interleaved (VPP), DualPipeV or hand-written schedule is fixed to a micro-batch count."""
+    vpp = parallel.virtual_pipeline_model_parallel_size or 1
+    fixed = [what for what, bad in ((f"virtual_pipeline_model_parallel_size={vpp}", vpp > 1),
+                                    (f"pipeline_schedule={parallel.pipeline_schedule}",
+                                     parallel.pipeline_schedule in ("interleaved", "dualpipev")),
+                                    (f"pipeline_schedule_csv={parallel.pipeline_schedule_csv}",
+                                     parallel.pipeline_schedule_csv)) if bad]
+    if fixed and parallel.pipeline_model_parallel_size > 1:
+        raise NotImplementedYet(f"parallel.{', parallel.'.join(fixed)} in `fivefold rl` (its engine runs a pipeline "
+                                "schedule for any number of micro-batches: 1f1b, gpipe or zb-h1; give one of them)")
 
 
 def available_memory() -> int:
@@ -104,8 +125,9 @@ def run(args, extra: list[str]) -> int:
         actor = Path(tmp) / "actor.yaml"
         actor.write_text(yaml.safe_dump(raw))
         loaded = load_config(str(actor), [w for w in extra if not w.startswith("grpo.")], world_size=args.nproc)
+    _pipeline(loaded.config.parallel)  # before validate, whose batch rules name settings rl does not read
     validate(loaded.config, loaded.dialect, world_flag="--nproc" if args.nproc else None)
-    _unread(loaded.explicit, loaded.config.training.precision)
+    _unread(loaded.explicit, loaded.config.training.precision, loaded.config.model)
     config = loaded.config
     nproc = config.cluster.resolved_world_size
     config.cluster.world_size = nproc

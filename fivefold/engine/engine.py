@@ -166,11 +166,14 @@ class Engine:
         return torch.cat([zero, per_position[:, : width - 1]], 1)  # position t - 1 -> token t
 
     def _inputs(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's (n, s[/cp]) ids and next-token labels (0 past the end: that prediction is dropped)."""
+        """This rank's (n, s[/cp]) ids and next-token labels (0 past the end: that prediction is dropped).
+        A width that sequence parallelism cannot split over the TP ranks is right-padded (the causal
+        attention keeps the padding out of every real token; `_stats` drops its positions)."""
         labels = torch.cat([ids[:, 1:], torch.zeros_like(ids[:, :1])], dim=1)
         first = self.parts.decoders[0]
         if first.cp is None:
-            return ids, labels
+            pad = -ids.shape[1] % first.sequence_multiple  # TP under SP, else 1
+            return F.pad(ids, (0, pad)), F.pad(labels, (0, pad))
         ids, labels = split_tokens(ids, labels, first.cp, first.sequence_multiple)
         return ids, labels.clamp(min=0)  # the CP split's padding: dropped with the positions past `width`
 

@@ -47,13 +47,17 @@ class Generated:
     cache: KVCache = field(repr=False, default=None)
 
 
+def model_features_not_generated(cfg) -> list[str]:
+    """What of a model's architecture (a ModelConfig) generation has not built: checked before
+    `fivefold rl` starts its ranks, and by `check_generates`."""
+    return [what for what, bad in (("multi-latent attention", cfg.multi_latent_attention), ("MoE", cfg.is_moe)) if bad]
+
+
 def check_generates(model: Decoder) -> None:
-    cfg = model.cfg
-    why = [what for what, bad in (("multi-latent attention", cfg.multi_latent_attention),
-                                  ("context parallelism", model.cp is not None and model.cp.size > 1),
-                                  ("sequence parallelism", model.mode is TPMode.SEQUENCE_PARALLEL),
-                                  ("a pipeline stage", not (model.has_embedding and model.has_head)),
-                                  ("MoE", cfg.is_moe)) if bad]
+    why = model_features_not_generated(model.cfg) + [
+        what for what, bad in (("context parallelism", model.cp is not None and model.cp.size > 1),
+                               ("sequence parallelism", model.mode is TPMode.SEQUENCE_PARALLEL),
+                               ("a pipeline stage", not (model.has_embedding and model.has_head))) if bad]
     if why:
         raise NotImplementedYet(f"generation with {', '.join(why)} (it runs one dense GQA model replica, TP allowed)")
 

@@ -19,8 +19,8 @@ def grpo_job(raw: dict, out: Path):
         tail = rows[-max(1, len(rows) // 4):]
         late = sum(r["reward"] for r in tail) / len(tail)
         warm = "none (grpo.warmup_steps=0)" if first["warmup_loss"] is None else f"{first['warmup_loss']:.4f}"
-        return (f"GRPO {len(rows)} steps on {ctx.world_size} ranks (actor {layout_text(ctx.layout)}, rollout and reference whole on "
-                f"every rank)\nwarm-up loss: {warm}\nreward: {first['reward']:.3f} at step 0 -> "
+        return (f"GRPO {len(rows)} steps on {ctx.world_size} ranks (actor {layout_text(ctx.layout)}, rollout whole on every rank, "
+                f"reference frozen in the actor's layout)\nwarm-up loss: {warm}\nreward: {first['reward']:.3f} at step 0 -> "
                 f"{late:.3f} (mean of the last {len(tail)} steps); exact answers {first['exact']:.2f} -> "
                 f"{last['exact']:.2f}\nKL {last['kl']:.4f}, entropy {last['entropy']:.3f}, train/rollout log-prob "
                 f"mismatch {last['logprob_mismatch']:.2e}, synced {last['sync_bytes'] / 2**20:.1f} MiB per step, "

@@ -1,19 +1,22 @@
 """GRPO on the toy addition task (fivefold.rl.tasks), every rank of one job: `fivefold rl examples/grpo.yaml`.
 
 Roles and layouts on the same ranks (colocated, as verl's and SkyRL's default):
-  actor      the trained policy, the `actor:` config's layout (e.g. TP2 x DP4 on 8 ranks), driven
-             through fivefold.engine.Engine;
+  actor      the trained policy, the `actor:` config's layout (e.g. TP2 x DP4 on 8 ranks; TP, SP, CP,
+             PP, EP, any DP mode), driven through fivefold.engine.Engine;
   rollout    a whole copy of the policy on every rank (TP1 x DP = world), generating with a KV cache
              (fivefold.model.generate); after each actor step the actor's weights reach it through
              fivefold.engine.sync (each rank receives the slices its actor rank does not hold: the
-             other TP ranks' — the bytes are counted);
-  reference  the warmed-up policy, frozen, also whole on every rank: KL(actor || reference).
-A step: every rank takes its share of the prompts, samples `group_size` answers each, scores them
-exactly, and computes group-normalised advantages and the reference's log-probs; the ranks of one
-actor TP group then pool their rollouts (each actor DP rank trains on its TP group's rollouts), and
-the actor takes one PPO step on GRPO's loss (clipped surrogate around the rollout's log-probs,
-k3 KL, token-mean). Before RL, a short supervised warm-up teaches the answer format (a random model
-earns reward ~0, and all-zero rewards give all-zero advantages).
+             other TP and pipeline ranks' — the bytes are counted);
+  reference  the warmed-up policy, frozen, in the actor's layout (`Engine(frozen=True)`: its weights
+             alone, split as the actor's over TP / PP / EP, whole over DP), synced once after the
+             warm-up: KL(actor || reference).
+A step: every rank takes its share of the prompts, samples `group_size` answers each and scores them
+exactly, with group-normalised advantages; the ranks of one actor DP replica (its TP, CP and pipeline
+ranks) then pool their rollouts, so each replica trains on the same sequences on every rank of it, the
+reference computes their log-probs in the same layout, and the actor takes one PPO step on GRPO's loss
+(clipped surrogate around the rollout's log-probs, k3 KL, token-mean). Before RL, a short supervised
+warm-up teaches the answer format (a random model earns reward ~0, and all-zero rewards give all-zero
+advantages).
 
 Logged per step (metrics.jsonl, and rl.png, which `fivefold plot RUN` draws again): mean reward,
 exact-answer rate, KL to the reference, entropy, response length, the train/rollout log-prob mismatch
@@ -110,30 +113,30 @@ class GRPOConfig:
     def answer_bytes(self, model: ModelConfig) -> int:
         """Host memory one sampled answer holds through `run`'s step (from the reference's scoring to
         the actor's update): its sequence (prompt and answer, T tokens) as int64 ids, fp32 loss mask,
-        rollout and reference log-probs, and the reference's fp32 log-softmax over the vocabulary
-        (`ref_logp`); the prompt and the sampled tokens (int64) with their fp32 log-probs, and the
-        rollout's fp32 KV cache of T - 1 positions, as `generate` returns them."""
+        rollout and reference log-probs; the prompt and the sampled tokens (int64) with their fp32
+        log-probs, and the rollout's fp32 KV cache of T - 1 positions, as `generate` returns them. (The
+        reference's log-softmax over the vocabulary is a transient of its forward, as the actor's.)"""
         task = Addition(self.digits)
         p, a = task.prompt_length, task.answer_length
         t = p + a
         kv_cache = 2 * model.num_layers * model.kv_heads * model.head_dim * 4 * (t - 1)
-        return t * (8 + 3 * 4 + 4 * model.vocab_size) + 8 * p + (8 + 4) * a + kv_cache
+        return t * (8 + 3 * 4) + 8 * p + (8 + 4) * a + kv_cache
 
     def step_bytes(self, config: Config, world: int) -> int:
         """Host memory one GRPO step holds at its peak over the `world` ranks of this machine, at least:
         each rank's rollouts (prompts_per_step / world x group_size answers of `answer_bytes`) and the
-        actor's step on its TP group's rollouts (pooled): what each decoder layer saves for the backward,
+        actor's step on its DP replica's rollouts (pooled): what each decoder layer saves for the backward,
         as the planner counts it for our eager fp32 runtime (fivefold.planner.activations), and what the
         loss keeps per logit. Leaves out the models and the optimizer (their size does not grow with the
         batch), each rank's interpreter and the transients: measured for examples/grpo.yaml's model
-        (one rank, and 8 ranks as TP2 x DP4, at 16 000 to 33 000 answers), the step's peak grew by
-        1.25-1.4x this."""
+        (one rank at 16 000 and 32 000 answers, 8 ranks as TP2 x DP4 at 16 000; 2026-11-29, the summed
+        resident memory of the ranks less a 1-prompt run's), the step's peak grew by 1.24-1.54x this."""
         plan, m = Plan(config), config.model
         task = Addition(self.digits)
         t = task.prompt_length + task.answer_length
         rows = self.prompts_per_step // world * self.group_size  # answers a rank samples
         rollouts = world * rows * self.answer_bytes(m)
-        b = rows * plan.tp  # sequences an actor rank trains on
+        b = rows * plan.tp * plan.cp * plan.pp  # sequences an actor rank trains on: its replica's
         traits = EAGER_TRAITS.for_precision("fp32")
         sh = Sharding.of(tp=plan.tp, sp=plan.sp, cp=plan.cp, etp=plan.etp, recompute=plan.recompute,
                          modules=plan.recompute_modules)
@@ -166,7 +169,7 @@ class GRPOConfig:
 MEMORY_SHARE = 0.5
 """The share of the available memory the step's estimate (`step_bytes`) may take in the value
 `check_memory` suggests: the rest for what it leaves out (the models, the optimizer, each rank's
-interpreter and torch, about 350 MB apiece on CPU; the transients, up to 0.4x the estimate more)."""
+interpreter and torch, about 350 MB apiece on CPU; the transients, up to 0.55x the estimate more)."""
 
 
 def _gib(n: int) -> str:
@@ -206,7 +209,8 @@ def _warmup(engine: Engine, task: Addition, g: GRPOConfig, ctx: RankContext, rng
         mask = torch.zeros_like(ids, dtype=torch.float32)
         mask[:, task.prompt_length:] = 1
         nll = lambda stats, mb, totals: L.aggregate(-stats.logprobs, mb.loss_mask, "token-mean", totals["tokens"])  # noqa: E731
-        losses.append(engine.train_batch(Batch(ids, mask), nll, lr=g.warmup_lr)["loss"])
+        losses.append(engine.train_batch(Batch(ids, mask), nll, lr=g.warmup_lr,
+                                         micro_batch_size=engine.config.training.micro_batch_size)["loss"])
     return losses
 
 
@@ -225,8 +229,9 @@ def run(cfg: Config, g: GRPOConfig, ctx: RankContext) -> list[dict]:
     engine = Engine(cfg, ctx)
     rng = np.random.default_rng(g.seed)
     warm = _warmup(engine, task, g, ctx, rng)
-    rollout, reference = _Rollout(cfg.model, seed=1), _Rollout(cfg.model, seed=2)
-    reference.load(engine)
+    mbs = cfg.training.micro_batch_size  # the actor's and the reference's micro-batches (pipelined under PP)
+    rollout, reference = _Rollout(cfg.model, seed=1), Engine(cfg, ctx, frozen=True)
+    sync_weights(engine.model, reference.model)  # the warmed-up policy, frozen from here on
     rows = []
     with manual_gc(cfg.training):  # --manual-gc: the collector off while training
         for step in range(g.steps):
@@ -244,15 +249,11 @@ def run(cfg: Config, g: GRPOConfig, ctx: RankContext) -> list[dict]:
             mask[:, p:] = _response_mask(out.tokens)
             rollout_logp = torch.zeros_like(mask)
             rollout_logp[:, p:] = out.logprobs
-            with torch.no_grad():
-                ref_logp = torch.log_softmax(reference.model(ids)[..., : cfg.model.vocab_size].float(), -1)
-            ref = torch.zeros_like(mask)
-            ref[:, 1:] = ref_logp[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)
             local = Batch(ids, mask, {"advantages": L.grpo_advantages(rewards, g.group_size),
-                                      "old_logprobs": rollout_logp,
-                                      "ref_logprobs": ref, "rewards": rewards})
-            batch = _pool(local, engine)  # this actor DP rank's rollouts: its TP group's
-            stats = {}
+                                      "old_logprobs": rollout_logp, "rewards": rewards})
+            batch = _pool(local, ctx)  # this actor DP replica's rollouts, the same on each of its ranks
+            batch.extra["ref_logprobs"] = reference.forward(batch, mbs).logprobs  # 0 at t = 0, as the others
+            stats = dict.fromkeys(("kl", "entropy", "mismatch"), 0.0)  # (a rank without the last stage adds none)
 
             def loss_fn(s, mb, totals):
                 x = mb.extra
@@ -261,18 +262,18 @@ def run(cfg: Config, g: GRPOConfig, ctx: RankContext) -> list[dict]:
                                               clip_high=g.clip) + g.kl_coef * kl
                 for key, v in (("kl", kl), ("entropy", s.entropy),
                                ("mismatch", (s.logprobs - x["old_logprobs"]).abs())):
-                    stats[key] = stats.get(key, 0.0) + float(L.aggregate(v.detach(), mb.loss_mask, "token-mean",
+                    stats[key] += float(L.aggregate(v.detach(), mb.loss_mask, "token-mean",
                                                                          totals["tokens"]))
                 return L.aggregate(per_token, mb.loss_mask, "token-mean", totals["tokens"])
 
-            m = engine.train_batch(batch, loss_fn, lr=g.lr)
+            m = engine.train_batch(batch, loss_fn, lr=g.lr, micro_batch_size=mbs)
             summary = torch.tensor([float(rewards.sum()), float((rewards == 1).sum()), float(mask.sum()), len(rewards),
                                     stats["kl"], stats["entropy"], stats["mismatch"]], dtype=torch.float64)
             comm.all_reduce_(summary, ctx.mesh.world, tag="rl-metrics")
-            n, tp = summary[3], ctx.layout.tp  # the loss statistics were summed over every TP rank too
+            n, copies = summary[3], ctx.layout.tp * ctx.layout.cp  # each last-stage TP and CP rank has them all
             rows.append({"step": step, "reward": float(summary[0] / n), "exact": float(summary[1] / n),
-                         "response_length": float(summary[2] / n), "kl": float(summary[4] / tp),
-                         "entropy": float(summary[5] / tp), "logprob_mismatch": float(summary[6] / tp),
+                         "response_length": float(summary[2] / n), "kl": float(summary[4] / copies),
+                         "entropy": float(summary[5] / copies), "logprob_mismatch": float(summary[6] / copies),
                          "loss": m["loss"], "grad_norm": m["grad_norm"], "sync_bytes": synced,
                          "seconds": time.perf_counter() - t0, "warmup_loss": warm[-1] if warm else None,
                          **{k: v for k, v in m.items() if k.startswith("moe_")}})  # a MoE actor's load metrics
@@ -280,12 +281,15 @@ def run(cfg: Config, g: GRPOConfig, ctx: RankContext) -> list[dict]:
     return rows
 
 
-def _pool(local: Batch, engine: Engine) -> Batch:
-    """The rollouts of this rank's actor TP group, concatenated in rank order."""
-    tp = engine.parts.mesh.tp
-    if tp.size == 1:
-        return local
-    gather = lambda t: comm.all_gather(t.contiguous(), 0, tp, tag="rl-rollouts")  # noqa: E731
+def _pool(local: Batch, ctx: RankContext) -> Batch:
+    """The rollouts of every rank of this rank's actor DP replica (its TP and CP ranks, then its
+    pipeline ranks), concatenated in that order on each of them: the ranks of a replica must hold the
+    same sequences (CP splits their positions, PP runs their layers, TP their heads)."""
+    def gather(t: torch.Tensor) -> torch.Tensor:
+        for group in (ctx.mesh.group("tp-cp"), ctx.mesh.pp):
+            if group.size > 1:
+                t = comm.all_gather(t.contiguous(), 0, group, tag="rl-rollouts")
+        return t
     return Batch(gather(local.input_ids), gather(local.loss_mask), {k: gather(v) for k, v in local.extra.items()})
 
 
