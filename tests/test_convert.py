@@ -135,4 +135,22 @@ def test_convert_refuses_a_checkpoint_without_a_rank_file_or_config(saved, tmp_p
     (src / "metadata.json").write_text(json.dumps(meta))
     assert main(["convert", str(src), str(tmp_path / "dst")]) == 2
     assert "its metadata.json has no config" in capsys.readouterr().err
-    assert not list((tmp_path / "dst").iterdir())
+    assert not (tmp_path / "dst").exists()
+
+
+def test_a_refused_convert_leaves_no_destination_folder(saved, tmp_path, capsys):
+    """DST was made before convert's own checks (a missing RNG file, a model that does not fit the
+    checkpoint): a refusal left an empty DST (and the folders above it) behind. Now taken away again
+    when this command made them; a DST that was there stays."""
+    src = tmp_path / "src"
+    shutil.copytree(saved[0] / "full" / "checkpoints" / "step_00000004", src)
+    dst = tmp_path / "new" / "dst"
+    assert main(["convert", str(src), str(dst), "--num-layers", "3"]) == 2
+    assert "was saved from another model" in capsys.readouterr().err
+    (src / "rng-00000.safetensors").unlink()
+    assert main(["convert", str(src), str(dst)]) == 2
+    assert "rng-00000.safetensors is missing" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+    dst.mkdir(parents=True)
+    assert main(["convert", str(src), str(dst)]) == 2
+    assert dst.is_dir() and not list(dst.iterdir())

@@ -221,6 +221,21 @@ def test_preprocess_refuses_a_json_key_given_twice(tmp_path, capsys):
     assert not list(tmp_path.glob("o_*"))
 
 
+def test_preprocess_refuses_a_json_key_that_cannot_be_a_file_name(tmp_path, capsys):
+    """--json-keys a/b named the files PREFIX_a/b_document.bin: written into a folder PREFIX_a when
+    one was there, else a "cannot write ... free space there" message. Refused before any work,
+    naming the key and a name that would do; nothing is written."""
+    src = tmp_path / "docs.jsonl"
+    src.write_text(json.dumps({"a/b": "doc abc"}) + "\n")
+    (tmp_path / "o_a").mkdir()
+    assert main(["preprocess", "--input", str(src), "--output-prefix", str(tmp_path / "o"), "--json-keys",
+                 "a/b"]) == 2
+    err = capsys.readouterr().err
+    assert "--json-keys a/b: a key is part of the file names" in err
+    assert "cannot hold '/'; rename the field in the JSON records (e.g. to 'a_b') and give --json-keys a_b" in err
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["docs.jsonl", "o_a"]
+
+
 def test_preprocess_stopped_at_a_later_key_leaves_no_dataset_of_any_key(tmp_path, capsys):
     """--json-keys text title on records without 'title': the text dataset was written (renamed into
     place) before title failed. Now every key's files are renamed only once all keys are complete, so

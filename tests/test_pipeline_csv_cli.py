@@ -191,6 +191,31 @@ def test_cli_load_csv_is_held_to_the_generated_limit(tmp_path, capsys):
     assert "schedule CSV computes nothing" in _refused(["schedule", "--load-csv", str(csv)], capsys)
 
 
+def test_cli_prints_only_the_grid_around_the_first_problem(tmp_path, capsys):
+    """The grid printed with a refused CSV grew with it: 10,000 rows printed a 10,000-line grid, a
+    long row a line as long. Now it is cut to GRID_RANKS x GRID_STEPS around the first problem (the
+    offending cell still marked), with a line saying which ranks / steps are shown and how many not."""
+    from fivefold.pipeline.verify import GRID_RANKS, GRID_STEPS
+
+    csv = tmp_path / "s.csv"
+    rows = [f"{r}F0,{r}BW0" for r in range(300)]
+    rows[150] = "150BW0"  # its forward missing
+    csv.write_text("\n".join(rows) + "\n")
+    err = _refused(["schedule", "--load-csv", str(csv)], capsys)
+    assert "rank 150 step 1: 150BW0 runs before 150F0" in err and ">>150BW0<<" in err
+    assert "grid cut around rank 150 step 3: showing ranks 134-165 of 300 (268 left out)" in err
+    assert len(err.splitlines()) < GRID_RANKS + 10 and "rank 133 " not in err and "rank 166 " not in err
+    m = 200
+    csv.write_text(",".join([f"0F{i}" for i in range(m)] + [f"0BW{i}" for i in range(m - 1)]) + "\n")
+    err = _refused(["schedule", "--load-csv", str(csv)], capsys)
+    assert "0BW199 (or 0B199 + 0W199) is missing" in err
+    assert f"showing steps {2 * m - 1 - GRID_STEPS}-{2 * m - 2} of {2 * m - 1} " in err
+    assert max(len(line) for line in err.splitlines()) < 20 * GRID_STEPS
+    csv.write_text(EXAMPLE.read_text().replace("\n1F0,", "\n"))  # a small grid: whole, as before
+    err = _refused(["schedule", "--load-csv", str(csv)], capsys)
+    assert ">>1B0<<" in err and "grid cut" not in err and err.splitlines()[-1].startswith("rank 1  >>1B0<<")
+
+
 def test_cli_refuses_nonsense_numbers(capsys):
     """Each was accepted with exit 0: --p2p -1 shrank the makespan below the no-latency one, nan gave a
     0% bubble, --width 0 an empty timeline, --costs 0,0,0 makespan 0. Each number flag has its range."""

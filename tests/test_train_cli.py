@@ -213,6 +213,40 @@ def test_an_output_path_that_cannot_be_a_folder_is_refused_before_training(tmp_p
     assert not (tmp_path / "out" / "logs").exists()
 
 
+def test_a_refused_run_leaves_no_folder_behind(tmp_path, monkeypatch, capsys):
+    """--out (and checkpoint.save) were made before the other output paths were checked and before the
+    data was read: a refusal left an empty OUT (or OUT/logs) behind. Every output path is now checked
+    before the first folder is made, and a refusal once the data is read (a missing file, a token id
+    past the vocabulary, found in OUT/data) takes away the folders this run made; an OUT that was
+    there stays, without the logs/ and data/ the run made in it."""
+    import numpy as np
+
+    from fivefold.cli import main
+
+    for name in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    started = []
+    monkeypatch.setattr("fivefold.launch.launch", lambda *a, **kw: started.append(a) or 0)
+    cfg, blocker, tokens = tmp_path / "c.yaml", tmp_path / "afile", tmp_path / "t.npy"
+    cfg.write_text(TINY)
+    blocker.write_text("mine")
+    np.save(tokens, np.array([1, 2, 300] * 50, dtype=np.int64))
+    out = tmp_path / "runs" / "out"
+    train = ["train", str(cfg), "--nproc", "1", "--out", str(out)]
+    for words, says in (([f"checkpoint.save={blocker}"], f"checkpoint.save (--save) {blocker}: a file is there"),
+                        ([f"checkpoint.save={tmp_path / 'ck'}", f"checkpoint.save_hf={blocker}"],
+                         f"checkpoint.save_hf (--save-hf) {blocker}: a file is there"),
+                        ([f"data.path={tmp_path / 'nope.txt'}", f"checkpoint.save={tmp_path / 'ck'}"],
+                         "nope.txt': no such file or folder"),
+                        ([f"data.path={tokens}"], "holds token id 300 >= model.vocab_size=256")):
+        assert main([*train, *words]) == 2
+        assert says in capsys.readouterr().err
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "c.yaml", "t.npy"], words
+    out.mkdir(parents=True)
+    assert main([*train, f"data.path={tokens}"]) == 2
+    assert not list(out.iterdir()) and not started
+
+
 def test_profile_ranks_outside_the_world_are_refused(tmp_path):
     """--profile-ranks 7 on a 2-rank run profiled nothing and said nothing: refused with the range."""
     _refused(_train(tmp_path, TINY, "logging.profile=true", "logging.profile_ranks=[0,7]", nproc=2),

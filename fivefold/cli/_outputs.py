@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import shutil
 from pathlib import Path
 
 from fivefold.errors import UserError
@@ -31,13 +32,26 @@ def writing(flag: str, path: str):
         raise UserError(f"{flag} {path}: cannot write it ({e.strerror or e})") from None
 
 
+def check_output_folder(flag: str, path) -> None:
+    """What `output_folder` refuses, checked without making anything: a command checks every folder it
+    writes before it makes the first, so that a refused command leaves none behind."""
+    folder = Path(path)
+    if folder.exists() and not folder.is_dir():
+        raise UserError(f"{flag} {folder}: a file is there, not a folder (remove it, or give another path)")
+    above = next(p for p in (folder, *folder.parents) if p.exists())
+    if not above.is_dir():
+        raise UserError(f"{flag} {folder}: cannot make the folder ({above} is a file, not a folder)")
+    if not os.access(above, os.W_OK | os.X_OK):
+        raise UserError(f"{flag} {folder}: the folder is not writable" if above == folder
+                        else f"{flag} {folder}: cannot make the folder ({above} is not writable)")
+
+
 def output_folder(flag: str, path) -> Path:
     """Make the folder a command writes into (with its parents) before any work or rank starts; a path
     that cannot be a writable folder (a file in its way, no permission) ends the command with `flag`,
     the path and the reason."""
     folder = Path(path)
-    if folder.exists() and not folder.is_dir():
-        raise UserError(f"{flag} {folder}: a file is there, not a folder (remove it, or give another path)")
+    check_output_folder(flag, folder)
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -45,3 +59,21 @@ def output_folder(flag: str, path) -> Path:
     if not os.access(folder, os.W_OK | os.X_OK):
         raise UserError(f"{flag} {folder}: the folder is not writable")
     return folder
+
+
+@contextlib.contextmanager
+def removed_if_refused(*paths):
+    """The folders of `paths` that do not exist yet (and the missing ones above them) are taken away
+    again, with whatever the block wrote into them, when the block raises (a refusal, Ctrl-C): a
+    refused command leaves no folder of its own behind. A folder that was there before stays as it is."""
+    made = []
+    for path in paths:
+        missing = [p for p in (Path(path), *Path(path).parents) if not p.exists() and not p.is_symlink()]
+        if missing:
+            made.append(missing[-1])  # the topmost: everything under it is this command's
+    try:
+        yield
+    except BaseException:
+        for folder in made:
+            shutil.rmtree(folder, ignore_errors=True)
+        raise

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import yaml
 
-from fivefold.cli._outputs import output_folder
+from fivefold.cli._outputs import output_folder, removed_if_refused
 from fivefold.config.load import load_config
 from fivefold.config.schema import to_dict
 from fivefold.config.validate import validate
@@ -44,7 +44,10 @@ def run(args, extra) -> int:
         loaded = load_config(str(base), extra, world_size=args.world_size)
     _check_layout_only(before, to_dict(loaded.config))
     validate(loaded.config, loaded.dialect, world_flag="--world-size" if args.world_size else None)
-    out = convert(folder, output_folder("DST", args.dst), loaded.config, log=lambda line: print(line, flush=True))
+    # DST is made before convert's own checks (a step already there, a missing RNG file, a model that does
+    # not fit the checkpoint): taken away again on a refusal when this command made it
+    with removed_if_refused(args.dst):
+        out = convert(folder, output_folder("DST", args.dst), loaded.config, log=lambda line: print(line, flush=True))
     print(f"wrote {out}")
     return 0
 

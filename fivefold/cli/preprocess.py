@@ -99,6 +99,15 @@ def _output_prefixes(output_prefix: str, json_keys: list[str]) -> dict[str, str]
     if twice:
         raise UserError(f"--json-keys {' '.join(json_keys)}: {', '.join(map(repr, twice))} given more than once "
                         "(each key writes one dataset); give each key once")
+    for key in json_keys:
+        # the key is part of a file name: a separator in it would write into (or fail to find) a
+        # subfolder instead of beside the prefix's other files
+        seps = sorted({sep for sep in ("/", os.sep, os.altsep) if sep and sep in key})
+        if seps:
+            safe = "".join("_" if ch in seps else ch for ch in key)
+            raise UserError(f"--json-keys {key}: a key is part of the file names ({output_prefix}_{key}_document.bin), "
+                            f"so it cannot hold {' or '.join(map(repr, seps))}; rename the field in the JSON "
+                            f"records (e.g. to {safe!r}) and give --json-keys {safe}")
     folder = Path(output_prefix).parent
     above = next(p for p in (folder, *folder.parents) if p.exists() or p.is_symlink())
     if not above.is_dir():

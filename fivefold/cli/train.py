@@ -11,7 +11,7 @@ import os
 import sys
 from pathlib import Path
 
-from fivefold.cli._outputs import output_folder
+from fivefold.cli._outputs import check_output_folder, output_folder, removed_if_refused
 from fivefold.cli.validate import split_config_arg
 from fivefold.config.schema import Config, to_dict
 from fivefold.errors import UserError
@@ -135,27 +135,42 @@ def run(args, extra: list[str]) -> int:
             if not c.finetune:  # (--finetune reads the weights only: no step, no RNG state)
                 check_resume(folder, meta, world_size=nproc, load_rng=c.load_rng)
     _refuse_a_checkpoint_root_in_use(config, Path(config.checkpoint.save or Path(args.out) / "checkpoints"))
-    out = output_folder("--out", args.out)
     # written only once training runs (the first save, the first metric): a path that cannot be a folder is
-    # refused now, not after the steps it would have kept
+    # refused now, not after the steps it would have kept; every one checked before the first is made, so
+    # that a refused run leaves no folder behind
+    folders = [("--out", args.out)]
     if config.checkpoint.save:
-        output_folder("checkpoint.save (--save)", config.checkpoint.save)
+        folders.append(("checkpoint.save (--save)", config.checkpoint.save))
     if config.logging.tensorboard and config.logging.tensorboard_dir:
-        output_folder("logging.tensorboard_dir (--tensorboard-dir)", config.logging.tensorboard_dir)
+        folders.append(("logging.tensorboard_dir (--tensorboard-dir)", config.logging.tensorboard_dir))
+    for flag, path in folders:
+        check_output_folder(flag, path)
     if config.checkpoint.save_hf:  # written at the end: refused now, not after the run
         from fivefold.model.hf_export import check_replaceable
         check_replaceable(Path(config.checkpoint.save_hf), "checkpoint.save_hf (--save-hf)")
-    (out / "logs").mkdir(exist_ok=True)
-    _note_an_earlier_run(config, out)
     if under_torchrun:
         place(config, int(os.environ.get("LOCAL_WORLD_SIZE", nproc)), int(os.environ["RANK"]))
-        return _run_under_torchrun(config, out)
+        return _run_under_torchrun(config, _make_folders(config, folders))
     place(config, nproc)
-    data_dir = prepare(config, out)
-    spec = out / "run.json"
-    spec.write_text(json.dumps({"config": to_dict(config), "out": str(out), "data_dir": str(data_dir)}, indent=1))
+    # the data is read (and refused: a missing file, a bad record, a token id past the vocabulary) into
+    # OUT/data, so OUT is made first, and taken away again on a refusal when this run made it, as are
+    # OUT/logs and OUT/data in an OUT that was there (not under torchrun, where every rank makes and fills
+    # the folders at once)
+    with removed_if_refused(*(path for _, path in folders), Path(args.out) / "logs", Path(args.out) / "data"):
+        out = _make_folders(config, folders)
+        data_dir = prepare(config, out)
+        spec = out / "run.json"
+        spec.write_text(json.dumps({"config": to_dict(config), "out": str(out), "data_dir": str(data_dir)}, indent=1))
     print(f"fivefold train: {nproc} local ranks, output in {out}", file=sys.stderr)
     return launch(nproc, [str(spec)], out / "logs", timeout_s=timeout_s)
+
+
+def _make_folders(config: Config, folders: list[tuple[str, str]]) -> Path:
+    """Make the run's folders (--out first, which is returned) and OUT/logs."""
+    out = [output_folder(flag, path) for flag, path in folders][0]
+    (out / "logs").mkdir(exist_ok=True)
+    _note_an_earlier_run(config, out)
+    return out
 
 
 def _check_profile_ranks(config: Config, world: int) -> None:

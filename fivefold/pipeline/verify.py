@@ -12,7 +12,8 @@ Checks, in order (each failure names the rank and position of the offending acti
   5. no cycle of waits: an untimed run in which SEND never blocks and RECV waits for its SEND; if
      it stops before every rank is done, the blocked RECVs are reported with the wait cycle.
 On failure `verify` raises ScheduleError whose message ends with the rank-by-step grid, the
-offending action shown as `>>1F3<<`.
+offending action shown as `>>1F3<<`; a grid larger than GRID_RANKS x GRID_STEPS is cut to the window
+around the first problem, saying what was left out.
 """
 from __future__ import annotations
 
@@ -38,16 +39,38 @@ class ScheduleError(UserError):
         super().__init__("invalid pipeline schedule:\n" + "\n".join(lines) + "\n" + grid)
 
 
-def grid(schedule: Schedule, marked: set[tuple[int, int]] = frozenset()) -> str:
-    """Rank-by-step table of the actions; cells in `marked` (rank, step) are shown as >>action<<."""
-    cells = [[(f">>{a}<<" if (r, i) in marked else str(a)) for i, a in enumerate(acts)]
-             for r, acts in enumerate(schedule.ranks)]
-    steps = max((len(c) for c in cells), default=0)
-    width = max([len(x) for row in cells for x in row] + [4])
-    head = "step    " + " ".join(f"{i:<{width}}" for i in range(steps))
-    rows = [f"rank {r:<2}" + "".join(f" {x:<{width}}" for x in row) for r, row in enumerate(cells)]
-    head, rows = head.rstrip(), [row.rstrip() for row in rows]
-    return "\n".join([head] + rows)
+GRID_RANKS, GRID_STEPS = 32, 40
+"""Ranks (rows) and steps (columns) of the grid a ScheduleError prints at most: a schedule CSV of
+10,000 rows printed a 10,000-line grid; past these the grid is the window around the first problem."""
+
+
+def _window(n: int, at: int, most: int) -> range:
+    """`most` consecutive indices of range(n) with `at` near the middle (all of them when n <= most)."""
+    lo = min(max(at - most // 2, 0), max(n - most, 0))
+    return range(lo, min(n, lo + most))
+
+
+def grid(schedule: Schedule, marked: set[tuple[int, int]] = frozenset(),
+         around: tuple[int, int] | None = None) -> str:
+    """Rank-by-step table of the actions; cells in `marked` (rank, step) are shown as >>action<<. At
+    most GRID_RANKS x GRID_STEPS cells, around (rank, step) `around` (default the first cell), with a
+    line saying which ranks and steps are shown when some are left out."""
+    steps = max((len(acts) for acts in schedule.ranks), default=0)
+    r0, i0 = around or (0, 0)
+    ranks = _window(len(schedule.ranks), r0, GRID_RANKS)
+    cols = _window(steps, i0, GRID_STEPS)
+    cells = {r: [(f">>{a}<<" if (r, i) in marked else str(a))
+                 for i, a in enumerate(schedule.ranks[r][cols.start:cols.stop], cols.start)] for r in ranks}
+    width = max([len(x) for row in cells.values() for x in row] + [4])
+    label = max([len(str(r)) for r in ranks] + [2])
+    head = f"{'step':<{label + 5}} " + " ".join(f"{i:<{width}}" for i in cols)
+    rows = [f"rank {r:<{label}}" + "".join(f" {x:<{width}}" for x in row) for r, row in cells.items()]
+    lines = [head.rstrip()] + [row.rstrip() for row in rows]
+    cut = [f"{what} {shown.start}-{shown.stop - 1} of {n:,} ({n - len(shown):,} left out)"
+           for what, shown, n in (("ranks", ranks, len(schedule.ranks)), ("steps", cols, steps)) if len(shown) < n]
+    if cut:
+        lines.insert(0, f"grid cut around rank {r0} step {i0}: showing {' and '.join(cut)}")
+    return "\n".join(lines)
 
 
 def _shape(s: Schedule) -> list[tuple[int, int, str]]:
@@ -188,5 +211,5 @@ def verify(schedule: Schedule) -> Schedule:
     """`schedule` itself when valid; raises ScheduleError with the marked grid otherwise."""
     found = problems(schedule)
     if found:
-        raise ScheduleError(found, grid(schedule, {(r, i) for r, i, _ in found}))
+        raise ScheduleError(found, grid(schedule, {(r, i) for r, i, _ in found}, around=found[0][:2]))
     return schedule
