@@ -331,3 +331,92 @@ def test_value_head_and_value_loss_equal_one_process(workers, name):
         for got, want in zip(r["metrics"], one["metrics"]):
             close(got["loss"], want["loss"], rtol=5e-6, atol=2e-7, site="engine.layout_loss", case=f"critic {name}")
             close(got["grad_norm"], want["grad_norm"], rtol=5e-6, site="engine.layout_grad_norm", case=f"critic {name}")
+
+
+UNEVEN = {  # name: (shares of the 8 rows per DP rank, train_batch's micro-batching, parallel settings)
+    "zero3-mbs3": ([5, 3], dict(micro_batch_size=3),
+                   dict(training=dict(use_distributed_optimizer=True, data_parallel_sharding_strategy="optim_grads_params"))),
+    "zero2-budget": ([6, 2], dict(max_tokens=48),
+                     dict(training=dict(use_distributed_optimizer=True, data_parallel_sharding_strategy="optim_grads"))),
+    "moe-ep2-mbs3": ([5, 3], dict(micro_batch_size=3), dict(expert_model_parallel_size=2, model=MOE)),
+    "moe-tp2": ([8], dict(micro_batch_size=3), dict(tensor_model_parallel_size=2, model=MOE)),
+}
+"""Each on 2 ranks, the rows cut to 23 tokens: a MoE layer splits the tokens over TP without SP too, so
+the engine pads a width TP does not divide (it raised in the split)."""
+
+
+def _uneven_config(world: int, parallel: dict) -> Config:
+    parallel = dict(parallel)
+    training = parallel.pop("training", {})
+    cfg = _config(world, **parallel)
+    for k, v in training.items():
+        setattr(cfg.training, k, v)
+    return cfg
+
+
+def _uneven_rank(rank: int, world: int, config: dict, shares: list[int], micro: dict) -> dict:
+    """One step on this DP rank's contiguous share of the 8 rows, then the weights synced into a frozen
+    engine of the same layout (inside `whole_weights`: ZeRO-3 frees them between uses)."""
+    from fivefold.engine.sync import sync_weights
+
+    cfg = config_from_dict(config)
+    torch.manual_seed(0)
+    with _engine(cfg) as engine, _engine(cfg, frozen=True) as frozen:
+        d = engine.ctx.dp_rank
+        batch = _batch().rows(slice(sum(shares[:d]), sum(shares[:d + 1])), width=S - 1)
+        metrics = engine.train_batch(batch, grpo_loss, lr=1e-3, **micro)
+        refused = None
+        try:
+            sync_weights(engine.model, frozen.model)
+        except ValueError as e:
+            refused = str(e)
+        with engine.whole_weights():
+            sync_weights(engine.model, frozen.model)
+        same = torch.equal(frozen.forward(batch).logprobs, engine.forward(batch).logprobs)
+    return {"metrics": metrics, "refused": refused, "frozen_equal": same}
+
+
+@pytest.mark.parametrize("name", list(UNEVEN))
+def test_dp_ranks_with_uneven_micro_batch_counts_take_the_one_process_step(workers, name):
+    """A DP rank with fewer rows runs fewer micro-batches (micro_batch_size) or empty ones (a token
+    budget): it now runs an empty one as a padding row's zero-loss pass, so the collectives other ranks
+    run per micro-batch run there too. Before: ZeRO-2 aborted (a gloo size mismatch), ZeRO-3 and EP2
+    hung. The step equals the one-process step on the 8 rows (bounds as test_layouts_equal_one_process);
+    the MoE load counts equal it exactly (the padding row's routing is not counted, its aux loss adds no
+    gradient). And `sync_weights` from a ZeRO-3 engine outside `whole_weights` is refused with a message
+    (it read freed storage: SIGSEGV)."""
+    shares, micro, parallel = UNEVEN[name]
+    alone = {k: v for k, v in parallel.items() if k not in ("expert_model_parallel_size", "tensor_model_parallel_size")}
+    one = _uneven_rank(0, 1, to_dict(_uneven_config(1, alone)), [8], micro)
+    results = workers(2).run(_uneven_rank, to_dict(_uneven_config(2, parallel)), shares, micro)
+    for r in results:
+        got, want = r["metrics"], one["metrics"]
+        close(got["loss"], want["loss"], rtol=5e-6, atol=2e-7, site="engine.layout_loss", case=name)
+        close(got["grad_norm"], want["grad_norm"], rtol=5e-6, site="engine.layout_grad_norm", case=name)
+        assert got["skipped"] is False and r["frozen_equal"]
+        if "model" in parallel:  # under TP the engine pads the 23 tokens to 24: that column is routed too
+            padded = 8 * MOE["moe_router_topk"] if "tensor_model_parallel_size" in parallel else 0
+            loads, one_loads = got["moe_tokens_per_expert"], want["moe_tokens_per_expert"]
+            assert all(sum(loads[k]) == sum(one_loads[k]) + padded for k in one_loads), (loads, one_loads)
+            assert padded or loads == one_loads
+        zero3 = parallel.get("training", {}).get("data_parallel_sharding_strategy") == "optim_grads_params"
+        assert (r["refused"] is not None and "whole_weights" in r["refused"]) == zero3, r["refused"]
+
+
+def test_an_empty_batch_a_critics_export_and_a_one_process_sync_work():
+    """Three calls that raised: `forward` of a rank's empty share (range() step 0), `export_weights` of a
+    critic (its value head had no HF name: now `score.weight`, HF's token-classification head), and
+    `sync_weights` in one process without a process group."""
+    from fivefold.engine.sync import sync_weights
+
+    with _engine(_config(), value_head=True) as critic, _engine(_config(), frozen=True) as frozen:
+        empty = _batch().rows(slice(0, 0))
+        assert critic.forward(empty).logprobs.shape == (0, S) and critic.forward(empty, 2).values.shape == (0, S)
+        exported = {k: v for bucket in critic.export_weights() for k, v in bucket.items()}
+        assert torch.equal(exported["score.weight"], critic.model.value_head.weight)
+        with torch.no_grad():  # (both start from the same seed's weights)
+            for p in critic.model.parameters():
+                p.add_(1.0)
+        sync_weights(critic.model, frozen.model)  # (the critic's value head is not the frozen model's)
+        mine = dict(critic.model.named_parameters())
+        assert all(torch.equal(p, mine[name]) for name, p in frozen.model.named_parameters())

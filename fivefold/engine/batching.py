@@ -7,7 +7,8 @@ the same number of micro-batches — with data parallelism a rank that runs one 
 forever for the others' gradient reduction — so every rank plans from every rank's lengths (one
 all-gather of n integers) and takes the largest count: a rank with fewer micro-batches splits its
 largest ones, and where it has fewer sequences than that count, its last micro-batches are empty
-(a step with no tokens, which `Engine.train_batch` runs as a no-op forward). `balanced_split` first
+(no tokens: `Engine.train_batch` runs a padding row's zero-loss forward and backward there, so the
+collectives of a micro-batch run on every rank). `balanced_split` first
 gives the ranks contiguous shares of the global batch with near-equal tokens (seed 003's balanced
 DP split, fivefold.data.sampler.balanced_partition).
 """

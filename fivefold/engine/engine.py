@@ -38,7 +38,7 @@ from fivefold.engine.batching import plan
 from fivefold.errors import NotImplementedYet
 from fivefold.model.hf import hf_name
 from fivefold.parallel.context import gather_tokens, split_tokens
-from fivefold.model.moe import reset_step_totals, update_expert_biases
+from fivefold.model.moe import moe_layers, reset_step_totals, update_expert_biases
 from fivefold.parallel.cross_entropy import vocab_parallel_entropy, vocab_parallel_logprobs
 from fivefold.parallel.tensor import TPMode, mark_sequence_sharded
 from fivefold.runtime import comm
@@ -172,7 +172,7 @@ class Engine:
         labels = torch.cat([ids[:, 1:], torch.zeros_like(ids[:, :1])], dim=1)
         first = self.parts.decoders[0]
         if first.cp is None:
-            pad = -ids.shape[1] % first.sequence_multiple  # TP under SP, else 1
+            pad = -ids.shape[1] % first.sequence_multiple  # TP under SP or in a MoE model, else 1
             return F.pad(ids, (0, pad)), F.pad(labels, (0, pad))
         ids, labels = split_tokens(ids, labels, first.cp, first.sequence_multiple)
         return ids, labels.clamp(min=0)  # the CP split's padding: dropped with the positions past `width`
@@ -201,8 +201,11 @@ class Engine:
         """Per-token log-probs and entropy of this rank's sequences, forward-only."""
         was = self.model.training
         self.model.train(False)
-        mbs = micro_batch_size or len(batch)
+        mbs = micro_batch_size or max(len(batch), 1)
         micro = [batch.input_ids[i:i + mbs] for i in range(0, len(batch), mbs)]
+        if not micro:  # no rows on this rank (a forward has no collective across DP ranks)
+            self.model.train(was)
+            return TokenStats.of(torch.zeros(0, batch.input_ids.shape[1], 2 + self.value_head, device=self.ctx.device))
         if self.parts.pipe is None:
             out = [self._token_stats(ids).stacked() for ids in micro]
         else:  # the last stage's rank has them: broadcast over the pipeline group
@@ -235,7 +238,8 @@ class Engine:
         """One optimizer step: `loss_fn(stats, micro_batch, totals)` returns the micro-batch's share of
         the loss, dividing by the global totals it is given ({"tokens": masked tokens, "sequences":
         sequences, over every DP rank}); the loss summed over micro-batches and DP ranks is the loss of
-        the whole global batch. Returns the loss and the gradient norm and, for a MoE model, the step's load
+        the whole global batch. Returns the loss, the gradient norm, `skipped` (fp16: the loss scaler found
+        an inf / NaN gradient and skipped the update; the norm is then nan) and, for a MoE model, the step's load
         metrics as `fivefold train` logs them (moe_aux_loss, moe_load_imbalance, moe_dropped_fraction with
         a capacity; per layer with logging.moe_per_layer_logging), counted over every rank."""
         self._trainable("train_batch")
@@ -245,9 +249,11 @@ class Engine:
         norms = {"tokens": float(totals[0]), "sequences": float(totals[1])}
         if max_tokens is not None:
             mbs_list = self.micro_batches(batch, max_tokens)
-        else:
-            mbs = micro_batch_size or len(batch)
-            mbs_list = [batch.rows(slice(start, start + mbs)) for start in range(0, len(batch), mbs)]
+        else:  # as many on every DP rank (a rank with fewer rows runs empty ones)
+            mbs = micro_batch_size or max(len(batch), 1)
+            count = torch.tensor([-(-len(batch) // mbs)])
+            comm.all_reduce_(count, mesh.dp, tag="engine-batching", op="max")
+            mbs_list = [batch.rows(slice(i * mbs, (i + 1) * mbs)) for i in range(int(count))]
         dp.set_lr(lr)
         dp.zero_grad()
         reset_step_totals(self.parts.model)
@@ -255,13 +261,15 @@ class Engine:
         if self.parts.pipe is None:
             for i, mb in enumerate(mbs_list):
                 dp.prepare(last=i == len(mbs_list) - 1)
-                if len(mb) == 0:  # another DP rank has more micro-batches: nothing to add here
+                if len(mb) == 0:  # another DP rank has rows in this micro-batch
+                    self._idle_pass()
                     continue
                 loss = loss_fn(self._token_stats(mb.input_ids), mb, norms)
                 (loss * dp.loss_scale).backward()
                 local += loss.detach().double().cpu()
         else:  # the DP reduction runs after the schedule, so DP ranks may run different counts
             mbs_list = [mb for mb in mbs_list if len(mb)]
+            self._same_count_under_ep(len(mbs_list))
             dp.prepare(last=False)
             if mbs_list:
                 run = self._pipeline_run([mb.input_ids for mb in mbs_list], "train",
@@ -276,11 +284,38 @@ class Engine:
         if not skipped:
             dp.step()
         comm.all_reduce_(local, mesh.dp, tag="engine-loss")  # each CP rank holds its DP rank's whole loss
-        out = {"loss": float(local), "grad_norm": float("nan") if norm is None else float(norm)}
+        out = {"loss": float(local), "grad_norm": float("nan") if norm is None else float(norm), "skipped": skipped}
         totals = moe_step_totals(self.parts)
         if totals is not None:  # the MoE load metrics `fivefold train` logs (fivefold.train.moe_metrics)
             out.update(moe_record(totals, self.parts.decoders[0].cfg, self.config.logging.moe_per_layer_logging))
         return out
+
+    def _idle_pass(self) -> None:
+        """An empty micro-batch on this DP rank (another has rows in it): one padding row's forward and
+        backward with a zero loss, so that the collectives the other ranks run per micro-batch run here
+        too (ZeRO-2's gradient reduce-scatter, ZeRO-3's weight gathers, the MoE expert all-to-alls; with
+        `continue` ZeRO-2 aborted and ZeRO-3 and EP hung). Its gradient is zero; a MoE layer's aux-loss
+        gradient is off for it and its routing counts are taken back out of the step's totals."""
+        layers = moe_layers(self.model)
+        kept = [(m, m.step_totals, m.aux_loss_scale) for m in layers]
+        for m in layers:
+            m.aux_loss_scale = 0.0
+        stats = self._token_stats(torch.zeros(1, 1, dtype=torch.long, device=self.ctx.device))
+        (stats.stacked().sum() * 0.0).backward()
+        for m, totals, scale in kept:
+            m.step_totals, m.aux_loss_scale = totals, scale
+
+    def _same_count_under_ep(self, count: int) -> None:
+        """Under PP the schedule runs only a rank's non-empty micro-batches; with expert parallelism every
+        micro-batch's all-to-all spans DP ranks, so their counts must agree (else they hang): refused."""
+        if self.ctx.layout.ep == 1:
+            return
+        counts = torch.tensor([count, -count])
+        comm.all_reduce_(counts, self.parts.mesh.dp, tag="engine-batching", op="max")
+        if int(counts[0]) != -int(counts[1]):
+            raise NotImplementedYet(f"Engine.train_batch under pipeline and expert parallelism with DP ranks running "
+                                    f"{-int(counts[1])} to {int(counts[0])} non-empty micro-batches (each expert "
+                                    "all-to-all spans DP ranks): give every DP rank rows for the same micro-batch count")
 
     def _trainable(self, call: str) -> None:
         if self.frozen:
@@ -328,6 +363,12 @@ class Engine:
         return sum(seen.values())
 
     # ---- weights ----
+    def whole_weights(self, writes: bool = False):
+        """A context in which this rank's parameters hold their weights (ZeRO-3 frees them between uses;
+        a frozen engine's are always whole): read them there (`sync_weights` from this engine); with
+        `writes=True` what the block writes into them becomes this rank's ZeRO-3 chunks."""
+        return nullcontext() if self.frozen else self.parts.dp.full_params(writes=writes)
+
     def export_weights(self, bucket_bytes: int = 512 * 2**20) -> Iterator[dict[str, torch.Tensor]]:
         """The whole model under Hugging Face names (fivefold.model.hf.hf_name), each tensor gathered whole
         from its TP / EP shards (and ZeRO-3 chunks), yielded in buckets of at most `bucket_bytes` (a
@@ -339,7 +380,7 @@ class Engine:
             raise NotImplementedYet("export_weights with expert or pipeline parallelism (each rank holds part of "
                                     "the experts or layers): fivefold.engine.sync.sync_weights copies them")
         bucket, size = {}, 0
-        with nullcontext() if self.frozen else self.parts.dp.full_params(writes=False):  # (frozen: whole)
+        with self.whole_weights():
             metas = named_metas(model)
             for name, p in model.named_parameters():
                 full = _gather_whole(p.detach(), metas[name], self.parts.mesh)

@@ -82,17 +82,28 @@ def planned_bytes(moves: list[Move], itemsize: int) -> int:
 @torch.no_grad()
 def sync_weights(source: nn.Module, destination: nn.Module) -> int:
     """Copy `source`'s parameters into `destination`'s (the same model in another layout, same ranks);
-    every rank calls it. Returns the bytes this rank sent."""
+    every rank calls it (one process without a process group too). Returns the bytes this rank sent.
+    A ZeRO-3 engine's weights exist only while gathered: call it inside `Engine.whole_weights()`."""
     if buffers_saved(source):
         raise NotImplementedYet(f"weight sync of a model with buffers ({next(iter(buffers_saved(source)))}: the MoE "
                                 "expert bias); the inference copy would route without it")
-    rank = dist.get_rank()
+    freed = next((name for module in (source, destination) for name, p in module.named_parameters()
+                  if p.numel() and p.untyped_storage().size() == 0), None)
+    if freed is not None:
+        raise ValueError(f"weight sync: parameter {freed} holds no weights (a ZeRO-3 engine frees them between "
+                         "uses): call sync_weights inside `with engine.whole_weights():` (writes=True for a "
+                         "destination engine)")
+    distributed = dist.is_initialized()
+    rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     dtypes = {p.dtype for p in source.parameters()} | {p.dtype for p in destination.parameters()}
     if len(dtypes) > 1:
         raise ValueError(f"weight sync copies like for like; the copies hold {sorted(map(str, dtypes))}")
     mine = (_placements(source), _placements(destination))
-    every: list = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
+    every: list = [None] * world
+    if distributed:
+        dist.all_gather_object(every, mine)
+    else:
+        every = [mine]
     moves = plan([e[0] for e in every], [e[1] for e in every])
     src_params, dst_params = dict(source.named_parameters()), dict(destination.named_parameters())
     works, receives, sent = [], [], 0

@@ -205,9 +205,11 @@ class Decoder(nn.Module):
 
     @property
     def sequence_multiple(self) -> int:
-        """What this rank's share of a sequence must divide by: TP under sequence parallelism, else 1
-        (the CP split pads a batch to 2*CP times this, parallel.context.split_tokens)."""
-        return self.tp.size if self.mode is TPMode.SEQUENCE_PARALLEL else 1
+        """What this rank's share of a sequence must divide by: TP under sequence parallelism or in a MoE
+        model (its MoE layers split the tokens over TP without SP too, fivefold.model.moe), else 1 (the
+        CP split pads a batch to 2*CP times this, parallel.context.split_tokens)."""
+        split = self.mode is TPMode.SEQUENCE_PARALLEL or (self.cfg.is_moe and self.tp is not None)
+        return self.tp.size if split else 1
 
     def _head_logits(self, x: torch.Tensor, docs=None, noise=None) -> torch.Tensor:
         """This TP rank's (b, s, V_padded/tp) logits; the full vocabulary is never gathered."""

@@ -292,6 +292,8 @@ def hf_name(name: str, cfg: ModelConfig) -> str:
         return "model.embed_tokens.weight"
     if name == "head.weight":
         return "lm_head.weight"
+    if name == "value_head.weight":  # a critic's (Engine(value_head=True)): HF's token-classification head
+        return "score.weight"
     if name.startswith("final_norm."):  # weight (and bias with LayerNorm)
         return "model.norm." + name.removeprefix("final_norm.")
     kind, index, rest = name.split(".", 2)  # layers.<i>.<rest> or mtp.<k-1>.<rest>

@@ -193,7 +193,8 @@ class _Rollout:
 
     def load(self, engine: Engine) -> int:
         """Bytes sent over all ranks."""
-        sent = torch.tensor([float(sync_weights(engine.model, self.model))], dtype=torch.float64)
+        with engine.whole_weights():
+            sent = torch.tensor([float(sync_weights(engine.model, self.model))], dtype=torch.float64)
         comm.all_reduce_(sent, engine.parts.mesh.world, tag="rl-metrics")
         return int(sent)
 
@@ -231,7 +232,8 @@ def run(cfg: Config, g: GRPOConfig, ctx: RankContext) -> list[dict]:
     warm = _warmup(engine, task, g, ctx, rng)
     mbs = cfg.training.micro_batch_size  # the actor's and the reference's micro-batches (pipelined under PP)
     rollout, reference = _Rollout(cfg.model, seed=1), Engine(cfg, ctx, frozen=True)
-    sync_weights(engine.model, reference.model)  # the warmed-up policy, frozen from here on
+    with engine.whole_weights():
+        sync_weights(engine.model, reference.model)  # the warmed-up policy, frozen from here on
     rows = []
     with manual_gc(cfg.training):  # --manual-gc: the collector off while training
         for step in range(g.steps):
