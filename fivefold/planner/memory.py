@@ -415,6 +415,11 @@ class _Ranks:
                             state_bytes_per_param(training, plan.precision, plan.edp))
         self.prec = Precision.of(training, plan.precision)
         self.mode = training.sharding_strategy
+        self.states: dict[int, _RankState] = plan.cached(
+            ("rank states", plan.tp, plan.etp, plan.ep, plan.dp, plan.cp, plan.edp, plan.instances,
+             plan.reduce_every_microbatch, plan.precision, self.prec, self.mode, traits, training.fp8_recipe,
+             training.fp8_param_gather), dict)
+        """Rank -> `state(rank)`, shared by the plans of this split with the same state key."""
         self._fixed()
 
     def _fixed(self) -> None:
@@ -605,13 +610,12 @@ class _Ranks:
 
     def state(self, r: int) -> "_RankState":
         """Rank r's model state and optimizer step, kept with the layer split (`Plan.cached`) under
-        everything else they read: the search sizes each rank under several micro-batches, recompute
-        modes and CP exchanges of one layout, and one split under many layouts."""
-        plan, t = self.plan, self.plan.config.training
-        key = ("rank state", r, plan.tp, plan.etp, plan.ep, plan.dp, plan.cp, plan.edp, plan.instances,
-               plan.reduce_every_microbatch, plan.precision, self.prec, self.mode, self.assume.traits, t.fp8_recipe,
-               t.fp8_param_gather)
-        return plan.cached(key, lambda: self._state(r))
+        everything else they read, by rank: the search sizes each rank under several micro-batches,
+        recompute modes and CP exchanges of one layout, and one split under many layouts."""
+        got = self.states.get(r)
+        if got is None:
+            got = self.states[r] = self._state(r)
+        return got
 
     def _state(self, r: int) -> "_RankState":
         plan, traits = self.plan, self.assume.traits

@@ -202,9 +202,9 @@ def _add_timed(by_part: ByPart, parts: dict, sent: dict) -> None:
 
 
 _CALLS: dict[tuple, tuple] = {}
-"""What a rank's stage calls (per microbatch) or step calls (once) depend on -> (the model, the
-hardware, the calls timed): the search meets the same pipeline ranks under many layouts (EP, split,
-recompute)."""
+"""What the ranks' stage calls (per microbatch) or step calls (once) depend on but the rank -> (the
+model, the hardware, {what they read of the rank: the calls timed}): the search meets the same
+pipeline ranks under many layouts (EP, split, recompute)."""
 
 
 def _kept(cache: dict, key: tuple, m, hw, compute):
@@ -235,10 +235,13 @@ def _rank_cost(plan: Plan, r: int, links: Links, sizes: dict[str, int], flops_ra
     return parts, sent, sum(parts.values())
 
 
-def _stage_calls(plan: Plan, r: int, links: Links, sizes: dict[str, int], key: tuple) -> ByPart:
-    """`stage_collectives` of pipeline rank r, timed (none hides behind compute; `key`: `_Keys.stage`)."""
-    return _kept(_CALLS, key + plan.rank_shapes[r][1:], plan.config.model, links.hw,
-                 lambda: _on_the_path(_timed(stage_collectives(plan, r), links, sizes)))
+def _stage_calls(plan: Plan, r: int, links: Links, sizes: dict[str, int], kept: dict) -> ByPart:
+    """`stage_collectives` of pipeline rank r, timed (none hides behind compute; `kept`: `_Keys.stage`)."""
+    shape = plan.rank_shapes[r][1:]
+    got = kept.get(shape)
+    if got is None:
+        got = kept[shape] = _on_the_path(_timed(stage_collectives(plan, r), links, sizes))
+    return got
 
 
 def _on_the_path(timed: Timed) -> ByPart:
@@ -261,17 +264,19 @@ def _on_the_path(timed: Timed) -> ByPart:
     return tuple((part, tuple(times), tuple(wires)) for part, (times, wires) in by_part.items())
 
 
-def _step_calls(plan: Plan, r: int, links: Links, sizes: dict[str, int], key: tuple) -> tuple[tuple, dict]:
-    """`step_collectives` of pipeline rank r, timed (`key`: `_Keys.step`): (part, seconds, what they hide
+def _step_calls(plan: Plan, r: int, links: Links, sizes: dict[str, int], kept: dict) -> tuple[tuple, dict]:
+    """`step_collectives` of pipeline rank r, timed (`kept`: `_Keys.step`): (part, seconds, what they hide
     behind, microbatches they are spread over) per call, in call order, and the wire bytes by part
     (summed in call order: read only)."""
-    def timed():
+    held = _held(plan, r)
+    got = kept.get(held)
+    if got is None:
         calls, sent = [], {}
         for part, t, wire, behind, spread in _timed(step_collectives(plan, r), links, sizes):
             calls.append((part, t, behind, spread))
             sent[part] = sent.get(part, 0.0) + wire
-        return tuple(calls), sent
-    return _kept(_CALLS, key + _held(plan, r), plan.config.model, links.hw, timed)
+        got = kept[held] = tuple(calls), sent
+    return got
 
 
 def _held(plan: Plan, r: int) -> tuple:
@@ -387,16 +392,19 @@ the layer split share their layers' costs (the model is kept alive beside its id
 
 class _Keys(NamedTuple):
     """What a plan's costs depend on besides the rank or layer, built once per step estimate (the model
-    and hardware by identity, kept alive beside what they key)."""
+    and hardware by identity, kept alive beside what they key): the layers' keys, and the stage and step
+    calls already kept under theirs (a rank's then looked up by what they read of the rank alone)."""
     layers: tuple[tuple, tuple, tuple, tuple]
     """A decoder layer's (`_layer_cost`), at 2 x (MoE?) + (recomputed?): a dense layer's says nothing of
     EP / ETP, so layouts that differ only there share it; a MoE layer's adds the expert layout and
     links. A layer full recompute leaves alone (multi-token prediction's) costs what it costs without
     recompute: its key says none."""
-    stage: tuple
-    """A rank's per-microbatch calls (`_stage_calls`, with the rank's shape but its first layer)."""
-    step: tuple
-    """A rank's once-per-step calls (`_step_calls`, with what the rank holds: `_held`)."""
+    stage: dict
+    """The ranks' per-microbatch calls (`_stage_calls`) kept under their key, by the rank's shape but
+    its first layer."""
+    step: dict
+    """The ranks' once-per-step calls (`_step_calls`) kept under their key, by what the rank holds
+    (`_held`)."""
 
 
 def _keys(plan: Plan, links: Links, flops_rate: float) -> _Keys:
@@ -421,7 +429,7 @@ def _keys(plan: Plan, links: Links, flops_rate: float) -> _Keys:
                     plan.edp, plan.precision, t.sharding_strategy, plan.reduce_every_microbatch,
                     state_bytes_per_param(t, plan.precision, 1)[:2], plan.instances,
                     dp_calls_per_step(plan), links.cross["tp"], links.cross["embedding"], links.cross["dp"], links.cross["edp"], p.order)
-    return _Keys(layers, stage, step)
+    return _Keys(layers, _kept(_CALLS, stage, m, links.hw, dict), _kept(_CALLS, step, m, links.hw, dict))
 
 
 def _layer_cost(plan: Plan, links: Links, sizes: dict[str, int], i: int, recomputed: bool, flops_rate: float,
