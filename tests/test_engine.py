@@ -420,3 +420,21 @@ def test_an_empty_batch_a_critics_export_and_a_one_process_sync_work():
         sync_weights(critic.model, frozen.model)  # (the critic's value head is not the frozen model's)
         mine = dict(critic.model.named_parameters())
         assert all(torch.equal(p, mine[name]) for name, p in frozen.model.named_parameters())
+
+
+def _refused_rank(rank: int, world: int, config: dict, shares: list[int], micro: dict) -> str:
+    from fivefold.errors import NotImplementedYet
+
+    try:
+        _uneven_rank(rank, world, config, shares, micro)
+    except NotImplementedYet as e:
+        return str(e)
+    return "ran"
+
+
+def test_pipeline_and_expert_parallel_ranks_with_different_micro_batch_counts_are_refused(workers):
+    """Under PP a DP rank runs only its non-empty micro-batches; with EP each all-to-all spans DP ranks,
+    so different counts would hang: every rank refuses the step with the same message."""
+    cfg = _uneven_config(4, dict(pipeline_model_parallel_size=2, expert_model_parallel_size=2, model=MOE))
+    said = workers(4).run(_refused_rank, to_dict(cfg), [5, 3], dict(micro_batch_size=3))
+    assert len(set(said)) == 1 and "DP ranks running 1 to 2 non-empty micro-batches" in said[0], said
