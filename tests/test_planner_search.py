@@ -129,6 +129,9 @@ def test_achieved_shares_are_of_the_measured_matmul_ceiling(tmp_path):
      "x DP: give --global-batch 1032"),
     # a config of a layout alone (RLinf's sizing example): once planned as the schema's 2-layer default model
     (["plan", "--model", "examples/rlinf.yaml", "--gpus", "8"], "examples/rlinf.yaml: sets no model field"),
+    # `estimate` of no model, or of a layout alone: once sized the 2-layer test model, a 0.000 s step, exit 0
+    (["estimate"], "no config: sets no model field"),
+    (["estimate", "examples/rlinf.yaml"], "examples/rlinf.yaml: sets no model field"),
     (["plan", "--model", "llama3-8b", "--gpus", "8", "--dp-modes", ""], "--dp-modes: unknown ''"),  # was the default
     (["plan", "--model", "llama3-70b", "--gpus", "1"], "fix: more GPUs (--gpus), a GPU with more memory (--gpu)"),
 ])
@@ -537,10 +540,16 @@ def test_compare_places_a_named_layout_in_the_ranking(capsys):
     top = result.ranked[0]
     again = candidates(top.label, m, hw, 16, 8, 4096, 64, "bf16", (1,), mem=MemoryAssumptions(), ta=TimeAssumptions())[0]
     assert again.label == top.label and rank_of(again, result.ranked) == 1
+    one_f_one_b = candidates("PP2 1f1b", m, hw, 16, 8, 4096, 64, "bf16", (1,), MemoryAssumptions(), TimeAssumptions())
+    assert [c.label for c in one_f_one_b] == [c.label for c in candidates(  # --schedules' name for the default
+        "PP2", m, hw, 16, 8, 4096, 64, "bf16", (1,), MemoryAssumptions(), TimeAssumptions())]
     assert layer_splits(61, 8, 4) == [] and layer_splits(61, 8, 4, explicit=True) == [
         {"pipeline_layers_per_stage": [1] + [2] * 29 + [1, 1]}]
     for bad, says in (("TP2 PQ4", "cannot read 'pq4'"), ("TP2 DP4", "DP4 with TP*CP*PP = 2 makes 8 GPUs, not 16"),
-                      ("TP2 TP4", "TP given twice"), ("TP2 EP2", "MoE models only"), (" ", "name a layout")):
+                      ("TP2 TP4", "TP given twice"), ("TP2 EP2", "MoE models only"), (" ", "name a layout"),
+                      # the last of two DP modes or recompute modes was taken without a word
+                      ("TP8 fsdp zero2", "a DP mode given twice ('zero2' the second)"),
+                      ("TP2 rc-sel(mlp) rc-none", "recompute given twice ('rc-none' the second)")):
         with pytest.raises(UserError, match=re.escape(says)):
             candidates(bad, m, hw, 16, 8, 4096, 64, "bf16", (1,), MemoryAssumptions(), TimeAssumptions())
     assert main(["plan", "--model", "llama3-8b", "--gpus", "16", "--global-batch", "64", "--top", "2",
@@ -922,3 +931,13 @@ def test_plan_counts_a_small_model_in_millions(capsys):
     assert re.match(r"examples/demo.yaml: [0-9.]+M parameters \([0-9.]+M active\)", capsys.readouterr().out)
     assert main(["plan", "--model", "llama3-8b", "--gpus", "8", "--top", "1"]) == 0
     assert capsys.readouterr().out.startswith("llama3-8b: 8.0B parameters (8.0B active)")
+
+
+def test_an_odd_sequence_is_planned_without_context_parallelism(capsys):
+    """The search asked every layout for a sequence divisible by 2 x CP, CP1 included: --seq-len 4097
+    tried nothing and said "no layout fits" with no reason. CP1 layouts (SP dropped where TP does not
+    divide it) are now ranked; CP2 and up still need 2 x CP to divide it."""
+    assert main(["plan", "--model", "llama3-8b", "--gpus", "8", "--seq-len", "4097", "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    assert " fit" in out and "CP2" not in out.split("dropped")[0]
+    assert "sequence parallelism needs seq_length/CP = 4097/1 divisible by tensor_model_parallel_size=2" in out

@@ -49,6 +49,9 @@ def run(args, extra) -> int:
         if given:
             print(f"note: --model {args.model} with " + ", ".join(f"model.{f}={getattr(cfg.model, f)}" for f in given))
     components = loaded.allocation.components if loaded.allocation else ()
+    if not args.model and len(components) <= 1 and not any(k.startswith("model.") for k in loaded.explicit):
+        raise UserError(f"{path or 'no config'}: sets no model field (num_layers, hidden_size, ...; it would size "
+                        "the 2-layer test model): give --model (a preset or a config.json) or a config with the model")
     if len(components) <= 1:
         _estimate(cfg, loaded, args, hw)
         return 0

@@ -65,14 +65,15 @@ def parse(text: str) -> dict:
                 raise UserError(f"--compare {text!r}: two layer splits given")
             out["split"] = split
             continue
-        if word in DP_MODES:
-            out["dp_mode"] = DP_MODES[word]
+        if word in DP_MODES or word in _RECOMPUTE:  # (rc-sel(...) was read above: its recompute is set)
+            key, value = ("dp_mode", DP_MODES[word]) if word in DP_MODES else ("recompute", _RECOMPUTE[word])
+            if out[key] != (None if key == "dp_mode" else "search"):
+                raise UserError(f"--compare {text!r}: {'a DP mode' if key == 'dp_mode' else 'recompute'} given "
+                                f"twice ({word!r} the second): keep one")
+            out[key] = value
             continue
-        if word in _RECOMPUTE:
-            out["recompute"] = _RECOMPUTE[word]
-            continue
-        if word in REGISTRY and word not in ("1f1b", "interleaved"):
-            out["schedule"] = word
+        if word in REGISTRY and word != "interleaved":  # (1f1b: the default; interleaved: VPPn)
+            out["schedule"] = None if word == "1f1b" else word
             continue
         m = re.fullmatch(r"cp(\d+)\((p2p|a2a|allgather|a2a\+p2p)\)", word)
         if m:

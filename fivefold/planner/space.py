@@ -158,7 +158,7 @@ def structures(m: ModelConfig, world: int, gpus_per_node: int, seq: int, space: 
         if world % tp or heads % tp:
             continue
         for cp in pow2_upto(space.max_cp):
-            if world % (tp * cp) or seq % (2 * cp):
+            if world % (tp * cp) or (cp > 1 and seq % (2 * cp)):  # (CP splits a sequence in 2 x CP chunks)
                 continue
             rest = world // (tp * cp)
             for pp in divisors(rest):
