@@ -549,7 +549,9 @@ def test_compare_places_a_named_layout_in_the_ranking(capsys):
                       ("TP2 TP4", "TP given twice"), ("TP2 EP2", "MoE models only"), (" ", "name a layout"),
                       # the last of two DP modes or recompute modes was taken without a word
                       ("TP8 fsdp zero2", "a DP mode given twice ('zero2' the second)"),
-                      ("TP2 rc-sel(mlp) rc-none", "recompute given twice ('rc-none' the second)")):
+                      ("TP2 rc-sel(mlp) rc-none", "recompute given twice ('rc-none' the second)"),
+                      # priced as rc-none under an rc-sel(moe) label
+                      ("TP2 rc-sel(mlp,moe,mla_up_proj)", "recompute module moe, mla_up_proj: this model has none")):
         with pytest.raises(UserError, match=re.escape(says)):
             candidates(bad, m, hw, 16, 8, 4096, 64, "bf16", (1,), MemoryAssumptions(), TimeAssumptions())
     assert main(["plan", "--model", "llama3-8b", "--gpus", "16", "--global-batch", "64", "--top", "2",

@@ -214,6 +214,14 @@ RECOMPUTE_MODULES = {
 """Megatron's --recompute-modules, as the planner counts what each saves (per layer, selective)."""
 
 
+def modules_not_in(model, modules) -> list[str]:
+    """The recompute modules of `modules` that this model (a ModelConfig) has nothing for: each would
+    recompute nothing and save nothing (a MoE module in a dense model, MLA's in a model without MLA)."""
+    has = {"mla_up_proj": model.multi_latent_attention, "moe_act": model.is_moe, "moe": model.is_moe,
+           "shared_experts": model.is_moe and bool(model.moe_shared_expert_intermediate_size)}
+    return [x for x in modules if not has.get(x, True)]
+
+
 OFFLOAD_MODULES = {
     "attn_norm": "attn norm input",
     "qkv_linear": "qkv input",

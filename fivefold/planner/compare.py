@@ -27,7 +27,7 @@ import re
 
 from fivefold.errors import UserError
 from fivefold.pipeline.schedules import REGISTRY
-from fivefold.planner.activations import RECOMPUTE_MODULES
+from fivefold.planner.activations import RECOMPUTE_MODULES, modules_not_in
 from fivefold.planner.mtp import mtp_stage_layers
 from fivefold.planner.search import (A2A_OVERLAP, DP_MODE_LABEL, Candidate, evaluate, make_config, rank_key, with_group,
                                      recompute_label)
@@ -125,6 +125,10 @@ def candidates(text: str, model, hw, world: int, gpus_per_node: int, seq: int, g
                     cp_comm_type=d["cp_comm"], pipeline_model_parallel_size=pp, pipeline_schedule=schedule,
                     virtual_pipeline_model_parallel_size=vpp if schedule == "interleaved" else None,
                     microbatch_group_size_per_vp_stage=s.get("group"))
+    absent = modules_not_in(model, d["modules"] or ())
+    if absent:
+        raise UserError(f"--compare {text!r}: recompute module {', '.join(absent)}: this model has none (no MoE "
+                        "layer, MLA or shared expert to recompute); name the modules it has")
     if model.is_moe:
         parallel.update(expert_model_parallel_size=s.get("ep", 1), expert_tensor_parallel_size=s.get("etp", tp))
     elif "ep" in s or "etp" in s:
