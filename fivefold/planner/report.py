@@ -144,12 +144,14 @@ def ep_verdict(c: Candidate, ranked: list[Candidate], hw: Hardware, assume: "Ass
     off the node) and doubled, each sized and timed as the search does (`assume`): its model state
     against this one's, and its step time, rank and the time parts that differ most, or why it is out."""
     p, out = c.plan, []
-    for ep in ((p.ep // 2,) if p.ep % 2 == 0 else ()) + (p.ep * 2,):  # halved where EP is even
+    experts = c.config.model.num_experts
+    for ep in [e for e in ((p.ep // 2,) if p.ep % 2 == 0 else ()) + (p.ep * 2,) if experts % e == 0]:
+        # halved where EP is even, doubled where the experts still split over it
         par = replace(c.config.parallel, expert_model_parallel_size=ep, overlap_moe_expert_parallel_comm=False)
         cfg = replace(c.config, parallel=par)
         other = evaluate(with_a2a_overlap(cfg) if c.config.parallel.overlap_moe_expert_parallel_comm else cfg,
                          hw, assume.mem, assume.ta)
-        head = f"EP{ep} ({c.config.model.num_experts // ep} experts a rank, the rest the same)"
+        head = f"EP{ep} ({experts // ep} experts a rank, the rest the same)"
         if not other.sized:
             out.append(f"{head} breaks a rule: {other.problem}")
             continue
