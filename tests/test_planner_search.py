@@ -784,6 +784,7 @@ def test_explain_weighs_replicated_experts_against_the_all_to_all():
     """A MoE layout's EP against the same layout with EP halved (twice the experts a rank: more model
     state, less all-to-all) and doubled, sized and timed as the search does: the model state each holds
     beside it, and where it ranks with its step time, or that it does not fit, or the rule it breaks."""
+    from fivefold.planner.compare import candidates
     from fivefold.planner.memory import MemoryAssumptions
     from fivefold.planner.report import Assumed, ep_verdict
     from fivefold.planner.steptime import TimeAssumptions
@@ -796,6 +797,11 @@ def test_explain_weighs_replicated_experts_against_the_all_to_all():
     text = ep_verdict(best, r.ranked, hw, assume)
     assert text.startswith("EP2 (64 experts a rank, the rest the same): +") and "does not fit (needs" in text
     assert "EP8 (16 experts a rank, the rest the same) breaks a rule: " in text and "ETP*EP = 1*8" in text
+    mixtral = model_preset("mixtral-8x7b").model  # 8 experts on EP8: no EP16 twin ("0 experts a rank")
+    ep8 = candidates("TP2 EP8 ETP1 PP2", mixtral, hw, 16, 8, 4096, 64, "bf16", (1,), MemoryAssumptions(),
+                     TimeAssumptions())[0]
+    text = ep_verdict(ep8, [ep8], hw, assume)
+    assert text.startswith("EP4 (2 experts a rank, the rest the same)") and "EP16" not in text
 
     def state(c):
         return (c.memory.weights + c.memory.grads + c.memory.optimizer) / 2**30
