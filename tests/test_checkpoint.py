@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import os
 import shutil
 
@@ -234,3 +235,22 @@ def test_rotation_never_deletes_the_checkpoint_it_just_wrote(tmp_path):
     _save(tmp_path, 3, model, opt)  # resumed from step 2: 1 rotates out, 4 (above) stays
     assert resolve(tmp_path) == tmp_path / "step_00000003"
     assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_00000002", "step_00000003", "step_00000004"]
+
+
+@pytest.mark.parametrize("field, saved, here", [("qk_layernorm", True, False), ("add_qkv_bias", True, False),
+                                                ("mtp_num_layers", 1, None), ("add_bias_linear", True, False)])
+def test_a_checkpoint_with_parameters_this_model_lacks_is_another_model(field, saved, here, tmp_path):
+    """A checkpoint saved with QK norms, QKV biases, linear biases or an MTP layer loaded into a model
+    without them (every tensor this model holds was there, the extra ones dropped without a word): the
+    fields that add parameters are compared with the run's model section; a field a checkpoint's config
+    lacks (saved before it existed) holds its default."""
+    from dataclasses import asdict
+
+    from fivefold.config.schema import ModelConfig
+
+    mine = asdict(ModelConfig())
+    theirs = {**mine, field: saved}
+    with pytest.raises(UserError, match=re.escape(f"model.{field} is {saved!r} in the checkpoint, {here!r} here")):
+        io.check_fits({"params": {}, "config": {"model": theirs}}, {}, None, tmp_path, {**mine, field: here})
+    old = {k: v for k, v in mine.items() if k != field}  # an older checkpoint's config without the field
+    io.check_fits({"params": {}, "config": {"model": old}}, {}, None, tmp_path, mine)

@@ -15,7 +15,7 @@ import os
 import shutil
 import sys
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
@@ -28,6 +28,7 @@ from fivefold.checkpoint.metadata import check_metadata, resume_step
 from fivefold.checkpoint.optim_state import (MAIN, OptimShard, ShardOf, load_optim, merge_listings, save_optim,
                                              whole_shards)
 from fivefold.checkpoint.reshard import Reader, checkpoint_source, entry_source, fill, fill_flat
+from fivefold.config.schema import ModelConfig
 from fivefold.errors import UserError
 from fivefold.parallel.param_meta import named_metas
 
@@ -243,9 +244,14 @@ def _fits(saved: list[int], mine: list[int], real: int | None) -> bool:
 PARAMETER_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
                     "kv_channels", "vocab_size", "normalization", "tie_word_embeddings", "multi_latent_attention",
                     "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "num_experts",
-                    "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "moe_first_k_dense_layers")
+                    "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "moe_first_k_dense_layers",
+                    "activation", "add_bias_linear", "add_qkv_bias", "qk_layernorm", "qk_layernorm_scope",
+                    "mtp_num_layers")
 """The model fields that decide which parameters the one-process model has and their shapes (the rest,
-e.g. norm epsilon, RoPE base, router and loss coefficients, change no parameter)."""
+e.g. norm epsilon, RoPE base, router and loss coefficients, change no parameter). A checkpoint whose
+config lacks one (saved before it was a field) holds its default. Until 2026-11-29 the last six were
+missing: a checkpoint with QK norms, QKV biases or an MTP layer loaded into a model without them, its
+extra tensors dropped without a word."""
 
 
 @dataclass(frozen=True)
@@ -285,8 +291,9 @@ def check_fits(meta: dict, model: nn.Module | Mapping[str, Held], shard_of: Shar
     problems = []
     theirs = meta.get("config", {}).get("model")
     if model_config is not None and theirs is not None:  # first: they say why the shapes below differ
-        problems += [f"model.{f} is {theirs.get(f)!r} in the checkpoint, {model_config.get(f)!r} here"
-                     for f in PARAMETER_FIELDS if theirs.get(f) != model_config.get(f)]
+        default = {f.name: f.default for f in fields(ModelConfig)}
+        problems += [f"model.{f} is {theirs.get(f, default[f])!r} in the checkpoint, {model_config.get(f, default[f])!r} "
+                     "here" for f in PARAMETER_FIELDS if theirs.get(f, default[f]) != model_config.get(f, default[f])]
     else:
         problems += [f"{n} is in the checkpoint but not in this model" for n, e in saved.items()
                      if n not in held and not e.get("buffer")]
