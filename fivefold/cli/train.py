@@ -146,8 +146,11 @@ def run(args, extra: list[str]) -> int:
     for flag, path in folders:
         check_output_folder(flag, path)
     if config.checkpoint.save_hf:  # written at the end: refused now, not after the run
-        from fivefold.model.hf_export import check_replaceable
+        import torch
+
+        from fivefold.model.hf_export import check_replaceable, hf_config
         check_replaceable(Path(config.checkpoint.save_hf), "checkpoint.save_hf (--save-hf)")
+        hf_config(config.model, torch.float32)  # a model HF's config cannot say (NotImplementedYet)
     if under_torchrun:
         place(config, int(os.environ.get("LOCAL_WORLD_SIZE", nproc)), int(os.environ["RANK"]))
         return _run_under_torchrun(config, _make_folders(config, folders))

@@ -52,6 +52,13 @@ def hf_config(cfg: ModelConfig, dtype: torch.dtype) -> dict:
     if cfg.normalization != "RMSNorm":
         raise NotImplementedYet(f"Hugging Face export of normalization={cfg.normalization!r} (Llama-family "
                                 "exports need RMSNorm)")
+    unsaid = [f"{name}={value!r}" for name, value, said in (
+        ("activation", cfg.activation, cfg.activation == "swiglu"),
+        ("add_bias_linear", cfg.add_bias_linear, not cfg.add_bias_linear),
+        ("position_embedding_type", cfg.position_embedding_type, cfg.position_embedding_type == "rope")) if not said]
+    if unsaid:  # (until 2026-11-29 written as a Llama config: HF loaded it and computed another model)
+        raise NotImplementedYet(f"Hugging Face export of {', '.join(unsaid)} (the Llama-family configs written here "
+                                "say SwiGLU MLPs without linear biases and rotary position embeddings)")
     out = {"vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "intermediate_size": cfg.ffn_size,
            "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_attention_heads,
            "max_position_embeddings": cfg.max_position_embeddings, "rms_norm_eps": cfg.norm_epsilon,
