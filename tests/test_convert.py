@@ -40,6 +40,10 @@ def test_convert_to_tp2_pp2_round_trips_and_resumes(saved, tmp_path):
                  "--pipeline-model-parallel-size", "2", "--world-size", "4"]) == 0
     meta = json.loads((dst / "step_00000002" / "metadata.json").read_text())
     assert meta["world_size"] == 4 and meta["config"]["parallel"]["tensor_model_parallel_size"] == 2
+    # no RNG stream at another world size, and the metadata says so: `train --load` in that layout (4 ranks)
+    # was refused for a missing rng-00000.safetensors, as if the checkpoint were incomplete
+    assert meta["rng_saved"] is False and not list((dst / "step_00000002").glob("rng-*"))
+    io.check_resume(dst / "step_00000002", meta, world_size=4, load_rng=True)
     qkv = meta["params"]["layers.0.attn.q_proj.weight"]["shards"]
     assert sorted(s["file"] for s in qkv) == ["model-00000.safetensors", "model-00001.safetensors"]  # stage 0, TP2
     with safe_open(str(dst / "step_00000002" / "model-00002.safetensors"), framework="pt") as f:

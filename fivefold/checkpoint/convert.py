@@ -23,7 +23,8 @@ from pathlib import Path
 
 import torch
 
-from fivefold.checkpoint.io import buffers_saved, check_fits, placed_by_meta, read_metadata, tensors_saved
+from fivefold.checkpoint.io import (buffers_saved, check_fits, has_rng, placed_by_meta, read_metadata,
+                                    tensors_saved)
 from fivefold.checkpoint.layout import (FORMAT, TIED, ShardSpec, complete_checkpoints, resolve, source_name, step_dir,
                                         whole)
 from fivefold.checkpoint.optim_state import MAIN, MOMENTS
@@ -113,7 +114,7 @@ def _rng_files(folder: Path, meta: dict, world_size: int) -> list[Path]:
     """The RNG states to copy: every rank's at the same world size (another world size starts fresh
     streams, as --load does). One missing is refused, as a missing shard is: the copy would lack it,
     and --load of it would refuse then."""
-    if meta.get("world_size") != world_size:
+    if not has_rng(meta, world_size):
         return []
     rngs = [folder / f"rng-{r:05d}.safetensors" for r in range(world_size)]
     missing = [p.name for p in rngs if not p.is_file()]
@@ -190,7 +191,8 @@ def _write(folder: Path, meta: dict, config: Config, layout: Layout, tmp: Path, 
         shutil.copyfile(rng, tmp / rng.name)
     kept = {k: v for k, v in meta.items() if k not in ("params", "format", "config", "world_size")}
     (tmp / "metadata.json").write_text(json.dumps(
-        {"format": FORMAT, **kept, "world_size": layout.world_size, "params": listing, "config": to_dict(config),
+        {"format": FORMAT, **kept, "world_size": layout.world_size, "rng_saved": bool(rngs), "params": listing,
+         "config": to_dict(config),
          "converted_from": str(folder)}, indent=1))
 
 

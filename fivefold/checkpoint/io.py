@@ -354,13 +354,19 @@ def _rng_missing(folder: Path, ranks: list[int]) -> UserError:
                      "streams)")
 
 
+def has_rng(meta: dict, world_size: int) -> bool:
+    """Whether a checkpoint holds RNG states for a run of `world_size` ranks: saved at that world size,
+    and not converted from another one (`convert` copies no streams then and says so: `rng_saved`)."""
+    return meta.get("world_size") == world_size and meta.get("rng_saved", True)
+
+
 def check_resume(folder: Path, meta: dict, *, world_size: int, load_rng: bool) -> None:
     """What a resume (`train --load` without --finetune) of checkpoint `folder` reads besides the
     tensors, checked before any rank starts: the step it continues at (`resume_step`) and, at the
     saved world size unless `load_rng` is off, every rank's RNG state (`load_checkpoint` would refuse
     a missing one on its rank, once all had started)."""
     resume_step(meta, folder)
-    if not load_rng or meta.get("world_size") != world_size:
+    if not load_rng or not has_rng(meta, world_size):
         return
     missing = [r for r in range(world_size) if not (folder / rng_file(r)).is_file()]
     if missing:
@@ -388,7 +394,7 @@ def load_checkpoint(path: str | Path, *, model: nn.Module, optimizer: torch.opti
             load_optim(folder, meta, model, optimizer, whole_shards(model) if optim_shards is None else optim_shards,
                        shard_of)
     rng = rng_file(rank)
-    if load_rng and meta.get("world_size") == world_size:
+    if load_rng and has_rng(meta, world_size):
         if not (folder / rng).is_file():  # as a missing shard: never a run that silently starts other RNG streams
             raise _rng_missing(folder, [rank])
         with open_shard(folder, rng) as f:
