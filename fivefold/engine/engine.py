@@ -199,13 +199,12 @@ class Engine:
     @torch.no_grad()
     def forward(self, batch: Batch, micro_batch_size: int | None = None) -> TokenStats:
         """Per-token log-probs and entropy of this rank's sequences, forward-only."""
+        if len(batch) == 0:  # no rows on this rank (a forward has no collective across DP ranks)
+            return TokenStats.of(torch.zeros(0, batch.input_ids.shape[1], 2 + self.value_head, device=self.ctx.device))
         was = self.model.training
         self.model.train(False)
-        mbs = micro_batch_size or max(len(batch), 1)
+        mbs = micro_batch_size or len(batch)
         micro = [batch.input_ids[i:i + mbs] for i in range(0, len(batch), mbs)]
-        if not micro:  # no rows on this rank (a forward has no collective across DP ranks)
-            self.model.train(was)
-            return TokenStats.of(torch.zeros(0, batch.input_ids.shape[1], 2 + self.value_head, device=self.ctx.device))
         if self.parts.pipe is None:
             out = [self._token_stats(ids).stacked() for ids in micro]
         else:  # the last stage's rank has them: broadcast over the pipeline group

@@ -99,11 +99,9 @@ def sync_weights(source: nn.Module, destination: nn.Module) -> int:
     if len(dtypes) > 1:
         raise ValueError(f"weight sync copies like for like; the copies hold {sorted(map(str, dtypes))}")
     mine = (_placements(source), _placements(destination))
-    every: list = [None] * world
+    every: list = [mine] * world
     if distributed:
         dist.all_gather_object(every, mine)
-    else:
-        every = [mine]
     moves = plan([e[0] for e in every], [e[1] for e in every])
     src_params, dst_params = dict(source.named_parameters()), dict(destination.named_parameters())
     works, receives, sent = [], [], 0

@@ -2,7 +2,7 @@
 
 Roles and layouts on the same ranks (colocated, as verl's and SkyRL's default):
   actor      the trained policy, the `actor:` config's layout (e.g. TP2 x DP4 on 8 ranks; TP, SP, CP,
-             PP, EP, any DP mode), driven through fivefold.engine.Engine;
+             PP, any DP mode; a dense model), driven through fivefold.engine.Engine;
   rollout    a whole copy of the policy on every rank (TP1 x DP = world), generating with a KV cache
              (fivefold.model.generate); after each actor step the actor's weights reach it through
              fivefold.engine.sync (each rank receives the slices its actor rank does not hold: the
@@ -264,8 +264,7 @@ def run(cfg: Config, g: GRPOConfig, ctx: RankContext) -> list[dict]:
                                               clip_high=g.clip) + g.kl_coef * kl
                 for key, v in (("kl", kl), ("entropy", s.entropy),
                                ("mismatch", (s.logprobs - x["old_logprobs"]).abs())):
-                    stats[key] += float(L.aggregate(v.detach(), mb.loss_mask, "token-mean",
-                                                                         totals["tokens"]))
+                    stats[key] += float(L.aggregate(v.detach(), mb.loss_mask, "token-mean", totals["tokens"]))
                 return L.aggregate(per_token, mb.loss_mask, "token-mean", totals["tokens"])
 
             m = engine.train_batch(batch, loss_fn, lr=g.lr, micro_batch_size=mbs)
