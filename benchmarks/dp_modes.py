@@ -6,7 +6,7 @@
 For each mode (replicate, ZeRO-1, ZeRO-2, ZeRO-3) and precision (fp32, bf16) one step is measured on the
 harness (`fivefold.testing.measure.measure_step`, the step `train` runs) after a warm-up step:
   - model state per rank: parameters + gradient buffers + main parameters + AdamW moments, counted
-    from the live tensors after the step, against the formula (fivefold.parallel.precision,
+    from the live tensors after the step, against the formula (fivefold.config.precision,
     docs/precision.md) times the parameters;
   - peak tensor memory of the step (MemTracker) against the planner's estimate;
   - bytes communicated by the data-parallel collectives (dp-grad, dp-param) against the planner's
@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dp", type=int, default=2)
     ap.add_argument("--steps", type=int, default=3)
     args = ap.parse_args(argv)
-    from fivefold.parallel.precision import Precision
+    from fivefold.config.precision import Precision
     from fivefold.planner.callbytes import call_bytes
     from fivefold.planner.layout import Plan
     from fivefold.planner.memory import CPU_EAGER, memory_per_rank

@@ -73,10 +73,10 @@ def _ours(cfg: ModelConfig, ids: torch.Tensor, steps: int):
 
 
 def _hf(cfg: ModelConfig, ours, ids: torch.Tensor, steps: int):
-    """HF LlamaForCausalLM (SDPA attention) with our weights (names mapped by fivefold.model.hf.hf_name)."""
+    """HF LlamaForCausalLM (SDPA attention) with our weights (names mapped by fivefold.hf.names.hf_name)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from fivefold.model.hf import hf_name
+    from fivefold.hf.names import hf_name
     hf_cfg = LlamaConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.ffn_size,
                          num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_attention_heads,
                          num_key_value_heads=cfg.kv_heads, head_dim=cfg.head_dim, rms_norm_eps=cfg.norm_epsilon,

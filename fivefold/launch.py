@@ -1,6 +1,6 @@
 """Start N local ranks and watch them: one failing rank ends the whole job within seconds.
 
-Each rank is `python -m fivefold.train.worker RUN_JSON` with torchrun's environment (RANK,
+Each rank is `python -m fivefold.cli.rank RUN_JSON` with torchrun's environment (RANK,
 WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT) and one intra-op thread
 (OMP_NUM_THREADS=1: N ranks on few cores otherwise oversubscribe them many times over). Rank 0
 writes to the terminal; rank R > 0 to OUT/logs/rank-R.log. Ranks die with the launcher (Linux
@@ -140,7 +140,7 @@ def _hang(message: str, procs: list[subprocess.Popen], log_dir: Path) -> int:
 
 
 def launch(nproc: int, worker_args: list[str], log_dir: Path, *, timeout_s: float = 600.0) -> int:
-    """Run `python -m fivefold.train.worker *worker_args` on ranks 0..nproc-1; 0 when all succeed.
+    """Run `python -m fivefold.cli.rank *worker_args` on ranks 0..nproc-1; 0 when all succeed.
     A job whose ranks make no progress for `timeout_s` is stopped (see the module docstring)."""
     log_dir.mkdir(parents=True, exist_ok=True)
     for old in log_dir.glob("rank-*.error"):
@@ -153,7 +153,7 @@ def launch(nproc: int, worker_args: list[str], log_dir: Path, *, timeout_s: floa
         for r in range(nproc):
             out = None if r == 0 else open(log_dir / f"rank-{r}.log", "w")
             logs.append(out)
-            procs.append(subprocess.Popen([sys.executable, "-m", "fivefold.train.worker", *worker_args],
+            procs.append(subprocess.Popen([sys.executable, "-m", "fivefold.cli.rank", *worker_args],
                                           env=rank_env(r, nproc, port), stdout=out,
                                           stderr=subprocess.STDOUT if out else None, preexec_fn=_rank_signals))
         (log_dir / "ranks.json").write_text(json.dumps({"pids": [p.pid for p in procs], "launcher": os.getpid()}))

@@ -7,7 +7,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from _tol import close
 from fivefold.config.schema import ModelConfig
 from fivefold.model import Decoder
-from fivefold.model.hf import hf_name
+from fivefold.hf.names import hf_name
 
 
 def hf_config(cfg: ModelConfig) -> LlamaConfig:

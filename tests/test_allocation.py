@@ -1,7 +1,7 @@
 """AReaL allocation modes and `models:` lists: components, exact global ranks, coordinates per component."""
 import pytest
 
-from fivefold.allocation import models_allocation, parse_allocation
+from fivefold.config.allocation import models_allocation, parse_allocation
 from fivefold.config.schema import Config
 from fivefold.config.load import load_config
 from fivefold.config.validate import validate

@@ -11,7 +11,7 @@ from _tol import close
 from fivefold.config.load import load_config
 from fivefold.config.validate import ConfigError, validate
 from fivefold.errors import UserError
-from fivefold.train.batch_sizes import BatchSizes, parse_schedule
+from fivefold.config.batch_sizes import BatchSizes, parse_schedule
 from fivefold.train.schedule import lr_at
 
 BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",

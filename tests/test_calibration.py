@@ -172,7 +172,7 @@ def test_megatron_fsdp_reduces_every_microbatch_under_pp(mode):
     assert "reduce-scatters the step's whole gradient buffers once" in said[1] and "Megatron-FSDP" not in said[1]
     if mode == "optim_grads_params":  # units gathered per microbatch: whole only while in use (in backward
         # the unit and the prefetched one, with their gradient buckets), not all 16 for the step
-        from fivefold.parallel.precision import Precision
+        from fivefold.config.precision import Precision
         from fivefold.planner.memory import backward_buckets
         from fivefold.planner.params import embedding_params
         w, dense = 4, sum(rank_params(fsdp, 0))
@@ -186,7 +186,8 @@ def test_megatron_fsdp_reduces_every_microbatch_under_pp(mode):
 def test_overlap_hides_tp_traffic_and_attention_runs_at_the_bf16_rate():
     from dataclasses import replace
     from fivefold.planner.presets import hardware
-    from fivefold.planner.steptime import TimeAssumptions, step_time
+    from fivefold.planner.steptime import step_time
+    from fivefold.planner.time_assumptions import TimeAssumptions
     hw, plan = hardware("h100-sxm"), Plan(_config())
     overlapped = Plan(_config(tp_comm_overlap=True))
     exposed = step_time(plan, hw, TimeAssumptions()).parts["tp"]
@@ -208,7 +209,8 @@ def test_short_attention_calls_run_below_the_kernels_rate():
     ring's calls cover s / CP keys, an all-to-all's the whole sequence: what h adds to the attention
     core's time is CP times larger on the ring (3 t h / L for each, t the core's time at full rate)."""
     from fivefold.planner.presets import hardware
-    from fivefold.planner.steptime import TimeAssumptions, step_time
+    from fivefold.planner.steptime import step_time
+    from fivefold.planner.time_assumptions import TimeAssumptions
     hw = hardware("h100-sxm")
     added = {}
     for comm in ("p2p", "a2a"):
@@ -440,7 +442,8 @@ def test_recompute_reruns_are_charged():
     from fivefold.planner.collectives import layer_collectives, step_collectives
     from fivefold.planner.presets import hardware, model_preset
     from fivefold.planner.search import make_config
-    from fivefold.planner.steptime import TimeAssumptions, step_time
+    from fivefold.planner.steptime import step_time
+    from fivefold.planner.time_assumptions import TimeAssumptions
     m = model_preset("qwen3-235b-a22b").model
     par = dict(tensor_model_parallel_size=2, sequence_parallel=True, expert_model_parallel_size=8,
                pipeline_model_parallel_size=8, account_for_embedding_in_pipeline_split=True,

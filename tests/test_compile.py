@@ -11,8 +11,8 @@ from fivefold.config.schema import Config, ModelConfig
 from fivefold.errors import NotImplementedYet
 from fivefold.model.decoder import Decoder
 from fivefold.model.rope import rope_tables
-from fivefold.parallel.parallelize import compile_layers
-from fivefold.train.supported import check_supported
+from fivefold.train.parallelize import compile_layers
+from fivefold.config.supported import check_supported
 
 CFG = ModelConfig(num_layers=1, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2,
                   vocab_size=64)

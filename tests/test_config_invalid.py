@@ -220,7 +220,7 @@ def test_megatron_pairs_given_together_are_refused_as_megatron_asserts(words, sa
 
 def test_lr_decay_styles_megatron_has_but_the_runtime_does_not_are_not_implemented_yet():
     from fivefold.errors import NotImplementedYet
-    from fivefold.train.supported import check_supported
+    from fivefold.config.supported import check_supported
     for style in ("WSD", "inverse-square-root"):
         loaded = load_config("examples/demo.yaml", [f"training.lr_decay_style={style}"])
         validate(loaded.config, loaded.dialect)  # Megatron's choices: valid

@@ -23,7 +23,7 @@ from fivefold.train.context import RankContext
 from fivefold.train.loop import train
 from fivefold.train.loss import cp_tokens
 from fivefold.config.schema import config_from_dict
-from fivefold.parallel.parallelize import apply_context_parallel
+from fivefold.train.parallelize import apply_context_parallel
 from fivefold.parallel.ring_attention import ring_attention
 from fivefold.planner.cp_memory import attention_peak_bytes, ring_pieces
 from fivefold.parallel.context import context_parallel_of, local_positions, split_sequence, split_tokens
@@ -511,7 +511,7 @@ def _mla_case(rank, world):
     for name, sizes in MLA_LAYOUTS.items():
         mesh = Mesh.build(Layout(**sizes))
         model = Decoder(MLA_CFG, mesh=mesh, seed=0)
-        apply_context_parallel(model, mesh)  # the CP step of fivefold.parallel.parallelize
+        apply_context_parallel(model, mesh)  # the CP step of fivefold.train.parallelize
         total, grads = _mla_loss_and_grads(model)
         for t in (total, *grads.values()):
             comm.all_reduce_(t, mesh.cp, "test")

@@ -18,7 +18,7 @@ from fivefold.config.schema import Config, ModelConfig, TrainingConfig, to_dict,
 from fivefold.config.validate import layout_of
 from fivefold.engine import Batch, Engine, split
 from fivefold.engine import losses as L
-from fivefold.model.hf import hf_name
+from fivefold.hf.names import hf_name
 from fivefold.runtime.mesh import Mesh
 from fivefold.train.context import RankContext
 

@@ -4,7 +4,7 @@ import pytest
 
 from fivefold.config.load import load_config
 from fivefold.config.validate import validate
-from fivefold.train.supported import check_supported, unsupported
+from fivefold.config.supported import check_supported, unsupported
 
 
 @pytest.mark.parametrize("name", ["demo.yaml", "tp_sp.yaml", "pp.yaml", "cp.yaml", "bf16_zero2.yaml"])

@@ -22,8 +22,9 @@ from fivefold.cli.train import prepare
 from fivefold.config.schema import ClusterConfig, Config, DataConfig, ModelConfig, TrainingConfig, to_dict
 from fivefold.errors import NotImplementedYet
 from fivefold.model.decoder import Decoder
-from fivefold.model.hf import load_hf
-from fivefold.model.hf_export import export_hf, hf_config
+from fivefold.hf.load import load_hf
+from fivefold.hf.config import hf_config
+from fivefold.hf.export import export_hf
 
 transformers = pytest.importorskip("transformers")
 
@@ -155,7 +156,7 @@ def test_a_shard_size_that_is_not_a_size_is_refused(text):
     """--max-shard-size: a size (0 writes a file per tensor, as transformers); a negative or
     non-finite one was taken (-5GB: every tensor in a file of its own, without a word)."""
     from fivefold.errors import UserError
-    from fivefold.model.hf_export import _size_bytes
+    from fivefold.hf.export import _size_bytes
     with pytest.raises(UserError, match=f"--max-shard-size {text!r}: give a size such as 5GB"):
         _size_bytes(text)
     assert (_size_bytes("2GiB"), _size_bytes("500MB"), _size_bytes("0"), _size_bytes("1.5KB")) == \
@@ -213,7 +214,7 @@ def test_export_writes_beside_out_dir_in_a_folder_no_user_has(small_checkpoint, 
     name was deleted, a file of that name crashed it. Now a new hidden folder is made for it, renamed
     into place when complete, removed when the export fails or is interrupted (an earlier export at
     OUT_DIR stays)."""
-    import fivefold.model.hf_export as hf_export
+    import fivefold.hf.export as hf_export
 
     (tmp_path / "mine.tmp").mkdir()
     (tmp_path / "mine.tmp" / "data.txt").write_text("precious")

@@ -26,9 +26,9 @@ from fivefold.config.load import load_config
 from fivefold.config.schema import config_from_dict, to_dict
 from fivefold.config.validate import validate
 from fivefold.errors import NotImplementedYet, UserError
-from fivefold.train.batch_sizes import BatchSizes
+from fivefold.config.batch_sizes import BatchSizes
 from fivefold.train.loop import train
-from fivefold.train.supported import check_supported
+from fivefold.config.supported import check_supported
 import test_zero
 
 MIXTRAL = """torchrun --nproc_per_node 4 --nnodes 1 --node_rank 0 --master_addr localhost --master_port 29500
@@ -124,7 +124,7 @@ DSV3_REFUSED = ["--rotary-scaling-factor", "--mscale", "--mscale-all-dim", "--en
 expert bias, top-k scaling, router dtype, forced balance — and MTP are built)."""
 DSV3_NOT_TRAINED = ["--recompute-modules"]
 """Parsed (the planner models every module) but refused by `fivefold train` before any rank starts: the
-runtime recomputes the attention core only (fivefold/train/supported.py)."""
+runtime recomputes the attention core only (fivefold/config/supported.py)."""
 QWEN3_UNKNOWN = ["--tokenizer-hf-include-special-tokens"]
 """Not a flag of Megatron-LM at the pinned commit either (it has only --tokenizer-hf-no-include-special-tokens,
 and its parser does not abbreviate): Megatron refuses this script's line too."""

@@ -29,7 +29,7 @@ from _tol import close
 from fivefold.config.schema import Config, ModelConfig, ParallelConfig, TrainingConfig
 from fivefold.data.loader import Microbatch, StepBatch
 from fivefold.model.decoder import Decoder, build_decoder
-from fivefold.parallel.parallelize import parallelize
+from fivefold.train.parallelize import parallelize
 from fivefold.parallel.param_meta import named_metas
 from fivefold.planner.params import count_params
 from fivefold.runtime.mesh import Mesh
@@ -181,7 +181,7 @@ def test_parameter_count_equals_the_planners(model):
 def test_example_and_megatron_flags_reach_mla_and_layernorm():
     from fivefold.config.load import load_config
     from fivefold.config.validate import validate
-    from fivefold.train.supported import check_supported
+    from fivefold.config.supported import check_supported
 
     loaded = load_config("examples/mla.yaml")
     validate(loaded.config, loaded.dialect)

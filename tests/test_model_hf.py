@@ -87,7 +87,7 @@ def test_qwen_attention_variants_match_hf(name):
     and gains set away from their zero / one init so that a missing term shows."""
     import transformers
 
-    from fivefold.model.hf import hf_name
+    from fivefold.hf.names import hf_name
     cfg, family = QWEN[name]
     ours = Decoder(cfg, seed=7)
     with torch.no_grad():

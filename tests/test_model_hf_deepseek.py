@@ -30,7 +30,9 @@ from _tol import close
 from fivefold.config.schema import ModelConfig
 from fivefold.errors import UserError
 from fivefold.model import Decoder
-from fivefold.model.hf import config_from_hf, hf_name, load_hf
+from fivefold.config.hf import config_from_hf
+from fivefold.hf.load import load_hf
+from fivefold.hf.names import hf_name
 
 BASE = dict(vocab_size=300, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
             first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=48, kv_lora_rank=32,
@@ -180,7 +182,7 @@ def test_import_then_export_is_bit_identical_and_loads_in_transformers(saved, tm
 
 def test_read_hf_shards_fills_parameters_and_the_expert_bias_as_load_hf(saved):
     """The --load-hf reader (per rank, by slices) gives the tensors load_hf gives, the fp32 bias included."""
-    from fivefold.model.hf import read_hf_shards
+    from fivefold.hf.load import read_hf_shards
 
     folder, _ = saved["groups"]
     want = load_hf(folder).state_dict()
@@ -327,7 +329,7 @@ def test_mtp_export_is_bit_identical_and_copies_must_equal_the_main_ones(with_mt
     from fivefold.checkpoint.io import save_checkpoint
     from fivefold.cli import main
     from fivefold.config.schema import Config, to_dict
-    from fivefold.model.hf import read_hf_shards
+    from fivefold.hf.load import read_hf_shards
 
     folder, _, _ = with_mtp
     ours = load_hf(folder)
@@ -433,7 +435,7 @@ def test_export_of_an_mla_moe_hf_cannot_compute_is_refused(saved, change, messag
     from dataclasses import replace
 
     from fivefold.errors import NotImplementedYet
-    from fivefold.model.hf_export import hf_config
+    from fivefold.hf.config import hf_config
 
     cfg = config_from_hf(saved["groups"][0])
     assert hf_config(cfg, torch.float32)["n_group"] == 4
@@ -444,7 +446,7 @@ def test_export_of_an_mla_moe_hf_cannot_compute_is_refused(saved, change, messag
 def test_planner_reads_deepseek_v3s_published_router():
     """transformers' DeepseekV3Config defaults are DeepSeek-V3's config.json: 256 experts, top-8 within
     4 of 8 groups, routed_scaling_factor 2.5, renormalised, shared expert 2048 wide, 3 dense layers."""
-    from fivefold.planner.hf import model_from_hf_dict
+    from fivefold.config.hf import model_from_hf_dict
 
     m = model_from_hf_dict({**DeepseekV3Config().to_dict(), "topk_method": "noaux_tc", "scoring_func": "sigmoid"})
     assert (m.num_experts, m.moe_router_topk, m.moe_router_num_groups, m.moe_router_group_topk) == (256, 8, 8, 4)

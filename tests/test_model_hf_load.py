@@ -11,7 +11,8 @@ from transformers import LlamaForCausalLM
 from _tol import close
 from fivefold.config.schema import ModelConfig
 from fivefold.errors import UserError
-from fivefold.model.hf import config_from_hf, load_hf
+from fivefold.config.hf import config_from_hf
+from fivefold.hf.load import load_hf
 from tests._model_util import hf_config
 
 CFG = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, kv_channels=24,

@@ -23,7 +23,9 @@ from _tol import close
 from fivefold.config.schema import ModelConfig
 from fivefold.errors import UserError
 from fivefold.model import Decoder
-from fivefold.model.hf import config_from_hf, hf_name, load_hf
+from fivefold.config.hf import config_from_hf
+from fivefold.hf.load import load_hf
+from fivefold.hf.names import hf_name
 from tests._model_util import assert_grads_match_hf, hf_config
 
 MLA = dict(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=300, ffn_hidden_size=96,

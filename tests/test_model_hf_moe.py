@@ -22,7 +22,7 @@ from transformers.models.olmoe.modeling_olmoe import OlmoeSparseMoeBlock
 from _tol import close
 from fivefold.config.schema import ModelConfig
 from fivefold.model import Decoder
-from fivefold.model.hf import hf_name
+from fivefold.hf.names import hf_name
 from fivefold.model.moe import MoE
 from fivefold.model.init import init_parameters_
 
@@ -221,7 +221,7 @@ def test_qwen3_moe_checkpoint_imports_with_hf_logits(norm_topk_prob, tmp_path):
     decoder with HF's logits: norm_topk_prob renormalises the top-k (else moe_router_pre_softmax)."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    from fivefold.model.hf import load_hf
+    from fivefold.hf.load import load_hf
 
     torch.manual_seed(0)
     theirs = Qwen3MoeForCausalLM(Qwen3MoeConfig(

@@ -23,7 +23,8 @@ from fivefold.checkpoint.io import save_checkpoint
 from fivefold.cli import main
 from fivefold.config.schema import Config, to_dict
 from fivefold.model import Decoder
-from fivefold.model.hf import hf_name, load_hf
+from fivefold.hf.load import load_hf
+from fivefold.hf.names import hf_name
 from test_model_hf_moe import F_MOE, _expert_grads, _min_margin
 import test_tp_model
 
@@ -113,7 +114,7 @@ def test_olmoe_what_our_model_does_not_compute_is_refused(tmp_path, key, value, 
     import json
 
     from fivefold.errors import UserError
-    from fivefold.model.hf import config_from_hf
+    from fivefold.config.hf import config_from_hf
 
     (tmp_path / "config.json").write_text(json.dumps({**_hf_config().to_dict(), key: value}))
     with pytest.raises(UserError, match=message):
@@ -124,7 +125,7 @@ def test_projection_qk_norms_without_moe_are_not_exported():
     """No HF family we export has these norms with dense MLPs (OLMo2 has them, but normalises each block's
     output, not its input: a post-norm decoder, which ours is not)."""
     from fivefold.errors import NotImplementedYet
-    from fivefold.model.hf_export import hf_config
+    from fivefold.hf.config import hf_config
 
     with pytest.raises(NotImplementedYet, match="whole projection without MoE layers"):
         hf_config(_tp_cfg(2), torch.float32)

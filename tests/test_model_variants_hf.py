@@ -14,7 +14,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 from _tol import close
 from fivefold.config.schema import ModelConfig
 from fivefold.model import Decoder
-from fivefold.model.hf import hf_name
+from fivefold.hf.names import hf_name
 from fivefold.model.init import VOCAB_PARAMS
 from fivefold.planner.params import count_params
 

@@ -378,7 +378,7 @@ def test_router_losses_by_hand():
 def test_moe_examples_validate_and_are_supported(path, tp, ep, etp):
     from fivefold.config.load import load_config
     from fivefold.config.validate import validate
-    from fivefold.train.supported import check_supported
+    from fivefold.config.supported import check_supported
 
     loaded = load_config(path, [])
     validate(loaded.config, loaded.dialect)  # the Megatron dialect turns SP on for TP x EP
@@ -389,7 +389,7 @@ def test_moe_examples_validate_and_are_supported(path, tp, ep, etp):
 
 def test_unbuilt_moe_settings_are_refused(tmp_path):
     from fivefold.errors import NotImplementedYet
-    from fivefold.train.supported import check_supported
+    from fivefold.config.supported import check_supported
 
     cfg = _config(tmp_path)
     cfg.model.moe_router_load_balancing_type = "sinkhorn"

@@ -24,9 +24,9 @@ from fivefold.cli.train import prepare
 from fivefold.config.schema import ModelConfig, to_dict
 from fivefold.errors import NotImplementedYet, UserError
 from fivefold.model import Decoder
-from fivefold.model.hf import hf_name
+from fivefold.hf.names import hf_name
 from fivefold.train.loop import train
-from fivefold.train.supported import unsupported
+from fivefold.config.supported import unsupported
 
 IGNORE = -100
 

@@ -13,7 +13,7 @@ from fivefold.config.schema import Config, ModelConfig, ParallelConfig, Training
 from fivefold.model import Decoder
 from fivefold.parallel.data_parallel import DataParallel
 from fivefold.parallel.param_meta import PLAIN, GradDomain, Shard, metas_of, named_metas
-from fivefold.parallel.parallelize import parallelize
+from fivefold.train.parallelize import parallelize
 from fivefold.parallel.tensor import ColumnParallelLinear, TPMode
 from fivefold.runtime.mesh import Group, Mesh
 from fivefold.topology import Layout

@@ -31,7 +31,7 @@ from fivefold.config.schema import Config, ModelConfig, ParallelConfig, Training
 from fivefold.data.loader import Microbatch, StepBatch
 from fivefold.errors import UserError
 from fivefold.model.decoder import Decoder
-from fivefold.parallel.parallelize import parallelize
+from fivefold.train.parallelize import parallelize
 from fivefold.pipeline.stages import schedule_for
 from fivefold.runtime.mesh import Mesh
 from fivefold.topology import Layout

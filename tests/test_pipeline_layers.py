@@ -47,7 +47,7 @@ def test_megatron_layout_string_places_the_stages():
     Training with it is the run with the same explicit pipeline_layers_per_stage (the runtime reads only
     the resolved list)."""
     from fivefold.errors import NotImplementedYet
-    from fivefold.train.supported import check_supported
+    from fivefold.config.supported import check_supported
     from fivefold.config.load import load_config
     from fivefold.config.schema import to_dict
     from fivefold.config.validate import ConfigError, validate

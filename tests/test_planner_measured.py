@@ -106,7 +106,7 @@ def test_estimates_match_one_measured_step(pools, name):
                                   "CP2 a2a x DP2 mbs1 GA2 tied ZeRO-3 full recompute"])
 def test_dp_modes_and_precisions_match_one_measured_step(pools, name):
     """The planner reads the runtime's precision policy and data-parallel mode
-    (fivefold.parallel.precision, DPMode): ZeRO-2's per-microbatch reduce-scatters and freed buffers
+    (fivefold.config.precision, DPMode): ZeRO-2's per-microbatch reduce-scatters and freed buffers
     (at a small micro-batch the peak is at the start of backward, with the bucket being filled and the
     one in flight: 0.912 until session 20), ZeRO-1's reduce-scatter after backward (gloo reduces a copy
     of a bucket, and every bucket's 1/d chunk waits for the step: the peak of a small micro-batch,
@@ -200,7 +200,7 @@ def test_random_layouts_are_valid_and_drawn_again_alike():
     milliseconds, no rank started)."""
     from benchmarks.planner_vs_measured import random_cases
     from fivefold.planner.validity import config_errors
-    from fivefold.train.supported import unsupported
+    from fivefold.config.supported import unsupported
     drawn = random_cases(40, 1)
     assert [c.name for c in drawn] == [c.name for c in random_cases(40, 1)]
     assert not any(config_errors(c.config()) or unsupported(c.config()) for c in drawn)

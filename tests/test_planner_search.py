@@ -19,7 +19,7 @@ from fivefold.planner.memory import MemoryAssumptions
 from fivefold.planner.presets import hardware, model_preset
 from fivefold.planner.space import SearchSpace, structures
 from fivefold.planner.search import DOMINATED, PP_DOMINATED, describe, evaluate, make_config, rank_key, search
-from fivefold.planner.steptime import TimeAssumptions
+from fivefold.planner.time_assumptions import TimeAssumptions
 from fivefold.planner.validity import checked, config_errors, twin_errors
 
 
@@ -787,7 +787,7 @@ def test_explain_weighs_replicated_experts_against_the_all_to_all():
     from fivefold.planner.compare import candidates
     from fivefold.planner.memory import MemoryAssumptions
     from fivefold.planner.report import Assumed, ep_verdict
-    from fivefold.planner.steptime import TimeAssumptions
+    from fivefold.planner.time_assumptions import TimeAssumptions
 
     m, hw = model_preset("qwen3-30b-a3b").model, hardware("h100-sxm")
     assume = Assumed(MemoryAssumptions(), TimeAssumptions())

@@ -1,4 +1,4 @@
-"""Mixed precision as Megatron holds it (fivefold.parallel.precision): bf16 / fp16 parameters, fp32
+"""Mixed precision as Megatron holds it (fivefold.config.precision): bf16 / fp16 parameters, fp32
 main parameters and AdamW state, the gradient dtype, fp16 loss scaling with overflow steps skipped on
 every rank, optimizer offload, and checkpoints that resume exactly."""
 from __future__ import annotations
@@ -16,7 +16,7 @@ from fivefold.cli.train import prepare
 from fivefold.config.schema import TrainingConfig, to_dict
 from fivefold.config.validate import ConfigError, layout_of, validate
 from fivefold.parallel.main_params import MainParams
-from fivefold.parallel.precision import LossScaler, Precision
+from fivefold.config.precision import LossScaler, Precision
 from fivefold.runtime.mesh import Mesh
 from fivefold.train.context import RankContext
 from fivefold.train.loop import build, train
@@ -307,7 +307,7 @@ def test_precision_aware_optimizer_dtypes_are_parsed_checked_counted_and_refused
 
     from fivefold.config.load import load_config
     from fivefold.errors import NotImplementedYet, UserError
-    from fivefold.train.supported import check_supported
+    from fivefold.config.supported import check_supported
 
     without = [w for w in PRECISION_AWARE if w != "--use-precision-aware-optimizer"]
     with pytest.raises(UserError, match=r"training\.exp_avg_dtype='bf16'.*use-precision-aware-optimizer"):

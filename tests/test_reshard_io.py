@@ -138,7 +138,7 @@ def test_a_bf16_checkpoint_loads_fp32_weights_from_its_main_copies(tmp_path):
     from torch import nn
 
     from fivefold.checkpoint import io
-    from fivefold.checkpoint.optim_state import OptimShard
+    from fivefold.parallel.optimizer import OptimShard
 
     torch.manual_seed(0)
     bf16 = nn.Linear(4, 3).to(torch.bfloat16)

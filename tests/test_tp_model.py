@@ -207,7 +207,7 @@ HF_CFG = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_qu
 
 
 def _hf_case(rank, world, path, ids, labels):
-    from fivefold.model.hf import load_hf
+    from fivefold.hf.load import load_hf
 
     model = load_hf(path, mesh=Mesh.build(Layout(tp=world)), sequence_parallel=True)
     with torch.no_grad():

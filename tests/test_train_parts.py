@@ -18,7 +18,7 @@ from fivefold.train.loop import train
 from fivefold.train.metrics import flops_per_token, matmul_params
 from fivefold.parallel.optimizer import clip_grad_norm
 from fivefold.train.schedule import lr_at
-from fivefold.train.supported import check_supported, unsupported
+from fivefold.config.supported import check_supported, unsupported
 
 
 def test_warmup_then_cosine_to_min_lr():

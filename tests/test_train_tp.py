@@ -71,7 +71,7 @@ def test_megatron_flags_turn_on_tp_and_sp(tmp_path):
 def _loaded(path, words, world=None):
     from fivefold.config.load import load_config
     from fivefold.config.validate import layout_of, validate
-    from fivefold.train.supported import check_supported
+    from fivefold.config.supported import check_supported
 
     loaded = load_config(path, words, world_size=world)
     validate(loaded.config, loaded.dialect)  # applies each dialect's own SP rule

@@ -78,8 +78,8 @@ def _writes(config: Config, mesh: Mesh) -> bool:
 
 def _rank_params(config: Config, mesh: Mesh) -> Iterable[tuple[str, torch.Tensor]]:
     from fivefold.model import build_decoder
+    from fivefold.config.batch_sizes import microbatches_per_step
     from fivefold.pipeline.stages import build_pipeline
-    from fivefold.train.pipeline_step import microbatches_per_step
     if mesh.layout.pp > 1:
         return build_pipeline(config, mesh, microbatches_per_step(config, mesh.dp.size), device=torch.device("cpu")).module
     return build_decoder(config, mesh)

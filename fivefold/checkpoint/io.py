@@ -25,8 +25,8 @@ from torch import nn
 from fivefold.checkpoint.layout import (FORMAT, ShardSpec, complete_checkpoints, open_shard, resolve,
                                         source_name, step_dir, whole)
 from fivefold.checkpoint.metadata import check_metadata, resume_step
-from fivefold.checkpoint.optim_state import (MAIN, OptimShard, ShardOf, load_optim, merge_listings, save_optim,
-                                             whole_shards)
+from fivefold.checkpoint.optim_state import MAIN, ShardOf, load_optim, merge_listings, save_optim
+from fivefold.parallel.optimizer import OptimShard, whole_shards
 from fivefold.checkpoint.reshard import Reader, checkpoint_source, entry_source, fill, fill_flat
 from fivefold.config.schema import ModelConfig
 from fivefold.errors import UserError
@@ -310,7 +310,7 @@ def check_fits(meta: dict, model: nn.Module | Mapping[str, Held], shard_of: Shar
         raise UserError(f"checkpoint {where} was saved from another model:\n  {shown}\n{fix}")
 
 
-def _assemble(folder: Path, entry: dict, key: str, out: torch.Tensor, spec: ShardSpec) -> bool:
+def assemble(folder: Path, entry: dict, key: str, out: torch.Tensor, spec: ShardSpec) -> bool:
     """Fill `out` (at spec.offsets of the global tensor) from one parameter entry's shards: whether
     they cover it (fivefold.checkpoint.reshard.fill, for callers reading one parameter at a time)."""
     with Reader() as reader, torch.no_grad():

@@ -12,7 +12,7 @@ the part of its DP chunk with it. Each such range is saved flat (1-D) under "<na
 that shard, flattened, the saved tensor covers). Loading rebuilds each target range from every saved
 range that overlaps it, so state saved at one DP size / with or without ZeRO / with one TP size
 loads into any other. With 16-bit parameters the optimizer steps fp32 main copies
-(fivefold.parallel.precision), saved the same way under "<name>.main"; a checkpoint without them (saved
+(fivefold.config.precision), saved the same way under "<name>.main"; a checkpoint without them (saved
 in fp32) gives each main copy its parameter's loaded values. Checkpoints from before this file (moments shaped like the parameter shard,
 named by "optim_file" in the parameter's shards) read as ranges covering their whole shard.
 """
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -29,6 +28,7 @@ from torch import nn
 from fivefold.checkpoint.layout import ShardSpec, source_name
 from fivefold.checkpoint.reshard import Reader, checkpoint_source, fill_flat
 from fivefold.errors import UserError
+from fivefold.parallel.optimizer import OptimShard
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 MAIN = "main"
@@ -38,21 +38,6 @@ def _is_copy(key: torch.Tensor, p: torch.Tensor) -> bool:
     """Whether the optimizer steps a copy of p's range (16-bit parameters, offload), not p's storage."""
     return key.untyped_storage().data_ptr() != p.untyped_storage().data_ptr()
 ShardOf = Callable[[str, torch.Tensor], ShardSpec]
-
-
-@dataclass(frozen=True)
-class OptimShard:
-    """A tensor the optimizer keeps state for: [lo, hi) of parameter `name` flattened."""
-
-    name: str
-    key: torch.Tensor
-    """The tensor optimizer.state is keyed by."""
-    flat: tuple[int, int]
-
-
-def whole_shards(model: nn.Module) -> list[OptimShard]:
-    """The plain optimizer's: each parameter whole."""
-    return [OptimShard(n, p, (0, p.numel())) for n, p in model.named_parameters()]
 
 
 def save_optim(folder: Path, tag: str, model: nn.Module, optimizer, shards: list[OptimShard],

@@ -1,5 +1,5 @@
 """`fivefold export CHECKPOINT OUT_DIR [--max-shard-size 5GB]`: a fivefold checkpoint (any layout) as a
-Hugging Face `save_pretrained` folder (fivefold.model.hf_export)."""
+Hugging Face `save_pretrained` folder (fivefold.hf.export)."""
 from __future__ import annotations
 
 import argparse
@@ -18,7 +18,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args, extra: list[str]) -> int:
-    from fivefold.model.hf_export import export_hf
+    from fivefold.hf.export import export_hf
 
     output_folder("OUT_DIR's folder", Path(args.out_dir).resolve().parent)  # OUT_DIR is written beside, then moved
     out = export_hf(args.checkpoint, args.out_dir, max_shard_size=args.max_shard_size)

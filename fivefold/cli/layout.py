@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from fivefold.allocation import Allocation, parse_allocation
+from fivefold.config.allocation import Allocation, parse_allocation
 from fivefold.config.load import is_file, load_config
 from fivefold.config.megatron import FLAGS, VALUE, flags_of
 from fivefold.config.report import MAX_ROWS, gpu_ranges, layout_report, rank_report

@@ -78,7 +78,7 @@ def prepare(config: Config, out: Path) -> Path:
     t = config.training
     mock = (0, 0)
     if config.data.mock_data:  # the (train, eval) tokens the run reads
-        from fivefold.train.batch_sizes import BatchSizes
+        from fivefold.config.batch_sizes import BatchSizes
 
         window = (t.global_batch_size or t.micro_batch_size) * t.seq_length
         train_tokens = BatchSizes.of(t).start(t.train_iters) * t.seq_length if t.step_batch_size_schedule \
@@ -107,7 +107,7 @@ def prepare(config: Config, out: Path) -> Path:
 def run(args, extra: list[str]) -> int:
     from fivefold.launch import launch, place
     from fivefold.train.metrics import check_wandb
-    from fivefold.train.supported import check_supported
+    from fivefold.config.supported import check_supported
     from fivefold.watchdog import timeout_of
 
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ and "FIVEFOLD_LAUNCHED" not in os.environ
@@ -148,7 +148,8 @@ def run(args, extra: list[str]) -> int:
     if config.checkpoint.save_hf:  # written at the end: refused now, not after the run
         import torch
 
-        from fivefold.model.hf_export import check_replaceable, hf_config
+        from fivefold.hf.config import hf_config
+        from fivefold.hf.export import check_replaceable
         check_replaceable(Path(config.checkpoint.save_hf), "checkpoint.save_hf (--save-hf)")
         hf_config(config.model, torch.float32)  # a model HF's config cannot say (NotImplementedYet)
     if under_torchrun:

@@ -14,7 +14,7 @@ sources are read. Later sources win: file, then words, then the keyword argument
 from __future__ import annotations
 
 import shlex
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 import yaml
@@ -22,6 +22,7 @@ import yaml
 from fivefold.config.dialects import AREAL, BRIDGE, MEGATRON, combine
 from fivefold.config import bridge
 from fivefold.config.fields import set_value
+from fivefold.config.hf import config_from_hf, unread_note
 from fivefold.config.keyed import Refusals
 from fivefold.config.megatron import is_flag, parse_flags
 from fivefold.config.megatron_defaults import WHY, apply_megatron_defaults
@@ -42,7 +43,7 @@ class Loaded:
     explicit: set[str] = field(default_factory=set)
     """Dotted canonical fields some source set (the rest are defaults)."""
     allocation: object | None = None
-    """fivefold.allocation.Allocation for an AReaL allocation mode or a `models:` list, else None."""
+    """fivefold.config.allocation.Allocation for an AReaL allocation mode or a `models:` list, else None."""
 
 
 def load_config(path: str | None, words: list[str] = (), *, world_size: int | None = None,
@@ -111,7 +112,7 @@ def load_config(path: str | None, words: list[str] = (), *, world_size: int | No
     loaded = Loaded(config, dialect, explicit=explicit)
     loaded.warnings += notes + warnings
     if special:
-        from fivefold.allocation import attach
+        from fivefold.config.allocation import attach
         attach(loaded, special)
     return loaded
 
@@ -134,10 +135,6 @@ vocabulary padding):
 def _model_from_hf(config: Config, explicit: set[str]) -> list:
     """--load-hf DIR: the model section is the HF config.json's but for KEPT_FROM_RUN; a model field
     the user set to something else is replaced, with a warning."""
-    from dataclasses import fields, replace
-
-    from fivefold.model.hf import config_from_hf, unread_note  # torch: only for this key
-
     hf = config_from_hf(config.checkpoint.load_hf)
     hf = replace(hf, **{name: getattr(config.model, name) for name in KEPT_FROM_RUN})
     warnings = [Problem(f"model.{f.name}", getattr(config.model, f.name), f"checkpoint.load_hf's config.json says "

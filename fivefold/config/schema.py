@@ -331,7 +331,7 @@ class TrainingConfig:
     either way. Default True."""
     step_batch_size_schedule: str | None = None
     """Megatron's --step-batch-size-schedule "0:16 2.4B:320 ...": the global batch grows with the tokens
-    consumed (fivefold.train.batch_sizes); global_batch_size may not be given with it. Default None."""
+    consumed (fivefold.config.batch_sizes); global_batch_size may not be given with it. Default None."""
     micro_batch_size: int = 1
     """Sequences per microbatch per DP rank. Default 1."""
     train_iters: int = 10
@@ -372,7 +372,7 @@ class TrainingConfig:
     """Global gradient-norm clip over all ranks and shards; 0 = off. Default 1.0."""
     precision: str = "fp32"
     """fp32, bf16 or fp16 parameters (fp8 for the planner only); 16-bit runs keep fp32 main parameters
-    and AdamW state in the optimizer (fivefold.parallel.precision). Default fp32."""
+    and AdamW state in the optimizer (fivefold.config.precision). Default fp32."""
     grad_reduce_in_bf16: bool = False
     """bf16: accumulate and reduce gradients in bf16 instead of fp32 (--grad-reduce-in-bf16). Default False."""
     accumulate_allreduce_grads_in_fp32: bool = False
@@ -542,7 +542,7 @@ class CheckpointConfig:
     fresh optimizer at step 0 (Megatron's --finetune); the model section is read from its config.json.
     Default None."""
     save_hf: str | None = None
-    """Also write the final model here as a Hugging Face folder (fivefold.model.hf_export). Default None."""
+    """Also write the final model here as a Hugging Face folder (fivefold.hf.export). Default None."""
     exit_on_missing_checkpoint: bool = True
     """With `load`: a folder holding no checkpoint stops the run (UserError); False starts from step 0
     with a warning, as Megatron-LM does without --exit-on-missing-checkpoint (its scripts pass the save

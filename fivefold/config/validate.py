@@ -8,12 +8,12 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from math import inf, isfinite
 
+from fivefold.config.data_split import split_problem
 from fivefold.config.fixes import first_that_holds, search
 from fivefold.config.rules import KNOB_FIELDS, adjust, dp_of, errors, sizes_of
 from fivefold.config.schema import DEVICES, FP8_FORMATS, FP8_RECIPES, Config
-from fivefold.data.indexed import split_problem
 from fivefold.errors import UserError
-from fivefold.train.batch_sizes import BatchSizes
+from fivefold.config.batch_sizes import BatchSizes
 from fivefold.topology import Layout
 
 
@@ -106,7 +106,7 @@ def _schedule_problems(t, s: dict) -> list[Problem]:
 
 def _module_problems(t) -> list[Problem]:
     """Megatron's --recompute-modules and --offload-modules: known names, and the switch each needs."""
-    from fivefold.planner.activations import OFFLOAD_MODULES, RECOMPUTE_MODULES
+    from fivefold.config.modules import OFFLOAD_MODULES, RECOMPUTE_MODULES
     out = []
     for field, names, known, needs, fix in (
             ("recompute_modules", t.recompute_modules, RECOMPUTE_MODULES, t.recompute_granularity == "selective",
@@ -140,7 +140,7 @@ def _data_problems(d) -> list[Problem]:
 
 def _training_problems(t, dp_cp: int | None) -> list[Problem]:
     """The data-parallel mode, mixed precision, loss scaling and optimizer offload
-    (fivefold.parallel.data_parallel, fivefold.parallel.precision), as Megatron checks them; `dp_cp`:
+    (fivefold.parallel.data_parallel, fivefold.config.precision), as Megatron checks them; `dp_cp`:
     the size of the DP x CP group (None: the layout is broken, already reported)."""
     out = []
     n = t.num_distributed_optimizer_instances

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
+from fivefold.config.data_split import split_problem, split_weights
 from fivefold.errors import UserError
 
 DEFAULT_SPLIT = "969,30,1"
@@ -138,23 +139,12 @@ def open_corpus(prefix: str) -> Corpus:
     return Corpus(prefix, tokens, starts)
 
 
-def split_problem(split: str) -> str | None:
-    """Why `split` is not Megatron's `--split` (up to three non-negative proportions), or None."""
-    try:
-        weights = [float(w) for w in split.replace(",", " ").replace("/", " ").split()]
-    except ValueError:
-        return "give comma-separated proportions, e.g. 969,30,1"
-    if len(weights) > 3 or any(w < 0 for w in weights) or sum(weights) <= 0:
-        return "give up to three non-negative proportions (train, validation, test), e.g. 969,30,1"
-    return None
-
-
 def split_ranges(split: str, n: int) -> list[tuple[int, int]]:
     """Megatron's `--split` over n sequences: [(begin, end)] for train, validation, test."""
     problem = split_problem(split)
     if problem:
         raise UserError(f"data.split={split!r}: {problem}")
-    weights = [float(w) for w in split.replace(",", " ").replace("/", " ").split()]
+    weights = split_weights(split)
     weights += [0.0] * (3 - len(weights))
     bounds = np.concatenate([[0.0], np.cumsum(np.array(weights) / sum(weights))])
     cut = [int(round(b * n)) for b in bounds]

@@ -14,7 +14,7 @@ import torch
 
 from fivefold.data.dataset import DocumentDataset, PackedDataset
 from fivefold.data.documents import DocumentRules, PackedDocs, mask_eod_targets, packed_docs
-from fivefold.train.batch_sizes import BatchSizes
+from fivefold.config.batch_sizes import BatchSizes
 from fivefold.data.sampler import balanced_partition, even_share, global_batch_indices
 
 IGNORE_INDEX = -100

@@ -117,8 +117,6 @@ class NullTokenizer:
 
 
 Tokenizer = ByteTokenizer | HFTokenizer | GPT2BPETokenizer | NullTokenizer
-TYPES = (None, "HuggingFaceTokenizer", "GPT2BPETokenizer", "NullTokenizer")
-"""Megatron-LM --tokenizer-type values built here (None: data.tokenizer says which)."""
 
 
 def make_tokenizer(spec: str, kind: str | None = None, *, vocab_file: str | None = None,

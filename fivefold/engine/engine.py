@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from fivefold.config.schema import Config
 from fivefold.engine.batching import plan
 from fivefold.errors import NotImplementedYet
-from fivefold.model.hf import hf_name
+from fivefold.hf.names import hf_name
 from fivefold.parallel.context import gather_tokens, split_tokens
 from fivefold.model.moe import moe_layers, reset_step_totals, update_expert_biases
 from fivefold.parallel.cross_entropy import vocab_parallel_entropy, vocab_parallel_logprobs
@@ -120,7 +120,7 @@ class Engine:
         state: `parallelize(frozen=True)`), loaded by `sync_weights` from a trained copy; `train_batch`
         and `save` are refused."""
         from fivefold.model.decoder import build_decoder
-        from fivefold.parallel.parallelize import parallelize
+        from fivefold.train.parallelize import parallelize
         from fivefold.pipeline.stages import build_pipeline
 
         self.config, self.ctx, self.chunk, self.value_head, self.frozen = config, ctx, chunk, value_head, frozen
@@ -369,7 +369,7 @@ class Engine:
         return nullcontext() if self.frozen else self.parts.dp.full_params(writes=writes)
 
     def export_weights(self, bucket_bytes: int = 512 * 2**20) -> Iterator[dict[str, torch.Tensor]]:
-        """The whole model under Hugging Face names (fivefold.model.hf.hf_name), each tensor gathered whole
+        """The whole model under Hugging Face names (fivefold.hf.names.hf_name), each tensor gathered whole
         from its TP / EP shards (and ZeRO-3 chunks), yielded in buckets of at most `bucket_bytes` (a
         tensor larger than that is a bucket of its own). Every rank of the model gets every bucket."""
         from fivefold.parallel.param_meta import named_metas

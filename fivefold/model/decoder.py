@@ -105,7 +105,7 @@ class Decoder(nn.Module):
         init_parameters_(self, seed=seed, std=cfg.init_method_std, vocab_size=cfg.vocab_size, aliases=aliases)
         init_buffers_(self)
         self.cp = None
-        """Context parallelism, set by fivefold.parallel.parallelize (apply_context_parallel): ids are
+        """Context parallelism, set by fivefold.train.parallelize (apply_context_parallel): ids are
         then this CP rank's s/cp tokens (parallel.context.split_tokens)."""
         self.recompute = Recompute()
         self.mtp_loss_sums: torch.Tensor | None = None

@@ -33,7 +33,7 @@ from fivefold.parallel.param_meta import GradDomain, mark_all
 from fivefold.parallel.tensor import TPMode, mark_sequence_sharded
 from fivefold.runtime import comm
 from fivefold.runtime.mesh import Group
-from fivefold.train.supported import unsupported
+from fivefold.config.supported import unsupported
 
 SEQ_DIM = 1
 
@@ -186,7 +186,7 @@ def update_expert_biases(model: nn.Module, group: Group | None) -> None:
 
 def check_moe_supported(cfg: ModelConfig) -> None:
     """Refuse the MoE settings this runtime does not build (NotImplementedYet: exit 2): the model rows
-    of fivefold.train.supported, the one table of unbuilt knobs."""
+    of fivefold.config.supported, the one table of unbuilt knobs."""
     problems = [p for p in unsupported(Config(model=cfg)) if p.startswith("model.")]
     if problems:
         raise NotImplementedYet("fivefold.model: " + "; ".join(problems))

@@ -21,7 +21,7 @@ step chunk r in place and one all-gather per bucket puts every rank's updated ch
 (fivefold.parallel.distributed_optimizer). Call bytes per step: reduce-scatter = all-gather =
 4 x (parameters rounded up to a multiple of n per bucket).
 
-Mixed precision (fivefold.parallel.precision): the buffers hold the gradient dtype, which may differ
+Mixed precision (fivefold.config.precision): the buffers hold the gradient dtype, which may differ
 from the parameters' (bf16 parameters, fp32 gradients). Every parameter's buffer view is its
 `main_grad` (Megatron's name). When the dtypes agree, `param.grad` is that view, as above; when they
 differ, each gradient autograd produces (in the parameter's dtype) is added into `main_grad` by the
@@ -49,7 +49,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from fivefold.parallel.precision import DEFAULT_BUCKET_BYTES
+from fivefold.config.precision import DEFAULT_BUCKET_BYTES
 from fivefold.runtime import comm
 from fivefold.runtime.mesh import Group
 

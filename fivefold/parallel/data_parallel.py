@@ -38,7 +38,7 @@ HSDP (training.num_distributed_optimizer_instances = N > 1, dense models): the s
 within N instances of the DP x CP group (mesh.split) and all-reduce each reduced chunk over the N
 ranks holding it (fivefold.parallel.data, `replicate`).
 
-Precision (fivefold.parallel.precision, the one place that decides dtypes): the model's parameters
+Precision (fivefold.config.precision, the one place that decides dtypes): the model's parameters
 hold the parameter dtype (parallelize cast them); the reducers' buffers hold the gradient dtype; AdamW steps fp32 main
 parameters (`MainParams`: the parameters themselves in fp32, copies for 16-bit parameters or offload),
 which are cast back after each step. fp16 scales the loss by `loss_scale`; `unscale_grads` divides the
@@ -61,16 +61,15 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from fivefold.checkpoint.optim_state import OptimShard
+from fivefold.parallel.optimizer import OptimShard
 from fivefold.config.schema import TrainingConfig
 from fivefold.parallel.data import GradReducer
 from fivefold.parallel.distributed_optimizer import DistributedOptimizer
-from fivefold.model.moe import MoE
 from fivefold.parallel.fsdp import ParamSharding, units_of
 from fivefold.parallel.optimizer import build_adamw, by_device, clip_grad_norm
 from fivefold.parallel.param_meta import GradDomain, ParamMeta, metas_of
 from fivefold.parallel.main_params import MainParams
-from fivefold.parallel.precision import LossScaler, Precision
+from fivefold.config.precision import LossScaler, Precision
 from fivefold.parallel.tensor import reduce_tp_grads
 from fivefold.runtime import comm
 from fivefold.runtime.mesh import Group
@@ -154,13 +153,15 @@ class DataParallel:
 
     def __init__(self, model: nn.Module, mesh, training: TrainingConfig, *, moe: bool | None = None,
                  not_counted: Iterable[nn.Parameter] = (), reducer_cls: type[GradReducer] = GradReducer,
-                 pipelined: bool = False):
+                 pipelined: bool = False, expert_layers: Iterable[nn.Module] = ()):
         """`moe`: the model has routed experts (on some rank: a pipeline stage may hold none, and
         still takes part in the expert domain's collectives); default: this rank holds experts.
         `not_counted`: parameters left out of the gradient norm (a tied embedding's second copy,
         counted where its first copy lives). `pipelined`: a pipeline schedule runs the backward (its
         weight passes accumulate the gradients themselves, without the reducer's hooks), so ZeRO-2
-        keeps full gradient buffers during the step and reduce-scatters them once, in finish()."""
+        keeps full gradient buffers during the step and reduce-scatters them once, in finish().
+        `expert_layers`: the MoE layers, in forward order, whose routed experts' gradients are reduced
+        as soon as backward has passed each (see the module docstring)."""
         self.mode = DPMode.of(training)
         self.precision = Precision.of(training)
         self.scaler = LossScaler.of(training) if self.precision.scales_loss else None
@@ -181,7 +182,7 @@ class DataParallel:
         params = list(model.parameters())
         experts = [p for p in params if self.metas[id(p)].is_expert]
         self._expert_sync = False
-        self._expert_layers = [] if pipelined else self._hook_expert_layers(model)
+        self._expert_layers = [] if pipelined else self._hook_expert_layers(expert_layers)
         if experts if moe is None else moe:
             dense = [p for p in params if not self.metas[id(p)].is_expert]
             units = [ps for _, ps in self._expert_layers] if self._expert_layers else None
@@ -227,16 +228,15 @@ class DataParallel:
         self.state = self.optimizers[0].state if len(self.optimizers) == 1 else _States(self.optimizers)
         """AdamW's state, keyed by the tensors it steps (`optim_shards()` says which)."""
 
-    def _hook_expert_layers(self, model: nn.Module) -> list[tuple[nn.Module, list[nn.Parameter]]]:
+    def _hook_expert_layers(self, expert_layers: Iterable[nn.Module]) -> list[tuple[nn.Module, list[nn.Parameter]]]:
         """Each MoE layer's routed-expert parameters, in forward order, with a hook that reduces them
         as soon as backward has passed the layer (see the module docstring)."""
         layers = []
-        for m in model.modules():
-            if isinstance(m, MoE):
-                params = [p for p in m.parameters() if self.metas[id(p)].is_expert]
-                if params:
-                    m.register_forward_pre_hook(lambda m, args, i=len(layers): self._watch_layer_input(i, args[0]))
-                    layers.append((m, params))
+        for m in expert_layers:
+            params = [p for p in m.parameters() if self.metas[id(p)].is_expert]
+            if params:
+                m.register_forward_pre_hook(lambda m, args, i=len(layers): self._watch_layer_input(i, args[0]))
+                layers.append((m, params))
         return layers
 
     def _watch_layer_input(self, i: int, x: torch.Tensor) -> None:

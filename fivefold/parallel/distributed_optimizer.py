@@ -30,14 +30,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from fivefold.checkpoint.optim_state import OptimShard
+from fivefold.parallel.optimizer import OptimShard
 from fivefold.config.schema import TrainingConfig
 from fivefold.parallel.data import GradReducer
 from fivefold.runtime import comm
 from fivefold.parallel.param_meta import ParamMeta, metas_of
 from fivefold.parallel.optimizer import build_adamw
 from fivefold.parallel.main_params import MainParams
-from fivefold.parallel.precision import Precision
+from fivefold.config.precision import Precision
 
 
 @dataclass(frozen=True)

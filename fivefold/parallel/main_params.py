@@ -1,12 +1,12 @@
 """The optimizer's main parameters: what AdamW steps for the model's tensors under a precision
-policy (fivefold.parallel.precision) — the tensors themselves in fp32, fp32 copies for 16-bit
+policy (fivefold.config.precision) — the tensors themselves in fp32, fp32 copies for 16-bit
 parameters and for the share offloaded to host memory (--optimizer-cpu-offload)."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from fivefold.parallel.precision import Precision
+from fivefold.config.precision import Precision
 
 HOST = torch.device("cpu")
 

@@ -11,6 +11,7 @@ scaled by max_norm / (||g|| + 1e-6), as torch.nn.utils.clip_grad_norm_ does.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -18,6 +19,21 @@ from torch import nn
 from fivefold.config.schema import TrainingConfig
 from fivefold.runtime import comm
 from fivefold.runtime.mesh import Group
+
+
+@dataclass(frozen=True)
+class OptimShard:
+    """A tensor the optimizer keeps state for: [lo, hi) of parameter `name` flattened."""
+
+    name: str
+    key: torch.Tensor
+    """The tensor optimizer.state is keyed by."""
+    flat: tuple[int, int]
+
+
+def whole_shards(model: nn.Module) -> list[OptimShard]:
+    """The plain optimizer's: each parameter whole."""
+    return [OptimShard(n, p, (0, p.numel())) for n, p in model.named_parameters()]
 
 
 def build_optimizer(model: nn.Module, training: TrainingConfig) -> torch.optim.Optimizer:

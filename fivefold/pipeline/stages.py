@@ -38,7 +38,7 @@ from fivefold.pipeline.layers import stage_layers
 from fivefold.pipeline.lowering import lower
 from fivefold.pipeline.verify import verify
 from fivefold.parallel.data import grad_target
-from fivefold.parallel.precision import Precision
+from fivefold.config.precision import Precision
 from fivefold.runtime import comm
 
 

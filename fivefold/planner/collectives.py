@@ -39,7 +39,7 @@ Per step:
             over expert-DP, tag edp-grad); with the distributed optimizer reduce-scattered instead, and
             the updated parameters all-gathered (tags dp-param / edp-param, weight bytes: fp32 in fp32
             runs, bf16 otherwise). Gradients are in the precision policy's gradient dtype
-            (fivefold.parallel.precision: fp32, or bf16 / fp16 with --grad-reduce-in-bf16 / fp16
+            (fivefold.config.precision: fp32, or bf16 / fp16 with --grad-reduce-in-bf16 / fp16
             without --accumulate-allreduce-grads-in-fp32); tp-grad reduces the fp32 main gradients.
             ZeRO-2/3 without PP reduce-scatter every microbatch's gradients (dense and expert) and
             ZeRO-3 gathers every unit before its forward and its backward, each microbatch.

@@ -42,7 +42,7 @@ from __future__ import annotations
 import dataclasses
 
 from fivefold.config.schema import Config
-from fivefold.parallel.precision import Precision
+from fivefold.config.precision import Precision
 from fivefold.planner.activations import Sharding, forward_layer_bytes, logprob_bytes_per_logit
 from fivefold.planner.collectives import group_sizes
 from fivefold.planner.flops import forward_flops_per_token, output_forward_flops
@@ -53,7 +53,8 @@ from fivefold.planner.params import is_moe_layer
 from fivefold.planner.pipeline import forward_bubble_fraction, forward_pipeline_time
 from fivefold.planner.presets.hardware import Hardware
 from fivefold.planner.search import Candidate
-from fivefold.planner.steptime import StepEstimate, TimeAssumptions, layer_forward_cost, stage_forward_cost
+from fivefold.planner.steptime import StepEstimate, layer_forward_cost, stage_forward_cost
+from fivefold.planner.time_assumptions import TimeAssumptions
 from fivefold.planner.validity import config_errors
 
 FORWARD_CHUNK = 1024

@@ -12,7 +12,7 @@ from fivefold.config.schema import Config
 from fivefold.errors import UserError
 from fivefold.config.rules import sizes_of, stage_layers
 from fivefold.pipeline.schedules import REGISTRY
-from fivefold.planner.activations import OFFLOAD_MODULES, RECOMPUTE_MODULES
+from fivefold.config.modules import OFFLOAD_MODULES, RECOMPUTE_MODULES
 
 
 def split_key(config: Config) -> tuple:

@@ -6,14 +6,11 @@ from __future__ import annotations
 
 from functools import lru_cache
 from math import comb
-from typing import TYPE_CHECKING
 
 from fivefold.planner.layout import Plan
 from fivefold.planner.presets.hardware import Hardware
+from fivefold.planner.time_assumptions import TimeAssumptions
 from fivefold.topology import Topology, dense_grid, expert_grid, parse_order, split_group
-
-if TYPE_CHECKING:
-    from fivefold.planner.steptime import TimeAssumptions
 
 
 def _spans_nodes(topo: Topology, dims: str, world: int, gpn: int) -> bool:

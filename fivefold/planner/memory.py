@@ -1,7 +1,7 @@
 """Memory per GPU, by kind, for every pipeline rank; the worst rank is what must fit.
 
 Model state, per parameter held by the rank, read from the runtime's precision policy
-(fivefold.parallel.precision; Megatron's mixed precision: 16-bit weights, fp32 main gradients unless
+(fivefold.config.precision; Megatron's mixed precision: 16-bit weights, fp32 main gradients unless
 --grad-reduce-in-bf16 / fp16 without --accumulate-allreduce-grads-in-fp32, fp32 main weights + two
 Adam moments):
     bf16 / fp8 : weights 2 + gradients 4 + optimizer 12 = 18 bytes,
@@ -46,8 +46,9 @@ from functools import lru_cache
 from typing import NamedTuple
 
 from fivefold.config.schema import TrainingConfig
-from fivefold.parallel.precision import DEFAULT_BUCKET_BYTES, Precision
-from fivefold.planner.activations import (EAGER_TRAITS, FP8_SCALE_BYTES, OFFLOAD_MODULES, ArchTraits, Sharding,
+from fivefold.config.modules import OFFLOAD_MODULES
+from fivefold.config.precision import DEFAULT_BUCKET_BYTES, Precision
+from fivefold.planner.activations import (EAGER_TRAITS, FP8_SCALE_BYTES, ArchTraits, Sharding,
                                           backward_transient, full_recompute_transient, gathered_kv_bytes,
                                           layer_activation_bytes, weight_grad_join_bytes)
 from fivefold.planner.layout import Plan
@@ -111,7 +112,7 @@ class RankMemory:
 
 def state_bytes_per_param(training: TrainingConfig, precision: str, d: int) -> tuple[float, float, float]:
     """(weights, gradients, optimizer) bytes per parameter under the runtime's precision policy
-    (fivefold.parallel.precision: the same object the runtime builds its buffers from) with
+    (fivefold.config.precision: the same object the runtime builds its buffers from) with
     `precision` for the parameters, the optimizer sharded over d ranks with the distributed optimizer."""
     return Precision.of(training, precision).state_bytes(_shards(training, d), training.sharding_strategy)
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from fivefold.config.schema import Config, ModelConfig
 from fivefold.errors import UserError
-from fivefold.planner.hf import load_hf_config
+from fivefold.config.hf import load_hf_config
 from fivefold.planner.presets.models import MODEL_PRESETS, model_preset
 
 

@@ -14,7 +14,7 @@ from fivefold.planner.mtp import mtp_stage_layers
 from fivefold.planner.presets.hardware import Hardware
 from fivefold.planner.search import Candidate, evaluate, make_config, with_a2a_overlap
 from fivefold.planner.space import layer_splits
-from fivefold.planner.steptime import TimeAssumptions
+from fivefold.planner.time_assumptions import TimeAssumptions
 from fivefold.planner.seeds import (GB, SEED_ACCOUNTING_EXPLAINED, SeedRule, rules_for, seed_memory_accounting,
                                     sequence_rule)
 

@@ -29,7 +29,7 @@ from fivefold.errors import UserError
 from fivefold.planner.activations import EAGER_TRAITS, ArchTraits
 from fivefold.planner.memory import MemoryAssumptions
 from fivefold.planner.space import SearchSpace
-from fivefold.planner.steptime import TimeAssumptions
+from fivefold.planner.time_assumptions import TimeAssumptions
 
 GiB = 2**30
 

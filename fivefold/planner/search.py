@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from fivefold.config.rules import a2a_overlap_problems, sizes_of
 from fivefold.config.schema import ClusterConfig, Config, ModelConfig, ParallelConfig, TrainingConfig
 from fivefold.errors import UserError
-from fivefold.parallel.precision import Precision
+from fivefold.config.precision import Precision
 from fivefold.pipeline.schedules import microbatch_problem, smallest_group
 from fivefold.planner.layout import Plan
 from fivefold.planner.memory import (MemoryAssumptions, RankMemory, after_step_gathers, model_state, peak_memory,
@@ -18,7 +18,8 @@ from fivefold.planner.memory import (MemoryAssumptions, RankMemory, after_step_g
 from fivefold.planner.presets.hardware import Hardware
 from fivefold.planner.runtime import megatron_fsdp as runs_megatron_fsdp
 from fivefold.planner.space import SearchSpace, recompute_fields, recompute_modes, structures
-from fivefold.planner.steptime import StepEstimate, TimeAssumptions, step_time
+from fivefold.planner.steptime import StepEstimate, step_time
+from fivefold.planner.time_assumptions import TimeAssumptions
 from fivefold.planner.validity import checked, config_errors, twin_errors
 
 GiB = 2**30
@@ -394,7 +395,7 @@ def sharded_under_pp(cfg: Config, layout: Plan) -> str | None:
 def clear_caches() -> None:
     """Forget what the planner keeps across layouts and searches (layer splits and groups, parameter
     counts, layer and call costs, links, schedule simulations): a cold search, for tests."""
-    from fivefold.parallel import precision
+    from fivefold.config import precision
     from fivefold.planner import activations, flops, layout, links, memory, params, pipeline, space, steptime
     for cache in (layout._SPLITS, layout._GROUPS, memory._PARAMS, memory._LAYERS, memory._KINDS, params._CACHE,
                   flops._PER_TOKEN, links._CROSS, steptime._CALLS, steptime._LAYER_COSTS, steptime._LAYER_WORK,

@@ -19,15 +19,15 @@ from fivefold.config.schema import Config, to_dict
 from fivefold.checkpoint.async_save import AsyncSaver
 from fivefold.checkpoint.metadata import resume_step
 from fivefold.data.dataset import dataset_of, load_splits
-from fivefold.model.hf import read_hf_shards
-from fivefold.model.hf_export import export_hf
+from fivefold.hf.load import read_hf_shards
+from fivefold.hf.export import export_hf
 from fivefold.data.documents import document_rules
 from fivefold.data.loader import BatchLoader
 from fivefold.errors import UserError
 from fivefold.model import build_decoder
 from fivefold.runtime import comm, heartbeat
 from fivefold.parallel.data import GradReducer
-from fivefold.parallel.parallelize import Parts, parallelize
+from fivefold.train.parallelize import Parts, parallelize
 from fivefold.train.context import RankContext, layout_text
 from fivefold.train.manual_gc import after_step, around_eval, manual_gc
 from fivefold.train.metrics import MetricsLog, flops_per_token, peak_memory_bytes, plot_loss_curve, read_metrics
@@ -35,9 +35,10 @@ from fivefold.train.moe_metrics import moe_record, plot_expert_load
 from fivefold.train.nonfinite import is_finite, nonfinite_error
 from fivefold.train.optim import state_bytes
 from fivefold.train.profile import StepProfiler, profile_steps
-from fivefold.train.batch_sizes import BatchSizes
+from fivefold.config.batch_sizes import BatchSizes, microbatches_per_step
 from fivefold.train.schedule import lr_at
-from fivefold.train.pipeline_step import build_pipeline, microbatches_per_step, pipeline_evaluate, trace_report
+from fivefold.pipeline.stages import build_pipeline
+from fivefold.train.pipeline_step import pipeline_evaluate, trace_report
 from fivefold.train.step import evaluate, train_step
 
 
@@ -115,7 +116,7 @@ def _step(config: Config, ctx: RankContext, step: int, parts: Parts, train_loade
 
 
 def build(config: Config, ctx: RankContext, *, reducer_cls: type[GradReducer] = GradReducer) -> Parts:
-    """This rank's model (with PP its stages), parallelized as `config` says (fivefold.parallel.parallelize:
+    """This rank's model (with PP its stages), parallelized as `config` says (fivefold.train.parallelize:
     CP, recompute, the data-parallel mode): the training loop's, and fivefold.testing.measure's, so
     that a measured step is the step `train` runs."""
     if ctx.layout.pp > 1:  # the stages this rank holds; steps run through the pipeline schedule

@@ -14,22 +14,15 @@ from pathlib import Path
 
 import torch
 
-from fivefold.config.schema import Config
 from fivefold.data.loader import StepBatch
 from fivefold.errors import UserError
 from fivefold.pipeline.executor import RunResult
 from fivefold.pipeline.render import draw_png, text_timeline
 from fivefold.pipeline.simulate import simulate
 from fivefold.pipeline.trace import measured_result, stage_costs
-from fivefold.pipeline.stages import PipelineModel, build_pipeline  # noqa: F401 (the loop builds through here)
+from fivefold.pipeline.stages import PipelineModel
 from fivefold.runtime import comm
 from fivefold.train.loss import cp_tokens, dropout_kwargs, global_mean
-
-
-def microbatches_per_step(config: Config, dp_size: int) -> int:
-    """Microbatches each DP rank runs per step: global_batch_size / (micro_batch_size x DP)."""
-    t = config.training
-    return t.global_batch_size // (t.micro_batch_size * dp_size)
 
 
 def _inputs(pipe: PipelineModel, batch: StepBatch, dp_size: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -105,7 +98,6 @@ def gather_times(pipe: PipelineModel, run: RunResult, mesh) -> list[list[tuple[f
     every = comm.all_gather(mine.unsqueeze(0), 0, mesh.pp, tag="trace")  # (pp, longest, 2)
     return [[(float(a), float(b)) for a, b in every[r, : len(pipe.schedule.ranks[r])]]
             for r in range(pipe.schedule.num_ranks)]
-
 
 
 def trace_report(pipe: PipelineModel, run: RunResult, mesh, png: Path | None) -> str:

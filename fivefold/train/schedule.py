@@ -9,7 +9,7 @@ s = 0, 1, ..., with x = s (iterations) or s * B (samples, B = global batch), u =
   x >= W: r = min(1, (x - W) / max(u, D - W)),  lr = min_lr + f(r) * (lr_max - min_lr)
           cosine f(r) = (1 + cos(pi r)) / 2,  linear f(r) = 1 - r,  constant f(r) = 1
 The decay is Megatron's (OptimizerParamScheduler; min_lr past D; tests/test_train_parts.py checks it
-against megatron-core's). Under a step batch-size schedule (fivefold.train.batch_sizes) x is the
+against megatron-core's). Under a step batch-size schedule (fivefold.config.batch_sizes) x is the
 samples consumed before the step, u its batch, and iteration spans count training.global_batch_size
 samples each, as Megatron's scheduler. Difference: Megatron's step s uses (x / W) during warm-up, so its first
 step runs at lr 0; fivefold's first step already uses lr_max * u / W.
@@ -19,10 +19,9 @@ from __future__ import annotations
 import math
 
 from fivefold.config.schema import TrainingConfig
-from fivefold.train.batch_sizes import BatchSizes
+from fivefold.config.batch_sizes import BatchSizes
+from fivefold.config.supported import DECAY_STYLES
 from fivefold.errors import UserError
-
-DECAY_STYLES = ("cosine", "linear", "constant")
 
 
 def lr_at(step: int, training: TrainingConfig) -> float:

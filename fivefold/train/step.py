@@ -4,7 +4,7 @@
     fivefold.train.pipeline_step) -> DataParallel.finish (gradients reduced over DP) -> MoE expert
     biases moved by the step's load (aux-loss-free balancing, fivefold.model.router) -> fp16: unscale,
     and skip the step on every rank if any rank overflowed -> clip by the global norm -> AdamW on the
-    main parameters (fivefold.parallel.data_parallel, fivefold.parallel.precision).
+    main parameters (fivefold.parallel.data_parallel, fivefold.config.precision).
 
 The step's loss is the per-token mean over the global batch (fivefold.train.loss).
 """
@@ -19,7 +19,7 @@ from fivefold.data.loader import StepBatch
 from fivefold.model.moe import layer_totals, reset_step_totals, update_expert_biases
 from fivefold.runtime import comm
 from fivefold.parallel.data_parallel import DataParallel
-from fivefold.parallel.parallelize import Parts
+from fivefold.train.parallelize import Parts
 from fivefold.pipeline.executor import RunResult
 from fivefold.runtime.mesh import Group
 from fivefold.train.loss import global_mean, loss_sum
@@ -43,7 +43,7 @@ class StepResult:
     run: RunResult | None = None
     """With PP: the executor's result (its action log and, when traced, timings)."""
     skipped: bool = False
-    """fp16: the gradients overflowed on some rank, so no rank stepped (fivefold.parallel.precision)."""
+    """fp16: the gradients overflowed on some rank, so no rank stepped (fivefold.config.precision)."""
 
 
 def _forward_backward(model: nn.Module, dp: DataParallel, batch: StepBatch, device: torch.device,
@@ -69,7 +69,7 @@ def _forward_backward(model: nn.Module, dp: DataParallel, batch: StepBatch, devi
 
 def train_step(parts: Parts, batch: StepBatch, *, lr: float, clip_grad: float, device: torch.device,
                trace: bool = False, per_token_loss: bool = True) -> StepResult:
-    """One step of `parts` (fivefold.parallel.parallelize) on this rank's share of the global batch.
+    """One step of `parts` (fivefold.train.parallelize) on this rank's share of the global batch.
     `trace` (PP only): time every action of the schedule (StepResult.run.times). `per_token_loss`
     False: Megatron's default loss, the mean over the global batch's microbatches of each one's
     per-token mean (StepBatch.loss_divisors); the same as the per-token mean when every microbatch has

@@ -1,5 +1,5 @@
-"""One rank of a training job: `python -m fivefold.train.worker OUT/run.json` (started by the launcher)
-or `run_rank` in-process under torchrun. Reads the torchrun environment (RANK, WORLD_SIZE,
+"""One rank of a training job: `run_rank`, called by `python -m fivefold.cli.rank OUT/run.json` (started by
+the launcher) or in-process under torchrun. Reads the torchrun environment (RANK, WORLD_SIZE,
 LOCAL_RANK, MASTER_ADDR, MASTER_PORT).
 
 A rank that fails writes OUT/logs/rank-R.error (JSON: kind "user" with the message, "stopped" with
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from fivefold.config.schema import Config, config_from_dict
+from fivefold.config.schema import Config
 from fivefold.config.validate import layout_of
 from fivefold.errors import UserError
 from fivefold.runtime import heartbeat
@@ -127,17 +127,3 @@ def start_heartbeat(config: Config, log_dir: Path, rank: int) -> None:
     watch = None if os.environ.get("FIVEFOLD_LAUNCHED") else \
         self_watch(log_dir, world, timeout, log_dir / f"rank-{rank}.error")
     heartbeat.start(log_dir, rank, tick=tick_for(timeout), on_tick=watch)
-
-
-def main(argv: list[str]) -> int:
-    spec = json.loads(Path(argv[0]).read_text())
-    job = None
-    if spec.get("job") == "rl":
-        from fivefold.rl.cli_job import grpo_job
-
-        job = grpo_job(spec["grpo"], Path(spec["out"]))
-    return run_rank(config_from_dict(spec["config"]), Path(spec["out"]), Path(spec["data_dir"]), job)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main(sys.argv[1:]))

@@ -6,7 +6,7 @@ parameter-count formula to them. HF config keys map as: hidden_size -> hidden_si
 intermediate_size -> ffn_hidden_size, num_key_value_heads -> num_query_groups, head_dim ->
 kv_channels, moe_intermediate_size -> moe_ffn_hidden_size, n_shared_experts * moe_intermediate_size
 -> moe_shared_expert_intermediate_size, first_k_dense_replace -> moe_first_k_dense_layers,
-num_experts_per_tok -> moe_router_topk (see `fivefold.planner.hf`).
+num_experts_per_tok -> moe_router_topk (see `fivefold.config.hf`).
 """
 from __future__ import annotations
 

@@ -12,9 +12,13 @@ from dataclasses import dataclass
 
 from fivefold.config.pipeline_layout import parse_layout
 from fivefold.config.schema import Config
-from fivefold.data.tokenizer import TYPES as TOKENIZER_TYPES
 from fivefold.errors import NotImplementedYet
-from fivefold.train.schedule import DECAY_STYLES
+
+DECAY_STYLES = ("cosine", "linear", "constant")
+"""Megatron-LM --lr-decay-style values the LR schedule runs (fivefold.train.schedule)."""
+
+TOKENIZER_TYPES = (None, "HuggingFaceTokenizer", "GPT2BPETokenizer", "NullTokenizer")
+"""Megatron-LM --tokenizer-type values built here (None: data.tokenizer says which; fivefold.data.tokenizer)."""
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ optimizer use, and fp16's dynamic loss scaling. The one place that decides it (`
   bf16 (--bf16)        bf16           fp32;  bf16 with --grad-reduce-in-bf16  fp32 copies
   fp16 (--fp16)        fp16           fp16;  fp32 with                        fp32 copies
                                       --accumulate-allreduce-grads-in-fp32
-  counted by the planner, refused by the runtime (fivefold.train.supported):
+  counted by the planner, refused by the runtime (fivefold.config.supported):
   fp8                  bf16           fp32                                    fp32 copies
   + --fp8-param-gather fp8 (1 byte)   fp32                                    fp32 copies
   --exp-avg-dtype D,                                                          AdamW moments in D (fp32,
@@ -24,7 +24,7 @@ fivefold.parallel.main_params) and copies the result back into the 16-bit parame
 counts the fp32 gradient buffer as 4 bytes). The precision-aware optimizer's dtypes (--exp-avg-dtype,
 --exp-avg-sq-dtype, --main-params-dtype: e.g. bf16 moments, 4 + 2 + 2 instead of 12) and fp8 primary
 weights (--fp8-param-gather: 1 byte instead of 2) are counted for the planner; the runtime refuses
-them (fivefold.train.supported). docs/precision.md has every variant.
+them (fivefold.config.supported). docs/precision.md has every variant.
 
 fp16 loss scaling (Megatron's DynamicGradScaler): the loss is multiplied by the scale before backward;
 after the gradients are reduced they are divided by it and checked; a step whose gradients hold an inf or

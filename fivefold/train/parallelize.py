@@ -10,7 +10,7 @@ and one order (torchtitan's `parallelize_llama`):
      compile   with training.compile, torch.compile of each decoder layer (in place: parameter
                names unchanged; collectives and the CP ring run between the compiled graphs);
   5. precision the parameters cast to the run's parameter dtype (bf16/fp16; fp32 main copies live in
-               the optimizer: fivefold.parallel.precision);
+               the optimizer: fivefold.config.precision);
   6. DP        the data-parallel mode (fivefold.parallel.data_parallel: replicate or ZeRO-1), over
                the gradient domains of the parameters' metadata: dense over DP x CP, experts over EDP.
 
@@ -30,7 +30,7 @@ from fivefold.model.recompute import Recompute
 from fivefold.parallel.context import context_parallel_of
 from fivefold.parallel.data import GradReducer
 from fivefold.parallel.data_parallel import DataParallel
-from fivefold.parallel.precision import Precision
+from fivefold.config.precision import Precision
 from fivefold.parallel.tensor import TPMode
 from fivefold.pipeline.stages import PipelineModel
 
@@ -116,5 +116,6 @@ def parallelize(model: Decoder | PipelineModel, mesh, config: Config, *,
         module.requires_grad_(False)
         return Parts(module, pipe, None, mesh)
     dp = DataParallel(module, mesh, config.training, moe=config.model.is_moe, reducer_cls=reducer_cls,
-                      not_counted=pipe.uncounted_parameters() if pipe is not None else (), pipelined=pipe is not None)
+                      not_counted=pipe.uncounted_parameters() if pipe is not None else (), pipelined=pipe is not None,
+                      expert_layers=[m for m in module.modules() if isinstance(m, MoE)])
     return Parts(module, pipe, dp, mesh)

@@ -15,10 +15,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from fivefold.errors import UserError
+
+if TYPE_CHECKING:
+    from fivefold.config.schema import Config
 
 _SUFFIX = {"K": 10**3, "M": 10**6, "B": 10**9, "T": 10**12}
 
@@ -117,3 +121,9 @@ def _sizes(schedule: str | None, seq_length: int, global_batch_size: int, steps:
     if schedule:
         return BatchSizes(tuple(parse_schedule(schedule, seq_length)), steps)
     return BatchSizes(((0, global_batch_size),), steps)
+
+
+def microbatches_per_step(config: Config, dp_size: int) -> int:
+    """Microbatches each DP rank runs per step: global_batch_size / (micro_batch_size x DP)."""
+    t = config.training
+    return t.global_batch_size // (t.micro_batch_size * dp_size)
