@@ -152,7 +152,7 @@ SINGLE = "model.safetensors"
 
 def hf_folder(path: str | Path) -> Path:
     p = Path(path)
-    if not p.ishf_folder():
+    if not p.is_dir():
         raise UserError(f"{path}: not a directory (expected a Hugging Face checkpoint folder with "
                         f"config.json and {SINGLE} or {INDEX})")
     return p
