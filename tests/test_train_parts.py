@@ -23,12 +23,55 @@ from fivefold.config.supported import check_supported, unsupported
 
 def test_warmup_then_cosine_to_min_lr():
     t = TrainingConfig(lr=1.0, min_lr=0.1, lr_warmup_iters=4, train_iters=14)
-    assert [lr_at(s, t) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert [lr_at(s, t) for s in range(5)] == [0.0, 0.25, 0.5, 0.75, 1.0]  # Megatron's: step 0 at lr_warmup_init
     # Python floats (no torch kernel): the same formula up to the order of the float64 operations
     close(lr_at(9, t), 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)), rtol=1e-12, site="lr_schedule.cosine")
     assert lr_at(14, t) == 0.1  # the end of the decay is min_lr itself
     t.lr_decay_style = "constant"
     assert lr_at(13, t) == 1.0
+
+
+def _megatron_scheduler(max_lr, min_lr, init_lr, warmup_steps, decay_steps, style):
+    import types
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    return OptimizerParamScheduler(types.SimpleNamespace(param_groups=[{}]), init_lr=init_lr, max_lr=max_lr, min_lr=min_lr,
+                                   lr_warmup_steps=warmup_steps, lr_decay_steps=decay_steps, lr_decay_style=style,
+                                   start_wd=0.0, end_wd=0.0, wd_incr_steps=1, wd_incr_style="constant")
+
+
+@pytest.mark.parametrize("style", ["cosine", "linear", "constant"])
+@pytest.mark.parametrize("warmup", [
+    {"lr_warmup_fraction": 0.01},  # 0.1 of a step: the first step ran at 10x lr when the warm-up counted (x + 1) / W
+    {"lr_warmup_fraction": 0.0}, {"lr_warmup_iters": 0}, {"lr_warmup_iters": 1}, {"lr_warmup_iters": 3},
+    {"lr_warmup_fraction": 0.35, "lr_warmup_init": 1e-4},
+    {"train_samples": 80, "lr_warmup_samples": 3}, {"train_samples": 80, "lr_warmup_fraction": 0.05},
+    {"train_samples": 80, "lr_warmup_samples": 0, "lr_decay_samples": 60}])
+def test_learning_rate_is_megatrons_scheduler_at_every_step(warmup, style):
+    """Every step's learning rate is megatron-core's OptimizerParamScheduler's, which counts samples (an
+    iteration is global_batch_size of them) and is stepped after each optimizer step: step s runs at the
+    rate for the units consumed before it. Fractional, zero and tiny warm-ups included: the first step runs
+    at lr_warmup_init and no step exceeds lr."""
+    batch = 8
+    t = TrainingConfig(lr=1e-3, min_lr=1e-5, lr_decay_style=style, global_batch_size=batch,
+                       **({"train_iters": 10} if "train_samples" not in warmup else {}), **warmup)
+    samples = t.train_samples is not None
+    decay = (t.lr_decay_samples or t.train_samples) if samples else (t.lr_decay_iters or t.train_iters) * batch
+    w = (t.lr_warmup_fraction * decay if t.lr_warmup_fraction is not None
+         else (t.lr_warmup_samples if samples else t.lr_warmup_iters * batch))
+    sched = _megatron_scheduler(t.lr, t.min_lr, t.lr_warmup_init, w, decay, style)
+    steps = t.train_samples // batch if samples else t.train_iters
+    for s in range(steps + 2):
+        sched.num_steps = s * batch
+        # the same float64 formula, in iterations here and samples there: x / W and (x - W) / (D - W) are the
+        # same ratios, rounded once more or less (measured: equal or 1 ulp); bound 1e-12 relative
+        close(lr_at(s, t), sched.get_lr({}), rtol=1e-12, atol=1e-18, site="lr_schedule.megatron", case=f"{warmup} {style} {s}")
+        assert lr_at(s, t) <= t.lr
+    if w > 0:
+        assert lr_at(0, t) == t.lr_warmup_init
 
 
 def test_unsupported_knobs_are_refused_together():
@@ -132,8 +175,8 @@ def test_decay_equals_megatrons_scheduler(style, samples):
 
 
 def test_warmup_starts_from_lr_warmup_init():
-    """Megatron's --lr-warmup-init: the warm-up rises from it (fivefold's step s uses (s + 1) / W)."""
+    """Megatron's --lr-warmup-init: the warm-up rises from it, step s at s / W of the way."""
     from fivefold.config.schema import TrainingConfig
 
     t = TrainingConfig(lr=1.0, lr_warmup_init=0.1, lr_warmup_iters=5, train_iters=20)
-    assert [round(lr_at(s, t), 12) for s in range(5)] == [0.28, 0.46, 0.64, 0.82, 1.0]
+    assert [round(lr_at(s, t), 12) for s in range(6)] == [0.1, 0.28, 0.46, 0.64, 0.82, 1.0]
