@@ -19,7 +19,7 @@ def tiny_config(data: Path, *, world: int = 1, gbs: int = 8, mbs: int = 1, steps
     return Config(cluster=ClusterConfig(world_size=world),
                   model=ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4),
                   training=TrainingConfig(seq_length=seq, global_batch_size=gbs, micro_batch_size=mbs,
-                                          train_iters=steps, lr=3e-3, lr_warmup_iters=1, **training),
+                                          train_iters=steps, lr=3e-3, lr_warmup_iters=0, **training),
                   data=DataConfig(path=str(data), eval_fraction=0.1))
 
 

@@ -338,7 +338,7 @@ def _config(data: Path, world: int = 1, parallel: dict | None = None, docs: bool
                  model=ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
                                    vocab_size=256),
                  training=TrainingConfig(seq_length=64, global_batch_size=8, micro_batch_size=2, train_iters=STEPS,
-                                         lr=3e-3, lr_warmup_iters=1, clip_grad=1.0, eval_interval=STEPS, eval_iters=1,
+                                         lr=3e-3, lr_warmup_iters=0, clip_grad=1.0, eval_interval=STEPS, eval_iters=1,
                                          **training),
                  data=DataConfig(path=str(data), eval_fraction=0.1))
     for k, v in (parallel or {}).items():

@@ -73,7 +73,7 @@ def _run_config(data, world: int, parallel: dict) -> Config:
                  model=ModelConfig(num_layers=4, hidden_size=64, num_attention_heads=4, num_query_groups=2,
                                    vocab_size=256),
                  training=TrainingConfig(seq_length=32, global_batch_size=4, micro_batch_size=1, train_iters=1,
-                                         lr=3e-3, lr_warmup_iters=1),
+                                         lr=3e-3, lr_warmup_iters=0),
                  data=DataConfig(path=str(data), eval_fraction=0.1))
     for k, v in parallel.items():
         setattr(cfg.parallel, k, v)

@@ -91,3 +91,18 @@ def test_unknown_and_unbuilt_flags_are_reported_together():
         parse_flags(["--swigluu", "--squared-relu"])
     with pytest.raises(NotImplementedYet, match=r"--rotary-percent 0.5 \(accepted: 1, 1.0\)"):
         parse_flags(["--rotary-percent", "0.5"])
+
+
+def test_flags_megatrons_own_examples_pass_are_taken_as_megatron_takes_them():
+    """--recompute-activations is Megatron-LM's alias of --recompute-granularity selective; --tiktoken-pattern
+    is read only by its TikTokenizer, so with another tokenizer it changes nothing (its GPT examples pass it)."""
+    base = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+            "--max-position-embeddings", "64", "--micro-batch-size", "1", "--global-batch-size", "8",
+            "--train-iters", "1", "--lr", "1e-3", "--mock-data", "--tokenizer-type", "NullTokenizer",
+            "--vocab-size", "256"]
+    loaded = load_config(None, base + ["--recompute-activations", "--tiktoken-pattern", "v2"], world_size=8)
+    assert loaded.config.training.recompute_granularity == "selective"
+    assert no_effect("--tiktoken-pattern") and "TikTokenizer" in no_effect("--tiktoken-pattern")
+    listed = [w.rule for w in loaded.warnings if w.field == "megatron flags"]
+    assert len(listed) == 1 and "accepted without effect here: --tiktoken-pattern: read only by Megatron's " \
+        "TikTokenizer" in listed[0], listed

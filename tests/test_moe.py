@@ -58,7 +58,7 @@ def _model() -> ModelConfig:
 def _config(data: Path, world: int = 1, parallel: dict | None = None, zero: bool = False) -> Config:
     cfg = Config(cluster=ClusterConfig(world_size=world), model=_model(),
                  training=TrainingConfig(seq_length=64, global_batch_size=8, micro_batch_size=1, train_iters=STEPS,
-                                         lr=3e-3, lr_warmup_iters=1, clip_grad=0.5, use_distributed_optimizer=zero),
+                                         lr=3e-3, lr_warmup_iters=0, clip_grad=0.5, use_distributed_optimizer=zero),
                  data=DataConfig(path=str(data), eval_fraction=0.1))
     cfg.logging.moe_per_layer_logging = True  # tokens per expert of every MoE layer in metrics.jsonl
     for k, v in (parallel or {}).items():

@@ -39,7 +39,7 @@ def _config(data: Path, *, dp: int = 1, mbs: int = 1, zero: bool = False, **trai
                   model=ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=1,
                                     tie_word_embeddings=True, vocab_size=256),
                   training=TrainingConfig(seq_length=64, global_batch_size=8, micro_batch_size=mbs, train_iters=STEPS,
-                                          lr=3e-3, lr_warmup_iters=1, use_distributed_optimizer=zero, **training),
+                                          lr=3e-3, lr_warmup_iters=0, use_distributed_optimizer=zero, **training),
                   data=DataConfig(path=str(data), eval_fraction=0.1))
 
 

@@ -189,6 +189,7 @@ FLAGS: dict[str, Flag] = {
     "--fp8-recipe": _v("training.fp8_recipe"),
     "--optimizer-offload-fraction": _v("training.optimizer_offload_fraction"),
     "--recompute-granularity": _v("training.recompute_granularity"),
+    "--recompute-activations": _on("training.recompute_granularity", "selective"),  # Megatron's alias
     "--recompute-method": _v("training.recompute_method"),
     "--recompute-num-layers": _v("training.recompute_num_layers"),
     "--recompute-modules": Flag("training.recompute_modules", LIST),

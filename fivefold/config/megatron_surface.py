@@ -62,6 +62,8 @@ NO_EFFECT: list[tuple[str, str]] = [  # (regular expression over the flag, why i
      "the same training)"),
     (r"--rampup-batch-size", "deprecated: Megatron-LM ignores it (megatron/core/num_microbatches_calculator.py); "
      "--step-batch-size-schedule is its replacement"),
+    (r"--tiktoken-(pattern|num-special-tokens|special-tokens)",
+     "read only by Megatron's TikTokenizer (--tokenizer-type TikTokenizer), which is refused on its own"),
     (r"--fp8-(amax-history-len|amax-compute-algo|margin|interval)",
      "fp8 scaling numerics: the planner sizes and times fp8 by --fp8-format and --fp8-recipe, and `train` refuses "
      "fp8 (not implemented yet)"),
