@@ -106,3 +106,26 @@ def test_flags_megatrons_own_examples_pass_are_taken_as_megatron_takes_them():
     listed = [w.rule for w in loaded.warnings if w.field == "megatron flags"]
     assert len(listed) == 1 and "accepted without effect here: --tiktoken-pattern: read only by Megatron's " \
         "TikTokenizer" in listed[0], listed
+
+
+@pytest.mark.parametrize("split, weights", [("'99,1,0'", [99.0, 1.0, 0.0]), ("969,30,1", [969.0, 30.0, 1.0]),
+                                            ("98 2", [98.0, 2.0]), ('"90/10"', [90.0, 10.0])])
+def test_split_is_read_as_megatron_reads_it(split, weights):
+    """Megatron's example scripts pass --split "'99,1,0'" (quotes inside the value); Megatron reads the numbers
+    by the pattern [.0-9]+, so the quotes are no part of them."""
+    from fivefold.config.data_split import split_problem, split_weights
+
+    assert split_problem(split) is None and split_weights(split) == weights
+
+
+def test_moe_layer_freq_is_megatrons_list_expression_and_its_refusal_comes_with_the_others():
+    """--moe-layer-freq is a Python expression Megatron evaluates: "([0]+[1]*26)" (a list not repeated) is one
+    dense layer first; a pattern not built is named in one message with every other flag not built."""
+    from fivefold.config.megatron import first_dense_layers
+
+    assert [first_dense_layers(t) for t in ("([0]+[1]*26)", "([0]*3+[1]*58)", "[0,0,1,1]", "1", "'[1]*4'")] == \
+        [1, 3, 2, 0, 0]
+    with pytest.raises(NotImplementedYet) as refused:
+        parse_flags(["--moe-layer-freq", "([1,0]*4)", "--use-tp-pp-dp-mapping"])
+    assert "--moe-layer-freq ([1,0]*4): dense layers after MoE layers" in str(refused.value)
+    assert "--use-tp-pp-dp-mapping" in str(refused.value)

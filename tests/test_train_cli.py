@@ -251,3 +251,12 @@ def test_profile_ranks_outside_the_world_are_refused(tmp_path):
     """--profile-ranks 7 on a 2-rank run profiled nothing and said nothing: refused with the range."""
     _refused(_train(tmp_path, TINY, "logging.profile=true", "logging.profile_ranks=[0,7]", nproc=2),
              "logging.profile_ranks (--profile-ranks) [0, 7]: rank(s) 7 not in this 2-rank run; give ranks 0 to 1")
+
+
+def test_world_size_is_the_number_of_ranks_as_validate_takes_it(tmp_path):
+    """`train --world-size N` (validate's flag) starts N ranks, as --nproc N: the layout is checked against it."""
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(TINY + "parallel: {tensor_model_parallel_size: 2}\n")
+    r = subprocess.run([sys.executable, "-m", "fivefold", "train", str(cfg), "--out", str(tmp_path / "out"),
+                        "--world-size", "3"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    _refused(r, "TP*PP*CP = 2*1*1 = 2 must divide the world size 3")

@@ -29,7 +29,9 @@ def add_arguments(parser) -> None:
                           "words (a Megatron-LM command line, SkyRL / Bridge overrides); key=value words and Megatron "
                           "flags after it override it, or are the whole config (docs/config.md)")
     parser.add_argument("--out", required=True, help="output folder: metrics.jsonl, loss.png, checkpoints, logs")
-    parser.add_argument("--nproc", type=int, default=None, help="local ranks to start (default: the layout's world size)")
+    parser.add_argument("--nproc", "--world-size", dest="nproc", type=int, default=None,
+                        help="local ranks to start (default: the layout's world size; --world-size, as validate "
+                             "takes it, is the same)")
     parser.add_argument("--trace-schedule", action="store_true",
                         help="with PP > 1: time the pipeline actions of the last step, draw OUT/schedule_trace.png")
 

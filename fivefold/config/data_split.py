@@ -2,10 +2,16 @@
 they must meet, read by validation before any rank starts and by the data loader (fivefold.data.indexed)."""
 from __future__ import annotations
 
+import re
+
 
 def split_weights(split: str) -> list[float]:
-    """The proportions of `split` ("969,30,1", "98 2", "90/10"); ValueError when one is not a number."""
-    return [float(w) for w in split.replace(",", " ").replace("/", " ").split()]
+    """The proportions of `split` ("969,30,1", "98 2", "90/10", or "'99,1,0'" as Megatron's example scripts
+    quote it), read as Megatron reads them (its numbers, by the pattern [.0-9]+); ValueError when `split`
+    holds anything but numbers, separators (, / space) and quotes, or a number such as 1.2.3."""
+    if re.search(r"[^0-9.,/\s'\"]", split):
+        raise ValueError(split)
+    return [float(w) for w in re.findall(r"[.0-9]+", split)]
 
 
 def split_problem(split: str) -> str | None:

@@ -30,17 +30,23 @@ class Flag:
     """Turns the flag's text into the field's value, where they differ."""
 
 
+_PATTERN_TERM = re.compile(r"\[([01](?:,[01])*)\](?:\*(\d+))?")
+"""One term of Megatron's --moe-layer-freq list expression: a list of 0 / 1, optionally repeated."""
+
+
 def first_dense_layers(text: str) -> int:
     """--moe-layer-freq as the count of leading dense layers: 1 (every layer MoE), or a pattern of
-    K zeros then ones, written as Megatron's "([0]*3+[1]*58)" or as a list "[0,0,0,1,1]". Other
-    patterns (MoE every other layer, dense layers later) are not built."""
-    t = text.strip().strip("()").replace(" ", "")
+    K zeros then ones, written as the Python list expression Megatron evaluates — "([0]*3+[1]*58)",
+    "([0]+[1]*26)", "[0,0,0,1,1]" — sums of lists of 0 / 1, each optionally repeated. Other patterns
+    (MoE every other layer, dense layers later) are not built."""
+    t = text.strip().strip("'\"").replace(" ", "")
+    while t.startswith("(") and t.endswith(")"):
+        t = t[1:-1]
     if t == "1":
         return 0
-    if re.fullmatch(r"\[[01](,[01])*\]", t):
-        bits = [int(b) for b in t[1:-1].split(",")]
-    elif re.fullmatch(r"\[[01]\]\*\d+(\+\[[01]\]\*\d+)*", t):
-        bits = [int(b) for bit, n in re.findall(r"\[([01])\]\*(\d+)", t) for b in bit * int(n)]
+    terms = t.split("+")
+    if all(_PATTERN_TERM.fullmatch(term) for term in terms):
+        bits = [int(b) for term in terms for b in _list_term(term)]
     else:
         raise NotImplementedYet(f"--moe-layer-freq {text}: only 1 or a pattern of dense layers first (e.g. "
                                 "\"([0]*3+[1]*58)\") is built")
@@ -49,6 +55,11 @@ def first_dense_layers(text: str) -> int:
         raise NotImplementedYet(f"--moe-layer-freq {text}: dense layers after MoE layers; only the first layers "
                                 "dense is built")
     return k
+
+
+def _list_term(term: str) -> list[str]:
+    body, times = _PATTERN_TERM.fullmatch(term).groups()
+    return body.split(",") * int(times or 1)
 
 
 def _v(field: str) -> Flag:
@@ -300,7 +311,10 @@ def parse_flags(words: list[str]) -> tuple[list[tuple[str, str | None, object]],
                 raise UserError(f"{name} needs a value")
             value = words[i]
             i += 1
-        out.append((name, flag.field, flag.convert(value) if flag.convert else value))
+        try:
+            out.append((name, flag.field, flag.convert(value) if flag.convert else value))
+        except NotImplementedYet as e:  # a value not built: named with the others, not alone
+            not_built.append(str(e).removesuffix(": not implemented yet"))
     not_built = list(dict.fromkeys(not_built))  # a flag given twice is named once
     built = f"Megatron-LM flag{'s' if len(not_built) > 1 else ''} {', '.join(not_built)} (they change what is trained)"
     if unknown:  # a typo first; what is not built comes along
