@@ -129,3 +129,20 @@ def test_moe_layer_freq_is_megatrons_list_expression_and_its_refusal_comes_with_
         parse_flags(["--moe-layer-freq", "([1,0]*4)", "--use-tp-pp-dp-mapping"])
     assert "--moe-layer-freq ([1,0]*4): dense layers after MoE layers" in str(refused.value)
     assert "--use-tp-pp-dp-mapping" in str(refused.value)
+
+
+def test_a_flag_given_and_set_aside_by_megatrons_rules_is_not_listed_as_not_given():
+    """--moe-router-pre-softmax with sigmoid scores (Megatron applies it to softmax only) and --num-query-groups
+    without --group-query-attention were given: they are noted as set aside by Megatron's rules, with the
+    reason, never among the defaults taken because a flag was not given."""
+    words = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+             "--micro-batch-size", "1", "--global-batch-size", "8", "--train-iters", "1", "--num-experts", "4",
+             "--moe-router-topk", "2", "--moe-router-pre-softmax", "--moe-router-score-function", "sigmoid",
+             "--num-query-groups", "2"]
+    loaded = load_config(None, words, world_size=8)
+    notes = {w.field: w.rule for w in loaded.warnings}
+    assert "moe_router_pre_softmax" not in notes["megatron defaults"]
+    assert "num_query_groups" not in notes["megatron defaults"]
+    assert "model.num_query_groups=None (--group-query-attention not given" in notes["megatron rules"]
+    assert "model.moe_router_pre_softmax=False (Megatron-LM applies" in notes["megatron rules"]
+    assert loaded.config.model.num_query_groups is None and not loaded.config.model.moe_router_pre_softmax

@@ -81,10 +81,14 @@ def load_config(path: str | None, words: list[str] = (), *, world_size: int | No
         set_value(config, "training.precision", "fp8", explicit)
     if dialects and set(dialects) == {MEGATRON}:  # a Megatron command line: what it leaves out is Megatron's default
         changed = apply_megatron_defaults(config, explicit, switches)
-        if changed:
-            notes.append(Problem("megatron defaults", len(changed), "not given, so Megatron-LM's: " + ", ".join(
-                _taken(config, d) for d in changed),
+        defaults, overruled = [d for d in changed if d not in explicit], [d for d in changed if d in explicit]
+        if defaults:
+            notes.append(Problem("megatron defaults", len(defaults), "not given, so Megatron-LM's: " + ", ".join(
+                _taken(config, d) for d in defaults),
                 "set the flag to choose otherwise", "warning"))
+        if overruled:  # a flag given that Megatron-LM's own rules set aside (--num-query-groups without GQA)
+            notes.append(Problem("megatron rules", len(overruled), "given, but set as Megatron-LM sets it: " + ", ".join(
+                _taken(config, d) for d in overruled), "see the reason given", "warning"))
     if dialects and set(dialects) == {BRIDGE}:  # a Megatron-Bridge config: what it leaves out is Bridge's default
         changed = bridge.apply_defaults(config, explicit)
         if changed:
