@@ -165,3 +165,28 @@ def test_a_world_size_fix_under_torchrun_names_its_world(monkeypatch, capsys, tm
     monkeypatch.delenv("FIVEFOLD_LAUNCHED", raising=False)
     assert main(["train", "examples/demo.yaml", "--out", str(tmp_path / "out")]) == 2
     assert "(fix: torchrun's --nnodes x --nproc-per-node = 4)" in capsys.readouterr().err
+
+
+def test_validate_sizes_the_vocabulary_by_the_tokenizer_as_megatron_and_train_do(tmp_path, capsys):
+    """The vocabulary printed is the run's: Megatron sizes the model by its tokenizer (NullTokenizer: --vocab-size
+    ids + the end of document; a GPT-2 BPE vocab.json: its entries) and pads it to a multiple of
+    --make-vocab-size-divisible-by x TP (128257 -> 129024 at TP8, as Megatron's _vocab_size_with_padding)."""
+    import json
+
+    from fivefold.cli import main
+
+    shape = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "8", "--seq-length", "64",
+             "--micro-batch-size", "1", "--global-batch-size", "8", "--train-iters", "1", "--world-size", "8"]
+    assert main(["validate", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128256",
+                 "--tensor-model-parallel-size", "8", *shape]) == 0
+    out = capsys.readouterr().out
+    assert "vocab 128257 padded to 129024 (multiple of 128 x TP" in out
+    assert "model.vocab_size=128256: model.vocab_size set to 128257 from NullTokenizer" in out
+    vocab = {f"t{i}": i for i in range(300)}
+    (tmp_path / "vocab.json").write_text(json.dumps({**vocab, "<|endoftext|>": 300}))
+    (tmp_path / "merges.txt").write_text("#version: 0.2\n")
+    assert main(["validate", "--vocab-file", str(tmp_path / "vocab.json"), "--merge-file", str(tmp_path / "merges.txt"),
+                 "--tensor-model-parallel-size", "2", *shape]) == 0
+    assert "vocab 301 padded to 512 (multiple of 128 x TP" in capsys.readouterr().out
+    assert main(["validate", "--vocab-file", str(tmp_path / "missing.json"), *shape]) == 0  # not here: the layout still
+    assert "not read here" in capsys.readouterr().out

@@ -68,15 +68,11 @@ def _check_one_model(allocation) -> None:
 def prepare(config: Config, out: Path) -> Path:
     """Tokenize the corpus into OUT/data and fit the model's vocabulary to the tokenizer."""
     from fivefold.data.dataset import data_meta, prepare_data
-    from fivefold.data.tokenizer import tokenizer_of
+    from fivefold.data.tokenizer import fitted_tokenizer
 
-    d = config.data
-    tok = tokenizer_of(d, config.model.vocab_size)
-    if (d.tokenizer_type or d.vocab_file) and not config.checkpoint.load_hf and config.model.vocab_size != tok.vocab_size:
-        print(f"note: model.vocab_size set to {tok.vocab_size} from {d.tokenizer_type or 'GPT2BPETokenizer'} (as "
-              "Megatron sizes the model by its tokenizer; NullTokenizer: --vocab-size ids + end of document)",
-              file=sys.stderr)
-        config.model.vocab_size = tok.vocab_size
+    tok, note = fitted_tokenizer(config)
+    if note:
+        print(f"note: {note}", file=sys.stderr)
     t = config.training
     mock = (0, 0)
     if config.data.mock_data:  # the (train, eval) tokens the run reads

@@ -55,12 +55,29 @@ def _print_problems(problems: list[Problem]) -> None:
         print(w)
 
 
+def _vocab_from_tokenizer(config: Config) -> list[Problem]:
+    """The model's vocabulary sized by a Megatron tokenizer the data section names, as `train` sizes it
+    (fivefold.data.tokenizer.fitted_tokenizer), so that the padding printed is the run's."""
+    d = config.data
+    if not (d.tokenizer_type or d.vocab_file) or config.checkpoint.load_hf:
+        return []
+    from fivefold.data.tokenizer import fitted_tokenizer
+
+    before = config.model.vocab_size
+    try:
+        _, note = fitted_tokenizer(config)
+    except UserError as e:  # its files are not on this machine: the layout is still checked
+        return [Problem("data.tokenizer_type", d.tokenizer_type, f"not read here ({e}); the vocabulary is "
+                        f"model.vocab_size={before}, which train sets from the tokenizer", "applied", "warning")]
+    return [Problem("model.vocab_size", before, note, "applied", "warning")] if note else []
+
+
 def run(args, extra) -> int:
     path, words = split_config_arg(extra)
     loaded = load_config(path, words, world_size=args.world_size, nodes=args.nodes,
                          gpus_per_node=args.gpus_per_node)
     print(f"dialect: {loaded.dialect}")
-    _print_problems(loaded.warnings)
+    _print_problems(loaded.warnings + _vocab_from_tokenizer(loaded.config))
     alloc = loaded.allocation
     if alloc is None:
         _print_problems(validate(loaded.config, loaded.dialect, world_flag="--world-size" if args.world_size else None))

@@ -130,6 +130,21 @@ def make_tokenizer(spec: str, kind: str | None = None, *, vocab_file: str | None
     return ByteTokenizer() if spec == "byte" else HFTokenizer(spec)
 
 
+def fitted_tokenizer(config) -> tuple[Tokenizer, str | None]:
+    """The run's tokenizer, and the model's vocabulary sized by it as Megatron sizes it when the data
+    section names a Megatron tokenizer (--tokenizer-type, or --vocab-file: GPT-2 BPE's 50,257 ids;
+    NullTokenizer: --vocab-size ids + the end of document), unless the model comes from an HF checkpoint.
+    Returns the note to print when model.vocab_size changed (None otherwise); the padding to a multiple of
+    make_vocab_size_divisible_by x TP is the model's (ModelConfig.padded_vocab_size)."""
+    d = config.data
+    tok = tokenizer_of(d, config.model.vocab_size)
+    if not (d.tokenizer_type or d.vocab_file) or config.checkpoint.load_hf or config.model.vocab_size == tok.vocab_size:
+        return tok, None
+    config.model.vocab_size = tok.vocab_size
+    return tok, (f"model.vocab_size set to {tok.vocab_size} from {d.tokenizer_type or 'GPT2BPETokenizer'} (as Megatron "
+                 "sizes the model by its tokenizer; NullTokenizer: --vocab-size ids + end of document)")
+
+
 def tokenizer_of(data, vocab_size: int) -> Tokenizer:
     """The tokenizer a run's data section names (`vocab_size`: the model's, NullTokenizer's V); a
     vocab_file without a type is GPT2BPETokenizer, as in Megatron's pretrain_gpt.py."""
