@@ -226,3 +226,18 @@ def test_lr_decay_styles_megatron_has_but_the_runtime_does_not_are_not_implement
         validate(loaded.config, loaded.dialect)  # Megatron's choices: valid
         with pytest.raises(NotImplementedYet, match="lr_decay_style"):
             check_supported(loaded.config)
+
+
+@pytest.mark.parametrize("word, said", [
+    ("model.lr=1e-4", "unknown config key 'model.lr' (did you mean training.lr?)"),
+    ("model.seed=3", "unknown config key 'model.seed' (did you mean training.seed?)"),
+    ("model.path=Qwen/Qwen2.5-0.5B", "model.path (SkyRL's Hugging Face model to train) is not read as a model here"),
+])
+def test_a_field_of_another_section_under_model_is_refused_not_moved_there(word, said):
+    """Bridge and SkyRL keep the parallel knobs on the model config (model.tensor_model_parallel_size, read from
+    Bridge's own table); any other field of another section under model. was moved there without a word
+    (SkyRL's SFT `model.path=Qwen/...` became the training data path)."""
+    with pytest.raises(UserError) as refused:
+        load_config(None, [word])
+    assert said in str(refused.value)
+    assert load_config(None, ["model.tensor_model_parallel_size=2"]).config.parallel.tensor_model_parallel_size == 2

@@ -59,8 +59,10 @@ def route(key: str) -> tuple[str, str]:
     if section == "grpo":
         raise UserError(f"{key}: the grpo: section is read by `fivefold rl` (GRPO, fivefold.rl.grpo), not by "
                         "train / validate / estimate: run `python -m fivefold rl FILE` (examples/grpo.yaml)")
-    if section == "model" and SECTION_OF.get(name, "model") != "model":
-        return BRIDGE, f"{SECTION_OF[name]}.{name}"
+    if key == "model.path":  # SkyRL's (its SFT script's model.path=Qwen/...): the model, never the data
+        raise UserError("model.path (SkyRL's Hugging Face model to train) is not read as a model here: give "
+                        "checkpoint.load_hf=DIR (--load-hf), a local Hugging Face folder with config.json and "
+                        "safetensors; nothing is downloaded")
     if section in ("model", "parallel", "training", "data", "checkpoint", "logging", "cluster") and name:
         choices = [k for k in TYPES if k.startswith(section + ".")]
         if name in SECTION_OF:  # the right field in another section: say where it lives
