@@ -86,7 +86,7 @@ def test_precision_aware_optimizer_dtypes_are_torch_dtypes_in_bridge():
     assert bridge.classify("mixed_precision.fp8_param", None).pairs == []  # Bridge: "as fp8_param_gather"
 
 
-def test_bridges_defaults_fill_an_all_bridge_config_only():
+def test_bridges_defaults_fill_a_bridge_config_with_our_keys_mixed_in():
     loaded = load_config(None, ["cfg.model.num_layers=2", "cfg.model.hidden_size=64", "cfg.model.num_attention_heads=4"])
     m = loaded.config.model  # TransformerConfig's defaults, not Megatron-LM's CLI (4h MLP with or without a GLU)
     assert (m.normalization, m.activation, m.add_bias_linear, m.hidden_dropout, m.tie_word_embeddings,
@@ -94,8 +94,27 @@ def test_bridges_defaults_fill_an_all_bridge_config_only():
             loaded.config.training.adam_beta2) == ("LayerNorm", "gelu", True, 0.1, True, "learned_absolute", 256, 1024,
                                                    0.999)
     assert "megatron-bridge defaults" in " ".join(map(str, loaded.warnings))
-    ours = load_config(None, ["cfg.model.num_layers=2", "training.seq_length=64"]).config.model
-    assert (ours.normalization, ours.activation) == ("RMSNorm", "swiglu")  # a fivefold key: our defaults
+    # one of our keys mixed in (training.seq_length, data.mock_data) keeps Bridge's defaults, with the note; it
+    # dropped every one of them, and the model turned RMSNorm / SwiGLU / RoPE / untied under a "megatron-bridge" dialect
+    mixed = load_config(None, ["cfg.model.num_layers=2", "training.seq_length=64", "data.mock_data=true"])
+    assert mixed.dialect == "megatron-bridge"
+    assert (mixed.config.model.normalization, mixed.config.model.activation, mixed.config.model.tie_word_embeddings,
+            mixed.config.model.position_embedding_type, mixed.config.training.seq_length) == \
+        ("LayerNorm", "gelu", True, "learned_absolute", 64)
+    assert "megatron-bridge defaults" in " ".join(map(str, mixed.warnings))
+
+
+def test_a_tools_flags_on_our_yaml_add_none_of_its_defaults_and_our_keys_on_its_file_drop_none(tmp_path):
+    """The file's dialect decides: a Megatron flag over our YAML (the README's `examples/demo.yaml
+    --tensor-model-parallel-size 1`) keeps our defaults; our key over a Megatron flag file keeps Megatron's."""
+    ours = load_config("examples/demo.yaml", ["--tensor-model-parallel-size", "1"]).config.model
+    assert (ours.normalization, ours.activation) == ("RMSNorm", "swiglu")
+    flags = tmp_path / "flags.txt"
+    flags.write_text("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64\n")
+    theirs = load_config(str(flags), ["data.mock_data=true", "tp=1"])
+    assert theirs.dialect == "megatron"
+    assert (theirs.config.model.normalization, theirs.config.model.activation) == ("LayerNorm", "gelu")
+    assert "megatron defaults" in " ".join(map(str, theirs.warnings))
 
 
 def test_sections_named_like_ours_go_to_ours_first():

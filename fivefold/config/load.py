@@ -52,6 +52,8 @@ def load_config(path: str | None, words: list[str] = (), *, world_size: int | No
     switches: set[str] = set()  # table flags that set no field
     refusals, key_notes = Refusals(), []  # tool keys refused (all at once) / taken without effect
     words = _one_half_precision(list(words), "the command line")
+    notes: list[Problem] = []
+    files = None
     if path is not None:
         p = Path(path)
         if not is_file(path):
@@ -60,12 +62,13 @@ def load_config(path: str | None, words: list[str] = (), *, world_size: int | No
         text = _read_text(p)
         if p.suffix in (".txt", ".sh", ".args"):
             try:
-                words = _one_half_precision(read_words(text), str(p)) + words  # the words after it override it
+                file_words = _one_half_precision(read_words(text), str(p))
             except ValueError as e:  # shlex: an unclosed quote
                 raise UserError(f"{p}: {e} (a .txt config is one shell-like command line)") from None
+            _apply_words(config, file_words, explicit, dialects, special, notes, switches, refusals, key_notes)
         else:
             _apply_yaml(config, p, text, explicit, dialects, special, refusals, key_notes)
-    notes: list[Problem] = []
+        files = list(dialects)  # the file's dialect decides which tool's defaults apply; the words override it
     _apply_words(config, words, explicit, dialects, special, notes, switches, refusals, key_notes)
     refusals.raise_all()
     if key_notes:
@@ -79,7 +82,10 @@ def load_config(path: str | None, words: list[str] = (), *, world_size: int | No
     if config.training.fp8_format is not None and config.training.precision != "fp8":
         # Megatron's --fp8-format beside --bf16 (whatever their order): fp8 GEMMs on 16-bit parameters
         set_value(config, "training.precision", "fp8", explicit)
-    if dialects and set(dialects) == {MEGATRON}:  # a Megatron command line: what it leaves out is Megatron's default
+    # A tool's file (or, without a file, the tool's keys among the words) means that tool's defaults for what it
+    # leaves out; our own keys mixed in change none of them, and a tool's flags on our YAML add none.
+    tool = combine(dialects if files is None else files) if dialects else None
+    if tool == MEGATRON:  # a Megatron command line: what it leaves out is Megatron's default
         changed = apply_megatron_defaults(config, explicit, switches)
         defaults, overruled = [d for d in changed if d not in explicit], [d for d in changed if d in explicit]
         if defaults:
@@ -89,7 +95,7 @@ def load_config(path: str | None, words: list[str] = (), *, world_size: int | No
         if overruled:  # a flag given that Megatron-LM's own rules set aside (--num-query-groups without GQA)
             notes.append(Problem("megatron rules", len(overruled), "given, but set as Megatron-LM sets it: " + ", ".join(
                 _taken(config, d) for d in overruled), "see the reason given", "warning"))
-    if dialects and set(dialects) == {BRIDGE}:  # a Megatron-Bridge config: what it leaves out is Bridge's default
+    if tool == BRIDGE:  # a Megatron-Bridge config: what it leaves out is Bridge's default
         changed = bridge.apply_defaults(config, explicit)
         if changed:
             notes.append(Problem("megatron-bridge defaults", len(changed), "not given, so Megatron-Bridge's: "
