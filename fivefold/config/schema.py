@@ -449,7 +449,7 @@ class TrainingConfig:
 
     @property
     def sharding_strategy(self) -> str:
-        """The data-parallel mode this config trains with (fivefold.parallel.data_parallel.DPMode)."""
+        """The data-parallel mode this config trains with (fivefold.parallel.data.data_parallel.DPMode)."""
         if self.data_parallel_sharding_strategy is not None:
             return self.data_parallel_sharding_strategy
         return "optim" if self.use_distributed_optimizer else "no_shard"

@@ -17,9 +17,9 @@ global token or sequence count, which `train_batch` computes over every DP rank 
 Layouts: DP (replicate or ZeRO), TP with or without SP, CP, PP (any schedule; the caller's loss runs on
 the last stage's rank, fivefold.pipeline.executor's `tail`) and EP. Full-vocabulary fp32 logits never
 exist at once: log-probs and entropy are computed in sequence chunks of `chunk` tokens from the last
-layer's hidden states, vocab-parallel under TP (fivefold.parallel.cross_entropy). Under CP each rank
+layer's hidden states, vocab-parallel under TP (fivefold.parallel.tensor.cross_entropy). Under CP each rank
 computes its own positions' stats and every CP rank gets the whole sequence's (parallel.context.
-gather_tokens, whose backward keeps each rank's own positions), so a loss sees (n, s) tensors as
+context_parallel.gather_tokens, whose backward keeps each rank's own positions), so a loss sees (n, s) tensors as
 without CP; the loss is then summed over DP only.
 """
 from __future__ import annotations
@@ -37,10 +37,10 @@ from fivefold.config.schema import Config
 from fivefold.engine.batching import plan
 from fivefold.errors import NotImplementedYet
 from fivefold.hf.names import hf_name
-from fivefold.parallel.context import gather_tokens, split_tokens
+from fivefold.parallel.context.context_parallel import gather_tokens, split_tokens
 from fivefold.model.moe import moe_layers, reset_step_totals, update_expert_biases
-from fivefold.parallel.cross_entropy import vocab_parallel_entropy, vocab_parallel_logprobs
-from fivefold.parallel.tensor import TPMode, mark_sequence_sharded
+from fivefold.parallel.tensor.cross_entropy import vocab_parallel_entropy, vocab_parallel_logprobs
+from fivefold.parallel.tensor.layers import TPMode, mark_sequence_sharded
 from fivefold.runtime import comm
 from fivefold.train.context import RankContext
 from fivefold.train.moe_metrics import moe_record
