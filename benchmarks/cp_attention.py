@@ -7,7 +7,7 @@ against the one-process attention of the whole sequence, and against torch's own
 Every row runs forward + backward of causal attention over one sequence of --seq tokens
 (q, k, v: (1, heads, s, d); GQA with --kv-heads):
   one process      F.scaled_dot_product_attention on the whole sequence (torch's CPU flash kernel)
-  ours CPn <type>  fivefold.parallel.context.ContextParallel: each of n ranks holds 2 of the 2n
+  ours CPn <type>  fivefold.parallel.context.context_parallel.ContextParallel: each of n ranks holds 2 of the 2n
                    load-balanced chunks; p2p = ring (K/V rotate, log-sum-exp merge), a2a = all-to-all
                    over heads then whole-sequence SDPA, a2a+p2p = both, allgather = K/V gathered from
                    every rank (Llama 3's; gathered again in backward, dK/dV reduce-scattered)
@@ -32,7 +32,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from pp_schedules import timed_peak  # noqa: E402
-from fivefold.parallel.context import ContextParallel, split_sequence  # noqa: E402
+from fivefold.parallel.context.context_parallel import ContextParallel, split_sequence  # noqa: E402
 from fivefold.planner.cp_memory import attention_peak_bytes  # noqa: E402
 from fivefold.runtime import comm  # noqa: E402
 from fivefold.runtime.mesh import Mesh  # noqa: E402

@@ -28,7 +28,7 @@ import torch  # noqa: E402
 from fivefold.config.schema import ModelConfig  # noqa: E402
 from fivefold.model.decoder import Decoder  # noqa: E402
 from fivefold.model.rope import rope_tables  # noqa: E402
-from fivefold.parallel.heads import split_heads  # noqa: E402
+from fivefold.parallel.tensor.heads import split_heads  # noqa: E402
 from fivefold.runtime.mesh import Mesh  # noqa: E402
 from fivefold.testing.harness import Workers  # noqa: E402
 from fivefold.topology import Layout  # noqa: E402

@@ -156,7 +156,7 @@ class Layout:
     p2p: 1, a2a: CP, a2a+p2p: hierarchical_context_parallel_sizes[0]); the ring runs across them."""
     cp_gather: bool = False
     """Context parallelism gathers K and V from the whole CP group instead of passing them round the
-    ring (cp_comm_type allgather; cp_a2a 1): fivefold/parallel/allgather_attention.py."""
+    ring (cp_comm_type allgather; cp_a2a 1): fivefold/parallel/context/allgather_attention.py."""
 
     @property
     def world_size(self) -> int:

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from _tol import close
 from fivefold.ops.attention import Documents, attention, block_backward, block_forward
-from fivefold.parallel.ring_attention import merge_
+from fivefold.parallel.context.ring_attention import merge_
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 CASES = [pytest.param("cpu", torch.float32, id="cpu-fp32"),

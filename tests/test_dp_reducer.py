@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch import nn
 
 from _tol import close
-from fivefold.parallel.data import GradReducer
+from fivefold.parallel.data.reducer import GradReducer
 from fivefold.runtime import traffic
 from fivefold.runtime.mesh import Mesh
 from fivefold.topology import Layout

@@ -8,7 +8,7 @@ import torch
 from _tol import close
 from fivefold.model.dropout import DropoutKey, Noise, explicit_attention, keep_mask
 from fivefold.ops.attention import Documents, attention
-from fivefold.parallel.context import local_positions
+from fivefold.parallel.context.context_parallel import local_positions
 
 
 def test_explicit_attention_without_dropout_equals_the_kernels():

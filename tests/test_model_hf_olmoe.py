@@ -154,7 +154,7 @@ def _gains_moved(cfg) -> dict[str, torch.Tensor]:
 def _loss_and_grads(model: Decoder, tp=None):
     """Loss of one batch (b=2, s=32) and every gradient, the TP-replicated ones completed over `tp`."""
     from fivefold.parallel.param_meta import metas_of, named_metas
-    from fivefold.parallel.tensor import reduce_tp_grads
+    from fivefold.parallel.tensor.layers import reduce_tp_grads
 
     ids = torch.randint(0, 256, (2, 33), generator=torch.Generator().manual_seed(5))
     total, count = model.loss(ids[:, :-1], ids[:, 1:])
@@ -167,7 +167,7 @@ def _loss_and_grads(model: Decoder, tp=None):
 
 
 def _tp_rank(rank: int, world: int) -> dict:
-    from fivefold.parallel.tensor import shard_state_dict
+    from fivefold.parallel.tensor.layers import shard_state_dict
     from fivefold.runtime.mesh import Mesh
     from fivefold.topology import Layout
 

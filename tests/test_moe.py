@@ -275,7 +275,7 @@ def test_ep2_checkpoint_resumes_at_ep1(runs):
 def test_pipeline_stage_without_experts_trains_like_one_process(runs, workers):
     """TP2+SP x PP2 x EP2 with ZeRO-1 where the first stage holds only dense layers
     (moe_first_k_dense_layers=2): that stage has no expert parameters but still takes part in the
-    expert domain's gradient-norm collectives (fivefold.parallel.data_parallel), so the run neither
+    expert domain's gradient-norm collectives (fivefold.parallel.data.data_parallel), so the run neither
     hangs nor miscounts the norm."""
     root = runs["root"]
     cfg = _config(runs["data"], 4, dict(tensor_model_parallel_size=2, sequence_parallel=True,
@@ -434,7 +434,7 @@ def test_grouped_matmul_keeps_no_stacked_weights(dtype):
     stacked weights: the same output and gradients bit for bit (an expert with no rows included), and
     what it keeps for backward is the input and the weights themselves, where torch's keeps a stacked
     copy of every expert's weight (measured on an H200: 192 MiB a layer, 64 experts of 1024 x 512)."""
-    from fivefold.parallel.experts import _grouped
+    from fivefold.parallel.expert.dispatch import _grouped
     torch.manual_seed(0)
     weights = [torch.randn(48, 32, dtype=dtype, requires_grad=True) for _ in range(4)]
     offsets = torch.tensor([7, 7, 27, 40], dtype=torch.int32)  # expert 1 gets no rows
@@ -463,7 +463,7 @@ def test_grouped_gemm_equals_the_per_expert_loop():
     loop, on rows with an expert that gets none, through a sum's stride-0 gradient (which _grouped_mm's
     own backward refuses); widths that break its 16-byte rows are refused naming the fix."""
     from fivefold.errors import UserError
-    from fivefold.parallel.experts import run_experts, use_grouped_gemm
+    from fivefold.parallel.expert.dispatch import run_experts, use_grouped_gemm
     torch.manual_seed(0)
     experts = [torch.nn.ModuleDict({n: torch.nn.Linear(*shape, bias=False) for n, shape in
                                     (("gate_proj", (H, 32)), ("up_proj", (H, 32)), ("down_proj", (32, H)))})
@@ -498,18 +498,19 @@ def test_grouped_gemm_equals_the_per_expert_loop():
 def test_stacked_expert_gradients_are_added_into_the_buffer_at_once(monkeypatch):
     """bf16 experts with fp32 gradient buffers (a GPU run's mixed precision), grouped matmuls: the
     stacked weight gradient is added into the experts' buffer views in one operation
-    (data.add_stacked_grads), not once per expert by the hook; two microbatches give the buffers of
+    (reducer.add_stacked_grads), not once per expert by the hook; two microbatches give the buffers of
     the per-expert adds bit for bit; where the views are not evenly spaced (or ZeRO-2's buffers come and
     go) each expert's hook adds it as before; a zero-bubble B pass adds nothing; each gradient is counted
     once towards its bucket's reduction, by add_stacked_grads or by the hook."""
-    from fivefold.parallel import data, experts as experts_mod
-    from fivefold.parallel.data import GradReducer
-    from fivefold.parallel.experts import run_experts
+    from fivefold.parallel.data import reducer
+    from fivefold.parallel.expert import dispatch as experts_mod
+    from fivefold.parallel.data.reducer import GradReducer
+    from fivefold.parallel.expert.dispatch import run_experts
     from fivefold.runtime.backward_pass import input_grads_only
     group = Mesh.build(Layout()).dp_cp
     counts, xs = torch.tensor([5, 0, 7, 4]), [torch.randn(16, H).bfloat16() for _ in range(2)]
     used: list[bool] = []
-    real = data.add_stacked_grads
+    real = reducer.add_stacked_grads
     monkeypatch.setattr(experts_mod, "add_stacked_grads", lambda *a: used.append(real(*a)) or used[-1])
 
     def buffers(fused: bool, **reducer) -> list[torch.Tensor]:
@@ -549,14 +550,14 @@ def test_stacked_expert_gradients_are_added_into_the_buffer_at_once(monkeypatch)
         for i, p in enumerate(ps):
             j = i if order == 1 else 2 - i
             p.main_grad, p._count_grad = buf[8 * j: 8 * j + 8].view(2, 4), counted.append
-        assert data.add_stacked_grads(ps, grads)
+        assert reducer.add_stacked_grads(ps, grads)
         want = grads.float() if order == 1 else grads.float().flip(0)
         assert torch.equal(buf.view(3, 2, 4), want) and counted == ps
 
 
 def _train_rank_fused(rank: int, world: int, config: dict, out: str, data_dir: str, fused: bool) -> dict:
     """_train_rank with the stacked expert-gradient adds on or off; how many it made."""
-    import fivefold.parallel.experts as ex
+    import fivefold.parallel.expert.dispatch as ex
     real, made = ex.add_stacked_grads, []
     ex.add_stacked_grads = (lambda *a: made.append(real(*a)) or made[-1]) if fused else (lambda *a: False)
     try:

@@ -17,7 +17,7 @@ from fivefold.config.schema import to_dict
 from fivefold.capacity import expert_capacity
 from fivefold.model.capacity import within_capacity
 from fivefold.model.moe import MoE
-from fivefold.parallel.experts import swiglu_rows
+from fivefold.parallel.expert.dispatch import swiglu_rows
 import test_moe
 from test_moe import _config, _one_thread, _train_rank
 
@@ -125,7 +125,7 @@ def test_dropping_saves_no_copy_of_the_expert_outputs():
     """Putting the kept assignments' outputs back in place (zeros where dropped) keeps only their
     indices for backward, not the outputs (index_copy saved its source: one more (kept, h) tensor per
     MoE layer; the planner counts the combine's own (t k, h), fivefold.planner.activations)."""
-    from fivefold.parallel.experts import moe_forward
+    from fivefold.parallel.expert.dispatch import moe_forward
     x = torch.randn(32, test_moe.H, generator=torch.Generator().manual_seed(5), requires_grad=True)
     layer = _layer(0.75, pad=False)
     routing = layer.router(x.detach(), 2, None)

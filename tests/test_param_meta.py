@@ -11,10 +11,10 @@ import torch
 
 from fivefold.config.schema import Config, ModelConfig, ParallelConfig, TrainingConfig
 from fivefold.model import Decoder
-from fivefold.parallel.data_parallel import DataParallel
+from fivefold.parallel.data.data_parallel import DataParallel
 from fivefold.parallel.param_meta import PLAIN, GradDomain, Shard, metas_of, named_metas
 from fivefold.train.parallelize import parallelize
-from fivefold.parallel.tensor import ColumnParallelLinear, TPMode
+from fivefold.parallel.tensor.layers import ColumnParallelLinear, TPMode
 from fivefold.runtime.mesh import Group, Mesh
 from fivefold.topology import Layout
 

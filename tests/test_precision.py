@@ -15,7 +15,7 @@ from _train_util import corpus, one_process_context, tiny_config
 from fivefold.cli.train import prepare
 from fivefold.config.schema import TrainingConfig, to_dict
 from fivefold.config.validate import ConfigError, layout_of, validate
-from fivefold.parallel.main_params import MainParams
+from fivefold.parallel.data.main_params import MainParams
 from fivefold.config.precision import LossScaler, Precision
 from fivefold.runtime.mesh import Mesh
 from fivefold.train.context import RankContext

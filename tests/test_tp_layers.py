@@ -8,10 +8,10 @@ import torch
 import torch.nn.functional as F
 
 from _tol import close
-from fivefold.parallel.cross_entropy import vocab_parallel_cross_entropy
-from fivefold.parallel.heads import split_heads
+from fivefold.parallel.tensor.cross_entropy import vocab_parallel_cross_entropy
+from fivefold.parallel.tensor.heads import split_heads
 from fivefold.parallel.param_meta import named_metas
-from fivefold.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, TPMode, VocabParallelEmbedding,
+from fivefold.parallel.tensor.layers import (ColumnParallelLinear, RowParallelLinear, TPMode, VocabParallelEmbedding,
                                       mark_kv_replica, reduce_tp_grads)
 from fivefold.runtime.mesh import Group, Mesh
 from fivefold.topology import Layout

@@ -10,7 +10,7 @@ from _tol import close
 from fivefold.config.schema import ModelConfig
 from fivefold.model.decoder import Decoder
 from fivefold.parallel.param_meta import metas_of, named_metas
-from fivefold.parallel.tensor import reduce_tp_grads, shard_state_dict
+from fivefold.parallel.tensor.layers import reduce_tp_grads, shard_state_dict
 from fivefold.runtime import comm, traffic
 from fivefold.runtime.mesh import Mesh
 from fivefold.topology import Layout

@@ -19,8 +19,8 @@ from fivefold.cli.train import prepare
 from fivefold.config.schema import ClusterConfig, Config, DataConfig, ModelConfig, TrainingConfig, to_dict
 from fivefold.config.validate import layout_of
 from fivefold.model import Decoder
-from fivefold.parallel.data import DEFAULT_BUCKET_BYTES, GradReducer
-from fivefold.parallel.distributed_optimizer import DistributedOptimizer
+from fivefold.parallel.data.reducer import DEFAULT_BUCKET_BYTES, GradReducer
+from fivefold.parallel.data.distributed_optimizer import DistributedOptimizer
 from fivefold.runtime import traffic
 from fivefold.runtime.mesh import Mesh
 from fivefold.topology import Layout

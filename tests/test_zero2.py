@@ -16,7 +16,7 @@ from _train_util import corpus, one_process_context
 from fivefold.cli.train import prepare
 from fivefold.config.schema import config_from_dict, to_dict
 from fivefold.config.validate import layout_of
-from fivefold.parallel.data import GradReducer
+from fivefold.parallel.data.reducer import GradReducer
 from fivefold.runtime import traffic
 from fivefold.runtime.mesh import Mesh
 from fivefold.topology import Layout

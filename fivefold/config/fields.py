@@ -26,7 +26,7 @@ ALIASES = {
 TYPES: dict[str, str] = {
     f"{section}.{f.name}": str(f.type) for section, cls in SECTIONS.items() for f in fields(cls)
 }
-"""Dotted canonical name -> its annotation as written in schema.py (e.g. 'int | None')."""
+"""Dotted canonical name -> its annotation as written in its section (fivefold/config/sections/, e.g. 'int | None')."""
 
 SECTION_OF: dict[str, str] = {}
 """Bare field name -> its section, for the names that occur in exactly one section."""

@@ -16,10 +16,10 @@ optimizer use, and fp16's dynamic loss scaling. The one place that decides it (`
 
 The model computes in its parameters' dtype (no autocast): norms, softmax, the router and the loss run
 in fp32 inside the model code, as Megatron's kernels do. Gradients accumulate into a flat buffer of the
-gradient dtype (`main_grad`, fivefold.parallel.data); when that dtype differs from the parameters', each
+gradient dtype (`main_grad`, fivefold.parallel.data.reducer); when that dtype differs from the parameters', each
 parameter's gradient is added into its buffer view as soon as backward produces it and freed. The
 optimizer steps fp32 "main" parameters (under ZeRO-1 this rank's chunks of them;
-fivefold.parallel.main_params) and copies the result back into the 16-bit parameters. Bytes per parameter, replicated: 2 (param) + 4 (fp32 grad) + 4 (main) +
+fivefold.parallel.data.main_params) and copies the result back into the 16-bit parameters. Bytes per parameter, replicated: 2 (param) + 4 (fp32 grad) + 4 (main) +
 8 (Adam moments) = 18; with the distributed optimizer over d ranks: 2 + 4 + 12/d (Megatron's 6 + 12/d
 counts the fp32 gradient buffer as 4 bytes). The precision-aware optimizer's dtypes (--exp-avg-dtype,
 --exp-avg-sq-dtype, --main-params-dtype: e.g. bf16 moments, 4 + 2 + 2 instead of 12) and fp8 primary
@@ -48,7 +48,7 @@ torch); `Precision.param_dtype` / `grad_dtype` give the torch dtypes."""
 
 DEFAULT_BUCKET_BYTES = 25 * 2**20
 """Gradient bucket capacity in bytes of parameters (PyTorch DDP's default 25 MiB;
-fivefold.parallel.data; the planner sizes ZeRO's all-gather outputs by it)."""
+fivefold.parallel.data.reducer; the planner sizes ZeRO's all-gather outputs by it)."""
 
 
 def _torch_dtype(name: str):
@@ -121,7 +121,7 @@ class Precision:
     """The gradient buffers' dtype name."""
     offload_fraction: float = 0.0
     """--optimizer-cpu-offload: the share of the main parameters (and their AdamW state) kept and
-    stepped in host memory (fivefold.parallel.data_parallel)."""
+    stepped in host memory (fivefold.parallel.data.data_parallel)."""
     main: str = "fp32"
     """The main parameters' dtype name (--main-params-dtype; counted by the planner only)."""
     moments: tuple[str, str] = ("fp32", "fp32")
@@ -172,7 +172,7 @@ class Precision:
     def main_grad_copy_bytes(self, dp_shards: int = 1, mode: str = "optim") -> float:
         """Bytes per parameter alive while the optimizer steps, beyond `state_bytes`: with 16-bit
         gradients (bf16 gradients, fp16) each main parameter's gradient is an fp32 copy of its
-        reduced 16-bit gradient (fivefold.parallel.main_params), sharded as the main parameters are."""
+        reduced 16-bit gradient (fivefold.parallel.data.main_params), sharded as the main parameters are."""
         return 0.0 if self.grad == "fp32" else 4 / (1 if mode == "no_shard" else dp_shards)
 
     def bytes_per_param(self, dp_shards: int = 1, mode: str = "optim") -> float:

@@ -4,89 +4,23 @@
 dialect does on its own (returns warnings); `errors(s)` lists every broken rule. Each broken rule is
 a `Rule` naming the canonical field, its value, the rule in words, and the knobs that may fix it,
 the preferred one first (the fix search in fixes.py changes the fewest knobs).
+
+The sizes and `Rule`: knobs.py; the pipeline's rules: rules_pipeline.py; MoE's: rules_moe.py. This module
+applies them all and re-exports the names its readers use (`from fivefold.config.rules import ...`).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from math import prod
 
+from fivefold.config.knobs import KNOB_FIELDS, Rule, dp_of, etp_of, ffn_of, sizes_of
+from fivefold.config.rules_moe import a2a_overlap_problems, moe_rules
+from fivefold.config.rules_pipeline import layout_of, pipeline_rules, stage_layers
 from fivefold.config.schema import (ACTIVATIONS, CP_COMM_TYPES, DIM_NAMES, DISPATCHERS, DROP_POLICIES, NORMALIZATIONS,
-                                    POSITION_EMBEDDINGS, QK_NORM_SCOPES, ROUTER_DTYPES, ROUTER_SCORE_FUNCTIONS,
-                                    Config, default_ffn_size)
-from fivefold.config.pipeline_layout import parse_layout
-from fivefold.config.split import layers_per_stage
-from fivefold.errors import UserError
-from fivefold.pipeline.schedules import REGISTRY, microbatch_problem
+                                    POSITION_EMBEDDINGS, QK_NORM_SCOPES, ROUTER_DTYPES, ROUTER_SCORE_FUNCTIONS)
+from fivefold.pipeline.schedules import REGISTRY
 
-KNOB_FIELDS = {
-    "tp": "parallel.tensor_model_parallel_size", "pp": "parallel.pipeline_model_parallel_size",
-    "vpp": "parallel.virtual_pipeline_model_parallel_size", "cp": "parallel.context_parallel_size",
-    "ep": "parallel.expert_model_parallel_size", "etp": "parallel.expert_tensor_parallel_size",
-    "sp": "parallel.sequence_parallel", "hcp": "parallel.hierarchical_context_parallel_sizes",
-    "a2a_overlap": "parallel.overlap_moe_expert_parallel_comm", "tp_overlap": "parallel.tp_comm_overlap",
-    "dispatcher": "parallel.moe_token_dispatcher_type",
-    "cp_comm": "parallel.cp_comm_type", "schedule": "parallel.pipeline_schedule",
-    "order": "parallel.order", "split": "parallel.pipeline_layers_per_stage",
-    "first": "parallel.decoder_first_pipeline_num_layers",
-    "last": "parallel.decoder_last_pipeline_num_layers",
-    "acc_emb": "parallel.account_for_embedding_in_pipeline_split",
-    "acc_loss": "parallel.account_for_loss_in_pipeline_split",
-    "vpp_layers": "parallel.num_layers_per_virtual_pipeline_stage",
-    "pp_layout": "parallel.pipeline_model_parallel_layout",
-    "group": "parallel.microbatch_group_size_per_vp_stage",
-    "layers": "model.num_layers", "heads": "model.num_attention_heads", "kv": "model.num_query_groups",
-    "hidden": "model.hidden_size", "ffn": "model.ffn_hidden_size", "kvc": "model.kv_channels",
-    "vocab": "model.vocab_size", "vocab_div": "model.make_vocab_size_divisible_by",
-    "moe_ffn": "model.moe_ffn_hidden_size", "shared": "model.moe_shared_expert_intermediate_size",
-    "mla": "model.multi_latent_attention", "norm": "model.normalization",
-    "experts": "model.num_experts", "topk": "model.moe_router_topk",
-    "capacity": "model.moe_expert_capacity_factor", "drop": "model.moe_token_drop_policy",
-    "pad": "model.moe_pad_expert_input_to_capacity",
-    "seq": "training.seq_length", "gbs": "training.global_batch_size", "mbs": "training.micro_batch_size",
-    "rgran": "training.recompute_granularity", "rmethod": "training.recompute_method",
-    "rnum": "training.recompute_num_layers", "world": "cluster.world_size",
-    "log": "logging.log_interval",
-    "act": "model.activation", "pos": "model.position_embedding_type", "maxpos": "model.max_position_embeddings",
-    "qk_scope": "model.qk_layernorm_scope",
-    "score": "model.moe_router_score_function", "rdtype": "model.moe_router_dtype",
-    "groups": "model.moe_router_num_groups", "gtopk": "model.moe_router_group_topk",
-    "ebias": "model.moe_router_enable_expert_bias", "brate": "model.moe_router_bias_update_rate",
-    "rscale": "model.moe_router_topk_scaling_factor", "mtp": "model.mtp_num_layers",
-    "precision": "training.precision",
-}
-
-
-@dataclass(frozen=True)
-class Rule:
-    field: str
-    value: object
-    rule: str
-    knobs: tuple[str, ...]
-    """Knobs that can fix it, preferred first."""
-    severity: str = "error"
-
-
-_KNOB_PATHS = tuple((knob, *dotted.split(".")) for knob, dotted in KNOB_FIELDS.items())
-_KNOB_SECTIONS = tuple({section for _, section, _ in _KNOB_PATHS})
-
-
-def sizes_of(config: Config) -> dict:
-    sections = {name: vars(getattr(config, name)) for name in _KNOB_SECTIONS}
-    s = {knob: sections[section][name] for knob, section, name in _KNOB_PATHS}  # every knob is a field
-    c = config.cluster
-    s["world"] = c.resolved_world_size
-    s["gpn"] = c.gpus_per_node
-    for k in ("hcp", "split"):
-        s[k] = tuple(s[k]) if s[k] is not None else None
-    return s
-
-
-def dp_of(s: dict) -> int:
-    return s["world"] // (s["tp"] * s["pp"] * s["cp"])
-
-
-def etp_of(s: dict) -> int:
-    return s["etp"] if s["etp"] is not None else s["tp"]
+__all__ = ["KNOB_FIELDS", "Rule", "a2a_overlap_problems", "adjust", "dp_of", "errors", "etp_of", "exchange_errors",
+           "ffn_of", "sizes_of", "stage_layers"]
 
 
 def adjust(s: dict, dialect: str) -> list[Rule]:
@@ -95,7 +29,7 @@ def adjust(s: dict, dialect: str) -> list[Rule]:
     if s["gbs"] is None and isinstance(s["mbs"], int) and s["tp"] * s["pp"] * s["cp"] > 0 \
             and s["world"] % (s["tp"] * s["pp"] * s["cp"]) == 0:
         s["gbs"] = s["mbs"] * dp_of(s)  # Megatron's default global batch
-    stages, problem = _layout(s)
+    stages, problem = layout_of(s)
     if stages is not None and not problem:  # Megatron derives VPP from the string
         s["split"], v = stages.decoder, stages.stages // s["pp"]
         s["vpp"] = v if v > 1 else None
@@ -216,8 +150,8 @@ def errors(s: dict) -> list[Rule]:
         out.append(Rule(KNOB_FIELDS["qk_scope"], "projection", f"q / k norms over the whole projection are "
                         f"OLMoE's RMSNorms over GQA's q and k, not built with {what}", ("qk_scope", "norm")))
     out += _cp_exchange(s)
-    out += _pipeline(s, dp)
-    out += _moe(s, dp)
+    out += pipeline_rules(s, dp)
+    out += moe_rules(s, dp)
     if s["pos"] == "learned_absolute" and seq > s["maxpos"]:
         out.append(Rule(KNOB_FIELDS["maxpos"], s["maxpos"], f"learned absolute positions need "
                         f"max_position_embeddings >= seq_length={seq} (one table row per position)",
@@ -267,12 +201,6 @@ def exchange_errors(s: dict) -> list[Rule]:
     return _choices(s) or _cp_exchange(s)
 
 
-def ffn_of(s: dict) -> int:
-    if s["ffn"]:
-        return s["ffn"]
-    return 4 * s["hidden"] if s["act"] == "gelu" else default_ffn_size(s["hidden"])
-
-
 def _widths(s: dict) -> list[Rule]:
     """Widths Megatron-Core splits with `divide()` (an assert): head_dim, and the MLP over TP."""
     out, tp = [], s["tp"]
@@ -290,180 +218,3 @@ def _widths(s: dict) -> list[Rule]:
         out.append(Rule(KNOB_FIELDS["shared"], s["shared"], f"the shared experts' width must divide "
                         f"evenly over tensor_model_parallel_size={tp}", ("shared", "tp")))
     return out
-
-
-def stage_layers(s: dict) -> list[int]:
-    """Decoder layers per virtual stage for sizes `s`; ValueError with the rule when impossible."""
-    chunks = REGISTRY[s["schedule"]].chunks(s["vpp"])
-    if s["split"] is not None:
-        split = list(s["split"])
-        if any(x is not None for x in (s["first"], s["last"])) or s["acc_emb"] or s["acc_loss"]:
-            raise ValueError("an explicit pipeline_layers_per_stage excludes Megatron's uneven-split options")
-        if len(split) != s["pp"] * chunks or sum(split) != s["layers"] or min(split) < 0:
-            raise ValueError(f"pipeline_layers_per_stage={split} must have pp*vpp={s['pp'] * chunks} "
-                             f"entries >= 0 summing to num_layers={s['layers']}")
-        return split
-    return layers_per_stage(s["layers"], s["pp"], chunks, s["first"], s["last"], bool(s["acc_emb"]),
-                            bool(s["acc_loss"]))
-
-
-def _layout(s: dict):
-    """(the parsed pipeline_model_parallel_layout, why it cannot be trained with the other sizes of
-    `s`): (None, None) when unset, (None, why) when it does not parse."""
-    if not s["pp_layout"]:
-        return None, None
-    try:
-        stages = parse_layout(s["pp_layout"])
-    except UserError as e:
-        return None, str(e).split(": ", 1)[-1]  # the message without its flag and value (the Rule names them)
-    return stages, _layout_problem(s, stages)
-
-
-def _layout_problem(s: dict, stages) -> str | None:
-    """Why the parsed layout string cannot be trained with the other sizes of `s` (None: it can)."""
-    given = [KNOB_FIELDS[k] for k in ("vpp_layers", "first", "last") if s[k] is not None]
-    if given:
-        return f"places the layers itself: unset {', '.join(given)} (Megatron-LM refuses both)"
-    if s["split"] is not None and tuple(s["split"]) != stages.decoder:
-        return f"places {list(stages.decoder)} decoder layers per stage; pipeline_layers_per_stage says {list(s['split'])}"
-    pp = s["pp"]
-    if stages.stages % pp:
-        return f"has {stages.stages} stages, not a multiple of pipeline_model_parallel_size={pp}"
-    if s["vpp"] not in (None, stages.stages // pp):
-        return (f"has {stages.stages} stages: PP={pp} x VPP={stages.stages // pp}; virtual_pipeline_model_parallel_size "
-                f"says {s['vpp']} (unset it: the string sets it)")
-    if sum(stages.decoder) != s["layers"]:
-        return f"places {sum(stages.decoder)} decoder layers (t); num_layers={s['layers']}"
-    mtp = s["mtp"] or 0
-    if sum(stages.mtp) != mtp:
-        return f"places {sum(stages.mtp)} MTP layers (m); mtp_num_layers={mtp}"
-    return None
-
-
-def _pipeline(s: dict, dp: int) -> list[Rule]:
-    out = []
-    _, problem = _layout(s)
-    if problem:
-        return [Rule(KNOB_FIELDS["pp_layout"], s["pp_layout"], problem, ("pp_layout",))]
-    if s["vpp_layers"]:
-        return [Rule(KNOB_FIELDS["vpp_layers"], s["vpp_layers"], f"num_layers={s['layers']} must be a "
-                     f"multiple of PP*num_layers_per_virtual_pipeline_stage", ("vpp_layers", "pp"))]
-    try:
-        stage_layers(s)
-    except ValueError as e:
-        knobs = ("split",) if s["split"] is not None else ("pp", "vpp", "first", "last")
-        out.append(Rule(KNOB_FIELDS["layers"], s["layers"], str(e), knobs))
-    if s["gbs"] % (s["mbs"] * dp) == 0:
-        broken = microbatch_problem(s["schedule"], s["pp"], s["vpp"], s["gbs"] // (s["mbs"] * dp), s["group"])
-        if broken:
-            knob = "group" if s["group"] is not None else "vpp"
-            knobs = ("group", "gbs") if knob == "group" else \
-                ("gbs", "group", "vpp", "pp") if "multiple" in broken else ("vpp", "pp", "schedule")
-            out.append(Rule(KNOB_FIELDS[knob], s[knob], broken, knobs))
-    return out
-
-
-def _moe(s: dict, dp: int) -> list[Rule]:
-    ep, experts = s["ep"], s["experts"]
-    if not experts:
-        if ep > 1:
-            return [Rule(KNOB_FIELDS["ep"], ep, "expert parallelism needs a MoE model (set num_experts)",
-                         ("ep",))]
-        return []
-    out = []
-    if experts % ep:
-        out.append(Rule(KNOB_FIELDS["ep"], ep, f"num_experts={experts} must be divisible by "
-                        "expert_model_parallel_size", ("ep",)))
-    if s["capacity"] is not None and not s["capacity"] > 0:
-        out.append(Rule(KNOB_FIELDS["capacity"], s["capacity"], "must be > 0, or unset for dropless MoE",
-                        ("capacity",)))
-    if s["pad"] and s["capacity"] is None:
-        out.append(Rule(KNOB_FIELDS["pad"], True, "padding expert inputs to capacity needs a capacity: set "
-                        "moe_expert_capacity_factor (Megatron-LM requires the same)", ("capacity", "pad")))
-    if s["topk"] < 1 or s["topk"] > experts:
-        out.append(Rule(KNOB_FIELDS["topk"], s["topk"], f"must be >= 1; cannot route to more than "
-                        f"num_experts={experts}", ("topk",)))
-    out += _router(s)
-    etp, dense = etp_of(s), s["tp"] * s["cp"] * dp
-    moe_ffn = s["moe_ffn"] or ffn_of(s)
-    if moe_ffn % etp:
-        given = "" if s["moe_ffn"] else " (unset: the MLP width)"
-        out.append(Rule(KNOB_FIELDS["moe_ffn"], moe_ffn, f"the routed experts' width{given} must divide "
-                        f"evenly over expert_tensor_parallel_size={etp} (ETP defaults to TP)",
-                        ("moe_ffn", "etp")))
-    if dense % (etp * ep):
-        out.append(Rule(KNOB_FIELDS["etp"], etp, f"MoE folding: ETP*EP = {etp}*{ep} = {etp * ep} must "
-                        f"divide TP*CP*DP = {s['tp']}*{s['cp']}*{dp} = {dense} (ETP defaults to TP)",
-                        ("etp", "ep")))
-    elif s["pp"] > 1 and _pp_stride(s, {"tp": s["tp"], "cp": s["cp"], "dp": dp}) != \
-            _pp_stride(s, {"tp": etp, "ep": ep, "dp": dense // (etp * ep)}):
-        out.append(Rule(KNOB_FIELDS["order"], s["order"], "the dense and expert grids must share their "
-                        "pipeline groups: with this order they do not (put pp last)", ("order",)))
-    return out
-
-
-def a2a_overlap_problems(s: dict) -> list[Rule]:
-    """Megatron-LM's requirements of the 1F1B all-to-all overlap (TransformerConfig's checks of
-    overlap_moe_expert_parallel_comm); the first broken one, turning the overlap off its first fix."""
-    if not s["a2a_overlap"]:
-        return []
-    field, why = KNOB_FIELDS["a2a_overlap"], "the 1F1B all-to-all overlap (overlap_moe_expert_parallel_comm) needs "
-    if s["ep"] <= 1:
-        return [Rule(field, True, why + "expert parallelism (EP > 1), as Megatron-LM requires", ("a2a_overlap", "ep"))]
-    if s["dispatcher"] == "allgather":
-        return [Rule(field, True, why + "the alltoall or flex token dispatcher (moe_token_dispatcher_type is "
-                     "allgather, Megatron-LM's default)", ("a2a_overlap", "dispatcher"))]
-    if s["rgran"] == "full" or s["rmethod"] is not None or s["rnum"] is not None:
-        return [Rule(field, True, why + "no full recompute: recompute_granularity not full, recompute_method and "
-                     "recompute_num_layers unset (Megatron-LM refuses them together)", ("a2a_overlap", "rgran"))]
-    if s["pp"] > 1 and not s["vpp"]:
-        return [Rule(field, True, why + f"interleaving under pipeline parallelism (PP={s['pp']}): set "
-                     "virtual_pipeline_model_parallel_size, as Megatron-LM requires", ("a2a_overlap", "vpp"))]
-    if (s["mtp"] or 0) > 1:
-        return [Rule(field, True, why + f"at most one MTP layer (mtp_num_layers={s['mtp']})", ("a2a_overlap", "mtp"))]
-    if s["precision"] not in ("bf16", "fp16", "fp8"):
-        return [Rule(field, True, why + f"a 16-bit model (precision={s['precision']}: Megatron-LM refuses fp32)",
-                     ("a2a_overlap", "precision"))]
-    return []
-
-
-def _router(s: dict) -> list[Rule]:
-    """Group-limited routing, expert bias and top-k scaling (Megatron's TransformerConfig checks, and
-    the two group sizes its top-k would fail or degenerate on)."""
-    out, experts, topk, groups, chosen = [], s["experts"], s["topk"], s["groups"], s["gtopk"]
-    if chosen and not groups:
-        out.append(Rule(KNOB_FIELDS["groups"], groups, f"group-limited routing (moe_router_group_topk={chosen}) "
-                        "needs the number of expert groups", ("groups", "gtopk")))
-    elif chosen and experts % groups:
-        out.append(Rule(KNOB_FIELDS["groups"], groups, f"num_experts={experts} must split into "
-                        "moe_router_num_groups equal groups", ("groups",)))
-    elif chosen and chosen > groups:
-        out.append(Rule(KNOB_FIELDS["gtopk"], chosen, f"cannot choose more groups than moe_router_num_groups="
-                        f"{groups}", ("gtopk", "groups")))
-    elif chosen and chosen > topk:
-        out.append(Rule(KNOB_FIELDS["gtopk"], chosen, f"a group scores the sum of its top moe_router_topk/"
-                        f"group_topk = {topk}//{chosen} = 0 experts: group_topk must be at most moe_router_topk",
-                        ("gtopk", "topk")))
-    elif chosen and topk > chosen * (experts // groups):
-        out.append(Rule(KNOB_FIELDS["topk"], topk, f"the {chosen} chosen groups of {experts // groups} experts "
-                        f"hold {chosen * (experts // groups)}, fewer than moe_router_topk",
-                        ("gtopk", "groups", "topk")))
-    if s["ebias"] and s["score"] == "softmax":
-        out.append(Rule(KNOB_FIELDS["ebias"], True, "the expert bias needs moe_router_score_function sigmoid or "
-                        "sqrtsoftplus (Megatron-LM refuses softmax)", ("score", "ebias")))
-    if not s["brate"] >= 0:
-        out.append(Rule(KNOB_FIELDS["brate"], s["brate"], "must be >= 0 (a negative rate pushes load toward the "
-                        "busiest experts)", ("brate",)))
-    if s["rscale"] is not None and not s["rscale"] > 0:
-        out.append(Rule(KNOB_FIELDS["rscale"], s["rscale"], "must be > 0, or unset for no scaling", ("rscale",)))
-    return out
-
-
-def _pp_stride(s: dict, sizes: dict) -> int:
-    """Rank distance between pipeline stages for a grid whose dims (in `order`) have these sizes."""
-    stride = 1
-    for d in s["order"].split("-"):
-        if d == "pp":
-            return stride
-        stride *= sizes.get(d, 1)
-    return stride

@@ -140,7 +140,7 @@ def _data_problems(d) -> list[Problem]:
 
 def _training_problems(t, dp_cp: int | None) -> list[Problem]:
     """The data-parallel mode, mixed precision, loss scaling and optimizer offload
-    (fivefold.parallel.data_parallel, fivefold.config.precision), as Megatron checks them; `dp_cp`:
+    (fivefold.parallel.data.data_parallel, fivefold.config.precision), as Megatron checks them; `dp_cp`:
     the size of the DP x CP group (None: the layout is broken, already reported)."""
     out = []
     n = t.num_distributed_optimizer_instances

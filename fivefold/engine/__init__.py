@@ -1,4 +1,5 @@
 """The engine API RL frameworks call (fivefold.engine.engine) and the RL losses (fivefold.engine.losses)."""
-from fivefold.engine.engine import Batch, Engine, TokenStats, split
+from fivefold.engine.batch import Batch, TokenStats, split
+from fivefold.engine.engine import Engine
 
 __all__ = ["Batch", "Engine", "TokenStats", "split"]

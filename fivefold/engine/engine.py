@@ -17,16 +17,18 @@ global token or sequence count, which `train_batch` computes over every DP rank 
 Layouts: DP (replicate or ZeRO), TP with or without SP, CP, PP (any schedule; the caller's loss runs on
 the last stage's rank, fivefold.pipeline.executor's `tail`) and EP. Full-vocabulary fp32 logits never
 exist at once: log-probs and entropy are computed in sequence chunks of `chunk` tokens from the last
-layer's hidden states, vocab-parallel under TP (fivefold.parallel.cross_entropy). Under CP each rank
-computes its own positions' stats and every CP rank gets the whole sequence's (parallel.context.
-gather_tokens, whose backward keeps each rank's own positions), so a loss sees (n, s) tensors as
-without CP; the loss is then summed over DP only.
+layer's hidden states, vocab-parallel under TP (fivefold.parallel.tensor.cross_entropy). Under CP each rank
+computes its own positions' stats and every CP rank gets the whole sequence's
+(parallel.context.context_parallel.gather_tokens, whose backward keeps each rank's own positions), so a
+loss sees (n, s) tensors as without CP; the loss is then summed over DP only.
+
+`Batch`, `TokenStats` and `split` live in fivefold.engine.batch; what stays here is the Engine itself
+(forward, train_batch, memory between phases, weights out), one class read in one sitting.
 """
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import nullcontext
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
@@ -34,63 +36,18 @@ import torch
 import torch.nn.functional as F
 
 from fivefold.config.schema import Config
+from fivefold.engine.batch import Batch, TokenStats
 from fivefold.engine.batching import plan
 from fivefold.errors import NotImplementedYet
 from fivefold.hf.names import hf_name
-from fivefold.parallel.context import gather_tokens, split_tokens
 from fivefold.model.moe import moe_layers, reset_step_totals, update_expert_biases
-from fivefold.parallel.cross_entropy import vocab_parallel_entropy, vocab_parallel_logprobs
-from fivefold.parallel.tensor import TPMode, mark_sequence_sharded
+from fivefold.parallel.context.context_parallel import gather_tokens, split_tokens
+from fivefold.parallel.tensor.cross_entropy import vocab_parallel_entropy, vocab_parallel_logprobs
+from fivefold.parallel.tensor.layers import TPMode, mark_sequence_sharded
 from fivefold.runtime import comm
 from fivefold.train.context import RankContext
 from fivefold.train.moe_metrics import moe_record
 from fivefold.train.step import moe_step_totals
-
-
-@dataclass
-class Batch:
-    input_ids: torch.Tensor
-    """(n, s) int64, right-padded."""
-    loss_mask: torch.Tensor
-    """(n, s) 1 where a token's log-probability counts; 0 on prompts and padding."""
-    extra: dict[str, torch.Tensor] | None = None
-    """Per-token or per-sequence tensors the loss reads (old log-probs, advantages, ...), sliced with the batch."""
-    lengths: torch.Tensor | None = None
-    """(n,) tokens before the padding (default: every position counts); token-budget micro-batches
-    are cut to their longest sequence."""
-
-    def __len__(self) -> int:
-        return self.input_ids.shape[0]
-
-    def lengths_list(self) -> list[int]:
-        return self.lengths.tolist() if self.lengths is not None else [self.input_ids.shape[1]] * len(self)
-
-    def rows(self, index, width: int | None = None) -> Batch:
-        """Sequences `index` (a slice or a list), their positions cut to `width`."""
-        cut = (lambda t: t[:, :width] if width is not None and t.dim() == 2 else t)  # noqa: E731
-        idx = index if isinstance(index, slice) else torch.as_tensor(index, dtype=torch.long)
-        return Batch(cut(self.input_ids[idx]), cut(self.loss_mask[idx]),
-                     {k: cut(v[idx]) for k, v in (self.extra or {}).items()},
-                     None if self.lengths is None else self.lengths[idx])
-
-
-@dataclass
-class TokenStats:
-    logprobs: torch.Tensor
-    """(n, s) fp32 log p(ids[t] | ids[<t]); 0 at t = 0."""
-    entropy: torch.Tensor
-    """(n, s) fp32 entropy of the distribution that predicted ids[t]; 0 at t = 0."""
-    values: torch.Tensor | None = None
-    """(n, s) fp32 the value head's estimate at the state before ids[t] (a critic); 0 at t = 0; None
-    without a value head."""
-
-    @classmethod
-    def of(cls, stacked: torch.Tensor) -> TokenStats:
-        """From (n, s, 2 or 3): log-probs, entropy[, values] along the last dimension."""
-        return cls(*stacked.unbind(-1))
-
-    def stacked(self) -> torch.Tensor:
-        return torch.stack([self.logprobs, self.entropy] + ([] if self.values is None else [self.values]), -1)
 
 
 def _add_value_head(decoder, config: Config, device: torch.device) -> None:
@@ -102,12 +59,6 @@ def _add_value_head(decoder, config: Config, device: torch.device) -> None:
     decoder.value_head.to(device)
     if decoder.mode is TPMode.SEQUENCE_PARALLEL:  # it sees this rank's positions only
         mark_sequence_sharded(decoder.value_head)
-
-
-def split(batch: Batch, dp_size: int, dp_rank: int) -> Batch:
-    """This DP rank's contiguous share of a global batch (n divisible by dp_size)."""
-    n = len(batch) // dp_size
-    return batch.rows(slice(dp_rank * n, (dp_rank + 1) * n))
 
 
 class Engine:
@@ -418,4 +369,4 @@ def _gather_whole(t: torch.Tensor, meta, mesh) -> torch.Tensor:
     return full
 
 
-__all__ = ["Batch", "Engine", "TokenStats", "split"]
+__all__ = ["Engine"]

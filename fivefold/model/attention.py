@@ -27,16 +27,16 @@ from fivefold.model.dropout import Noise, explicit_attention
 from fivefold.model.norm import SplitRMSNorm, make_norm
 from fivefold.model.recompute import maybe_checkpoint
 from fivefold.model.rope import apply_rope
-from fivefold.parallel.context import ContextParallel
-from fivefold.parallel.heads import HeadSplit, split_heads
-from fivefold.parallel.tensor import TPMode, column_linears, linear, mark_kv_replica, mark_sequence_sharded
+from fivefold.parallel.context.context_parallel import ContextParallel
+from fivefold.parallel.tensor.heads import HeadSplit, split_heads
+from fivefold.parallel.tensor.layers import TPMode, column_linears, linear, mark_kv_replica, mark_sequence_sharded
 
 
 def core_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cp: ContextParallel | None = None,
                    scale: float | None = None, docs: Documents | None = None) -> torch.Tensor:
     """softmax(q k^T * scale + causal) v with GQA (scale default 1/sqrt(d)): q (b, a, s, d),
     k (b, g, s, d), v (b, g, s, dv) -> (b, a, s, dv), by fivefold.ops.attention. With `cp`
-    (context parallelism) s is this rank's s/cp tokens (fivefold.parallel.context's split) and
+    (context parallelism) s is this rank's s/cp tokens (fivefold.parallel.context.context_parallel's split) and
     attention covers the whole sequence. `docs`: document boundaries of the whole (b, s) batch."""
     if cp is not None and cp.size > 1:
         return cp.attention(q, k, v, scale=scale, docs=docs)

@@ -15,7 +15,7 @@ from fivefold.model.dropout import ATTENTION_OUT, MLP_OUT, dropped
 from fivefold.model.mla import MLAttention
 from fivefold.model.moe import MoEGroups, build_mlp
 from fivefold.model.norm import make_norm
-from fivefold.parallel.tensor import TPMode, mark_sequence_sharded
+from fivefold.parallel.tensor.layers import TPMode, mark_sequence_sharded
 
 
 def rotary_dim(cfg: ModelConfig) -> int:

@@ -28,10 +28,10 @@ from fivefold.model.norm import make_norm
 from fivefold.model.positions import check_positions_supported, learned_positions
 from fivefold.model.recompute import Recompute, maybe_checkpoint
 from fivefold.model.rope import rope_tables
-from fivefold.parallel.context import local_document_positions, local_positions
-from fivefold.parallel.cross_entropy import vocab_parallel_cross_entropy
+from fivefold.parallel.context.context_parallel import local_document_positions, local_positions
+from fivefold.parallel.tensor.cross_entropy import vocab_parallel_cross_entropy
 from fivefold.parallel.param_meta import mark_all
-from fivefold.parallel.tensor import ColumnParallelLinear, TPMode, VocabParallelEmbedding, mark_sequence_sharded
+from fivefold.parallel.tensor.layers import ColumnParallelLinear, TPMode, VocabParallelEmbedding, mark_sequence_sharded
 
 
 def _check_supported(cfg: ModelConfig) -> None:
@@ -59,7 +59,7 @@ class Decoder(nn.Module):
 
     def __init__(self, cfg: ModelConfig, *, mesh=None, layers: Sequence[int] | None = None,
                  embedding: bool = True, head: bool = True, seed: int = 0, sequence_parallel: bool = False):
-        """With `mesh.tp` of > 1 rank the layers are tensor-parallel (fivefold.parallel.tensor), the
+        """With `mesh.tp` of > 1 rank the layers are tensor-parallel (fivefold.parallel.tensor.layers), the
         vocabulary is padded to a multiple of 128 x TP and split over TP, and `sequence_parallel`
         keeps the residual stream as (b, s/tp, h). Every TP parameter is the slice of the
         one-process parameter of the same name (its ParamMeta's `shard`), so all layouts start equal."""
@@ -106,7 +106,7 @@ class Decoder(nn.Module):
         init_buffers_(self)
         self.cp = None
         """Context parallelism, set by fivefold.train.parallelize (apply_context_parallel): ids are
-        then this CP rank's s/cp tokens (parallel.context.split_tokens)."""
+        then this CP rank's s/cp tokens (parallel.context.context_parallel.split_tokens)."""
         self.recompute = Recompute()
         self.mtp_loss_sums: torch.Tensor | None = None
         """With MTP: (mtp_num_layers,) float64, depth k's token-loss sum over this rank's tokens in the
@@ -155,7 +155,7 @@ class Decoder(nn.Module):
                 head: bool = True) -> torch.Tensor:
         """x: ids (b, s) with an embedding, else hidden (b, s, h). Returns logits (b, s, V_padded)
         with a head (padded columns are 0: their rows are zero), else hidden (b, s, h).
-        Context-parallel: s is this CP rank's s/cp tokens (parallel.context.split_tokens: chunks r and
+        Context-parallel: s is this CP rank's s/cp tokens (parallel.context.context_parallel.split_tokens: chunks r and
         2cp-1-r), whose RoPE positions the Decoder derives from its CP rank.
         Tensor-parallel: logits are this rank's vocabulary slice (b, s, V_padded/tp); under sequence
         parallelism hidden states in and out are this rank's (b, s/tp, h).
@@ -207,7 +207,7 @@ class Decoder(nn.Module):
     def sequence_multiple(self) -> int:
         """What this rank's share of a sequence must divide by: TP under sequence parallelism or in a MoE
         model (its MoE layers split the tokens over TP without SP too, fivefold.model.moe), else 1 (the
-        CP split pads a batch to 2*CP times this, parallel.context.split_tokens)."""
+        CP split pads a batch to 2*CP times this, parallel.context.context_parallel.split_tokens)."""
         split = self.mode is TPMode.SEQUENCE_PARALLEL or (self.cfg.is_moe and self.tp is not None)
         return self.tp.size if split else 1
 

@@ -23,7 +23,7 @@ import torch
 
 from fivefold.errors import NotImplementedYet
 from fivefold.model.decoder import Decoder
-from fivefold.parallel.tensor import TPMode
+from fivefold.parallel.tensor.layers import TPMode
 from fivefold.runtime import comm
 
 

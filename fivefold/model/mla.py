@@ -43,8 +43,8 @@ from fivefold.model.norm import RMSNorm
 from fivefold.model.recompute import maybe_checkpoint
 from fivefold.model.rope import apply_rope
 from fivefold.ops.attention import Documents
-from fivefold.parallel.context import ContextParallel
-from fivefold.parallel.tensor import (SEQ_DIM, ColumnParallelLinear, RowParallelLinear, TPMode,
+from fivefold.parallel.context.context_parallel import ContextParallel
+from fivefold.parallel.tensor.layers import (SEQ_DIM, ColumnParallelLinear, RowParallelLinear, TPMode,
                                       mark_sequence_sharded)
 from fivefold.runtime import comm
 

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fivefold.parallel.tensor import TPMode, column_linears, linear
+from fivefold.parallel.tensor.layers import TPMode, column_linears, linear
 
 
 class SwiGLU(nn.Module):

@@ -4,7 +4,7 @@
         + SwiGLU_shared(x_t)                         [shared experts, always on, if configured]
 
 Routing and the auxiliary losses: fivefold.model.router. Token dispatch to experts on other EP
-ranks, and ETP: fivefold.parallel.experts. The layer works on this rank's tokens: under sequence
+ranks, and ETP: fivefold.parallel.expert.dispatch. The layer works on this rank's tokens: under sequence
 parallelism (and context parallelism) the input already is the rank's (b, s/tp, h) shard; with TP
 but no SP (EP must then be 1) the replicated input is split along the sequence here and the output
 all-gathered, so that every TP rank routes a different s/tp of the tokens, as under SP.
@@ -28,9 +28,9 @@ from fivefold.model.capacity import within_capacity
 from fivefold.model.mlp import SwiGLU, dense_mlp
 from fivefold.model.recompute import is_recomputing
 from fivefold.model.router import AttachAuxLoss, Router, count_load, update_expert_bias
-from fivefold.parallel.experts import local_experts, moe_forward, use_grouped_gemm
+from fivefold.parallel.expert.dispatch import local_experts, moe_forward, use_grouped_gemm
 from fivefold.parallel.param_meta import GradDomain, mark_all
-from fivefold.parallel.tensor import TPMode, mark_sequence_sharded
+from fivefold.parallel.tensor.layers import TPMode, mark_sequence_sharded
 from fivefold.runtime import comm
 from fivefold.runtime.mesh import Group
 from fivefold.config.supported import unsupported

@@ -43,9 +43,9 @@ from fivefold.data.loader import IGNORE_INDEX
 from fivefold.errors import NotImplementedYet, UserError
 from fivefold.model.block import DecoderLayer
 from fivefold.model.norm import make_norm
-from fivefold.parallel.context import gather_tokens, split_sequence
-from fivefold.parallel.cross_entropy import vocab_parallel_cross_entropy
-from fivefold.parallel.tensor import SEQ_DIM, ColumnParallelLinear, TPMode, mark_sequence_sharded
+from fivefold.parallel.context.context_parallel import gather_tokens, split_sequence
+from fivefold.parallel.tensor.cross_entropy import vocab_parallel_cross_entropy
+from fivefold.parallel.tensor.layers import SEQ_DIM, ColumnParallelLinear, TPMode, mark_sequence_sharded
 from fivefold.runtime import comm
 from fivefold.runtime.mesh import Group
 
@@ -79,7 +79,7 @@ def rolled_targets(ids: torch.Tensor, labels: torch.Tensor, depths: int, cp=None
                    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """This rank's (ids, labels) of depth k = 1..depths: the whole sequence's rolled k places left
     (id 0 and IGNORE_INDEX shifted in at the end), in this CP rank's chunk order. ids, labels:
-    (b, s/cp) as the model holds them (parallel.context.split_tokens)."""
+    (b, s/cp) as the model holds them (parallel.context.context_parallel.split_tokens)."""
     both = torch.stack([ids, labels], -1)  # (b, s/cp, 2)
     n = 1 if cp is None else cp.size
     whole = gather_tokens(both, cp, tag="mtp-roll") if n > 1 else both  # (b, s, 2) in sequence order

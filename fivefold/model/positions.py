@@ -15,7 +15,7 @@ from torch import nn
 
 from fivefold.config.schema import POSITION_EMBEDDINGS, ModelConfig
 from fivefold.errors import NotImplementedYet, UserError
-from fivefold.parallel.tensor import TPMode, mark_sequence_sharded
+from fivefold.parallel.tensor.layers import TPMode, mark_sequence_sharded
 
 
 class LearnedPositions(nn.Module):

@@ -15,7 +15,7 @@ For router logits z_t = W_r x_t (W_r: (E, h), no bias) of token t:
            HF DeepSeek-V3's norm_topk_prob=False), then times moe_router_topk_scaling_factor
            (DeepSeek-V3's routed_scaling_factor). The bias b never enters the weights.
   dtype    moe_router_dtype fp32 / fp64: the linear and everything after it in that dtype, and the
-           weighted sum of the experts' outputs too (fivefold.parallel.experts); None: the linear in
+           weighted sum of the experts' outputs too (fivefold.parallel.expert.dispatch); None: the linear in
            the parameters' dtype, the scores in fp32, the weights back in the parameters' dtype.
   forced   moe_router_force_load_balancing: z replaced by standard normal draws of this rank's
            torch generator (the gradient of z passes straight through): every expert gets k/E of

@@ -95,7 +95,7 @@ def _accumulate(edges: list[GradientEdge], grads: list, params: list[torch.Tenso
     """Backpropagate `grads` from `edges` into `params`, each gradient added where its parameter's
     gradients accumulate as soon as it is computed (autograd's AccumulateGrad into `.grad`, which a
     GradReducer points at its main_grad buffer, or its hook adds into a wider one:
-    fivefold.parallel.data). `autograd.grad` over the parameters would hold every gradient of the
+    fivefold.parallel.data.reducer). `autograd.grad` over the parameters would hold every gradient of the
     stage until it returns (measured: a whole stage's parameters in fp32, 20 MiB of a 115 MiB peak)."""
     inputs = [p for p in params if p.requires_grad]
     if inputs:

@@ -37,7 +37,7 @@ from fivefold.pipeline.ir import Schedule
 from fivefold.pipeline.layers import stage_layers
 from fivefold.pipeline.lowering import lower
 from fivefold.pipeline.verify import verify
-from fivefold.parallel.data import grad_target
+from fivefold.parallel.data.reducer import grad_target
 from fivefold.config.precision import Precision
 from fivefold.runtime import comm
 

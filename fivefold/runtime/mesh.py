@@ -106,7 +106,7 @@ OWN_COMMUNICATOR = {"edp-grad": "edp"}
 over EDP during backward, launched by each MoE layer, while the dense buckets are reduced over DP x CP
 as they complete; EDP may be the very ranks of DP x CP (TP2 x DP2 with EP2 = TP: EDP = DP), and two
 collectives on one communicator must be issued in the same order on every rank. On a communicator of
-its own, the order between the two streams does not matter (fivefold.parallel.data_parallel)."""
+its own, the order between the two streams does not matter (fivefold.parallel.data.data_parallel)."""
 
 
 def _process_group(ranks: tuple[int, ...], own: str | None = None) -> ProcessGroup:

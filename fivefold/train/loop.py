@@ -26,7 +26,7 @@ from fivefold.data.loader import BatchLoader
 from fivefold.errors import UserError
 from fivefold.model import build_decoder
 from fivefold.runtime import comm, heartbeat
-from fivefold.parallel.data import GradReducer
+from fivefold.parallel.data.reducer import GradReducer
 from fivefold.train.parallelize import Parts, parallelize
 from fivefold.train.context import RankContext, layout_text
 from fivefold.train.manual_gc import after_step, around_eval, manual_gc

@@ -12,14 +12,14 @@ from torch import nn
 
 from fivefold.data.loader import IGNORE_INDEX, Microbatch
 from fivefold.model.dropout import DropoutKey
-from fivefold.parallel.context import split_tokens
+from fivefold.parallel.context.context_parallel import split_tokens
 from fivefold.runtime import comm
 from fivefold.runtime.mesh import Group
 
 
 def cp_tokens(model: nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """This context-parallel rank's (b, s/cp) share of a microbatch's ids and labels (the model's
-    CP split, fivefold.parallel.context); the whole (b, s) without CP."""
+    CP split, fivefold.parallel.context.context_parallel); the whole (b, s) without CP."""
     cp = getattr(model, "cp", None)
     return (ids, labels) if cp is None else split_tokens(ids, labels, cp, model.sequence_multiple)
 

@@ -1,7 +1,7 @@
 """`parallelize(model, mesh, config)`: every parallel dimension applied to a built model, in one place
 and one order (torchtitan's `parallelize_llama`):
 
-  1. TP / SP   the layers were built tensor-parallel from `mesh.tp` (fivefold.parallel.tensor: each
+  1. TP / SP   the layers were built tensor-parallel from `mesh.tp` (fivefold.parallel.tensor.layers: each
                parameter created with its ParamMeta shard); checked here against the mesh and config;
   2. CP        attention over the sequence split across `mesh.cp` (ring / all-to-all);
   3. EP        the MoE layers hold this EP rank's experts (ETP slices), built from the mesh's EP/ETP
@@ -11,7 +11,7 @@ and one order (torchtitan's `parallelize_llama`):
                names unchanged; collectives and the CP ring run between the compiled graphs);
   5. precision the parameters cast to the run's parameter dtype (bf16/fp16; fp32 main copies live in
                the optimizer: fivefold.config.precision);
-  6. DP        the data-parallel mode (fivefold.parallel.data_parallel: replicate or ZeRO-1), over
+  6. DP        the data-parallel mode (fivefold.parallel.data.data_parallel: replicate or ZeRO-1), over
                the gradient domains of the parameters' metadata: dense over DP x CP, experts over EDP.
 
 The result, `Parts`, is what a training step runs (fivefold.train.step.train_step): the model (with
@@ -27,11 +27,11 @@ from fivefold.config.schema import Config
 from fivefold.model.decoder import Decoder
 from fivefold.model.moe import MoE
 from fivefold.model.recompute import Recompute
-from fivefold.parallel.context import context_parallel_of
-from fivefold.parallel.data import GradReducer
-from fivefold.parallel.data_parallel import DataParallel
+from fivefold.parallel.context.context_parallel import context_parallel_of
+from fivefold.parallel.data.reducer import GradReducer
+from fivefold.parallel.data.data_parallel import DataParallel
 from fivefold.config.precision import Precision
-from fivefold.parallel.tensor import TPMode
+from fivefold.parallel.tensor.layers import TPMode
 from fivefold.pipeline.stages import PipelineModel
 
 

@@ -42,7 +42,7 @@ def _cp_split(pipe: PipelineModel, input_ids, labels) -> tuple[list[torch.Tensor
 
 def pipeline_forward_backward(pipe: PipelineModel, dp, batch: StepBatch, *, mesh, trace: bool = False,
                               divisors: list[float] | None = None) -> tuple[torch.Tensor, RunResult]:
-    """Run the step's schedule with `dp` (fivefold.parallel.data_parallel.DataParallel) holding the
+    """Run the step's schedule with `dp` (fivefold.parallel.data.data_parallel.DataParallel) holding the
     gradients; returns this rank's float64 loss sum (non-zero on the last stage's rank only) and the
     executor's result (its action log and, with `trace`, timings)."""
     ids, labels = _inputs(pipe, batch, mesh.dp.size)

@@ -4,7 +4,7 @@
     fivefold.train.pipeline_step) -> DataParallel.finish (gradients reduced over DP) -> MoE expert
     biases moved by the step's load (aux-loss-free balancing, fivefold.model.router) -> fp16: unscale,
     and skip the step on every rank if any rank overflowed -> clip by the global norm -> AdamW on the
-    main parameters (fivefold.parallel.data_parallel, fivefold.config.precision).
+    main parameters (fivefold.parallel.data.data_parallel, fivefold.config.precision).
 
 The step's loss is the per-token mean over the global batch (fivefold.train.loss).
 """
@@ -18,7 +18,7 @@ from torch import nn
 from fivefold.data.loader import StepBatch
 from fivefold.model.moe import layer_totals, reset_step_totals, update_expert_biases
 from fivefold.runtime import comm
-from fivefold.parallel.data_parallel import DataParallel
+from fivefold.parallel.data.data_parallel import DataParallel
 from fivefold.train.parallelize import Parts
 from fivefold.pipeline.executor import RunResult
 from fivefold.runtime.mesh import Group

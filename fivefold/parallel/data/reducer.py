@@ -18,7 +18,7 @@ bucket) of the summed gradient in `bucket.grad_shard`, and only that chunk is ev
 `param.grad` views keep this rank's local sums). The parameters are moved into a flat buffer with
 the same layout (`bucket.param_buffer`; `param.data` is a view into it), so that the optimizer can
 step chunk r in place and one all-gather per bucket puts every rank's updated chunk back
-(fivefold.parallel.distributed_optimizer). Call bytes per step: reduce-scatter = all-gather =
+(fivefold.parallel.data.distributed_optimizer). Call bytes per step: reduce-scatter = all-gather =
 4 x (parameters rounded up to a multiple of n per bucket).
 
 Mixed precision (fivefold.config.precision): the buffers hold the gradient dtype, which may differ
@@ -231,7 +231,7 @@ class GradReducer:
 
     def launch(self, b: _Bucket) -> None:
         """Reduce bucket b now if this microbatch has not yet (a caller that knows when a bucket is
-        complete on every rank: the MoE layers' expert buckets, fivefold.parallel.data_parallel)."""
+        complete on every rank: the MoE layers' expert buckets, fivefold.parallel.data.data_parallel)."""
         if b.work is None:
             self._launch(b)
 

@@ -21,8 +21,8 @@ from functools import lru_cache
 import torch
 
 from fivefold.ops.attention import Documents, block_backward, block_forward
-from fivefold.parallel.chunks import chunk_ids, local_positions
-from fivefold.parallel.ring_attention import merge_
+from fivefold.parallel.context.chunks import chunk_ids, local_positions
+from fivefold.parallel.context.ring_attention import merge_
 from fivefold.runtime import collectives as raw
 from fivefold.runtime import traffic
 from fivefold.runtime.mesh import Group

@@ -29,7 +29,7 @@ from torch import nn
 
 from fivefold.errors import NotImplementedYet, UserError
 from fivefold.ops.counting import bincount
-from fivefold.parallel.data import add_stacked_grads
+from fivefold.parallel.data.reducer import add_stacked_grads
 from fivefold.runtime import comm, traffic
 from fivefold.runtime.backward_pass import weight_grads_wanted
 from fivefold.runtime.collectives import all_to_all_single

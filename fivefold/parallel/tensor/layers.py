@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fivefold.parallel.heads import HeadSplit
+from fivefold.parallel.tensor.heads import HeadSplit
 from fivefold.parallel.param_meta import KVReplica, ParamMeta, Shard, mark_all, named_metas, new_param, set_meta
 from fivefold.runtime import comm, traffic
 from fivefold.runtime.backward_pass import input_grad_wanted, weight_grads_wanted

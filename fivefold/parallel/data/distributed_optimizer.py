@@ -19,7 +19,7 @@ per-parameter ranges of a shard). AdamW with foreach=False is elementwise, so a 
 numbers as its parameter stepped whole. With fp32 parameters the parameter chunk is itself the main
 copy (no second copy, as Megatron); with 16-bit parameters (or offload) each piece has an fp32 main
 copy that AdamW steps and that is cast back into the parameter buffer before the all-gather, which then
-moves 2-byte parameters (fivefold.parallel.main_params.MainParams). The reduced chunk's gradients are in
+moves 2-byte parameters (fivefold.parallel.data.main_params.MainParams). The reduced chunk's gradients are in
 the gradient dtype (fp32 or 16-bit: GradReducer(grad_dtype)).
 """
 from __future__ import annotations
@@ -32,11 +32,11 @@ from torch import nn
 
 from fivefold.parallel.optimizer import OptimShard
 from fivefold.config.schema import TrainingConfig
-from fivefold.parallel.data import GradReducer
+from fivefold.parallel.data.reducer import GradReducer
 from fivefold.runtime import comm
 from fivefold.parallel.param_meta import ParamMeta, metas_of
 from fivefold.parallel.optimizer import build_adamw
-from fivefold.parallel.main_params import MainParams
+from fivefold.parallel.data.main_params import MainParams
 from fivefold.config.precision import Precision
 
 
@@ -62,7 +62,7 @@ class DistributedOptimizer:
     """AdamW over this rank's chunks of the parameters; `param_groups` and `state` as torch.optim's.
 
     Per step, after reducer.finish(): clip the gradients of `main_params()` by the global norm
-    (fivefold.parallel.data_parallel.DataParallel.clip_grads adds this optimizer's `group`), then `step()`."""
+    (fivefold.parallel.data.data_parallel.DataParallel.clip_grads adds this optimizer's `group`), then `step()`."""
 
     def __init__(self, model: nn.Module, reducer: GradReducer, training: TrainingConfig, *, tag: str = "dp-param",
                  precision: Precision | None = None):
@@ -80,7 +80,7 @@ class DistributedOptimizer:
                 start, end = max(lo, offset), min(hi, offset + p.numel())
                 if start < end:
                     spans.append((i, p, offset, start, end, lo))
-        # ZeRO-3 (fivefold.parallel.fsdp) keeps the chunk in its own tensor, the full buffer freed
+        # ZeRO-3 (fivefold.parallel.data.fsdp) keeps the chunk in its own tensor, the full buffer freed
         ranges = [nn.Parameter(reducer.buckets[i].param_shard[start - lo: end - lo]
                                if getattr(reducer.buckets[i], "param_shard", None) is not None
                                else reducer.buckets[i].param_buffer[start:end]) for i, _, _, start, end, lo in spans]

@@ -1,6 +1,6 @@
 """The load-balanced sequence split of context parallelism (Megatron's, for causal attention): a
 sequence of s tokens cut into 2n chunks of s/(2n); CP rank r keeps chunks r and 2n-1-r, in that
-order (fivefold/parallel/context.py says why). Used by the split of the data, RoPE positions and every
+order (fivefold/parallel/context/context_parallel.py says why). Used by the split of the data, RoPE positions and every
 CP exchange (the ring, the all-gather)."""
 from __future__ import annotations
 

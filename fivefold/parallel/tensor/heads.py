@@ -7,7 +7,7 @@ Query heads always split evenly: rank r holds heads [r a/t, (r+1) a/t).
   t > g  (t % g == 0): a KV head cannot be split, so it is replicated on t/g ranks: rank r holds the
       single KV head r // (t/g), the one its query heads read (its a/t query heads are all inside
       the group of a/g heads that share it). Each replica's weight gradient covers only its own
-      query heads; the true gradient is the sum over the t/g replicas (see tensor.reduce_tp_grads).
+      query heads; the true gradient is the sum over the t/g replicas (see layers.reduce_tp_grads).
 """
 from __future__ import annotations
 

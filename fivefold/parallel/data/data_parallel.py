@@ -1,20 +1,20 @@
 """The data-parallel mode: one gradient and optimizer path for every parameter, dense or expert.
 
 Modes (`DPMode`, Megatron's --data-parallel-sharding-strategy names):
-  no_shard  replicate: each domain's gradients all-reduced in buckets (fivefold.parallel.data), one
+  no_shard  replicate: each domain's gradients all-reduced in buckets (fivefold.parallel.data.reducer), one
             AdamW over every parameter;
   optim     ZeRO-1 (--use-distributed-optimizer): gradients reduce-scattered, AdamW state and update
             on this rank's chunk of each bucket, parameters all-gathered back
-            (fivefold.parallel.distributed_optimizer), per domain;
+            (fivefold.parallel.data.distributed_optimizer), per domain;
   optim_grads  ZeRO-2 (--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads): as optim,
             and the dense gradients reduce-scattered after every microbatch into a 1/d accumulator,
-            a bucket's full buffer living only while backward fills it (fivefold.parallel.data). Under
+            a bucket's full buffer living only while backward fills it (fivefold.parallel.data.reducer). Under
             PP the schedule accumulates gradients itself, so the full buffers stay for the step and
             are reduce-scattered once (ZeRO-1's gradient memory). Expert buckets are reduced per
             MoE layer during backward (below), per microbatch too.
   optim_grads_params  ZeRO-3: as optim_grads, and the parameters sharded too, each unit (embedding,
             decoder layer, output layer) gathered before use with the next prefetched, freed after
-            (fivefold.parallel.fsdp); under PP a unit stays whole from its first forward to the end
+            (fivefold.parallel.data.fsdp); under PP a unit stays whole from its first forward to the end
             of the step (TorchTitan's policy with PP), the gradients reduce-scattered once as above.
 
 Gradient domains (ParamMeta.domain; Megatron's MoE folding puts the EP ranks inside TP x CP x DP):
@@ -36,7 +36,7 @@ nothing; finish() reduces every bucket.
 
 HSDP (training.num_distributed_optimizer_instances = N > 1, dense models): the sharded modes shard
 within N instances of the DP x CP group (mesh.split) and all-reduce each reduced chunk over the N
-ranks holding it (fivefold.parallel.data, `replicate`).
+ranks holding it (fivefold.parallel.data.reducer, `replicate`).
 
 Precision (fivefold.config.precision, the one place that decides dtypes): the model's parameters
 hold the parameter dtype (parallelize cast them); the reducers' buffers hold the gradient dtype; AdamW steps fp32 main
@@ -63,14 +63,14 @@ from torch import nn
 
 from fivefold.parallel.optimizer import OptimShard
 from fivefold.config.schema import TrainingConfig
-from fivefold.parallel.data import GradReducer
-from fivefold.parallel.distributed_optimizer import DistributedOptimizer
-from fivefold.parallel.fsdp import ParamSharding, units_of
+from fivefold.parallel.data.reducer import GradReducer
+from fivefold.parallel.data.distributed_optimizer import DistributedOptimizer
+from fivefold.parallel.data.fsdp import ParamSharding, units_of
 from fivefold.parallel.optimizer import build_adamw, by_device, clip_grad_norm
 from fivefold.parallel.param_meta import GradDomain, ParamMeta, metas_of
-from fivefold.parallel.main_params import MainParams
+from fivefold.parallel.data.main_params import MainParams
 from fivefold.config.precision import LossScaler, Precision
-from fivefold.parallel.tensor import reduce_tp_grads
+from fivefold.parallel.tensor.layers import reduce_tp_grads
 from fivefold.runtime import comm
 from fivefold.runtime.mesh import Group
 
@@ -85,9 +85,9 @@ class DPMode(enum.Enum):
 
     OPTIM_GRADS = "optim_grads"
     """ZeRO-2: gradients too, reduce-scattered after every microbatch into a 1/d accumulator; a bucket's
-    full-size buffer exists only while backward fills it (see fivefold.parallel.data)."""
+    full-size buffer exists only while backward fills it (see fivefold.parallel.data.reducer)."""
     OPTIM_GRADS_PARAMS = "optim_grads_params"
-    """ZeRO-3: parameters too, gathered per unit (fivefold.parallel.fsdp)."""
+    """ZeRO-3: parameters too, gathered per unit (fivefold.parallel.data.fsdp)."""
 
     @classmethod
     def of(cls, training: TrainingConfig) -> "DPMode":
@@ -204,7 +204,7 @@ class DataParallel:
         self.shardings = [ParamSharding(model, d.reducer, "edp-param" if d.kind is GradDomain.EXPERT else "dp-param",
                                         reshard_after_forward=not pipelined)
                           for d in self.domains if d.params] if zero3 else []
-        """ZeRO-3: the parameters' gather / free cycle per domain (fivefold.parallel.fsdp)."""
+        """ZeRO-3: the parameters' gather / free cycle per domain (fivefold.parallel.data.fsdp)."""
         if shard:
             sharded = [d for d in self.domains if d.params]  # an expert domain may be empty on this stage
             for d in sharded:

@@ -4,7 +4,7 @@ parameters sharded over the DP x CP group too, gathered one unit at a time.
 Units: the embedding, each decoder layer, the final norm with the output layer (a tied output layer
 uses the embedding's unit as well); with MTP the final norm and the output layer are two units (MTP
 calls the output layer, and the embedding, again) and each depth adds its layer (norms, projection,
-decoder layer) and its final norm. Each unit is one gradient bucket (fivefold.parallel.data,
+decoder layer) and its final norm. Each unit is one gradient bucket (fivefold.parallel.data.reducer,
 `units=`), laid out flat in `bucket.param_buffer` as under ZeRO-1; rank r keeps chunk r of it,
 `bucket.param_shard`, persistently, and the full buffer's storage exists only while the unit is in use
 (resized to 0 otherwise: every `param.data` view of it stays the same object, so autograd's saved
@@ -20,7 +20,7 @@ Per microbatch:
             gradient bucket completes, the bucket is reduce-scattered (ZeRO-2, per microbatch) and the
             unit's parameters are freed.
 So a rank holds, besides 1/d of everything, the unit in use, the prefetched one and the gradient
-buffers of ZeRO-2. The optimizer steps the chunks (fivefold.parallel.distributed_optimizer reads
+buffers of ZeRO-2. The optimizer steps the chunks (fivefold.parallel.data.distributed_optimizer reads
 `param_shard`); nothing is all-gathered after the step: the next forward gathers. Checkpoints and
 anything else that reads whole parameters use `full_params()`.
 With MoE the routed experts are their own domain (reduced over expert-DP): a second ParamSharding over
@@ -40,7 +40,7 @@ import contextlib
 import torch
 from torch import nn
 
-from fivefold.parallel.data import GradReducer, _Bucket
+from fivefold.parallel.data.reducer import GradReducer, _Bucket
 from fivefold.runtime import comm
 
 

@@ -28,9 +28,9 @@ import torch.nn.functional as F
 from fivefold.data.loader import IGNORE_INDEX
 from fivefold.errors import UserError
 from fivefold.ops.attention import Documents, attention as backend_attention
-from fivefold.parallel.allgather_attention import allgather_attention
-from fivefold.parallel.chunks import local_positions, split_sequence
-from fivefold.parallel.ring_attention import ring_attention
+from fivefold.parallel.context.allgather_attention import allgather_attention
+from fivefold.parallel.context.chunks import local_positions, split_sequence
+from fivefold.parallel.context.ring_attention import ring_attention
 from fivefold.runtime import comm
 from fivefold.runtime.mesh import Group
 

@@ -1,0 +1,1 @@
+"""The canonical config's sections, one dataclass per owner; fivefold.config.schema joins them into `Config`."""
