@@ -26,7 +26,7 @@ from fivefold.model.block import DecoderLayer
 from fivefold.model.decoder import Decoder
 from fivefold.model.init import VOCAB_PARAMS
 from fivefold.model.mtp import MTPLayer
-from fivefold.parallel.tensor import TPMode, shard_state_dict
+from fivefold.parallel.tensor.layers import TPMode, shard_state_dict
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:

@@ -9,9 +9,4 @@
                     holding the whole logits (two all-reduces: max, then sum and z_y).
 A new TP layer goes in layers.py (or a module of its own here) and creates its parameters with
 `param_meta.new_param`, so initialisation, checkpoints and the gradient path find its shards.
-
-`TPMode` and `shard_state_dict` are importable from this package too (fivefold.hf.load reads them so).
 """
-from fivefold.parallel.tensor.layers import TPMode, shard_state_dict
-
-__all__ = ["TPMode", "shard_state_dict"]
