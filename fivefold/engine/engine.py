@@ -325,10 +325,10 @@ class Engine:
         tensor larger than that is a bucket of its own). Every rank of the model gets every bucket."""
         from fivefold.parallel.param_meta import named_metas
 
-        model, cfg = self.model, self.model.cfg
-        if self.ctx.layout.ep > 1 or self.ctx.layout.pp > 1:
+        if self.ctx.layout.ep > 1 or self.ctx.layout.pp > 1:  # (under PP the model is a StageStack)
             raise NotImplementedYet("export_weights with expert or pipeline parallelism (each rank holds part of "
                                     "the experts or layers): fivefold.engine.sync.sync_weights copies them")
+        model, cfg = self.model, self.config.model
         bucket, size = {}, 0
         with self.whole_weights():
             metas = named_metas(model)
