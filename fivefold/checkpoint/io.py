@@ -22,6 +22,8 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
+from fivefold.checkpoint.checksum import expected, merge_sums, sums_of_written, verify_file, verify_metadata, write_sums, \
+    write_metadata
 from fivefold.checkpoint.layout import (FORMAT, ShardSpec, complete_checkpoints, open_shard, resolve,
                                         source_name, step_dir, whole)
 from fivefold.checkpoint.metadata import check_metadata, resume_step
@@ -69,9 +71,12 @@ def _fsync_dir(path: Path) -> None:
 
 
 def _save(tensors: dict[str, torch.Tensor], path: Path) -> None:
-    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(path))
+    """One safetensors file, synced, and its checksums beside it (folded into metadata.json on commit)."""
+    held = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
+    save_file(held, str(path))
     with open(path, "rb") as f:
         os.fsync(f.fileno())
+    write_sums(path, sums_of_written(path, held))
 
 
 def rng_state() -> dict[str, torch.Tensor]:
@@ -156,9 +161,9 @@ def _commit(root: Path, tmp: Path, final: Path, step: int, extra: dict, keep: in
     params: dict[str, dict] = {}
     merge_listings(tmp, "shards", params, "shards")
     merge_listings(tmp, "optimshards", params, "optim_shards")
-    meta = {"format": FORMAT, "step": step, "params": params, **extra}
+    meta = {"format": FORMAT, "step": step, "params": params, **extra, "checksums": merge_sums(tmp)}
     bad = _merge_nonfinite(tmp)
-    (tmp / "metadata.json").write_text(json.dumps(meta, indent=1))
+    write_metadata(tmp, meta)
     _fsync_dir(tmp)
     shutil.rmtree(final, ignore_errors=True)
     os.rename(tmp, final)
@@ -205,7 +210,9 @@ def read_metadata(path: str | Path, what: str = "--load") -> tuple[Path, dict]:
                         f"with step_* folders){foreign_format(Path(path))}")
     file = found / "metadata.json"
     try:
-        meta = json.loads(file.read_text())
+        text = file.read_bytes()
+        verify_metadata(found, text)
+        meta = json.loads(text)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise UserError(f"{file}: not valid JSON ({e}); the checkpoint is damaged: load the one "
                         "before it") from None
@@ -310,10 +317,10 @@ def check_fits(meta: dict, model: nn.Module | Mapping[str, Held], shard_of: Shar
         raise UserError(f"checkpoint {where} was saved from another model:\n  {shown}\n{fix}")
 
 
-def _assemble(folder: Path, entry: dict, key: str, out: torch.Tensor, spec: ShardSpec) -> bool:
+def _assemble(folder: Path, meta: dict, entry: dict, key: str, out: torch.Tensor, spec: ShardSpec) -> bool:
     """Fill `out` (at spec.offsets of the global tensor) from one parameter entry's shards: whether
     they cover it (fivefold.checkpoint.reshard.fill, for callers reading one parameter at a time)."""
-    with Reader() as reader, torch.no_grad():
+    with Reader(expected(folder, meta)) as reader, torch.no_grad():
         return fill(out, spec, entry_source(folder, key, entry), reader)
 
 
@@ -327,7 +334,7 @@ def _load_params(folder: Path, meta: dict, model: nn.Module, shard_of: ShardOf) 
     if missing:
         print(f"warning: checkpoint {folder} was saved without {len(missing)} buffer(s) of this model (first: "
               f"{missing[0]}): they keep their initial value (the MoE expert bias: zero)", file=sys.stderr, flush=True)
-    with Reader() as reader, torch.no_grad():
+    with Reader(expected(folder, meta)) as reader, torch.no_grad():
         for name, p in tensors_saved(model).items():
             if name in missing:
                 continue
@@ -385,6 +392,9 @@ def load_checkpoint(path: str | Path, *, model: nn.Module, optimizer: torch.opti
     folder, meta = read_metadata(path)
     shard_of = shard_of or placed_by_meta(model)
     check_fits(meta, model, shard_of, folder, model_config)
+    if rank == 0 and not expected(folder, meta):
+        print(f"note: checkpoint {folder} was saved without checksums (by an earlier fivefold): loaded unverified",
+              file=sys.stderr, flush=True)
     if (folder / NONFINITE).exists() and rank == 0:
         print(f"warning: loading {folder}, whose parameters hold non-finite values (listed in its {NONFINITE})",
               file=sys.stderr, flush=True)
@@ -397,6 +407,8 @@ def load_checkpoint(path: str | Path, *, model: nn.Module, optimizer: torch.opti
     if load_rng and has_rng(meta, world_size):
         if not (folder / rng).is_file():  # as a missing shard: never a run that silently starts other RNG streams
             raise _rng_missing(folder, [rank])
+        if folder / rng in expected(folder, meta):
+            verify_file(folder / rng, expected(folder, meta)[folder / rng])
         with open_shard(folder, rng) as f:
             torch.set_rng_state(f.get_tensor("torch_cpu"))
             if "torch_cuda" in f.keys() and torch.cuda.is_available():

@@ -161,7 +161,7 @@ def _whole(folder: Path, meta: dict, name: str, cfg: ModelConfig, shape: tuple[i
         raise UserError(f"checkpoint {folder}: no parameter {name} (was it saved by this model?)")
     padded = tuple(entry["global_shape"])
     out = torch.empty(padded, dtype=DTYPES.get(entry["dtype"], torch.float32))
-    if not _assemble(folder, entry, src, out, ShardSpec(padded, (0,) * len(padded))):
+    if not _assemble(folder, meta, entry, src, out, ShardSpec(padded, (0,) * len(padded))):
         raise UserError(f"checkpoint {folder}: its shards do not cover parameter {name} (a rank's files missing?)")
     return out[: shape[0]].contiguous() if name in VOCAB_PARAMS else out
 
