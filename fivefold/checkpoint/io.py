@@ -24,8 +24,8 @@ from torch import nn
 
 from fivefold.checkpoint.checksum import expected, merge_sums, sums_of_written, verify_file, verify_metadata, write_sums, \
     write_metadata
-from fivefold.checkpoint.layout import (FORMAT, ShardSpec, complete_checkpoints, open_shard, resolve,
-                                        source_name, step_dir, whole)
+from fivefold.checkpoint.layout import (FORMAT, ShardSpec, complete_checkpoints, foreign_format, open_shard,
+                                        resolve, source_name, step_dir, whole)
 from fivefold.checkpoint.metadata import check_metadata, resume_step
 from fivefold.checkpoint.optim_state import (MAIN, OptimShard, ShardOf, load_optim, merge_listings, save_optim,
                                              whole_shards)
@@ -218,27 +218,6 @@ def read_metadata(path: str | Path, what: str = "--load") -> tuple[Path, dict]:
                         "before it") from None
     check_metadata(meta, file)
     return found, meta
-
-
-def foreign_format(path: Path) -> str:
-    """Why a folder that is not ours cannot be loaded, and the way through, or ''."""
-    if not path.is_dir():
-        return ""
-    latest = path / "latest_checkpointed_iteration.txt"  # a Megatron-LM save root
-    inner = [path] + sorted(p for p in path.glob("iter_*") if p.is_dir())[-1:]
-    if latest.is_file() or any((p / ".metadata").is_file() or any(p.glob("*.distcp")) or any(p.glob("mp_rank_*"))
-                               for p in inner):
-        return ("; it is a Megatron-LM (torch_dist / legacy) or PyTorch DCP checkpoint, whose metadata is pickled, "
-                "and fivefold never unpickles files: convert it to a Hugging Face folder (Megatron-Bridge's "
-                "export, or Megatron's checkpoint converter) and start from it with --load-hf DIR")
-    pickled = sorted(p.name for p in path.glob("*.bin")) + sorted(p.name for p in path.glob("*.pt"))
-    if pickled:
-        return (f"; it holds {', '.join(pickled[:3])}, pickles (they can run code when loaded): re-save as "
-                "safetensors, e.g. a Hugging Face folder with save_pretrained(..., safe_serialization=True), "
-                "and start from it with --load-hf DIR")
-    if (path / "config.json").is_file():
-        return "; it looks like a Hugging Face folder: start from it with --load-hf DIR"
-    return ""
 
 
 def _fits(saved: list[int], mine: list[int], real: int | None) -> bool:
