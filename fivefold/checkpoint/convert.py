@@ -34,7 +34,7 @@ from fivefold.checkpoint.optim_state import MAIN, MOMENTS
 from fivefold.checkpoint.reshard import Reader, checkpoint_source, fill, fill_flat, spec_of
 from fivefold.config.schema import Config, to_dict
 from fivefold.config.validate import layout_of
-from fivefold.errors import UserError
+from fivefold.errors import UserError, write_failed
 from fivefold.parallel.param_meta import named_metas
 from fivefold.runtime.mesh import OWN_COMMUNICATOR, Group, Mesh
 from fivefold.topology import Layout
@@ -107,14 +107,21 @@ def convert(src: str | Path, dst: str | Path, config: Config, *, log: Callable[[
     rngs = _rng_files(folder, meta, layout.world_size)
     tmp = out.parent / f".tmp-{out.name}"  # a save's own name for a folder being written (checkpoint.layout)
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    try:
+        tmp.mkdir(parents=True)
+    except OSError as e:
+        raise write_failed(tmp, e, "the converted checkpoint") from None
     try:
         _write(folder, meta, config, layout, tmp, rngs, log)
+        tmp.rename(out)
+        _point_latest(out, log)
+    except OSError as e:  # a full disk, a read-only folder: named, DST as it was
+        shutil.rmtree(tmp, ignore_errors=True)
+        (out.parent / ".latest.tmp").unlink(missing_ok=True)
+        raise write_failed(e.filename or tmp, e, f"the converted checkpoint; {dst} is left as it was") from None
     except BaseException:  # an error or Ctrl-C leaves DST as it was
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    tmp.rename(out)
-    _point_latest(out, log)
     return out
 
 

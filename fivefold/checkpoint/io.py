@@ -31,7 +31,7 @@ from fivefold.checkpoint.optim_state import (MAIN, OptimShard, ShardOf, load_opt
                                              whole_shards)
 from fivefold.checkpoint.reshard import Reader, checkpoint_source, entry_source, fill, fill_flat
 from fivefold.config.schema import ModelConfig
-from fivefold.errors import UserError
+from fivefold.errors import UserError, write_failed
 from fivefold.parallel.param_meta import named_metas
 
 
@@ -90,7 +90,8 @@ def save_checkpoint(root: str | Path, step: int, *, model: nn.Module, optimizer:
                     rank: int, writes_params: bool, barrier: Callable[[], None], extra: dict,
                     shard_of: ShardOf | None = None, keep: int = 2,
                     optim_shards: list[OptimShard] | None = None, writes_optim: bool | None = None,
-                    defer: Callable[[dict, Path], None] | None = None) -> Path:
+                    defer: Callable[[dict, Path], None] | None = None,
+                    all_ok: Callable[[bool], bool] = lambda ok: ok) -> Path:
     """Write checkpoint `step` under `root` on every rank (collective: all ranks call it); returns its folder.
 
     `writes_params`: this rank writes its parameter shards (False on DP replicas > 0).
@@ -103,15 +104,49 @@ def save_checkpoint(root: str | Path, step: int, *, model: nn.Module, optimizer:
     `defer` (async save, fivefold.checkpoint.async_save): each tensor file is handed to it as host
     copies instead of written, and the checkpoint is not committed: the caller writes the files, then
     calls `commit_checkpoint` on every rank.
+    `all_ok(ok)`: whether every rank wrote its files (a collective): a write that fails on one rank (a
+    full disk) ends the save on every rank with the message, its folder removed, `latest` unchanged.
     """
     root = Path(root)
     shard_of = shard_of or placed_by_meta(model)
     final, tmp = step_dir(root, step), _tmp_dir(root, step)
     write = _save if defer is None else (lambda tensors, path: defer(_host_copies(tensors), path))
+    failed = None
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
+        try:
+            tmp.mkdir(parents=True)
+        except OSError as e:
+            failed = write_failed(tmp, e, f"checkpoint {step}")
     barrier()
+    try:
+        if failed is None:
+            _write_files(tmp, rank, model, optimizer, shard_of, write, writes_params, optim_shards, writes_optim)
+    except OSError as e:
+        failed = write_failed(e.filename or tmp, e, f"checkpoint {step}; {_latest_note(root)}")
+    agreed = all_ok(failed is None)
+    if not agreed:  # every rank has stopped writing: the partial folder goes
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise failed or PeerFailed(f"checkpoint {step}: another rank could not write its files (its message says "
+                                   f"why); {_latest_note(root)}")
+    if defer is None:
+        commit_checkpoint(root, step, rank=rank, barrier=barrier, extra=extra, keep=keep, all_ok=all_ok)
+    return final
+
+
+class PeerFailed(UserError):
+    """This rank stopped because another one failed, whose own error says why."""
+
+
+def _latest_note(root: Path) -> str:
+    latest = root / "latest"
+    return f"{latest.read_text().strip()} stays latest" if latest.is_file() else "no checkpoint was written"
+
+
+def _write_files(tmp: Path, rank: int, model: nn.Module, optimizer, shard_of: ShardOf, write, writes_params: bool,
+                 optim_shards: list[OptimShard] | None, writes_optim: bool | None) -> None:
+    """This rank's files of a checkpoint being saved into `tmp` (save_checkpoint)."""
     tag = f"{rank:05d}"
     write(rng_state(), tmp / rng_file(rank))
     if writes_params:
@@ -131,19 +166,26 @@ def save_checkpoint(root: str | Path, step: int, *, model: nn.Module, optimizer:
     if writes_params if writes_optim is None else writes_optim:
         save_optim(tmp, tag, model, optimizer, whole_shards(model) if optim_shards is None else optim_shards,
                    shard_of, write)
-    if defer is None:
-        commit_checkpoint(root, step, rank=rank, barrier=barrier, extra=extra, keep=keep)
-    return final
 
 
 def commit_checkpoint(root: str | Path, step: int, *, rank: int, barrier: Callable[[], None], extra: dict,
-                      keep: int = 2) -> Path:
+                      keep: int = 2, all_ok: Callable[[bool], bool] = lambda ok: ok) -> Path:
     """Once every rank's files of checkpoint `step` are written (collective): rank 0 writes the metadata
-    and renames the folder into place (`latest` names it from then on)."""
+    and renames the folder into place (`latest` names it from then on). A commit that cannot write
+    ends on every rank (`all_ok`), the folder removed, `latest` unchanged."""
     root = Path(root)
     barrier()
+    failed = None
     if rank == 0:
-        _commit(root, _tmp_dir(root, step), step_dir(root, step), step, extra, keep)
+        tmp = _tmp_dir(root, step)
+        try:
+            _commit(root, tmp, step_dir(root, step), step, extra, keep)
+        except OSError as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            (root / ".latest.tmp").unlink(missing_ok=True)
+            failed = write_failed(e.filename or tmp, e, f"checkpoint {step}; {_latest_note(root)}")
+    if not all_ok(failed is None):
+        raise failed or PeerFailed(f"checkpoint {step}: rank 0 could not commit it (its message says why)")
     barrier()
     return step_dir(root, step)
 

@@ -37,7 +37,7 @@ from fivefold.checkpoint.io import Held, _assemble, check_fits, read_metadata
 from fivefold.checkpoint.layout import ShardSpec, source_name
 from fivefold.checkpoint.metadata import damaged
 from fivefold.config.schema import ModelConfig, config_from_dict
-from fivefold.errors import NotImplementedYet, UserError
+from fivefold.errors import NotImplementedYet, UserError, write_failed
 from fivefold.model.hf import INDEX, SINGLE, _expected_shapes, mtp_copies, hf_name
 from fivefold.model.init import VOCAB_PARAMS
 
@@ -212,6 +212,9 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, *, max_shard_size: st
     try:
         _write_export(folder, meta, config, names, shapes, hf, limit, tmp)
         _replace(out, tmp)
+    except OSError as e:  # a full disk, a read-only folder: named, OUT_DIR as it was
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise write_failed(e.filename or tmp, e, f"the export; {out} is left as it was") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
