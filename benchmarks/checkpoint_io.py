@@ -6,7 +6,8 @@
 Each rank holds the model (fp32) and its AdamW state after one step (DP replicas: the same values).
 Ours: `fivefold.checkpoint.io.save_checkpoint` / `load_checkpoint` (DP rank 0 writes parameters and
 moments; every rank reads only its ranges back) and the async saver's blocking part (the copy to CPU;
-the write then runs in a background thread, timed to its commit). DCP: `dcp.save` / `dcp.load` of the
+the write then runs in a background thread, timed to its commit); and the same save and load with the
+checksums off (a save that records none, so the load verifies none: what CRC-32 costs). DCP: `dcp.save` / `dcp.load` of the
 same tensors as a flat state dict (parameters, exp_avg, exp_avg_sq), on gloo; DCP deduplicates the
 replicated tensors so that one rank writes each. Per operation, the slowest rank's median over
 `--repeats` runs, and the largest per-rank rise of resident memory during it (VmHWM after resetting
@@ -77,6 +78,24 @@ def _rank(rank: int, world: int, folder: str, repeats: int) -> dict:
 
     saver = AsyncSaver(rank, barrier)
 
+    def unsummed(fn):
+        """fn with the checksums off (fivefold.checkpoint.checksum): what they cost is the difference."""
+        def run(i):
+            kept = io.sums_of_written, io.write_sums
+            io.sums_of_written, io.write_sums = (lambda path, held: None), (lambda path, sums: None)
+            try:
+                fn(i)
+            finally:
+                io.sums_of_written, io.write_sums = kept
+        return run
+
+    def plain_save(i):
+        io.save_checkpoint(root / "plain", i, model=model, optimizer=opt, rank=rank, writes_params=mesh.dp.rank == 0,
+                           barrier=barrier, extra={"optimizer_step": 1, "world_size": world}, keep=1)
+
+    def plain_load(i):
+        io.load_checkpoint(root / "plain", model=model, optimizer=opt, rank=rank, world_size=world)
+
     def ours_async_start(i):
         saver.save(root / "async", i, extra={"optimizer_step": 1, "world_size": world}, keep=1, model=model,
                    optimizer=opt, writes_params=mesh.dp.rank == 0)
@@ -97,6 +116,7 @@ def _rank(rank: int, world: int, folder: str, repeats: int) -> dict:
 
     out = {}
     ops = [("ours", "save", ours_save), ("ours", "load", ours_load), ("ours", "async save (blocking part)", ours_async_start),
+           ("ours, no checksums", "save", unsummed(plain_save)), ("ours, no checksums", "load", plain_load),
            ("DCP", "save", dcp_save), ("DCP", "load", dcp_load)]
     for who, what, fn in ops:
         times, mems = [], []

@@ -10,3 +10,14 @@ class NotImplementedYet(UserError):
 
     def __init__(self, what: str):
         super().__init__(f"{what}: not implemented yet")
+
+
+class WriteFailed(UserError):
+    """A file could not be written (a full disk, a read-only folder, a quota): a user can fix it."""
+
+
+def write_failed(path, error: OSError, what: str = "") -> WriteFailed:
+    """The error for an OSError writing `path` (`what`: what the file is, and what stays as it was)."""
+    reason = error.strerror or f"{error} (a full disk?)"  # numpy's tofile: "N requested and M written"
+    return WriteFailed(f"cannot write {path}{f' ({what})' if what else ''}: {reason}; free space on that disk (or make "
+                       "the folder writable, or give another folder) and run again")

@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from fivefold.errors import UserError
+from fivefold.errors import UserError, write_failed
 from fivefold.watchdog import Monitor, clear
 
 POLL_S = 0.05
@@ -142,17 +142,20 @@ def _hang(message: str, procs: list[subprocess.Popen], log_dir: Path) -> int:
 def launch(nproc: int, worker_args: list[str], log_dir: Path, *, timeout_s: float = 600.0) -> int:
     """Run `python -m fivefold.cli.rank *worker_args` on ranks 0..nproc-1; 0 when all succeed.
     A job whose ranks make no progress for `timeout_s` is stopped (see the module docstring)."""
-    log_dir.mkdir(parents=True, exist_ok=True)
-    for old in log_dir.glob("rank-*.error"):
-        old.unlink()
-    clear(log_dir)
+    try:
+        log_dir.mkdir(parents=True, exist_ok=True)
+        for old in log_dir.glob("rank-*.error"):
+            old.unlink()
+        clear(log_dir)
+        logs = [None] + [open(log_dir / f"rank-{r}.log", "w") for r in range(1, nproc)]
+    except OSError as e:
+        raise write_failed(e.filename or log_dir, e, "the ranks' logs") from None
     monitor = Monitor(log_dir, nproc, timeout_s)
     port = free_port()
-    procs, logs = [], []
+    procs = []
     try:
         for r in range(nproc):
-            out = None if r == 0 else open(log_dir / f"rank-{r}.log", "w")
-            logs.append(out)
+            out = logs[r]
             procs.append(subprocess.Popen([sys.executable, "-m", "fivefold.cli.rank", *worker_args],
                                           env=rank_env(r, nproc, port), stdout=out,
                                           stderr=subprocess.STDOUT if out else None, preexec_fn=_rank_signals))
@@ -182,7 +185,9 @@ def launch(nproc: int, worker_args: list[str], log_dir: Path, *, timeout_s: floa
 def _is_peer_error(log_dir: Path, rank: int) -> bool:
     """True when a rank's crash is a collective that lost its peer (the cause is another rank)."""
     try:
-        tb = json.loads((log_dir / f"rank-{rank}.error").read_text()).get("traceback", "")
+        info = json.loads((log_dir / f"rank-{rank}.error").read_text())
     except (OSError, ValueError):
         return False
-    return any(s in tb for s in ("Connection closed by peer", "Connection reset", "Broken pipe", "gloo"))
+    tb = info.get("traceback", "")
+    return info.get("peer", False) or any(s in tb for s in ("Connection closed by peer", "Connection reset",
+                                                             "Broken pipe", "gloo"))

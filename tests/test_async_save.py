@@ -108,7 +108,8 @@ def test_a_writer_that_fails_on_one_rank_stops_every_rank_before_the_commit(tmp_
     from fivefold.checkpoint.async_save import AsyncSaver
     from fivefold.errors import UserError
 
-    saver = AsyncSaver(0, lambda: None, all_ok=lambda ok: False)  # another rank's writer failed
+    agreed = iter([True, False])  # staging went well everywhere; then another rank's writer failed
+    saver = AsyncSaver(0, lambda: None, all_ok=lambda ok: next(agreed))
     model = Decoder(tiny_config(tmp_path).model)
     saver.save(tmp_path / "ckpt", 1, model=model, optimizer=torch.optim.AdamW(model.parameters()),
                writes_params=True, extra={})

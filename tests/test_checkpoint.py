@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from fivefold.checkpoint import io
+from fivefold.checkpoint.checksum import write_metadata
 from fivefold.checkpoint.layout import ShardSpec, resolve
 from fivefold.checkpoint.reshard import Reader, checkpoint_source, fill
 from fivefold.errors import UserError
@@ -168,7 +169,7 @@ def test_damaged_metadata_is_named(tmp_path, edit, said):
     model, opt = _trained()
     _save(tmp_path, 1, model, opt)
     file = tmp_path / "step_00000001" / "metadata.json"
-    file.write_text(json.dumps(edit(json.loads(file.read_text()))))
+    write_metadata(file.parent, edit(json.loads(file.read_text())))  # edited with its checksum: a structure check
     with pytest.raises(UserError, match=f"{file}: {said}.*the checkpoint is damaged"):
         io.read_metadata(tmp_path)
 

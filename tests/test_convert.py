@@ -12,6 +12,7 @@ from safetensors import safe_open
 
 from _train_util import corpus, one_process_context, tiny_config
 from fivefold.checkpoint import io
+from fivefold.checkpoint.checksum import write_metadata
 from fivefold.checkpoint.convert import write_streaming
 from fivefold.cli import main
 from fivefold.cli.train import prepare
@@ -136,7 +137,7 @@ def test_convert_refuses_a_checkpoint_without_a_rank_file_or_config(saved, tmp_p
     assert "rng-00000.safetensors is missing" in capsys.readouterr().err
     meta = json.loads((src / "metadata.json").read_text())
     del meta["config"]
-    (src / "metadata.json").write_text(json.dumps(meta))
+    write_metadata(src, meta)
     assert main(["convert", str(src), str(tmp_path / "dst")]) == 2
     assert "its metadata.json has no config" in capsys.readouterr().err
     assert not (tmp_path / "dst").exists()

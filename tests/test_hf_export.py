@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from _tol import close
 from _train_util import corpus
+from fivefold.checkpoint.checksum import write_metadata
 from fivefold.checkpoint.io import load_checkpoint, save_checkpoint
 from fivefold.cli import main
 from fivefold.cli.train import prepare
@@ -270,7 +271,7 @@ def test_export_refuses_a_config_that_does_not_describe_the_tensors(small_checkp
     file = ckpt / "step_00000000" / "metadata.json"
     meta = json.loads(file.read_text())
     edit(meta)
-    file.write_text(json.dumps(meta))
+    write_metadata(file.parent, meta)
     assert main(["export", str(ckpt), str(tmp_path / "out")]) == 2
     assert said in capsys.readouterr().err
     assert not (tmp_path / "out").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from fivefold.checkpoint.checksum import write_metadata
 from fivefold.errors import UserError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -140,7 +141,7 @@ def test_a_checkpoint_that_cannot_be_resumed_is_refused_before_any_rank_starts(t
     assert main([*train, "--out", str(tmp_path / "a")]) == 2
     assert f"checkpoint {folder}: its metadata.json has no 'data.next_step'" in capsys.readouterr().err
     meta = json.loads((folder / "metadata.json").read_text())
-    (folder / "metadata.json").write_text(json.dumps({**meta, "data": {"next_step": 1}}))
+    write_metadata(folder, {**meta, "data": {"next_step": 1}})
     (folder / "rng-00000.safetensors").unlink()
     assert main([*train, "--out", str(tmp_path / "b")]) == 2
     assert f"checkpoint {folder}: rng-00000.safetensors is missing" in capsys.readouterr().err

@@ -11,14 +11,15 @@ the training thread, where every rank calls it at the same step.
 """
 from __future__ import annotations
 
+import shutil
 import threading
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from fivefold.checkpoint.io import _save, commit_checkpoint, save_checkpoint
-from fivefold.errors import UserError
+from fivefold.checkpoint.io import PeerFailed, _latest_note, _save, _tmp_dir, commit_checkpoint, save_checkpoint
+from fivefold.errors import write_failed
 
 
 class AsyncSaver:
@@ -38,7 +39,7 @@ class AsyncSaver:
         self.finish()
         files: list[tuple[dict[str, torch.Tensor], Path]] = []
         final = save_checkpoint(root, step, rank=self.rank, barrier=self.barrier, extra=extra, keep=keep,
-                                defer=lambda tensors, path: files.append((tensors, path)), **kw)
+                                defer=lambda tensors, path: files.append((tensors, path)), all_ok=self.all_ok, **kw)
         self._commit = {"root": root, "step": step, "extra": extra, "keep": keep}
         self._writer = threading.Thread(target=self._write, args=(files,), name=f"checkpoint-writer-{step}",
                                         daemon=True)
@@ -59,8 +60,14 @@ class AsyncSaver:
         self._writer.join()
         self._writer, pending = None, self._commit
         error, self._error = self._error, None
+        root, step = Path(pending["root"]), pending["step"]
+        if isinstance(error, OSError):  # a full disk, a read-only folder: a message, not a traceback
+            error = write_failed(error.filename or _tmp_dir(root, step), error, f"checkpoint {step}; "
+                                 f"{_latest_note(root)}")
         if not self.all_ok(error is None):  # every rank stops here, none commits a partial checkpoint
-            raise error or UserError(f"checkpoint {pending['step']}: another rank's writer failed (its log says why); "
-                                     "the previous checkpoint stays latest")
-        return commit_checkpoint(pending["root"], pending["step"], rank=self.rank, barrier=self.barrier,
-                                 extra=pending["extra"], keep=pending["keep"])
+            if self.rank == 0:  # every writer has ended: the partial folder goes
+                shutil.rmtree(_tmp_dir(root, step), ignore_errors=True)
+            raise error or PeerFailed(f"checkpoint {step}: another rank's writer failed (its log says why); "
+                                      "the previous checkpoint stays latest")
+        return commit_checkpoint(root, step, rank=self.rank, barrier=self.barrier, extra=pending["extra"],
+                                 keep=pending["keep"], all_ok=self.all_ok)

@@ -18,11 +18,14 @@ import math
 import os
 import shutil
 import struct
+import zlib
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
 
+from fivefold.checkpoint.checksum import (ALGORITHM, CHUNK_BYTES, FileSums, block_sums, expected, tensor_bytes,
+                                          verify_file, write_metadata)
 from fivefold.checkpoint.io import (buffers_saved, check_fits, has_rng, placed_by_meta, read_metadata,
                                     tensors_saved)
 from fivefold.checkpoint.layout import (FORMAT, TIED, ShardSpec, complete_checkpoints, resolve, source_name, step_dir,
@@ -31,7 +34,7 @@ from fivefold.checkpoint.optim_state import MAIN, MOMENTS
 from fivefold.checkpoint.reshard import Reader, checkpoint_source, fill, fill_flat, spec_of
 from fivefold.config.schema import Config, to_dict
 from fivefold.config.validate import layout_of
-from fivefold.errors import UserError
+from fivefold.errors import UserError, write_failed
 from fivefold.parallel.param_meta import named_metas
 from fivefold.runtime.mesh import OWN_COMMUNICATOR, Group, Mesh
 from fivefold.topology import Layout
@@ -51,9 +54,10 @@ def paper_mesh(layout: Layout, rank: int) -> Mesh:
 
 
 def write_streaming(path: Path, entries: list[tuple[str, torch.dtype, tuple[int, ...]]],
-                    produce: Callable[[str], torch.Tensor]) -> None:
+                    produce: Callable[[str], torch.Tensor]) -> FileSums:
     """A safetensors file written tensor by tensor: the header from `entries` (name, dtype, shape)
-    first, then `produce(name)` for each in turn, so only one tensor is in memory at a time."""
+    first, then `produce(name)` for each in turn, so only one tensor is in memory at a time; returns
+    its checksums (fivefold.checkpoint.checksum)."""
     header, offset = {}, 0
     for name, dtype, shape in entries:
         n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
@@ -61,14 +65,18 @@ def write_streaming(path: Path, entries: list[tuple[str, torch.dtype, tuple[int,
         offset += n
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
+    head = struct.pack("<Q", len(text)) + text
+    sums = {"header": [len(head), zlib.crc32(head)], "tensors": {}}
     with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(text)))
-        f.write(text)
+        f.write(head)
         for name, dtype, shape in entries:
             t = produce(name).to(dtype).contiguous()
             if tuple(t.shape) != tuple(shape):
                 raise ValueError(f"{name}: produced {tuple(t.shape)}, header says {shape}")
-            f.write(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+            data = tensor_bytes(t)
+            sums["tensors"][name] = block_sums(data)
+            f.write(data)
+    return sums
 
 
 def _writes(config: Config, mesh: Mesh) -> bool:
@@ -99,14 +107,21 @@ def convert(src: str | Path, dst: str | Path, config: Config, *, log: Callable[[
     rngs = _rng_files(folder, meta, layout.world_size)
     tmp = out.parent / f".tmp-{out.name}"  # a save's own name for a folder being written (checkpoint.layout)
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    try:
+        tmp.mkdir(parents=True)
+    except OSError as e:
+        raise write_failed(tmp, e, "the converted checkpoint") from None
     try:
         _write(folder, meta, config, layout, tmp, rngs, log)
+        tmp.rename(out)
+        _point_latest(out, log)
+    except OSError as e:  # a full disk, a read-only folder: named, DST as it was
+        shutil.rmtree(tmp, ignore_errors=True)
+        (out.parent / ".latest.tmp").unlink(missing_ok=True)
+        raise write_failed(e.filename or tmp, e, f"the converted checkpoint; {dst} is left as it was") from None
     except BaseException:  # an error or Ctrl-C leaves DST as it was
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    tmp.rename(out)
-    _point_latest(out, log)
     return out
 
 
@@ -148,8 +163,9 @@ def _write(folder: Path, meta: dict, config: Config, layout: Layout, tmp: Path, 
     weights = checkpoint_source(folder, meta)
     moments = {m: checkpoint_source(folder, meta, "optim_shards", f".{m}") for m in (*MOMENTS, MAIN)}
     listing: dict[str, dict] = {}
+    sums: dict[str, FileSums] = {}
     has_optim = bool(meta.get("optimizer_step"))
-    with Reader() as reader, torch.no_grad():
+    with Reader(expected(folder, meta)) as reader, torch.no_grad():
         for rank in range(layout.world_size):
             mesh = paper_mesh(layout, rank)
             if not _writes(config, mesh):
@@ -176,28 +192,34 @@ def _write(folder: Path, meta: dict, config: Config, layout: Layout, tmp: Path, 
                                            "shards": [], **({"buffer": True} if n in buffers else {})})
                 e["shards"].append({"file": f"model-{tag}.safetensors", "offsets": list(specs[n].offsets),
                                     "shape": list(p.shape)})
-            write_streaming(tmp / f"model-{tag}.safetensors", [(n, p.dtype, tuple(p.shape)) for n, p in params.items()],
-                            lambda n: params[n].data)
+            sums[f"model-{tag}.safetensors"] = write_streaming(
+                tmp / f"model-{tag}.safetensors", [(n, p.dtype, tuple(p.shape)) for n, p in params.items()],
+                lambda n: params[n].data)
             if has_optim:
-                _write_optim(tmp / f"optim-{tag}.safetensors", {n: p for n, p in params.items() if n not in buffers},
-                             specs, keys, moments, reader, listing)
+                sums[f"optim-{tag}.safetensors"] = _write_optim(
+                    tmp / f"optim-{tag}.safetensors", {n: p for n, p in params.items() if n not in buffers},
+                    specs, keys, moments, reader, listing)
             model = params = None  # freed before the next destination rank's are built
             log(f"destination rank {rank}: written")
     extra = [n for n, e in meta["params"].items() if n not in listing and TIED.get(n) not in listing
              and not e.get("buffer")]
     if extra:  # the model config matched (check_fits): a parameter no destination rank holds is a bug to report
         raise UserError(f"convert: {extra[0]} of {folder} is held by no rank of the destination layout")
-    for rng in rngs:
+    recorded = expected(folder, meta)
+    for rng in rngs:  # verified where the source records it, then copied with its record
+        if rng in recorded:
+            verify_file(rng, recorded[rng])
         shutil.copyfile(rng, tmp / rng.name)
-    kept = {k: v for k, v in meta.items() if k not in ("params", "format", "config", "world_size")}
-    (tmp / "metadata.json").write_text(json.dumps(
-        {"format": FORMAT, **kept, "world_size": layout.world_size, "rng_saved": bool(rngs), "params": listing,
-         "config": to_dict(config),
-         "converted_from": str(folder)}, indent=1))
+        if rng in recorded:
+            sums[rng.name] = recorded[rng]
+    kept = {k: v for k, v in meta.items() if k not in ("params", "format", "config", "world_size", "checksums")}
+    write_metadata(tmp, {"format": FORMAT, **kept, "world_size": layout.world_size, "rng_saved": bool(rngs),
+                         "params": listing, "config": to_dict(config), "converted_from": str(folder),
+                         "checksums": {"algorithm": ALGORITHM, "chunk_bytes": CHUNK_BYTES, "files": sums}})
 
 
 def _write_optim(path: Path, params: dict[str, torch.Tensor], specs: dict[str, ShardSpec], keys: dict[str, str],
-                 moments: dict[str, dict], reader: Reader, listing: dict[str, dict]) -> None:
+                 moments: dict[str, dict], reader: Reader, listing: dict[str, dict]) -> FileSums:
     """Each parameter's moments (and fp32 main copy, where the source has one) as one flat range
     covering the destination shard, computed when the streaming writer reaches it."""
     entries, plan = [], {}
@@ -215,4 +237,4 @@ def _write_optim(path: Path, params: dict[str, torch.Tensor], specs: dict[str, S
         if t is None:
             raise UserError(f"convert: optimizer state {m} of {n} is not covered by the source's ranges")
         return t
-    write_streaming(path, entries, produce)
+    return write_streaming(path, entries, produce)

@@ -22,14 +22,16 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from fivefold.checkpoint.layout import (FORMAT, ShardSpec, complete_checkpoints, open_shard, resolve,
-                                        source_name, step_dir, whole)
+from fivefold.checkpoint.checksum import expected, merge_sums, sums_of_written, verify_file, verify_metadata, write_sums, \
+    write_metadata
+from fivefold.checkpoint.layout import (FORMAT, ShardSpec, complete_checkpoints, foreign_format, open_shard,
+                                        resolve, source_name, step_dir, whole)
 from fivefold.checkpoint.metadata import check_metadata, resume_step
 from fivefold.checkpoint.optim_state import MAIN, ShardOf, load_optim, merge_listings, save_optim
 from fivefold.parallel.optimizer import OptimShard, whole_shards
 from fivefold.checkpoint.reshard import Reader, checkpoint_source, entry_source, fill, fill_flat
 from fivefold.config.schema import ModelConfig
-from fivefold.errors import UserError
+from fivefold.errors import UserError, write_failed
 from fivefold.parallel.param_meta import named_metas
 
 
@@ -69,9 +71,12 @@ def _fsync_dir(path: Path) -> None:
 
 
 def _save(tensors: dict[str, torch.Tensor], path: Path) -> None:
-    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(path))
+    """One safetensors file, synced, and its checksums beside it (folded into metadata.json on commit)."""
+    held = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
+    save_file(held, str(path))
     with open(path, "rb") as f:
         os.fsync(f.fileno())
+    write_sums(path, sums_of_written(path, held))
 
 
 def rng_state() -> dict[str, torch.Tensor]:
@@ -85,7 +90,8 @@ def save_checkpoint(root: str | Path, step: int, *, model: nn.Module, optimizer:
                     rank: int, writes_params: bool, barrier: Callable[[], None], extra: dict,
                     shard_of: ShardOf | None = None, keep: int = 2,
                     optim_shards: list[OptimShard] | None = None, writes_optim: bool | None = None,
-                    defer: Callable[[dict, Path], None] | None = None) -> Path:
+                    defer: Callable[[dict, Path], None] | None = None,
+                    all_ok: Callable[[bool], bool] = lambda ok: ok) -> Path:
     """Write checkpoint `step` under `root` on every rank (collective: all ranks call it); returns its folder.
 
     `writes_params`: this rank writes its parameter shards (False on DP replicas > 0).
@@ -98,15 +104,49 @@ def save_checkpoint(root: str | Path, step: int, *, model: nn.Module, optimizer:
     `defer` (async save, fivefold.checkpoint.async_save): each tensor file is handed to it as host
     copies instead of written, and the checkpoint is not committed: the caller writes the files, then
     calls `commit_checkpoint` on every rank.
+    `all_ok(ok)`: whether every rank wrote its files (a collective): a write that fails on one rank (a
+    full disk) ends the save on every rank with the message, its folder removed, `latest` unchanged.
     """
     root = Path(root)
     shard_of = shard_of or placed_by_meta(model)
     final, tmp = step_dir(root, step), _tmp_dir(root, step)
     write = _save if defer is None else (lambda tensors, path: defer(_host_copies(tensors), path))
+    failed = None
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
+        try:
+            tmp.mkdir(parents=True)
+        except OSError as e:
+            failed = write_failed(tmp, e, f"checkpoint {step}")
     barrier()
+    try:
+        if failed is None:
+            _write_files(tmp, rank, model, optimizer, shard_of, write, writes_params, optim_shards, writes_optim)
+    except OSError as e:
+        failed = write_failed(e.filename or tmp, e, f"checkpoint {step}; {_latest_note(root)}")
+    agreed = all_ok(failed is None)
+    if not agreed:  # every rank has stopped writing: the partial folder goes
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise failed or PeerFailed(f"checkpoint {step}: another rank could not write its files (its message says "
+                                   f"why); {_latest_note(root)}")
+    if defer is None:
+        commit_checkpoint(root, step, rank=rank, barrier=barrier, extra=extra, keep=keep, all_ok=all_ok)
+    return final
+
+
+class PeerFailed(UserError):
+    """This rank stopped because another one failed, whose own error says why."""
+
+
+def _latest_note(root: Path) -> str:
+    latest = root / "latest"
+    return f"{latest.read_text().strip()} stays latest" if latest.is_file() else "no checkpoint was written"
+
+
+def _write_files(tmp: Path, rank: int, model: nn.Module, optimizer, shard_of: ShardOf, write, writes_params: bool,
+                 optim_shards: list[OptimShard] | None, writes_optim: bool | None) -> None:
+    """This rank's files of a checkpoint being saved into `tmp` (save_checkpoint)."""
     tag = f"{rank:05d}"
     write(rng_state(), tmp / rng_file(rank))
     if writes_params:
@@ -126,19 +166,26 @@ def save_checkpoint(root: str | Path, step: int, *, model: nn.Module, optimizer:
     if writes_params if writes_optim is None else writes_optim:
         save_optim(tmp, tag, model, optimizer, whole_shards(model) if optim_shards is None else optim_shards,
                    shard_of, write)
-    if defer is None:
-        commit_checkpoint(root, step, rank=rank, barrier=barrier, extra=extra, keep=keep)
-    return final
 
 
 def commit_checkpoint(root: str | Path, step: int, *, rank: int, barrier: Callable[[], None], extra: dict,
-                      keep: int = 2) -> Path:
+                      keep: int = 2, all_ok: Callable[[bool], bool] = lambda ok: ok) -> Path:
     """Once every rank's files of checkpoint `step` are written (collective): rank 0 writes the metadata
-    and renames the folder into place (`latest` names it from then on)."""
+    and renames the folder into place (`latest` names it from then on). A commit that cannot write
+    ends on every rank (`all_ok`), the folder removed, `latest` unchanged."""
     root = Path(root)
     barrier()
+    failed = None
     if rank == 0:
-        _commit(root, _tmp_dir(root, step), step_dir(root, step), step, extra, keep)
+        tmp = _tmp_dir(root, step)
+        try:
+            _commit(root, tmp, step_dir(root, step), step, extra, keep)
+        except OSError as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            (root / ".latest.tmp").unlink(missing_ok=True)
+            failed = write_failed(e.filename or tmp, e, f"checkpoint {step}; {_latest_note(root)}")
+    if not all_ok(failed is None):
+        raise failed or PeerFailed(f"checkpoint {step}: rank 0 could not commit it (its message says why)")
     barrier()
     return step_dir(root, step)
 
@@ -156,9 +203,9 @@ def _commit(root: Path, tmp: Path, final: Path, step: int, extra: dict, keep: in
     params: dict[str, dict] = {}
     merge_listings(tmp, "shards", params, "shards")
     merge_listings(tmp, "optimshards", params, "optim_shards")
-    meta = {"format": FORMAT, "step": step, "params": params, **extra}
+    meta = {"format": FORMAT, "step": step, "params": params, **extra, "checksums": merge_sums(tmp)}
     bad = _merge_nonfinite(tmp)
-    (tmp / "metadata.json").write_text(json.dumps(meta, indent=1))
+    write_metadata(tmp, meta)
     _fsync_dir(tmp)
     shutil.rmtree(final, ignore_errors=True)
     os.rename(tmp, final)
@@ -205,33 +252,14 @@ def read_metadata(path: str | Path, what: str = "--load") -> tuple[Path, dict]:
                         f"with step_* folders){foreign_format(Path(path))}")
     file = found / "metadata.json"
     try:
-        meta = json.loads(file.read_text())
+        text = file.read_bytes()
+        verify_metadata(found, text)
+        meta = json.loads(text)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise UserError(f"{file}: not valid JSON ({e}); the checkpoint is damaged: load the one "
                         "before it") from None
     check_metadata(meta, file)
     return found, meta
-
-
-def foreign_format(path: Path) -> str:
-    """Why a folder that is not ours cannot be loaded, and the way through, or ''."""
-    if not path.is_dir():
-        return ""
-    latest = path / "latest_checkpointed_iteration.txt"  # a Megatron-LM save root
-    inner = [path] + sorted(p for p in path.glob("iter_*") if p.is_dir())[-1:]
-    if latest.is_file() or any((p / ".metadata").is_file() or any(p.glob("*.distcp")) or any(p.glob("mp_rank_*"))
-                               for p in inner):
-        return ("; it is a Megatron-LM (torch_dist / legacy) or PyTorch DCP checkpoint, whose metadata is pickled, "
-                "and fivefold never unpickles files: convert it to a Hugging Face folder (Megatron-Bridge's "
-                "export, or Megatron's checkpoint converter) and start from it with --load-hf DIR")
-    pickled = sorted(p.name for p in path.glob("*.bin")) + sorted(p.name for p in path.glob("*.pt"))
-    if pickled:
-        return (f"; it holds {', '.join(pickled[:3])}, pickles (they can run code when loaded): re-save as "
-                "safetensors, e.g. a Hugging Face folder with save_pretrained(..., safe_serialization=True), "
-                "and start from it with --load-hf DIR")
-    if (path / "config.json").is_file():
-        return "; it looks like a Hugging Face folder: start from it with --load-hf DIR"
-    return ""
 
 
 def _fits(saved: list[int], mine: list[int], real: int | None) -> bool:
@@ -310,10 +338,10 @@ def check_fits(meta: dict, model: nn.Module | Mapping[str, Held], shard_of: Shar
         raise UserError(f"checkpoint {where} was saved from another model:\n  {shown}\n{fix}")
 
 
-def assemble(folder: Path, entry: dict, key: str, out: torch.Tensor, spec: ShardSpec) -> bool:
+def assemble(folder: Path, meta: dict, entry: dict, key: str, out: torch.Tensor, spec: ShardSpec) -> bool:
     """Fill `out` (at spec.offsets of the global tensor) from one parameter entry's shards: whether
     they cover it (fivefold.checkpoint.reshard.fill, for callers reading one parameter at a time)."""
-    with Reader() as reader, torch.no_grad():
+    with Reader(expected(folder, meta)) as reader, torch.no_grad():
         return fill(out, spec, entry_source(folder, key, entry), reader)
 
 
@@ -327,7 +355,7 @@ def _load_params(folder: Path, meta: dict, model: nn.Module, shard_of: ShardOf) 
     if missing:
         print(f"warning: checkpoint {folder} was saved without {len(missing)} buffer(s) of this model (first: "
               f"{missing[0]}): they keep their initial value (the MoE expert bias: zero)", file=sys.stderr, flush=True)
-    with Reader() as reader, torch.no_grad():
+    with Reader(expected(folder, meta)) as reader, torch.no_grad():
         for name, p in tensors_saved(model).items():
             if name in missing:
                 continue
@@ -385,6 +413,9 @@ def load_checkpoint(path: str | Path, *, model: nn.Module, optimizer: torch.opti
     folder, meta = read_metadata(path)
     shard_of = shard_of or placed_by_meta(model)
     check_fits(meta, model, shard_of, folder, model_config)
+    if rank == 0 and not expected(folder, meta):
+        print(f"note: checkpoint {folder} was saved without checksums (by an earlier fivefold): loaded unverified",
+              file=sys.stderr, flush=True)
     if (folder / NONFINITE).exists() and rank == 0:
         print(f"warning: loading {folder}, whose parameters hold non-finite values (listed in its {NONFINITE})",
               file=sys.stderr, flush=True)
@@ -397,6 +428,8 @@ def load_checkpoint(path: str | Path, *, model: nn.Module, optimizer: torch.opti
     if load_rng and has_rng(meta, world_size):
         if not (folder / rng).is_file():  # as a missing shard: never a run that silently starts other RNG streams
             raise _rng_missing(folder, [rank])
+        if folder / rng in expected(folder, meta):
+            verify_file(folder / rng, expected(folder, meta)[folder / rng])
         with open_shard(folder, rng) as f:
             torch.set_rng_state(f.get_tensor("torch_cpu"))
             if "torch_cuda" in f.keys() and torch.cuda.is_available():

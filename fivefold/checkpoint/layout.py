@@ -122,3 +122,24 @@ def open_shard(folder: Path, file: str):
     except Exception as e:  # noqa: BLE001 (safetensors' own errors for a truncated or damaged file)
         raise UserError(f"checkpoint {folder}: {file} is truncated or damaged ({e}); load the checkpoint before "
                         "it") from None
+
+
+def foreign_format(path: Path) -> str:
+    """Why a folder that is not ours cannot be loaded, and the way through, or ''."""
+    if not path.is_dir():
+        return ""
+    latest = path / "latest_checkpointed_iteration.txt"  # a Megatron-LM save root
+    inner = [path] + sorted(p for p in path.glob("iter_*") if p.is_dir())[-1:]
+    if latest.is_file() or any((p / ".metadata").is_file() or any(p.glob("*.distcp")) or any(p.glob("mp_rank_*"))
+                               for p in inner):
+        return ("; it is a Megatron-LM (torch_dist / legacy) or PyTorch DCP checkpoint, whose metadata is pickled, "
+                "and fivefold never unpickles files: convert it to a Hugging Face folder (Megatron-Bridge's "
+                "export, or Megatron's checkpoint converter) and start from it with --load-hf DIR")
+    pickled = sorted(p.name for p in path.glob("*.bin")) + sorted(p.name for p in path.glob("*.pt"))
+    if pickled:
+        return (f"; it holds {', '.join(pickled[:3])}, pickles (they can run code when loaded): re-save as "
+                "safetensors, e.g. a Hugging Face folder with save_pretrained(..., safe_serialization=True), "
+                "and start from it with --load-hf DIR")
+    if (path / "config.json").is_file():
+        return "; it looks like a Hugging Face folder: start from it with --load-hf DIR"
+    return ""

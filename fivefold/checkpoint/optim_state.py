@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from fivefold.checkpoint.checksum import expected
 from fivefold.checkpoint.layout import ShardSpec, source_name
 from fivefold.checkpoint.reshard import Reader, checkpoint_source, fill_flat
 from fivefold.errors import UserError
@@ -88,7 +89,7 @@ def load_optim(folder: Path, meta: dict, model: nn.Module, optimizer, shards: li
     # torch's fused AdamW (the GPU's, fivefold.parallel.optimizer) keeps its step count on the parameter's
     # device, the per-tensor one on the CPU
     fused = {id(p) for g in optimizer.param_groups if g.get("fused") for p in g["params"]}
-    with Reader() as reader:
+    with Reader(expected(folder, meta)) as reader:
         for s in shards:
             p = params[s.name]
             spec = shard_of(s.name, p)

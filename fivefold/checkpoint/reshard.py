@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from fivefold.checkpoint.checksum import FileSums, check_header, read_verified
 from fivefold.checkpoint.layout import ShardSpec, inside, open_shard, overlap
 from fivefold.errors import UserError
 from fivefold.parallel.param_meta import PLAIN, ParamMeta
@@ -66,9 +67,22 @@ _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF
 class _File:
     """One safetensors file read with positioned reads (os.pread) of just the bytes asked for: the
     pages are this process's own buffers, freed with them, not memory-mapped pages of the whole file
-    that stay resident while it is open. The header is checked by safetensors once (open_shard)."""
+    that stay resident while it is open. The header is checked by safetensors once (open_shard). With
+    the file's recorded checksums (`sums`, fivefold.checkpoint.checksum), its header and every block of
+    tensor data read are verified."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, sums: FileSums | None = None):
+        self.path, self.sums = path, sums
+        if sums is not None:  # first: a damaged header is named as such, not as whatever it parses to
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                fd = None  # open_shard names it
+            if fd is not None:
+                try:
+                    check_header(path, fd, sums)
+                finally:
+                    os.close(fd)
         with open_shard(path.parent, path.name) as f:  # a missing or damaged file: UserError naming it
             self.keys = set(f.keys())
         self.fd = os.open(path, os.O_RDONLY)
@@ -76,17 +90,23 @@ class _File:
         self.header = json.loads(os.pread(self.fd, n, 8))
         self.base = 8 + n
 
+    def _bytes(self, key: str, lo: int, hi: int) -> bytearray:
+        """Bytes [lo, hi) of tensor `key`'s data (verified, with checksums)."""
+        begin, end = self.header[key]["data_offsets"]
+        if self.sums is None:
+            return bytearray(os.pread(self.fd, hi - lo, self.base + begin + lo))
+        return read_verified(self.path, self.fd, self.sums, key, self.base + begin, end - begin, lo, hi)
+
     def read(self, key: str, slices: tuple[slice, ...]) -> torch.Tensor:
         """tensor[slices]: the rows of dim 0 that `slices` spans are read whole, the rest cut from them."""
         entry = self.header[key]
         dtype, shape = _DTYPES[entry["dtype"]], list(entry["shape"])
-        begin = entry["data_offsets"][0]
         if not shape:
-            return torch.frombuffer(bytearray(os.pread(self.fd, dtype.itemsize, self.base + begin)), dtype=dtype)[0]
+            return torch.frombuffer(self._bytes(key, 0, dtype.itemsize), dtype=dtype)[0]
         first = slices[0] if slices else slice(None)
         lo, hi, _ = first.indices(shape[0])
         row = math.prod(shape[1:]) * dtype.itemsize
-        data = bytearray(os.pread(self.fd, (hi - lo) * row, self.base + begin + lo * row)) if hi > lo else bytearray()
+        data = self._bytes(key, lo * row, hi * row) if hi > lo and row else bytearray()
         rows = torch.frombuffer(data, dtype=dtype).view(hi - lo, *shape[1:]) if data else \
             torch.empty(0, *shape[1:], dtype=dtype)
         return rows[(slice(None), *slices[1:])]
@@ -96,10 +116,12 @@ class _File:
 
 
 class Reader:
-    """Open safetensors files, each opened once however many pieces are read from it (`_File`)."""
+    """Open safetensors files, each opened once however many pieces are read from it (`_File`), each
+    read verified against its checksums where `sums` (path -> its record: checksum.expected) has them."""
 
-    def __init__(self):
+    def __init__(self, sums: Mapping[Path, FileSums] | None = None):
         self._open: dict[Path, _File] = {}
+        self._sums = sums or {}
 
     def __enter__(self) -> Reader:
         return self
@@ -111,7 +133,7 @@ class Reader:
 
     def file(self, path: Path) -> _File:
         if path not in self._open:
-            self._open[path] = _File(path)
+            self._open[path] = _File(path, self._sums.get(path))
         return self._open[path]
 
     def has(self, piece: Piece) -> bool:

@@ -16,7 +16,7 @@ import sys
 from fivefold.errors import UserError
 
 COMMANDS = [
-    "validate", "layout", "train", "schedule", "plan", "estimate", "preprocess", "export", "convert", "rl", "plot"]
+    "validate", "layout", "train", "schedule", "plan", "estimate", "preprocess", "export", "convert", "check", "rl", "plot"]
 
 
 def _load(name: str):

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import yaml
 
+from fivefold.cli._lock import holding, refuse_if_held
 from fivefold.cli._outputs import output_folder, removed_if_refused
 from fivefold.config.load import load_config
 from fivefold.config.schema import to_dict
@@ -33,6 +34,7 @@ def run(args, extra) -> int:
     from fivefold.checkpoint.convert import convert  # torch: loaded by this command only (`cli.main` imports
     from fivefold.checkpoint.io import read_metadata  # every command to build its parser)
 
+    refuse_if_held("DST", Path(args.dst))
     folder, meta = read_metadata(args.src, "SRC")
     if "config" not in meta:
         raise UserError(f"SRC {folder}: its metadata.json has no config (not written by fivefold train), so the "
@@ -47,7 +49,9 @@ def run(args, extra) -> int:
     # DST is made before convert's own checks (a step already there, a missing RNG file, a model that does
     # not fit the checkpoint): taken away again on a refusal when this command made it
     with removed_if_refused(args.dst):
-        out = convert(folder, output_folder("DST", args.dst), loaded.config, log=lambda line: print(line, flush=True))
+        dst = output_folder("DST", args.dst)
+        with holding("DST", dst, "convert"):
+            out = convert(folder, dst, loaded.config, log=lambda line: print(line, flush=True))
     print(f"wrote {out}")
     return 0
 

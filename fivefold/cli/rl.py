@@ -18,6 +18,7 @@ from pathlib import Path
 
 import yaml
 
+from fivefold.cli._lock import holding, refuse_if_held
 from fivefold.cli._outputs import output_folder
 from fivefold.errors import NotImplementedYet, UserError
 
@@ -108,6 +109,7 @@ def run(args, extra: list[str]) -> int:
     from fivefold.rl.grpo import GRPOConfig
     from fivefold.watchdog import timeout_of
 
+    refuse_if_held("--out", Path(args.out))
     path = Path(args.config)
     if not path.is_file():
         raise UserError(f"config file {args.config} not found")
@@ -134,11 +136,12 @@ def run(args, extra: list[str]) -> int:
     g.check(nproc, layout_of(config).dp, config.training.seq_length)
     g.check_memory(config, nproc, available_memory())
     out = output_folder("--out", args.out)  # made once the run is known to be valid
-    (out / "logs").mkdir(exist_ok=True)
-    (out / "actor.yaml").write_text(yaml.safe_dump(raw))
-    place(config, nproc)
-    spec = out / "run.json"
-    spec.write_text(json.dumps({"job": "rl", "config": to_dict(config), "grpo": grpo, "out": str(out),
-                                "data_dir": str(out)}, indent=1))
-    print(f"fivefold rl: {nproc} local ranks, output in {out}", file=sys.stderr)
-    return launch(nproc, [str(spec)], out / "logs", timeout_s=timeout_of(config.training))
+    with holding("--out", out, "rl"):  # --out is this run's until the ranks end (fivefold.cli._lock)
+        (out / "logs").mkdir(exist_ok=True)
+        (out / "actor.yaml").write_text(yaml.safe_dump(raw))
+        place(config, nproc)
+        spec = out / "run.json"
+        spec.write_text(json.dumps({"job": "rl", "config": to_dict(config), "grpo": grpo, "out": str(out),
+                                    "data_dir": str(out)}, indent=1))
+        print(f"fivefold rl: {nproc} local ranks, output in {out}", file=sys.stderr)
+        return launch(nproc, [str(spec)], out / "logs", timeout_s=timeout_of(config.training))

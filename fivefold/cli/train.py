@@ -6,11 +6,13 @@ or, under torchrun (RANK / WORLD_SIZE in the environment), runs as the rank torc
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
 from pathlib import Path
 
+from fivefold.cli._lock import holding, refuse_if_held
 from fivefold.cli._outputs import check_output_folder, output_folder, removed_if_refused
 from fivefold.cli.validate import split_config_arg
 from fivefold.config.schema import Config, to_dict
@@ -113,6 +115,8 @@ def run(args, extra: list[str]) -> int:
     if under_torchrun and args.nproc not in (None, world):  # torchrun started the ranks: its count stands
         raise UserError(f"--nproc {args.nproc}: under torchrun the ranks are the ones it started (WORLD_SIZE="
                         f"{world}); drop --nproc, or give torchrun --nproc-per-node / --nnodes")
+    if not under_torchrun or os.environ["RANK"] == "0":  # a running run's --out: refused before anything else
+        refuse_if_held("--out", Path(args.out))
     path, words = split_config_arg(extra)
     if path is None and not words:
         raise UserError("train: give a CONFIG (YAML or .txt), or the run's Megatron flags / key=value words")
@@ -152,19 +156,24 @@ def run(args, extra: list[str]) -> int:
         hf_config(config.model, torch.float32)  # a model HF's config cannot say (NotImplementedYet)
     if under_torchrun:
         place(config, int(os.environ.get("LOCAL_WORLD_SIZE", nproc)), int(os.environ["RANK"]))
-        return _run_under_torchrun(config, _make_folders(config, folders))
+        out = _make_folders(config, folders)
+        with holding("--out", out, "train") if os.environ["RANK"] == "0" else contextlib.nullcontext():
+            return _run_under_torchrun(config, out)
     place(config, nproc)
     # the data is read (and refused: a missing file, a bad record, a token id past the vocabulary) into
     # OUT/data, so OUT is made first, and taken away again on a refusal when this run made it, as are
     # OUT/logs and OUT/data in an OUT that was there (not under torchrun, where every rank makes and fills
     # the folders at once)
-    with removed_if_refused(*(path for _, path in folders), Path(args.out) / "logs", Path(args.out) / "data"):
-        out = _make_folders(config, folders)
-        data_dir = prepare(config, out)
-        spec = out / "run.json"
-        spec.write_text(json.dumps({"config": to_dict(config), "out": str(out), "data_dir": str(data_dir)}, indent=1))
-    print(f"fivefold train: {nproc} local ranks, output in {out}", file=sys.stderr)
-    return launch(nproc, [str(spec)], out / "logs", timeout_s=timeout_s)
+    with contextlib.ExitStack() as lock:  # --out is this run's until the ranks end (fivefold.cli._lock)
+        with removed_if_refused(*(path for _, path in folders), Path(args.out) / "logs", Path(args.out) / "data"):
+            out = _make_folders(config, folders)
+            lock.enter_context(holding("--out", out, "train"))
+            data_dir = prepare(config, out)
+            spec = out / "run.json"
+            spec.write_text(json.dumps({"config": to_dict(config), "out": str(out), "data_dir": str(data_dir)},
+                                       indent=1))
+        print(f"fivefold train: {nproc} local ranks, output in {out}", file=sys.stderr)
+        return launch(nproc, [str(spec)], out / "logs", timeout_s=timeout_s)
 
 
 def _make_folders(config: Config, folders: list[tuple[str, str]]) -> Path:

@@ -28,7 +28,7 @@ from fivefold.config.schema import DataConfig
 from fivefold.data.indexed import blend_order, mock_corpus, open_corpus, parse_blend, split_ranges
 from fivefold.data.sources import read_documents, resolve_format, source_files
 from fivefold.data.tokenizer import Tokenizer
-from fivefold.errors import UserError
+from fivefold.errors import UserError, write_failed
 
 TOKEN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 
@@ -110,11 +110,14 @@ def prepare_data(data: DataConfig, tokenizer: Tokenizer, cache_dir: str | Path,
     tmp.mkdir(parents=True)
     try:
         _build(data, tokenizer, tmp, meta, seed, mock_tokens, vocab_size)
+        shutil.rmtree(cache, ignore_errors=True)
+        os.replace(tmp, cache)
+    except OSError as e:  # a full disk, a read-only folder: named, the half-written folder removed
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise write_failed(e.filename or tmp, e, "the tokenized training data") from None
     except BaseException:  # (Ctrl-C too) a failed build leaves no half-written OUT/data.tmp behind
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    shutil.rmtree(cache, ignore_errors=True)
-    os.replace(tmp, cache)
     return cache
 
 

@@ -37,7 +37,7 @@ from fivefold.checkpoint.io import Held, assemble, check_fits, read_metadata
 from fivefold.checkpoint.layout import ShardSpec, source_name
 from fivefold.checkpoint.metadata import damaged
 from fivefold.config.schema import ModelConfig, config_from_dict
-from fivefold.errors import UserError
+from fivefold.errors import UserError, write_failed
 from fivefold.config.hf import INDEX, SINGLE
 from fivefold.hf.config import hf_config
 from fivefold.hf.load import expected_shapes
@@ -57,7 +57,7 @@ def _whole(folder: Path, meta: dict, name: str, cfg: ModelConfig, shape: tuple[i
         raise UserError(f"checkpoint {folder}: no parameter {name} (was it saved by this model?)")
     padded = tuple(entry["global_shape"])
     out = torch.empty(padded, dtype=DTYPES.get(entry["dtype"], torch.float32))
-    if not assemble(folder, entry, src, out, ShardSpec(padded, (0,) * len(padded))):
+    if not assemble(folder, meta, entry, src, out, ShardSpec(padded, (0,) * len(padded))):
         raise UserError(f"checkpoint {folder}: its shards do not cover parameter {name} (a rank's files missing?)")
     return out[: shape[0]].contiguous() if name in VOCAB_PARAMS else out
 
@@ -108,6 +108,9 @@ def export_hf(checkpoint: str | Path, out_dir: str | Path, *, max_shard_size: st
     try:
         _write_export(folder, meta, config, names, shapes, hf, limit, tmp)
         _replace(out, tmp)
+    except OSError as e:  # a full disk, a read-only folder: named, OUT_DIR as it was
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise write_failed(e.filename or tmp, e, f"the export; {out} is left as it was") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -319,6 +319,6 @@ def plot_rl(rows: list[dict], png: Path, title: str = "") -> Path:
     if title:
         fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(png, dpi=80)
-    plt.close(fig)
+    from fivefold.train.metrics import save_figure
+    save_figure(fig, png, "the RL curves; metrics.jsonl holds the numbers", dpi=80)
     return png

@@ -92,7 +92,8 @@ def _save(config: Config, ctx: RankContext, root: Path, step: int, parts: Parts,
     with dp.full_params():  # ZeRO-3: the parameters whole while they are written (async: copied)
         if saver is not None:
             return saver.save(root, step, **kw)
-        return ckpt.save_checkpoint(root, step, rank=ctx.rank, barrier=lambda: comm.barrier(ctx.world_group), **kw)
+        return ckpt.save_checkpoint(root, step, rank=ctx.rank, barrier=lambda: comm.barrier(ctx.world_group),
+                                    all_ok=lambda ok: _all_ok(ok, ctx), **kw)
 
 
 def _all_ok(ok: bool, ctx: RankContext) -> bool:

@@ -22,7 +22,7 @@ import torch
 
 from fivefold.config.schema import ModelConfig
 from fivefold.data.sources import json_lines
-from fivefold.errors import UserError
+from fivefold.errors import UserError, write_failed
 
 
 def matmul_params(model: ModelConfig, tp: int = 1) -> int:
@@ -66,9 +66,12 @@ class MetricsLog:
         self.path = Path(out_dir) / "metrics.jsonl"
         kept = [r for r in read_metrics(self.path) if r["step"] < resume_from] \
             if resume_from and self.path.is_file() else []
-        self.file = open(self.path, "w")
-        for r in kept:
-            self.file.write(json.dumps(r) + "\n")
+        try:
+            self.file = open(self.path, "w")
+            for r in kept:
+                self.file.write(json.dumps(r) + "\n")
+        except OSError as e:
+            raise write_failed(self.path, e, "the run's metrics") from None
         self.tb = None
         self.wandb = open_wandb(out_dir, wandb_project, wandb_exp_name) if wandb_project else None
         tb_dir = Path(tensorboard_dir) if tensorboard_dir else Path(out_dir) / "tensorboard"
@@ -86,8 +89,11 @@ class MetricsLog:
         """One line of metrics.jsonl; to TensorBoard / W&B the numbers, a {layer: number} field as one
         scalar per layer (`moe_aux_loss_per_layer/layer_3`), and to TensorBoard a {layer: [count per
         expert]} field as a histogram over the expert index (`moe_tokens_per_expert/layer_3`)."""
-        self.file.write(json.dumps(json_safe(record), allow_nan=False) + "\n")
-        self.file.flush()
+        try:
+            self.file.write(json.dumps(json_safe(record), allow_nan=False) + "\n")
+            self.file.flush()
+        except OSError as e:
+            raise write_failed(self.path, e, "the run's metrics; the lines before this step are in it") from None
         scalars = {k: v for k, v in record.items() if k != "step" and isinstance(v, (int, float))}
         per_layer = {k: v for k, v in record.items() if isinstance(v, dict)}
         scalars.update({f"{k}/layer_{layer}": x for k, v in per_layer.items() for layer, x in v.items()
@@ -182,6 +188,18 @@ def plot_loss_curve(metrics_path: str | Path, png_path: str | Path, title: str =
     ax.set_title(title)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(png_path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, png_path, "the loss curve; metrics.jsonl holds the numbers", dpi=100)
     return Path(png_path)
+
+
+def save_figure(fig, path: str | Path, what: str, **kw) -> None:
+    """fig.savefig(path), closed; a full disk or read-only folder named (`what`), the partial file removed."""
+    import matplotlib.pyplot as plt
+
+    try:
+        fig.savefig(path, **kw)
+    except OSError as e:
+        Path(path).unlink(missing_ok=True)
+        raise write_failed(path, e, what) from None
+    finally:
+        plt.close(fig)

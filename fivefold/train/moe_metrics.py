@@ -92,6 +92,6 @@ def plot_expert_load(rows: list[dict], png_path: str | Path, title: str = "") ->
     ax.set_title(title or "expert load / mean load (tokens per expert)")
     fig.colorbar(image, ax=ax, label="load / mean")
     fig.tight_layout()
-    fig.savefig(png_path, dpi=100)
-    plt.close(fig)
+    from fivefold.train.metrics import save_figure
+    save_figure(fig, png_path, "the expert-load picture; metrics.jsonl holds the numbers", dpi=100)
     return Path(png_path)

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from fivefold.config.schema import Config
 from fivefold.config.validate import layout_of
+from fivefold.checkpoint.io import PeerFailed
 from fivefold.errors import UserError
 from fivefold.runtime import heartbeat
 from fivefold.runtime.mesh import Mesh, init_distributed
@@ -101,8 +102,7 @@ def run_rank(config: Config, out_dir: Path, data_dir: Path, job=None) -> int:
         dist.destroy_process_group()
         return 0
     except UserError as e:
-        err.parent.mkdir(parents=True, exist_ok=True)
-        err.write_text(json.dumps({"kind": "user", "message": str(e)}))
+        _error_file(err, {"kind": "user", "message": str(e), **({"peer": True} if isinstance(e, PeerFailed) else {})})
         print(f"error (rank {rank}): {e}", file=sys.stderr, flush=True)
         return 2
     except NonFiniteError as e:
@@ -110,14 +110,34 @@ def run_rank(config: Config, out_dir: Path, data_dir: Path, job=None) -> int:
         if rank or not os.environ.get("FIVEFOLD_LAUNCHED"):  # rank 0's launcher prints it once
             print(f"error (rank {rank}): {e}", file=sys.stderr, flush=True)
         return 1
-    except BaseException:  # noqa: BLE001 - any crash is reported with its traceback
+    except BaseException as e:  # noqa: BLE001 - any crash is reported with its traceback
         tb = traceback.format_exc()
-        err.parent.mkdir(parents=True, exist_ok=True)
-        err.write_text(json.dumps({"kind": "crash", "traceback": tb}))
-        print(tb, file=sys.stderr, flush=True)
+        _error_file(err, {"kind": "crash", "traceback": tb})
+        if peer_lost(e):  # a peer that ended first has the job's error: one line here, its traceback in the file
+            print(f"error (rank {rank}): stopped: a peer rank ended ({str(e).splitlines()[0][:200]})", file=sys.stderr,
+                  flush=True)
+        else:
+            print(tb, file=sys.stderr, flush=True)
         return 1
     finally:
         heartbeat.stop()
+
+
+PEER_LOST = ("Connection closed by peer", "Connection reset", "Broken pipe")
+"""What a collective raises on a rank whose peer process ended (gloo's messages)."""
+
+
+def peer_lost(e: BaseException) -> bool:
+    return isinstance(e, RuntimeError) and any(s in str(e) for s in PEER_LOST)
+
+
+def _error_file(err: Path, info: dict) -> None:
+    """The launcher's record of how this rank ended; a full disk leaves it unwritten (the console says)."""
+    try:
+        err.parent.mkdir(parents=True, exist_ok=True)
+        err.write_text(json.dumps(info))
+    except OSError:
+        pass
 
 
 def start_heartbeat(config: Config, log_dir: Path, rank: int) -> None:
