@@ -49,9 +49,8 @@ one sweep (torchtitan's CP rows 28-31); left free, leaving the two H200 rows out
 MAMF = 1.0
 """No kernel runs faster than the best matmul measured on the device class: the shares are of that
 ceiling (`Hardware.achievable_flops`: stas00/ml-engineering's Maximum Achievable Matmul FLOPS, per GPU
-and precision), so their bound is 1. Session 18 bounded shares of the datasheet peak by 0.83 instead (the
-best ceiling then known, GH200's); a fit above the ceiling (megatron-te's GEMM share went to 0.84 of
-peak before Llama 3's layout was read as its paper says) trades a physical constant for another's error."""
+and precision), so their bound is 1: a fit above the ceiling trades a physical constant for another's
+error."""
 BOUNDS = {"expert_half_rows": (0.0, 8192.0), "attention_half_keys": (0.0, 8192.0), "membound_passes": (0.0, 40.0),
           **{n: (0.05, MAMF) for n in ("gemm_efficiency", "fp8_gemm_efficiency", "attention_efficiency",
                                        "expert_efficiency")}}

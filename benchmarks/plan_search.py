@@ -70,8 +70,8 @@ def fresh_first(name: str, runtime: str, dp_modes: tuple[str, ...] | None) -> li
 
 def python_speed(n: int = 20_000_000) -> float:
     """CPU seconds of a loop of `n` integer additions: how fast this machine runs Python, printed beside
-    the rows so that sessions on other machines compare (the AVX2-only 2-core AMD EPYC of session 31:
-    0.70-0.89 s; the search's CPU time scales with it, its instruction count does not move)."""
+    the rows so that runs on other machines compare (an AVX2-only 2-core AMD EPYC: 0.70-0.89 s; the
+    search's CPU time scales with it, its instruction count does not move)."""
     c0, total = time.process_time(), 0
     for i in range(n):
         total += i

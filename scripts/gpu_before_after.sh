@@ -5,7 +5,7 @@
 #   bash scripts/gpu_before_after.sh runs/base [ROW ...]  # on the GPU, carrying runs/base
 # ROW: moe, moe-gc (--manual-gc), 4L, 4L-fp16, 16L (default: moe 4L). Each row is trained STEPS steps (default 16)
 # with the package in runs/base ("before") and with this tree's ("after"), in the order ORDER (default
-# "before after after before": a drift over the call, seen in session 29 where later runs were slower,
+# "before after after before": a drift over the call (later runs slower, as seen on an H100),
 # falls on both sides alike); printed per run: the median step time of the steps after the first, the
 # spread (25th-75th percentile) and the peak memory, then each side's mean of its medians. MoE rows run
 # under --profile (its two profiled steps, 10 and 11, left out of the median); the first "after" run's

@@ -19,7 +19,7 @@ CASES = [pytest.param("cpu", torch.float32, id="cpu-fp32"),
 TOL = {torch.float32: 2e-5, torch.bfloat16: 3e-2}
 """fp32: measured worst 1.2e-6 on CPU (O(1) values; 0.05 of the bound), 0.049 of it on an H100. bf16: 8 mantissa
 bits, a value's rounding alone is 2^-9 relative; partial softmaxes merged in fp32 from bf16 blocks: bound
-3e-2. On CPU in bf16 the same comparisons use 0.06-0.21 of it; on an H100 (torch 2.11, session 28) the
+3e-2. On CPU in bf16 the same comparisons use 0.06-0.21 of it; on an H100 (torch 2.11) the
 worst case uses 0.23 (block gradients, dv=32), 4x margin. These cases caught the CUDA kernel's bf16
 backward reading (b, heads, s, d)-ordered tensors wrongly (ops.attention._efficient_backward)."""
 

@@ -467,8 +467,8 @@ def test_cp_layout_reproduces_one_process_run(train_runs, name):
         # and 1e-4 relative in norm, while a wrong gradient is off by ~lr in thousands of elements.
         # Measured worst over the four kernel settings (AVX-512): 2.2e-5 absolute, 9.3e-6 in norm
         # (cp2-p2p-dp2-zero gate_proj; the same before the all-gather layouts were added); on an AVX2
-        # machine, natively and under ATEN_CPU_CAPABILITY=default (sessions 30-31): 1.5e-5, 6.5e-6. Bounds
-        # 14x / 11x the worst (1e-4 / 5e-5, 4.5x / 5.4x, until session 31).
+        # machine, natively and under ATEN_CPU_CAPABILITY=default: 1.5e-5, 6.5e-6. Bounds
+        # 14x / 11x the worst.
         close(mine[pname], p, rtol=0, atol=3e-4, site="cp.final_weights", case=f"{name} {pname}")
         within((mine[pname] - p).norm() / p.norm(), 1e-4, site="cp.final_weights_norm", case=f"{name} {pname}")
 

@@ -137,7 +137,7 @@ def test_layouts_equal_one_process(one_process, workers, name):
             close(got["loss"], want["loss"], rtol=5e-6, atol=2e-7, site="engine.layout_loss", case=name)
             if "model" in parallel:  # MoE: the step's loads are counted over every rank, as one process
                 # integers: equal exactly (routing cannot flip here: the reference's smallest top-2 margin
-                # is 3.3e-5, test_moe.softmax_margin over its 18 router calls, ~300x the fp32 noise; session 30)
+                # is 3.3e-5, test_moe.softmax_margin over its 18 router calls, ~300x the fp32 noise)
                 loads = got["moe_tokens_per_expert"]
                 assert loads == want["moe_tokens_per_expert"] and sorted(loads) == ["0", "1"], name
                 assert all(sum(v) == N * S * MOE["moe_router_topk"] for v in loads.values())

@@ -89,7 +89,7 @@ def test_sync_copies_every_slice_and_moves_the_minimum(workers, name):
         # Same weights, other layout: summation order only. Measured worst 2.1e-7 on logits ~1; bound 3e-6 (14x).
         # The MoE pairs route alike in both layouts: their smallest top-2 softmax margin over the 4 router
         # calls (2 layers, trainer and inference) is 5.5e-4 (ep2dp2->ep4) and 8.8e-4 (tp2ep2->tp1ep4),
-        # thousands of times the fp32 noise (measured with tests/test_moe.py's `softmax_margin`, session 31).
+        # thousands of times the fp32 noise (measured with tests/test_moe.py's `softmax_margin`).
         # A pipeline stage has no logits of its own: there the bit-equal slices above are the check (and
         # every destination rank's logits equal rank 0's).
         want = r["logits"][1] if len(r["logits"]) > 1 else results[0]["logits"][0]

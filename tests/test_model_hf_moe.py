@@ -32,7 +32,7 @@ from fivefold.model.init import init_parameters_
 # Measured worst over the CPU kernel settings (docs/tolerances.md), as fractions of each bound: Mixtral
 # logits 0.0099, gradients 0.036 (28x); the MoE blocks' outputs 0.0092, gradients 0.22 (4.5x; the router
 # weight's gradient under DeepSeek-V3's routing, measured on this machine only). The block's input
-# gradient, on an AVX2 machine under ATEN_CPU_CAPABILITY=default (session 31): 0.12 of this budget
+# gradient, on an AVX2 machine under ATEN_CPU_CAPABILITY=default: 0.12 of this budget
 # (4.8e-6 absolute; DeepSeek-V3's groups, bias and scaling), so it gets twice the budget (0.06, 16x).
 ATOL, RTOL = 1e-5, 1e-4
 E, K, F_MOE = 4, 2, 48

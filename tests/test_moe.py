@@ -199,7 +199,7 @@ def check_load_metrics(got: list[dict], ref: list[dict], name: str) -> None:
     """The per-layer load metrics of a layout equal the one-process run's: the tokens per expert are
     integers summed over every rank and micro-batch, so equal exactly (routing cannot flip:
     test_routing_margins_are_far_above_fp32_noise), hence the imbalances too; the per-layer aux
-    losses within 2e-5 (fp32 noise, measured worst 3.3e-7 on AVX-512, 1.3e-6 on AVX2: cp2, session 30;
+    losses within 2e-5 (fp32 noise, measured worst 3.3e-7 on AVX-512, 1.3e-6 on AVX2: cp2;
     15x; a term counted twice or not at all is >= 1e-1 off)."""
     for field in ("moe_tokens_per_expert", "moe_load_imbalance_per_layer", "moe_load_imbalance"):
         assert [m[field] for m in got] == [m[field] for m in ref], (name, field)

@@ -165,7 +165,7 @@ def test_router_matches_transformers_deepseek_v3(norm):
     assert torch.equal(mine.experts.sort(-1).values, order.values)
     # Same fp32 ops in another order (HF sums the top-2 of a group by topk, divides in place): measured
     # 2.1e-7 relative (AVX-512 and AVX2 natively), 2.7e-7 under ATEN_CPU_CAPABILITY=default on AVX2
-    # (session 31); bound 3e-6 (11x; 1e-6 until then).
+    # bound 3e-6 (11x).
     close(mine.weights.gather(1, mine.experts.sort(-1).indices), their_w.gather(1, order.indices), rtol=3e-6,
           site="router.hf_deepseek_v3", case=f"norm_topk_prob={norm}")
 
@@ -339,8 +339,8 @@ def biased_runs(tmp_path_factory, workers):
 
 def test_biased_routing_margins_are_far_above_fp32_noise(biased_runs):
     # Every group choice of the reference run (2 groups of 2 experts, top-2: the chosen group's both)
-    # wins by more than 1e-5, ~100x the fp32 noise on sigmoid scores ~0.5 (~6e-8): measured 1.7e-5 (AVX2,
-    # session 30). The layouts below then route alike, so their loads, hence biases, are equal.
+    # wins by more than 1e-5, ~100x the fp32 noise on sigmoid scores ~0.5 (~6e-8): measured 1.7e-5
+    # (AVX2). The layouts below then route alike, so their loads, hence biases, are equal.
     assert biased_runs["margin"] > 1e-5, biased_runs["margin"]
 
 

@@ -172,9 +172,9 @@ def _compare(runs, name: str, ref: str, dsv3: bool, tied: bool = False) -> None:
     # Tolerances: TP / SP / CP / PP / EP reorder fp32 sums; AdamW's first steps turn ulp-level
     # gradient noise of elements near 0 into whole-lr weight differences, which the later steps see.
     # Measured worst (CPU, an AVX-512 machine): losses 8.0e-8 (tp2sp), MTP loss 4.6e-8 (tp2sp), gradient
-    # norms 2.6e-7 (dsv3) relative; on an AVX2 one (AMD EPYC, MKL; session 30, dsv3 at init std 0.15):
-    # 1.0e-7 (dsv3), 4.4e-8, 2.2e-7; there under ATEN_CPU_CAPABILITY=default (session 31): 1.5e-7,
-    # 3.4e-8, 8.6e-7 (dsv3). Bounds 2e-6 / 1e-6 / 1e-5 (3e-6 until session 31), >= 11x. Planted: a roll within each
+    # norms 2.6e-7 (dsv3) relative; on an AVX2 one (AMD EPYC, MKL; dsv3 at init std 0.15):
+    # 1.0e-7 (dsv3), 4.4e-8, 2.2e-7; there under ATEN_CPU_CAPABILITY=default: 1.5e-7,
+    # 3.4e-8, 8.6e-7 (dsv3). Bounds 2e-6 / 1e-6 / 1e-5, >= 11x. Planted: a roll within each
     # CP rank's tokens (no exchange) moves cp2's step-2 loss by 3.2e-4; a last-stage embedding copy
     # whose gradient is not summed with stage 0's moves pp2's by 9.4e-4.
     for key, bound in (("loss", 2e-6), ("mtp_loss", 1e-6), ("grad_norm", 1e-5)):
@@ -216,9 +216,8 @@ def test_deepseek_v3_like_model_on_8_ranks_equals_one_process(runs):
 
 def test_tied_output_layer_under_zero_bubble_equals_one_process(runs):
     """PP2 ZB-H1 with a tied output layer: the last stage's embedding copy is the main head, MTP's
-    embedding and MTP's head, so W's weight groups share nodes below their joins (W freed the graph
-    after its first group and the second raised 'backward through the graph a second time' until
-    session 22)."""
+    embedding and MTP's head, so W's weight groups share nodes below their joins (W must not free the
+    graph after its first group, or the second raises 'backward through the graph a second time')."""
     _compare(runs, "tied-zb-h1", "ref-tied", dsv3=False, tied=True)
 
 

@@ -154,7 +154,7 @@ def test_schedule_matches_one_process(workers, schedule, pp, vpp, tie):
 def test_zb_h1_full_recompute_reruns_each_layer_once(workers):
     """Full recompute under a zero-bubble schedule: a split backward would rerun a checkpointed layer's
     forward in B and again in each of W's graph tasks (one per weight group: 10 reruns per layer and
-    microbatch on the last stage until session 20, each holding what it rebuilt), so such a stage's B
+    microbatch on the last stage, each holding what it rebuilt), so such a stage's B
     runs the whole backward and its W only frees: one rerun, as 1F1B. Same sums as one process."""
     config = _config(pp=2, pipeline_schedule="zb-h1")
     config.training.recompute_granularity, config.training.recompute_method = "full", "uniform"
@@ -169,8 +169,8 @@ def test_zb_h1_full_recompute_reruns_each_layer_once(workers):
 def test_zb_h1_split_backward_moves_the_tp_bytes_of_one_backward(workers, sp):
     """B asks the column-parallel linear for dX alone (its all-reduce, or under SP its reduce-scatter)
     and W for the weights' gradients alone (under SP the input gathered again): together the bytes
-    of 1F1B's one backward, rank by rank (until session 20 each ran the whole backward: the last
-    stage moved 1.5x, tp 26 vs 17 MiB in benchmarks/planner_vs_measured's model), and the same sums."""
+    of 1F1B's one backward, rank by rank (if each ran the whole backward, the last stage would move
+    1.5x: tp 26 vs 17 MiB in benchmarks/planner_vs_measured's model), and the same sums."""
     runs = {}
     for schedule in ("zb-h1", "1f1b"):
         config = _config(pp=2, pipeline_schedule=schedule, tensor_model_parallel_size=2, sequence_parallel=sp)
@@ -273,8 +273,8 @@ def test_forward_only_eval_loss_and_logprobs(workers):
 def test_stage_backward_adds_each_weight_gradient_as_it_is_made(split):
     """A stage's backward (BW, or B then W) adds each weight's gradient into where it accumulates as
     autograd produces it, so at most one weight's gradient is alive beyond the buffers; one
-    `autograd.grad` over all the weights held every gradient of the stage until it returned (the
-    first stage of GPipe PP2 x CP2 ZeRO-1 at mbs1: 0.911 of the planner until session 21). Eight
+    `autograd.grad` over all the weights would hold every gradient of the stage until it returned (the
+    first stage of GPipe PP2 x CP2 ZeRO-1 at mbs1 would measure 0.911 of the planner). Eight
     256 x 256 fp32 linears (256 KiB each); the same gradients as one plain backward, exactly."""
     from fivefold.pipeline.backward import backward_full, backward_input, backward_weight
     from fivefold.testing.measure import _tracker

@@ -5,14 +5,14 @@ Tolerances are the planner issue's goals, not fitted: model-communication call b
 (they are a closed form of the parameter count and shapes; the DP gradient all-reduce is in fact
 exact, asserted as such), peak tensor memory within 5% (the planner leaves out kilobyte-sized
 tensors: RoPE tables, token ids, AdamW's step counters, ~0.1% without PP). Over the 90 layouts of
-benchmarks/planner_vs_measured.py (2026-11-27, session 23; a sharded layout's busiest rank per stage)
+benchmarks/planner_vs_measured.py (2026-11-27, commit e97ccbc; a sharded layout's busiest rank per stage)
 the measured range is 0.974 (ZeRO-3 with MTP and a tied embedding) to 1.025 (ZB-H1 x TP2 without SP,
-stage 0); the last stages were up to 1.034 (MoE PP2 x TP2 SP ETP2) until a layer's communication
-buffers stopped counting at the loss (session 22); ZB-H1's last rank with a tied embedding 0.962 until a W's start counted the
-output layer's weight gradient (session 22); the TP + bf16 rows 0.959-0.966 until the vocab-parallel loss's 16-bit logits were
-counted beside their fp32 copy (session 21); DualPipeV's middle rank 0.996 since its held activations and W-pending gradients are taken
-at the same moments of the schedule (1.115 when their peaks were added); full recompute 1.003-1.009 since
-its rebuilt layer counts only in backward (1.05-1.06 before). Peak bytes are sums of tensor sizes, the
+stage 0). What moves it most: a layer's communication buffers, not held at the loss (the last stages read
+up to 1.034 with them counted there); a W's start with the output layer's weight gradient (ZB-H1's last
+rank with a tied embedding: 0.962 without it); the vocab-parallel loss's 16-bit logits beside their fp32
+copy (the TP + bf16 rows: 0.959-0.966 without them); DualPipeV's held activations and W-pending gradients
+taken at the same moments of the schedule (its middle rank 0.996; 1.115 with their peaks added); full
+recompute's rebuilt layer counted only in backward (1.003-1.009; 1.05-1.06 counted at every peak). Peak bytes are sums of tensor sizes, the
 same on any CPU; the margin to the goal is 2.4% at the low edge, 2.5% at the high one.
 """
 from __future__ import annotations
@@ -46,11 +46,11 @@ counted); MoE padded to a capacity of 1.25 (every expert computes, holds and rec
 capacity of rows: EP bytes 1.25x the dropless ones); all-gather CP under TP2 + SP with full recompute
 (K / V gathered forward, again in the recomputed forward and in backward, dK / dV reduce-scattered;
 the gathered K / V and their gradients a backward temporary); the all-to-all with selective recompute
-(q, k, v exchanged again in backward, not o: 1.09 of the measured until session 20); a zero-bubble
+(q, k, v exchanged again in backward, not o: 1.09 of the measured when o's is counted too); a zero-bubble
 schedule under TP2 + SP with full recompute (each B the whole backward, so nothing waits for W; the
-last stage held 3.4x the planner's and moved 1.5x its SP bytes until session 20); ZB-H1 under TP2
+last stage would hold 3.4x the planner's and move 1.5x its SP bytes with B and W split); ZB-H1 under TP2
 without SP (the vocab-parallel loss's fp32 softmax is the logits' gradient waiting for W, one tensor:
-1.081 when counted as two, session 22) and under all-gather CP2 at mbs1 (the last stage's W starts
+1.081 when counted as two) and under all-gather CP2 at mbs1 (the last stage's W starts
 with the output layer's weight gradient beside the pending joins: 0.939 without it); MTP under
 all-gather CP with selective recompute (the rolled targets' gather; MTP's layer recomputes its
 attention core too, so the K / V gathers run again: 1.029 of the cp bytes when it did not): 2-4
@@ -108,35 +108,34 @@ def test_dp_modes_and_precisions_match_one_measured_step(pools, name):
     """The planner reads the runtime's precision policy and data-parallel mode
     (fivefold.config.precision, DPMode): ZeRO-2's per-microbatch reduce-scatters and freed buffers
     (at a small micro-batch the peak is at the start of backward, with the bucket being filled and the
-    one in flight: 0.912 until session 20), ZeRO-1's reduce-scatter after backward (gloo reduces a copy
+    one in flight: 0.912 without them), ZeRO-1's reduce-scatter after backward (gloo reduces a copy
     of a bucket, and every bucket's 1/d chunk waits for the step: the peak of a small micro-batch,
-    0.889-0.96 until session 20), ZeRO-3's units whole only while in use (at the loss none: 1.036-1.058
-    until session 20, when the output layer's unit counted whole at every moment),
+    0.889-0.96 without it), ZeRO-3's units whole only while in use (at the loss none: 1.036-1.058
+    when the output layer's unit is counted whole at every moment),
     ZeRO-3's gathers of every unit before its forward and its backward, also in a step of one
-    microbatch (the planner counted only the forward's there until session 20: dp-param 0.5 of the
-    measured), and again within a forward where a unit is called again after it was freed (a tied
-    output layer, each MTP depth's embedding and output layer: 0.75 of the measured until session
-    20); under PP once a step, the units whole until its end;
+    microbatch (dp-param 0.5 of the measured if only the forward's is counted), and again within a
+    forward where a unit is called again after it was freed (a tied output layer, each MTP depth's
+    embedding and output layer: 0.75 of the measured without them); under PP once a step, the units whole until its end;
     bf16 parameters with fp32 gradients and main parameters, replicated or sharded by ZeRO-1 (the
     all-gather moves bf16; under PP, ZeRO-2's full buffers reduce-scattered once, whose completed
     calls must not keep gloo's copy of the input and the output chunk alive through the optimizer
     step: 0.75 before `Work.wait` let go of them); routed experts replicated over DP2 under ZeRO-2,
     whose gradients are reduce-scattered after every microbatch like the dense ones (the planner
-    counted them once a step until session 13: edp-grad 0.5 of the measured); bf16 with 16-bit
+    counted once a step they would be edp-grad 0.5 of the measured); bf16 with 16-bit
     gradients at a micro-batch of one, where the optimizer phase is the peak (the eager gradient norm's
     temporaries, 16 bytes per element of the largest tensor stepped, beside the fp32 copies of the
     gradients): the largest tensor is a ZeRO chunk's piece (ZeRO-3: half the embedding, 1.164 when the
-    planner took it whole until session 21), and ZeRO-3's units kept whole through a pipelined step are
+    planner takes it whole), and ZeRO-3's units kept whole through a pipelined step are
     freed before it (1.076 when they were not); under ZeRO-1 only the rank whose bucket chunk holds the
     embedding whole reaches the planner's peak (the other's peak is the loss, 1.179 of its own);
     ZeRO-2 with full recompute at mbs1, whose peak is the end of backward (gloo reduces a copy of the
-    bucket in flight, beside its output chunk, while the next bucket waits to launch: 0.846 until
-    session 21); ZeRO-3 at mbs1 on the last rank, whose peak is the output layer's backward (its unit
+    bucket in flight, beside its output chunk, while the next bucket waits to launch: 0.846 without
+    that copy); ZeRO-3 at mbs1 on the last rank, whose peak is the output layer's backward (its unit
     gathered again, its weight gradient beside the bucket it is added into, the next unit prefetched:
-    0.935 until session 21), and the first's embedding backward with a tied output layer (autograd
+    0.935 without them), and the first's embedding backward with a tied output layer (autograd
     adds the output layer's weight gradient, held since the start of backward, to the embedding's:
-    0.886 until session 21); MoE under ZeRO-2 at mbs1, whose routed experts are reduced a MoE layer at
-    a time (1.20 when the planner sized their buckets as the dense ones, in session 21):
+    0.886 without it); MoE under ZeRO-2 at mbs1, whose routed experts are reduced a MoE layer at
+    a time (1.20 when their buckets are sized as the dense ones):
     call bytes exact and peak memory within the goal, on each rank or, under a sharded DP mode, on each
     stage's busiest rank with none above the planner (`misses`). (MemTracker files the gradient buffers
     and main copies of these runs under other kinds than the planner does, so only the total is
@@ -160,7 +159,7 @@ def test_moe_layout_matches_one_measured_step(pools, name):
     also with a shared expert under TP2 + SP beside EP2 x ETP1 (its MLP half's SP collectives, the
     router and norms' TP gradient all-reduce), and under TP2 without SP with full recompute (the
     recomputed forward stops before the layer's output all-gather over TP: 1.167 of the tp bytes when
-    it was counted again, session 22)."""
+    it is counted again)."""
     from benchmarks.planner_vs_measured import ROUTED_TAGS
     case = next(c for c in CASES if c.name == name)
     rows = run_case(pools, case)
@@ -176,8 +175,7 @@ def test_moe_layout_matches_one_measured_step(pools, name):
                                   "CP2 allgather x DP2 mbs2 GA2 ZeRO-3 MTP1", "DP2 mbs1 GA2 ZeRO-2 tied GQA2",
                                   "PP2 mbs1 GA2 MTP1 tied seq64", "TP2 SP mbs1 MTP2 seq64"])
 def test_heads_backward_matches_one_measured_step(pools, name):
-    """Without PP at few tokens per rank the peak is in the heads' backward (planner `_heads_backward`,
-    session 23): each MTP head makes the output layer's weight gradient whole and each depth's lookup
+    """Without PP at few tokens per rank the peak is in the heads' backward (planner `_heads_backward`): each MTP head makes the output layer's weight gradient whole and each depth's lookup
     the embedding's, and autograd holds them in the parameter's input buffer until its last use is
     differentiated, summing out of place (MTP2 at seq64: 4 of them at the first depth's sum beside
     the main loss's log-softmax, 0.938 when not counted); under ZeRO-2 the next head's loss is

@@ -51,7 +51,7 @@ EXCLUDED: dict[int, str] = {
 """Row (1-based, data rows of gpu-runs.tsv) -> why the planner is not judged on it."""
 
 OUT_OF_SAMPLE: dict[int, str] = {
-    row: "added in session 37 from torchtitan's June 2025 async-TP tables (70B float8 tensorwise; 8B bf16 and "
+    row: "added from torchtitan's June 2025 async-TP tables (70B float8 tensorwise; 8B bf16 and "
          "float8 tensorwise) after the runtime profiles were fitted: predicted, not fitted"
     for row in (56, 57, 60, 61, 62, 63)}
 """Rows judged as predictions of the fitted constants and left out of the fit (`benchmarks/calibrate.py

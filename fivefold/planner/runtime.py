@@ -86,16 +86,16 @@ gathered through the microbatch."""
 
 _FLASH_HALF_KEYS = 1280.8
 """Keys per call at which a flash kernel runs at half its rate (`TimeAssumptions.attention_half_keys`):
-fitted on torchtitan's rows (session 36, with plain and async TP told apart), whose CP sweep (rows
+fitted on torchtitan's rows (with plain and async TP told apart), whose CP sweep (rows
 28-31: 405B at 8192 tokens, CP 1-8, calls of 8192 down to 1024 keys) pins it; Megatron's rows hardly
 move it (their fit is as good with it as at 0: median 7.3% vs 7.2%), so its profile takes the same
 kernel-level constant."""
 
 PER_TENSOR_OPTIMIZER_BYTES = 145.5
-"""Our step's optimizer work per parameter as it was until session 28 (fp64 gradient norm and clipping a
+"""Our step's optimizer work per parameter with the per-tensor optimizer (fp64 gradient norm and clipping a
 tensor at a time, per-tensor AdamW on fp32 main parameters, the bf16 copy back, zeroing the gradient
-buffer), in bytes at 0.8 of HBM bandwidth: the profiler's kernel times on an H200 (session 25). The GPU
-rows measured with it (benchmarks/data/gpu) are checked with it."""
+buffer), in bytes at 0.8 of HBM bandwidth: the profiler's kernel times on an H200. The GPU rows measured
+with it (benchmarks/data/gpu, optimizer per-tensor) are checked with it."""
 
 _GROUPED_HALF_ROWS = 2390.8
 """Rows per expert at which grouped expert GEMMs run at half their rate (`TimeAssumptions.expert_half_rows`):
