@@ -105,11 +105,6 @@ def prepare(config: Config, out: Path) -> Path:
 
 
 def run(args, extra: list[str]) -> int:
-    from fivefold.launch import launch, place
-    from fivefold.train.metrics import check_wandb
-    from fivefold.config.supported import check_supported
-    from fivefold.watchdog import timeout_of
-
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ and "FIVEFOLD_LAUNCHED" not in os.environ
     world = int(os.environ["WORLD_SIZE"]) if under_torchrun else args.nproc
     if under_torchrun and args.nproc not in (None, world):  # torchrun started the ranks: its count stands
@@ -117,6 +112,11 @@ def run(args, extra: list[str]) -> int:
                         f"{world}); drop --nproc, or give torchrun --nproc-per-node / --nnodes")
     if not under_torchrun or os.environ["RANK"] == "0":  # a running run's --out: refused before anything else
         refuse_if_held("--out", Path(args.out))
+    from fivefold.config.supported import check_supported  # (imported after the check: it does not wait on them)
+    from fivefold.launch import launch, place
+    from fivefold.train.metrics import check_wandb
+    from fivefold.watchdog import timeout_of
+
     path, words = split_config_arg(extra)
     if path is None and not words:
         raise UserError("train: give a CONFIG (YAML or .txt), or the run's Megatron flags / key=value words")
