@@ -16,7 +16,7 @@ from fivefold.cli._lock import holding, refuse_if_held
 from fivefold.cli._outputs import check_output_folder, output_folder, removed_if_refused
 from fivefold.cli.validate import split_config_arg
 from fivefold.config.schema import Config, to_dict
-from fivefold.errors import UserError
+from fivefold.errors import UserError, write_failed
 
 HELP = "train a model (spawns local ranks, or runs under torchrun)"
 ACCEPTS_EXTRA = True
@@ -170,8 +170,11 @@ def run(args, extra: list[str]) -> int:
             lock.enter_context(holding("--out", out, "train"))
             data_dir = prepare(config, out)
             spec = out / "run.json"
-            spec.write_text(json.dumps({"config": to_dict(config), "out": str(out), "data_dir": str(data_dir)},
-                                       indent=1))
+            try:
+                spec.write_text(json.dumps({"config": to_dict(config), "out": str(out), "data_dir": str(data_dir)},
+                                           indent=1))
+            except OSError as e:
+                raise write_failed(spec, e, "the ranks' job description") from None
         print(f"fivefold train: {nproc} local ranks, output in {out}", file=sys.stderr)
         return launch(nproc, [str(spec)], out / "logs", timeout_s=timeout_s)
 
