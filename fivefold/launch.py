@@ -12,8 +12,11 @@ launcher reports the rank that failed first (its error file, or the tail of its 
 
 When the ranks make no progress for `timeout_s` (training.distributed_timeout_*: a rank waits in one
 collective that long, or stops running), the watchdog (fivefold.watchdog) names the rank that holds
-the job up, with its step and the collective it is in; every live rank writes its Python stack to
-its log (SIGUSR1, faulthandler), then all are killed and the launcher exits 1.
+the job up, with its step and the collective it is in. A rank still starting (alive, no heartbeat
+yet) is no hang up to the start-up bound (fivefold.watchdog.startup_bound). Then each live rank is
+asked for its Python stack (SIGUSR1: faulthandler, registered by the rank as its first act, writes
+OUT/logs/rank-R.stack); the message quotes the named rank's and names the files, or says why a rank
+has none (stopped: a stopped process runs no handler). Then all are killed and the launcher exits 1.
 """
 from __future__ import annotations
 
@@ -29,12 +32,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fivefold.errors import UserError, write_failed
-from fivefold.watchdog import Monitor, clear
+from fivefold.runtime import startup
+from fivefold.watchdog import SHOWN, STOPPED, Hang, Monitor, clear, process_state
 
 POLL_S = 0.05
 GRACE_S = 3.0
-STACKS_S = 1.0
-"""After a hang, how long the live ranks get to write their Python stacks before they are killed."""
+STACKS_S = 5.0
+"""After a hang, how long the live ranks get to write their Python stacks before they are killed (a
+loaded node may take seconds to schedule them; the wait ends when all have written)."""
+QUOTED = 16
+"""Lines of the named rank's Python stack quoted in a hang message."""
 
 
 def free_port() -> int:
@@ -116,32 +123,72 @@ def _report(failure: Failure, log_dir: Path) -> int:
     return 1
 
 
-def _stopped(pid: int) -> bool:
-    """Whether a process is stopped (SIGSTOP: it cannot write its stack); False where /proc cannot tell."""
+def _quote(stack: str) -> str:
+    """The main thread's part of a faulthandler dump (the thread that ran the handler), QUOTED lines at most."""
+    blocks = stack.strip().split("\n\n")
+    main = next((b for b in blocks if b.startswith("Current thread")), blocks[0]).splitlines()
+    return "\n".join(main[:QUOTED] + ([f"  ... ({len(main) - QUOTED} more lines)"] if len(main) > QUOTED else []))
+
+
+def _stacks(procs: list[subprocess.Popen], log_dir: Path) -> dict[int, str]:
+    """Ask each live rank for its Python stack; returns rank -> its stack's text, or why it has none."""
+    asked, why = {}, {}
+    for r, p in enumerate(procs):
+        state = process_state(p.pid) if p.poll() is None else None
+        if state is None:
+            why[r] = "none: its process had ended"
+        elif state in STOPPED:
+            why[r] = "none: it is stopped (SIGSTOP, or a debugger holds it), and a stopped process runs no handler"
+        elif startup.read_stamp(log_dir, r) is None:
+            why[r] = "none: it had not yet registered its stack handler (Python was still starting)"
+        else:
+            path = startup.stack_path(log_dir, r)
+            asked[r] = (path, _size(path))  # the file may hold earlier dumps (`kill -USR1` by hand): read what follows
+            p.send_signal(startup.STACK_SIGNAL)
+    deadline = time.monotonic() + STACKS_S
+    while time.monotonic() < deadline and not all(_size(path) > at for path, at in asked.values()):
+        time.sleep(POLL_S)
+    time.sleep(0.2)  # a dump is written in pieces: let the last one finish
+    for r, (path, at) in asked.items():
+        with open(path, "rb") as f:
+            f.seek(at)
+            text = f.read().decode(errors="replace")
+        why[r] = text if "most recent call first" in text else \
+            f"none: it wrote nothing in {STACKS_S:g} s (stuck in native code that holds the GIL?)"
+    return why
+
+
+def _size(path: Path) -> int:
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("T", "t")
-    except (OSError, IndexError):
-        return False
+        return path.stat().st_size
+    except OSError:
+        return 0
 
 
-def _hang(message: str, procs: list[subprocess.Popen], log_dir: Path) -> int:
-    """Every live rank writes its Python stack (faulthandler on SIGUSR1), then all are killed; returns 1."""
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGUSR1)
-    time.sleep(STACKS_S)
-    where = ["rank 0: above" if r == 0 else str(log_dir / f"rank-{r}.log")
-             for r, p in enumerate(procs) if not _stopped(p.pid)]
+def _hang(hang: Hang, procs: list[subprocess.Popen], log_dir: Path) -> int:
+    """Every live rank writes its Python stack, then all are killed; prints the hang with the stacks, returns 1."""
+    stacks = _stacks(procs, log_dir)
     _stop(procs, grace=0.0)
-    print(f"error: {message}\nthe job was stopped; Python stacks of the ranks not stopped: {', '.join(where) or 'none'}. "
-          "The timeout is training.distributed_timeout_minutes (--distributed-timeout-minutes) or "
-          "training.distributed_timeout_seconds", file=sys.stderr)
+    lines = [f"error: {hang.message}", "the job was stopped."]
+    for r in hang.suspects[:1]:
+        text = stacks[r]
+        lines.append(f"rank {r}'s Python stack ({startup.stack_path(log_dir, r)}):\n{_quote(text)}"
+                     if not text.startswith("none:") else f"rank {r}'s Python stack: {text}")
+    listed = [f"  rank {r}: {startup.stack_path(log_dir, r) if not text.startswith('none:') else text}"
+              for r, text in sorted(stacks.items())]
+    lines.append("Python stacks of the ranks:\n" + "\n".join(listed[:SHOWN]) +
+                 (f"\n  ... and {len(listed) - SHOWN} more ranks" if len(listed) > SHOWN else ""))
+    lines.append("The timeout is training.distributed_timeout_minutes (--distributed-timeout-minutes) or "
+                 "training.distributed_timeout_seconds")
+    print("\n".join(lines), file=sys.stderr)
     return 1
 
 
-def launch(nproc: int, worker_args: list[str], log_dir: Path, *, timeout_s: float = 600.0) -> int:
+def launch(nproc: int, worker_args: list[str], log_dir: Path, *, timeout_s: float = 600.0,
+           startup_s: float | None = None) -> int:
     """Run `python -m fivefold.cli.rank *worker_args` on ranks 0..nproc-1; 0 when all succeed.
-    A job whose ranks make no progress for `timeout_s` is stopped (see the module docstring)."""
+    A job whose ranks make no progress for `timeout_s` is stopped (see the module docstring); ranks
+    still starting are waited for `startup_s` (default fivefold.watchdog.startup_bound)."""
     try:
         log_dir.mkdir(parents=True, exist_ok=True)
         for old in log_dir.glob("rank-*.error"):
@@ -150,7 +197,7 @@ def launch(nproc: int, worker_args: list[str], log_dir: Path, *, timeout_s: floa
         logs = [None] + [open(log_dir / f"rank-{r}.log", "w") for r in range(1, nproc)]
     except OSError as e:
         raise write_failed(e.filename or log_dir, e, "the ranks' logs") from None
-    monitor = Monitor(log_dir, nproc, timeout_s)
+    monitor = Monitor(log_dir, nproc, timeout_s, startup_s)
     port = free_port()
     procs = []
     try:
@@ -171,7 +218,7 @@ def launch(nproc: int, worker_args: list[str], log_dir: Path, *, timeout_s: floa
                 return _report(first, log_dir)
             if all(p.poll() == 0 for p in procs):
                 return 0
-            hang = monitor.check([r for r, p in enumerate(procs) if p.poll() is None])
+            hang = monitor.check({r: p.pid for r, p in enumerate(procs) if p.poll() is None})
             if hang is not None:
                 return _hang(hang, procs, log_dir)
             time.sleep(POLL_S)

@@ -159,35 +159,76 @@ def _wait_for(what, timeout_s: float = 60.0):
         time.sleep(0.1)
 
 
+def _hold(folder: Path, command: str = "train") -> subprocess.Popen:
+    """A process that holds `folder`'s lock as a running `fivefold COMMAND` does (fivefold.cli._lock) and
+    sleeps: the lock without the cost of a run; returns once the lock is held and names its holder."""
+    folder.mkdir(parents=True, exist_ok=True)
+    code = ("import pathlib, time; from fivefold.cli._lock import holding\n"
+            f"with holding('--out', pathlib.Path({str(folder)!r}), {command!r}):\n"
+            "    print('held', flush=True); time.sleep(600)")
+    holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    assert holder.stdout.readline() == "held\n"
+    return holder
+
+
+def _lock_seen(out: Path, seen: list[bool], done) -> None:
+    """While `done` is unset: record whether `out`'s lock is held by someone (a run in this process too:
+    flock conflicts between open files, not only between processes)."""
+    from fivefold.cli._lock import refuse_if_held
+
+    while not done.wait(0.05):
+        try:
+            refuse_if_held("--out", out)
+        except UserError:
+            seen.append(True)
+
+
 def test_one_run_per_output_folder_and_a_damaged_checkpoint_is_refused_by_train(tmp_path, capsys):
-    """Two runs into one --out both started and wrote the same files: the second is refused before any
-    rank starts, naming the running one; after kill -9 of the first the next one starts (the lock died
-    with it). That next one --load's a checkpoint with a flipped byte, which its ranks refuse (it trained
-    on before); `check` finds the checkpoint before it whole."""
-    cfg, out = _run_config(tmp_path, steps=100000, save_interval=2), tmp_path / "out"
-    first = subprocess.Popen([sys.executable, "-m", "fivefold", "train", str(cfg), "--out", str(out)],
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    """Two runs into one --out both started and wrote the same files: a second `train` into a held --out
+    is refused before any rank starts, naming the holder's host and pid; after kill -9 of the holder the
+    next run starts (the lock died with it) and holds --out while it runs. That run --load's a checkpoint
+    with a flipped byte, which its ranks refuse (they trained on before); `check` finds the one before whole."""
+    import threading
+
+    import yaml
+
+    from _train_util import train_one_process
+    from fivefold.config.schema import to_dict
+
+    config = tiny_config(corpus(tmp_path / "corpus"), world=1, gbs=2, steps=2)
+    config.checkpoint.save_interval = 1
+    train_one_process(config, tmp_path / "saved")  # checkpoints step 1 and 2, in this process: no ranks to start
+    root = tmp_path / "saved" / "one" / "checkpoints"
+    cfg, out = tmp_path / "run.yaml", tmp_path / "out"
+    cfg.write_text(yaml.safe_dump(to_dict(config)))
+    holder = _hold(out)
     try:
-        _wait_for(lambda: (out / "checkpoints" / "step_00000004").is_dir(), timeout_s=120)
         began = time.monotonic()
         assert main(["train", str(cfg), "--out", str(out)]) == 2
         refused = time.monotonic() - began
         err = capsys.readouterr().err
-        assert f"--out {out}: in use by a running `fivefold train` (host {socket.gethostname()}, pid {first.pid}" in err
+        assert f"--out {out}: in use by a running `fivefold train` (host {socket.gethostname()}, pid {holder.pid}" in err
         assert refused < 5, refused  # before the config is read: nothing waits
     finally:
-        first.kill()  # kill -9 of the launcher; its ranks die with it (PR_SET_PDEATHSIG)
-        first.wait()
-    root = out / "checkpoints"
+        holder.kill()  # kill -9: the kernel releases its flock
+        holder.wait()
     latest = root / (root / "latest").read_text()
     before = sorted(p for p in root.glob("step_*") if p != latest)[-1]
-    model = latest / "model-00001.safetensors"
+    model = latest / "model-00000.safetensors"
     data = bytearray(model.read_bytes())
     data[len(data) // 2] ^= 0x01  # one bit in the middle of a tensor
     model.write_bytes(bytes(data))
-    assert main(["train", str(cfg), "--out", str(out), f"checkpoint.load={root}"]) == 2
+    seen, done = [], threading.Event()
+    watcher = threading.Thread(target=_lock_seen, args=(out, seen, done))
+    watcher.start()
+    try:
+        assert main(["train", str(cfg), "--out", str(out), f"checkpoint.load={root}", "training.train_iters=4"]) == 2
+    finally:
+        done.set()
+        watcher.join()
+    assert seen, "the run did not hold --out's lock"
     err = capsys.readouterr().err
-    assert "model-00001.safetensors: tensor" in err and "does not match its checksum" in err, err
+    assert "model-00000.safetensors: tensor" in err and "does not match its checksum" in err, err
     assert "Traceback" not in err + "".join(p.read_text() for p in (out / "logs").glob("rank-*.log"))
     assert main(["check", str(root)]) == 2 and main(["check", str(before)]) == 0  # the one before is whole
 

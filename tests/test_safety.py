@@ -83,7 +83,8 @@ def test_mismatched_collectives_name_the_rank_behind():
 
 
 def test_a_rank_that_never_started_is_named_after_the_startup_grace():
-    beats = {0: _beat(0, since=85.0), 1: None}  # rank 0 waits in init_process_group for rank 1
+    beats = {0: _beat(0, since=85.0, step=-1, ops=1, what="init_process_group tag=init group=world"), 1: None}
+    # rank 0 waits in init_process_group for rank 1
     assert find_hang(beats, now=100.0, timeout_s=10, started=100.0 - STARTUP_S) is None  # importing torch
     msg = find_hang(beats, now=100.0, timeout_s=10, started=99.0 - STARTUP_S)
     assert "rank 1 has no heartbeat" in msg
@@ -142,14 +143,16 @@ def test_a_stopped_rank_ends_the_job_naming_it(tmp_path):
     took = time.monotonic() - stopped_at
     assert job.returncode == 1, err
     assert took < 30, f"the job took {took:.0f} s to end"
-    assert "no progress for 10 s" in err and "rank 0 is not running" in err, err
+    assert "no progress for 10 s" in err and "rank 0 is not running: stopped (SIGSTOP" in err, err
     named = next(line for line in err.splitlines() if line.startswith("rank 0 is not running"))
     assert "at step" in named and ("in " in named or "last: " in named)
     assert "rank 1: at step" in err  # where the peer waits
-    # the live rank wrote its Python stack to its log, in the collective it waits in
-    stack = (out / "logs" / "rank-1.log").read_text()
+    # the stopped rank can give no stack, and the message says why; the live one wrote its own, in the
+    # collective it waits in
+    assert "rank 0's Python stack: none: it is stopped (SIGSTOP, or a debugger holds it)" in err, err
+    stack = (out / "logs" / "rank-1.stack").read_text()
     assert "most recent call first" in stack and "collectives.py" in stack
-    assert f"Python stacks of the ranks not stopped: {out / 'logs' / 'rank-1.log'}" in err
+    assert f"rank 1: {out / 'logs' / 'rank-1.stack'}" in err
     assert not any(Path(f"/proc/{p}").exists() and Path(f"/proc/{p}/stat").read_text().split()[2] != "Z"
                    for p in pids)
 
@@ -257,7 +260,7 @@ import pathlib, time
 from fivefold.runtime import heartbeat
 from fivefold.watchdog import self_watch
 folder = pathlib.Path({str(tmp_path)!r})
-heartbeat.Heartbeat(folder, 1, tick=0.05).close()  # rank 1: its heartbeat stops, as a stopped rank's does
+rank_1 = heartbeat.Heartbeat(folder, 1, tick=3600)  # rank 1: its heartbeat never ticks again, as a stopped rank's
 heartbeat.start(folder, 0, tick=0.05, on_tick=self_watch(folder, 2, 0.5, error_file=folder / "rank-0.error"))
 heartbeat.at_step(4)
 with heartbeat.in_flight("all_reduce", "loss", "dp"):

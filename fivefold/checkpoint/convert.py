@@ -26,12 +26,12 @@ import torch
 
 from fivefold.checkpoint.checksum import (ALGORITHM, CHUNK_BYTES, FileSums, block_sums, expected, tensor_bytes,
                                           verify_file, write_metadata)
-from fivefold.checkpoint.io import (buffers_saved, check_fits, has_rng, placed_by_meta, read_metadata,
-                                    tensors_saved)
+from fivefold.checkpoint.io import buffers_saved, check_fits, placed_by_meta, read_metadata, tensors_saved
 from fivefold.checkpoint.layout import (FORMAT, TIED, ShardSpec, complete_checkpoints, resolve, source_name, step_dir,
                                         whole)
 from fivefold.checkpoint.optim_state import MAIN, MOMENTS
 from fivefold.checkpoint.reshard import Reader, checkpoint_source, fill, fill_flat, spec_of
+from fivefold.checkpoint.rng import has_rng
 from fivefold.config.schema import Config, to_dict
 from fivefold.config.validate import layout_of
 from fivefold.errors import UserError, write_failed

@@ -1,8 +1,9 @@
 """Save and load sharded checkpoints (safetensors + JSON; nothing is pickled).
 
-Every rank that holds a distinct parameter shard writes it (under DP only the first DP replica
-writes); each rank writes its RNG state. Loading assembles each rank's shard from whichever saved
-shards overlap it, so a checkpoint can be loaded into another sharding of the same global tensors.
+Every rank that holds a distinct parameter shard writes it (under DP only the first DP replica writes);
+each rank writes its RNG state (fivefold.checkpoint.rng). Loading assembles each rank's shard from
+whichever saved shards overlap it, so a checkpoint can be loaded into another sharding of the same
+global tensors.
 
 A checkpoint whose parameters hold a NaN or inf (a run with the non-finite check off) is marked by a
 NONFINITE file listing them, and never rotates out the newest finite checkpoint: that one is kept
@@ -22,16 +23,16 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from fivefold.checkpoint.checksum import expected, merge_sums, sums_of_written, verify_file, verify_metadata, write_sums, \
-    write_metadata
-from fivefold.checkpoint.layout import (FORMAT, ShardSpec, complete_checkpoints, foreign_format, open_shard,
-                                        resolve, source_name, step_dir, whole)
+from fivefold.checkpoint.checksum import expected, merge_sums, sums_of_written, verify_metadata, write_sums, write_metadata
+from fivefold.checkpoint.layout import (FORMAT, ShardSpec, complete_checkpoints, foreign_format, resolve, source_name,
+                                        step_dir, whole)
 from fivefold.checkpoint.metadata import check_metadata, resume_step
 from fivefold.checkpoint.optim_state import MAIN, ShardOf, load_optim, merge_listings, save_optim
-from fivefold.parallel.optimizer import OptimShard, whole_shards
 from fivefold.checkpoint.reshard import Reader, checkpoint_source, entry_source, fill, fill_flat
+from fivefold.checkpoint.rng import check_rng_files, load_rng_state, rng_file, rng_state
 from fivefold.config.schema import ModelConfig
 from fivefold.errors import UserError, write_failed
+from fivefold.parallel.optimizer import OptimShard, whole_shards
 from fivefold.parallel.param_meta import named_metas
 
 
@@ -77,13 +78,6 @@ def _save(tensors: dict[str, torch.Tensor], path: Path) -> None:
     with open(path, "rb") as f:
         os.fsync(f.fileno())
     write_sums(path, sums_of_written(path, held))
-
-
-def rng_state() -> dict[str, torch.Tensor]:
-    state = {"torch_cpu": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["torch_cuda"] = torch.cuda.get_rng_state()
-    return state
 
 
 def save_checkpoint(root: str | Path, step: int, *, model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -369,47 +363,23 @@ def _load_params(folder: Path, meta: dict, model: nn.Module, shard_of: ShardOf) 
                     p.copy_(main.view_as(p))
 
 
-def rng_file(rank: int) -> str:
-    """The file of a checkpoint holding rank `rank`'s RNG state."""
-    return f"rng-{rank:05d}.safetensors"
-
-
-def _rng_missing(folder: Path, ranks: list[int]) -> UserError:
-    named = ", ".join(rng_file(r) for r in ranks[:3]) + (f" and {len(ranks) - 3} more" if len(ranks) > 3 else "")
-    whose = f"rank {ranks[0]}'s RNG state" if len(ranks) == 1 else "the ranks' RNG states"
-    return UserError(f"checkpoint {folder}: {named} {'is' if len(ranks) == 1 else 'are'} missing ({whose}; copy the "
-                     "whole checkpoint folder, or give --no-load-rng, checkpoint.load_rng=false, to start fresh RNG "
-                     "streams)")
-
-
-def has_rng(meta: dict, world_size: int) -> bool:
-    """Whether a checkpoint holds RNG states for a run of `world_size` ranks: saved at that world size,
-    and not converted from another one (`convert` copies no streams then and says so: `rng_saved`)."""
-    return meta.get("world_size") == world_size and meta.get("rng_saved", True)
-
-
 def check_resume(folder: Path, meta: dict, *, world_size: int, load_rng: bool) -> None:
     """What a resume (`train --load` without --finetune) of checkpoint `folder` reads besides the
     tensors, checked before any rank starts: the step it continues at (`resume_step`) and, at the
     saved world size unless `load_rng` is off, every rank's RNG state (`load_checkpoint` would refuse
     a missing one on its rank, once all had started)."""
     resume_step(meta, folder)
-    if not load_rng or not has_rng(meta, world_size):
-        return
-    missing = [r for r in range(world_size) if not (folder / rng_file(r)).is_file()]
-    if missing:
-        raise _rng_missing(folder, missing)
+    if load_rng:
+        check_rng_files(folder, meta, world_size)
 
 
 def load_checkpoint(path: str | Path, *, model: nn.Module, optimizer: torch.optim.Optimizer | None, rank: int,
-                    world_size: int, shard_of: ShardOf | None = None,
-                    optim_shards: list[OptimShard] | None = None, model_config: dict | None = None,
-                    load_rng: bool = True) -> dict:
+                    world_size: int, shard_of: ShardOf | None = None, optim_shards: list[OptimShard] | None = None,
+                    model_config: dict | None = None, load_rng: bool = True) -> dict:
     """Load parameters, AdamW moments (for `optim_shards`, default every parameter whole; any saved
     sharding; none when `optimizer` is None) and (same world size, `load_rng`) this rank's RNG; returns
-    the metadata. `model_config`: this run's
-    canonical model section, which decides "another model" (`check_fits`) on a rank that holds part of
-    the model (a pipeline stage)."""
+    the metadata. `model_config`: this run's canonical model section, which decides "another model"
+    (`check_fits`) on a rank that holds part of the model (a pipeline stage)."""
     folder, meta = read_metadata(path)
     shard_of = shard_of or placed_by_meta(model)
     check_fits(meta, model, shard_of, folder, model_config)
@@ -424,14 +394,6 @@ def load_checkpoint(path: str | Path, *, model: nn.Module, optimizer: torch.opti
         if optimizer is not None and meta.get("optimizer_step"):
             load_optim(folder, meta, model, optimizer, whole_shards(model) if optim_shards is None else optim_shards,
                        shard_of)
-    rng = rng_file(rank)
-    if load_rng and has_rng(meta, world_size):
-        if not (folder / rng).is_file():  # as a missing shard: never a run that silently starts other RNG streams
-            raise _rng_missing(folder, [rank])
-        if folder / rng in expected(folder, meta):
-            verify_file(folder / rng, expected(folder, meta)[folder / rng])
-        with open_shard(folder, rng) as f:
-            torch.set_rng_state(f.get_tensor("torch_cpu"))
-            if "torch_cuda" in f.keys() and torch.cuda.is_available():
-                torch.cuda.set_rng_state(f.get_tensor("torch_cuda"))
+    if load_rng:
+        load_rng_state(folder, meta, rank, world_size)
     return meta

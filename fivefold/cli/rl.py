@@ -20,7 +20,7 @@ import yaml
 
 from fivefold.cli._lock import holding, refuse_if_held
 from fivefold.cli._outputs import output_folder
-from fivefold.errors import NotImplementedYet, UserError
+from fivefold.errors import NotImplementedYet, UserError, write_failed
 
 HELP = "GRPO post-training on a verifiable toy task (actor, rollout and reference on every rank)"
 ACCEPTS_EXTRA = True  # key=value overrides, grpo.* ones for the grpo: section
@@ -137,11 +137,14 @@ def run(args, extra: list[str]) -> int:
     g.check_memory(config, nproc, available_memory())
     out = output_folder("--out", args.out)  # made once the run is known to be valid
     with holding("--out", out, "rl"):  # --out is this run's until the ranks end (fivefold.cli._lock)
-        (out / "logs").mkdir(exist_ok=True)
-        (out / "actor.yaml").write_text(yaml.safe_dump(raw))
         place(config, nproc)
         spec = out / "run.json"
-        spec.write_text(json.dumps({"job": "rl", "config": to_dict(config), "grpo": grpo, "out": str(out),
-                                    "data_dir": str(out)}, indent=1))
+        try:
+            (out / "logs").mkdir(exist_ok=True)
+            (out / "actor.yaml").write_text(yaml.safe_dump(raw))
+            spec.write_text(json.dumps({"job": "rl", "config": to_dict(config), "grpo": grpo, "out": str(out),
+                                        "data_dir": str(out)}, indent=1))
+        except OSError as e:
+            raise write_failed(e.filename or spec, e, "the ranks' job description") from None
         print(f"fivefold rl: {nproc} local ranks, output in {out}", file=sys.stderr)
         return launch(nproc, [str(spec)], out / "logs", timeout_s=timeout_of(config.training))

@@ -16,7 +16,7 @@ from fivefold.cli._lock import holding, refuse_if_held
 from fivefold.cli._outputs import check_output_folder, output_folder, removed_if_refused
 from fivefold.cli.validate import split_config_arg
 from fivefold.config.schema import Config, to_dict
-from fivefold.errors import UserError
+from fivefold.errors import UserError, write_failed
 
 HELP = "train a model (spawns local ranks, or runs under torchrun)"
 ACCEPTS_EXTRA = True
@@ -105,11 +105,6 @@ def prepare(config: Config, out: Path) -> Path:
 
 
 def run(args, extra: list[str]) -> int:
-    from fivefold.launch import launch, place
-    from fivefold.train.metrics import check_wandb
-    from fivefold.config.supported import check_supported
-    from fivefold.watchdog import timeout_of
-
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ and "FIVEFOLD_LAUNCHED" not in os.environ
     world = int(os.environ["WORLD_SIZE"]) if under_torchrun else args.nproc
     if under_torchrun and args.nproc not in (None, world):  # torchrun started the ranks: its count stands
@@ -117,6 +112,11 @@ def run(args, extra: list[str]) -> int:
                         f"{world}); drop --nproc, or give torchrun --nproc-per-node / --nnodes")
     if not under_torchrun or os.environ["RANK"] == "0":  # a running run's --out: refused before anything else
         refuse_if_held("--out", Path(args.out))
+    from fivefold.config.supported import check_supported  # (imported after the check: it does not wait on them)
+    from fivefold.launch import launch, place
+    from fivefold.train.metrics import check_wandb
+    from fivefold.watchdog import timeout_of
+
     path, words = split_config_arg(extra)
     if path is None and not words:
         raise UserError("train: give a CONFIG (YAML or .txt), or the run's Megatron flags / key=value words")
@@ -170,8 +170,11 @@ def run(args, extra: list[str]) -> int:
             lock.enter_context(holding("--out", out, "train"))
             data_dir = prepare(config, out)
             spec = out / "run.json"
-            spec.write_text(json.dumps({"config": to_dict(config), "out": str(out), "data_dir": str(data_dir)},
-                                       indent=1))
+            try:
+                spec.write_text(json.dumps({"config": to_dict(config), "out": str(out), "data_dir": str(data_dir)},
+                                           indent=1))
+            except OSError as e:
+                raise write_failed(spec, e, "the ranks' job description") from None
         print(f"fivefold train: {nproc} local ranks, output in {out}", file=sys.stderr)
         return launch(nproc, [str(spec)], out / "logs", timeout_s=timeout_s)
 

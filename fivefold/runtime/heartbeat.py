@@ -9,7 +9,8 @@ The reader is fivefold.watchdog (the launcher's monitor, or the rank's own threa
 
 One heartbeat per process (like the traffic counters): `start` installs it, `stop` removes it;
 without one, `in_flight` costs one global lookup. `start` also registers faulthandler on SIGUSR1, so
-`kill -USR1 PID` makes the rank write every thread's Python stack to its stderr (the rank's log).
+`kill -USR1 PID` makes the rank write every thread's Python stack to its stderr, unless the rank
+registered it at its start already (a launched rank: fivefold.runtime.startup, into OUT/logs/rank-R.stack).
 
 Layout (little-endian): alive (double, written by the thread only) | seq (u64; odd while the main
 thread writes) | pid, step (i64) | ops (u64: collectives entered) | changed, since (double:
@@ -19,6 +20,7 @@ time.time() of the last progress, and of entering the collective in flight, 0 wh
 from __future__ import annotations
 
 import faulthandler
+import math
 import mmap
 import os
 import signal
@@ -29,6 +31,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+from fivefold.runtime import startup
 
 _ALIVE = struct.Struct("<d")
 _SEQ = struct.Struct("<Q")
@@ -139,32 +143,38 @@ class Heartbeat:
         self._write()
 
     def close(self) -> None:
+        """Stop the thread and mark the rank as leaving (`alive` = inf: a watcher takes the silence of a rank
+        that is ending, its process group torn down and the interpreter exiting, for no hang)."""
         self._stop.set()
         self._thread.join(timeout=2 * self._tick)
+        _ALIVE.pack_into(self._mm, 0, math.inf)
         self._mm.close()
 
 
 _current: Heartbeat | None = None
+_dumps_to_stderr = False
 
 
 def start(folder: str | Path, rank: int, *, tick: float = 1.0,
           on_tick: Callable[[Heartbeat], None] | None = None) -> Heartbeat:
     """Install this process's heartbeat (replacing any) and the SIGUSR1 stack dump."""
-    global _current
+    global _current, _dumps_to_stderr
     stop()
     _current = Heartbeat(folder, rank, tick=tick, on_tick=on_tick)
-    if hasattr(signal, "SIGUSR1"):
+    if hasattr(signal, "SIGUSR1") and not startup.stacks_to_file():
         faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
+        _dumps_to_stderr = True
     return _current
 
 
 def stop() -> None:
-    global _current
+    global _current, _dumps_to_stderr
     if _current is not None:
         _current.close()
         _current = None
-        if hasattr(signal, "SIGUSR1"):
-            faulthandler.unregister(signal.SIGUSR1)
+    if _dumps_to_stderr:
+        faulthandler.unregister(signal.SIGUSR1)
+        _dumps_to_stderr = False
 
 
 def at_step(step: int) -> None:

@@ -29,18 +29,19 @@ from fivefold.runtime.mesh import Mesh, init_distributed
 from fivefold.train.context import RankContext, layout_text
 from fivefold.train.loop import TrainResult, train
 from fivefold.train.nonfinite import NonFiniteError
-from fivefold.watchdog import self_watch, tick_for, timeout_of
+from fivefold.watchdog import self_watch, startup_bound, tick_for, timeout_of
 
 PG_SLACK_S = 60.0
-"""The process group's own timeout is the watchdog's plus this: the watchdog, which names the stuck
-rank, fires first; torch's timeout remains a backstop."""
+"""The process group's own timeout is the watchdog's start-up bound (fivefold.watchdog.startup_bound:
+init_process_group waits that long for a peer still importing) plus this: the watchdog, which names
+the stuck rank, fires first; torch's timeout remains a backstop."""
 
 
 def init_rank(config: Config, out_dir: Path) -> RankContext:
     """Join the process group (NCCL on CUDA, gloo on CPU) and build this rank's mesh."""
+    timeout = timedelta(seconds=startup_bound(timeout_of(config.training)) + PG_SLACK_S)
     with heartbeat.in_flight("init_process_group", "init", "world"):
-        rank, world, device = init_distributed(timeout=timedelta(seconds=timeout_of(config.training) + PG_SLACK_S),
-                                              device=config.cluster.device)
+        rank, world, device = init_distributed(timeout=timeout, device=config.cluster.device)
     layout = layout_of(config)
     if layout.world_size != world:
         raise UserError(f"the layout needs {layout.world_size} ranks, the job has {world}")
