@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from fivefold.planner.calibration import (EXCLUDED, FLOP_COUNTS, OUT_OF_SAMPLE, cases, flops_per_token,  # noqa: E402
                                           read_runs, runtime_of, stated_layout)
 from fivefold.planner.layout import Plan  # noqa: E402
-from fivefold.planner.memory import peak_memory  # noqa: E402
+from fivefold.planner.memory.peak import peak_memory  # noqa: E402
 from fivefold.planner.presets import hardware  # noqa: E402
 from fivefold.planner.search import describe  # noqa: E402
 from fivefold.planner.runtime import PROFILES, Runtime, apply, profile, with_time  # noqa: E402

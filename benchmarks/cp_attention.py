@@ -33,7 +33,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from pp_schedules import timed_peak  # noqa: E402
 from fivefold.parallel.context import ContextParallel, split_sequence  # noqa: E402
-from fivefold.planner.cp_memory import attention_peak_bytes  # noqa: E402
+from fivefold.planner.memory.cp_memory import attention_peak_bytes  # noqa: E402
 from fivefold.runtime import comm  # noqa: E402
 from fivefold.runtime.mesh import Mesh  # noqa: E402
 from fivefold.testing.harness import Workers  # noqa: E402

@@ -132,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     from fivefold.config.precision import Precision
     from fivefold.planner.callbytes import call_bytes
     from fivefold.planner.layout import Plan
-    from fivefold.planner.memory import CPU_EAGER, memory_per_rank
+    from fivefold.planner.memory.kinds import CPU_EAGER
+    from fivefold.planner.memory.peak import memory_per_rank
     from fivefold.testing.harness import Workers
 
     print(f"DP={args.dp}, {MODEL.num_layers} layers, hidden {MODEL.hidden_size}, vocab {MODEL.vocab_size}, "

@@ -91,7 +91,7 @@ def _config(precision="bf16", dp_mode=None, **parallel):
 
 
 def test_megatron_te_reduces_gradients_in_bf16_and_saves_fp8_linear_inputs():
-    from fivefold.planner.memory import peak_memory
+    from fivefold.planner.memory.peak import peak_memory
     from fivefold.planner.runtime import apply, profile
     te, ours, tt = profile("megatron-te"), profile("fivefold"), profile("torchtitan")
     cfg = _config()
@@ -114,8 +114,8 @@ def test_megatron_te_keeps_fp8_weight_copies_over_the_step():
     for DeepSeek-V3 at PP8 VPP4 EP32 in MXFP8; row 38's layout in fp8 without its offloads sizes to
     171 GB of tensors with the copies, 160 without.)"""
     from dataclasses import replace
-    from fivefold.planner.memory import memory_per_rank
-    from fivefold.planner.params import layer_params
+    from fivefold.planner.memory.peak import memory_per_rank
+    from fivefold.planner.memory.params import layer_params
     from fivefold.planner.runtime import profile
     te, tt = profile("megatron-te"), profile("torchtitan")
     fp8, bf16 = Plan(_config("fp8")), Plan(_config())
@@ -143,7 +143,8 @@ def test_megatron_fsdp_reduces_every_microbatch_under_pp(mode):
     reduce-scatter per microbatch; ours under PP keeps whole buffers and reduces once; a run that states
     fp32 gradients (Llama 3, whose FSDP shards them) keeps their precision, not whole buffers."""
     from fivefold.planner.collectives import step_collectives
-    from fivefold.planner.memory import memory_per_rank, rank_params
+    from fivefold.planner.memory.peak import memory_per_rank
+    from fivefold.planner.memory.states import rank_params
     from fivefold.planner.runtime import apply, profile
     te, ours = profile("megatron-te"), profile("fivefold")
     cfg = _config("fp32", dp_mode=mode)
@@ -173,8 +174,8 @@ def test_megatron_fsdp_reduces_every_microbatch_under_pp(mode):
     if mode == "optim_grads_params":  # units gathered per microbatch: whole only while in use (in backward
         # the unit and the prefetched one, with their gradient buckets), not all 16 for the step
         from fivefold.config.precision import Precision
-        from fivefold.planner.memory import backward_buckets
-        from fivefold.planner.params import embedding_params
+        from fivefold.planner.memory.states import backward_buckets
+        from fivefold.planner.memory.params import embedding_params
         w, dense = 4, sum(rank_params(fsdp, 0))
         layer = (dense - embedding_params(fsdp.config.model, 2) / 2) / 16
         assert memory_per_rank(whole, ours.memory)[0].weights == pytest.approx(w * dense * (1 + 1 / dp))
@@ -266,7 +267,7 @@ def test_loss_parallel_holds_16_bytes_a_local_logit_eagerly(tmp_path):
                           f"--log-dir={tmp_path}", str(script)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     got = dict(line.split() for line in out.stdout.splitlines() if line.startswith(("plain", "loss_parallel")))
-    from fivefold.planner.activations import EAGER_TRAITS
+    from fivefold.planner.memory.traits import EAGER_TRAITS
     from fivefold.planner.runtime import EAGER_LOSS_PARALLEL_TRANSIENT
     # measured 12.000004 / 16.016 (worst 0.10% over the closed forms: a few scalars and DTensor's
     # bookkeeping beside the (T, V) tensors); bound 1%, 10x that. Byte counts, the same on any CPU

@@ -106,9 +106,10 @@ def test_all_gather_cp_runs_two_chunk_calls_per_rank_and_holds_the_gathered_kv_i
     (`attention_call_keys`, against the sum over the calls written out); a ring step is a call over
     s / CP keys. In backward the gathered K, V and their gradients, 2 b s g (d + dv) e, are a temporary
     beside the MLP's."""
-    from fivefold.planner.activations import ArchTraits, Sharding, backward_transient
+    from fivefold.planner.memory.traits import ArchTraits
+    from fivefold.planner.memory.activations import Sharding, backward_transient
     from fivefold.planner.collectives import attention_call_keys
-    from fivefold.planner.memory import memory_per_rank
+    from fivefold.planner.memory.peak import memory_per_rank
     h, s, cp = 842.0, 8192, 4
     p = plan(world=cp, context_parallel_size=cp, cp_comm_type="allgather", seq=s)
     chunk = s / (2 * cp)
@@ -157,7 +158,8 @@ def test_token_dropping_scales_the_routed_rows(factor, pad, share):
     expert fills to n k / E = 128 rows, so a capacity factor drops only below 1; padded, every expert
     computes exactly min(ceil(128 c), n) rows: 160 at c = 1.25, all 512 at c = 8 (capacity > n). The
     EP dispatch / combine rows and the expert activations scale alike."""
-    from fivefold.planner.activations import ArchTraits, Sharding, layer_activation_bytes, routed_share
+    from fivefold.planner.memory.traits import ArchTraits
+    from fivefold.planner.memory.activations import Sharding, layer_activation_bytes, routed_share
     m = replace(MOE, num_experts=8, moe_expert_capacity_factor=factor, moe_pad_expert_input_to_capacity=pad)
     assert routed_share(m, 512) == share
     capped, dropless = (plan(world=2, model=x, expert_model_parallel_size=2, mbs=1, seq=512)

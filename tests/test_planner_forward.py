@@ -11,7 +11,8 @@ from benchmarks.planner_vs_measured import FORWARD_CASES, MEMORY_TOL
 from fivefold.cli import main
 from fivefold.planner.forward import FORWARD_CHUNK, evaluate_forward, forward_config, forward_memory_per_rank
 from fivefold.planner.layout import Plan
-from fivefold.planner.memory import MemoryAssumptions, memory_per_rank
+from fivefold.planner.memory.kinds import MemoryAssumptions
+from fivefold.planner.memory.peak import memory_per_rank
 from fivefold.planner.pipeline import _forward_makespan
 from fivefold.planner.presets import hardware, model_preset
 from fivefold.planner.search import evaluate, make_config

@@ -15,7 +15,7 @@ from _tol import close
 from fivefold.cli import main
 from fivefold.errors import UserError
 from fivefold.planner.pipeline import bubble_fraction, bubble_stage_times, pipeline_profile, pipeline_time
-from fivefold.planner.memory import MemoryAssumptions
+from fivefold.planner.memory.kinds import MemoryAssumptions
 from fivefold.planner.presets import hardware, model_preset
 from fivefold.planner.space import SearchSpace, structures
 from fivefold.planner.search import DOMINATED, PP_DOMINATED, describe, evaluate, make_config, rank_key, search
@@ -474,7 +474,7 @@ def test_search_caches_give_the_uncached_result(name, gpus, schedules):
     """The planner's caches across layouts (layer costs, timed calls, per-shape memory, schedule
     simulations, the peak-memory rank pruning) change no result: a warm search equals a cold one
     exactly, and every candidate re-evaluated with all caches cleared first equals the search's."""
-    from fivefold.planner.memory import memory_per_rank, peak_memory
+    from fivefold.planner.memory.peak import memory_per_rank, peak_memory
     from fivefold.planner.layout import Plan
     from fivefold.planner.search import clear_caches, evaluate
     from fivefold.planner.space import SearchSpace
@@ -507,7 +507,7 @@ def test_peak_memory_under_optimizer_scratch_sizes_only_ranks_that_can_hold_the_
     rank's activations exceed its optimizer step's peak (`_Ranks.sized`): the peak is still the rank
     and the bytes of max(memory_per_rank), for every layout sized, fitting or not, both where the
     pruning left ranks out and where a covering rank's peak was the optimizer step."""
-    from fivefold.planner import memory
+    from fivefold.planner.memory import peak
     from fivefold.planner.layout import Plan
     from fivefold.planner.runtime import profile
     rt = profile("fivefold")
@@ -519,10 +519,10 @@ def test_peak_memory_under_optimizer_scratch_sizes_only_ranks_that_can_hold_the_
     left_out = stepped = 0
     for cfg in sized[::4]:
         plan = Plan(cfg)
-        ranks = memory._Ranks(plan, rt.memory)
+        ranks = peak._Ranks(plan, rt.memory)
         every = [ranks.memory(r) for r in range(plan.pp)]
-        assert memory.peak_memory(plan, rt.memory) == max(every, key=lambda r: r.total)
-        some = memory._Ranks(plan, rt.memory).sized()
+        assert peak.peak_memory(plan, rt.memory) == max(every, key=lambda r: r.total)
+        some = peak._Ranks(plan, rt.memory).sized()
         left_out += plan.pp - len(some)
         covering = {by for by in ranks.coverers() if by is not None}
         stepped += any(every[r].scratch > 0 for r in covering)
@@ -749,7 +749,7 @@ def test_mtp_work_on_the_last_stage_shifts_its_layers_to_the_first():
     matmul FLOPs on the last stage: on PP16 the balanced split puts 4 layers first and 1 last (4 + 3),
     where without MTP it is 2 / 3 (Megatron's DeepSeek-V3 layouts give MTP and the loss a stage of
     their own); and the search's top choice uses that split."""
-    from fivefold.planner.mtp import mtp_stage_layers
+    from fivefold.planner.memory.mtp import mtp_stage_layers
     from fivefold.planner.space import layer_splits
 
     m = model_preset("deepseek-v3").model
@@ -785,7 +785,7 @@ def test_explain_weighs_replicated_experts_against_the_all_to_all():
     state, less all-to-all) and doubled, sized and timed as the search does: the model state each holds
     beside it, and where it ranks with its step time, or that it does not fit, or the rule it breaks."""
     from fivefold.planner.compare import candidates
-    from fivefold.planner.memory import MemoryAssumptions
+    from fivefold.planner.memory.kinds import MemoryAssumptions
     from fivefold.planner.report import Assumed, ep_verdict
     from fivefold.planner.time_assumptions import TimeAssumptions
 

@@ -6,7 +6,7 @@ import math
 from dataclasses import replace
 
 from fivefold.errors import UserError
-from fivefold.planner.memory import MemoryAssumptions
+from fivefold.planner.memory.kinds import MemoryAssumptions
 from fivefold.planner.presets.hardware import Hardware, hardware
 from fivefold.planner.runtime import PROFILES, profile
 from fivefold.planner.time_assumptions import TimeAssumptions

@@ -13,7 +13,7 @@ from fivefold.pipeline.schedules import REGISTRY
 from fivefold.planner.compare import DP_MODES, candidates
 from fivefold.planner.emit import FORMATS, emit
 from fivefold.planner.model_spec import resolve_model
-from fivefold.planner.params import count_params
+from fivefold.planner.memory.params import count_params
 from fivefold.planner.report import Assumed, compare_report, explain, seed_memory_example, table
 from fivefold.planner.runtime import profile
 from fivefold.planner.search import describe, make_config, search

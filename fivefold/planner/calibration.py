@@ -25,7 +25,7 @@ from fivefold.errors import UserError
 from fivefold.planner.compare import LAYOUT_FIELDS
 from fivefold.planner.flops import attention_core_flops, model_flops_per_token
 from fivefold.planner.layout import Plan
-from fivefold.planner.mtp import mtp_stage_layers
+from fivefold.planner.memory.mtp import mtp_stage_layers
 from fivefold.config.pipeline_layout import parse_layout
 from fivefold.planner.presets import hardware, model_preset
 from fivefold.planner.runtime import Runtime, with_eager_loss

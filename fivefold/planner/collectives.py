@@ -49,10 +49,10 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from fivefold.planner.activations import kv_heads_and_dims, routed_share
+from fivefold.planner.memory.activations import kv_heads_and_dims, routed_share
 from fivefold.planner.layout import Plan
-from fivefold.planner.memory import rank_params, state_bytes_per_param
-from fivefold.planner.params import embedding_params, is_moe_layer, kv_params, norm_params
+from fivefold.planner.memory.states import rank_params, state_bytes_per_param
+from fivefold.planner.memory.params import embedding_params, is_moe_layer, kv_params, norm_params
 
 GRAD_BYTES = 4
 """Gradients are fp32 (main grads) under every precision."""

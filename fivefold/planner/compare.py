@@ -28,7 +28,7 @@ import re
 from fivefold.errors import UserError
 from fivefold.pipeline.schedules import REGISTRY
 from fivefold.config.modules import RECOMPUTE_MODULES, modules_not_in
-from fivefold.planner.mtp import mtp_stage_layers
+from fivefold.planner.memory.mtp import mtp_stage_layers
 from fivefold.planner.search import (A2A_OVERLAP, DP_MODE_LABEL, Candidate, evaluate, make_config, rank_key, with_group,
                                      recompute_label)
 from fivefold.planner.space import SearchSpace, layer_splits

@@ -16,8 +16,8 @@ MTP's layers and heads, which `Engine.forward` does not run: `forward_flops_per_
 from __future__ import annotations
 
 from fivefold.config.schema import ModelConfig
-from fivefold.planner.mtp import mtp_forward_flops
-from fivefold.planner.params import layer_params
+from fivefold.planner.memory.mtp import mtp_forward_flops
+from fivefold.planner.memory.params import layer_params
 
 
 def attention_core_flops(m: ModelConfig, seq: int) -> float:

@@ -43,13 +43,14 @@ import dataclasses
 
 from fivefold.config.schema import Config
 from fivefold.config.precision import Precision
-from fivefold.planner.activations import Sharding, forward_layer_bytes, logprob_bytes_per_logit
+from fivefold.planner.memory.activations import Sharding, forward_layer_bytes, logprob_bytes_per_logit
 from fivefold.planner.collectives import group_sizes
 from fivefold.planner.flops import forward_flops_per_token, output_forward_flops
 from fivefold.planner.layout import Plan
 from fivefold.planner.links import Links
-from fivefold.planner.memory import GiB, MemoryAssumptions, RankMemory, rank_params
-from fivefold.planner.params import is_moe_layer
+from fivefold.planner.memory.kinds import GiB, MemoryAssumptions, RankMemory
+from fivefold.planner.memory.states import rank_params
+from fivefold.planner.memory.params import is_moe_layer
 from fivefold.planner.pipeline import forward_bubble_fraction, forward_pipeline_time
 from fivefold.planner.presets.hardware import Hardware
 from fivefold.planner.search import Candidate

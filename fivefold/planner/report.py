@@ -9,8 +9,9 @@ from fivefold.config.schema import ModelConfig
 from fivefold.planner.collectives import layer_collectives
 from fivefold.planner.compare import held_text, held_to, rank_of
 from fivefold.planner.layout import Plan
-from fivefold.planner.memory import MemoryAssumptions, RankMemory, memory_per_rank
-from fivefold.planner.mtp import mtp_stage_layers
+from fivefold.planner.memory.kinds import MemoryAssumptions, RankMemory
+from fivefold.planner.memory.peak import memory_per_rank
+from fivefold.planner.memory.mtp import mtp_stage_layers
 from fivefold.planner.presets.hardware import Hardware
 from fivefold.planner.search import Candidate, evaluate, make_config, with_a2a_overlap
 from fivefold.planner.space import layer_splits

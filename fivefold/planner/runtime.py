@@ -26,8 +26,8 @@ from dataclasses import dataclass, replace
 
 from fivefold.config.schema import Config
 from fivefold.errors import UserError
-from fivefold.planner.activations import EAGER_TRAITS, ArchTraits
-from fivefold.planner.memory import MemoryAssumptions
+from fivefold.planner.memory.traits import EAGER_TRAITS, ArchTraits
+from fivefold.planner.memory.kinds import MemoryAssumptions
 from fivefold.planner.space import SearchSpace
 from fivefold.planner.time_assumptions import TimeAssumptions
 

@@ -13,8 +13,9 @@ from fivefold.errors import UserError
 from fivefold.config.precision import Precision
 from fivefold.pipeline.schedules import microbatch_problem, smallest_group
 from fivefold.planner.layout import Plan
-from fivefold.planner.memory import (MemoryAssumptions, RankMemory, after_step_gathers, model_state, peak_memory,
-                                     rank_params, state_bytes_per_param)
+from fivefold.planner.memory.kinds import MemoryAssumptions, RankMemory
+from fivefold.planner.memory.states import after_step_gathers, model_state, rank_params, state_bytes_per_param
+from fivefold.planner.memory.peak import peak_memory
 from fivefold.planner.presets.hardware import Hardware
 from fivefold.planner.runtime import megatron_fsdp as runs_megatron_fsdp
 from fivefold.planner.space import SearchSpace, recompute_fields, recompute_modes, structures
@@ -396,13 +397,14 @@ def clear_caches() -> None:
     """Forget what the planner keeps across layouts and searches (layer splits and groups, parameter
     counts, layer and call costs, links, schedule simulations): a cold search, for tests."""
     from fivefold.config import precision
-    from fivefold.planner import activations, flops, layout, links, memory, params, pipeline, space, steptime
-    for cache in (layout._SPLITS, layout._GROUPS, memory._PARAMS, memory._LAYERS, memory._KINDS, params._CACHE,
+    from fivefold.planner import flops, layout, links, pipeline, space, steptime
+    from fivefold.planner.memory import activations, layers, params, states
+    for cache in (layout._SPLITS, layout._GROUPS, states._PARAMS, layers._LAYERS, layers._KINDS, params._CACHE,
                   flops._PER_TOKEN, links._CROSS, steptime._CALLS, steptime._LAYER_COSTS, steptime._LAYER_WORK,
                   steptime._DENSE_WORK, steptime._CP_CALLS, steptime._ACTIVATIONS):
         cache.clear()
     for fn in (pipeline._simulate, pipeline._equal_stages, pipeline.pipeline_profile, pipeline.bubble_fraction,
-               space.layer_splits, memory._for_precision, activations._interned, precision._policy,
+               space.layer_splits, layers._for_precision, activations._interned, precision._policy,
                precision.Precision.state_bytes, links.nodes_hit, links._dense_crossings, links._expert_crossings):
         fn.cache_clear()
 

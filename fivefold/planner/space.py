@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from fivefold.config.schema import ModelConfig
 from fivefold.pipeline.schedules import REGISTRY
-from fivefold.planner.mtp import mtp_stage_layers
+from fivefold.planner.memory.mtp import mtp_stage_layers
 
 
 @dataclass(frozen=True)

@@ -26,16 +26,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
-from fivefold.planner.activations import ArchTraits, Sharding, layer_activation_bytes, routed_share
+from fivefold.planner.memory.traits import ArchTraits
+from fivefold.planner.memory.activations import Sharding, layer_activation_bytes, routed_share
 from fivefold.planner.collectives import (Collective, attention_call_keys, cp_collectives, cp_split, dense_collectives,
                                           dp_calls_per_step, forward_layer_collectives, forward_stage_collectives,
                                           group_sizes, later_collectives, stage_collectives, step_collectives)
 from fivefold.planner.flops import attention_core_flops, layer_forward_flops, model_flops_per_token, output_forward_flops
-from fivefold.planner.mtp import mtp_forward_flops
+from fivefold.planner.memory.mtp import mtp_forward_flops
 from fivefold.planner.layout import Plan
 from fivefold.planner.links import Links
-from fivefold.planner.memory import rank_params, state_bytes_per_param
-from fivefold.planner.params import is_moe_layer, layer_params
+from fivefold.planner.memory.states import rank_params, state_bytes_per_param
+from fivefold.planner.memory.params import is_moe_layer, layer_params
 from fivefold.planner.pipeline import bubble_fraction, pipeline_time
 from fivefold.planner.presets.hardware import Hardware
 from fivefold.planner.time_assumptions import TimeAssumptions

@@ -19,7 +19,8 @@ from fivefold.config.schema import Config
 from fivefold.planner.callbytes import call_bytes, forward_call_bytes
 from fivefold.planner.forward import FORWARD_CHUNK, forward_config, forward_memory_per_rank
 from fivefold.planner.layout import Plan
-from fivefold.planner.memory import CPU_EAGER, MemoryAssumptions, RankMemory, memory_per_rank
+from fivefold.planner.memory.kinds import CPU_EAGER, MemoryAssumptions, RankMemory
+from fivefold.planner.memory.peak import memory_per_rank
 from fivefold.planner.runtime import apply, profile
 
 BOOKKEEPING_TAGS = ("loss", "grad-norm", "found-inf", "metrics", "moe-metrics", "checkpoint")

@@ -39,7 +39,8 @@ from fivefold.engine import losses as L
 from fivefold.errors import UserError
 from fivefold.model.decoder import Decoder
 from fivefold.model.generate import generate
-from fivefold.planner.activations import EAGER_TRAITS, Sharding, layer_activation_bytes
+from fivefold.planner.memory.traits import EAGER_TRAITS
+from fivefold.planner.memory.activations import Sharding, layer_activation_bytes
 from fivefold.planner.layout import Plan
 from fivefold.engine.sync import sync_weights
 from fivefold.rl.tasks import END, Addition
