@@ -32,7 +32,8 @@ from fivefold.planner.runtime import PROFILES, Runtime, apply, profile, with_tim
 from fivefold.planner.search import (SearchSpace, clear_caches, evaluate, search, with_a2a_overlap,  # noqa: E402
                                      with_tp_overlap)
 from fivefold.planner.compare import held_text, held_to, rank_of  # noqa: E402
-from fivefold.planner.steptime import TimeAssumptions, step_time  # noqa: E402
+from fivefold.planner.time.time_assumptions import TimeAssumptions  # noqa: E402
+from fivefold.planner.time.steptime import step_time  # noqa: E402
 
 GiB = 2**30
 

@@ -124,7 +124,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("no GPU: benchmarks/gpu_step.py measures one CUDA device; nothing to do here")
         return 0
-    from fivefold.planner.flops import model_flops_per_token
+    from fivefold.planner.time.flops import model_flops_per_token
     from fivefold.planner.presets import hardware
     cfg = llama_1b()
     hw = hardware(_hardware_name())

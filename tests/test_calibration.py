@@ -142,7 +142,7 @@ def test_megatron_fsdp_reduces_every_microbatch_under_pp(mode):
     (Megatron-LM megatron_fsdp.py: grad_reduce_every_bprop): 1/d fp32 gradient accumulators and one
     reduce-scatter per microbatch; ours under PP keeps whole buffers and reduces once; a run that states
     fp32 gradients (Llama 3, whose FSDP shards them) keeps their precision, not whole buffers."""
-    from fivefold.planner.collectives import step_collectives
+    from fivefold.planner.time.rank_collectives import step_collectives
     from fivefold.planner.memory.peak import memory_per_rank
     from fivefold.planner.memory.states import rank_params
     from fivefold.planner.runtime import apply, profile
@@ -187,8 +187,8 @@ def test_megatron_fsdp_reduces_every_microbatch_under_pp(mode):
 def test_overlap_hides_tp_traffic_and_attention_runs_at_the_bf16_rate():
     from dataclasses import replace
     from fivefold.planner.presets import hardware
-    from fivefold.planner.steptime import step_time
-    from fivefold.planner.time_assumptions import TimeAssumptions
+    from fivefold.planner.time.steptime import step_time
+    from fivefold.planner.time.time_assumptions import TimeAssumptions
     hw, plan = hardware("h100-sxm"), Plan(_config())
     overlapped = Plan(_config(tp_comm_overlap=True))
     exposed = step_time(plan, hw, TimeAssumptions()).parts["tp"]
@@ -210,8 +210,8 @@ def test_short_attention_calls_run_below_the_kernels_rate():
     ring's calls cover s / CP keys, an all-to-all's the whole sequence: what h adds to the attention
     core's time is CP times larger on the ring (3 t h / L for each, t the core's time at full rate)."""
     from fivefold.planner.presets import hardware
-    from fivefold.planner.steptime import step_time
-    from fivefold.planner.time_assumptions import TimeAssumptions
+    from fivefold.planner.time.steptime import step_time
+    from fivefold.planner.time.time_assumptions import TimeAssumptions
     hw = hardware("h100-sxm")
     added = {}
     for comm in ("p2p", "a2a"):
@@ -323,8 +323,10 @@ def test_a_fit_knows_which_constants_its_rows_do_not_depend_on():
 def _middle_rank(cfg, rt, hw, ta=None) -> tuple[dict, dict]:
     """(seconds, wire bytes) by kind of pipeline rank 1's microbatch as `rt` runs `cfg`: step_time's
     parts are the slowest rank's, which a change of switch can move (the last rank's loss)."""
-    from fivefold.planner.links import Links
-    from fivefold.planner.steptime import _keys, _rank_cost, group_sizes
+    from fivefold.planner.time.links import Links
+    from fivefold.planner.time.layer_cost import _keys
+    from fivefold.planner.time.steptime import _rank_cost
+    from fivefold.planner.time.layer_collectives import group_sizes
     from fivefold.planner.runtime import apply
     ta = ta or rt.time
     plan = Plan(apply(cfg, rt))
@@ -344,7 +346,7 @@ def test_the_1f1b_all_to_all_overlap_hides_ep_traffic_where_megatron_allows_it()
     from fivefold.planner.presets import hardware, model_preset
     from fivefold.planner.runtime import apply, profile
     from fivefold.planner.search import search
-    from fivefold.planner.steptime import step_time
+    from fivefold.planner.time.steptime import step_time
     te = profile("megatron-te")
     by_row = {c.run.row: c for c in cases()}
     off, on = by_row[47].config, by_row[48].config
@@ -376,7 +378,7 @@ def test_each_token_dispatcher_is_timed_as_megatron_sends_it():
     from dataclasses import replace
     from fivefold.planner.presets import hardware
     from fivefold.planner.runtime import apply, profile
-    from fivefold.planner.links import nodes_hit
+    from fivefold.planner.time.links import nodes_hit
     te, hw = profile("megatron-te"), hardware("h100-sxm")
     row = next(c for c in cases() if c.run.row == 47)
     assert row.config.parallel.moe_token_dispatcher_type == "flex"
@@ -404,7 +406,7 @@ def test_nodes_hit_per_token_agree_with_the_router():
     import torch
     from fivefold.config.schema import ModelConfig
     from fivefold.model.router import top_k
-    from fivefold.planner.links import nodes_hit
+    from fivefold.planner.time.links import nodes_hit
     generator = torch.Generator().manual_seed(0)
     for experts, k, groups, chosen, nodes, bound in ((256, 8, 8, 4, 8, 0.015), (256, 8, 8, 4, 4, 0.015),
                                                        (256, 8, 8, 4, 16, 0.10), (128, 8, None, None, 4, 0.015),
@@ -440,11 +442,12 @@ def test_published_runs_are_judged_to_fit():
 def test_recompute_reruns_are_charged():
     """Selective recompute of `moe` reruns the experts and the MoE layer's dispatch / combine; full
     recompute the layer's calls; ZeRO-3 without PP gathers per microbatch, each behind its own."""
-    from fivefold.planner.collectives import layer_collectives, step_collectives
+    from fivefold.planner.time.layer_collectives import layer_collectives
+    from fivefold.planner.time.rank_collectives import step_collectives
     from fivefold.planner.presets import hardware, model_preset
     from fivefold.planner.search import make_config
-    from fivefold.planner.steptime import step_time
-    from fivefold.planner.time_assumptions import TimeAssumptions
+    from fivefold.planner.time.steptime import step_time
+    from fivefold.planner.time.time_assumptions import TimeAssumptions
     m = model_preset("qwen3-235b-a22b").model
     par = dict(tensor_model_parallel_size=2, sequence_parallel=True, expert_model_parallel_size=8,
                pipeline_model_parallel_size=8, account_for_embedding_in_pipeline_split=True,

@@ -12,10 +12,11 @@ from fivefold.pipeline.schedules import build_schedule
 from fivefold.pipeline.ir import Kind
 from fivefold.pipeline.simulate import Costs, simulate
 from fivefold.planner.callbytes import call_bytes
-from fivefold.planner.collectives import cp_collectives, layer_collectives, moe_collectives, step_collectives
+from fivefold.planner.time.layer_collectives import cp_collectives, layer_collectives, moe_collectives
+from fivefold.planner.time.rank_collectives import step_collectives
 from fivefold.planner.layout import Plan
 from fivefold.planner.pipeline import pipeline_profile
-from fivefold.planner.steptime import step_time
+from fivefold.planner.time.steptime import step_time
 from fivefold.planner.presets.hardware import hardware
 
 DENSE = ModelConfig(num_layers=8, hidden_size=256, num_attention_heads=8, num_query_groups=2, vocab_size=1000)
@@ -108,7 +109,7 @@ def test_all_gather_cp_runs_two_chunk_calls_per_rank_and_holds_the_gathered_kv_i
     beside the MLP's."""
     from fivefold.planner.memory.traits import ArchTraits
     from fivefold.planner.memory.activations import Sharding, backward_transient
-    from fivefold.planner.collectives import attention_call_keys
+    from fivefold.planner.time.layer_collectives import attention_call_keys
     from fivefold.planner.memory.peak import memory_per_rank
     h, s, cp = 842.0, 8192, 4
     p = plan(world=cp, context_parallel_size=cp, cp_comm_type="allgather", seq=s)

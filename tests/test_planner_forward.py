@@ -16,7 +16,7 @@ from fivefold.planner.memory.peak import memory_per_rank
 from fivefold.planner.pipeline import _forward_makespan
 from fivefold.planner.presets import hardware, model_preset
 from fivefold.planner.search import evaluate, make_config
-from fivefold.planner.time_assumptions import TimeAssumptions
+from fivefold.planner.time.time_assumptions import TimeAssumptions
 from fivefold.planner.versus import compare_forward_rank
 from fivefold.pipeline.forward import forward_only
 from fivefold.pipeline.schedules import build_schedule

@@ -19,7 +19,7 @@ from fivefold.planner.memory.kinds import MemoryAssumptions
 from fivefold.planner.presets import hardware, model_preset
 from fivefold.planner.space import SearchSpace, structures
 from fivefold.planner.search import DOMINATED, PP_DOMINATED, describe, evaluate, make_config, rank_key, search
-from fivefold.planner.time_assumptions import TimeAssumptions
+from fivefold.planner.time.time_assumptions import TimeAssumptions
 from fivefold.planner.validity import checked, config_errors, twin_errors
 
 
@@ -724,7 +724,7 @@ def test_spans_nodes_by_arithmetic_equals_listing_the_group():
     and orders; and its EP peers in rank 0's node, by stride, as many as listing that EP group finds."""
     from types import SimpleNamespace
 
-    from fivefold.planner.links import _crossings
+    from fivefold.planner.time.links import _crossings
     from fivefold.topology import Layout
     groups = {"tp": ("dense", "tp"), "cp": ("dense", "cp"), "pp": ("dense", "pp"), "dp": ("dense", "cp-dp"),
               "tp-cp": ("dense", "tp-cp"), "ep": ("expert", "ep"), "etp": ("expert", "etp"), "edp": ("expert", "edp")}
@@ -787,7 +787,7 @@ def test_explain_weighs_replicated_experts_against_the_all_to_all():
     from fivefold.planner.compare import candidates
     from fivefold.planner.memory.kinds import MemoryAssumptions
     from fivefold.planner.report import Assumed, ep_verdict
-    from fivefold.planner.time_assumptions import TimeAssumptions
+    from fivefold.planner.time.time_assumptions import TimeAssumptions
 
     m, hw = model_preset("qwen3-30b-a3b").model, hardware("h100-sxm")
     assume = Assumed(MemoryAssumptions(), TimeAssumptions())

@@ -23,7 +23,7 @@ from typing import Callable
 from fivefold.config.schema import ClusterConfig, Config, ModelConfig, ParallelConfig, TrainingConfig
 from fivefold.errors import UserError
 from fivefold.planner.compare import LAYOUT_FIELDS
-from fivefold.planner.flops import attention_core_flops, model_flops_per_token
+from fivefold.planner.time.flops import attention_core_flops, model_flops_per_token
 from fivefold.planner.layout import Plan
 from fivefold.planner.memory.mtp import mtp_stage_layers
 from fivefold.config.pipeline_layout import parse_layout

@@ -6,7 +6,8 @@ list); this sums their call bytes by tag.
 """
 from __future__ import annotations
 
-from fivefold.planner.collectives import forward_layer_collectives, forward_stage_collectives, rank_collectives
+from fivefold.planner.time.layer_collectives import forward_layer_collectives
+from fivefold.planner.time.rank_collectives import forward_stage_collectives, rank_collectives
 from fivefold.planner.forward import forward_layer_groups
 from fivefold.planner.layout import Plan
 

@@ -44,18 +44,19 @@ import dataclasses
 from fivefold.config.schema import Config
 from fivefold.config.precision import Precision
 from fivefold.planner.memory.activations import Sharding, forward_layer_bytes, logprob_bytes_per_logit
-from fivefold.planner.collectives import group_sizes
-from fivefold.planner.flops import forward_flops_per_token, output_forward_flops
+from fivefold.planner.time.layer_collectives import group_sizes
+from fivefold.planner.time.flops import forward_flops_per_token, output_forward_flops
 from fivefold.planner.layout import Plan
-from fivefold.planner.links import Links
+from fivefold.planner.time.links import Links
 from fivefold.planner.memory.kinds import GiB, MemoryAssumptions, RankMemory
 from fivefold.planner.memory.states import rank_params
 from fivefold.planner.memory.params import is_moe_layer
 from fivefold.planner.pipeline import forward_bubble_fraction, forward_pipeline_time
 from fivefold.planner.presets.hardware import Hardware
 from fivefold.planner.search import Candidate
-from fivefold.planner.steptime import StepEstimate, layer_forward_cost, stage_forward_cost
-from fivefold.planner.time_assumptions import TimeAssumptions
+from fivefold.planner.time.steptime import StepEstimate
+from fivefold.planner.time.layer_cost import layer_forward_cost, stage_forward_cost
+from fivefold.planner.time.time_assumptions import TimeAssumptions
 from fivefold.planner.validity import config_errors
 
 FORWARD_CHUNK = 1024

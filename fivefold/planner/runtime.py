@@ -29,7 +29,7 @@ from fivefold.errors import UserError
 from fivefold.planner.memory.traits import EAGER_TRAITS, ArchTraits
 from fivefold.planner.memory.kinds import MemoryAssumptions
 from fivefold.planner.space import SearchSpace
-from fivefold.planner.time_assumptions import TimeAssumptions
+from fivefold.planner.time.time_assumptions import TimeAssumptions
 
 GiB = 2**30
 

@@ -19,8 +19,8 @@ from fivefold.planner.memory.peak import peak_memory
 from fivefold.planner.presets.hardware import Hardware
 from fivefold.planner.runtime import megatron_fsdp as runs_megatron_fsdp
 from fivefold.planner.space import SearchSpace, recompute_fields, recompute_modes, structures
-from fivefold.planner.steptime import StepEstimate, step_time
-from fivefold.planner.time_assumptions import TimeAssumptions
+from fivefold.planner.time.steptime import StepEstimate, step_time
+from fivefold.planner.time.time_assumptions import TimeAssumptions
 from fivefold.planner.validity import checked, config_errors, twin_errors
 
 GiB = 2**30
@@ -397,11 +397,12 @@ def clear_caches() -> None:
     """Forget what the planner keeps across layouts and searches (layer splits and groups, parameter
     counts, layer and call costs, links, schedule simulations): a cold search, for tests."""
     from fivefold.config import precision
-    from fivefold.planner import flops, layout, links, pipeline, space, steptime
+    from fivefold.planner import layout, pipeline, space
     from fivefold.planner.memory import activations, layers, params, states
+    from fivefold.planner.time import calls, flops, layer_cost, links
     for cache in (layout._SPLITS, layout._GROUPS, states._PARAMS, layers._LAYERS, layers._KINDS, params._CACHE,
-                  flops._PER_TOKEN, links._CROSS, steptime._CALLS, steptime._LAYER_COSTS, steptime._LAYER_WORK,
-                  steptime._DENSE_WORK, steptime._CP_CALLS, steptime._ACTIVATIONS):
+                  flops._PER_TOKEN, links._CROSS, calls._CALLS, layer_cost._LAYER_COSTS, layer_cost._LAYER_WORK,
+                  layer_cost._DENSE_WORK, layer_cost._CP_CALLS, layer_cost._ACTIVATIONS):
         cache.clear()
     for fn in (pipeline._simulate, pipeline._equal_stages, pipeline.pipeline_profile, pipeline.bubble_fraction,
                space.layer_splits, layers._for_precision, activations._interned, precision._policy,
