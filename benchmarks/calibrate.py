@@ -27,11 +27,12 @@ from fivefold.planner.calibration import (EXCLUDED, FLOP_COUNTS, OUT_OF_SAMPLE, 
 from fivefold.planner.layout import Plan  # noqa: E402
 from fivefold.planner.memory.peak import peak_memory  # noqa: E402
 from fivefold.planner.presets import hardware  # noqa: E402
-from fivefold.planner.search import describe  # noqa: E402
+from fivefold.planner.search.configs import describe  # noqa: E402
 from fivefold.planner.runtime import PROFILES, Runtime, apply, profile, with_time  # noqa: E402
-from fivefold.planner.search import (SearchSpace, clear_caches, evaluate, search, with_a2a_overlap,  # noqa: E402
-                                     with_tp_overlap)
-from fivefold.planner.compare import held_text, held_to, rank_of  # noqa: E402
+from fivefold.planner.search.space import SearchSpace
+from fivefold.planner.search.ranking import clear_caches, evaluate, search
+from fivefold.planner.search.configs import with_a2a_overlap, with_tp_overlap
+from fivefold.planner.search.compare import held_text, held_to, rank_of  # noqa: E402
 from fivefold.planner.time.time_assumptions import TimeAssumptions  # noqa: E402
 from fivefold.planner.time.steptime import step_time  # noqa: E402
 

@@ -107,7 +107,7 @@ def _planner(cfg: ModelConfig, seq: int, hw_name: str):
     from fivefold.config.schema import Config, TrainingConfig
     from fivefold.planner.presets import hardware
     from fivefold.planner.runtime import profile
-    from fivefold.planner.search import evaluate
+    from fivefold.planner.search.ranking import evaluate
     config = Config(model=cfg, training=TrainingConfig(seq_length=seq, micro_batch_size=1, global_batch_size=1,
                                                        precision="bf16"))
     config.cluster.world_size = 1

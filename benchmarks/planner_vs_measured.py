@@ -464,7 +464,7 @@ def model_features(rng: random.Random, model: dict) -> tuple[dict, str]:
 def random_cases(count: int, seed: int, wide: bool = False) -> list[Case]:
     """`count` layouts drawn with `seed` that the config rules accept and the runtime trains (`wide`:
     with `model_features`, drawn from a stream of their own)."""
-    from fivefold.planner.validity import config_errors
+    from fivefold.planner.search.validity import config_errors
     from fivefold.config.supported import unsupported
     rng, out = random.Random(seed), []
     features = random.Random(f"{seed} wide")

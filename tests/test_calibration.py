@@ -13,7 +13,7 @@ from fivefold.planner.calibration import (EXCLUDED, FLOP_COUNTS, OUT_OF_SAMPLE, 
                                           read_runs, stated_layout)
 from fivefold.planner.layout import Plan
 from fivefold.config.pipeline_layout import parse_layout
-from fivefold.planner.validity import config_errors
+from fivefold.planner.search.validity import config_errors
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -84,7 +84,7 @@ def test_the_harness_prints_a_row_per_judged_run():
 
 def _config(precision="bf16", dp_mode=None, **parallel):
     from fivefold.planner.presets import model_preset
-    from fivefold.planner.search import make_config
+    from fivefold.planner.search.configs import make_config
     p = dict(tensor_model_parallel_size=2, sequence_parallel=True, pipeline_model_parallel_size=2)
     p.update(parallel)
     return make_config(model_preset("llama3-8b").model, 16, 8, 4096, 64, precision, p, dp_mode=dp_mode)
@@ -165,7 +165,7 @@ def test_megatron_fsdp_reduces_every_microbatch_under_pp(mode):
         assert calls[True][0].call_bytes == pytest.approx(m * 4 * dense)
     from fivefold.planner.presets import hardware, model_preset
     from fivefold.planner.report import why
-    from fivefold.planner.search import evaluate
+    from fivefold.planner.search.ranking import evaluate
     bf16 = _config(dp_mode=mode)  # the GPU model times 16-bit GEMMs
     said = [why(evaluate(apply(bf16, rt), hardware("h100-sxm"), rt.memory, rt.time), model_preset("llama3-8b").model,
                 8)[-1] for rt in (te, ours)]
@@ -345,7 +345,7 @@ def test_the_1f1b_all_to_all_overlap_hides_ep_traffic_where_megatron_allows_it()
     from fivefold.config.rules import a2a_overlap_problems, sizes_of
     from fivefold.planner.presets import hardware, model_preset
     from fivefold.planner.runtime import apply, profile
-    from fivefold.planner.search import search
+    from fivefold.planner.search.ranking import search
     from fivefold.planner.time.steptime import step_time
     te = profile("megatron-te")
     by_row = {c.run.row: c for c in cases()}
@@ -445,7 +445,7 @@ def test_recompute_reruns_are_charged():
     from fivefold.planner.time.layer_collectives import layer_collectives
     from fivefold.planner.time.rank_collectives import step_collectives
     from fivefold.planner.presets import hardware, model_preset
-    from fivefold.planner.search import make_config
+    from fivefold.planner.search.configs import make_config
     from fivefold.planner.time.steptime import step_time
     from fivefold.planner.time.time_assumptions import TimeAssumptions
     m = model_preset("qwen3-235b-a22b").model
@@ -519,7 +519,7 @@ def test_fivefold_profile_against_our_runtime_on_gpus():
     from fivefold.config.validate import validate
     from fivefold.planner.presets import hardware
     from fivefold.planner.runtime import PER_TENSOR_OPTIMIZER_BYTES, profile
-    from fivefold.planner.search import evaluate
+    from fivefold.planner.search.ranking import evaluate
     ours, MiB = profile("fivefold"), 2**20
     per_tensor = dataclasses.replace(ours.time, optimizer_bytes_per_param=PER_TENSOR_OPTIMIZER_BYTES)
     rows = _our_gpu_runs()

@@ -12,11 +12,11 @@ from fivefold.config.load import load_config
 from fivefold.config.schema import TrainingConfig
 from fivefold.config.validate import validate
 from fivefold.errors import UserError
-from fivefold.planner.forward import evaluate_forward
+from fivefold.planner.search.forward import evaluate_forward
 from fivefold.planner.model_spec import resolve_model
 from fivefold.planner.report import breakdown
 from fivefold.planner.runtime import apply, profile
-from fivefold.planner.search import evaluate
+from fivefold.planner.search.ranking import evaluate
 
 HELP = "memory per GPU and step time of one layout (a config, or --model with overrides / Megatron flags)"
 ACCEPTS_EXTRA = True

@@ -22,14 +22,14 @@ from typing import Callable
 
 from fivefold.config.schema import ClusterConfig, Config, ModelConfig, ParallelConfig, TrainingConfig
 from fivefold.errors import UserError
-from fivefold.planner.compare import LAYOUT_FIELDS
+from fivefold.planner.search.compare import LAYOUT_FIELDS
 from fivefold.planner.time.flops import attention_core_flops, model_flops_per_token
 from fivefold.planner.layout import Plan
 from fivefold.planner.memory.mtp import mtp_stage_layers
 from fivefold.config.pipeline_layout import parse_layout
 from fivefold.planner.presets import hardware, model_preset
 from fivefold.planner.runtime import Runtime, with_eager_loss
-from fivefold.planner.space import layer_splits
+from fivefold.planner.search.space import layer_splits
 
 RUNS = Path(__file__).resolve().parents[2] / "benchmarks" / "data" / "gpu-runs.tsv"
 GiB = 2**30

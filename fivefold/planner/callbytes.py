@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from fivefold.planner.time.layer_collectives import forward_layer_collectives
 from fivefold.planner.time.rank_collectives import forward_stage_collectives, rank_collectives
-from fivefold.planner.forward import forward_layer_groups
+from fivefold.planner.search.forward import forward_layer_groups
 from fivefold.planner.layout import Plan
 
 

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from fivefold.planner.memory.kinds import RankMemory
-from fivefold.planner.search import Candidate
+from fivefold.planner.search.ranking import Candidate
 
 GiB = 2**30
 

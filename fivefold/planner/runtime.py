@@ -28,7 +28,7 @@ from fivefold.config.schema import Config
 from fivefold.errors import UserError
 from fivefold.planner.memory.traits import EAGER_TRAITS, ArchTraits
 from fivefold.planner.memory.kinds import MemoryAssumptions
-from fivefold.planner.space import SearchSpace
+from fivefold.planner.search.space import SearchSpace, megatron_fsdp
 from fivefold.planner.time.time_assumptions import TimeAssumptions
 
 GiB = 2**30
@@ -194,9 +194,3 @@ def apply(cfg: Config, rt: Runtime, stated_fp32_grads: bool = False) -> Config:
     if t.precision in ("bf16", "fp8") and not (stated_fp32_grads or t.grad_reduce_in_bf16) and rt.grad_reduce_in_bf16:
         changes["grad_reduce_in_bf16"] = True
     return replace(cfg, training=replace(t, **changes)) if changes else cfg
-
-
-def megatron_fsdp(runtime_has_it: bool, dp_mode: str) -> bool:
-    """Whether a config of `dp_mode` runs as Megatron-FSDP (`TrainingConfig.use_megatron_fsdp`) on a
-    runtime that has it: its ZeRO-2/3 (the distributed optimizer is Megatron's DDP, not Megatron-FSDP)."""
-    return runtime_has_it and dp_mode in ("optim_grads", "optim_grads_params")

@@ -53,11 +53,11 @@ from fivefold.planner.memory.states import rank_params
 from fivefold.planner.memory.params import is_moe_layer
 from fivefold.planner.pipeline import forward_bubble_fraction, forward_pipeline_time
 from fivefold.planner.presets.hardware import Hardware
-from fivefold.planner.search import Candidate
+from fivefold.planner.search.ranking import Candidate
 from fivefold.planner.time.steptime import StepEstimate
 from fivefold.planner.time.layer_cost import layer_forward_cost, stage_forward_cost
 from fivefold.planner.time.time_assumptions import TimeAssumptions
-from fivefold.planner.validity import config_errors
+from fivefold.planner.search.validity import config_errors
 
 FORWARD_CHUNK = 1024
 """Tokens per chunk of the log-prob computation: `Engine`'s default `chunk` (tests/test_planner_forward.py

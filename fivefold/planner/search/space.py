@@ -196,3 +196,9 @@ def _pipelines(pp: int, num_layers: int, space: SearchSpace):
         cap = num_layers // pp if space.max_vpp is None else space.max_vpp
         for v in REGISTRY[name].planner_vpps(pp, num_layers, cap):
             yield v, name
+
+
+def megatron_fsdp(runtime_has_it: bool, dp_mode: str) -> bool:
+    """Whether a config of `dp_mode` runs as Megatron-FSDP (`TrainingConfig.use_megatron_fsdp`) on a
+    runtime that has it: its ZeRO-2/3 (the distributed optimizer is Megatron's DDP, not Megatron-FSDP)."""
+    return runtime_has_it and dp_mode in ("optim_grads", "optim_grads_params")
