@@ -22,13 +22,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fivefold.planner.calibration import (EXCLUDED, FLOP_COUNTS, OUT_OF_SAMPLE, cases, flops_per_token,  # noqa: E402
-                                          read_runs, runtime_of, stated_layout)
+from fivefold.planner.calibration.runs import EXCLUDED, FLOP_COUNTS, OUT_OF_SAMPLE, read_runs
+from fivefold.planner.calibration.cases import cases, flops_per_token, runtime_of, stated_layout
 from fivefold.planner.layout import Plan  # noqa: E402
 from fivefold.planner.memory.peak import peak_memory  # noqa: E402
 from fivefold.planner.presets import hardware  # noqa: E402
 from fivefold.planner.search.configs import describe  # noqa: E402
-from fivefold.planner.runtime import PROFILES, Runtime, apply, profile, with_time  # noqa: E402
+from fivefold.planner.calibration.runtime import PROFILES, Runtime, apply, profile, with_time  # noqa: E402
 from fivefold.planner.search.space import SearchSpace
 from fivefold.planner.search.ranking import clear_caches, evaluate, search
 from fivefold.planner.search.configs import with_a2a_overlap, with_tp_overlap
@@ -305,7 +305,7 @@ def main() -> None:
     print("Excluded: " + "; ".join(f"row {k}: {v}" for k, v in EXCLUDED.items()))
     both = [(r, c) for r in read_runs() for c in [r] if r.num("tokens_per_s_per_gpu") and r.num("tflops_per_gpu")]
     if both:
-        from fivefold.planner.calibration import case_of
+        from fivefold.planner.calibration.cases import case_of
         checks = []
         for run, _ in both:
             case = case_of(run)

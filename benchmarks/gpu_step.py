@@ -106,7 +106,7 @@ def _planner(cfg: ModelConfig, seq: int, hw_name: str):
     """The planner's candidate for this layout (runtime `fivefold`: its memory and step time)."""
     from fivefold.config.schema import Config, TrainingConfig
     from fivefold.planner.presets import hardware
-    from fivefold.planner.runtime import profile
+    from fivefold.planner.calibration.runtime import profile
     from fivefold.planner.search.ranking import evaluate
     config = Config(model=cfg, training=TrainingConfig(seq_length=seq, micro_batch_size=1, global_batch_size=1,
                                                        precision="bf16"))

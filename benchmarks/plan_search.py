@@ -33,7 +33,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fivefold.planner.presets import hardware, model_preset  # noqa: E402
-from fivefold.planner.runtime import profile  # noqa: E402
+from fivefold.planner.calibration.runtime import profile  # noqa: E402
 from fivefold.planner.search.ranking import SearchResult, clear_caches, search  # noqa: E402
 
 FSDP = ("optim", "optim_grads_params")

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from fivefold.errors import UserError
-from fivefold.planner.calibration import (EXCLUDED, FLOP_COUNTS, OUT_OF_SAMPLE, case_of, cases, flops_per_token,
-                                          read_runs, stated_layout)
+from fivefold.planner.calibration.runs import EXCLUDED, FLOP_COUNTS, OUT_OF_SAMPLE, read_runs
+from fivefold.planner.calibration.cases import case_of, cases, flops_per_token, stated_layout
 from fivefold.planner.layout import Plan
 from fivefold.config.pipeline_layout import parse_layout
 from fivefold.planner.search.validity import config_errors
@@ -92,7 +92,7 @@ def _config(precision="bf16", dp_mode=None, **parallel):
 
 def test_megatron_te_reduces_gradients_in_bf16_and_saves_fp8_linear_inputs():
     from fivefold.planner.memory.peak import peak_memory
-    from fivefold.planner.runtime import apply, profile
+    from fivefold.planner.calibration.runtime import apply, profile
     te, ours, tt = profile("megatron-te"), profile("fivefold"), profile("torchtitan")
     cfg = _config()
     assert apply(cfg, ours) is cfg and apply(cfg, te, stated_fp32_grads=True) is cfg
@@ -116,7 +116,7 @@ def test_megatron_te_keeps_fp8_weight_copies_over_the_step():
     from dataclasses import replace
     from fivefold.planner.memory.peak import memory_per_rank
     from fivefold.planner.memory.params import layer_params
-    from fivefold.planner.runtime import profile
+    from fivefold.planner.calibration.runtime import profile
     te, tt = profile("megatron-te"), profile("torchtitan")
     fp8, bf16 = Plan(_config("fp8")), Plan(_config())
     m = fp8.config.model
@@ -145,7 +145,7 @@ def test_megatron_fsdp_reduces_every_microbatch_under_pp(mode):
     from fivefold.planner.time.rank_collectives import step_collectives
     from fivefold.planner.memory.peak import memory_per_rank
     from fivefold.planner.memory.states import rank_params
-    from fivefold.planner.runtime import apply, profile
+    from fivefold.planner.calibration.runtime import apply, profile
     te, ours = profile("megatron-te"), profile("fivefold")
     cfg = _config("fp32", dp_mode=mode)
     fsdp, whole = Plan(apply(cfg, te)), Plan(apply(cfg, ours))
@@ -225,7 +225,7 @@ def test_short_attention_calls_run_below_the_kernels_rate():
 def test_torchtitan_rows_search_without_accumulation_and_without_head_all_to_all():
     """torchtitan had no gradient accumulation before June 2025 and its CP is a ring: its December 2024
     cases search so, and its profile's space tries p2p only."""
-    from fivefold.planner.runtime import profile
+    from fivefold.planner.calibration.runtime import profile
     by_row = {c.run.row: c for c in cases()}
     assert not by_row[16].accumulates and by_row[34].accumulates and by_row[1].accumulates
     assert profile("torchtitan").space().cp_comm_types == ("p2p",)
@@ -268,7 +268,7 @@ def test_loss_parallel_holds_16_bytes_a_local_logit_eagerly(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     got = dict(line.split() for line in out.stdout.splitlines() if line.startswith(("plain", "loss_parallel")))
     from fivefold.planner.memory.traits import EAGER_TRAITS
-    from fivefold.planner.runtime import EAGER_LOSS_PARALLEL_TRANSIENT
+    from fivefold.planner.calibration.runtime import EAGER_LOSS_PARALLEL_TRANSIENT
     # measured 12.000004 / 16.016 (worst 0.10% over the closed forms: a few scalars and DTensor's
     # bookkeeping beside the (T, V) tensors); bound 1%, 10x that. Byte counts, the same on any CPU
     assert float(got["plain"]) == pytest.approx(EAGER_TRAITS.loss_bytes(), rel=0.01)
@@ -312,7 +312,7 @@ def test_a_fit_knows_which_constants_its_rows_do_not_depend_on():
     least squares would) names exactly those; with the Megatron-Core MoE report's rows, none."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from calibrate import FREE, unused
-    from fivefold.planner.runtime import PROFILES
+    from fivefold.planner.calibration.runtime import PROFILES
     by_source = {s: [c for c in cases() if c.run.source == s] for s in ("MLM-README", "MCORE-MOE-2603")}
     assert set(unused(PROFILES["megatron-te"], by_source["MLM-README"], FREE["megatron-te"])) == {
         "fp8_gemm_efficiency", "expert_efficiency", "expert_half_rows", "ep_overlap", "ep_overlap_1f1b"}
@@ -327,7 +327,7 @@ def _middle_rank(cfg, rt, hw, ta=None) -> tuple[dict, dict]:
     from fivefold.planner.time.layer_cost import _keys
     from fivefold.planner.time.steptime import _rank_cost
     from fivefold.planner.time.layer_collectives import group_sizes
-    from fivefold.planner.runtime import apply
+    from fivefold.planner.calibration.runtime import apply
     ta = ta or rt.time
     plan = Plan(apply(cfg, rt))
     links = Links(plan, hw, cfg.cluster.gpus_per_node, ta)
@@ -344,7 +344,7 @@ def test_the_1f1b_all_to_all_overlap_hides_ep_traffic_where_megatron_allows_it()
     from dataclasses import replace
     from fivefold.config.rules import a2a_overlap_problems, sizes_of
     from fivefold.planner.presets import hardware, model_preset
-    from fivefold.planner.runtime import apply, profile
+    from fivefold.planner.calibration.runtime import apply, profile
     from fivefold.planner.search.ranking import search
     from fivefold.planner.time.steptime import step_time
     te = profile("megatron-te")
@@ -377,7 +377,7 @@ def test_each_token_dispatcher_is_timed_as_megatron_sends_it():
     all-to-all whatever the config says (`apply`)."""
     from dataclasses import replace
     from fivefold.planner.presets import hardware
-    from fivefold.planner.runtime import apply, profile
+    from fivefold.planner.calibration.runtime import apply, profile
     from fivefold.planner.time.links import nodes_hit
     te, hw = profile("megatron-te"), hardware("h100-sxm")
     row = next(c for c in cases() if c.run.row == 47)
@@ -518,7 +518,7 @@ def test_fivefold_profile_against_our_runtime_on_gpus():
     from fivefold.config.load import load_config
     from fivefold.config.validate import validate
     from fivefold.planner.presets import hardware
-    from fivefold.planner.runtime import PER_TENSOR_OPTIMIZER_BYTES, profile
+    from fivefold.planner.calibration.runtime import PER_TENSOR_OPTIMIZER_BYTES, profile
     from fivefold.planner.search.ranking import evaluate
     ours, MiB = profile("fivefold"), 2**20
     per_tensor = dataclasses.replace(ours.time, optimizer_bytes_per_param=PER_TENSOR_OPTIMIZER_BYTES)

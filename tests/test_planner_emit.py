@@ -20,7 +20,7 @@ def planned():
     """The five best layouts of an MoE model on 64 GPUs (EP, PP, VPP and TP all occur among them), the
     best interleaved one in microbatch groups (a global batch of 96: 3 microbatches of 4 on PP2), and
     and megatron-te's best Megatron-FSDP layout under PP for Llama 3 70B with ZeRO-2 in its space."""
-    from fivefold.planner.runtime import profile
+    from fivefold.planner.calibration.runtime import profile
     r = search(model_preset("mixtral-8x7b").model, hardware("h100-sxm"), 64, 8, 4096, 1024)
     grouped = search(model_preset("llama3-8b").model, hardware("h100-sxm"), 64, 8, 4096, 96).ranked
     te = profile("megatron-te")

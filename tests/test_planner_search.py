@@ -230,7 +230,7 @@ def test_tp_traffic_is_hidden_only_where_the_run_overlaps_it(capsys):
     every TP run was timed as overlapped before), and `estimate` says which it timed; the search of a
     runtime that overlaps turns it on in every layout with TP, fivefold's in none."""
     from fivefold.planner.presets import hardware, model_preset
-    from fivefold.planner.runtime import profile
+    from fivefold.planner.calibration.runtime import profile
     line = ["estimate", "--model", "llama3-70b", "--gpus", "64", "--runtime", "megatron-te", "--bf16",
             "--tensor-model-parallel-size", "8", "--sequence-parallel", "--pipeline-model-parallel-size", "2",
             "--use-distributed-optimizer", "--global-batch-size", "128"]
@@ -425,7 +425,7 @@ def test_a_search_after_another_setting_equals_it_cold(change):
     the unchanged one in the same process (same model and hardware objects), equals the same search
     from cold caches, ranked and dropped (a warm search reducing bf16 gradients once reused fp32's
     step calls)."""
-    from fivefold.planner.runtime import profile
+    from fivefold.planner.calibration.runtime import profile
     from fivefold.planner.search.ranking import clear_caches
     from fivefold.planner.search.space import SearchSpace
 
@@ -511,7 +511,7 @@ def test_peak_memory_under_optimizer_scratch_sizes_only_ranks_that_can_hold_the_
     pruning left ranks out and where a covering rank's peak was the optimizer step."""
     from fivefold.planner.memory import peak
     from fivefold.planner.layout import Plan
-    from fivefold.planner.runtime import profile
+    from fivefold.planner.calibration.runtime import profile
     rt = profile("fivefold")
     assert rt.memory.traits.optimizer_scratch_bytes
     result = search(model_preset("llama3-70b").model, hardware("h100-sxm"), 64, 8, 4096, 256, space=rt.space(),
@@ -891,7 +891,7 @@ def test_each_runtime_groups_microbatches_as_it_interleaves_them(pp, m, megatron
     smallest); torch.distributed.pipelining's ScheduleInterleaved1F1B (torchtitan) m // PP equal
     rounds, refusing a count they do not divide (18 on 4 ranks: 4 rounds of 4.5)."""
     from fivefold.pipeline.schedules import microbatch_problem, smallest_group
-    from fivefold.planner.runtime import PROFILES
+    from fivefold.planner.calibration.runtime import PROFILES
     assert smallest_group(pp, m) == megatron and smallest_group(pp, m, "rounds") == rounds
     for group in (megatron, rounds):
         assert group is None or microbatch_problem("interleaved", pp, 2, m, group) is None
@@ -920,7 +920,7 @@ def test_default_runtime_pays_for_short_attention_calls_and_small_expert_gemms()
     measured attention rate at 4096 keys. Without them it ranked Qwen3-30B-A3B (128 experts) on 32 GPUs
     as TP1 CP8 PP4 EP1: every expert on every GPU at 32 rows each, and a ring of 512-key calls, both at
     the full GEMM / attention rate: the issue's two complaints about the ranking."""
-    from fivefold.planner.runtime import profile
+    from fivefold.planner.calibration.runtime import profile
     ours, te = profile("fivefold").time, profile("megatron-te").time
     assert ours.attention_efficiency * 4096 / (4096 + ours.attention_half_keys) == pytest.approx(0.376, rel=1e-12)
     assert ours.attention_half_keys == te.attention_half_keys > 0 and ours.expert_half_rows == te.expert_half_rows > 0

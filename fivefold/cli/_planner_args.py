@@ -8,7 +8,7 @@ from dataclasses import replace
 from fivefold.errors import UserError
 from fivefold.planner.memory.kinds import MemoryAssumptions
 from fivefold.planner.presets.hardware import Hardware, hardware
-from fivefold.planner.runtime import PROFILES, profile
+from fivefold.planner.calibration.runtime import PROFILES, profile
 from fivefold.planner.time.time_assumptions import TimeAssumptions
 
 GiB = 2**30

@@ -15,7 +15,7 @@ from fivefold.errors import UserError
 from fivefold.planner.search.forward import evaluate_forward
 from fivefold.planner.model_spec import resolve_model
 from fivefold.planner.report import breakdown
-from fivefold.planner.runtime import apply, profile
+from fivefold.planner.calibration.runtime import apply, profile
 from fivefold.planner.search.ranking import evaluate
 
 HELP = "memory per GPU and step time of one layout (a config, or --model with overrides / Megatron flags)"

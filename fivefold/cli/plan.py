@@ -15,7 +15,7 @@ from fivefold.planner.emit import FORMATS, emit
 from fivefold.planner.model_spec import resolve_model
 from fivefold.planner.memory.params import count_params
 from fivefold.planner.report import Assumed, compare_report, explain, seed_memory_example, table
-from fivefold.planner.runtime import profile
+from fivefold.planner.calibration.runtime import profile
 from fivefold.planner.search.configs import describe, make_config
 from fivefold.planner.search.ranking import search
 from fivefold.planner.search.validity import config_errors

@@ -21,7 +21,7 @@ from fivefold.planner.search.forward import FORWARD_CHUNK, forward_config, forwa
 from fivefold.planner.layout import Plan
 from fivefold.planner.memory.kinds import CPU_EAGER, MemoryAssumptions, RankMemory
 from fivefold.planner.memory.peak import memory_per_rank
-from fivefold.planner.runtime import apply, profile
+from fivefold.planner.calibration.runtime import apply, profile
 
 BOOKKEEPING_TAGS = ("loss", "grad-norm", "found-inf", "metrics", "moe-metrics", "checkpoint")
 """Traffic tags of scalars for logging, clipping, loss scaling and checkpoint agreement, not model tensors."""
