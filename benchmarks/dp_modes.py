@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=3)
     args = ap.parse_args(argv)
     from fivefold.config.precision import Precision
-    from fivefold.planner.callbytes import call_bytes
+    from fivefold.planner.measured.callbytes import call_bytes
     from fivefold.planner.layout import Plan
     from fivefold.planner.memory.kinds import CPU_EAGER
     from fivefold.planner.memory.peak import memory_per_rank

@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fivefold.config.schema import ClusterConfig, Config, ModelConfig, ParallelConfig, TrainingConfig  # noqa: E402
 from fivefold.config.validate import layout_of  # noqa: E402
-from fivefold.planner.versus import RankComparison, compare_rank  # noqa: E402
+from fivefold.planner.measured.versus import RankComparison, compare_rank  # noqa: E402
 
 MiB = 2**20
 BYTES_TOL = 0.01
@@ -300,7 +300,7 @@ over DP where the estimate holds them whole (planner/forward.py)."""
 
 
 def run_forward_case(pools: dict, case: Case) -> list[RankComparison]:
-    from fivefold.planner.versus import compare_forward_rank
+    from fivefold.planner.measured.versus import compare_forward_rank
     from fivefold.testing.harness import Workers
     from fivefold.testing.measure import measure_forward
 

@@ -164,7 +164,7 @@ def test_megatron_fsdp_reduces_every_microbatch_under_pp(mode):
         assert calls[False][0].call_bytes == pytest.approx(4 * dense)
         assert calls[True][0].call_bytes == pytest.approx(m * 4 * dense)
     from fivefold.planner.presets import hardware, model_preset
-    from fivefold.planner.report import why
+    from fivefold.planner.report.tables import why
     from fivefold.planner.search.ranking import evaluate
     bf16 = _config(dp_mode=mode)  # the GPU model times 16-bit GEMMs
     said = [why(evaluate(apply(bf16, rt), hardware("h100-sxm"), rt.memory, rt.time), model_preset("llama3-8b").model,

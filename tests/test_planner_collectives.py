@@ -11,7 +11,7 @@ from fivefold.config.schema import ClusterConfig, Config, ModelConfig, ParallelC
 from fivefold.pipeline.schedules import build_schedule
 from fivefold.pipeline.ir import Kind
 from fivefold.pipeline.simulate import Costs, simulate
-from fivefold.planner.callbytes import call_bytes
+from fivefold.planner.measured.callbytes import call_bytes
 from fivefold.planner.time.layer_collectives import cp_collectives, layer_collectives, moe_collectives
 from fivefold.planner.time.rank_collectives import step_collectives
 from fivefold.planner.layout import Plan

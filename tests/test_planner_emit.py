@@ -5,7 +5,7 @@ from fivefold.config.load import load_config
 from fivefold.config.schema import to_dict
 from fivefold.config.validate import validate
 from fivefold.errors import UserError
-from fivefold.planner.emit import emit
+from fivefold.planner.report.emit import emit
 from fivefold.planner.presets import MODEL_PRESETS, hardware, model_preset
 from fivefold.planner.search.ranking import search
 

@@ -18,7 +18,7 @@ from fivefold.planner.presets import hardware, model_preset
 from fivefold.planner.search.ranking import evaluate
 from fivefold.planner.search.configs import make_config
 from fivefold.planner.time.time_assumptions import TimeAssumptions
-from fivefold.planner.versus import compare_forward_rank
+from fivefold.planner.measured.versus import compare_forward_rank
 from fivefold.pipeline.forward import forward_only
 from fivefold.pipeline.schedules import build_schedule
 from fivefold.pipeline.simulate import Costs, simulate

@@ -12,7 +12,7 @@ from fivefold.planner.memory.states import rank_params, state_bytes_per_param
 from fivefold.planner.memory.params import count_params
 from fivefold.planner.presets import model_preset
 from fivefold.planner.search.configs import make_config
-from fivefold.planner.seeds import seed_memory_accounting
+from fivefold.planner.report.seeds import seed_memory_accounting
 
 # GPT-3 175B shape (Korthikanti et al., Table 3): h=12288, a=96, s=2048, 4h GeLU MLP, LayerNorm.
 GPT3 = ModelConfig(num_layers=96, hidden_size=12288, num_attention_heads=96, ffn_hidden_size=4 * 12288,

@@ -766,7 +766,7 @@ def test_mtp_work_on_the_last_stage_shifts_its_layers_to_the_first():
 def test_explain_says_whether_cp_pays_for_itself():
     """A CP layout is set against the fastest fitting layout without CP: its step time ratio and the
     memory CP frees; with none fitting, it says so."""
-    from fivefold.planner.report import cp_verdict
+    from fivefold.planner.report.tables import cp_verdict
 
     r = search(model_preset("llama3-70b").model, hardware("h100-sxm"), 64, 8, 8192, 128)
     best = r.ranked[0]
@@ -790,7 +790,7 @@ def test_explain_weighs_replicated_experts_against_the_all_to_all():
     beside it, and where it ranks with its step time, or that it does not fit, or the rule it breaks."""
     from fivefold.planner.search.compare import candidates
     from fivefold.planner.memory.kinds import MemoryAssumptions
-    from fivefold.planner.report import Assumed, ep_verdict
+    from fivefold.planner.report.tables import Assumed, ep_verdict
     from fivefold.planner.time.time_assumptions import TimeAssumptions
 
     m, hw = model_preset("qwen3-30b-a3b").model, hardware("h100-sxm")
@@ -904,7 +904,7 @@ def test_sequence_row_verdict_names_what_differs():
     "differs", and SP at TP1 is moot."""
     from types import SimpleNamespace as Layout
 
-    from fivefold.planner.report import sequence_verdict
+    from fivefold.planner.report.tables import sequence_verdict
     assert sequence_verdict(Layout(tp=1, sp=False, cp=8), 1, True) == \
         "further than the row (top choice: SP moot at TP1, CP8 where the row has CP1)"
     assert sequence_verdict(Layout(tp=4, sp=True, cp=1), 1, True) == "consistent (top choice: with SP, CP1)"
@@ -930,7 +930,7 @@ def test_default_runtime_pays_for_short_attention_calls_and_small_expert_gemms()
     top = r.ranked[0].plan
     assert top.ep >= 8 and top.cp == 1, r.ranked[0].label
     # plan's table keeps its columns under labels longer than its default width
-    from fivefold.planner.report import table
+    from fivefold.planner.report.tables import table
     shown = sorted(r.ranked, key=lambda c: -len(c.label))[:3]
     assert len(shown[0].label) > 62
     head, rule, *rows = table(shown, 3).splitlines()

@@ -13,8 +13,8 @@ from fivefold.config.schema import TrainingConfig
 from fivefold.config.validate import validate
 from fivefold.errors import UserError
 from fivefold.planner.search.forward import evaluate_forward
-from fivefold.planner.model_spec import resolve_model
-from fivefold.planner.report import breakdown
+from fivefold.planner.presets.model_spec import resolve_model
+from fivefold.planner.report.tables import breakdown
 from fivefold.planner.calibration.runtime import apply, profile
 from fivefold.planner.search.ranking import evaluate
 

@@ -17,8 +17,8 @@ from fivefold.planner.search.ranking import Candidate, evaluate
 from fivefold.planner.search.configs import make_config, with_a2a_overlap
 from fivefold.planner.search.space import layer_splits
 from fivefold.planner.time.time_assumptions import TimeAssumptions
-from fivefold.planner.seeds import (GB, SEED_ACCOUNTING_EXPLAINED, SeedRule, rules_for, seed_memory_accounting,
-                                    sequence_rule)
+from fivefold.planner.report.seeds import (GB, SEED_ACCOUNTING_EXPLAINED, SeedRule, rules_for, seed_memory_accounting,
+                                           sequence_rule)
 
 GiB = 2**30
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fivefold.config.schema import Config
-from fivefold.planner.callbytes import call_bytes, forward_call_bytes
+from fivefold.planner.measured.callbytes import call_bytes, forward_call_bytes
 from fivefold.planner.search.forward import FORWARD_CHUNK, forward_config, forward_memory_per_rank
 from fivefold.planner.layout import Plan
 from fivefold.planner.memory.kinds import CPU_EAGER, MemoryAssumptions, RankMemory
