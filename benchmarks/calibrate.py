@@ -6,7 +6,7 @@
                                               # leave-one-source-out (minutes of CPU)
     python benchmarks/calibrate.py --rank     # where each published layout ranks in `plan`'s search
 
-For every row not excluded (`fivefold.planner.calibration.EXCLUDED`, with reasons): the planner's
+For every row not excluded (`fivefold.planner.calibration.runs.EXCLUDED`, with reasons): the planner's
 throughput (tokens/s per GPU, of the runtime that ran it) against the published one, the error
 est/pub - 1, whether the planner judges the published layout to fit, and its peak memory against the
 published figure on the source's basis (reserved GiB or tensor GB, `MEMORY_BASIS`).

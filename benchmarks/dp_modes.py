@@ -10,7 +10,7 @@ harness (`fivefold.testing.measure.measure_step`, the step `train` runs) after a
     docs/precision.md) times the parameters;
   - peak tensor memory of the step (MemTracker) against the planner's estimate;
   - bytes communicated by the data-parallel collectives (dp-grad, dp-param) against the planner's
-    derived count (fivefold.planner.collectives);
+    derived count (fivefold.planner.time.layer_collectives);
   - median step time over `--steps` steps.
 FSDP2: `fully_shard` on every decoder layer and on the model (our Decoder, fp32 or bf16 parameters
 with fp32 reduction via MixedPrecisionPolicy), AdamW, the same batches; its peak from MemTracker, its

@@ -7,9 +7,9 @@ Model: Llama-3.2-1B's shape (hidden 2048, 16 layers, 32 heads, 8 KV heads, SwiGL
 128256, tied embeddings), random weights, one sequence of --seq tokens per step. Both sides run
 fp32 master weights under bf16 autocast, forward + backward + AdamW, on the same weights and tokens.
 Printed, per side: median step time, tokens/s, MFU = model FLOPs per token (the planner's formula,
-fivefold.planner.flops.model_flops_per_token: 6 x matmul params + causal attention) x tokens/s / the
+fivefold.planner.time.flops.model_flops_per_token: 6 x matmul params + causal attention) x tokens/s / the
 GPU's bf16 dense peak (the planner's hardware preset), peak allocated memory next to the planner's
-estimate for this layout (fivefold.planner.search.evaluate, runtime fivefold: memory and step time; it
+estimate for this layout (fivefold.planner.search.ranking.evaluate, runtime fivefold: memory and step time; it
 plans our runtime's bf16, fp32 main parameters beside 16-bit ones, not this script's autocast), and the
 first step's loss of each.
 """

@@ -47,7 +47,7 @@ def test_every_judged_row_is_a_valid_layout_of_its_stated_sizes():
 def test_the_moe_sources_count_flops_as_we_do():
     """Rows that print tokens/s and TFLOP/s pin the source's FLOPs per token down: within 1.5% of our
     causal count (measured worst 1.2%, row 43). DeepSeek-V3's rows were 4% above it until its MTP
-    layer was counted (Megatron counts it; fivefold.planner.mtp): a missing layer is outside the bound."""
+    layer was counted (Megatron counts it; fivefold.planner.memory.mtp): a missing layer is outside the bound."""
     checked = 0
     for run in read_runs():
         if run.num("tokens_per_s_per_gpu") and run.num("tflops_per_gpu"):

@@ -1,4 +1,4 @@
-"""The planner's one list of collectives (fivefold/planner/collectives.py) against independent
+"""The planner's one list of collectives (fivefold/planner/time/layer_collectives.py) against independent
 counts: the pipeline schedule's own send/recv actions for PP, and the CP and MoE helpers' call-byte
 formulas (docs/derivations/cp_bytes.md, ep_bytes.md; asserted against the runtime's counter in their
 tests/test_cp.py and tests/test_moe.py) written out here by hand. Pure: milliseconds."""

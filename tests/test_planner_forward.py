@@ -1,5 +1,5 @@
 """A forward-only model (RL's reference): the planner's memory and time of `Engine.forward`
-(fivefold/planner/forward.py) against the runtime, and how `estimate` reports it."""
+(fivefold/planner/search/forward.py) against the runtime, and how `estimate` reports it."""
 from __future__ import annotations
 
 import inspect

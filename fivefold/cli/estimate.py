@@ -1,6 +1,6 @@
 """`fivefold estimate`: memory per GPU and step time of one given layout (the one a user runs); of each
 model of a `models:` list, a forward-only one (a reference, a reward model: `allocation.role_of`) sized
-and timed as its forward (planner/forward.py)."""
+and timed as its forward (planner/search/forward.py)."""
 from __future__ import annotations
 
 import dataclasses

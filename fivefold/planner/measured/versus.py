@@ -7,7 +7,7 @@ such as "loss" and "grad-norm" are left out of both). Memory: `memory.memory_per
 by kind: weights ~ Parameter, grads ~ Gradient, optimizer ~ Optstate, and the rest (activations,
 logits and loss temporaries, buffers, scratch) ~ Activation + Temp.
 
-A forward-only model (`compare_forward_rank`: planner/forward.py against `measure_forward`, one
+A forward-only model (`compare_forward_rank`: planner/search/forward.py against `measure_forward`, one
 `Engine.forward` of a frozen engine): its forward call bytes (`callbytes.forward_call_bytes`), and its
 memory against the measured peak.
 """

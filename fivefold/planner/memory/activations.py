@@ -24,7 +24,7 @@ for the probability-weighted combine (k*b*s*h/(tp*cp): its own assignments, afte
 reduce-scatter; dropped or padding rows are not among them), plus the router's fp32 scores (E per
 token).
 
-A forward-only model (an RL reference, planner/forward.py) saves nothing: `forward_layer_bytes` is
+A forward-only model (an RL reference, planner/search/forward.py) saves nothing: `forward_layer_bytes` is
 what one layer's no-grad forward holds at its peak, `logprob_bytes_per_logit` what its log-prob
 computation holds per logit.
 """

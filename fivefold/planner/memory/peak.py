@@ -82,7 +82,7 @@ class _Ranks:
         m, B = plan.config.model, traits.value_bytes()
         tokens = plan.mbs * plan.seq / plan.cp
         sp_div = plan.tp if plan.sp else 1
-        heads = 1 + (m.mtp_num_layers or 0)  # MTP: another output layer per depth (planner/mtp.py)
+        heads = 1 + (m.mtp_num_layers or 0)  # MTP: another output layer per depth (planner/memory/mtp.py)
         vocab = m.padded_vocab_size(plan.tp) / plan.tp
         self.head_params = vocab * m.hidden_size
         """The output layer's elements on one rank of the last pipeline rank (or, tied, the embedding's)."""

@@ -38,7 +38,7 @@ def table(cands: list[Candidate], top: int) -> str:
 
 
 FORWARD_ONLY_KINDS = ("weights", "activations", "logits", "overhead", "reserve")
-"""The memory rows of a forward-only model (planner/forward.py): it has no gradients, optimizer state,
+"""The memory rows of a forward-only model (planner/search/forward.py): it has no gradients, optimizer state,
 optimizer scratch or pipeline buffers held beside its forward."""
 
 

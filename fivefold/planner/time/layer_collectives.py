@@ -131,7 +131,7 @@ def layer_collectives(plan: Plan, index: int, recomputed: bool = False, cp_calls
 
 
 def forward_layer_collectives(plan: Plan, index: int) -> list[Collective]:
-    """Decoder layer `index`'s calls in a forward-only model's forward (planner/forward.py): its
+    """Decoder layer `index`'s calls in a forward-only model's forward (planner/search/forward.py): its
     `layer_collectives` of the forward phase."""
     return [c for c in layer_collectives(plan, index) if c.phase == "forward"]
 

@@ -186,7 +186,7 @@ def _layer_cost_of(plan: Plan, links: Links, sizes: dict[str, int], i: int, reco
 def layer_forward_cost(plan: Plan, links: Links, sizes: dict[str, int], i: int, flops_rate: float
                        ) -> tuple[float, dict, dict]:
     """Decoder layer `i`'s forward alone, for one microbatch on one rank (a forward-only model:
-    planner/forward.py): (compute seconds, seconds by part, wire bytes by part). Compute is the
+    planner/search/forward.py): (compute seconds, seconds by part, wire bytes by part). Compute is the
     forward third of `_layer_cost_of`'s (no backward, no recompute), its memory-bound work a third of
     the forward + backward passes; the calls are the layer's forward ones (`layer_collectives`, phase
     forward: TP / SP, EP dispatch and combine, CP's, the ring hidden behind the forward attention core),
