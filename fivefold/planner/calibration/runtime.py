@@ -4,7 +4,7 @@ A profile is the runtime's precision policy, how it stores activations, the allo
 its achieved rates per op class and overlap per collective (`TimeAssumptions`):
 
   fivefold     our runtime as it is (eager PyTorch; fp32 gradients; nothing overlapped but the CP ring
-               and the DP reduction); on CPU the measured checks use `memory.CPU_EAGER`.
+               and the DP reduction); on CPU the measured checks use `memory.kinds.CPU_EAGER`.
   megatron-te  Megatron-Core with TransformerEngine: fused kernels, fp8 linear inputs saved as fp8,
                TP communication overlapped (userbuffers), grouped expert GEMMs, the EP all-to-all
                overlapped with the other micro-batch's compute where enabled, bf16 gradient
@@ -166,7 +166,7 @@ eager: 16 bytes per local logit at its peak (4 held: the log-softmax) against F.
 def with_eager_loss(rt: Runtime) -> Runtime:
     """`rt` whose loss is eager `F.cross_entropy` on the logits cast to fp32 (torchtitan before it compiled
     its loss): at the loss's backward the saved fp32 log-softmax, its incoming gradient and the logits'
-    gradient, 12 bytes a logit (`activations.EAGER_TRAITS`' count, measured on our eager runtime), not
+    gradient, 12 bytes a logit (`traits.EAGER_TRAITS`' count, measured on our eager runtime), not
     a fused kernel's 16-bit logits and fp32 softmax; under TP, torch's DTensor loss_parallel run eagerly,
     16 at its peak (`ArchTraits.tp_loss_transient_bytes`)."""
     traits = replace(rt.memory.traits, loss_bytes_per_logit=EAGER_TRAITS.loss_bytes_per_logit,

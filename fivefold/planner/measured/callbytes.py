@@ -1,8 +1,8 @@
 """Communication per step per rank in the runtime's counting convention (call bytes, by traffic
 tag), so the planner can be checked against `fivefold.runtime.traffic` byte for byte.
 
-The calls themselves are listed once, in `collectives.py` (which `steptime.py` times from the same
-list); this sums their call bytes by tag.
+The calls themselves are listed once, in ../time/layer_collectives.py and rank_collectives.py (which
+../time/steptime.py times from the same list); this sums their call bytes by tag.
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 measurement as numbers; `fivefold.testing.measure` produces them on CPU).
 
 Bytes: `callbytes.call_bytes` per model-communication tag vs the traffic counter's (bookkeeping tags
-such as "loss" and "grad-norm" are left out of both). Memory: `memory.memory_per_rank` under
+such as "loss" and "grad-norm" are left out of both). Memory: `memory.peak.memory_per_rank` under
 `CPU_EAGER` (tensor bytes, no allocator overhead or reserve) vs MemTracker's peak of live tensors,
 by kind: weights ~ Parameter, grads ~ Gradient, optimizer ~ Optstate, and the rest (activations,
 logits and loss temporaries, buffers, scratch) ~ Activation + Temp.

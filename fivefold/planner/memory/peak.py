@@ -344,6 +344,6 @@ def _covers(a: Front, b: Front) -> bool:
 def peak_memory(plan: Plan, assume: MemoryAssumptions = MemoryAssumptions()) -> RankMemory:
     """The pipeline rank with the largest total (the first such rank, as max over `memory_per_rank`).
     The CP exchange is read only as whether it gathers K and V (`Plan.cp_gathers_kv`): a layout's p2p
-    and a2a twins hold the same, and the search sizes one for both (`search.cp_twin`;
+    and a2a twins hold the same, and the search sizes one for both (`search.pruning.cp_twin`;
     tests/test_planner_search.py: the search equals the exhaustive one, which sizes each)."""
     return max(_Ranks(plan, assume).sized(), key=lambda r: r.total)

@@ -6,7 +6,7 @@ TP, under PP the forward-only version of the config's pipeline schedule.
 
 Memory per pipeline rank (`forward_memory_per_rank`; a `RankMemory` with no gradients, optimizer state
 or optimizer scratch):
-  weights      the rank's parameters (`memory.rank_params`: split by TP / PP / EP / ETP) in the
+  weights      the rank's parameters (`memory.states.rank_params`: split by TP / PP / EP / ETP) in the
                runtime's parameter dtype (16-bit in a bf16 run), whole on every DP rank: a frozen copy
                is not sharded over DP, whatever the config's data-parallel mode (`forward_config`);
   activations  one microbatch's forward transient: nothing is kept for a backward, so the peak is one
@@ -24,10 +24,10 @@ or optimizer scratch):
 Left out, as in the training estimate: RoPE tables, token ids and the (b, s, 2) fp32 stats (kilobytes).
 Measured against `Engine.forward`: `python benchmarks/planner_vs_measured.py --forward`.
 
-Time (`forward_time`): each rank's layers' forward compute (`steptime.layer_forward_cost`: a third of a
+Time (`forward_time`): each rank's layers' forward compute (`layer_cost.layer_forward_cost`: a third of a
 training step's layer FLOPs, no recompute) and forward calls (TP / SP, CP, EP), the output layer's
-forward FLOPs on the last rank, the forward calls outside the layers (`steptime.stage_forward_cost`,
-from `collectives.forward_stage_collectives`), then the forward-only pipeline (`pipeline.
+forward FLOPs on the last rank, the forward calls outside the layers (`layer_cost.stage_forward_cost`,
+from `rank_collectives.forward_stage_collectives`), then the forward-only pipeline (`pipeline.
 forward_pipeline_time`: (p - 1) stage times of fill for 1F1B). No DP gradient reduction, no optimizer
 step. MFU on forward FLOPs (`flops.forward_flops_per_token`).
 

@@ -56,7 +56,7 @@ PP_DOMINATED = ("under pipeline parallelism this DP mode holds at least what the
 def sharded_under_pp(cfg: Config, layout: Plan) -> str | None:
     """`PP_DOMINATED` when `cfg` is ZeRO-2/3 under PP and holds no less than its ZeRO-1 twin on any
     pipeline rank, else None. Under our PP schedules, ZeRO-2 keeps whole gradient buffers for the step
-    and reduce-scatters them once, as ZeRO-1 (`memory.zero2_full_buffers`): the same state and bytes.
+    and reduce-scatters them once, as ZeRO-1 (`memory.states.zero2_full_buffers`): the same state and bytes.
     ZeRO-3 keeps its units whole from their first forward to the step's end (`zero3_gathered`), so it
     holds ZeRO-1's weights plus its 1/d shards, and gathers nothing after the step where ZeRO-1 does
     (at most two buckets per domain, `optimizer_phase`, the one term it holds less of): dominated

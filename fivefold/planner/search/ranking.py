@@ -83,7 +83,7 @@ def search(model: ModelConfig, hw: Hardware, world: int, gpus_per_node: int, seq
            ta: TimeAssumptions = TimeAssumptions(), grad_reduce_in_bf16: bool = False,
            progress: bool = False) -> SearchResult:
     """Every layout of `space` for `model` on `world` GPUs, fitting ones ranked fastest first
-    (`grad_reduce_in_bf16`: the runtime's gradient dtype, `runtime.Runtime`; `progress`: a progress
+    (`grad_reduce_in_bf16`: the runtime's gradient dtype, `calibration.runtime.Runtime`; `progress`: a progress
     bar on stderr where it is a terminal); UserError where the GPU cannot run the space's fp8 recipe."""
     problem = hw.fp8_recipe_problem(precision, space.fp8_recipe)
     if problem:
@@ -108,7 +108,7 @@ def _search(model, hw, world, gpus_per_node, seq, global_batch, precision, space
     trainings: dict[tuple, TrainingConfig] = {}  # the variants' training sections (`_variant`)
     twin, known, valid = None, {}, None
     """The last layout but its CP exchange, and what sizing its variants found: the memory model reads
-    the exchange only as whether it gathers K and V (`memory.peak_memory`), so a layout's p2p and a2a
+    the exchange only as whether it gathers K and V (`memory.peak.peak_memory`), so a layout's p2p and a2a
     twins (consecutive in `structures`) hold the same: (DP mode, micro-batch, recompute) -> RankMemory,
     DP mode -> the model-state check; and the adjusted sizes of a valid twin (`validity.twin_errors`)."""
     dp_modes, modes = sorted(space.dp_modes, key=SHARDING.index), recompute_modes(space, model)

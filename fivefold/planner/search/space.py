@@ -70,7 +70,7 @@ class SearchSpace:
     ZeRO-1), optim_grads (ZeRO-2), optim_grads_params (ZeRO-3: FSDP2, Megatron-FSDP), no_shard. The
     runtime profile gives its own (`Runtime.dp_modes`: torchtitan's is FSDP2); `plan --dp-modes`.
     A more sharded mode is ranked only at a micro-batch where no less sharded one fits with as little
-    recompute (`search.DOMINATED`): it moves more bytes, and its time is never shorter but by the
+    recompute (`pruning.DOMINATED`): it moves more bytes, and its time is never shorter but by the
     per-microbatch overlap of its reduce-scatters (2 of ~55,000 twins checked, by 1e-5 and 6e-5)."""
     per_stage_splits: bool = False
     """Also try interleaved layouts whose layers split over PP x VPP only as a per-stage list

@@ -1,5 +1,6 @@
-"""Every collective and p2p call one rank makes in a training step, as data: the one source that
-both the measured call bytes (`fivefold.planner.measured.callbytes`) and the step time (`steptime.py`) read.
+"""The collective and p2p calls of a decoder layer, as data (a rank's other calls: `rank_collectives.py`):
+with those, the one source that both the measured call bytes (`fivefold.planner.measured.callbytes`)
+and the step time (`steptime.py`) read.
 
 Each entry is what OUR runtime issues (the measured checks compare it with the traffic counter, tag
 by tag): its kind, the traffic tag, the group (the link it crosses), its call bytes (the full tensor
