@@ -8,8 +8,8 @@ Per pipeline rank r and microbatch:
             achieved share means the same on an H100 and on a GB200.
   comm      every call of `layer_collectives.py` and `rank_collectives.py` (the list the measured byte
             checks use: what the runtime issues), converted to the bytes that leave the rank (ring
-            all-reduce 2(n-1)/n x call bytes, all-gather / reduce-scatter / all-to-all (n-1)/n, send 1, recv 0) and timed on the
-            link its group crosses, plus a latency per algorithm step. Not overlapped: TP/SP (10
+            all-reduce 2(n-1)/n x call bytes, all-gather / reduce-scatter / all-to-all (n-1)/n, send 1, recv 0) and
+            timed on the link its group crosses, plus a latency per algorithm step. Not overlapped: TP/SP (10
             (t-1)/t M per layer under SP: the backward re-gathers the saved shard; 8 (t-1)/t M without),
             EP all-to-alls, CP all-to-all, PP sends (on the critical path, Megatron's batched
             send/recv). Overlapped: the CP ring with the attention core (exposed: what exceeds it).
