@@ -2,7 +2,7 @@
 state (`states.py`) plus the activations of the microbatches in flight and the fixed terms.
 
 Activations: `activations.py` per microbatch, times the microbatches the schedule keeps in flight
-on that rank (`pipeline.py`); with full recompute, plus one layer's full activations during its
+on that rank (`../pipeline.py`); with full recompute, plus one layer's full activations during its
 backward (not at the forward peak on the last rank: the loss runs before any layer is rebuilt).
 Fixed terms: on the last rank, the final norm's saved tensors and one microbatch of logits
 (bf16) and the fp32 softmax the vocab-parallel cross entropy keeps (`ArchTraits.loss_bytes_per_logit`: eager fp32 keeps 12 bytes per

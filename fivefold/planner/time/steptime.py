@@ -13,7 +13,7 @@ Per pipeline rank r and microbatch:
             (t-1)/t M per layer under SP: the backward re-gathers the saved shard; 8 (t-1)/t M without),
             EP all-to-alls, CP all-to-all, PP sends (on the critical path, Megatron's batched
             send/recv). Overlapped: the CP ring with the attention core (exposed: what exceeds it).
-Then pipeline time (`pipeline.py`) from the ranks' microbatch times. Once per step: DP gradient
+Then pipeline time (`../pipeline.py`) from the ranks' microbatch times. Once per step: DP gradient
 reduction overlaps the last microbatch's backward (2/3 of its compute) and the distributed
 optimizer's parameter all-gather the first forward (1/3); what is left is exposed, as are the SP
 norm-gradient and tied-embedding all-reduces. The Adam step reads and writes ~30 bytes per local
