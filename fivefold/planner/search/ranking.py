@@ -203,8 +203,9 @@ def clear_caches() -> None:
     """Forget what the planner keeps across layouts and searches (layer splits and groups, parameter
     counts, layer and call costs, links, schedule simulations): a cold search, for tests."""
     from fivefold.config import precision
-    from fivefold.planner import layout, pipeline, space
+    from fivefold.planner import layout, pipeline
     from fivefold.planner.memory import activations, layers, params, states
+    from fivefold.planner.search import space
     from fivefold.planner.time import calls, flops, layer_cost, links
     for cache in (layout._SPLITS, layout._GROUPS, states._PARAMS, layers._LAYERS, layers._KINDS, params._CACHE,
                   flops._PER_TOKEN, links._CROSS, calls._CALLS, layer_cost._LAYER_COSTS, layer_cost._LAYER_WORK,
