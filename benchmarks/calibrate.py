@@ -6,7 +6,7 @@
                                               # leave-one-source-out (minutes of CPU)
     python benchmarks/calibrate.py --rank     # where each published layout ranks in `plan`'s search
 
-For every row not excluded (`fivefold.planner.calibration.EXCLUDED`, with reasons): the planner's
+For every row not excluded (`fivefold.planner.calibration.runs.EXCLUDED`, with reasons): the planner's
 throughput (tokens/s per GPU, of the runtime that ran it) against the published one, the error
 est/pub - 1, whether the planner judges the published layout to fit, and its peak memory against the
 published figure on the source's basis (reserved GiB or tensor GB, `MEMORY_BASIS`).
@@ -22,17 +22,19 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fivefold.planner.calibration import (EXCLUDED, FLOP_COUNTS, OUT_OF_SAMPLE, cases, flops_per_token,  # noqa: E402
-                                          read_runs, runtime_of, stated_layout)
+from fivefold.planner.calibration.runs import EXCLUDED, FLOP_COUNTS, OUT_OF_SAMPLE, read_runs
+from fivefold.planner.calibration.cases import cases, flops_per_token, runtime_of, stated_layout
 from fivefold.planner.layout import Plan  # noqa: E402
-from fivefold.planner.memory import peak_memory  # noqa: E402
+from fivefold.planner.memory.peak import peak_memory  # noqa: E402
 from fivefold.planner.presets import hardware  # noqa: E402
-from fivefold.planner.search import describe  # noqa: E402
-from fivefold.planner.runtime import PROFILES, Runtime, apply, profile, with_time  # noqa: E402
-from fivefold.planner.search import (SearchSpace, clear_caches, evaluate, search, with_a2a_overlap,  # noqa: E402
-                                     with_tp_overlap)
-from fivefold.planner.compare import held_text, held_to, rank_of  # noqa: E402
-from fivefold.planner.steptime import TimeAssumptions, step_time  # noqa: E402
+from fivefold.planner.search.configs import describe  # noqa: E402
+from fivefold.planner.calibration.runtime import PROFILES, Runtime, apply, profile, with_time  # noqa: E402
+from fivefold.planner.search.space import SearchSpace
+from fivefold.planner.search.ranking import clear_caches, evaluate, search
+from fivefold.planner.search.configs import with_a2a_overlap, with_tp_overlap
+from fivefold.planner.search.compare import held_text, held_to, rank_of  # noqa: E402
+from fivefold.planner.time.time_assumptions import TimeAssumptions  # noqa: E402
+from fivefold.planner.time.steptime import step_time  # noqa: E402
 
 GiB = 2**30
 
@@ -302,7 +304,7 @@ def main() -> None:
     print("Excluded: " + "; ".join(f"row {k}: {v}" for k, v in EXCLUDED.items()))
     both = [(r, c) for r in read_runs() for c in [r] if r.num("tokens_per_s_per_gpu") and r.num("tflops_per_gpu")]
     if both:
-        from fivefold.planner.calibration import case_of
+        from fivefold.planner.calibration.cases import case_of
         checks = []
         for run, _ in both:
             case = case_of(run)

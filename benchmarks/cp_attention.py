@@ -33,7 +33,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from pp_schedules import timed_peak  # noqa: E402
 from fivefold.parallel.context.context_parallel import ContextParallel, split_sequence  # noqa: E402
-from fivefold.planner.cp_memory import attention_peak_bytes  # noqa: E402
+from fivefold.planner.memory.cp_memory import attention_peak_bytes  # noqa: E402
 from fivefold.runtime import comm  # noqa: E402
 from fivefold.runtime.mesh import Mesh  # noqa: E402
 from fivefold.testing.harness import Workers  # noqa: E402
@@ -107,7 +107,7 @@ def _torch(rank: int, world: int, args) -> dict:
 
 
 def formula_bytes(args, n: int, a2a: int) -> float:
-    """docs/context_parallel.md, "Memory per rank" (fivefold.planner.cp_memory), fp32."""
+    """docs/context_parallel.md, "Memory per rank" (fivefold.planner.memory.cp_memory), fp32."""
     return attention_peak_bytes(b=1, s=args.seq, heads=args.heads, kv_heads=args.kv_heads, d=args.dim, dv=args.dim,
                                 a2a=a2a, ring=n // a2a)
 

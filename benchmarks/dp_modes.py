@@ -10,7 +10,7 @@ harness (`fivefold.testing.measure.measure_step`, the step `train` runs) after a
     docs/precision.md) times the parameters;
   - peak tensor memory of the step (MemTracker) against the planner's estimate;
   - bytes communicated by the data-parallel collectives (dp-grad, dp-param) against the planner's
-    derived count (fivefold.planner.collectives);
+    derived count (fivefold.planner.time.layer_collectives);
   - median step time over `--steps` steps.
 FSDP2: `fully_shard` on every decoder layer and on the model (our Decoder, fp32 or bf16 parameters
 with fp32 reduction via MixedPrecisionPolicy), AdamW, the same batches; its peak from MemTracker, its
@@ -130,9 +130,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=3)
     args = ap.parse_args(argv)
     from fivefold.config.precision import Precision
-    from fivefold.planner.callbytes import call_bytes
+    from fivefold.planner.measured.callbytes import call_bytes
     from fivefold.planner.layout import Plan
-    from fivefold.planner.memory import CPU_EAGER, memory_per_rank
+    from fivefold.planner.memory.kinds import CPU_EAGER
+    from fivefold.planner.memory.peak import memory_per_rank
     from fivefold.testing.harness import Workers
 
     print(f"DP={args.dp}, {MODEL.num_layers} layers, hidden {MODEL.hidden_size}, vocab {MODEL.vocab_size}, "

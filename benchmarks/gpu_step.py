@@ -7,9 +7,9 @@ Model: Llama-3.2-1B's shape (hidden 2048, 16 layers, 32 heads, 8 KV heads, SwiGL
 128256, tied embeddings), random weights, one sequence of --seq tokens per step. Both sides run
 fp32 master weights under bf16 autocast, forward + backward + AdamW, on the same weights and tokens.
 Printed, per side: median step time, tokens/s, MFU = model FLOPs per token (the planner's formula,
-fivefold.planner.flops.model_flops_per_token: 6 x matmul params + causal attention) x tokens/s / the
+fivefold.planner.time.flops.model_flops_per_token: 6 x matmul params + causal attention) x tokens/s / the
 GPU's bf16 dense peak (the planner's hardware preset), peak allocated memory next to the planner's
-estimate for this layout (fivefold.planner.search.evaluate, runtime fivefold: memory and step time; it
+estimate for this layout (fivefold.planner.search.ranking.evaluate, runtime fivefold: memory and step time; it
 plans our runtime's bf16, fp32 main parameters beside 16-bit ones, not this script's autocast), and the
 first step's loss of each.
 """
@@ -106,8 +106,8 @@ def _planner(cfg: ModelConfig, seq: int, hw_name: str):
     """The planner's candidate for this layout (runtime `fivefold`: its memory and step time)."""
     from fivefold.config.schema import Config, TrainingConfig
     from fivefold.planner.presets import hardware
-    from fivefold.planner.runtime import profile
-    from fivefold.planner.search import evaluate
+    from fivefold.planner.calibration.runtime import profile
+    from fivefold.planner.search.ranking import evaluate
     config = Config(model=cfg, training=TrainingConfig(seq_length=seq, micro_batch_size=1, global_batch_size=1,
                                                        precision="bf16"))
     config.cluster.world_size = 1
@@ -124,7 +124,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("no GPU: benchmarks/gpu_step.py measures one CUDA device; nothing to do here")
         return 0
-    from fivefold.planner.flops import model_flops_per_token
+    from fivefold.planner.time.flops import model_flops_per_token
     from fivefold.planner.presets import hardware
     cfg = llama_1b()
     hw = hardware(_hardware_name())

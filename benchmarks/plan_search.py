@@ -33,8 +33,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fivefold.planner.presets import hardware, model_preset  # noqa: E402
-from fivefold.planner.runtime import profile  # noqa: E402
-from fivefold.planner.search import SearchResult, clear_caches, search  # noqa: E402
+from fivefold.planner.calibration.runtime import profile  # noqa: E402
+from fivefold.planner.search.ranking import SearchResult, clear_caches, search  # noqa: E402
 
 FSDP = ("optim", "optim_grads_params")
 CASES = (("deepseek-v3", "671B", "fivefold", None), ("deepseek-v3", "671B", "fivefold", FSDP),

@@ -16,13 +16,13 @@ capacity padded or dropping) from a stream of its own, so a seed's layouts witho
 
 For each layout of a ~10M-parameter Llama-style model (hidden 256, 8 layers, vocab 8192, seq 256),
 one step is run on the harness (`fivefold.testing.measure.measure_step`: warm-up step, then the
-measured one) and compared with `fivefold.planner.versus.compare_rank`: model-communication call
+measured one) and compared with `fivefold.planner.measured.versus.compare_rank`: model-communication call
 bytes per tag (goal: within 1%) and peak tensor memory (goal: within 5%, issue 16), with the memory broken
 down into weights / grads / optimizer / transient (activations + logits and loss temporaries).
 Prints one row per pipeline stage (DP replicas measure the same; the row shows the rank whose
 memory ratio is furthest from 1). Exit code 1 when a layout misses either goal.
 
-`--forward`: the same model as a forward-only model (an RL reference, fivefold/planner/forward.py):
+`--forward`: the same model as a forward-only model (an RL reference, fivefold/planner/search/forward.py):
 `Engine.forward` measured (`fivefold.testing.measure.measure_forward`: one warm-up forward, then the
 measured one, over the case's global batch in micro-batches, log-probs in chunks of `Case.chunk` tokens)
 against `versus.compare_forward_rank`: the forward's call bytes per tag, and the peak of a frozen engine
@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fivefold.config.schema import ClusterConfig, Config, ModelConfig, ParallelConfig, TrainingConfig  # noqa: E402
 from fivefold.config.validate import layout_of  # noqa: E402
-from fivefold.planner.versus import RankComparison, compare_rank  # noqa: E402
+from fivefold.planner.measured.versus import RankComparison, compare_rank  # noqa: E402
 
 MiB = 2**20
 BYTES_TOL = 0.01
@@ -296,11 +296,11 @@ FORWARD_CASES = [
 ]
 """Forward-only layouts (`--forward`). Not here: interleaved and DualPipeV schedules (`Engine` builds its
 pipeline for one microbatch, which they refuse), and ZeRO-3, under which the engine shards the weights
-over DP where the estimate holds them whole (planner/forward.py)."""
+over DP where the estimate holds them whole (planner/search/forward.py)."""
 
 
 def run_forward_case(pools: dict, case: Case) -> list[RankComparison]:
-    from fivefold.planner.versus import compare_forward_rank
+    from fivefold.planner.measured.versus import compare_forward_rank
     from fivefold.testing.harness import Workers
     from fivefold.testing.measure import measure_forward
 
@@ -464,7 +464,7 @@ def model_features(rng: random.Random, model: dict) -> tuple[dict, str]:
 def random_cases(count: int, seed: int, wide: bool = False) -> list[Case]:
     """`count` layouts drawn with `seed` that the config rules accept and the runtime trains (`wide`:
     with `model_features`, drawn from a stream of their own)."""
-    from fivefold.planner.validity import config_errors
+    from fivefold.planner.search.validity import config_errors
     from fivefold.config.supported import unsupported
     rng, out = random.Random(seed), []
     features = random.Random(f"{seed} wide")

@@ -1,5 +1,5 @@
 """Expert capacity (Megatron-Core's get_capacity), pure: the runtime's token dropping
-(fivefold.model.capacity) and the planner's expert rows (fivefold.planner.activations.routed_share)
+(fivefold.model.capacity) and the planner's expert rows (fivefold.planner.memory.activations.routed_share)
 both size experts by it.
 
 One router call sees n tokens (a rank's tokens of one micro-batch) and makes n k assignments; with a

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 
 from fivefold.errors import UserError
-from fivefold.planner.calibration import (EXCLUDED, FLOP_COUNTS, OUT_OF_SAMPLE, case_of, cases, flops_per_token,
-                                          read_runs, stated_layout)
+from fivefold.planner.calibration.runs import EXCLUDED, FLOP_COUNTS, OUT_OF_SAMPLE, read_runs
+from fivefold.planner.calibration.cases import case_of, cases, flops_per_token, stated_layout
 from fivefold.planner.layout import Plan
 from fivefold.config.pipeline_layout import parse_layout
-from fivefold.planner.validity import config_errors
+from fivefold.planner.search.validity import config_errors
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -47,7 +47,7 @@ def test_every_judged_row_is_a_valid_layout_of_its_stated_sizes():
 def test_the_moe_sources_count_flops_as_we_do():
     """Rows that print tokens/s and TFLOP/s pin the source's FLOPs per token down: within 1.5% of our
     causal count (measured worst 1.2%, row 43). DeepSeek-V3's rows were 4% above it until its MTP
-    layer was counted (Megatron counts it; fivefold.planner.mtp): a missing layer is outside the bound."""
+    layer was counted (Megatron counts it; fivefold.planner.memory.mtp): a missing layer is outside the bound."""
     checked = 0
     for run in read_runs():
         if run.num("tokens_per_s_per_gpu") and run.num("tflops_per_gpu"):
@@ -84,15 +84,15 @@ def test_the_harness_prints_a_row_per_judged_run():
 
 def _config(precision="bf16", dp_mode=None, **parallel):
     from fivefold.planner.presets import model_preset
-    from fivefold.planner.search import make_config
+    from fivefold.planner.search.configs import make_config
     p = dict(tensor_model_parallel_size=2, sequence_parallel=True, pipeline_model_parallel_size=2)
     p.update(parallel)
     return make_config(model_preset("llama3-8b").model, 16, 8, 4096, 64, precision, p, dp_mode=dp_mode)
 
 
 def test_megatron_te_reduces_gradients_in_bf16_and_saves_fp8_linear_inputs():
-    from fivefold.planner.memory import peak_memory
-    from fivefold.planner.runtime import apply, profile
+    from fivefold.planner.memory.peak import peak_memory
+    from fivefold.planner.calibration.runtime import apply, profile
     te, ours, tt = profile("megatron-te"), profile("fivefold"), profile("torchtitan")
     cfg = _config()
     assert apply(cfg, ours) is cfg and apply(cfg, te, stated_fp32_grads=True) is cfg
@@ -114,9 +114,9 @@ def test_megatron_te_keeps_fp8_weight_copies_over_the_step():
     for DeepSeek-V3 at PP8 VPP4 EP32 in MXFP8; row 38's layout in fp8 without its offloads sizes to
     171 GB of tensors with the copies, 160 without.)"""
     from dataclasses import replace
-    from fivefold.planner.memory import memory_per_rank
-    from fivefold.planner.params import layer_params
-    from fivefold.planner.runtime import profile
+    from fivefold.planner.memory.peak import memory_per_rank
+    from fivefold.planner.memory.params import layer_params
+    from fivefold.planner.calibration.runtime import profile
     te, tt = profile("megatron-te"), profile("torchtitan")
     fp8, bf16 = Plan(_config("fp8")), Plan(_config())
     m = fp8.config.model
@@ -142,9 +142,10 @@ def test_megatron_fsdp_reduces_every_microbatch_under_pp(mode):
     (Megatron-LM megatron_fsdp.py: grad_reduce_every_bprop): 1/d fp32 gradient accumulators and one
     reduce-scatter per microbatch; ours under PP keeps whole buffers and reduces once; a run that states
     fp32 gradients (Llama 3, whose FSDP shards them) keeps their precision, not whole buffers."""
-    from fivefold.planner.collectives import step_collectives
-    from fivefold.planner.memory import memory_per_rank, rank_params
-    from fivefold.planner.runtime import apply, profile
+    from fivefold.planner.time.rank_collectives import step_collectives
+    from fivefold.planner.memory.peak import memory_per_rank
+    from fivefold.planner.memory.states import rank_params
+    from fivefold.planner.calibration.runtime import apply, profile
     te, ours = profile("megatron-te"), profile("fivefold")
     cfg = _config("fp32", dp_mode=mode)
     fsdp, whole = Plan(apply(cfg, te)), Plan(apply(cfg, ours))
@@ -163,8 +164,8 @@ def test_megatron_fsdp_reduces_every_microbatch_under_pp(mode):
         assert calls[False][0].call_bytes == pytest.approx(4 * dense)
         assert calls[True][0].call_bytes == pytest.approx(m * 4 * dense)
     from fivefold.planner.presets import hardware, model_preset
-    from fivefold.planner.report import why
-    from fivefold.planner.search import evaluate
+    from fivefold.planner.report.tables import why
+    from fivefold.planner.search.ranking import evaluate
     bf16 = _config(dp_mode=mode)  # the GPU model times 16-bit GEMMs
     said = [why(evaluate(apply(bf16, rt), hardware("h100-sxm"), rt.memory, rt.time), model_preset("llama3-8b").model,
                 8)[-1] for rt in (te, ours)]
@@ -173,8 +174,8 @@ def test_megatron_fsdp_reduces_every_microbatch_under_pp(mode):
     if mode == "optim_grads_params":  # units gathered per microbatch: whole only while in use (in backward
         # the unit and the prefetched one, with their gradient buckets), not all 16 for the step
         from fivefold.config.precision import Precision
-        from fivefold.planner.memory import backward_buckets
-        from fivefold.planner.params import embedding_params
+        from fivefold.planner.memory.states import backward_buckets
+        from fivefold.planner.memory.params import embedding_params
         w, dense = 4, sum(rank_params(fsdp, 0))
         layer = (dense - embedding_params(fsdp.config.model, 2) / 2) / 16
         assert memory_per_rank(whole, ours.memory)[0].weights == pytest.approx(w * dense * (1 + 1 / dp))
@@ -186,8 +187,8 @@ def test_megatron_fsdp_reduces_every_microbatch_under_pp(mode):
 def test_overlap_hides_tp_traffic_and_attention_runs_at_the_bf16_rate():
     from dataclasses import replace
     from fivefold.planner.presets import hardware
-    from fivefold.planner.steptime import step_time
-    from fivefold.planner.time_assumptions import TimeAssumptions
+    from fivefold.planner.time.steptime import step_time
+    from fivefold.planner.time.time_assumptions import TimeAssumptions
     hw, plan = hardware("h100-sxm"), Plan(_config())
     overlapped = Plan(_config(tp_comm_overlap=True))
     exposed = step_time(plan, hw, TimeAssumptions()).parts["tp"]
@@ -209,8 +210,8 @@ def test_short_attention_calls_run_below_the_kernels_rate():
     ring's calls cover s / CP keys, an all-to-all's the whole sequence: what h adds to the attention
     core's time is CP times larger on the ring (3 t h / L for each, t the core's time at full rate)."""
     from fivefold.planner.presets import hardware
-    from fivefold.planner.steptime import step_time
-    from fivefold.planner.time_assumptions import TimeAssumptions
+    from fivefold.planner.time.steptime import step_time
+    from fivefold.planner.time.time_assumptions import TimeAssumptions
     hw = hardware("h100-sxm")
     added = {}
     for comm in ("p2p", "a2a"):
@@ -224,7 +225,7 @@ def test_short_attention_calls_run_below_the_kernels_rate():
 def test_torchtitan_rows_search_without_accumulation_and_without_head_all_to_all():
     """torchtitan had no gradient accumulation before June 2025 and its CP is a ring: its December 2024
     cases search so, and its profile's space tries p2p only."""
-    from fivefold.planner.runtime import profile
+    from fivefold.planner.calibration.runtime import profile
     by_row = {c.run.row: c for c in cases()}
     assert not by_row[16].accumulates and by_row[34].accumulates and by_row[1].accumulates
     assert profile("torchtitan").space().cp_comm_types == ("p2p",)
@@ -266,8 +267,8 @@ def test_loss_parallel_holds_16_bytes_a_local_logit_eagerly(tmp_path):
                           f"--log-dir={tmp_path}", str(script)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     got = dict(line.split() for line in out.stdout.splitlines() if line.startswith(("plain", "loss_parallel")))
-    from fivefold.planner.activations import EAGER_TRAITS
-    from fivefold.planner.runtime import EAGER_LOSS_PARALLEL_TRANSIENT
+    from fivefold.planner.memory.traits import EAGER_TRAITS
+    from fivefold.planner.calibration.runtime import EAGER_LOSS_PARALLEL_TRANSIENT
     # measured 12.000004 / 16.016 (worst 0.10% over the closed forms: a few scalars and DTensor's
     # bookkeeping beside the (T, V) tensors); bound 1%, 10x that. Byte counts, the same on any CPU
     assert float(got["plain"]) == pytest.approx(EAGER_TRAITS.loss_bytes(), rel=0.01)
@@ -311,7 +312,7 @@ def test_a_fit_knows_which_constants_its_rows_do_not_depend_on():
     least squares would) names exactly those; with the Megatron-Core MoE report's rows, none."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from calibrate import FREE, unused
-    from fivefold.planner.runtime import PROFILES
+    from fivefold.planner.calibration.runtime import PROFILES
     by_source = {s: [c for c in cases() if c.run.source == s] for s in ("MLM-README", "MCORE-MOE-2603")}
     assert set(unused(PROFILES["megatron-te"], by_source["MLM-README"], FREE["megatron-te"])) == {
         "fp8_gemm_efficiency", "expert_efficiency", "expert_half_rows", "ep_overlap", "ep_overlap_1f1b"}
@@ -322,9 +323,11 @@ def test_a_fit_knows_which_constants_its_rows_do_not_depend_on():
 def _middle_rank(cfg, rt, hw, ta=None) -> tuple[dict, dict]:
     """(seconds, wire bytes) by kind of pipeline rank 1's microbatch as `rt` runs `cfg`: step_time's
     parts are the slowest rank's, which a change of switch can move (the last rank's loss)."""
-    from fivefold.planner.links import Links
-    from fivefold.planner.steptime import _keys, _rank_cost, group_sizes
-    from fivefold.planner.runtime import apply
+    from fivefold.planner.time.links import Links
+    from fivefold.planner.time.layer_cost import _keys
+    from fivefold.planner.time.steptime import _rank_cost
+    from fivefold.planner.time.layer_collectives import group_sizes
+    from fivefold.planner.calibration.runtime import apply
     ta = ta or rt.time
     plan = Plan(apply(cfg, rt))
     links = Links(plan, hw, cfg.cluster.gpus_per_node, ta)
@@ -341,9 +344,9 @@ def test_the_1f1b_all_to_all_overlap_hides_ep_traffic_where_megatron_allows_it()
     from dataclasses import replace
     from fivefold.config.rules import a2a_overlap_problems, sizes_of
     from fivefold.planner.presets import hardware, model_preset
-    from fivefold.planner.runtime import apply, profile
-    from fivefold.planner.search import search
-    from fivefold.planner.steptime import step_time
+    from fivefold.planner.calibration.runtime import apply, profile
+    from fivefold.planner.search.ranking import search
+    from fivefold.planner.time.steptime import step_time
     te = profile("megatron-te")
     by_row = {c.run.row: c for c in cases()}
     off, on = by_row[47].config, by_row[48].config
@@ -374,8 +377,8 @@ def test_each_token_dispatcher_is_timed_as_megatron_sends_it():
     all-to-all whatever the config says (`apply`)."""
     from dataclasses import replace
     from fivefold.planner.presets import hardware
-    from fivefold.planner.runtime import apply, profile
-    from fivefold.planner.links import nodes_hit
+    from fivefold.planner.calibration.runtime import apply, profile
+    from fivefold.planner.time.links import nodes_hit
     te, hw = profile("megatron-te"), hardware("h100-sxm")
     row = next(c for c in cases() if c.run.row == 47)
     assert row.config.parallel.moe_token_dispatcher_type == "flex"
@@ -403,7 +406,7 @@ def test_nodes_hit_per_token_agree_with_the_router():
     import torch
     from fivefold.config.schema import ModelConfig
     from fivefold.model.router import top_k
-    from fivefold.planner.links import nodes_hit
+    from fivefold.planner.time.links import nodes_hit
     generator = torch.Generator().manual_seed(0)
     for experts, k, groups, chosen, nodes, bound in ((256, 8, 8, 4, 8, 0.015), (256, 8, 8, 4, 4, 0.015),
                                                        (256, 8, 8, 4, 16, 0.10), (128, 8, None, None, 4, 0.015),
@@ -439,11 +442,12 @@ def test_published_runs_are_judged_to_fit():
 def test_recompute_reruns_are_charged():
     """Selective recompute of `moe` reruns the experts and the MoE layer's dispatch / combine; full
     recompute the layer's calls; ZeRO-3 without PP gathers per microbatch, each behind its own."""
-    from fivefold.planner.collectives import layer_collectives, step_collectives
+    from fivefold.planner.time.layer_collectives import layer_collectives
+    from fivefold.planner.time.rank_collectives import step_collectives
     from fivefold.planner.presets import hardware, model_preset
-    from fivefold.planner.search import make_config
-    from fivefold.planner.steptime import step_time
-    from fivefold.planner.time_assumptions import TimeAssumptions
+    from fivefold.planner.search.configs import make_config
+    from fivefold.planner.time.steptime import step_time
+    from fivefold.planner.time.time_assumptions import TimeAssumptions
     m = model_preset("qwen3-235b-a22b").model
     par = dict(tensor_model_parallel_size=2, sequence_parallel=True, expert_model_parallel_size=8,
                pipeline_model_parallel_size=8, account_for_embedding_in_pipeline_split=True,
@@ -514,8 +518,8 @@ def test_fivefold_profile_against_our_runtime_on_gpus():
     from fivefold.config.load import load_config
     from fivefold.config.validate import validate
     from fivefold.planner.presets import hardware
-    from fivefold.planner.runtime import PER_TENSOR_OPTIMIZER_BYTES, profile
-    from fivefold.planner.search import evaluate
+    from fivefold.planner.calibration.runtime import PER_TENSOR_OPTIMIZER_BYTES, profile
+    from fivefold.planner.search.ranking import evaluate
     ours, MiB = profile("fivefold"), 2**20
     per_tensor = dataclasses.replace(ours.time, optimizer_bytes_per_param=PER_TENSOR_OPTIMIZER_BYTES)
     rows = _our_gpu_runs()

@@ -25,7 +25,7 @@ from fivefold.train.loss import cp_tokens
 from fivefold.config.schema import config_from_dict
 from fivefold.train.parallelize import apply_context_parallel
 from fivefold.parallel.context.ring_attention import ring_attention
-from fivefold.planner.cp_memory import attention_peak_bytes, ring_pieces
+from fivefold.planner.memory.cp_memory import attention_peak_bytes, ring_pieces
 from fivefold.parallel.context.context_parallel import context_parallel_of, local_positions, split_sequence, split_tokens
 from fivefold.runtime import comm, traffic
 from fivefold.runtime.mesh import Mesh

@@ -31,7 +31,7 @@ from fivefold.data.loader import Microbatch, StepBatch
 from fivefold.model.decoder import Decoder, build_decoder
 from fivefold.train.parallelize import parallelize
 from fivefold.parallel.param_meta import named_metas
-from fivefold.planner.params import count_params
+from fivefold.planner.memory.params import count_params
 from fivefold.runtime.mesh import Mesh
 from fivefold.topology import Layout
 from fivefold.train.step import train_step

@@ -16,7 +16,7 @@ from fivefold.config.schema import ModelConfig
 from fivefold.model import Decoder
 from fivefold.hf.names import hf_name
 from fivefold.model.init import VOCAB_PARAMS
-from fivefold.planner.params import count_params
+from fivefold.planner.memory.params import count_params
 
 # Same bounds as test_model_hf.py (fp32, different kernels and summation orders): measured worst
 # logits 2.1e-7 abs (0.009 of the bound, >100x), grads 1.4e-8 abs (0.009 of 1e-6 + 1e-4 |g|), loss 0;

@@ -124,7 +124,7 @@ def test_layer_output_is_the_kept_assignments_sum_and_padding_changes_nothing():
 def test_dropping_saves_no_copy_of_the_expert_outputs():
     """Putting the kept assignments' outputs back in place (zeros where dropped) keeps only their
     indices for backward, not the outputs (index_copy saved its source: one more (kept, h) tensor per
-    MoE layer; the planner counts the combine's own (t k, h), fivefold.planner.activations)."""
+    MoE layer; the planner counts the combine's own (t k, h), fivefold.planner.memory.activations)."""
     from fivefold.parallel.expert.dispatch import moe_forward
     x = torch.randn(32, test_moe.H, generator=torch.Generator().manual_seed(5), requires_grad=True)
     layer = _layer(0.75, pad=False)

@@ -12,7 +12,7 @@ from fivefold.pipeline.ir import Kind
 from fivefold.pipeline.schedules import REGISTRY, build_schedule
 from fivefold.pipeline.verify import verify
 from fivefold.planner.layout import Plan
-from fivefold.planner.space import SearchSpace, _pipelines
+from fivefold.planner.search.space import SearchSpace, _pipelines
 
 
 def _gpipe_lifo(pp: int, chunks: int, m: int, group: int | None):

@@ -1,4 +1,4 @@
-"""The planner's one list of collectives (fivefold/planner/collectives.py) against independent
+"""The planner's one list of collectives (fivefold/planner/time/layer_collectives.py) against independent
 counts: the pipeline schedule's own send/recv actions for PP, and the CP and MoE helpers' call-byte
 formulas (docs/derivations/cp_bytes.md, ep_bytes.md; asserted against the runtime's counter in their
 tests/test_cp.py and tests/test_moe.py) written out here by hand. Pure: milliseconds."""
@@ -11,11 +11,12 @@ from fivefold.config.schema import ClusterConfig, Config, ModelConfig, ParallelC
 from fivefold.pipeline.schedules import build_schedule
 from fivefold.pipeline.ir import Kind
 from fivefold.pipeline.simulate import Costs, simulate
-from fivefold.planner.callbytes import call_bytes
-from fivefold.planner.collectives import cp_collectives, layer_collectives, moe_collectives, step_collectives
+from fivefold.planner.measured.callbytes import call_bytes
+from fivefold.planner.time.layer_collectives import cp_collectives, layer_collectives, moe_collectives
+from fivefold.planner.time.rank_collectives import step_collectives
 from fivefold.planner.layout import Plan
 from fivefold.planner.pipeline import pipeline_profile
-from fivefold.planner.steptime import step_time
+from fivefold.planner.time.steptime import step_time
 from fivefold.planner.presets.hardware import hardware
 
 DENSE = ModelConfig(num_layers=8, hidden_size=256, num_attention_heads=8, num_query_groups=2, vocab_size=1000)
@@ -106,9 +107,10 @@ def test_all_gather_cp_runs_two_chunk_calls_per_rank_and_holds_the_gathered_kv_i
     (`attention_call_keys`, against the sum over the calls written out); a ring step is a call over
     s / CP keys. In backward the gathered K, V and their gradients, 2 b s g (d + dv) e, are a temporary
     beside the MLP's."""
-    from fivefold.planner.activations import ArchTraits, Sharding, backward_transient
-    from fivefold.planner.collectives import attention_call_keys
-    from fivefold.planner.memory import memory_per_rank
+    from fivefold.planner.memory.traits import ArchTraits
+    from fivefold.planner.memory.activations import Sharding, backward_transient
+    from fivefold.planner.time.layer_collectives import attention_call_keys
+    from fivefold.planner.memory.peak import memory_per_rank
     h, s, cp = 842.0, 8192, 4
     p = plan(world=cp, context_parallel_size=cp, cp_comm_type="allgather", seq=s)
     chunk = s / (2 * cp)
@@ -157,7 +159,8 @@ def test_token_dropping_scales_the_routed_rows(factor, pad, share):
     expert fills to n k / E = 128 rows, so a capacity factor drops only below 1; padded, every expert
     computes exactly min(ceil(128 c), n) rows: 160 at c = 1.25, all 512 at c = 8 (capacity > n). The
     EP dispatch / combine rows and the expert activations scale alike."""
-    from fivefold.planner.activations import ArchTraits, Sharding, layer_activation_bytes, routed_share
+    from fivefold.planner.memory.traits import ArchTraits
+    from fivefold.planner.memory.activations import Sharding, layer_activation_bytes, routed_share
     m = replace(MOE, num_experts=8, moe_expert_capacity_factor=factor, moe_pad_expert_input_to_capacity=pad)
     assert routed_share(m, 512) == share
     capped, dropless = (plan(world=2, model=x, expert_model_parallel_size=2, mbs=1, seq=512)

@@ -5,9 +5,9 @@ from fivefold.config.load import load_config
 from fivefold.config.schema import to_dict
 from fivefold.config.validate import validate
 from fivefold.errors import UserError
-from fivefold.planner.emit import emit
+from fivefold.planner.report.emit import emit
 from fivefold.planner.presets import MODEL_PRESETS, hardware, model_preset
-from fivefold.planner.search import search
+from fivefold.planner.search.ranking import search
 
 SIZES = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
          "context_parallel_size", "expert_model_parallel_size", "expert_tensor_parallel_size", "sequence_parallel",
@@ -20,7 +20,7 @@ def planned():
     """The five best layouts of an MoE model on 64 GPUs (EP, PP, VPP and TP all occur among them), the
     best interleaved one in microbatch groups (a global batch of 96: 3 microbatches of 4 on PP2), and
     and megatron-te's best Megatron-FSDP layout under PP for Llama 3 70B with ZeRO-2 in its space."""
-    from fivefold.planner.runtime import profile
+    from fivefold.planner.calibration.runtime import profile
     r = search(model_preset("mixtral-8x7b").model, hardware("h100-sxm"), 64, 8, 4096, 1024)
     grouped = search(model_preset("llama3-8b").model, hardware("h100-sxm"), 64, 8, 4096, 96).ranked
     te = profile("megatron-te")
@@ -131,7 +131,7 @@ def test_fp8_plans_read_back_as_fp8_in_every_format(fmt, tmp_path):
     """An fp8 plan (fp8 GEMMs on bf16 parameters, tensorwise scaling) reads back as the same precision,
     format and recipe; RLinf's `precision: fp8` was refused ("not implemented yet"): its precision names
     the parameters' dtype, Megatron's `fp8` the GEMMs'."""
-    from fivefold.planner.search import SearchSpace
+    from fivefold.planner.search.space import SearchSpace
     best = search(model_preset("llama3-8b").model, hardware("h100-sxm"), 8, 8, 4096, 64, "fp8",
                   SearchSpace(fp8_recipe="tensorwise")).ranked[0].config
     path = tmp_path / f"plan{SUFFIX[fmt]}"

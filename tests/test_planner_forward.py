@@ -1,5 +1,5 @@
 """A forward-only model (RL's reference): the planner's memory and time of `Engine.forward`
-(fivefold/planner/forward.py) against the runtime, and how `estimate` reports it."""
+(fivefold/planner/search/forward.py) against the runtime, and how `estimate` reports it."""
 from __future__ import annotations
 
 import inspect
@@ -9,14 +9,16 @@ import pytest
 
 from benchmarks.planner_vs_measured import FORWARD_CASES, MEMORY_TOL
 from fivefold.cli import main
-from fivefold.planner.forward import FORWARD_CHUNK, evaluate_forward, forward_config, forward_memory_per_rank
+from fivefold.planner.search.forward import FORWARD_CHUNK, evaluate_forward, forward_config, forward_memory_per_rank
 from fivefold.planner.layout import Plan
-from fivefold.planner.memory import MemoryAssumptions, memory_per_rank
+from fivefold.planner.memory.kinds import MemoryAssumptions
+from fivefold.planner.memory.peak import memory_per_rank
 from fivefold.planner.pipeline import _forward_makespan
 from fivefold.planner.presets import hardware, model_preset
-from fivefold.planner.search import evaluate, make_config
-from fivefold.planner.time_assumptions import TimeAssumptions
-from fivefold.planner.versus import compare_forward_rank
+from fivefold.planner.search.ranking import evaluate
+from fivefold.planner.search.configs import make_config
+from fivefold.planner.time.time_assumptions import TimeAssumptions
+from fivefold.planner.measured.versus import compare_forward_rank
 from fivefold.pipeline.forward import forward_only
 from fivefold.pipeline.schedules import build_schedule
 from fivefold.pipeline.simulate import Costs, simulate

@@ -197,7 +197,7 @@ def test_random_layouts_are_valid_and_drawn_again_alike():
     the dimensions and modes it is for, with `--wide` the model features too (pure config:
     milliseconds, no rank started)."""
     from benchmarks.planner_vs_measured import random_cases
-    from fivefold.planner.validity import config_errors
+    from fivefold.planner.search.validity import config_errors
     from fivefold.config.supported import unsupported
     drawn = random_cases(40, 1)
     assert [c.name for c in drawn] == [c.name for c in random_cases(40, 1)]

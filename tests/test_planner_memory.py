@@ -4,13 +4,15 @@ import pytest
 
 from _tol import close
 from fivefold.config.schema import ModelConfig, TrainingConfig
-from fivefold.planner.activations import GPT3_TRAITS, Sharding, layer_activation_bytes
+from fivefold.planner.memory.traits import GPT3_TRAITS
+from fivefold.planner.memory.activations import Sharding, layer_activation_bytes
 from fivefold.planner.layout import Plan
-from fivefold.planner.memory import memory_per_rank, rank_params, state_bytes_per_param
-from fivefold.planner.params import count_params
+from fivefold.planner.memory.peak import memory_per_rank
+from fivefold.planner.memory.states import rank_params, state_bytes_per_param
+from fivefold.planner.memory.params import count_params
 from fivefold.planner.presets import model_preset
-from fivefold.planner.search import make_config
-from fivefold.planner.seeds import seed_memory_accounting
+from fivefold.planner.search.configs import make_config
+from fivefold.planner.report.seeds import seed_memory_accounting
 
 # GPT-3 175B shape (Korthikanti et al., Table 3): h=12288, a=96, s=2048, 4h GeLU MLP, LayerNorm.
 GPT3 = ModelConfig(num_layers=96, hidden_size=12288, num_attention_heads=96, ffn_hidden_size=4 * 12288,
@@ -97,7 +99,7 @@ def test_recompute_modules_drop_exactly_their_tensors():
     and nothing else (bytes in float64, exact): core_attn the kernel's saved tensors (the default selective),
     mla_up_proj MLA's q/k/v, layernorm the norms' outputs (the next linears' inputs), mlp a dense MLP's
     intermediates, moe_act the experts' activation output, shared_experts theirs, moe the whole MoE MLP."""
-    from fivefold.planner.activations import EAGER_TRAITS
+    from fivefold.planner.memory.traits import EAGER_TRAITS
 
     m = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=256, ffn_hidden_size=96,
                     multi_latent_attention=True, qk_layernorm=True, q_lora_rank=48, kv_lora_rank=32, qk_head_dim=16,
@@ -138,8 +140,9 @@ def test_offload_and_memory_options_leave_the_device():
     from dataclasses import replace
     from fivefold.config.validate import validate
     from fivefold.errors import UserError
-    from fivefold.planner.activations import ArchTraits
-    from fivefold.planner.memory import MemoryAssumptions, peak_memory
+    from fivefold.planner.memory.traits import ArchTraits
+    from fivefold.planner.memory.kinds import MemoryAssumptions
+    from fivefold.planner.memory.peak import peak_memory
 
     m = ModelConfig(num_layers=4, hidden_size=64, num_attention_heads=4, vocab_size=300, num_experts=4,
                     moe_router_topk=2, moe_ffn_hidden_size=32)

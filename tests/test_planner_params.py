@@ -6,7 +6,7 @@ import pytest
 
 from fivefold.errors import UserError
 from fivefold.config.hf import load_hf_config, model_from_hf_dict
-from fivefold.planner.params import count_params
+from fivefold.planner.memory.params import count_params
 from fivefold.planner.presets import MODEL_PRESETS, model_preset
 
 

@@ -15,12 +15,14 @@ from _tol import close
 from fivefold.cli import main
 from fivefold.errors import UserError
 from fivefold.planner.pipeline import bubble_fraction, bubble_stage_times, pipeline_profile, pipeline_time
-from fivefold.planner.memory import MemoryAssumptions
+from fivefold.planner.memory.kinds import MemoryAssumptions
 from fivefold.planner.presets import hardware, model_preset
-from fivefold.planner.space import SearchSpace, structures
-from fivefold.planner.search import DOMINATED, PP_DOMINATED, describe, evaluate, make_config, rank_key, search
-from fivefold.planner.time_assumptions import TimeAssumptions
-from fivefold.planner.validity import checked, config_errors, twin_errors
+from fivefold.planner.search.space import SearchSpace, structures
+from fivefold.planner.search.pruning import DOMINATED, PP_DOMINATED
+from fivefold.planner.search.configs import describe, make_config
+from fivefold.planner.search.ranking import evaluate, rank_key, search
+from fivefold.planner.time.time_assumptions import TimeAssumptions
+from fivefold.planner.search.validity import checked, config_errors, twin_errors
 
 
 @pytest.mark.parametrize("p,m,v", [(4, 8, 1), (8, 32, 1), (4, 8, 2), (8, 16, 4)])
@@ -228,7 +230,7 @@ def test_tp_traffic_is_hidden_only_where_the_run_overlaps_it(capsys):
     every TP run was timed as overlapped before), and `estimate` says which it timed; the search of a
     runtime that overlaps turns it on in every layout with TP, fivefold's in none."""
     from fivefold.planner.presets import hardware, model_preset
-    from fivefold.planner.runtime import profile
+    from fivefold.planner.calibration.runtime import profile
     line = ["estimate", "--model", "llama3-70b", "--gpus", "64", "--runtime", "megatron-te", "--bf16",
             "--tensor-model-parallel-size", "8", "--sequence-parallel", "--pipeline-model-parallel-size", "2",
             "--use-distributed-optimizer", "--global-batch-size", "128"]
@@ -359,7 +361,7 @@ def test_cached_calls_tell_the_cp_exchanges_apart():
     from cold caches: DeepSeek-V3's MTP gathers its targets over CP in two steps under a2a+p2p and in
     one otherwise (`collectives.stage_collectives`), and the layer and stage calls are cached by what
     they read (a warm a2a+p2p estimate once reused p2p's stage calls: 15 us less a step)."""
-    from fivefold.planner.search import clear_caches
+    from fivefold.planner.search.ranking import clear_caches
     m, hw = model_preset("deepseek-v3").model, hardware("h100-sxm")
 
     def layout(comm, **hcp):
@@ -383,7 +385,7 @@ def test_cached_step_calls_tell_the_gradient_dtype_and_instances_apart():
     (Megatron's --grad-reduce-in-bf16, the megatron-te profile's) or in two instances (HSDP) is
     estimated as from cold caches (a warm estimate once sent fp32 gradients' bytes: 1.5x)."""
     import dataclasses
-    from fivefold.planner.search import clear_caches
+    from fivefold.planner.search.ranking import clear_caches
     m, hw = model_preset("llama3-8b").model, hardware("h100-sxm")
     fp32 = make_config(m, 16, 8, 4096, 64, "bf16", dict(tensor_model_parallel_size=2, sequence_parallel=True))
     others = [make_config(m, 16, 8, 4096, 64, "bf16", dict(tensor_model_parallel_size=2, sequence_parallel=True),
@@ -423,9 +425,9 @@ def test_a_search_after_another_setting_equals_it_cold(change):
     the unchanged one in the same process (same model and hardware objects), equals the same search
     from cold caches, ranked and dropped (a warm search reducing bf16 gradients once reused fp32's
     step calls)."""
-    from fivefold.planner.runtime import profile
-    from fivefold.planner.search import clear_caches
-    from fivefold.planner.space import SearchSpace
+    from fivefold.planner.calibration.runtime import profile
+    from fivefold.planner.search.ranking import clear_caches
+    from fivefold.planner.search.space import SearchSpace
 
     def run(gpu="h100-sxm", runtime=None, space=(), gpus_per_node=8, seq=4096, global_batch=64, **kw):
         hw = _ONE_OBJECT.setdefault(gpu, hardware(gpu))
@@ -474,10 +476,10 @@ def test_search_caches_give_the_uncached_result(name, gpus, schedules):
     """The planner's caches across layouts (layer costs, timed calls, per-shape memory, schedule
     simulations, the peak-memory rank pruning) change no result: a warm search equals a cold one
     exactly, and every candidate re-evaluated with all caches cleared first equals the search's."""
-    from fivefold.planner.memory import memory_per_rank, peak_memory
+    from fivefold.planner.memory.peak import memory_per_rank, peak_memory
     from fivefold.planner.layout import Plan
-    from fivefold.planner.search import clear_caches, evaluate
-    from fivefold.planner.space import SearchSpace
+    from fivefold.planner.search.ranking import clear_caches, evaluate
+    from fivefold.planner.search.space import SearchSpace
     hw, m = hardware("h100-sxm"), model_preset(name).model
     space = SearchSpace(schedules=schedules)
     clear_caches()
@@ -507,9 +509,9 @@ def test_peak_memory_under_optimizer_scratch_sizes_only_ranks_that_can_hold_the_
     rank's activations exceed its optimizer step's peak (`_Ranks.sized`): the peak is still the rank
     and the bytes of max(memory_per_rank), for every layout sized, fitting or not, both where the
     pruning left ranks out and where a covering rank's peak was the optimizer step."""
-    from fivefold.planner import memory
+    from fivefold.planner.memory import peak
     from fivefold.planner.layout import Plan
-    from fivefold.planner.runtime import profile
+    from fivefold.planner.calibration.runtime import profile
     rt = profile("fivefold")
     assert rt.memory.traits.optimizer_scratch_bytes
     result = search(model_preset("llama3-70b").model, hardware("h100-sxm"), 64, 8, 4096, 256, space=rt.space(),
@@ -519,10 +521,10 @@ def test_peak_memory_under_optimizer_scratch_sizes_only_ranks_that_can_hold_the_
     left_out = stepped = 0
     for cfg in sized[::4]:
         plan = Plan(cfg)
-        ranks = memory._Ranks(plan, rt.memory)
+        ranks = peak._Ranks(plan, rt.memory)
         every = [ranks.memory(r) for r in range(plan.pp)]
-        assert memory.peak_memory(plan, rt.memory) == max(every, key=lambda r: r.total)
-        some = memory._Ranks(plan, rt.memory).sized()
+        assert peak.peak_memory(plan, rt.memory) == max(every, key=lambda r: r.total)
+        some = peak._Ranks(plan, rt.memory).sized()
         left_out += plan.pp - len(some)
         covering = {by for by in ranks.coverers() if by is not None}
         stepped += any(every[r].scratch > 0 for r in covering)
@@ -532,9 +534,9 @@ def test_peak_memory_under_optimizer_scratch_sizes_only_ranks_that_can_hold_the_
 def test_compare_places_a_named_layout_in_the_ranking(capsys):
     """`plan --compare`: the top choice's own label ranks 1; a 61-layer model on PP8 x VPP4 (no even,
     account-for or first/last split) takes Megatron's per-stage list; bad words and DP are refused."""
-    from fivefold.planner.compare import candidates, rank_of
-    from fivefold.planner.search import search
-    from fivefold.planner.space import SearchSpace, layer_splits
+    from fivefold.planner.search.compare import candidates, rank_of
+    from fivefold.planner.search.ranking import search
+    from fivefold.planner.search.space import SearchSpace, layer_splits
     m, hw = model_preset("llama3-8b").model, hardware("h100-sxm")
     result = search(m, hw, 16, 8, 4096, 64, "bf16", SearchSpace(micro_batch_sizes=(1,)))
     top = result.ranked[0]
@@ -579,7 +581,7 @@ def test_without_accumulation_a_layout_without_pp_takes_its_local_batch_at_once(
     micro-batch of B / DP sequences (here up to 16, beyond the space's sizes); PP layouts keep the
     space's micro-batch sizes, their microbatches being the pipeline's. `plan --dp-modes zero1,zero3`
     ranks FSDP layouts where ZeRO-1 does not fit and drops them where it does, and under PP unsized."""
-    from fivefold.planner.space import SearchSpace
+    from fivefold.planner.search.space import SearchSpace
     m, hw = model_preset("llama3-8b").model, hardware("h100-sxm")
     result = search(m, hw, 16, 8, 4096, 32, "bf16", SearchSpace(accumulate=False))
     flat = [c.plan for c in result.ranked if c.plan.pp == 1]
@@ -601,8 +603,8 @@ def test_held_to_names_the_fewest_choices_that_rank_a_layout_first(capsys):
     5 and the faster half of the layouts sharing them, checked against filtering the ranking by hand;
     no single field does it where a pair is returned. `plan --compare` prints it."""
     import itertools
-    from fivefold.planner.compare import HOLDABLE, LAYOUT_FIELDS, candidates, held_to, rank_of
-    from fivefold.planner.space import SearchSpace
+    from fivefold.planner.search.compare import HOLDABLE, LAYOUT_FIELDS, candidates, held_to, rank_of
+    from fivefold.planner.search.space import SearchSpace
     m, hw = model_preset("llama3-8b").model, hardware("h100-sxm")
     ranked = search(m, hw, 16, 8, 4096, 64, "bf16", SearchSpace()).ranked
     slow = candidates("TP8 PP2 mbs1 rc-full", m, hw, 16, 8, 4096, 64, "bf16", (1,), MemoryAssumptions(),
@@ -630,8 +632,10 @@ def _exhaustive(m, hw, gpus, seq, batch, space):
     by every rule and sized; per (layout, optimizer, micro-batch) the first recompute mode of the
     space's order that fits is ranked (slower modes never win), timed, unless a less sharded optimizer
     fits there with no more recompute (sharding more only pays in memory); the rest are dropped."""
-    from fivefold.planner.search import SHARDING, _variant, evaluate, make_config
-    from fivefold.planner.space import recompute_modes, structures
+    from fivefold.planner.search.pruning import SHARDING
+    from fivefold.planner.search.configs import _variant, make_config
+    from fivefold.planner.search.ranking import evaluate
+    from fivefold.planner.search.space import recompute_modes, structures
     ranked, dropped = [], []
     modes = recompute_modes(space, m)
     for parallel in structures(m, gpus, 8, seq, space):
@@ -671,8 +675,8 @@ def test_search_equals_exhaustive(name, gpus, batch, schedules, dp_modes, megatr
     smaller micro-batch, rules a variant cannot break), caches, and reads closed-form schedules: its
     ranked list equals the exhaustive evaluation's exactly (layouts, order, every memory and time
     figure: `_snapshot`), and everything it drops unsized is dropped there too."""
-    from fivefold.planner.search import clear_caches
-    from fivefold.planner.space import SearchSpace
+    from fivefold.planner.search.ranking import clear_caches
+    from fivefold.planner.search.space import SearchSpace
     hw, m = hardware("h100-sxm"), model_preset(name).model
     space = SearchSpace(schedules=schedules, dp_modes=dp_modes, megatron_fsdp=megatron_fsdp)
     clear_caches()
@@ -699,8 +703,8 @@ def test_closed_form_schedules_change_no_result(monkeypatch):
     import dataclasses
     import math
     from fivefold.pipeline.schedules import REGISTRY
-    from fivefold.planner.search import clear_caches
-    from fivefold.planner.space import SearchSpace
+    from fivefold.planner.search.ranking import clear_caches
+    from fivefold.planner.search.space import SearchSpace
     hw, m = hardware("h100-sxm"), model_preset("llama3-70b").model
     space = SearchSpace(schedules=("gpipe", "1f1b", "interleaved"))
     clear_caches()
@@ -724,7 +728,7 @@ def test_spans_nodes_by_arithmetic_equals_listing_the_group():
     and orders; and its EP peers in rank 0's node, by stride, as many as listing that EP group finds."""
     from types import SimpleNamespace
 
-    from fivefold.planner.links import _crossings
+    from fivefold.planner.time.links import _crossings
     from fivefold.topology import Layout
     groups = {"tp": ("dense", "tp"), "cp": ("dense", "cp"), "pp": ("dense", "pp"), "dp": ("dense", "cp-dp"),
               "tp-cp": ("dense", "tp-cp"), "ep": ("expert", "ep"), "etp": ("expert", "etp"), "edp": ("expert", "edp")}
@@ -749,8 +753,8 @@ def test_mtp_work_on_the_last_stage_shifts_its_layers_to_the_first():
     matmul FLOPs on the last stage: on PP16 the balanced split puts 4 layers first and 1 last (4 + 3),
     where without MTP it is 2 / 3 (Megatron's DeepSeek-V3 layouts give MTP and the loss a stage of
     their own); and the search's top choice uses that split."""
-    from fivefold.planner.mtp import mtp_stage_layers
-    from fivefold.planner.space import layer_splits
+    from fivefold.planner.memory.mtp import mtp_stage_layers
+    from fivefold.planner.search.space import layer_splits
 
     m = model_preset("deepseek-v3").model
     assert m.mtp_num_layers == 1 and mtp_stage_layers(m) == 3
@@ -762,7 +766,7 @@ def test_mtp_work_on_the_last_stage_shifts_its_layers_to_the_first():
 def test_explain_says_whether_cp_pays_for_itself():
     """A CP layout is set against the fastest fitting layout without CP: its step time ratio and the
     memory CP frees; with none fitting, it says so."""
-    from fivefold.planner.report import cp_verdict
+    from fivefold.planner.report.tables import cp_verdict
 
     r = search(model_preset("llama3-70b").model, hardware("h100-sxm"), 64, 8, 8192, 128)
     best = r.ranked[0]
@@ -784,10 +788,10 @@ def test_explain_weighs_replicated_experts_against_the_all_to_all():
     """A MoE layout's EP against the same layout with EP halved (twice the experts a rank: more model
     state, less all-to-all) and doubled, sized and timed as the search does: the model state each holds
     beside it, and where it ranks with its step time, or that it does not fit, or the rule it breaks."""
-    from fivefold.planner.compare import candidates
-    from fivefold.planner.memory import MemoryAssumptions
-    from fivefold.planner.report import Assumed, ep_verdict
-    from fivefold.planner.time_assumptions import TimeAssumptions
+    from fivefold.planner.search.compare import candidates
+    from fivefold.planner.memory.kinds import MemoryAssumptions
+    from fivefold.planner.report.tables import Assumed, ep_verdict
+    from fivefold.planner.time.time_assumptions import TimeAssumptions
 
     m, hw = model_preset("qwen3-30b-a3b").model, hardware("h100-sxm")
     assume = Assumed(MemoryAssumptions(), TimeAssumptions())
@@ -826,7 +830,7 @@ def test_compare_names_recompute_modules():
     """`--compare "... rc-sel(MODULE,...)"` sizes the layout with Megatron's --recompute-modules: the
     published DeepSeek-V3 H100 layout with its Table 17 modules fits in 80 GiB, with the default
     selective recompute it does not; an unknown module is refused naming Megatron's."""
-    from fivefold.planner.compare import candidates, parse
+    from fivefold.planner.search.compare import candidates, parse
 
     m, hw = model_preset("deepseek-v3").model, hardware("h100-sxm")
     args = (m, hw, 1024, 8, 4096, 8192, "fp8", (1,), MemoryAssumptions(), TimeAssumptions())
@@ -844,7 +848,7 @@ def test_compare_reads_the_layer_split_a_label_prints():
     split+emb / split+loss / split+embloss) was refused as an unknown word; it sets Megatron's
     first / last stage layers, or the embedding / loss counted as layers, instead of the search's
     choice."""
-    from fivefold.planner.compare import candidates, parse
+    from fivefold.planner.search.compare import candidates, parse
 
     def label(name, world, text):
         m = model_preset(name).model
@@ -887,7 +891,7 @@ def test_each_runtime_groups_microbatches_as_it_interleaves_them(pp, m, megatron
     smallest); torch.distributed.pipelining's ScheduleInterleaved1F1B (torchtitan) m // PP equal
     rounds, refusing a count they do not divide (18 on 4 ranks: 4 rounds of 4.5)."""
     from fivefold.pipeline.schedules import microbatch_problem, smallest_group
-    from fivefold.planner.runtime import PROFILES
+    from fivefold.planner.calibration.runtime import PROFILES
     assert smallest_group(pp, m) == megatron and smallest_group(pp, m, "rounds") == rounds
     for group in (megatron, rounds):
         assert group is None or microbatch_problem("interleaved", pp, 2, m, group) is None
@@ -900,7 +904,7 @@ def test_sequence_row_verdict_names_what_differs():
     "differs", and SP at TP1 is moot."""
     from types import SimpleNamespace as Layout
 
-    from fivefold.planner.report import sequence_verdict
+    from fivefold.planner.report.tables import sequence_verdict
     assert sequence_verdict(Layout(tp=1, sp=False, cp=8), 1, True) == \
         "further than the row (top choice: SP moot at TP1, CP8 where the row has CP1)"
     assert sequence_verdict(Layout(tp=4, sp=True, cp=1), 1, True) == "consistent (top choice: with SP, CP1)"
@@ -916,7 +920,7 @@ def test_default_runtime_pays_for_short_attention_calls_and_small_expert_gemms()
     measured attention rate at 4096 keys. Without them it ranked Qwen3-30B-A3B (128 experts) on 32 GPUs
     as TP1 CP8 PP4 EP1: every expert on every GPU at 32 rows each, and a ring of 512-key calls, both at
     the full GEMM / attention rate: the issue's two complaints about the ranking."""
-    from fivefold.planner.runtime import profile
+    from fivefold.planner.calibration.runtime import profile
     ours, te = profile("fivefold").time, profile("megatron-te").time
     assert ours.attention_efficiency * 4096 / (4096 + ours.attention_half_keys) == pytest.approx(0.376, rel=1e-12)
     assert ours.attention_half_keys == te.attention_half_keys > 0 and ours.expert_half_rows == te.expert_half_rows > 0
@@ -926,7 +930,7 @@ def test_default_runtime_pays_for_short_attention_calls_and_small_expert_gemms()
     top = r.ranked[0].plan
     assert top.ep >= 8 and top.cp == 1, r.ranked[0].label
     # plan's table keeps its columns under labels longer than its default width
-    from fivefold.planner.report import table
+    from fivefold.planner.report.tables import table
     shown = sorted(r.ranked, key=lambda c: -len(c.label))[:3]
     assert len(shown[0].label) > 62
     head, rule, *rows = table(shown, 3).splitlines()

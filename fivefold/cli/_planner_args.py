@@ -6,10 +6,10 @@ import math
 from dataclasses import replace
 
 from fivefold.errors import UserError
-from fivefold.planner.memory import MemoryAssumptions
+from fivefold.planner.memory.kinds import MemoryAssumptions
 from fivefold.planner.presets.hardware import Hardware, hardware
-from fivefold.planner.runtime import PROFILES, profile
-from fivefold.planner.time_assumptions import TimeAssumptions
+from fivefold.planner.calibration.runtime import PROFILES, profile
+from fivefold.planner.time.time_assumptions import TimeAssumptions
 
 GiB = 2**30
 SEQ = 4096

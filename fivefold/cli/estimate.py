@@ -1,6 +1,6 @@
 """`fivefold estimate`: memory per GPU and step time of one given layout (the one a user runs); of each
 model of a `models:` list, a forward-only one (a reference, a reward model: `allocation.role_of`) sized
-and timed as its forward (planner/forward.py)."""
+and timed as its forward (planner/search/forward.py)."""
 from __future__ import annotations
 
 import dataclasses
@@ -12,11 +12,11 @@ from fivefold.config.load import load_config
 from fivefold.config.schema import TrainingConfig
 from fivefold.config.validate import validate
 from fivefold.errors import UserError
-from fivefold.planner.forward import evaluate_forward
-from fivefold.planner.model_spec import resolve_model
-from fivefold.planner.report import breakdown
-from fivefold.planner.runtime import apply, profile
-from fivefold.planner.search import evaluate
+from fivefold.planner.search.forward import evaluate_forward
+from fivefold.planner.presets.model_spec import resolve_model
+from fivefold.planner.report.tables import breakdown
+from fivefold.planner.calibration.runtime import apply, profile
+from fivefold.planner.search.ranking import evaluate
 
 HELP = "memory per GPU and step time of one layout (a config, or --model with overrides / Megatron flags)"
 ACCEPTS_EXTRA = True

@@ -10,14 +10,15 @@ from fivefold.cli._planner_args import SEQ, add_hardware_arguments, assumptions_
 from fivefold.config.schema import FP8_RECIPES
 from fivefold.errors import UserError
 from fivefold.pipeline.schedules import REGISTRY
-from fivefold.planner.compare import DP_MODES, candidates
-from fivefold.planner.emit import FORMATS, emit
-from fivefold.planner.model_spec import resolve_model
-from fivefold.planner.params import count_params
-from fivefold.planner.report import Assumed, compare_report, explain, seed_memory_example, table
-from fivefold.planner.runtime import profile
-from fivefold.planner.search import describe, make_config, search
-from fivefold.planner.validity import config_errors
+from fivefold.planner.search.compare import DP_MODES, candidates
+from fivefold.planner.report.emit import FORMATS, emit
+from fivefold.planner.presets.model_spec import resolve_model
+from fivefold.planner.memory.params import count_params
+from fivefold.planner.report.tables import Assumed, compare_report, explain, seed_memory_example, table
+from fivefold.planner.calibration.runtime import profile
+from fivefold.planner.search.configs import describe, make_config
+from fivefold.planner.search.ranking import search
+from fivefold.planner.search.validity import config_errors
 
 HELP = "rank every valid parallel layout of a model on a cluster by estimated step time"
 
@@ -147,7 +148,7 @@ def run(args, extra) -> int:
         print()
         print(emit(best.config, args.emit, name))
     if args.plot:
-        from fivefold.planner.plot import plot_memory
+        from fivefold.planner.report.plot import plot_memory
         with writing("--plot", args.plot):
             plot_memory(result.ranked[:args.top], hw.memory_bytes, args.plot, f"{name} on {args.gpus} x {hw.name}")
         print(f"wrote {args.plot}")

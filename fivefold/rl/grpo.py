@@ -39,7 +39,8 @@ from fivefold.engine import losses as L
 from fivefold.errors import UserError
 from fivefold.model.decoder import Decoder
 from fivefold.model.generate import generate
-from fivefold.planner.activations import EAGER_TRAITS, Sharding, layer_activation_bytes
+from fivefold.planner.memory.traits import EAGER_TRAITS
+from fivefold.planner.memory.activations import Sharding, layer_activation_bytes
 from fivefold.planner.layout import Plan
 from fivefold.engine.sync import sync_weights
 from fivefold.rl.tasks import END, Addition
@@ -126,7 +127,7 @@ class GRPOConfig:
         """Host memory one GRPO step holds at its peak over the `world` ranks of this machine, at least:
         each rank's rollouts (prompts_per_step / world x group_size answers of `answer_bytes`) and the
         actor's step on its DP replica's rollouts (pooled): what each decoder layer saves for the backward,
-        as the planner counts it for our eager fp32 runtime (fivefold.planner.activations), and what the
+        as the planner counts it for our eager fp32 runtime (fivefold.planner.memory.activations), and what the
         loss keeps per logit. Leaves out the models and the optimizer (their size does not grow with the
         batch), each rank's interpreter and the transients: measured for examples/grpo.yaml's model
         (one rank at 16 000 and 32 000 answers, 8 ranks as TP2 x DP4 at 16 000; 2026-11-29, the summed

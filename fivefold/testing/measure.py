@@ -32,7 +32,7 @@ from fivefold.config.schema import Config
 from fivefold.config.validate import layout_of
 from fivefold.data.loader import StepBatch, collate
 from fivefold.data.sampler import even_share
-from fivefold.planner.versus import BOOKKEEPING_TAGS
+from fivefold.planner.measured.versus import BOOKKEEPING_TAGS
 from fivefold.runtime import traffic
 from fivefold.runtime.mesh import Mesh
 from fivefold.train.context import RankContext

@@ -34,9 +34,9 @@ def matmul_params(model: ModelConfig, tp: int = 1) -> int:
 
 
 def flops_per_token(model: ModelConfig, seq_length: int) -> float:
-    """Training model FLOPs per token, as the planner counts them (fivefold.planner.flops: the matmuls a
+    """Training model FLOPs per token, as the planner counts them (fivefold.planner.time.flops: the matmuls a
     token passes through, top-k routed experts, MLA, MTP, causal attention; Megatron-Core's count)."""
-    from fivefold.planner.flops import model_flops_per_token
+    from fivefold.planner.time.flops import model_flops_per_token
     return model_flops_per_token(model, seq_length)
 
 

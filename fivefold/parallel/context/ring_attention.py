@@ -44,7 +44,7 @@ from __future__ import annotations
 import torch
 
 from fivefold.ops.attention import Documents, block_backward, block_forward
-from fivefold.planner.cp_memory import ROW_TILES, ring_pieces
+from fivefold.planner.memory.cp_memory import ROW_TILES, ring_pieces
 from fivefold.runtime import comm, traffic
 from fivefold.runtime.mesh import Group
 

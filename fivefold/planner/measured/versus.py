@@ -2,12 +2,12 @@
 measurement as numbers; `fivefold.testing.measure` produces them on CPU).
 
 Bytes: `callbytes.call_bytes` per model-communication tag vs the traffic counter's (bookkeeping tags
-such as "loss" and "grad-norm" are left out of both). Memory: `memory.memory_per_rank` under
+such as "loss" and "grad-norm" are left out of both). Memory: `memory.peak.memory_per_rank` under
 `CPU_EAGER` (tensor bytes, no allocator overhead or reserve) vs MemTracker's peak of live tensors,
 by kind: weights ~ Parameter, grads ~ Gradient, optimizer ~ Optstate, and the rest (activations,
 logits and loss temporaries, buffers, scratch) ~ Activation + Temp.
 
-A forward-only model (`compare_forward_rank`: planner/forward.py against `measure_forward`, one
+A forward-only model (`compare_forward_rank`: planner/search/forward.py against `measure_forward`, one
 `Engine.forward` of a frozen engine): its forward call bytes (`callbytes.forward_call_bytes`), and its
 memory against the measured peak.
 """
@@ -16,11 +16,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fivefold.config.schema import Config
-from fivefold.planner.callbytes import call_bytes, forward_call_bytes
-from fivefold.planner.forward import FORWARD_CHUNK, forward_config, forward_memory_per_rank
+from fivefold.planner.measured.callbytes import call_bytes, forward_call_bytes
+from fivefold.planner.search.forward import FORWARD_CHUNK, forward_config, forward_memory_per_rank
 from fivefold.planner.layout import Plan
-from fivefold.planner.memory import CPU_EAGER, MemoryAssumptions, RankMemory, memory_per_rank
-from fivefold.planner.runtime import apply, profile
+from fivefold.planner.memory.kinds import CPU_EAGER, MemoryAssumptions, RankMemory
+from fivefold.planner.memory.peak import memory_per_rank
+from fivefold.planner.calibration.runtime import apply, profile
 
 BOOKKEEPING_TAGS = ("loss", "grad-norm", "found-inf", "metrics", "moe-metrics", "checkpoint")
 """Traffic tags of scalars for logging, clipping, loss scaling and checkpoint agreement, not model tensors."""

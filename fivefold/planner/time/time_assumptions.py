@@ -1,6 +1,6 @@
 """What the step-time model assumes of a runtime (`TimeAssumptions`): achieved shares of the GPU's measured
 ceilings and of link bandwidth, latencies, memory-bound passes and overlaps. A runtime profile
-(fivefold.planner.runtime) is one set of these, fitted to measured runs (benchmarks/calibrate.py)."""
+(fivefold.planner.calibration.runtime) is one set of these, fitted to measured runs (benchmarks/calibrate.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -68,7 +68,7 @@ def kv_params(m: ModelConfig) -> int:
 
 def kv_tp_split(m: ModelConfig, tp: int) -> int:
     """How many ways TP splits the k and v projections: by TP, or by the KV heads when TP exceeds
-    them (each rank then holds one whole KV head, replicated over TP / g ranks: fivefold.parallel.heads)."""
+    them (each rank then holds one whole KV head, replicated over TP / g ranks: fivefold.parallel.tensor.heads)."""
     return min(tp, m.kv_heads) if not m.multi_latent_attention else tp
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from fivefold.config.schema import ModelConfig
 from fivefold.pipeline.schedules import REGISTRY
-from fivefold.planner.mtp import mtp_stage_layers
+from fivefold.planner.memory.mtp import mtp_stage_layers
 
 
 @dataclass(frozen=True)
@@ -70,7 +70,7 @@ class SearchSpace:
     ZeRO-1), optim_grads (ZeRO-2), optim_grads_params (ZeRO-3: FSDP2, Megatron-FSDP), no_shard. The
     runtime profile gives its own (`Runtime.dp_modes`: torchtitan's is FSDP2); `plan --dp-modes`.
     A more sharded mode is ranked only at a micro-batch where no less sharded one fits with as little
-    recompute (`search.DOMINATED`): it moves more bytes, and its time is never shorter but by the
+    recompute (`pruning.DOMINATED`): it moves more bytes, and its time is never shorter but by the
     per-microbatch overlap of its reduce-scatters (2 of ~55,000 twins checked, by 1e-5 and 6e-5)."""
     per_stage_splits: bool = False
     """Also try interleaved layouts whose layers split over PP x VPP only as a per-stage list
@@ -196,3 +196,9 @@ def _pipelines(pp: int, num_layers: int, space: SearchSpace):
         cap = num_layers // pp if space.max_vpp is None else space.max_vpp
         for v in REGISTRY[name].planner_vpps(pp, num_layers, cap):
             yield v, name
+
+
+def megatron_fsdp(runtime_has_it: bool, dp_mode: str) -> bool:
+    """Whether a config of `dp_mode` runs as Megatron-FSDP (`TrainingConfig.use_megatron_fsdp`) on a
+    runtime that has it: its ZeRO-2/3 (the distributed optimizer is Megatron's DDP, not Megatron-FSDP)."""
+    return runtime_has_it and dp_mode in ("optim_grads", "optim_grads_params")

@@ -1,8 +1,8 @@
 """Stacked memory bars of the top layouts against the GPU's capacity (matplotlib, Agg backend)."""
 from __future__ import annotations
 
-from fivefold.planner.memory import RankMemory
-from fivefold.planner.search import Candidate
+from fivefold.planner.memory.kinds import RankMemory
+from fivefold.planner.search.ranking import Candidate
 
 GiB = 2**30
 

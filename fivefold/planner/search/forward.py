@@ -6,7 +6,7 @@ TP, under PP the forward-only version of the config's pipeline schedule.
 
 Memory per pipeline rank (`forward_memory_per_rank`; a `RankMemory` with no gradients, optimizer state
 or optimizer scratch):
-  weights      the rank's parameters (`memory.rank_params`: split by TP / PP / EP / ETP) in the
+  weights      the rank's parameters (`memory.states.rank_params`: split by TP / PP / EP / ETP) in the
                runtime's parameter dtype (16-bit in a bf16 run), whole on every DP rank: a frozen copy
                is not sharded over DP, whatever the config's data-parallel mode (`forward_config`);
   activations  one microbatch's forward transient: nothing is kept for a backward, so the peak is one
@@ -24,10 +24,10 @@ or optimizer scratch):
 Left out, as in the training estimate: RoPE tables, token ids and the (b, s, 2) fp32 stats (kilobytes).
 Measured against `Engine.forward`: `python benchmarks/planner_vs_measured.py --forward`.
 
-Time (`forward_time`): each rank's layers' forward compute (`steptime.layer_forward_cost`: a third of a
+Time (`forward_time`): each rank's layers' forward compute (`layer_cost.layer_forward_cost`: a third of a
 training step's layer FLOPs, no recompute) and forward calls (TP / SP, CP, EP), the output layer's
-forward FLOPs on the last rank, the forward calls outside the layers (`steptime.stage_forward_cost`,
-from `collectives.forward_stage_collectives`), then the forward-only pipeline (`pipeline.
+forward FLOPs on the last rank, the forward calls outside the layers (`layer_cost.stage_forward_cost`,
+from `rank_collectives.forward_stage_collectives`), then the forward-only pipeline (`pipeline.
 forward_pipeline_time`: (p - 1) stage times of fill for 1F1B). No DP gradient reduction, no optimizer
 step. MFU on forward FLOPs (`flops.forward_flops_per_token`).
 
@@ -43,19 +43,21 @@ import dataclasses
 
 from fivefold.config.schema import Config
 from fivefold.config.precision import Precision
-from fivefold.planner.activations import Sharding, forward_layer_bytes, logprob_bytes_per_logit
-from fivefold.planner.collectives import group_sizes
-from fivefold.planner.flops import forward_flops_per_token, output_forward_flops
+from fivefold.planner.memory.activations import Sharding, forward_layer_bytes, logprob_bytes_per_logit
+from fivefold.planner.time.layer_collectives import group_sizes
+from fivefold.planner.time.flops import forward_flops_per_token, output_forward_flops
 from fivefold.planner.layout import Plan
-from fivefold.planner.links import Links
-from fivefold.planner.memory import GiB, MemoryAssumptions, RankMemory, rank_params
-from fivefold.planner.params import is_moe_layer
+from fivefold.planner.time.links import Links
+from fivefold.planner.memory.kinds import GiB, MemoryAssumptions, RankMemory
+from fivefold.planner.memory.states import rank_params
+from fivefold.planner.memory.params import is_moe_layer
 from fivefold.planner.pipeline import forward_bubble_fraction, forward_pipeline_time
 from fivefold.planner.presets.hardware import Hardware
-from fivefold.planner.search import Candidate
-from fivefold.planner.steptime import StepEstimate, layer_forward_cost, stage_forward_cost
-from fivefold.planner.time_assumptions import TimeAssumptions
-from fivefold.planner.validity import config_errors
+from fivefold.planner.search.ranking import Candidate
+from fivefold.planner.time.steptime import StepEstimate
+from fivefold.planner.time.layer_cost import layer_forward_cost, stage_forward_cost
+from fivefold.planner.time.time_assumptions import TimeAssumptions
+from fivefold.planner.search.validity import config_errors
 
 FORWARD_CHUNK = 1024
 """Tokens per chunk of the log-prob computation: `Engine`'s default `chunk` (tests/test_planner_forward.py

@@ -4,7 +4,7 @@ A profile is the runtime's precision policy, how it stores activations, the allo
 its achieved rates per op class and overlap per collective (`TimeAssumptions`):
 
   fivefold     our runtime as it is (eager PyTorch; fp32 gradients; nothing overlapped but the CP ring
-               and the DP reduction); on CPU the measured checks use `memory.CPU_EAGER`.
+               and the DP reduction); on CPU the measured checks use `memory.kinds.CPU_EAGER`.
   megatron-te  Megatron-Core with TransformerEngine: fused kernels, fp8 linear inputs saved as fp8,
                TP communication overlapped (userbuffers), grouped expert GEMMs, the EP all-to-all
                overlapped with the other micro-batch's compute where enabled, bf16 gradient
@@ -26,10 +26,10 @@ from dataclasses import dataclass, replace
 
 from fivefold.config.schema import Config
 from fivefold.errors import UserError
-from fivefold.planner.activations import EAGER_TRAITS, ArchTraits
-from fivefold.planner.memory import MemoryAssumptions
-from fivefold.planner.space import SearchSpace
-from fivefold.planner.time_assumptions import TimeAssumptions
+from fivefold.planner.memory.traits import EAGER_TRAITS, ArchTraits
+from fivefold.planner.memory.kinds import MemoryAssumptions
+from fivefold.planner.search.space import SearchSpace, megatron_fsdp
+from fivefold.planner.time.time_assumptions import TimeAssumptions
 
 GiB = 2**30
 
@@ -166,7 +166,7 @@ eager: 16 bytes per local logit at its peak (4 held: the log-softmax) against F.
 def with_eager_loss(rt: Runtime) -> Runtime:
     """`rt` whose loss is eager `F.cross_entropy` on the logits cast to fp32 (torchtitan before it compiled
     its loss): at the loss's backward the saved fp32 log-softmax, its incoming gradient and the logits'
-    gradient, 12 bytes a logit (`activations.EAGER_TRAITS`' count, measured on our eager runtime), not
+    gradient, 12 bytes a logit (`traits.EAGER_TRAITS`' count, measured on our eager runtime), not
     a fused kernel's 16-bit logits and fp32 softmax; under TP, torch's DTensor loss_parallel run eagerly,
     16 at its peak (`ArchTraits.tp_loss_transient_bytes`)."""
     traits = replace(rt.memory.traits, loss_bytes_per_logit=EAGER_TRAITS.loss_bytes_per_logit,
@@ -194,9 +194,3 @@ def apply(cfg: Config, rt: Runtime, stated_fp32_grads: bool = False) -> Config:
     if t.precision in ("bf16", "fp8") and not (stated_fp32_grads or t.grad_reduce_in_bf16) and rt.grad_reduce_in_bf16:
         changes["grad_reduce_in_bf16"] = True
     return replace(cfg, training=replace(t, **changes)) if changes else cfg
-
-
-def megatron_fsdp(runtime_has_it: bool, dp_mode: str) -> bool:
-    """Whether a config of `dp_mode` runs as Megatron-FSDP (`TrainingConfig.use_megatron_fsdp`) on a
-    runtime that has it: its ZeRO-2/3 (the distributed optimizer is Megatron's DDP, not Megatron-FSDP)."""
-    return runtime_has_it and dp_mode in ("optim_grads", "optim_grads_params")

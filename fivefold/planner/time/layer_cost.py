@@ -1,265 +1,26 @@
-"""Step time: compute at a calibratable GEMM efficiency, plus each communication on the link it
-crosses, plus the pipeline bubble.
-
-Per pipeline rank r and microbatch:
-  compute   hardware FLOPs / (TP*CP) / (ceiling * gemm_efficiency); hardware = 3 x forward, + 1 forward
-            of recomputed layers (full) or of the attention core (selective); ceiling = the best matmul
-            measured on the GPU class at the run's precision (`Hardware.achievable_flops`, MAMF), so an
-            achieved share means the same on an H100 and on a GB200.
-  comm      every call of `collectives.py` (the list the measured byte checks use: what the runtime
-            issues), converted to the bytes that leave the rank (ring all-reduce 2(n-1)/n x call
-            bytes, all-gather / reduce-scatter / all-to-all (n-1)/n, send 1, recv 0) and timed on the
-            link its group crosses, plus a latency per algorithm step. Not overlapped: TP/SP (10
-            (t-1)/t M per layer under SP: the backward re-gathers the saved shard; 8 (t-1)/t M without),
-            EP all-to-alls, CP all-to-all, PP sends (on the critical path, Megatron's batched
-            send/recv). Overlapped: the CP ring with the attention core (exposed: what exceeds it).
-Then pipeline time (`pipeline.py`) from the ranks' microbatch times. Once per step: DP gradient
-reduction overlaps the last microbatch's backward (2/3 of its compute) and the distributed
-optimizer's parameter all-gather the first forward (1/3); what is left is exposed, as are the SP
-norm-gradient and tied-embedding all-reduces. The Adam step reads and writes ~30 bytes per local
-parameter at HBM speed. A collective of n ranks runs at the slowest link its group crosses:
-intra-node when all its ranks share a node (from the rank order), else the per-GPU network bandwidth
-(`links.py`).
+"""One decoder layer's time for one microbatch: its compute (GEMMs at the runtime's achieved share,
+the attention core, memory-bound passes, what recompute runs again) and its TP / CP / EP calls
+(`layer_collectives.py`) on their links, cached by layer kind; a forward-only layer's and stage's
+share of it (`layer_forward_cost`, `stage_forward_cost`).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import NamedTuple
 
-from fivefold.planner.activations import ArchTraits, Sharding, layer_activation_bytes, routed_share
-from fivefold.planner.collectives import (Collective, attention_call_keys, cp_collectives, cp_split, dense_collectives,
-                                          dp_calls_per_step, forward_layer_collectives, forward_stage_collectives,
-                                          group_sizes, later_collectives, stage_collectives, step_collectives)
-from fivefold.planner.flops import attention_core_flops, layer_forward_flops, model_flops_per_token, output_forward_flops
-from fivefold.planner.mtp import mtp_forward_flops
+from fivefold.planner.memory.traits import ArchTraits
+from fivefold.planner.memory.activations import Sharding, layer_activation_bytes, routed_share
+from fivefold.planner.time.layer_collectives import (attention_call_keys, cp_collectives, cp_split, dense_collectives,
+                                                     forward_layer_collectives, later_collectives)
+from fivefold.planner.time.rank_collectives import dp_calls_per_step, forward_stage_collectives
+from fivefold.planner.time.flops import attention_core_flops, layer_forward_flops
 from fivefold.planner.layout import Plan
-from fivefold.planner.links import Links
-from fivefold.planner.memory import rank_params, state_bytes_per_param
-from fivefold.planner.params import is_moe_layer, layer_params
-from fivefold.planner.pipeline import bubble_fraction, pipeline_time
+from fivefold.planner.time.links import Links
+from fivefold.planner.memory.states import state_bytes_per_param
+from fivefold.planner.memory.params import is_moe_layer, layer_params
 from fivefold.planner.presets.hardware import Hardware
-from fivefold.planner.time_assumptions import TimeAssumptions
-
-
-@dataclass
-class StepEstimate:
-    step_time: float
-    model_flops: float
-    """Model FLOPs per step, all GPUs."""
-    mfu: float
-    tokens_per_s_per_gpu: float
-    tflops_per_gpu: float
-    """Model TFLOP/s per GPU."""
-    bubble_fraction: float
-    """Idle share of the pipeline with equal stages (schedule's own)."""
-    parts: dict[str, float] = field(default_factory=dict)
-    """Seconds per step by kind (compute, tp, cp, ep, pp, bubble, dp, optimizer)."""
-    comm_bytes: dict[str, float] = field(default_factory=dict)
-    """Bytes each rank sends per step (worst pipeline rank), by kind."""
-    links: dict[str, str] = field(default_factory=dict)
-    """Group -> 'intra-node' or 'network'."""
-
-    @property
-    def comm_fraction(self) -> float:
-        return sum(self.parts.get(k, 0.0) for k in ("tp", "cp", "ep", "pp", "dp")) / self.step_time
-
-
-PART = {"tp": "tp", "etp": "tp", "tp-cp": "tp", "cp": "cp", "ep": "ep", "pp": "pp", "embedding": "pp", "dp": "dp",
-        "dp-replicate": "dp", "edp": "dp"}
-"""Which part of the step time (and of `comm_bytes`) a group's traffic is reported under."""
-
-
-def step_time(plan: Plan, hw: Hardware, ta: TimeAssumptions = TimeAssumptions()) -> StepEstimate:
-    cfg, m = plan.config, plan.config.model
-    links = Links(plan, hw, cfg.cluster.gpus_per_node, ta)
-    sizes = group_sizes(plan)
-    s, cp = plan.seq, plan.cp
-    gemm = ta.fp8_gemm_efficiency if plan.precision == "fp8" and ta.fp8_gemm_efficiency else ta.gemm_efficiency
-    flops_rate = hw.achievable_flops(plan.precision) * gemm  # linear layers
-    n_mb = plan.microbatches
-    classes = plan.rank_classes  # ranks of equal `Plan.rank_shapes` cost the same
-    keys = _keys(plan, links, flops_rate)
-    costs = {r: _rank_cost(plan, r, links, sizes, flops_rate, keys) for r in dict.fromkeys(classes)}
-    rank_times = [costs[first][2] for first in classes]
-    fused = plan.recompute == "full"  # the runtime's zero-bubble B is then the whole backward (executor)
-    pipe = pipeline_time(plan.schedule, rank_times, plan.vpp, n_mb, plan.group, fused)
-    worst = classes[rank_times.index(max(rank_times))]  # the first slowest rank's class
-    distopt = cfg.training.use_distributed_optimizer
-    step_parts, step_bytes, opt_time = {}, {}, -1.0  # of the rank whose once-per-step work is longest
-    for r, (rank_parts, _, _) in costs.items():
-        comp = rank_parts["compute"]
-        behind_of = {"backward": comp * 2 / 3, "forward": comp / 3}  # what a step call can hide behind
-        exposed: dict[str, float] = {}
-        calls, sent = _step_calls(plan, r, links, sizes, keys.step)
-        for part, t, behind, spread in calls:
-            hide = spread * behind_of.get(behind, 0.0)
-            exposed[part] = exposed.get(part, 0.0) + max(0.0, t - hide)
-        dense, expert = rank_params(plan, r)
-        local = (dense / (plan.dp * cp) + expert / plan.edp) if distopt else dense + expert
-        opt = local * ta.optimizer_bytes_per_param / (hw.memory_bw * 0.8)
-        if sum(exposed.values()) + opt > sum(step_parts.values()) + opt_time:
-            step_parts, step_bytes, opt_time = exposed, sent, opt
-    total = pipe + sum(step_parts.values()) + opt_time
-    mf = model_flops_per_token(m, s) * cfg.training.global_batch_size * s
-    worst_parts, worst_bytes, worst_time = costs[worst]
-    parts = {k: v * n_mb for k, v in worst_parts.items()}
-    parts["bubble"] = pipe - n_mb * worst_time
-    parts["dp"] = 0.0
-    for k, v in step_parts.items():
-        parts[k] = parts.get(k, 0.0) + v
-    parts["optimizer"] = opt_time
-    comm_bytes = {k: v * n_mb for k, v in worst_bytes.items()}
-    comm_bytes["dp"] = 0.0
-    for k, v in step_bytes.items():
-        comm_bytes[k] = comm_bytes.get(k, 0.0) + v
-    return StepEstimate(step_time=total, model_flops=mf, mfu=mf / (plan.world * hw.peak_flops(plan.precision) * total),
-                        tokens_per_s_per_gpu=cfg.training.global_batch_size * s / total / plan.world,
-                        tflops_per_gpu=mf / total / plan.world / 1e12,
-                        bubble_fraction=bubble_fraction(plan.schedule, plan.pp, plan.vpp, n_mb, plan.group, fused),
-                        parts=parts, comm_bytes=comm_bytes,
-                        links=links.names)  # shared by the layouts of one layout's links: read only
-
-
-Timed = tuple[tuple[str, float, float, "str | None", int], ...]
-"""Calls as (reported part, seconds on their link, wire bytes, what they hide behind, microbatches
-they are spread over), in call order."""
-
-
-def _timed(calls: list[Collective], links: Links, sizes: dict[str, int]) -> Timed:
-    out = []
-    for c in calls:
-        n = sizes[c.group]
-        out.append((PART[c.group], links.time(c.group, c.wire_bytes(n), c.steps(n), n, c.kind), c.wire_bytes(n),
-                    c.hides_behind, c.spread))
-    return tuple(out)
-
-
-ByPart = tuple[tuple[str, tuple[float, ...], tuple[float, ...]], ...]
-"""Calls on the critical path by reported part: (part, their seconds, their wire bytes), each in call order."""
-
-
-def _add_timed(by_part: ByPart, parts: dict, sent: dict) -> None:
-    """`_add_calls` for calls on the critical path, already timed: a part's sum takes its calls in call
-    order, so it reaches the floats adding every call in call order does."""
-    for part, times, wires in by_part:
-        t, wire = parts[part], sent[part]
-        for x in times:
-            t += x
-        for x in wires:
-            wire += x
-        parts[part], sent[part] = t, wire
-
-
-_CALLS: dict[tuple, tuple] = {}
-"""What the ranks' stage calls (per microbatch) or step calls (once) depend on but the rank -> (the
-model, the hardware, {what they read of the rank: the calls timed}): the search meets the same
-pipeline ranks under many layouts (EP, split, recompute)."""
-
-
-def _kept(cache: dict, key: tuple, m, hw, compute):
-    """`compute()`, kept in `cache` under `key`, which names the model and the hardware (None: not read)
-    by id: both are kept alive beside the value and checked by identity, so a reused id never hits."""
-    got = cache.get(key)
-    if got is None or got[0] is not m or got[1] is not hw:
-        got = cache[key] = (m, hw, compute())
-    return got[2]
-
-
-def _rank_cost(plan: Plan, r: int, links: Links, sizes: dict[str, int], flops_rate: float,
-               keys: "_Keys") -> tuple[dict, dict, float]:
-    """(seconds by kind, wire bytes by kind, total seconds) of pipeline rank r for one microbatch:
-    its layers, the output layer's compute on the last rank, its stage calls."""
-    m = plan.config.model
-    compute = tp = cp = ep = sent_tp = sent_cp = sent_ep = 0.0
-    for i, recomputed, n in plan.layer_groups(r):
-        c, t, x, e, sent_t, sent_x, sent_e = _layer_cost(plan, links, sizes, i, recomputed, flops_rate, keys)
-        compute, tp, cp, ep = compute + c * n, tp + t * n, cp + x * n, ep + e * n
-        sent_tp, sent_cp, sent_ep = sent_tp + sent_t * n, sent_cp + sent_x * n, sent_ep + sent_e * n
-    if r == plan.last_rank:
-        head = output_forward_flops(m) + mtp_forward_flops(m)  # + MTP's eh_proj and output layers
-        compute += 3 * head * plan.mbs * plan.seq / (plan.tp * plan.cp) / flops_rate
-    parts = {"compute": compute, "tp": tp, "cp": cp, "ep": ep, "pp": 0.0}
-    sent = {"tp": sent_tp, "cp": sent_cp, "ep": sent_ep, "pp": 0.0}
-    _add_timed(_stage_calls(plan, r, links, sizes, keys.stage), parts, sent)
-    return parts, sent, sum(parts.values())
-
-
-def _stage_calls(plan: Plan, r: int, links: Links, sizes: dict[str, int], kept: dict) -> ByPart:
-    """`stage_collectives` of pipeline rank r, timed (none hides behind compute; `kept`: `_Keys.stage`)."""
-    shape = plan.rank_shapes[r][1:]
-    got = kept.get(shape)
-    if got is None:
-        got = kept[shape] = _on_the_path(_timed(stage_collectives(plan, r), links, sizes))
-    return got
-
-
-def _on_the_path(timed: Timed) -> ByPart:
-    """`timed`, checked to hide behind nothing (stage calls are added whole: `_add_timed`), by part,
-    its pipeline sends and receives (four per chunk boundary: tens under VPP) as one entry. A rank's
-    layers report nothing under pp (`_rank_cost` adds them first), so their sum taken here, in call
-    order from 0, is the float `_add_timed` would reach adding them one by one."""
-    assert all(behind is None for *_, behind, _ in timed)
-    by_part: dict[str, tuple[list, list]] = {}
-    for part, seconds, sent, *_ in timed:
-        times, wires = by_part.setdefault(part, ([], []))
-        times.append(seconds)
-        wires.append(sent)
-    if "pp" in by_part:
-        t = wire = 0.0
-        for seconds, sent in zip(*by_part["pp"]):
-            t += seconds
-            wire += sent
-        by_part["pp"] = ([t], [wire])
-    return tuple((part, tuple(times), tuple(wires)) for part, (times, wires) in by_part.items())
-
-
-def _step_calls(plan: Plan, r: int, links: Links, sizes: dict[str, int], kept: dict) -> tuple[tuple, dict]:
-    """`step_collectives` of pipeline rank r, timed (`kept`: `_Keys.step`): (part, seconds, what they hide
-    behind, microbatches they are spread over) per call, in call order, and the wire bytes by part
-    (summed in call order: read only)."""
-    held = _held(plan, r)
-    got = kept.get(held)
-    if got is None:
-        calls, sent = [], {}
-        for part, t, wire, behind, spread in _timed(step_collectives(plan, r), links, sizes):
-            calls.append((part, t, behind, spread))
-            sent[part] = sent.get(part, 0.0) + wire
-        got = kept[held] = tuple(calls), sent
-    return got
-
-
-def _held(plan: Plan, r: int) -> tuple:
-    """What pipeline rank r's step calls read of the rank: its dense and MoE layers' counts (recomputed
-    or not, in whatever chunks) and whether it holds the embedding or the head (its parameters follow)."""
-    def count():
-        kinds, first, last, _ = plan.rank_shapes[r]
-        return (sum(n for moe, _, n in kinds if not moe), sum(n for moe, _, n in kinds if moe), first, last)
-    return plan.cached(("held", r), count)
-
-
-def _add_calls(calls: list[Collective], links: Links, sizes: dict[str, int], parts: dict, sent: dict,
-               hidden: float = 0.0, ep_share: float = 0.0, tp_share: float = 0.0) -> None:
-    """Add the time and wire bytes of `calls` (critical path, or hidden behind `hidden` seconds of
-    compute for those that overlap the attention core) to `parts` / `sent`, by reported part;
-    `tp_share` of the TP traffic (`_tp_share`) and `ep_share` of the EP traffic are hidden."""
-    overlapped = 0.0
-    hidden_share = {"tp": tp_share, "ep": ep_share}
-    timed: dict[tuple, tuple[float, float]] = {}  # calls of one kind, group and size cost the same
-    for c in calls:
-        key = (c.kind, c.group, c.call_bytes)
-        got = timed.get(key)
-        if got is None:
-            n = sizes[c.group]
-            wire = c.wire_bytes(n)
-            got = timed[key] = (links.time(c.group, wire, c.steps(n), n, c.kind), wire)
-        t, wire = got
-        sent[PART[c.group]] += wire
-        if c.hides_behind == "attention":
-            overlapped += t
-        else:
-            parts[PART[c.group]] += t * (1 - hidden_share.get(PART[c.group], 0.0))
-    if overlapped:
-        parts["cp"] += max(0.0, overlapped - hidden * links.ta.cp_overlap)
+from fivefold.planner.time.time_assumptions import TimeAssumptions
+from fivefold.planner.time.calls import _CALLS, _add_calls, _kept
 
 
 def _tp_share(plan: Plan, ta: TimeAssumptions) -> float:
@@ -425,7 +186,7 @@ def _layer_cost_of(plan: Plan, links: Links, sizes: dict[str, int], i: int, reco
 def layer_forward_cost(plan: Plan, links: Links, sizes: dict[str, int], i: int, flops_rate: float
                        ) -> tuple[float, dict, dict]:
     """Decoder layer `i`'s forward alone, for one microbatch on one rank (a forward-only model:
-    planner/forward.py): (compute seconds, seconds by part, wire bytes by part). Compute is the
+    planner/search/forward.py): (compute seconds, seconds by part, wire bytes by part). Compute is the
     forward third of `_layer_cost_of`'s (no backward, no recompute), its memory-bound work a third of
     the forward + backward passes; the calls are the layer's forward ones (`layer_collectives`, phase
     forward: TP / SP, EP dispatch and combine, CP's, the ring hidden behind the forward attention core),

@@ -9,7 +9,7 @@ from math import comb
 
 from fivefold.planner.layout import Plan
 from fivefold.planner.presets.hardware import Hardware
-from fivefold.planner.time_assumptions import TimeAssumptions
+from fivefold.planner.time.time_assumptions import TimeAssumptions
 from fivefold.topology import Topology, dense_grid, expert_grid, parse_order, split_group
 
 

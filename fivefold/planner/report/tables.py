@@ -6,17 +6,19 @@ from dataclasses import replace
 from typing import NamedTuple
 
 from fivefold.config.schema import ModelConfig
-from fivefold.planner.collectives import layer_collectives
-from fivefold.planner.compare import held_text, held_to, rank_of
+from fivefold.planner.time.layer_collectives import layer_collectives
+from fivefold.planner.search.compare import held_text, held_to, rank_of
 from fivefold.planner.layout import Plan
-from fivefold.planner.memory import MemoryAssumptions, RankMemory, memory_per_rank
-from fivefold.planner.mtp import mtp_stage_layers
+from fivefold.planner.memory.kinds import MemoryAssumptions, RankMemory
+from fivefold.planner.memory.peak import memory_per_rank
+from fivefold.planner.memory.mtp import mtp_stage_layers
 from fivefold.planner.presets.hardware import Hardware
-from fivefold.planner.search import Candidate, evaluate, make_config, with_a2a_overlap
-from fivefold.planner.space import layer_splits
-from fivefold.planner.time_assumptions import TimeAssumptions
-from fivefold.planner.seeds import (GB, SEED_ACCOUNTING_EXPLAINED, SeedRule, rules_for, seed_memory_accounting,
-                                    sequence_rule)
+from fivefold.planner.search.ranking import Candidate, evaluate
+from fivefold.planner.search.configs import make_config, with_a2a_overlap
+from fivefold.planner.search.space import layer_splits
+from fivefold.planner.time.time_assumptions import TimeAssumptions
+from fivefold.planner.report.seeds import (GB, SEED_ACCOUNTING_EXPLAINED, SeedRule, rules_for, seed_memory_accounting,
+                                           sequence_rule)
 
 GiB = 2**30
 
@@ -36,7 +38,7 @@ def table(cands: list[Candidate], top: int) -> str:
 
 
 FORWARD_ONLY_KINDS = ("weights", "activations", "logits", "overhead", "reserve")
-"""The memory rows of a forward-only model (planner/forward.py): it has no gradients, optimizer state,
+"""The memory rows of a forward-only model (planner/search/forward.py): it has no gradients, optimizer state,
 optimizer scratch or pipeline buffers held beside its forward."""
 
 

@@ -1,6 +1,6 @@
 """How context-parallel attention cuts its K/V into pieces, and the per-rank memory that gives (pure).
 
-Ring attention (fivefold/parallel/ring_attention.py) sends each rank's K/V in m pieces as a
+Ring attention (fivefold/parallel/context/ring_attention.py) sends each rank's K/V in m pieces as a
 wavefront; `ring_pieces` chooses m. `attention_peak_bytes` is docs/context_parallel.md's
 "Memory per rank": the peak bytes one rank creates in one attention forward + backward, which
 benchmarks/cp_attention.py and tests/test_cp.py compare with the measured peak.

@@ -1,13 +1,14 @@
 """Communication per step per rank in the runtime's counting convention (call bytes, by traffic
 tag), so the planner can be checked against `fivefold.runtime.traffic` byte for byte.
 
-The calls themselves are listed once, in `collectives.py` (which `steptime.py` times from the same
-list); this sums their call bytes by tag.
+The calls themselves are listed once, in ../time/layer_collectives.py and rank_collectives.py (which
+../time/steptime.py times from the same list); this sums their call bytes by tag.
 """
 from __future__ import annotations
 
-from fivefold.planner.collectives import forward_layer_collectives, forward_stage_collectives, rank_collectives
-from fivefold.planner.forward import forward_layer_groups
+from fivefold.planner.time.layer_collectives import forward_layer_collectives
+from fivefold.planner.time.rank_collectives import forward_stage_collectives, rank_collectives
+from fivefold.planner.search.forward import forward_layer_groups
 from fivefold.planner.layout import Plan
 
 

@@ -13,7 +13,7 @@ with the others. Besides it, per depth (Megatron-Core's count in its FLOPs formu
 from __future__ import annotations
 
 from fivefold.config.schema import ModelConfig
-from fivefold.planner.params import layer_params
+from fivefold.planner.memory.params import layer_params
 
 
 def mtp_params(m: ModelConfig, tp: int, embedding_elsewhere: bool, embedding: float) -> float:

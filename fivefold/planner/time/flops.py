@@ -5,19 +5,19 @@ Forward FLOPs of one token through decoder layer l (a matmul of a (n x k) by (k 
          shared experts + top-k routed experts, the router)
   + 2 * a * (d_qk + d_v) * s / 2     (causal attention: QK^T and AV over s/2 keys on average)
 and through the output layer 2 * V * h. The embedding lookup and norms count 0. Multi-token
-prediction adds its layers and, per depth, eh_proj and another output layer (planner/mtp.py), as
+prediction adds its layers and, per depth, eh_proj and another output layer (planner/memory/mtp.py), as
 Megatron-Core counts them.
 Training = forward + backward = 3 x forward (backward is two matmuls per forward matmul), so per
 step: model FLOPs = 3 * tokens * (sum_l F_l + 2 V h) -- the "6 N T" rule plus attention.
 Recomputation is not model work: it is added to hardware FLOPs (`recompute_flops`), never to MFU.
-A forward-only model (an RL reference's log-probs, planner/forward.py) does the forward alone, without
+A forward-only model (an RL reference's log-probs, planner/search/forward.py) does the forward alone, without
 MTP's layers and heads, which `Engine.forward` does not run: `forward_flops_per_token`.
 """
 from __future__ import annotations
 
 from fivefold.config.schema import ModelConfig
-from fivefold.planner.mtp import mtp_forward_flops
-from fivefold.planner.params import layer_params
+from fivefold.planner.memory.mtp import mtp_forward_flops
+from fivefold.planner.memory.params import layer_params
 
 
 def attention_core_flops(m: ModelConfig, seq: int) -> float:
@@ -47,7 +47,7 @@ def model_flops_per_token(m: ModelConfig, seq: int) -> float:
     key = (id(m), seq)
     got = _PER_TOKEN.get(key)
     if got is None or got[0] is not m:
-        layers = m.num_layers + (m.mtp_num_layers or 0)  # MTP's layers are indices num_layers.. (planner/mtp.py)
+        layers = m.num_layers + (m.mtp_num_layers or 0)  # MTP's layers are indices num_layers.. (planner/memory/mtp.py)
         fwd = sum(layer_forward_flops(m, i, seq) for i in range(layers)) + output_forward_flops(m) + mtp_forward_flops(m)
         got = _PER_TOKEN[key] = (m, 3 * fwd)
     return got[1]

@@ -28,10 +28,10 @@ import re
 from fivefold.errors import UserError
 from fivefold.pipeline.schedules import REGISTRY
 from fivefold.config.modules import RECOMPUTE_MODULES, modules_not_in
-from fivefold.planner.mtp import mtp_stage_layers
-from fivefold.planner.search import (A2A_OVERLAP, DP_MODE_LABEL, Candidate, evaluate, make_config, rank_key, with_group,
-                                     recompute_label)
-from fivefold.planner.space import SearchSpace, layer_splits
+from fivefold.planner.memory.mtp import mtp_stage_layers
+from fivefold.planner.search.configs import A2A_OVERLAP, DP_MODE_LABEL, make_config, with_group, recompute_label
+from fivefold.planner.search.ranking import Candidate, evaluate, rank_key
+from fivefold.planner.search.space import SearchSpace, layer_splits
 
 _SIZE = re.compile(r"(tp|cp|pp|vpp|group|ep|etp|dp|mbs)(\d+)$")
 _RECOMPUTE = {"rc-none": None, "rc-sel": "selective", "rc-selective": "selective", "rc-full": "full"}
