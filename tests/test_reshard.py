@@ -71,7 +71,8 @@ def runs(tmp_path_factory, workers):
     for name, (world, parallel, training) in SAVED.items():
         cfg = _config(data, world, parallel, training)
         cfg.checkpoint.save_interval = 2
-        cfg.training.train_iters = 2
+        cfg.training.train_iters = 2  # the reference's first two steps, on its learning-rate schedule:
+        cfg.training.lr_decay_iters = ref.training.train_iters
         cfg.checkpoint.async_save = name == "pp2-vpp2"  # written by background threads, committed at the end
         workers(world).run(test_zero._train_rank, to_dict(cfg), str(root / name), str(data_dir))
     moe_ref = test_moe._config(data)
@@ -82,6 +83,7 @@ def runs(tmp_path_factory, workers):
         cfg = test_moe._config(data, world, parallel)
         cfg.checkpoint.save_interval = 2
         cfg.training.train_iters = 2
+        cfg.training.lr_decay_iters = moe_ref.training.train_iters
         workers(world).run(test_moe._train_rank, to_dict(cfg), str(root / name), str(data_dir))
     return root
 

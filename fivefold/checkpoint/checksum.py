@@ -49,8 +49,25 @@ def block_sums(data) -> list[int]:
     return [zlib.crc32(view[i:i + CHUNK_BYTES]) for i in range(0, max(len(view), 1), CHUNK_BYTES)]
 
 
+def tensor_sums(t: torch.Tensor) -> list[int]:
+    """`block_sums` of the bytes safetensors stores for `t`, each block copied into a scratch buffer first:
+    `Tensor.numpy()` makes a storage non-resizable for good, and ZeRO-3 frees its gathered parameters by
+    resizing their storage to 0 after the save."""
+    flat = t.detach().contiguous().cpu().reshape(-1).view(torch.uint8)
+    if not flat.numel():
+        return block_sums(b"")
+    scratch = torch.empty(min(CHUNK_BYTES, flat.numel()), dtype=torch.uint8)
+    out = []
+    for i in range(0, flat.numel(), CHUNK_BYTES):
+        block = scratch[: min(CHUNK_BYTES, flat.numel() - i)]
+        block.copy_(flat[i:i + CHUNK_BYTES])
+        out.append(zlib.crc32(memoryview(block.numpy())))
+    return out
+
+
 def tensor_bytes(t: torch.Tensor) -> memoryview:
-    """The bytes safetensors stores for `t` (a contiguous CPU tensor), without a copy."""
+    """The bytes safetensors stores for `t` (a contiguous CPU tensor), without a copy; its storage is then
+    not resizable (`tensor_sums` for tensors that are freed by resizing)."""
     t = t.detach().contiguous().cpu()
     return memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
 
@@ -69,7 +86,7 @@ def sums_of_written(path: Path, tensors: Mapping[str, torch.Tensor]) -> FileSums
     finally:
         os.close(fd)
     return {"header": [len(header), zlib.crc32(header)],
-            "tensors": {k: block_sums(tensor_bytes(t)) for k, t in tensors.items()}}
+            "tensors": {k: tensor_sums(t) for k, t in tensors.items()}}
 
 
 def write_sums(path: Path, sums: FileSums) -> None:
