@@ -346,3 +346,38 @@ def test_a_full_disk_is_named_at_every_other_write_site(tmp_path, monkeypatch):
     with pytest.raises(UserError, match="loss.png \\(the loss curve"):
         plot_loss_curve(tmp_path / "run" / "metrics.jsonl", tmp_path / "run" / "loss.png")
     assert not (tmp_path / "run" / "loss.png").exists()
+
+
+def test_a_full_disk_under_tensorboard_or_wandb_is_named_at_the_step(tmp_path, monkeypatch, capsys):
+    """TensorBoard writes its events in a thread: a full disk there printed that thread's traceback and
+    training went on without its logs. Now the step's metrics line names the file, no traceback; W&B's too."""
+    from tensorboard.compat.tensorflow_stub.io import gfile
+
+    from fivefold.train.metrics import MetricsLog
+
+    (tmp_path / "run").mkdir()
+    log = MetricsLog(tmp_path / "run", tensorboard=True)
+    log.write({"step": 0, "loss": 5.0})
+
+    def full(self, content):
+        with open(self.filename, "ab") as f:
+            f.write(content[:len(content) // 2])
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), self.filename)  # (a bytes name, as io.open's)
+    monkeypatch.setattr(gfile.GFile, "write", full)
+    with pytest.raises(UserError, match=r"cannot write /.*tensorboard/events.out.tfevents.* \(the TensorBoard logs; "
+                                        r"metrics.jsonl has every step's numbers\): No space left on device"):
+        log.write({"step": 1, "loss": 4.0})
+        log.close()  # (the thread's failure reached the main thread after this step's flush returned: said here)
+    assert (tmp_path / "run" / "metrics.jsonl").read_text().count("\n") == 2  # metrics.jsonl has the step
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "Exception in thread" not in err, err
+
+    class OfflineRun:  # wandb's run as far as MetricsLog uses it (the wandb package is optional)
+        def log(self, scalars, step):
+            raise _enospc(tmp_path / "run" / "wandb" / "offline-run" / "run.wandb")
+        finish = lambda self: None
+    monkeypatch.setitem(sys.modules, "wandb", type(sys)("wandb"))
+    sys.modules["wandb"].init = lambda **kw: OfflineRun()
+    log = MetricsLog(tmp_path / "run", tensorboard=False, wandb_project="p")
+    with pytest.raises(UserError, match=r"run.wandb \(the W&B offline run; metrics.jsonl has every step's numbers\)"):
+        log.write({"step": 0, "loss": 5.0})
