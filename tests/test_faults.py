@@ -381,3 +381,32 @@ def test_a_full_disk_under_tensorboard_or_wandb_is_named_at_the_step(tmp_path, m
     log = MetricsLog(tmp_path / "run", tensorboard=False, wandb_project="p")
     with pytest.raises(UserError, match=r"run.wandb \(the W&B offline run; metrics.jsonl has every step's numbers\)"):
         log.write({"step": 0, "loss": 5.0})
+
+
+def test_a_full_disk_at_the_data_cache_meta_and_the_pipeline_trace_is_named(tmp_path, monkeypatch, capsys):
+    """The data cache's meta.json (written last, so a cache without it is never reused) and the
+    pipeline's timeline picture (`schedule --png`, and OUT/schedule_trace.png of a traced step): the
+    file named, exit 2 without a traceback, nothing partial left."""
+    import matplotlib.figure
+
+    import fivefold.data.dataset as dataset
+    from fivefold.cli.train import prepare
+
+    config = tiny_config(corpus(tmp_path / "corpus"))
+    monkeypatch.setattr(dataset, "_write_meta", lambda folder, meta: _full_after_half(folder / "meta.json"))
+    with pytest.raises(UserError, match=r"cannot write .*meta.json \(the tokenized training data\): No space left"):
+        prepare(config, tmp_path / "run")
+    assert not list((tmp_path / "run").glob("data*"))
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda self, path, **kw: _full_after_half(path))
+    png = tmp_path / "timeline.png"
+    assert main(["schedule", "--pp", "2", "--microbatches", "4", "--png", str(png)]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot write {png} (the pipeline timeline picture): No space left on device" in err, err
+    assert "Traceback" not in err and not png.exists()
+    from fivefold.errors import writing_file
+
+    text = tmp_path / "schedule_trace.txt"  # as the training loop writes it (a traced step needs PP ranks)
+    with pytest.raises(UserError, match="schedule_trace.txt \\(the measured pipeline timeline\\): No space left"):
+        with writing_file(text, "the measured pipeline timeline"):
+            _full_after_half(text)
+    assert not text.exists()
