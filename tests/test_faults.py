@@ -21,7 +21,7 @@ from _train_util import corpus, tiny_config
 from fivefold.checkpoint.checksum import CHUNK_BYTES, METADATA_SUM
 from fivefold.checkpoint.io import load_checkpoint, save_checkpoint
 from fivefold.cli import main
-from fivefold.config.schema import ModelConfig
+from fivefold.config.schema import Config, ModelConfig, to_dict
 from fivefold.errors import UserError
 from fivefold.model.decoder import Decoder
 
@@ -34,13 +34,14 @@ def _tiny_model(seed: int = 0) -> Decoder:
 
 
 def _saved(root: Path) -> tuple[Path, Decoder]:
-    """A one-process checkpoint of the tiny model after one AdamW step: model, optimizer, RNG files."""
+    """A one-process checkpoint of the tiny model after one AdamW step: model, optimizer, RNG files, and
+    its config (for `convert` and `export`)."""
     model = _tiny_model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
     model(torch.randint(0, 256, (2, 64))).float().square().mean().backward()
     opt.step()
     folder = save_checkpoint(root, 1, model=model, optimizer=opt, rank=0, writes_params=True, barrier=lambda: None,
-                             extra={"optimizer_step": 1, "world_size": 1})
+                             extra={"optimizer_step": 1, "world_size": 1, "config": to_dict(Config(model=model.cfg))})
     return folder, model
 
 
@@ -410,3 +411,43 @@ def test_a_full_disk_at_the_data_cache_meta_and_the_pipeline_trace_is_named(tmp_
         with writing_file(text, "the measured pipeline timeline"):
             _full_after_half(text)
     assert not text.exists()
+
+
+def _tree(folder: Path) -> list:
+    return sorted((str(p.relative_to(folder)), p.read_bytes() if p.is_file() else None) for p in folder.rglob("*"))
+
+
+@pytest.mark.parametrize("site", ["convert: model file", "convert: metadata", "export: shards", "export: config"])
+def test_a_full_disk_in_convert_and_export_leaves_the_destination_as_it_was(tmp_path, monkeypatch, capsys, site):
+    """Through the CLI: exit 2, the file named, no traceback, DST / OUT_DIR as before the command (no
+    folder where there was none; an earlier export kept whole)."""
+    import fivefold.checkpoint.convert as convert
+    import fivefold.hf.export as export
+
+    root, _, _ = _checkpoint_root(tmp_path)
+    out = tmp_path / "dst"
+    if site.startswith("export"):
+        assert main(["export", str(root), str(out)]) == 0  # an earlier export: the next one replaces it whole
+    if site == "convert: model file":
+        monkeypatch.setattr(convert, "write_streaming", lambda path, *a, **k: _full_after_half(path))
+    elif site == "convert: metadata":
+        monkeypatch.setattr(convert, "write_metadata", lambda folder, meta: _full_after_half(folder / "metadata.json"))
+    elif site == "export: shards":
+        monkeypatch.setattr(export, "_write_shards", lambda folder, shards: _full_after_half(folder / "model.safetensors"))
+    if site.startswith("convert"):
+        argv = ["convert", str(root), str(out), "--tensor-model-parallel-size", "2", "--world-size", "2"]
+        named = "model-00000.safetensors" if "model" in site else "metadata.json"
+    else:
+        if site == "export: config":
+            real = Path.write_text
+            monkeypatch.setattr(Path, "write_text", lambda self, text, *a, **k: _full_after_half(self) if
+                                self.name == "config.json" else real(self, text, *a, **k))
+        argv, named = ["export", str(root), str(out)], "model.safetensors" if "shards" in site else "config.json"
+    before = _tree(tmp_path)
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"{named} (the {site.split(':')[0] if site.startswith('export') else 'converted checkpoint'}; {out} is " \
+           "left as it was): No space left on device" in err, err
+    assert "Traceback" not in err
+    assert _tree(tmp_path) == before  # nothing partial beside it, the earlier export whole
