@@ -451,3 +451,16 @@ def test_a_full_disk_in_convert_and_export_leaves_the_destination_as_it_was(tmp_
            "left as it was): No space left on device" in err, err
     assert "Traceback" not in err
     assert _tree(tmp_path) == before  # nothing partial beside it, the earlier export whole
+
+
+def test_a_second_rl_into_a_held_out_is_refused_naming_the_holder(tmp_path, capsys):
+    out = tmp_path / "rl"
+    holder = _hold(out, "rl")
+    try:
+        assert main(["rl", "examples/grpo.yaml", "--out", str(out), "grpo.steps=1"]) == 2
+        err = capsys.readouterr().err
+        assert f"--out {out}: in use by a running `fivefold rl` (host {socket.gethostname()}, pid {holder.pid}" in err
+        assert "Traceback" not in err and not (out / "run.json").exists()
+    finally:
+        holder.kill()
+        holder.wait()
