@@ -21,7 +21,7 @@ from _train_util import corpus, tiny_config
 from fivefold.checkpoint.checksum import CHUNK_BYTES, METADATA_SUM
 from fivefold.checkpoint.io import load_checkpoint, save_checkpoint
 from fivefold.cli import main
-from fivefold.config.schema import ModelConfig
+from fivefold.config.schema import Config, ModelConfig, to_dict
 from fivefold.errors import UserError
 from fivefold.model.decoder import Decoder
 
@@ -34,13 +34,14 @@ def _tiny_model(seed: int = 0) -> Decoder:
 
 
 def _saved(root: Path) -> tuple[Path, Decoder]:
-    """A one-process checkpoint of the tiny model after one AdamW step: model, optimizer, RNG files."""
+    """A one-process checkpoint of the tiny model after one AdamW step: model, optimizer, RNG files, and
+    its config (for `convert` and `export`)."""
     model = _tiny_model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
     model(torch.randint(0, 256, (2, 64))).float().square().mean().backward()
     opt.step()
     folder = save_checkpoint(root, 1, model=model, optimizer=opt, rank=0, writes_params=True, barrier=lambda: None,
-                             extra={"optimizer_step": 1, "world_size": 1})
+                             extra={"optimizer_step": 1, "world_size": 1, "config": to_dict(Config(model=model.cfg))})
     return folder, model
 
 
@@ -346,3 +347,120 @@ def test_a_full_disk_is_named_at_every_other_write_site(tmp_path, monkeypatch):
     with pytest.raises(UserError, match="loss.png \\(the loss curve"):
         plot_loss_curve(tmp_path / "run" / "metrics.jsonl", tmp_path / "run" / "loss.png")
     assert not (tmp_path / "run" / "loss.png").exists()
+
+
+def test_a_full_disk_under_tensorboard_or_wandb_is_named_at_the_step(tmp_path, monkeypatch, capsys):
+    """TensorBoard writes its events in a thread: a full disk there printed that thread's traceback and
+    training went on without its logs. Now the step's metrics line names the file, no traceback; W&B's too."""
+    from tensorboard.compat.tensorflow_stub.io import gfile
+
+    from fivefold.train.metrics import MetricsLog
+
+    (tmp_path / "run").mkdir()
+    log = MetricsLog(tmp_path / "run", tensorboard=True)
+    log.write({"step": 0, "loss": 5.0})
+
+    def full(self, content):
+        with open(self.filename, "ab") as f:
+            f.write(content[:len(content) // 2])
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), self.filename)  # (a bytes name, as io.open's)
+    monkeypatch.setattr(gfile.GFile, "write", full)
+    with pytest.raises(UserError, match=r"cannot write /.*tensorboard/events.out.tfevents.* \(the TensorBoard logs; "
+                                        r"metrics.jsonl has every step's numbers\): No space left on device"):
+        log.write({"step": 1, "loss": 4.0})
+        log.close()  # (the thread's failure reached the main thread after this step's flush returned: said here)
+    assert (tmp_path / "run" / "metrics.jsonl").read_text().count("\n") == 2  # metrics.jsonl has the step
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "Exception in thread" not in err, err
+
+    class OfflineRun:  # wandb's run as far as MetricsLog uses it (the wandb package is optional)
+        def log(self, scalars, step):
+            raise _enospc(tmp_path / "run" / "wandb" / "offline-run" / "run.wandb")
+        finish = lambda self: None
+    monkeypatch.setitem(sys.modules, "wandb", type(sys)("wandb"))
+    sys.modules["wandb"].init = lambda **kw: OfflineRun()
+    log = MetricsLog(tmp_path / "run", tensorboard=False, wandb_project="p")
+    with pytest.raises(UserError, match=r"run.wandb \(the W&B offline run; metrics.jsonl has every step's numbers\)"):
+        log.write({"step": 0, "loss": 5.0})
+
+
+def test_a_full_disk_at_the_data_cache_meta_and_the_pipeline_trace_is_named(tmp_path, monkeypatch, capsys):
+    """The data cache's meta.json (written last, so a cache without it is never reused) and the
+    pipeline's timeline picture (`schedule --png`, and OUT/schedule_trace.png of a traced step): the
+    file named, exit 2 without a traceback, nothing partial left."""
+    import matplotlib.figure
+
+    import fivefold.data.dataset as dataset
+    from fivefold.cli.train import prepare
+
+    config = tiny_config(corpus(tmp_path / "corpus"))
+    monkeypatch.setattr(dataset, "_write_meta", lambda folder, meta: _full_after_half(folder / "meta.json"))
+    with pytest.raises(UserError, match=r"cannot write .*meta.json \(the tokenized training data\): No space left"):
+        prepare(config, tmp_path / "run")
+    assert not list((tmp_path / "run").glob("data*"))
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda self, path, **kw: _full_after_half(path))
+    png = tmp_path / "timeline.png"
+    assert main(["schedule", "--pp", "2", "--microbatches", "4", "--png", str(png)]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot write {png} (the pipeline timeline picture): No space left on device" in err, err
+    assert "Traceback" not in err and not png.exists()
+    from fivefold.errors import writing_file
+
+    text = tmp_path / "schedule_trace.txt"  # as the training loop writes it (a traced step needs PP ranks)
+    with pytest.raises(UserError, match="schedule_trace.txt \\(the measured pipeline timeline\\): No space left"):
+        with writing_file(text, "the measured pipeline timeline"):
+            _full_after_half(text)
+    assert not text.exists()
+
+
+def _tree(folder: Path) -> list:
+    return sorted((str(p.relative_to(folder)), p.read_bytes() if p.is_file() else None) for p in folder.rglob("*"))
+
+
+@pytest.mark.parametrize("site", ["convert: model file", "convert: metadata", "export: shards", "export: config"])
+def test_a_full_disk_in_convert_and_export_leaves_the_destination_as_it_was(tmp_path, monkeypatch, capsys, site):
+    """Through the CLI: exit 2, the file named, no traceback, DST / OUT_DIR as before the command (no
+    folder where there was none; an earlier export kept whole)."""
+    import fivefold.checkpoint.convert as convert
+    import fivefold.hf.export as export
+
+    root, _, _ = _checkpoint_root(tmp_path)
+    out = tmp_path / "dst"
+    if site.startswith("export"):
+        assert main(["export", str(root), str(out)]) == 0  # an earlier export: the next one replaces it whole
+    if site == "convert: model file":
+        monkeypatch.setattr(convert, "write_streaming", lambda path, *a, **k: _full_after_half(path))
+    elif site == "convert: metadata":
+        monkeypatch.setattr(convert, "write_metadata", lambda folder, meta: _full_after_half(folder / "metadata.json"))
+    elif site == "export: shards":
+        monkeypatch.setattr(export, "_write_shards", lambda folder, shards: _full_after_half(folder / "model.safetensors"))
+    if site.startswith("convert"):
+        argv = ["convert", str(root), str(out), "--tensor-model-parallel-size", "2", "--world-size", "2"]
+        named = "model-00000.safetensors" if "model" in site else "metadata.json"
+    else:
+        if site == "export: config":
+            real = Path.write_text
+            monkeypatch.setattr(Path, "write_text", lambda self, text, *a, **k: _full_after_half(self) if
+                                self.name == "config.json" else real(self, text, *a, **k))
+        argv, named = ["export", str(root), str(out)], "model.safetensors" if "shards" in site else "config.json"
+    before = _tree(tmp_path)
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"{named} (the {site.split(':')[0] if site.startswith('export') else 'converted checkpoint'}; {out} is " \
+           "left as it was): No space left on device" in err, err
+    assert "Traceback" not in err
+    assert _tree(tmp_path) == before  # nothing partial beside it, the earlier export whole
+
+
+def test_a_second_rl_into_a_held_out_is_refused_naming_the_holder(tmp_path, capsys):
+    out = tmp_path / "rl"
+    holder = _hold(out, "rl")
+    try:
+        assert main(["rl", "examples/grpo.yaml", "--out", str(out), "grpo.steps=1"]) == 2
+        err = capsys.readouterr().err
+        assert f"--out {out}: in use by a running `fivefold rl` (host {socket.gethostname()}, pid {holder.pid}" in err
+        assert "Traceback" not in err and not (out / "run.json").exists()
+    finally:
+        holder.kill()
+        holder.wait()

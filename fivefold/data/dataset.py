@@ -107,8 +107,8 @@ def prepare_data(data: DataConfig, tokenizer: Tokenizer, cache_dir: str | Path,
             "vocab_size": tokenizer.vocab_size, "eod_id": tokenizer.eod_id}
     tmp = cache.with_name(cache.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
     try:
+        tmp.mkdir(parents=True)
         _build(data, tokenizer, tmp, meta, seed, mock_tokens, vocab_size)
         shutil.rmtree(cache, ignore_errors=True)
         os.replace(tmp, cache)
@@ -145,7 +145,12 @@ def _build(data: DataConfig, tokenizer, tmp: Path, meta: dict, seed: int, mock_t
         for name, part in zip(("train", "eval"), _split_documents(docs, data.eval_fraction, seed)):
             _write_split(tmp, name, part, tokenizer.eod_id, dtype)
         meta.update(dtype=np.dtype(dtype).name)
-    (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+    _write_meta(tmp, meta)
+
+
+def _write_meta(folder: Path, meta: dict) -> None:
+    """The cache's meta.json, written last: a cache folder without it is never reused."""
+    (folder / "meta.json").write_text(json.dumps(meta, indent=1))
 
 
 def _indexed_source(weight: float, prefix: str, data: DataConfig) -> dict:

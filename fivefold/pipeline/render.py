@@ -7,6 +7,7 @@ a rank's second and later stages), idle time is blank. PNG: ranks as rows, block
 """
 from __future__ import annotations
 
+from fivefold.errors import writing_file
 from fivefold.pipeline.ir import Action, Kind, Schedule
 from fivefold.pipeline.simulate import SimResult
 
@@ -88,5 +89,8 @@ def draw_png(schedule: Schedule, result: SimResult, path: str) -> None:
     ax.legend(handles=[Patch(color=COLOURS[k], label=k.value) for k in kinds],
               loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=len(kinds), fontsize=8, frameon=False)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    try:
+        with writing_file(path, "the pipeline timeline picture"):
+            fig.savefig(path, dpi=120)
+    finally:
+        plt.close(fig)

@@ -36,7 +36,7 @@ import torch
 from fivefold.config.schema import Config, ModelConfig
 from fivefold.engine import Batch, Engine
 from fivefold.engine import losses as L
-from fivefold.errors import UserError
+from fivefold.errors import UserError, writing_file
 from fivefold.model.decoder import Decoder
 from fivefold.model.generate import generate
 from fivefold.planner.memory.traits import EAGER_TRAITS
@@ -297,7 +297,8 @@ def _pool(local: Batch, ctx: RankContext) -> Batch:
 
 def write(rows: list[dict], out: Path) -> Path:
     """metrics.jsonl and rl.png (reward, KL, entropy, mismatch over steps)."""
-    (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with writing_file(out / "metrics.jsonl", "the RL run's metrics"):
+        (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return plot_rl(rows, out / "rl.png")
 
 

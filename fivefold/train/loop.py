@@ -23,7 +23,7 @@ from fivefold.hf.load import read_hf_shards
 from fivefold.hf.export import export_hf
 from fivefold.data.documents import document_rules
 from fivefold.data.loader import BatchLoader
-from fivefold.errors import UserError
+from fivefold.errors import UserError, writing_file
 from fivefold.model import build_decoder
 from fivefold.runtime import comm, heartbeat
 from fivefold.parallel.data.reducer import GradReducer
@@ -111,7 +111,9 @@ def _step(config: Config, ctx: RankContext, step: int, parts: Parts, train_loade
     if trace:
         report = trace_report(parts.pipe, r.run, ctx.mesh, ctx.out_dir / "schedule_trace.png")
         if ctx.is_main:
-            (ctx.out_dir / "schedule_trace.txt").write_text(report + "\n")
+            text = ctx.out_dir / "schedule_trace.txt"
+            with writing_file(text, "the measured pipeline timeline"):
+                text.write_text(report + "\n")
             tqdm.write(report)
     return r
 

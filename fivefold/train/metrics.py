@@ -12,10 +12,12 @@ off) is written as null, never as the `NaN` that JSON does not have.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import sys
+import threading
 from pathlib import Path
 
 import torch
@@ -73,17 +75,23 @@ class MetricsLog:
         except OSError as e:
             raise write_failed(self.path, e, "the run's metrics") from None
         self.tb = None
-        self.wandb = open_wandb(out_dir, wandb_project, wandb_exp_name) if wandb_project else None
-        tb_dir = Path(tensorboard_dir) if tensorboard_dir else Path(out_dir) / "tensorboard"
+        self.wandb_dir = Path(out_dir) / "wandb"
+        self.wandb = None
+        if wandb_project:
+            with _writing(self.wandb_dir, WANDB_WHAT):
+                self.wandb = open_wandb(out_dir, wandb_project, wandb_exp_name)
+        self.tb_dir = Path(tensorboard_dir) if tensorboard_dir else Path(out_dir) / "tensorboard"
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
-
-                self.tb = SummaryWriter(str(tb_dir))
             except ImportError:  # said once, not skipped silently: `make setup` installs tensorboard
                 print("note: logging.tensorboard is on but the tensorboard package is not importable, so no "
-                      f"TensorBoard logs are written to {tb_dir} (fix: pip install "
+                      f"TensorBoard logs are written to {self.tb_dir} (fix: pip install "
                       "tensorboard, or logging.tensorboard=false); metrics.jsonl is written", file=sys.stderr, flush=True)
+            else:
+                quiet_tensorboard_writer_threads()
+                with _writing(self.tb_dir, TENSORBOARD_WHAT):
+                    self.tb = SummaryWriter(str(self.tb_dir))
 
     def write(self, record: dict) -> None:
         """One line of metrics.jsonl; to TensorBoard / W&B the numbers, a {layer: number} field as one
@@ -99,21 +107,57 @@ class MetricsLog:
         scalars.update({f"{k}/layer_{layer}": x for k, v in per_layer.items() for layer, x in v.items()
                         if isinstance(x, (int, float))})
         if self.tb is not None:
-            for k, v in scalars.items():
-                self.tb.add_scalar(k, v, record["step"])
-            for k, v in per_layer.items():
-                for layer, counts in v.items():
-                    if isinstance(counts, list):
-                        _add_counts(self.tb, f"{k}/layer_{layer}", counts, record["step"])
+            with _writing(self.tb_dir, TENSORBOARD_WHAT):
+                for k, v in scalars.items():
+                    self.tb.add_scalar(k, v, record["step"])
+                for k, v in per_layer.items():
+                    for layer, counts in v.items():
+                        if isinstance(counts, list):
+                            _add_counts(self.tb, f"{k}/layer_{layer}", counts, record["step"])
+                self.tb.flush()  # its thread writes the events: a full disk is raised here, at this step's line
         if self.wandb is not None:
-            self.wandb.log(scalars, step=record["step"])
+            with _writing(self.wandb_dir, WANDB_WHAT):
+                self.wandb.log(scalars, step=record["step"])
 
     def close(self) -> None:
         self.file.close()
         if self.tb is not None:
-            self.tb.close()
+            with _writing(self.tb_dir, TENSORBOARD_WHAT):
+                self.tb.flush()  # (its close does not say whether its thread's last writes failed)
+                self.tb.close()
         if self.wandb is not None:
-            self.wandb.finish()
+            with _writing(self.wandb_dir, WANDB_WHAT):
+                self.wandb.finish()
+
+
+TENSORBOARD_WHAT = "the TensorBoard logs; metrics.jsonl has every step's numbers"
+WANDB_WHAT = "the W&B offline run; metrics.jsonl has every step's numbers"
+
+
+@contextlib.contextmanager
+def _writing(folder: Path, what: str):
+    """An OSError from a writer of `folder` (a full disk, a read-only folder) as `write_failed`, naming its file."""
+    try:
+        yield
+    except OSError as e:
+        raise write_failed(e.filename or folder, e, what) from None
+
+
+def quiet_tensorboard_writer_threads() -> None:
+    """TensorBoard writes its events in a thread; an OSError there (a full disk) printed that thread's
+    traceback, and the writer raises it again on the next call from the main thread (`MetricsLog`
+    names it there). The thread's traceback is left out; any other thread's exception is printed as before."""
+    if getattr(threading.excepthook, "quiets_tensorboard", False):
+        return
+    before = threading.excepthook
+
+    def hook(args):
+        if isinstance(args.exc_value, OSError) and \
+                type(args.thread).__module__.startswith("tensorboard.summary.writer"):
+            return
+        before(args)
+    hook.quiets_tensorboard = True
+    threading.excepthook = hook
 
 
 def _add_counts(tb, tag: str, counts: list[int], step: int) -> None:
