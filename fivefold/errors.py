@@ -29,11 +29,13 @@ def write_failed(path, error: OSError, what: str = "") -> WriteFailed:
 
 
 @contextlib.contextmanager
-def writing_file(path, what: str = ""):
-    """Around the writes of the one file `path`: an OSError is `write_failed`, the partial file removed."""
+def writing_file(path, what: str = "", *, partial: bool = True):
+    """Around the writes of the one file `path`: an OSError is `write_failed`, the partial file removed
+    (`partial=False`: `path` is a folder a writer keeps its own files in, named when the error names none)."""
     try:
         yield
     except OSError as e:
-        with contextlib.suppress(OSError):  # (a read-only folder holds no partial file to remove)
-            Path(path).unlink(missing_ok=True)
+        if partial:
+            with contextlib.suppress(OSError):  # (a read-only folder holds no partial file to remove)
+                Path(path).unlink(missing_ok=True)
         raise write_failed(e.filename or path, e, what) from None

@@ -60,15 +60,17 @@ def modules(package: Path = PACKAGE) -> dict[str, Path]:
     return out
 
 
-def imports(module: str, path: Path, known: set[str]) -> list[tuple[str, int]]:
-    """(imported module, line) for every import in the file, relative ones resolved; `from pkg import name`
-    counts as pkg.name when that is a module."""
+def imports(module: str, path: Path, known: set[str]) -> list[tuple[str, int, bool]]:
+    """(imported module, line, whether it runs when the module is imported: not inside a function) for every
+    import in the file, relative ones resolved; `from pkg import name` counts as pkg.name when that is a module."""
     tree = ast.parse(path.read_text(), str(path))
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    in_functions = {n.lineno for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+                    for n in ast.walk(f) if isinstance(n, (ast.Import, ast.ImportFrom))}
     found = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            found += [(a.name, node.lineno) for a in node.names]
+            found += [(a.name, node.lineno, node.lineno not in in_functions) for a in node.names]
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
@@ -76,7 +78,7 @@ def imports(module: str, path: Path, known: set[str]) -> list[tuple[str, int]]:
                 base = ".".join(anchor + ([base] if base else []))
             for a in node.names:
                 full = f"{base}.{a.name}"
-                found.append((full if full in known else base, node.lineno))
+                found.append((full if full in known else base, node.lineno, node.lineno not in in_functions))
     return found
 
 
@@ -88,8 +90,8 @@ def crossings(package: Path = PACKAGE) -> tuple[list[str], dict[str, set[str]]]:
     bad, graph = [], {m: set() for m in mods}
     for module, path in mods.items():
         src = room(module)
-        for target, line in imports(module, path, known):
-            if target.split(".")[0] == "torch" and src in PURE and _top_level(path, line):
+        for target, line, top_level in imports(module, path, known):
+            if target.split(".")[0] == "torch" and src in PURE and top_level:
                 bad.append(f"{module}:{line} imports {target} (the {src} room is pure: no torch at import time)")
             if target.split(".")[0] != package.name:
                 continue
@@ -101,15 +103,6 @@ def crossings(package: Path = PACKAGE) -> tuple[list[str], dict[str, set[str]]]:
             if rank[dst] > rank[src]:
                 bad.append(f"{module}:{line} imports {target} ({src} -> {dst}: a lower room imports a higher one)")
     return bad, graph
-
-
-def _top_level(path: Path, line: int) -> bool:
-    """Whether the import at `line` runs when the module is imported (not inside a function)."""
-    tree = ast.parse(path.read_text())
-    for node in ast.walk(tree):
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.lineno <= line <= node.end_lineno:
-            return False
-    return True
 
 
 def circles(graph: dict[str, set[str]]) -> list[list[str]]:

@@ -182,9 +182,10 @@ def verify_file(path: Path, sums: FileSums) -> int:
         keys = set(header) - {"__metadata__"}
         if keys != set(sums["tensors"]):
             raise _damaged(path.parent, path.name, "its list of tensors")
-        for key in keys:
+        for key in keys:  # a block at a time: memory holds one block, not a whole tensor
             lo, hi = header[key]["data_offsets"]
-            read_verified(path, fd, sums, key, n + lo, hi - lo, 0, hi - lo)
+            for start in range(0, max(hi - lo, 1), CHUNK_BYTES):
+                read_verified(path, fd, sums, key, n + lo, hi - lo, start, min(start + CHUNK_BYTES, hi - lo))
         if os.fstat(fd).st_size != n + max((header[k]["data_offsets"][1] for k in keys), default=0):
             raise _damaged(path.parent, path.name, "its length")
         return os.fstat(fd).st_size

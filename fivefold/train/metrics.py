@@ -12,7 +12,6 @@ off) is written as null, never as the `NaN` that JSON does not have.
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
@@ -24,7 +23,7 @@ import torch
 
 from fivefold.config.schema import ModelConfig
 from fivefold.data.sources import json_lines
-from fivefold.errors import UserError, write_failed
+from fivefold.errors import UserError, write_failed, writing_file
 
 
 def matmul_params(model: ModelConfig, tp: int = 1) -> int:
@@ -134,13 +133,9 @@ TENSORBOARD_WHAT = "the TensorBoard logs; metrics.jsonl has every step's numbers
 WANDB_WHAT = "the W&B offline run; metrics.jsonl has every step's numbers"
 
 
-@contextlib.contextmanager
 def _writing(folder: Path, what: str):
     """An OSError from a writer of `folder` (a full disk, a read-only folder) as `write_failed`, naming its file."""
-    try:
-        yield
-    except OSError as e:
-        raise write_failed(e.filename or folder, e, what) from None
+    return writing_file(folder, what, partial=False)
 
 
 def quiet_tensorboard_writer_threads() -> None:
