@@ -54,3 +54,17 @@ def write_spec(config: Config, out: Path, data_dir: Path) -> Path:
 
 def losses(out: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def megatron_scheduler(max_lr, min_lr, init_lr, warmup_steps, decay_steps, style):
+    """megatron-core's OptimizerParamScheduler (the reference for fivefold.train.schedule), in Megatron's units
+    (samples for both warm-up and decay), its weight decay constant."""
+    import types
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    return OptimizerParamScheduler(types.SimpleNamespace(param_groups=[{}]), init_lr=init_lr, max_lr=max_lr, min_lr=min_lr,
+                                   lr_warmup_steps=warmup_steps, lr_decay_steps=decay_steps, lr_decay_style=style,
+                                   start_wd=0.0, end_wd=0.0, wd_incr_steps=1, wd_incr_style="constant")

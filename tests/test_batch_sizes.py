@@ -2,12 +2,11 @@
 learning rate (megatron-core's scheduler advanced by each step's batch), and its refusals."""
 from __future__ import annotations
 
-import types
-import warnings
 
 import pytest
 
 from _tol import close
+from _train_util import megatron_scheduler
 from fivefold.config.load import load_config
 from fivefold.config.validate import ConfigError, validate
 from fivefold.errors import UserError
@@ -58,18 +57,13 @@ def test_every_batch_must_split_into_microbatches_of_every_dp_rank():
 def test_learning_rate_is_megatrons_scheduler_stepped_by_each_batch():
     """Megatron's scheduler counts samples: each step adds its batch; an iteration span is that many
     global batches of micro batch x DP (Megatron's default global batch: the schedule replaces it)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
     cfg = load_config(None, BASE + ["--step-batch-size-schedule", "0:8 1K:16", "--train-iters", "40",
                                     "--lr-decay-iters", "60", "--lr-warmup-iters", "2"], world_size=4).config
     validate(cfg)
     t = cfg.training
     assert t.global_batch_size == 8  # micro batch 2 x DP 4
     sizes = BatchSizes.of(t)
-    sched = OptimizerParamScheduler(types.SimpleNamespace(param_groups=[{}]), init_lr=0.0, max_lr=1.0, min_lr=0.1,
-                                    lr_warmup_steps=2 * 8, lr_decay_steps=60 * 8, lr_decay_style="cosine",
-                                    start_wd=0.0, end_wd=0.0, wd_incr_steps=1, wd_incr_style="constant")
+    sched = megatron_scheduler(1.0, 0.1, 0.0, 2 * 8, 60 * 8, "cosine")
     assert {sizes.size(s) for s in range(40)} == {8, 16}
     for s in range(40):
         sched.num_steps = sizes.start(s)  # the warm-up included

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from _tol import close
-from _train_util import corpus, one_process_context, tiny_config
+from _train_util import corpus, megatron_scheduler, one_process_context, tiny_config
 from fivefold.cli.train import prepare
 from fivefold.config.schema import Config, ModelConfig, TrainingConfig
 from fivefold.errors import NotImplementedYet
@@ -31,18 +31,6 @@ def test_warmup_then_cosine_to_min_lr():
     assert lr_at(13, t) == 1.0
 
 
-def _megatron_scheduler(max_lr, min_lr, init_lr, warmup_steps, decay_steps, style):
-    import types
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-    return OptimizerParamScheduler(types.SimpleNamespace(param_groups=[{}]), init_lr=init_lr, max_lr=max_lr, min_lr=min_lr,
-                                   lr_warmup_steps=warmup_steps, lr_decay_steps=decay_steps, lr_decay_style=style,
-                                   start_wd=0.0, end_wd=0.0, wd_incr_steps=1, wd_incr_style="constant")
-
-
 @pytest.mark.parametrize("style", ["cosine", "linear", "constant"])
 @pytest.mark.parametrize("warmup", [
     {"lr_warmup_fraction": 0.01},  # 0.1 of a step: the first step ran at 10x lr when the warm-up counted (x + 1) / W
@@ -62,7 +50,7 @@ def test_learning_rate_is_megatrons_scheduler_at_every_step(warmup, style):
     decay = (t.lr_decay_samples or t.train_samples) if samples else (t.lr_decay_iters or t.train_iters) * batch
     w = (t.lr_warmup_fraction * decay if t.lr_warmup_fraction is not None
          else (t.lr_warmup_samples if samples else t.lr_warmup_iters * batch))
-    sched = _megatron_scheduler(t.lr, t.min_lr, t.lr_warmup_init, w, decay, style)
+    sched = megatron_scheduler(t.lr, t.min_lr, t.lr_warmup_init, w, decay, style)
     steps = t.train_samples // batch if samples else t.train_iters
     for s in range(steps + 2):
         sched.num_steps = s * batch
